@@ -1,0 +1,46 @@
+"""Exceptions raised by fusekit.
+
+Every message names the file, tensor or argument at fault and says what was expected and
+what was found. Subclasses are also the builtin exception a caller would expect
+(``ValueError``, ``FileNotFoundError``, ...), so ``except ValueError`` keeps working.
+"""
+
+
+class FusekitError(Exception):
+    """Base class of every error fusekit raises for bad input or an impossible request."""
+
+
+class CheckpointError(FusekitError, ValueError):
+    """A checkpoint file is missing, unreadable, corrupt or holds unusable tensors."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """A checkpoint path does not exist or is not a file."""
+
+
+class IncompatibleModelsError(FusekitError, ValueError):
+    """The checkpoints cannot be fused together (different layers, shapes or outputs)."""
+
+
+class SpecError(FusekitError, ValueError):
+    """A permutation spec cannot be inferred from a state_dict, or a spec file is invalid."""
+
+
+class UnknownMethodError(FusekitError, ValueError):
+    """The requested fusion method is not registered."""
+
+
+class ParameterError(FusekitError, ValueError):
+    """A fusion, simulation or evaluation parameter is out of range or of the wrong type."""
+
+
+class OutputError(FusekitError, OSError):
+    """The output path cannot be written (missing directory, or an existing file)."""
+
+
+class InfeasibleAssignmentError(FusekitError, ValueError):
+    """No complete assignment exists without using a forbidden (+inf) pair."""
+
+
+class DataError(FusekitError, ValueError):
+    """A data set is missing, malformed, or does not fit the model."""
