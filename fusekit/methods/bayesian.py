@@ -437,3 +437,208 @@ def _report(
     if true_labels is not None:
         report["purity"] = matching_purity(assignments, true_labels)
     return report
+
+
+# --------------------------------------------------------------------------------------
+# Whole networks: layers matched bottom-up (ALGORITHMS.md §2-3), shared by pfnm and nafi.
+# --------------------------------------------------------------------------------------
+
+VARIANCE_UNITS = ("relative", "absolute")
+UNOBSERVED = ("mask", "zeros")
+
+
+@dataclass(frozen=True)
+class BayesianParams:
+    """Parameters of PFNM / NAFI; see :func:`fuse_network` for their meaning and units."""
+
+    sigma: float | tuple[float, ...] = 1.0
+    sigma0: float = 1.0
+    gamma: float = 1.0
+    mu0: float = 0.0
+    sweeps: int = 5
+    seed: int = 0
+    lam: float | None = None
+    max_width: int | None = None
+    class_share: bool | None = None
+    unobserved: str = "mask"
+    variance_units: str = "relative"
+    backend: str = "core"
+
+    def as_json(self) -> dict[str, Any]:
+        out = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        out["sigma"] = list(self.sigma) if isinstance(self.sigma, tuple) else self.sigma
+        if self.lam is None:
+            del out["lam"]
+        return out
+
+
+def _client_sigmas(sigma: float | Sequence[float], n_clients: int) -> np.ndarray:
+    values = np.atleast_1d(np.asarray(sigma, dtype=np.float64))
+    if values.ndim != 1 or values.size not in (1, n_clients):
+        raise ParameterError(
+            f"sigma: expected one variance or one per client ({n_clients}), found {values.size}"
+        )
+    if not (np.isfinite(values).all() and (values > 0).all()):
+        raise ParameterError(f"sigma: expected finite variances > 0, found {values.tolist()}")
+    return np.broadcast_to(values, (n_clients,)).copy()
+
+
+def _check_params(params: BayesianParams, n_clients: int) -> np.ndarray:
+    if params.variance_units not in VARIANCE_UNITS:
+        raise ParameterError(
+            f"variance_units: expected one of {VARIANCE_UNITS}, found {params.variance_units!r}"
+        )
+    if params.unobserved not in UNOBSERVED:
+        raise ParameterError(f"unobserved: expected one of {UNOBSERVED}, found {params.unobserved!r}")
+    if not (params.sigma0 > 0 and math.isfinite(params.sigma0)):
+        raise ParameterError(f"sigma0: expected a finite variance > 0, found {params.sigma0}")
+    if params.backend not in BACKENDS:
+        raise ParameterError(f"backend: expected one of {BACKENDS}, found {params.backend!r}")
+    return _client_sigmas(params.sigma, n_clients)
+
+
+def _class_shares(checkpoints, n_classes: int, wanted: bool | None) -> np.ndarray | None:
+    """(S, K) class shares f_sk when class-share weighting is on, else None."""
+    from fusekit.methods.avg import class_shares
+
+    have = all(c.class_counts is not None for c in checkpoints)
+    if wanted is None:
+        wanted = have
+    return class_shares(checkpoints, n_classes) if wanted else None
+
+
+def fuse_network(checkpoints, specs, params: BayesianParams, method: str):
+    """Fuse sequential MLP/CNN clients with PFNM (``params.lam is None``) or NAFI.
+
+    Hidden layers are matched bottom-up: each client's incoming weights are first mapped
+    into the global index space of the layer below (``fusekit.neurons``), BatchNorm folded.
+    The last hidden layer's vectors also carry the outgoing weights (NAFI paper, Problem
+    Formulation). Output layer: with one hidden layer, the outgoing part of the matched
+    vectors; deeper, the output weights mapped to global indices and averaged over the
+    clients that observe each column. Its weights use class shares f_sk = N_sk / sum_s N_sk
+    when class-share weighting is on, else sample shares; the output bias likewise (NAFI
+    Algorithm 2, line 7).
+
+    Units: with ``variance_units="relative"`` (default), sigma^2 = ``sigma`` x v and
+    sigma0^2 = ``sigma0`` x v, where v (per coordinate, constant within the incoming, bias
+    and outgoing blocks) is the per-coordinate variance of all clients' neuron vectors of
+    the layer averaged over the block (:func:`fusekit.neurons.block_variances`). With
+    ``"absolute"`` they are variances in weight units. ``mu0`` is in weight units.
+    Class-share precision: an outgoing weight to class k gets precision f_sk / sigma_s^2.
+
+    Args:
+        checkpoints: clients in canonical order.
+        specs: their permutation specs (same structure, any hidden widths).
+        params: BayesianParams.
+        method: name used in messages.
+
+    Returns:
+        (state_dict, fused PermutationSpec, report dict).
+
+    Raises:
+        IncompatibleModelsError: PAN checkpoints, or tensors outside the layers that differ.
+        ParameterError: out-of-range parameters.
+    """
+    from fusekit import neurons
+    from fusekit.methods.base import sample_weights
+
+    neurons.refuse_position_aware(checkpoints, specs, method)
+    n_clients = len(checkpoints)
+    sigmas = _check_params(params, n_clients)
+    spec = specs[0]
+    clients = [neurons.client_layers(c, sp) for c, sp in zip(checkpoints, specs)]
+    n_hidden = len(spec.layers) - 1
+    shares = _class_shares(checkpoints, spec.out_features, params.class_share)
+    alphas = sample_weights(checkpoints)
+    fused: list[neurons.UnitLayer] = []
+    below: list[np.ndarray | None] = [None] * n_clients
+    n_below = spec.in_features
+    layer_reports = []
+    outgoing = None
+    for index in range(n_hidden):
+        last = index == n_hidden - 1
+        vecs, observed = [], []
+        for s in range(n_clients):
+            vec, obs, layout = neurons.neuron_vectors(
+                clients[s][index], below[s], n_below, clients[s][index + 1] if last else None
+            )
+            vecs.append(vec)
+            observed.append(obs)
+        unit = (neurons.block_variances(vecs, observed, layout)
+                if params.variance_units == "relative" else np.ones(layout.size))
+        precisions = []
+        for s in range(n_clients):
+            seen = observed[s] if params.unobserved == "mask" else np.ones(layout.size, bool)
+            precision = seen / (sigmas[s] * unit)
+            if last and shares is not None:
+                precision[layout.outgoing] *= np.repeat(shares[s], layout.block_out)
+            precisions.append(precision)
+        result = match_neurons(
+            vecs, precisions, mu0=params.mu0, sigma0_2=params.sigma0 * unit, gamma0=params.gamma,
+            sweeps=params.sweeps, seed=params.seed + index, lam=params.lam,
+            max_width=params.max_width, backend=params.backend,
+        )
+        incoming, bias, outgoing = layout.split(result.means)
+        fused.append(neurons.UnitLayer(incoming, bias))
+        layer_reports.append({"layer": spec.layers[index].name, **result.report,
+                              "variance_unit": sorted({float(u) for u in unit})})
+        below, n_below = result.assignments, result.width
+    head = [c[-1] for c in clients]
+    fused.append(_output_layer(head, below, n_below, outgoing if n_hidden == 1 else None,
+                               shares, alphas))
+    widths = [layer.out_features for layer in fused[:-1]]
+    fused_spec = spec.with_hidden_widths(widths)
+    state_dict = neurons.to_state_dict(checkpoints, spec, fused)
+    state_dict.update(_other_tensors(checkpoints, spec, alphas))
+    report = {
+        "layers": layer_reports,
+        "class_share": shares is not None,
+        "time_cost_s": sum(r["time_cost_s"] for r in layer_reports),
+        "time_assignment_s": sum(r["time_assignment_s"] for r in layer_reports),
+    }
+    return state_dict, fused_spec, report
+
+
+def _output_layer(head, below, n_below, matched_outgoing, shares, alphas):
+    """The fused output layer in unit form (see :func:`fuse_network`)."""
+    from fusekit import neurons
+
+    n_clients = len(head)
+    weights = shares if shares is not None else np.repeat(alphas[:, None], head[0].bias.size, 1)
+    bias = np.einsum("sk,sk->k", weights, np.stack([h.bias for h in head]))
+    bias /= weights.sum(0)
+    if matched_outgoing is not None:
+        return neurons.UnitLayer(matched_outgoing, bias)
+    mapped = [neurons.map_incoming(h.weight, below[s], n_below) for s, h in enumerate(head)]
+    stacked = np.stack([m for m, _ in mapped])  # (S, K, J, block)
+    seen = np.stack([o for _, o in mapped]).astype(np.float64)  # (S, J)
+
+    def average(w):  # w: (S, K)
+        num = np.einsum("sk,sj,skjb->kjb", w, seen, stacked)
+        den = np.einsum("sk,sj->kj", w, seen)
+        return num, den
+
+    num, den = average(weights)
+    if (den <= 0).any():  # no observer of column j has data of class k: use sample shares
+        fallback_num, fallback_den = average(np.repeat(alphas[:, None], num.shape[0], 1))
+        num = np.where((den > 0)[..., None], num, fallback_num)
+        den = np.where(den > 0, den, fallback_den)
+    del n_clients
+    return neurons.UnitLayer(num / den[..., None], bias)
+
+
+def _other_tensors(checkpoints, spec, alphas) -> dict[str, np.ndarray]:
+    """Tensors outside the layers (never width-dependent here): sample-weighted average."""
+    from fusekit.errors import IncompatibleModelsError
+    from fusekit.methods.avg import average_tensor
+
+    out = {}
+    for name in spec.other:
+        arrays = [c.tensor(name) for c in checkpoints]
+        if any(a.shape != arrays[0].shape for a in arrays):
+            raise IncompatibleModelsError(
+                f"tensor {name!r} is outside the matched layers and its shape differs between "
+                "clients; describe it in a JSON spec file (--spec) or fuse with avg"
+            )
+        out[name] = average_tensor(arrays, alphas, name)
+    return out
