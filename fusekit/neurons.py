@@ -176,8 +176,12 @@ class VectorLayout:
         return incoming, vectors[:, self.bias].copy(), outgoing.transpose(1, 0, 2).copy()
 
 
-def neuron_vectors(layer: UnitLayer, assignment_below: np.ndarray | None, n_global_below: int,
-                   next_layer: UnitLayer | None = None) -> tuple[np.ndarray, np.ndarray, VectorLayout]:
+def neuron_vectors(
+    layer: UnitLayer,
+    assignment_below: np.ndarray | None,
+    n_global_below: int,
+    next_layer: UnitLayer | None = None,
+) -> tuple[np.ndarray, np.ndarray, VectorLayout]:
     """One client's neuron vectors for a hidden layer (ALGORITHMS.md §2).
 
     ``w_j = [incoming weights of j mapped to the global space below, b_j,

@@ -116,5 +116,5 @@ def test_position_aware_checkpoints_are_refused_with_a_pointer_to_avg():
         "net.2.encoding": np.ones(3, np.float32),
         "net.3.weight": np.ones((2, 3), np.float32), "net.3.bias": np.zeros(2, np.float32)})
     spec = infer_spec(ckpt.state_dict())
-    with pytest.raises(IncompatibleModelsError, match="position-aware.*avg"):
+    with pytest.raises(IncompatibleModelsError, match=r"position-aware.*avg"):
         neurons.refuse_position_aware([ckpt], [spec], "pfnm")

@@ -1,8 +1,8 @@
-"""Beta–Bernoulli neuron matching: the engine shared by PFNM and NAFI.
+"""Beta-Bernoulli neuron matching: the engine shared by PFNM and NAFI.
 
 One call of :func:`match_neurons` matches the neurons of ONE layer across S clients
 (NAFI paper, Algorithm 1 with the cost of Proposition 1 / Eq. 5, and Eq. 14 for NAFI;
-shared/design/ALGORITHMS.md §3–4):
+shared/design/ALGORITHMS.md §3-4):
 
 1. Clients are visited by decreasing width (stable on the order given, which
    ``fusekit.fuse`` makes canonical). The first client's neurons seed the global set;
@@ -423,7 +423,9 @@ def _report(
     clients = []
     for rows in assignments:
         matched = int(np.count_nonzero(counts[rows] > 1))
-        clients.append({"width": int(rows.size), "matched": matched, "new": int(rows.size) - matched})
+        clients.append(
+            {"width": int(rows.size), "matched": matched, "new": int(rows.size) - matched}
+        )
     report: dict[str, Any] = {
         "width": int(counts.size),
         "clients": clients,
@@ -489,7 +491,9 @@ def _check_params(params: BayesianParams, n_clients: int) -> np.ndarray:
             f"variance_units: expected one of {VARIANCE_UNITS}, found {params.variance_units!r}"
         )
     if params.unobserved not in UNOBSERVED:
-        raise ParameterError(f"unobserved: expected one of {UNOBSERVED}, found {params.unobserved!r}")
+        raise ParameterError(
+            f"unobserved: expected one of {UNOBSERVED}, found {params.unobserved!r}"
+        )
     if not (params.sigma0 > 0 and math.isfinite(params.sigma0)):
         raise ParameterError(f"sigma0: expected a finite variance > 0, found {params.sigma0}")
     if params.backend not in BACKENDS:
