@@ -11,8 +11,8 @@ from fusekit.errors import IncompatibleModelsError, ParameterError
 from fusekit.methods import bayesian
 from fusekit.methods.bayesian import MatchingBackend, match_neurons
 from fusekit.spec import infer_spec, permute
-from tests import _numpy_costs as reference
-from tests.test_neurons import Net, cnn, outputs
+import _numpy_costs as reference
+from test_neurons import Net, cnn, outputs
 
 NUMPY = MatchingBackend("test-numpy", reference.pfnm_cost, reference.nafi_cost,
                         reference.solve_assignment)
