@@ -1,5 +1,7 @@
 """PFNM and NAFI: the matching engine and the two methods end to end (ALGORITHMS.md §2-4)."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -270,3 +272,29 @@ def test_core_and_numpy_backends_agree(lam):
         np.testing.assert_array_equal(a, b)
     np.testing.assert_allclose(core.means, numpy.means, rtol=1e-12)
     assert core.report["backend"] == "core" and numpy.report["backend"] == "numpy"
+
+
+def test_cli_flags_reach_the_method_and_file_order_does_not_matter(mlp_clients, tmp_path):
+    from typer.testing import CliRunner
+
+    from fusekit._cli.app import app
+    from fusekit.checkpoint import load_checkpoint
+
+    runner = CliRunner()
+    outs = []
+    for i, files in enumerate((mlp_clients, mlp_clients[::-1])):
+        out = tmp_path / f"fused{i}.safetensors"
+        result = runner.invoke(app, ["fuse", *map(str, files), "-m", "nafi", "-o", str(out),
+                                     "--sigma", "0.5", "--lambda", "0.1", "--sweeps", "2",
+                                     "--seed", "4", "--no-class-share", "--json"])
+        assert result.exit_code == 0, result.output
+        outs.append(out)
+    payload = json.loads(result.stdout)
+    assert payload["params"]["sigma"] == 0.5 and payload["params"]["lam"] == 0.1
+    assert payload["params"]["class_share"] is False and payload["params"]["seed"] == 4
+    (layer,) = payload["report"]["layers"]
+    assert layer["width"] == payload["widths"][0] >= 6
+    assert len(layer["objective"]) == 3 and len(layer["clients"]) == 3
+    first, second = load_checkpoint(outs[0]), load_checkpoint(outs[1])
+    for name in first.tensors:
+        np.testing.assert_array_equal(first.tensor(name), second.tensor(name))
