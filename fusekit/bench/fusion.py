@@ -1,0 +1,173 @@
+"""PFNM / NAFI fusion benchmark (benchmarks/bench_fusion.py, python -m fusekit.bench.fusion).
+
+1. Generative MLP clients (ALGORITHMS.md §3, the authors' synthetic setting): a pool of
+   150 global neurons of a 784-100-10 MLP (weights N(0, 0.1^2)); each of S clients takes 100
+   of them, adds N(0, 0.02^2) noise and shuffles them. Fused with the method defaults
+   (sigma = sigma0 = 1 x the per-coordinate weight variance), 5 sweeps.
+2. A 16-client CNN (3 conv layers of 64-128 channels with BatchNorm, 3x32x32 input): noisy,
+   permuted copies of one random network.
+
+Each case runs on the C++ backend ("core") and, for the sizes given by ``--numpy-clients``,
+on the plain numpy backend (``fusekit.reference`` kernels + SciPy) in the same run. Prints
+a table and writes JSON with the machine, versions and backend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import scipy
+
+from fusekit import neurons
+from fusekit._version import __version__
+from fusekit.checkpoint import Checkpoint
+from fusekit.methods import get_method
+from fusekit.methods.bayesian import match_neurons, matching_purity
+from fusekit.spec import infer_spec, permute
+
+POOL, TAKE, INPUTS, CLASSES = 150, 100, 784, 10
+WEIGHT_STD, NOISE_STD = 0.1, 0.02
+
+
+def generative_mlp_clients(n_clients: int, seed: int = 0) -> tuple[list[Checkpoint], list]:
+    """S clients of a 784-100-10 MLP whose hidden neurons are noisy draws from a pool."""
+    rng = np.random.default_rng(seed)
+    w0 = rng.normal(0, WEIGHT_STD, (POOL, INPUTS))
+    b0 = rng.normal(0, WEIGHT_STD, POOL)
+    w1 = rng.normal(0, WEIGHT_STD, (CLASSES, POOL))
+    clients, labels = [], []
+    for _ in range(n_clients):
+        ids = rng.choice(POOL, TAKE, replace=False)
+        noise = lambda shape: rng.normal(0, NOISE_STD, shape)  # noqa: E731
+        state = {
+            "net.0.weight": w0[ids] + noise((TAKE, INPUTS)),
+            "net.0.bias": b0[ids] + noise(TAKE),
+            "net.2.weight": w1[:, ids] + noise((CLASSES, TAKE)),
+            "net.2.bias": rng.normal(0, WEIGHT_STD, CLASSES),
+        }
+        clients.append(Checkpoint.from_state_dict(state, {"fusekit.num_samples": "100"}))
+        labels.append(ids)
+    return clients, labels
+
+
+def cnn_clients(n_clients: int = 16, channels=(64, 96, 128), seed: int = 0) -> list[Checkpoint]:
+    """Noisy permuted copies of one random 3-conv CNN with BatchNorm on 3x32x32 inputs."""
+    rng = np.random.default_rng(seed)
+    state: dict[str, np.ndarray] = {}
+    prev, size = 3, 32
+    for i, width in enumerate(channels):
+        conv, norm = f"net.{5 * i}", f"net.{5 * i + 1}"
+        state[f"{conv}.weight"] = rng.normal(0, (prev * 9) ** -0.5, (width, prev, 3, 3))
+        state[f"{conv}.bias"] = rng.normal(0, 0.05, width)
+        state[f"{norm}.weight"] = rng.uniform(0.5, 1.5, width)
+        state[f"{norm}.bias"] = rng.normal(0, 0.1, width)
+        state[f"{norm}.running_mean"] = rng.normal(0, 0.1, width)
+        state[f"{norm}.running_var"] = rng.uniform(0.5, 2.0, width)
+        prev, size = width, size // 2
+    head = f"net.{5 * len(channels) + 1}"
+    state[f"{head}.weight"] = rng.normal(0, (prev * size * size) ** -0.5, (10, prev * size * size))
+    state[f"{head}.bias"] = rng.normal(0, 0.05, 10)
+    spec = infer_spec(state)
+    clients = []
+    for _ in range(n_clients):
+        perms = [rng.permutation(w) for w in spec.hidden_widths]
+        copy = permute(state, spec, perms)
+        copy = {k: v + 0.05 * v.std() * rng.standard_normal(v.shape) if "running" not in k
+                else v for k, v in copy.items()}
+        clients.append(Checkpoint.from_state_dict(copy, {"fusekit.num_samples": "100"}))
+    return clients
+
+
+def _time_method(method: str, clients: Sequence[Checkpoint], **params: Any) -> dict[str, Any]:
+    specs = [infer_spec({n: i.shape for n, i in c.tensors.items()}) for c in clients]
+    fusion = get_method(method)
+    start = time.perf_counter()
+    result = fusion.fuse(clients, specs, **params)
+    wall = time.perf_counter() - start
+    return {"wall_s": wall, "widths": result.widths,
+            "time_cost_s": result.report["time_cost_s"],
+            "time_assignment_s": result.report["time_assignment_s"]}
+
+
+def _purity(clients: Sequence[Checkpoint], labels, lam: float | None, backend: str) -> float:
+    """Matching purity of the hidden layer, matched exactly as the method does."""
+    spec = infer_spec({n: i.shape for n, i in clients[0].tensors.items()})
+    layers = [neurons.client_layers(c, spec) for c in clients]
+    built = [neurons.neuron_vectors(lay[0], None, INPUTS, lay[1]) for lay in layers]
+    vecs = [v for v, _, _ in built]
+    unit = neurons.block_variances(vecs, [o for _, o, _ in built], built[0][2])
+    result = match_neurons(vecs, [1 / unit] * len(vecs), sigma0_2=unit, sweeps=5, lam=lam,
+                           backend=backend)
+    return matching_purity(result.assignments, labels)
+
+
+def run(sizes: Sequence[int], numpy_sizes: Sequence[int], cnn: bool, lam: float) -> list[dict]:
+    rows = []
+    for n_clients in sizes:
+        clients, labels = generative_mlp_clients(n_clients)
+        for method in ("pfnm", "nafi"):
+            extra = {"lam": lam} if method == "nafi" else {}
+            backends = ["core"] + (["numpy"] if n_clients in numpy_sizes else [])
+            for backend in backends:
+                _time_method(method, clients[:2], sweeps=1, backend=backend, **extra)  # warm-up
+                row = {"case": f"mlp784-100-10 S={n_clients}", "method": method,
+                       "backend": backend, "sweeps": 5,
+                       **_time_method(method, clients, sweeps=5, backend=backend, **extra)}
+                row["purity"] = _purity(clients, labels, extra.get("lam"), backend)
+                rows.append(row)
+                _print_row(row)
+    if cnn:
+        clients = cnn_clients()
+        for method in ("pfnm", "nafi"):
+            extra = {"lam": lam} if method == "nafi" else {}
+            for backend in ("core", "numpy"):
+                row = {"case": "cnn 3x(64,96,128) S=16", "method": method, "backend": backend,
+                       "sweeps": 5,
+                       **_time_method(method, clients, sweeps=5, backend=backend, **extra)}
+                rows.append(row)
+                _print_row(row)
+    return rows
+
+
+def _print_row(row: dict[str, Any]) -> None:
+    purity = f"{row['purity']:.3f}" if "purity" in row else "-"
+    print(f"{row['case']:<24} {row['method']:<5} {row['backend']:<6} "
+          f"wall {row['wall_s']:8.3f} s  cost {row['time_cost_s']:8.3f} s  "
+          f"assign {row['time_assignment_s']:7.3f} s  widths {row['widths']}  purity {purity}",
+          flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", type=int, nargs="+", default=[10, 20, 30])
+    parser.add_argument("--numpy-clients", type=int, nargs="*", default=[10],
+                        help="sizes also run on the numpy backend (slow: the reference "
+                        "kernels broadcast a J x J_s x P array)")
+    parser.add_argument("--no-cnn", action="store_true", help="skip the 16-client CNN")
+    parser.add_argument("--lam", type=float, default=1e-2)
+    parser.add_argument("--json", default="benchmarks/results/bench_fusion.json")
+    args = parser.parse_args(argv)
+    rows = run(args.clients, args.numpy_clients, not args.no_cnn, args.lam)
+    payload = {
+        "machine": {"platform": platform.platform(), "processor": platform.processor(),
+                    "cpus": os.cpu_count()},
+        "versions": {"fusekit": __version__, "numpy": np.__version__, "scipy": scipy.__version__,
+                     "python": platform.python_version()},
+        "rows": rows,
+    }
+    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(payload, f, indent=2)
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
