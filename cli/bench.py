@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
@@ -11,14 +12,16 @@ app = typer.Typer(help="Run fusekit's benchmarks (tables on stdout, optional JSO
 
 @app.command()
 def matching(
-    quick: bool = typer.Option(False, help="Skip the 4000x4000 problems."),
-    lapx_path: str | None = typer.Option(
-        None, envvar="FUSEKIT_BENCH_LAPX_PATH", help="Directory holding lapx's 'lap' module."
-    ),
-    lap_path: str | None = typer.Option(
-        None, envvar="FUSEKIT_BENCH_LAP_PATH", help="Directory holding gatagat's 'lap' module."
-    ),
-    json: Path | None = typer.Option(None, help="Write the results as JSON here."),
+    quick: Annotated[bool, typer.Option(help="Skip the 4000x4000 problems.")] = False,
+    lapx_path: Annotated[
+        str | None,
+        typer.Option(envvar="FUSEKIT_BENCH_LAPX_PATH", help="Directory holding lapx's 'lap'."),
+    ] = None,
+    lap_path: Annotated[
+        str | None,
+        typer.Option(envvar="FUSEKIT_BENCH_LAP_PATH", help="Directory holding gatagat's 'lap'."),
+    ] = None,
+    json: Annotated[Path | None, typer.Option(help="Write the results as JSON here.")] = None,
 ) -> None:
     """Assignment solvers and cost kernels against SciPy, lapx, lap, lapjv and POT."""
     from fusekit.bench.matching import main

@@ -1,3 +1,4 @@
+# ruff: noqa: B023  (benchmark closures are timed within the iteration that made them)
 """Benchmark of the matching engine against every assignment solver a Python user can reach.
 
 Peers are measured in the same run, median of several repetitions, on seeded problems:
@@ -163,7 +164,7 @@ def bench_assignment(peers, rng, quick):
     for name, cost in assignment_problems(rng, quick):
         result = {"problem": name}
         for peer, solve in peers.items():
-            result[peer] = median_time(lambda s=solve: s(cost), max_reps=7)
+            result[peer] = median_time(lambda s=solve, c=cost: s(c), max_reps=7)
         rows.append(result)
         logger.info("%s done", name)
     return rows
