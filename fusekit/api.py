@@ -1,0 +1,176 @@
+"""``fusekit.fuse``: the one call behind the CLI, the Python API and every other front door."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import os
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from fusekit.checkpoint import Checkpoint, load_checkpoint
+from fusekit.errors import IncompatibleModelsError, ParameterError
+from fusekit.methods import get_method
+from fusekit.methods.base import FusionResult, provenance
+from fusekit.spec import PermutationSpec, infer_spec, load_spec_file, spec_from_json
+
+log = logging.getLogger(__name__)
+
+CheckpointLike = str | os.PathLike[str] | Checkpoint
+SpecLike = str | os.PathLike[str] | Mapping[str, Any] | PermutationSpec
+
+
+def fuse(
+    inputs: Sequence[CheckpointLike],
+    method: str = "avg",
+    *,
+    spec: SpecLike | None = None,
+    **params: Any,
+) -> FusionResult:
+    """Fuse client checkpoints into one model, in one shot and without data.
+
+    Args:
+        inputs: safetensors paths or :class:`Checkpoint` objects, one per client. Their
+            order does not matter: clients are put in a canonical order (widest first,
+            then by content hash) so a fusion is reproducible on any machine.
+        method: a name from ``fusekit.METHODS`` (avg, pfnm, nafi, ot, ams, ...).
+        spec: a JSON spec file, its parsed dict, or a PermutationSpec, for models whose
+            permutation structure cannot be inferred from names and shapes.
+        **params: the method's parameters (see ``fusekit fuse --help``).
+
+    Returns:
+        FusionResult with the fused state_dict, widths, report and provenance metadata.
+
+    Raises:
+        CheckpointError: an input is missing, corrupt or holds unusable tensors.
+        IncompatibleModelsError: the inputs do not describe the same kind of network.
+        UnknownMethodError, ParameterError: bad method name or parameters.
+    """
+    if not inputs:
+        raise ParameterError("inputs: expected at least one checkpoint, got none")
+    fusion = get_method(method)
+    _check_params(fusion, params)
+    checkpoints = [c if isinstance(c, Checkpoint) else load_checkpoint(c) for c in inputs]
+    specs = [client_spec(c, spec) for c in checkpoints]
+    check_compatible(checkpoints, specs)
+    order = sorted(range(len(checkpoints)), key=lambda i: canonical_key(checkpoints[i], specs[i]))
+    checkpoints = [checkpoints[i] for i in order]
+    specs = [specs[i] for i in order]
+    start = time.perf_counter()
+    result = fusion.fuse(checkpoints, specs, **params)
+    result.report.setdefault("time_s", time.perf_counter() - start)
+    result.report.setdefault("clients", [c.label for c in checkpoints])
+    provenance(result, checkpoints)
+    return result
+
+
+def _check_params(fusion, params: Mapping[str, Any]) -> None:
+    accepted = [
+        p.name for p in inspect.signature(fusion.fuse).parameters.values()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY
+    ]
+    unknown = sorted(set(params) - set(accepted))
+    if unknown:
+        raise ParameterError(
+            f"method {fusion.name!r} does not take parameter(s) {', '.join(unknown)}; "
+            f"it takes: {', '.join(accepted) or 'none'}"
+        )
+
+
+def client_spec(checkpoint: Checkpoint, spec: SpecLike | None) -> PermutationSpec:
+    """The permutation spec of one client: given, stored in its metadata, or inferred."""
+    shapes = {name: info.shape for name, info in checkpoint.tensors.items()}
+    if spec is None:
+        return infer_spec(shapes, label=checkpoint.label)
+    if isinstance(spec, PermutationSpec):
+        return spec_from_json(spec.to_json(), shapes, label=checkpoint.label)
+    if isinstance(spec, Mapping):
+        return spec_from_json(spec, shapes, label=checkpoint.label)
+    return load_spec_file(Path(spec), shapes)
+
+
+def check_compatible(checkpoints: Sequence[Checkpoint], specs: Sequence[PermutationSpec]) -> None:
+    """Every client must have the same tensors and the same layer structure."""
+    first, first_spec = checkpoints[0], specs[0]
+    for other, spec in zip(checkpoints[1:], specs[1:]):
+        if len(first_spec.layers) != len(spec.layers):
+            raise IncompatibleModelsError(
+                f"architectures cannot be fused: {first.label} has {len(first_spec.layers)} "
+                f"layers, {other.label} has {len(spec.layers)}"
+            )
+        for mine, theirs in zip(first_spec.structure(), spec.structure()):
+            if mine != theirs:
+                raise IncompatibleModelsError(
+                    f"architectures cannot be fused: {first.label} has {_describe(mine)} "
+                    f"where {other.label} has {_describe(theirs)}"
+                )
+        missing = sorted(set(first.tensors) - set(other.tensors))
+        extra = sorted(set(other.tensors) - set(first.tensors))
+        if missing or extra:
+            name, where, lacks = (missing[0], first, other) if missing else (extra[0], other, first)
+            raise IncompatibleModelsError(
+                f"tensor {name!r} is in {where.label} but missing from {lacks.label}; "
+                "expected every client to have the same tensors"
+            )
+
+
+def _describe(row: tuple[Any, ...]) -> str:
+    if row[0] in ("in", "out"):
+        return f"{row[1]} {'inputs' if row[0] == 'in' else 'outputs'}"
+    name, kind, kernel, norm, bias = row
+    extras = [f"kernel {kernel[0]}x{kernel[1]}" if kind == "conv2d" else "",
+              "BatchNorm" if norm else "", "bias" if bias else "no bias"]
+    return f"layer {name} ({kind}{''.join(', ' + e for e in extras if e)})"
+
+
+def canonical_key(checkpoint: Checkpoint, spec: PermutationSpec) -> tuple[Any, ...]:
+    """Widest clients first, ties broken by content hash: independent of input order."""
+    return (tuple(-w for w in spec.hidden_widths), checkpoint.content_hash)
+
+
+def describe_checkpoint(checkpoint: Checkpoint) -> dict[str, Any]:
+    """What ``fusekit inspect`` shows: layers, widths, permutation groups, metadata, problems."""
+    info: dict[str, Any] = {
+        "path": checkpoint.label,
+        "tensors": len(checkpoint.tensors),
+        "parameters": sum(_numel(t.shape) for t in checkpoint.tensors.values()),
+        "metadata": checkpoint.metadata,
+        "problems": [],
+    }
+    try:
+        spec = client_spec(checkpoint, None)
+    except ValueError as exc:
+        info["problems"].append(str(exc))
+        return info
+    info["layers"] = spec.describe()
+    info["hidden_widths"] = spec.hidden_widths
+    info["permutation_groups"] = [
+        [f"{a.tensor}[axis {a.axis}{', block ' + str(a.block) if a.block > 1 else ''}]"
+         for a in spec.group(i)]
+        for i in range(len(spec.hidden_widths))
+    ]
+    info["other_tensors"] = list(spec.other)
+    try:
+        for name in checkpoint.tensors:
+            checkpoint.tensor(name)
+    except ValueError as exc:
+        info["problems"].append(str(exc))
+    info["metadata"] = {k: _maybe_json(v) for k, v in checkpoint.metadata.items()}
+    return info
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _maybe_json(value: str) -> Any:
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError:
+        return value

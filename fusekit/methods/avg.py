@@ -1,0 +1,94 @@
+"""Coordinate averaging (FedAvg), ALGORITHMS.md §1."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from fusekit.checkpoint import CLASS_COUNTS, Checkpoint, is_integer_buffer
+from fusekit.errors import IncompatibleModelsError, ParameterError
+from fusekit.methods.base import FusionMethod, FusionResult, register, sample_weights
+from fusekit.spec import PermutationSpec
+
+
+@register
+class Average(FusionMethod):
+    name = "avg"
+    summary = "coordinate averaging weighted by sample counts (FedAvg)"
+
+    def fuse(
+        self,
+        checkpoints: Sequence[Checkpoint],
+        specs: Sequence[PermutationSpec],
+        *,
+        class_weighted: bool = False,
+    ) -> FusionResult:
+        """θ = Σ_s α_s θ_s with α_s = N_s / Σ N.
+
+        BatchNorm running statistics are averaged like weights; integer counters
+        (``num_batches_tracked``) take the maximum. With ``class_weighted``, row k of the
+        output layer and its bias are averaged with weights N_sk / Σ_s N_sk (NAFI
+        Algorithm 2, line 7), which needs ``fusekit.class_counts`` in every checkpoint.
+
+        Raises:
+            IncompatibleModelsError: a tensor's shape differs between clients.
+            ParameterError: ``class_weighted`` without class counts.
+        """
+        check_equal_shapes(checkpoints)
+        weights = sample_weights(checkpoints)
+        fused = {
+            name: average_tensor([c.tensor(name) for c in checkpoints], weights, name)
+            for name in checkpoints[0].tensors
+        }
+        if class_weighted:
+            head = specs[0].layers[-1]
+            shares = class_shares(checkpoints, head.out_features)
+            for name in filter(None, (head.weight, head.bias)):
+                stacked = np.stack([c.tensor(name) for c in checkpoints]).astype(np.float64)
+                rows = np.einsum("sk,sk...->k...", shares, stacked)
+                fused[name] = rows.astype(checkpoints[0].tensor(name).dtype)
+        return self.result(fused, checkpoints, specs[0], {"class_weighted": class_weighted})
+
+
+def average_tensor(arrays: Sequence[np.ndarray], weights: np.ndarray, name: str) -> np.ndarray:
+    """Weighted average in float64, cast back to the clients' dtype; counters take the max."""
+    if is_integer_buffer(name):
+        return np.max(np.stack(arrays), axis=0)
+    total = np.zeros(arrays[0].shape, dtype=np.float64)
+    for weight, array in zip(weights, arrays):
+        total += weight * array
+    return total.astype(arrays[0].dtype)
+
+
+def class_shares(checkpoints: Sequence[Checkpoint], n_classes: int) -> np.ndarray:
+    """f_sk = N_sk / Σ_s N_sk, shape (S, K); a class no client saw gets uniform shares."""
+    counts = []
+    for c in checkpoints:
+        if c.class_counts is None:
+            raise ParameterError(
+                f"class_weighted averaging needs {CLASS_COUNTS} metadata; {c.label} has none"
+            )
+        if c.class_counts.size != n_classes:
+            raise IncompatibleModelsError(
+                f"{c.label}: {CLASS_COUNTS} has {c.class_counts.size} entries; expected "
+                f"{n_classes}, the number of outputs"
+            )
+        counts.append(c.class_counts)
+    counts = np.stack(counts)
+    totals = counts.sum(axis=0)
+    uniform = np.full_like(counts, 1.0 / len(checkpoints))
+    return np.where(totals > 0, counts / np.where(totals > 0, totals, 1.0), uniform)
+
+
+def check_equal_shapes(checkpoints: Sequence[Checkpoint]) -> None:
+    """Coordinate averaging needs every tensor to have the same shape in every client."""
+    first = checkpoints[0]
+    for other in checkpoints[1:]:
+        for name, info in first.tensors.items():
+            if other.tensors[name].shape != info.shape:
+                raise IncompatibleModelsError(
+                    f"tensor {name!r} has shape {other.tensors[name].shape} in {other.label} "
+                    f"but {info.shape} in {first.label}; 'avg' needs equal shapes (use a "
+                    "matching method such as pfnm for clients of different widths)"
+                )

@@ -1,0 +1,131 @@
+"""The fusion-method protocol, its registry, and what every method returns."""
+
+from __future__ import annotations
+
+import json
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
+
+import numpy as np
+
+from fusekit import checkpoint as ckpt_meta
+from fusekit._version import __version__
+from fusekit.checkpoint import Checkpoint, save_checkpoint
+from fusekit.errors import UnknownMethodError
+from fusekit.spec import PermutationSpec
+
+log = logging.getLogger(__name__)
+
+SPEC = "fusekit.spec"
+
+@dataclass
+class FusionResult:
+    """A fused model and how it was made.
+
+    Attributes:
+        state_dict: tensor name -> numpy array, in the clients' dtype.
+        method: the method's registry name.
+        params: the parameters the method ran with (JSON-able).
+        widths: hidden widths of the fused model, input to output.
+        report: per-method details (timings, per-layer matching statistics), JSON-able.
+        metadata: safetensors metadata written by :meth:`save` (arch, provenance).
+    """
+
+    state_dict: dict[str, np.ndarray]
+    method: str
+    params: dict[str, Any]
+    widths: list[int]
+    report: dict[str, Any] = field(default_factory=dict)
+    metadata: dict[str, str] = field(default_factory=dict)
+
+    def save(self, path: str | Path, *, force: bool = False) -> Path:
+        """Write the fused model as safetensors, atomically; see :func:`save_checkpoint`."""
+        return save_checkpoint(path, self.state_dict, self.metadata, force=force)
+
+class FusionMethod(ABC):
+    """One fusion method. Subclasses set ``name``/``summary`` and implement :meth:`fuse`.
+
+    Keyword-only parameters of ``fuse`` (with defaults) are the method's parameters: the
+    Python API passes them through and reports any it does not know; the CLI exposes them
+    as flags of the same names.
+    """
+
+    name: ClassVar[str]
+    summary: ClassVar[str]
+    #: True when the method permutes neurons (it must refuse position-aware neurons).
+    permutes_neurons: ClassVar[bool] = False
+
+    @abstractmethod
+    def fuse(
+        self, checkpoints: Sequence[Checkpoint], specs: Sequence[PermutationSpec], **params: Any
+    ) -> FusionResult:
+        """Fuse clients given in canonical order, each with its permutation spec."""
+
+    def result(
+        self,
+        state_dict: dict[str, np.ndarray],
+        checkpoints: Sequence[Checkpoint],
+        spec: PermutationSpec,
+        params: dict[str, Any],
+        report: dict[str, Any] | None = None,
+    ) -> FusionResult:
+        """Package a fused state_dict with its metadata (fused spec and architecture)."""
+        metadata = {SPEC: json.dumps(spec.to_json())}
+        arch = checkpoints[0].arch
+        if arch is not None:
+            metadata[ckpt_meta.ARCH] = json.dumps(_arch_with_widths(arch, spec.hidden_widths))
+        return FusionResult(
+            state_dict=state_dict,
+            method=self.name,
+            params=params,
+            widths=spec.hidden_widths,
+            report=report or {},
+            metadata=metadata,
+        )
+
+def _arch_with_widths(arch: dict[str, Any], widths: list[int]) -> dict[str, Any]:
+    from fusekit.nn.arch import hidden_widths, with_hidden_widths
+
+    return arch if hidden_widths(arch) == widths else with_hidden_widths(arch, widths)
+
+def provenance(result: FusionResult, checkpoints: Sequence[Checkpoint]) -> None:
+    """Add method, parameters, input hashes and version to the result's metadata."""
+    result.metadata.update({
+        ckpt_meta.METHOD: result.method,
+        ckpt_meta.PARAMS: json.dumps(result.params, sort_keys=True),
+        ckpt_meta.INPUTS: json.dumps([c.content_hash for c in checkpoints]),
+        ckpt_meta.VERSION: __version__,
+    })
+
+def sample_weights(checkpoints: Sequence[Checkpoint]) -> np.ndarray:
+    """α_s = N_s / Σ N (ALGORITHMS §1); uniform, with a warning, when any count is missing."""
+    counts = [c.num_samples for c in checkpoints]
+    if any(n is None for n in counts):
+        missing = [c.label for c, n in zip(checkpoints, counts) if n is None]
+        log.warning("no %s metadata in %s: weighting clients uniformly",
+                    ckpt_meta.NUM_SAMPLES, ", ".join(missing))
+        return np.full(len(checkpoints), 1.0 / len(checkpoints))
+    weights = np.asarray(counts, dtype=np.float64)
+    return weights / weights.sum()
+
+METHODS: dict[str, type[FusionMethod]] = {}
+
+M = TypeVar("M", bound=type[FusionMethod])
+
+def register(cls: M) -> M:
+    """Class decorator adding a method to :data:`METHODS` under ``cls.name``."""
+    METHODS[cls.name] = cls
+    return cls
+
+def get_method(name: str) -> FusionMethod:
+    """An instance of the registered method ``name``."""
+    try:
+        return METHODS[name]()
+    except KeyError:
+        raise UnknownMethodError(
+            f"unknown fusion method {name!r}; choose one of: {', '.join(sorted(METHODS))}"
+        ) from None

@@ -1,0 +1,379 @@
+"""Permutation specs: which tensor axes move together when a hidden neuron is permuted.
+
+fusekit handles sequential networks of Linear and Conv2d layers, each optionally followed
+by a BatchNorm, with a flatten between the last conv and the first linear layer. The spec
+is inferred from a state_dict's names and shapes (see :func:`infer_spec`); anything the
+inference cannot read is described by a JSON spec file (see :func:`load_spec_file`):
+
+    {"format": "fusekit.spec/1",
+     "layers": [
+        {"name": "features.0", "weight": "features.0.weight", "bias": "features.0.bias",
+         "norm": "features.1", "eps": 1e-5},
+        {"name": "head", "weight": "head.weight", "bias": "head.bias"}],
+     "other": ["pan.encoding"]}
+
+Kinds, widths, kernel sizes and the flatten block size are read from the tensor shapes;
+"norm" names the BatchNorm module prefix (its weight, bias, running_mean, running_var and
+num_batches_tracked tensors). Layers are listed input to output.
+
+For hidden layer l, a permutation of its J_l neurons moves: rows of W_l and b_l, entries
+of the BatchNorm tensors, and input axis 1 of W_{l+1} in blocks of ``input_block``
+columns (H·W spatial positions per channel after a flatten, 1 otherwise).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from itertools import permutations
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fusekit.errors import SpecError
+
+SPEC_FORMAT = "fusekit.spec/1"
+BATCHNORM_EPS = 1e-5
+_NORM_PARTS = ("weight", "bias", "running_mean", "running_var", "num_batches_tracked")
+
+
+@dataclass(frozen=True)
+class BatchNorm:
+    """A BatchNorm1d/2d module following a layer, by its tensor names."""
+
+    prefix: str
+    weight: str | None
+    bias: str | None
+    running_mean: str
+    running_var: str
+    num_batches_tracked: str | None
+    eps: float = BATCHNORM_EPS
+
+    @property
+    def tensors(self) -> list[str]:
+        names = (self.weight, self.bias, self.running_mean, self.running_var)
+        return [n for n in names if n is not None]
+
+
+@dataclass(frozen=True)
+class Layer:
+    """A Linear or Conv2d layer, in the order data flows through the network."""
+
+    name: str
+    kind: str  # "linear" or "conv2d"
+    weight: str
+    bias: str | None
+    in_features: int  # input channels for conv2d, input columns / input_block for linear
+    out_features: int
+    kernel_size: tuple[int, int] = (1, 1)
+    input_block: int = 1  # columns of W per unit of the layer below (H*W after a flatten)
+    norm: BatchNorm | None = None
+
+    @property
+    def tensors(self) -> list[str]:
+        own = [self.weight] + ([self.bias] if self.bias else [])
+        return own + (self.norm.tensors if self.norm else [])
+
+
+@dataclass(frozen=True)
+class AxisRef:
+    """Axis ``axis`` of tensor ``tensor`` moves in blocks of ``block`` entries."""
+
+    tensor: str
+    axis: int
+    block: int = 1
+
+
+@dataclass(frozen=True)
+class PermutationSpec:
+    """The layers of a sequential network and the tensors outside them."""
+
+    layers: tuple[Layer, ...]
+    other: tuple[str, ...] = field(default=())
+
+    @property
+    def hidden_widths(self) -> list[int]:
+        return [layer.out_features for layer in self.layers[:-1]]
+
+    @property
+    def in_features(self) -> int:
+        return self.layers[0].in_features
+
+    @property
+    def out_features(self) -> int:
+        return self.layers[-1].out_features
+
+    def group(self, hidden: int) -> list[AxisRef]:
+        """The tensor axes that move together when hidden layer ``hidden`` is permuted."""
+        layer, following = self.layers[hidden], self.layers[hidden + 1]
+        axes = [AxisRef(name, 0) for name in layer.tensors]
+        axes.append(AxisRef(following.weight, 1, following.input_block))
+        return axes
+
+    def structure(self) -> list[tuple[Any, ...]]:
+        """What must agree between clients for them to be fused (everything but widths)."""
+        rows = [
+            (l.name, l.kind, l.kernel_size, l.norm is not None, l.bias is not None)
+            for l in self.layers
+        ]
+        return [*rows, ("in", self.in_features), ("out", self.out_features)]
+
+    def with_hidden_widths(self, widths: Sequence[int]) -> PermutationSpec:
+        """The same network with other hidden widths (a fused model's spec)."""
+        if len(widths) != len(self.layers) - 1:
+            raise SpecError(
+                f"expected {len(self.layers) - 1} hidden widths, got {len(widths)}"
+            )
+        layers = list(self.layers)
+        for i, width in enumerate(widths):
+            layers[i] = replace(layers[i], out_features=int(width))
+            layers[i + 1] = replace(layers[i + 1], in_features=int(width))
+        return replace(self, layers=tuple(layers))
+
+    def to_json(self) -> dict[str, Any]:
+        layers = []
+        for layer in self.layers:
+            entry: dict[str, Any] = {"name": layer.name, "weight": layer.weight,
+                                     "bias": layer.bias}
+            if layer.norm is not None:
+                entry["norm"] = layer.norm.prefix
+                entry["eps"] = layer.norm.eps
+            layers.append(entry)
+        return {"format": SPEC_FORMAT, "layers": layers, "other": list(self.other)}
+
+    def describe(self) -> list[dict[str, Any]]:
+        """One JSON-able row per layer, for ``fusekit inspect``."""
+        return [
+            {**{k: v for k, v in asdict(layer).items() if k != "norm"},
+             "norm": layer.norm.prefix if layer.norm else None}
+            for layer in self.layers
+        ]
+
+
+Shapes = Mapping[str, tuple[int, ...]]
+
+
+def shapes_of(state_dict: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Tensor shapes from a state_dict of arrays, or from a mapping that already holds shapes."""
+    out = {}
+    for name, value in state_dict.items():
+        shape = getattr(value, "shape", value)
+        out[name] = tuple(int(d) for d in shape)
+    return out
+
+
+def infer_spec(state_dict: Mapping[str, Any], *, label: str = "state_dict") -> PermutationSpec:
+    """Infer the permutation spec of a sequential MLP or CNN from names and shapes.
+
+    Modules are found from the ``<prefix>.<part>`` names (``weight`` of 2 dims: Linear,
+    4 dims: Conv2d; ``running_mean``/``running_var``: BatchNorm). Layer order is the natural
+    order of the prefixes (``net.2`` before ``net.10``); when that does not chain (output
+    width of each layer = input width of the next), top-level module groups are reordered
+    to the one order that does (``features.*`` before ``classifier.*``).
+
+    Raises:
+        SpecError: no layer found, an unsupported layer (e.g. Conv1d), or no order in which
+            the shapes chain; the message suggests a JSON spec file.
+    """
+    shapes = shapes_of(state_dict)
+    modules: dict[str, dict[str, tuple[int, ...]]] = {}
+    for name, shape in shapes.items():
+        prefix, _, part = name.rpartition(".")
+        modules.setdefault(prefix, {})[part] = shape
+    weights = [p for p, parts in modules.items() if "weight" in parts and "running_mean" not in parts]
+    norms = [p for p, parts in modules.items() if "running_mean" in parts]
+    for prefix in weights:
+        ndim = len(modules[prefix]["weight"])
+        if ndim not in (2, 4):
+            raise SpecError(
+                f"{label}: tensor {prefix}.weight has {ndim} dims; fusekit infers Linear (2) and "
+                "Conv2d (4) layers only; describe other models with a JSON spec file (--spec)"
+            )
+    if not weights:
+        raise SpecError(f"{label}: found no Linear or Conv2d weight tensors (names '<module>.weight')")
+    order = _chained_order(sorted(weights + norms, key=_natural_key), modules, label)
+    return _build_spec(order, modules, shapes, label)
+
+
+def _natural_key(prefix: str) -> list[Any]:
+    return [(0, int(tok), "") if tok.isdigit() else (1, 0, tok)
+            for tok in re.split(r"(\d+)", prefix) if tok]
+
+
+def _chained_order(prefixes: list[str], modules, label: str) -> list[str]:
+    groups: dict[str, list[str]] = {}
+    for prefix in prefixes:
+        groups.setdefault(prefix.split(".")[0], []).append(prefix)
+    if len(groups) <= 6:  # a handful of top-level modules: try each order of them
+        for order in permutations(groups):
+            candidate = [p for g in order for p in groups[g]]
+            if _chains(candidate, modules):
+                return candidate
+    elif _chains(prefixes, modules):
+        return prefixes
+    widths = [f"{p}:{tuple(modules[p].get('weight', modules[p].get('running_mean')))}"
+              for p in prefixes]
+    raise SpecError(
+        f"{label}: cannot order the layers so that each layer's output width feeds the next "
+        f"(found {', '.join(widths)}); describe the model with a JSON spec file (--spec)"
+    )
+
+
+def _chains(prefixes: list[str], modules) -> bool:
+    width, after_conv = None, False  # what flows out of the previous module
+    for prefix in prefixes:
+        parts = modules[prefix]
+        if "running_mean" in parts:
+            if width is None or parts["running_mean"][0] != width:
+                return False
+            continue
+        shape = parts["weight"]
+        flatten = after_conv and len(shape) == 2 and shape[1] % width == 0
+        if width is not None and shape[1] != width and not flatten:
+            return False
+        if len(shape) == 4 and width is not None and not after_conv:
+            return False  # a conv never follows a linear layer in a sequential CNN
+        width, after_conv = shape[0], len(shape) == 4
+    return "running_mean" not in modules[prefixes[0]]
+
+
+def _build_spec(order: list[str], modules, shapes: Shapes, label: str,
+                eps: Mapping[str, float] | None = None,
+                names: Mapping[str, Mapping[str, str]] | None = None) -> PermutationSpec:
+    layers: list[Layer] = []
+    used: set[str] = set()
+    for prefix in order:
+        parts = modules[prefix]
+        if "running_mean" in parts:
+            norm = _norm(prefix, parts, (eps or {}).get(prefix, BATCHNORM_EPS))
+            layers[-1] = replace(layers[-1], norm=norm)
+            used.update(norm.tensors + [norm.num_batches_tracked or ""])
+            continue
+        own = {part: f"{prefix}.{part}" for part in parts} | dict((names or {}).get(prefix, {}))
+        layers.append(_layer(prefix, parts, own, layers[-1] if layers else None, label))
+        used.update(layers[-1].tensors)
+    other = tuple(sorted(set(shapes) - used))
+    spec = PermutationSpec(layers=tuple(layers), other=other)
+    _check_shapes(spec, shapes, label)
+    return spec
+
+
+def _norm(prefix: str, parts, eps: float) -> BatchNorm:
+    def name(part: str) -> str | None:
+        return f"{prefix}.{part}" if part in parts else None
+
+    return BatchNorm(prefix, name("weight"), name("bias"), f"{prefix}.running_mean",
+                     f"{prefix}.running_var", name("num_batches_tracked"), eps)
+
+
+def _layer(prefix: str, parts, names, below: Layer | None, label: str) -> Layer:
+    shape = parts["weight"]
+    weight, bias = names["weight"], names.get("bias") if "bias" in parts else None
+    if len(shape) == 4:
+        return Layer(prefix, "conv2d", weight, bias, shape[1], shape[0], (shape[2], shape[3]))
+    block = 1
+    if below is not None and below.kind == "conv2d":
+        if shape[1] % below.out_features:
+            raise SpecError(
+                f"{label}: tensor {weight} has {shape[1]} input columns; expected a "
+                f"multiple of the {below.out_features} channels of {below.name} (flatten)"
+            )
+        block = shape[1] // below.out_features
+    return Layer(prefix, "linear", weight, bias, shape[1] // block, shape[0], input_block=block)
+
+
+def _check_shapes(spec: PermutationSpec, shapes: Shapes, label: str) -> None:
+    for i, layer in enumerate(spec.layers):
+        expected = {layer.bias: (layer.out_features,)}
+        if layer.norm is not None:
+            expected.update({n: (layer.out_features,) for n in layer.norm.tensors})
+        for name, shape in expected.items():
+            if name is not None and shapes[name] != shape:
+                raise SpecError(
+                    f"{label}: tensor {name!r} has shape {shapes[name]}; expected {shape} "
+                    f"to match the {layer.out_features} outputs of {layer.name}"
+                )
+        if i and layer.in_features != spec.layers[i - 1].out_features:
+            raise SpecError(
+                f"{label}: layer {layer.name} takes {layer.in_features} inputs but "
+                f"{spec.layers[i - 1].name} gives {spec.layers[i - 1].out_features}"
+            )
+    if len(spec.layers) < 1:
+        raise SpecError(f"{label}: the model has no layers")
+
+
+def spec_from_json(data: Mapping[str, Any], state_dict: Mapping[str, Any], *,
+                   label: str = "spec") -> PermutationSpec:
+    """Build a spec from its JSON form (see module docstring), checked against the shapes."""
+    if data.get("format") != SPEC_FORMAT or not isinstance(data.get("layers"), list):
+        raise SpecError(
+            f"{label}: expected a JSON object with \"format\": \"{SPEC_FORMAT}\" and a "
+            f"\"layers\" list, found keys {sorted(data)}"
+        )
+    shapes = shapes_of(state_dict)
+    modules: dict[str, dict[str, tuple[int, ...]]] = {}
+    order: list[str] = []
+    eps: dict[str, float] = {}
+    names: dict[str, dict[str, str]] = {}
+    for i, entry in enumerate(data["layers"]):
+        if not isinstance(entry, Mapping) or "weight" not in entry:
+            raise SpecError(f"{label}: layers[{i}] must be an object with a \"weight\" name")
+        prefix = entry.get("name", entry["weight"].rpartition(".")[0])
+        parts = {"weight": entry["weight"], "bias": entry.get("bias")}
+        names[prefix] = {k: v for k, v in parts.items() if v is not None}
+        modules[prefix] = {}
+        for part, tensor in parts.items():
+            if tensor is None:
+                continue
+            if tensor not in shapes:
+                raise SpecError(f"{label}: layers[{i}] names tensor {tensor!r}, "
+                                "which the checkpoint does not have")
+            modules[prefix][part] = shapes[tensor]
+        order.append(prefix)
+        if entry.get("norm"):
+            norm = entry["norm"]
+            modules[norm] = {p: shapes[f"{norm}.{p}"] for p in _NORM_PARTS
+                             if f"{norm}.{p}" in shapes}
+            if "running_mean" not in modules[norm]:
+                raise SpecError(f"{label}: layers[{i}] norm {norm!r}: tensor "
+                                f"{norm}.running_mean not found")
+            eps[norm] = float(entry.get("eps", BATCHNORM_EPS))
+            order.append(norm)
+    return _build_spec(order, modules, shapes, label, eps, names)
+
+
+def load_spec_file(path: str | os.PathLike[str], state_dict: Mapping[str, Any]) -> PermutationSpec:
+    """Read a JSON spec file and check it against a state_dict's shapes."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise SpecError(f"{path}: spec file does not exist") from None
+    except json.JSONDecodeError as exc:
+        raise SpecError(f"{path}: spec file is not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise SpecError(f"{path}: expected a JSON object, found {type(data).__name__}")
+    return spec_from_json(data, state_dict, label=str(path))
+
+
+def permute(state_dict: Mapping[str, np.ndarray], spec: PermutationSpec,
+            perms: Sequence[np.ndarray | None]) -> dict[str, np.ndarray]:
+    """Apply one permutation per hidden layer; ``perms[l][new] = old`` neuron index.
+
+    Permuting hidden neurons this way never changes the network's function (without PANs).
+    Returns a new dict; the input arrays are not modified.
+    """
+    out = dict(state_dict)
+    for hidden, perm in enumerate(perms):
+        if perm is None:
+            continue
+        perm = np.asarray(perm)
+        for ref in spec.group(hidden):
+            array = np.asarray(out[ref.tensor])
+            index = (perm[:, None] * ref.block + np.arange(ref.block)).ravel()
+            out[ref.tensor] = np.take(array, index, axis=ref.axis)
+    return out
