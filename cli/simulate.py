@@ -56,8 +56,8 @@ def simulate(
         list[str],
         typer.Option(
             "--arch",
-            help="mlp:W1,W2,... or conv:C1,C2[/W1,...]; repeat once per client for "
-            "heterogeneous clients.",
+            help="mlp:W1,W2,... or conv:C1,C2 (add /W1,... for linear layers); repeat "
+            "once per client for heterogeneous clients.",
         ),
     ] = ["mlp:100"],  # noqa: B006 - typer needs a literal default
     batchnorm: Annotated[

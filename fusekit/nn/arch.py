@@ -266,7 +266,8 @@ def parse_arch_string(
     match = _ARCH_STRING.match(text.strip().replace(" ", ""))
     if not match:
         raise SpecError(
-            f"--arch: expected 'mlp:W1,W2,...' or 'conv:C1,C2[/W1,...]', found {text!r}"
+            f"--arch: expected 'mlp:W1,W2,...' or 'conv:C1,C2' (optionally '/W1,...' for "
+            f"linear layers), found {text!r}"
         )
     kind, first, second = match.groups()
     widths = [int(v) for v in (first or "").split(",") if v]
