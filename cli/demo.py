@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 from fusekit._cli.output import emit_json, stderr, stdout
+from rich.markup import escape
 from rich.table import Table
 
 from fusekit.demo import DemoConfig, DemoReport, run_demo
@@ -17,6 +18,7 @@ def demo(
     alpha: Annotated[float, typer.Option("--alpha", help="Dirichlet concentration.")] = 0.5,
     arch: Annotated[str, typer.Option("--arch", help="Client architecture.")] = "mlp:100",
     epochs: Annotated[int, typer.Option("--epochs", help="Local epochs.")] = 20,
+    lr: Annotated[float, typer.Option("--lr", help="Adam learning rate.")] = 3e-3,
     seed: Annotated[int, typer.Option("--seed", help="Seed of everything.")] = 0,
     method: Annotated[
         list[str] | None,
@@ -35,6 +37,7 @@ def demo(
         alpha=alpha,
         arch=arch,
         epochs=epochs,
+        lr=lr,
         seed=seed,
         methods=method or None,
         device=device,
@@ -53,24 +56,24 @@ def demo_table(report: DemoReport) -> Table:
     c = report.config
     table = Table(
         "model",
-        "test accuracy",
+        "accuracy",
         "loss",
-        "hidden widths",
+        "widths",
         "time",
         title=f"{c.clients} clients on {c.data}, {c.partition} alpha={c.alpha}, {c.arch}, "
         f"{c.epochs} epochs, seed {c.seed} ({report.device})",
     )
     accs = [s.accuracy for s in report.clients]
     table.add_row(
-        "local models (mean)",
+        "clients (mean)",
         f"{report.mean_client_accuracy:.2%}",
         f"{sum(s.loss for s in report.clients) / len(report.clients):.4f}",
-        f"min {min(accs):.2%}, max {max(accs):.2%}",
-        f"{report.simulate_time_s:.2f} s (training)",
+        f"{min(accs):.0%}..{max(accs):.0%} acc",
+        f"{report.simulate_time_s:.1f} s train",
     )
     if report.ensemble is not None:
         table.add_row(
-            "ensemble (logit average)",
+            "ensemble (logits)",
             f"{report.ensemble.accuracy:.2%}",
             f"{report.ensemble.loss:.4f}",
             "",
@@ -79,7 +82,7 @@ def demo_table(report: DemoReport) -> Table:
     table.add_section()
     for run in report.methods:
         if run.error is not None:
-            table.add_row(run.method, "[red]failed[/]", "", run.error[:60], "")
+            table.add_row(escape(run.method), "[red]failed[/]", "", escape(run.error[:60]), "")
             continue
         table.add_row(
             run.method,

@@ -32,7 +32,8 @@ class DemoConfig:
 
     Attributes:
         data: data set name (``digits`` needs no files).
-        clients, partition, alpha, arch, epochs, seed: simulation settings.
+        clients, partition, alpha, arch, epochs, lr, seed: simulation settings (Adam,
+            batch 32; 20 epochs at 3e-3 bring digits clients close to zero training loss).
         methods: fusion methods to run; None = every method in ``fusekit.METHODS``.
         device: ``auto``, ``cpu`` or ``cuda`` for training and evaluation.
     """
@@ -43,6 +44,7 @@ class DemoConfig:
     alpha: float = 0.5
     arch: str = "mlp:100"
     epochs: int = 20
+    lr: float = 3e-3
     seed: int = 0
     methods: Sequence[str] | None = None
     device: str = "auto"
@@ -54,7 +56,7 @@ class DemoConfig:
             alpha=self.alpha,
             arch=self.arch,
             seed=self.seed,
-            train=TrainConfig(epochs=self.epochs, batch_size=32, lr=1e-3, optimizer="adam"),
+            train=TrainConfig(epochs=self.epochs, batch_size=32, lr=self.lr, optimizer="adam"),
         )
 
 
