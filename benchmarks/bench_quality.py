@@ -1,0 +1,450 @@
+"""Fusion quality: test accuracy of every registered fusion method on simulated clients.
+
+Studies (each cell: mean ± std over seeds):
+  main     data x partition (hetero-dir alpha 0.1/0.5/1.0, hetero-label), S = 10, 1 hidden layer
+  clients  digits, hetero-dir 0.5, S in {5, 10, 20}
+  depth    digits, hetero-dir 0.5 and hetero-label, S = 10, 1 and 2 hidden layers
+  pans     digits, hetero-dir 0.5, S = 10, shared initial model: avg of plain clients vs avg
+           of PAN clients (multiplicative, A = 0.1, T = 1; the PANs paper's defaults)
+  lambda   NAFI's lambda from 1e-8 to 1 on the main digits cells
+  mnist    (only with --data-dir holding the MNIST files) hetero-dir 0.5 and hetero-label
+
+Every method in fusekit.METHODS at run time is included with its default parameters, plus
+variants: avg with the class-weighted output layer, and AMS-full next to AMS's default.
+
+    python benchmarks/bench_quality.py            # default grid (< 10 min on 2 cores)
+    python benchmarks/bench_quality.py --quick    # smaller grid, 2 seeds
+Writes benchmarks/results/quality.json, benchmarks/results/quality_alpha.png and the
+"Fusion quality" section of benchmarks/RESULTS.md (between marker comments).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import platform
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+import fusekit
+from fusekit.data import Dataset, load_dataset
+from fusekit.errors import DataError
+from fusekit.evaluate import Evaluator
+from fusekit.methods import METHODS
+from fusekit.simulate import SimulationConfig, simulate_clients
+from fusekit.train import TrainConfig
+
+HERE = Path(__file__).resolve().parent
+BEGIN, END = "<!-- fusion-quality:begin -->", "<!-- fusion-quality:end -->"
+PAN = {"mode": "multiplicative", "amplitude": 0.1, "period": 1.0}
+LAMBDAS = (1e-8, 1e-6, 1e-4, 1e-2, 1.0)
+PARTITIONS = {
+    "dir-0.1": {"partition": "dirichlet", "alpha": 0.1},
+    "dir-0.5": {"partition": "dirichlet", "alpha": 0.5},
+    "dir-1.0": {"partition": "dirichlet", "alpha": 1.0},
+    "labels": {"partition": "labels", "min_classes": 3, "max_classes": 6},
+}
+EPOCHS = {"digits": 20, "synthetic": 10, "mnist": 3}
+LR = 3e-3  # Adam; brings digits clients close to zero training loss in 20 epochs
+
+log = logging.getLogger("bench_quality")
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One simulated federation."""
+
+    data: str
+    partition: str
+    clients: int
+    arch: str
+    seed: int
+    pan: bool = False
+    shared_init: bool = False
+
+
+def variants() -> dict[str, tuple[str, dict[str, Any]]]:
+    """Label -> (method, params): every registered method with defaults, plus variants."""
+    out: dict[str, tuple[str, dict[str, Any]]] = {name: (name, {}) for name in METHODS}
+    if "avg" in METHODS:
+        out["avg-cw"] = ("avg", {"class_weighted": True})
+    if "ams" in METHODS:
+        out["ams-full"] = ("ams", {"mode": "full"})
+    return out
+
+
+def methods_for(
+    cell: Cell, methods: dict[str, tuple[str, dict[str, Any]]]
+) -> dict[str, tuple[str, dict[str, Any]]]:
+    """PAN clients only go to methods that do not permute neurons (the others refuse them)."""
+    if not cell.pan:
+        return methods
+    return {k: v for k, v in methods.items() if not METHODS[v[0]].permutes_neurons}
+
+
+def load(name: str, data_dir: Path | None) -> Dataset:
+    if name == "synthetic":
+        return load_dataset("synthetic", samples=5000, features=20, classes=10, seed=0)
+    return load_dataset(name, data_dir=data_dir)
+
+
+def run_cell(
+    cell: Cell,
+    dataset: Dataset,
+    evaluator: Evaluator,
+    methods: dict[str, tuple[str, dict[str, Any]]],
+    epochs: int,
+) -> dict[str, Any]:
+    """Simulate the clients of one cell, fuse with every variant, evaluate everything."""
+    config = SimulationConfig(
+        clients=cell.clients,
+        arch=cell.arch,
+        seed=cell.seed,
+        pan=PAN if cell.pan else None,
+        shared_init=cell.shared_init,
+        min_samples=10,
+        train=TrainConfig(epochs=epochs, batch_size=32, lr=LR),
+        **PARTITIONS[cell.partition],
+    )
+    row: dict[str, Any] = {"cell": asdict(cell), "methods": {}}
+    with tempfile.TemporaryDirectory(prefix="fusekit-quality-") as tmp:
+        start = time.perf_counter()
+        clients = simulate_clients(dataset, config, out_dir=Path(tmp), device=str(evaluator.device))
+        row["train_s"] = time.perf_counter() - start
+        paths = [c.path for c in clients]
+        logits = [evaluator.logits(p)[1] for p in paths]
+        row["local_mean"] = float(
+            np.mean([evaluator.score(z, "", "client").accuracy for z in logits])
+        )
+        row["ensemble"] = evaluator.ensemble(logits).accuracy
+        for label, (method, params) in methods.items():
+            try:
+                begin = time.perf_counter()
+                result = fusekit.fuse(paths, method=method, **params)
+                seconds = time.perf_counter() - begin
+                fused = result.save(Path(tmp) / f"fused-{label}.safetensors")
+                accuracy = evaluator.score(evaluator.logits(fused)[1], label, "fused").accuracy
+                row["methods"][label] = {
+                    "accuracy": accuracy,
+                    "time_s": seconds,
+                    "widths": list(result.widths),
+                }
+            except Exception as exc:  # a failing method is reported, not hidden
+                log.error("%s on %s: %s: %s", label, cell, type(exc).__name__, exc)
+                row["methods"][label] = {"error": f"{type(exc).__name__}: {exc}"}
+    return row
+
+
+def grid(quick: bool, seeds: int, have_mnist: bool) -> dict[str, list[Cell]]:
+    """The cells of every study (cells shared between studies run once)."""
+    seed_list = range(seeds)
+    partitions = ["dir-0.1", "dir-0.5", "labels"] if quick else list(PARTITIONS)
+    datasets = ["digits"] if quick else ["digits", "synthetic"]
+    one = "mlp:100"
+    studies = {
+        "main": [Cell(d, p, 10, one, s) for d in datasets for p in partitions for s in seed_list],
+        "clients": [
+            Cell("digits", "dir-0.5", n, one, s)
+            for n in ((5, 10) if quick else (5, 10, 20))
+            for s in seed_list
+        ],
+        "depth": [
+            Cell("digits", p, 10, a, s)
+            for p in ("dir-0.5", "labels")
+            for a in (one, "mlp:100,100")
+            for s in seed_list
+        ],
+        "pans": [
+            Cell("digits", "dir-0.5", 10, one, s, pan=pan, shared_init=True)
+            for pan in (False, True)
+            for s in seed_list
+        ],
+    }
+    if quick:
+        studies["depth"] = [c for c in studies["depth"] if c.partition == "dir-0.5"]
+    if have_mnist:
+        studies["mnist"] = [
+            Cell("mnist", p, 10, one, s) for p in ("dir-0.5", "labels") for s in seed_list
+        ]
+    return studies
+
+
+def nafi_lambda_rows(
+    cells: list[Cell],
+    datasets: dict[str, Dataset],
+    evaluators: dict[str, Evaluator],
+    epochs: dict[str, int],
+) -> list[dict[str, Any]]:
+    """NAFI with lambda from 1e-8 to 1 on the given cells (PFNM is lambda = 0)."""
+    variants_ = {f"nafi-{lam:g}": ("nafi", {"lam": lam}) for lam in LAMBDAS}
+    if "pfnm" in METHODS:
+        variants_["pfnm"] = ("pfnm", {})
+    return [
+        run_cell(c, datasets[c.data], evaluators[c.data], variants_, epochs[c.data]) for c in cells
+    ]
+
+
+def summarise(rows: list[dict[str, Any]], key_fields: tuple[str, ...]) -> dict[tuple, dict]:
+    """(cell fields) -> {label: (mean, std, n)} over seeds, for local/ensemble/methods."""
+    groups: dict[tuple, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    times: dict[tuple, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for row in rows:
+        key = tuple(row["cell"][f] for f in key_fields)
+        groups[key]["local (mean)"].append(row["local_mean"])
+        groups[key]["ensemble"].append(row["ensemble"])
+        for label, res in row["methods"].items():
+            if "accuracy" in res:
+                groups[key][label].append(res["accuracy"])
+                times[key][label].append(res["time_s"])
+            else:
+                groups[key].setdefault(label, [])
+    out = {}
+    for key, labels in groups.items():
+        out[key] = {
+            label: (
+                float(np.mean(v)) if v else math.nan,
+                float(np.std(v)) if v else math.nan,
+                len(v),
+                float(np.mean(times[key][label])) if times[key].get(label) else None,
+            )
+            for label, v in labels.items()
+        }
+    return out
+
+
+def markdown_table(summary: dict[tuple, dict], key_names: tuple[str, ...]) -> str:
+    labels: list[str] = []
+    for cells in summary.values():
+        labels += [lab for lab in cells if lab not in labels]
+    head = "| " + " | ".join([*key_names, *labels]) + " |"
+    sep = "|" + "---|" * (len(key_names) + len(labels))
+    lines = [head, sep]
+    for key, cells in summary.items():
+        values = []
+        for lab in labels:
+            if lab not in cells:
+                values.append("-")
+                continue
+            mean, std, n, _ = cells[lab]
+            values.append("failed" if n == 0 else f"{100 * mean:.1f} ± {100 * std:.1f}")
+        lines.append("| " + " | ".join([*map(str, key), *values]) + " |")
+    return "\n".join(lines)
+
+
+def time_table(summary: dict[tuple, dict], key_names: tuple[str, ...]) -> str:
+    labels: list[str] = []
+    for cells in summary.values():
+        labels += [lab for lab, v in cells.items() if v[3] is not None and lab not in labels]
+    lines = [
+        "| " + " | ".join([*key_names, *labels]) + " |",
+        "|" + "---|" * (len(key_names) + len(labels)),
+    ]
+    for key, cells in summary.items():
+        values = [
+            f"{cells[lab][3]:.3f}" if lab in cells and cells[lab][3] is not None else "-"
+            for lab in labels
+        ]
+        lines.append("| " + " | ".join([*map(str, key), *values]) + " |")
+    return "\n".join(lines)
+
+
+def plot_alpha(rows: list[dict[str, Any]], path: Path) -> bool:
+    """Accuracy against the Dirichlet alpha, one line per method, one panel per data set."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("matplotlib missing: no plot")
+        return False
+    dir_rows = [r for r in rows if r["cell"]["partition"].startswith("dir-")]
+    summary = summarise(dir_rows, ("data", "partition"))
+    datasets = sorted({k[0] for k in summary})
+    fig, axes = plt.subplots(1, len(datasets), figsize=(6 * len(datasets), 4.5), squeeze=False)
+    for ax, data in zip(axes[0], datasets, strict=True):
+        keys = sorted((k for k in summary if k[0] == data), key=lambda k: float(k[1][4:]))
+        alphas = [float(k[1][4:]) for k in keys]
+        labels = list(summary[keys[0]])
+        for label in labels:
+            means = [100 * summary[k][label][0] for k in keys]
+            stds = [100 * summary[k][label][1] for k in keys]
+            ax.errorbar(alphas, means, yerr=stds, marker="o", capsize=3, label=label)
+        ax.set_xscale("log")
+        ax.set_xticks(alphas, [f"{a:g}" for a in alphas])
+        ax.set_xlabel("Dirichlet alpha (larger = closer to iid)")
+        ax.set_ylabel("test accuracy (%)")
+        ax.set_title(f"{data}, S = 10, 1 hidden layer")
+        ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def write_results_md(section: str, path: Path) -> None:
+    block = f"{BEGIN}\n{section.strip()}\n{END}\n"
+    text = path.read_text() if path.exists() else "# fusekit benchmark results\n\n"
+    if BEGIN in text and END in text:
+        before, rest = text.split(BEGIN, 1)
+        after = rest.split(END, 1)[1].lstrip("\n")
+        text = before + block + ("\n" + after if after else "")
+    else:
+        text = text.rstrip("\n") + "\n\n" + block
+    path.write_text(text)
+
+
+def machine() -> dict[str, Any]:
+    from fusekit._native import core_status
+
+    return {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "numpy": np.__version__,
+        "fusekit": fusekit.__version__,
+        "core": core_status(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smaller grid, 2 seeds")
+    parser.add_argument("--seeds", type=int, default=None, help="seeds per cell [3; quick 2]")
+    parser.add_argument("--data-dir", type=Path, default=None, help="folder with MNIST files")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--json-out", type=Path, default=HERE / "results" / "quality.json")
+    parser.add_argument("--plot", type=Path, default=HERE / "results" / "quality_alpha.png")
+    parser.add_argument("--results-md", type=Path, default=HERE / "RESULTS.md")
+    parser.add_argument("--no-write", action="store_true", help="do not touch RESULTS.md")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    seeds = args.seeds or (2 if args.quick else 3)
+
+    datasets = {"digits": load("digits", None), "synthetic": load("synthetic", None)}
+    have_mnist = False
+    if args.data_dir is not None:
+        try:
+            datasets["mnist"] = load("mnist", args.data_dir)
+            have_mnist = True
+        except DataError as exc:
+            log.warning("MNIST study skipped: %s", exc)
+    epochs = dict(EPOCHS)
+    evaluators = {k: Evaluator(d, args.device) for k, d in datasets.items()}
+    methods = variants()
+    log.info("methods: %s", ", ".join(methods))
+    studies = grid(args.quick, seeds, have_mnist)
+    done: dict[Cell, dict[str, Any]] = {}
+    start = time.perf_counter()
+    total = len({c for cells in studies.values() for c in cells})
+    for cells in studies.values():
+        for cell in cells:
+            if cell not in done:
+                done[cell] = run_cell(
+                    cell,
+                    datasets[cell.data],
+                    evaluators[cell.data],
+                    methods_for(cell, methods),
+                    epochs[cell.data],
+                )
+                log.info("[%d/%d] %s  %.1fs", len(done), total, cell, time.perf_counter() - start)
+    rows = {name: [done[c] for c in cells] for name, cells in studies.items()}
+    if "nafi" in METHODS:
+        lam_cells = [
+            c
+            for c in studies["main"]
+            if c.data == "digits" and c.partition in ("dir-0.1", "dir-0.5", "labels")
+        ]
+        rows["lambda"] = nafi_lambda_rows(lam_cells, datasets, evaluators, epochs)
+    elapsed = time.perf_counter() - start
+
+    payload = {
+        "machine": machine(),
+        "seeds": seeds,
+        "quick": args.quick,
+        "epochs": epochs,
+        "elapsed_s": elapsed,
+        "studies": rows,
+    }
+    args.json_out.parent.mkdir(parents=True, exist_ok=True)
+    args.json_out.write_text(json.dumps(payload, indent=1))
+    plotted = plot_alpha(rows["main"], args.plot)
+    section = render(rows, payload, args, plotted)
+    print(section)
+    if not args.no_write:
+        write_results_md(section, args.results_md)
+    return 0
+
+
+def render(
+    rows: dict[str, list], payload: dict[str, Any], args: argparse.Namespace, plotted: bool
+) -> str:
+    m = payload["machine"]
+    parts = [
+        "## Fusion quality",
+        "",
+        f"`python benchmarks/bench_quality.py{' --quick' if args.quick else ''}` — test accuracy "
+        f"(%) mean ± std over {payload['seeds']} seeds; every client trains an MLP with Adam "
+        f"(lr {LR:g}, batch 32; epochs {payload['epochs']}), independent initialisations unless "
+        "noted. Local (mean) = average test accuracy of the client models; ensemble = logit "
+        "average of all client models. Methods run with their default parameters; avg-cw = "
+        "class-weighted output layer; ams-full = AMS summing every model's logits. "
+        f"{m['platform']}, torch {m['torch']}, {m['core']}; total {payload['elapsed_s']:.0f} s.",
+        "",
+        "### Heterogeneity (S = 10 clients, 1 hidden layer of 100)",
+        "",
+        markdown_table(summarise(rows["main"], ("data", "partition")), ("data", "partition")),
+    ]
+    if plotted:
+        parts += ["", f"![accuracy against alpha](results/{args.plot.name})"]
+    parts += [
+        "",
+        "### Number of clients (digits, hetero-dir alpha = 0.5)",
+        "",
+        markdown_table(summarise(rows["clients"], ("clients",)), ("S",)),
+        "",
+        "Fusion time (s, mean over seeds):",
+        "",
+        time_table(summarise(rows["clients"], ("clients",)), ("S",)),
+        "",
+        "### Depth (digits, S = 10)",
+        "",
+        markdown_table(summarise(rows["depth"], ("partition", "arch")), ("partition", "arch")),
+        "",
+        "### PANs (digits, hetero-dir alpha = 0.5, S = 10, shared initial model)",
+        "",
+        markdown_table(summarise(rows["pans"], ("pan",)), ("PANs",)),
+    ]
+    if "lambda" in rows:
+        parts += [
+            "",
+            "### NAFI's λ (digits, S = 10, 1 hidden layer; pfnm = λ 0)",
+            "",
+            markdown_table(summarise(rows["lambda"], ("partition",)), ("partition",)),
+        ]
+    if "mnist" in rows:
+        parts += [
+            "",
+            "### MNIST (S = 10, 1 hidden layer)",
+            "",
+            markdown_table(summarise(rows["mnist"], ("partition",)), ("partition",)),
+        ]
+    return "\n".join(parts) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""``fusekit evaluate``: accuracy and loss of client and fused models, and the ensemble."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from fusekit._cli.output import emit_json, stdout
+from fusekit._cli.simulate import (
+    ClassesOption,
+    DataDirOption,
+    DataOption,
+    DataPathOption,
+    DeviceOption,
+    FeaturesOption,
+    SamplesOption,
+)
+from rich.table import Table
+
+from fusekit.data import load_dataset
+from fusekit.evaluate import evaluate_checkpoints
+
+
+def evaluate(
+    files: Annotated[
+        list[Path], typer.Argument(help="Client and fused checkpoints.", show_default=False)
+    ],
+    data: DataOption = "digits",
+    data_dir: DataDirOption = None,
+    data_path: DataPathOption = None,
+    samples: SamplesOption = 10_000,
+    features: FeaturesOption = 20,
+    classes: ClassesOption = 10,
+    seed: Annotated[int, typer.Option("--seed", help="synthetic: the data seed.")] = 0,
+    device: DeviceOption = "auto",
+    batch_size: Annotated[int, typer.Option("--batch-size", help="Inference batch size.")] = 4096,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Test accuracy and loss of every model, plus the logit-average ensemble of the clients."""
+    dataset = load_dataset(
+        data,
+        data_dir=data_dir,
+        path=data_path,
+        samples=samples,
+        features=features,
+        classes=classes,
+        seed=seed,
+    )
+    report = evaluate_checkpoints(files, dataset, device=device, batch_size=batch_size)
+    if as_json:
+        emit_json(report.as_dict())
+        return
+    table = Table(
+        "model",
+        "kind",
+        "accuracy",
+        "loss",
+        title=f"{dataset.name} test set ({len(dataset.y_test)} samples, {report.device})",
+    )
+    for score in report.scores:
+        kind = f"fused ({score.method})" if score.method else score.kind
+        table.add_row(score.name, kind, f"{score.accuracy:.2%}", f"{score.loss:.4f}")
+    if report.mean_client_accuracy is not None:
+        table.add_section()
+        table.add_row("mean of clients", "client", f"{report.mean_client_accuracy:.2%}", "")
+    stdout.print(table)

@@ -1,0 +1,203 @@
+"""Accuracy and loss of client and fused models, and the ensemble baseline.
+
+Inference only (``torch.inference_mode``); the test set is moved to the device once and
+sliced there. The ensemble baseline averages the logits of the client models (any mix of
+architectures with the same number of classes).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from fusekit.checkpoint import METHOD, Checkpoint, load_checkpoint
+from fusekit.data import Dataset
+from fusekit.errors import DataError
+from fusekit.nn.modules import load_model
+from fusekit.train import resolve_device
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BATCH_SIZE = 4096
+ENSEMBLE = "ensemble"
+
+
+@dataclass
+class Score:
+    """Accuracy (fraction correct) and mean cross-entropy loss of one model."""
+
+    name: str
+    kind: str  # "client", "fused" or "ensemble"
+    accuracy: float
+    loss: float
+    samples: int
+    method: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class EvaluationReport:
+    """Scores of every model, in input order, then the ensemble (when there are >= 2
+    client models)."""
+
+    data: str
+    device: str
+    scores: list[Score] = field(default_factory=list)
+
+    @property
+    def clients(self) -> list[Score]:
+        return [s for s in self.scores if s.kind == "client"]
+
+    @property
+    def mean_client_accuracy(self) -> float | None:
+        clients = self.clients
+        return float(np.mean([s.accuracy for s in clients])) if clients else None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "data": self.data,
+            "device": self.device,
+            "mean_client_accuracy": self.mean_client_accuracy,
+            "scores": [s.as_dict() for s in self.scores],
+        }
+
+
+def load_for_evaluation(
+    checkpoint_or_path: Checkpoint | str | os.PathLike[str], device: str | torch.device = "cpu"
+) -> nn.Module:
+    """The one place that turns a checkpoint into a module for evaluation.
+
+    Fused outputs (``fusekit.method`` metadata) go through ``fusekit.load_fused`` when the
+    package provides it (it also rebuilds AMS artefacts); plain client checkpoints, and
+    fused ones before it exists, through :func:`fusekit.nn.load_model`.
+
+    Raises:
+        CheckpointError: the file cannot be turned into a model.
+    """
+    ckpt = (
+        checkpoint_or_path
+        if isinstance(checkpoint_or_path, Checkpoint)
+        else load_checkpoint(checkpoint_or_path)
+    )
+    import fusekit
+
+    load_fused = getattr(fusekit, "load_fused", None)
+    if METHOD in ckpt.metadata and load_fused is not None and ckpt.path is not None:
+        return load_fused(ckpt.path, device).eval()
+    return load_model(ckpt, device)
+
+
+def predict_logits(
+    model: nn.Module, inputs: torch.Tensor, *, batch_size: int = DEFAULT_BATCH_SIZE
+) -> torch.Tensor:
+    """Logits (N, K) of ``model`` on ``inputs`` (already on the model's device)."""
+    model.eval()
+    with torch.inference_mode():
+        return torch.cat(
+            [model(inputs[i : i + batch_size]) for i in range(0, len(inputs), batch_size)]
+        )
+
+
+def score_logits(
+    logits: torch.Tensor, targets: torch.Tensor, name: str, kind: str, method: str | None = None
+) -> Score:
+    """Accuracy and mean cross-entropy of (N, K) logits against (N,) integer targets."""
+    with torch.inference_mode():
+        loss = torch.nn.functional.cross_entropy(logits.float(), targets).item()
+        accuracy = (logits.argmax(dim=1) == targets).double().mean().item()
+    return Score(name, kind, float(accuracy), float(loss), len(targets), method)
+
+
+class Evaluator:
+    """The test split of a data set, moved to a device once, scoring models against it.
+
+    Args:
+        dataset: provides x_test (N, ...) float32 and y_test (N,) int64.
+        device: ``auto`` (cuda when available), ``cpu`` or ``cuda``.
+        batch_size: inference batch size.
+    """
+
+    def __init__(
+        self, dataset: Dataset, device: str = "auto", batch_size: int = DEFAULT_BATCH_SIZE
+    ):
+        self.dataset = dataset
+        self.device = resolve_device(device)
+        self.batch_size = batch_size
+        self.inputs = torch.as_tensor(dataset.x_test).to(self.device)
+        self.targets = torch.as_tensor(dataset.y_test).to(self.device)
+
+    def logits(
+        self, checkpoint: Checkpoint | str | os.PathLike[str]
+    ) -> tuple[Checkpoint, torch.Tensor]:
+        """Load a checkpoint's model and return it with its (N, K) test logits.
+
+        Raises:
+            CheckpointError: the checkpoint cannot be turned into a model.
+            DataError: the model's output size is not the data set's number of classes.
+        """
+        ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else load_checkpoint(checkpoint)
+        model = load_for_evaluation(ckpt, self.device)
+        logits = predict_logits(model, self.inputs, batch_size=self.batch_size)
+        if logits.ndim != 2 or logits.shape[1] != self.dataset.num_classes:
+            raise DataError(
+                f"{ckpt.label}: model gives outputs of shape {tuple(logits.shape[1:])}; data set "
+                f"{self.dataset.name} has {self.dataset.num_classes} classes"
+            )
+        return ckpt, logits
+
+    def score(self, logits: torch.Tensor, name: str, kind: str, method: str | None = None) -> Score:
+        return score_logits(logits, self.targets, name, kind, method)
+
+    def ensemble(self, client_logits: Sequence[torch.Tensor]) -> Score:
+        """The logit-average ensemble of client models (the AMS papers' baseline)."""
+        return self.score(torch.stack(list(client_logits)).mean(dim=0), ENSEMBLE, ENSEMBLE)
+
+
+def evaluate_checkpoints(
+    checkpoints: Sequence[Checkpoint | str | os.PathLike[str]],
+    dataset: Dataset,
+    *,
+    device: str = "auto",
+    ensemble: bool = True,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+) -> EvaluationReport:
+    """Evaluate client and fused checkpoints on ``dataset``'s test split.
+
+    Args:
+        checkpoints: paths or Checkpoint objects; those without ``fusekit.method`` are
+            client models, the others fused models (any mix of architectures).
+        dataset: provides x_test (N, ...) float32 and y_test (N,) int64.
+        device: ``auto`` (cuda when available), ``cpu`` or ``cuda``.
+        ensemble: add the logit-average ensemble of the client models (needs >= 2).
+        batch_size: inference batch size.
+
+    Returns:
+        An :class:`EvaluationReport`: one score per input in order, then the ensemble.
+
+    Raises:
+        CheckpointError: a checkpoint cannot be loaded as a model.
+        DataError: a model's output size differs from the data set's number of classes.
+    """
+    evaluator = Evaluator(dataset, device, batch_size)
+    report = EvaluationReport(data=dataset.name, device=str(evaluator.device))
+    client_logits = []
+    for item in checkpoints:
+        ckpt, logits = evaluator.logits(item)
+        method = ckpt.metadata.get(METHOD)
+        kind = "fused" if method else "client"
+        name = ckpt.path.name if ckpt.path is not None else f"model {len(report.scores)}"
+        report.scores.append(evaluator.score(logits, name, kind, method))
+        if kind == "client":
+            client_logits.append(logits)
+    if ensemble and len(client_logits) >= 2:
+        report.scores.append(evaluator.ensemble(client_logits))
+    return report

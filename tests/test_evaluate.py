@@ -1,0 +1,108 @@
+"""fusekit.evaluate and `fusekit evaluate`: agreement with a direct torch computation."""
+
+import json
+
+import pytest
+import torch
+from fusekit._cli.app import app
+from typer.testing import CliRunner
+
+from fusekit.checkpoint import ARCH, CLASS_COUNTS, METHOD, NUM_SAMPLES, save_checkpoint
+from fusekit.data import synthetic
+from fusekit.errors import CheckpointError, DataError
+from fusekit.evaluate import Evaluator, evaluate_checkpoints
+from fusekit.nn import build_model, mlp_arch
+
+DATA = synthetic(samples=300, features=5, classes=3, seed=1)
+
+
+def _write(path, arch, seed, method=None):
+    model = build_model(arch, seed=seed).eval()
+    meta = {ARCH: json.dumps(arch), NUM_SAMPLES: "10", CLASS_COUNTS: "[3, 3, 4]"}
+    if method:
+        meta[METHOD] = method
+    save_checkpoint(path, model.state_dict(), meta)
+    return path, model
+
+
+def test_scores_match_direct_torch_computation(tmp_path):
+    p1, m1 = _write(tmp_path / "a.safetensors", mlp_arch(5, [7], 3), 0)
+    p2, m2 = _write(tmp_path / "b.safetensors", mlp_arch(5, [4, 6], 3), 1)  # mixed archs
+    p3, _ = _write(tmp_path / "f.safetensors", mlp_arch(5, [7], 3), 2, method="avg")
+    report = evaluate_checkpoints([p1, p2, p3], DATA, device="cpu", batch_size=17)
+    x, y = torch.as_tensor(DATA.x_test), torch.as_tensor(DATA.y_test)
+    with torch.no_grad():
+        l1, l2 = m1(x), m2(x)
+        for score, logits in [
+            (report.scores[0], l1),
+            (report.scores[1], l2),
+            (report.scores[3], (l1 + l2) / 2),
+        ]:
+            assert score.accuracy == pytest.approx((logits.argmax(1) == y).double().mean().item())
+            assert score.loss == pytest.approx(
+                torch.nn.functional.cross_entropy(logits, y).item(), rel=1e-5
+            )
+    assert [s.kind for s in report.scores] == ["client", "client", "fused", "ensemble"]
+    assert report.scores[2].method == "avg"
+    assert report.mean_client_accuracy == pytest.approx(
+        (report.scores[0].accuracy + report.scores[1].accuracy) / 2
+    )
+
+
+def test_wrong_number_of_classes_and_missing_arch(tmp_path):
+    path, _ = _write(tmp_path / "a.safetensors", mlp_arch(5, [7], 4), 0)
+    with pytest.raises(DataError, match="3 classes"):
+        evaluate_checkpoints([path], DATA, device="cpu")
+    bare = save_checkpoint(
+        tmp_path / "bare.safetensors", build_model(mlp_arch(5, [2], 3)).state_dict()
+    )
+    with pytest.raises(CheckpointError, match=r"fusekit\.arch"):
+        evaluate_checkpoints([bare], DATA, device="cpu")
+
+
+def test_evaluator_moves_test_set_once():
+    evaluator = Evaluator(DATA, "cpu")
+    assert evaluator.inputs.device.type == "cpu" and len(evaluator.targets) == len(DATA.y_test)
+
+
+def test_cli_evaluate_json_and_table(tmp_path):
+    p1, _ = _write(tmp_path / "a.safetensors", mlp_arch(5, [7], 3), 0)
+    p2, _ = _write(tmp_path / "b.safetensors", mlp_arch(5, [7], 3), 1)
+    common = [
+        "evaluate",
+        str(p1),
+        str(p2),
+        "--data",
+        "synthetic",
+        "--samples",
+        "300",
+        "--features",
+        "5",
+        "--classes",
+        "3",
+        "--seed",
+        "1",
+        "--device",
+        "cpu",
+    ]
+    result = CliRunner().invoke(app, [*common, "--json"])
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.stdout)
+    assert [s["kind"] for s in payload["scores"]] == ["client", "client", "ensemble"]
+    table = CliRunner().invoke(app, common)
+    assert table.exit_code == 0 and "ensemble" in table.stdout
+    missing = CliRunner().invoke(app, ["evaluate", str(tmp_path / "nope.safetensors")])
+    assert missing.exit_code == 2 and "does not exist" in missing.output
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_evaluation_matches_cpu(tmp_path):
+    p1, _ = _write(tmp_path / "a.safetensors", mlp_arch(5, [7], 3), 0)
+    p2, _ = _write(tmp_path / "b.safetensors", mlp_arch(5, [7], 3), 1)
+    cpu = evaluate_checkpoints([p1, p2], DATA, device="cpu")
+    gpu = evaluate_checkpoints([p1, p2], DATA, device="cuda")
+    assert gpu.device.startswith("cuda")
+    for a, b in zip(cpu.scores, gpu.scores, strict=True):
+        assert a.accuracy == pytest.approx(b.accuracy, abs=1 / len(DATA.y_test))
+        assert a.loss == pytest.approx(b.loss, rel=1e-4)
