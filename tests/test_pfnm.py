@@ -96,7 +96,8 @@ def test_generative_pool_is_recovered_with_high_purity():
                            backend=NUMPY, true_labels=labels)
     assert abs(result.width - 150) <= 0.05 * 150
     assert result.report["purity"] >= 0.95
-    assert len(result.report["objective"]) == 3
+    assert len(result.report["objective"]) == 1 + result.report["sweeps_run"]
+    assert result.report["sweeps_run"] <= 2
 
 
 def test_generative_pool_with_relative_default_units():
@@ -215,7 +216,7 @@ def test_heterogeneous_widths_fuse_into_one_loadable_model():
     layer = result.report["layers"][0]
     assert [c["width"] for c in layer["clients"]] == [150, 100, 64]  # canonical: widest first
     assert all(c["matched"] + c["new"] == c["width"] for c in layer["clients"])
-    assert len(layer["objective"]) == 3
+    assert len(layer["objective"]) == 1 + layer["sweeps_run"] <= 3
     assert layer["time_cost_s"] >= 0 and layer["time_assignment_s"] >= 0
     model = mlp(widths=(width,), n_in=20, n_out=4)
     out = outputs(model, result.state_dict, torch.randn(3, 20))
@@ -294,7 +295,7 @@ def test_cli_flags_reach_the_method_and_file_order_does_not_matter(mlp_clients, 
     assert payload["params"]["class_share"] is False and payload["params"]["seed"] == 4
     (layer,) = payload["report"]["layers"]
     assert layer["width"] == payload["widths"][0] >= 6
-    assert len(layer["objective"]) == 3 and len(layer["clients"]) == 3
+    assert len(layer["objective"]) == 1 + layer["sweeps_run"] and len(layer["clients"]) == 3
     first, second = load_checkpoint(outs[0]), load_checkpoint(outs[1])
     for name in first.tensors:
         np.testing.assert_array_equal(first.tensor(name), second.tensor(name))
@@ -308,3 +309,12 @@ def test_warm_started_sweeps_reach_the_same_optimum():
     np.testing.assert_allclose(warm.report["assignment_cost"], cold.report["assignment_cost"],
                                rtol=1e-9)
     assert warm.width == cold.width and warm.report["purity"] == cold.report["purity"]
+
+
+def test_sweeps_stop_at_a_fixed_point():
+    vectors, labels = generative_clients(5, pool=60, take=40, dim=15, noise_std=0.04, seed=6)
+    kwargs = dict(sigma0_2=0.01, seed=3, true_labels=labels)
+    result = match_neurons(vectors, [100.0] * 5, sweeps=10, **kwargs)
+    assert result.report["sweeps_run"] < 10 and result.report["moves"][-1] == 0
+    assert all(m > 0 for m in result.report["moves"][:-1])
+    assert len(result.report["objective"]) == 1 + result.report["sweeps_run"]

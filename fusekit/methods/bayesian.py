@@ -233,7 +233,9 @@ def match_neurons(
         mu0: prior mean of the global neurons, scalar or (P,).
         sigma0_2: prior variance sigma0^2, scalar or (P,), > 0.
         gamma0: mass of the Beta process, > 0.
-        sweeps: number of refinement sweeps T after the greedy pass, >= 0.
+        sweeps: maximum number of refinement sweeps T after the greedy pass, >= 0. Sweeps
+            stop early at a fixed point (a sweep in which no local neuron changed its
+            global neuron): every later sweep would solve the same problems again.
         seed: seed of the generator that orders the clients in each sweep.
         lam: ``None`` for PFNM's cost (Eq. 5); a number >= 0 for NAFI's cost with KL weight
             lambda (Eq. 14). ``lam=0`` uses NAFI's kernel and gives PFNM's result.
@@ -253,6 +255,7 @@ def match_neurons(
         another client, ``new`` = the others), ``objective`` (per pass: the greedy pass then
         each sweep; 2 x negative log posterior up to constants, Eq. 3 with Eq. 4 plugged in),
         ``assignment_cost`` (per pass: the sum of the optimal assignment costs),
+        ``moves`` (per sweep: local neurons that changed global neuron), ``sweeps_run``,
         ``time_cost_s`` / ``time_assignment_s`` (seconds building costs / solving),
         ``n_assignments``, and ``purity`` when ``true_labels`` is given.
 
@@ -329,28 +332,39 @@ def match_neurons(
     state.add(assignments[first], weighted[first], precs[first])
     objective, lap_totals = [], []
     data_term = sum(float(np.sum(w * v)) for w, v in zip(weighted, vecs))
+    moves: list[int] = []
     total = sum(assign(s) for s in order[1:])
     objective.append(_objective(state, data_term, n_clients, gamma0))
     lap_totals.append(total)
 
     rng = np.random.default_rng(seed)
-    for _ in range(int(sweeps)):
-        total = 0.0
+    for _ in range(int(sweeps) if n_clients > 1 else 0):
+        total, moved = 0.0, 0
         for s in rng.permutation(n_clients):
-            if n_clients == 1:
-                break
             remap = state.remove(assignments[s], weighted[s], precs[s])
+            before = remap[assignments[s]]  # -1: was alone in its global (now dropped)
             for other in range(n_clients):
                 if other != s:
                     assignments[other] = remap[assignments[other]]
+            n_kept = state.size
             total += assign(int(s))
+            after = assignments[s]
+            stayed = np.where(before < 0, after >= n_kept, after == before)
+            moved += int(np.count_nonzero(~stayed))
         objective.append(_objective(state, data_term, n_clients, gamma0))
         lap_totals.append(total)
+        moves.append(moved)
+        if moved == 0:
+            # A fixed point: every client's assignment is optimal given the others, so
+            # further sweeps would re-solve the same problems (Algorithm 1 has converged).
+            break
 
     means, final_precisions, counts = _final_posterior(state, weighted, precs, assignments)
     report = _report(
         assignments, counts, objective, lap_totals, timing, kernels.name, true_labels
     )
+    report["moves"] = moves
+    report["sweeps_run"] = len(moves)
     logger.debug("matched layer: %d clients -> %d global neurons", n_clients, means.shape[0])
     return LayerMatching(means, final_precisions, counts, assignments, report)
 
