@@ -223,12 +223,13 @@ def block_variances(vectors: Sequence[np.ndarray], observed: Sequence[np.ndarray
         (P,) float64, constant within each block, > 0 (a block of constant values gets the
         mean variance of the other blocks, or 1).
     """
-    stacked = np.vstack(vectors)
-    mask = np.vstack([np.broadcast_to(o, v.shape) for v, o in zip(vectors, observed)])
-    count = mask.sum(0)
+    # Column sums per client, masked afterwards: the mask is per client, not per neuron.
+    count = sum(v.shape[0] * np.asarray(o, dtype=np.float64) for v, o in zip(vectors, observed))
+    total = sum(v.sum(0) * o for v, o in zip(vectors, observed))
+    squares = sum(np.einsum("ij,ij->j", v, v) * o for v, o in zip(vectors, observed))
     safe = np.maximum(count, 1)
-    mean = np.where(mask, stacked, 0.0).sum(0) / safe
-    var = np.where(mask, (stacked - mean) ** 2, 0.0).sum(0) / safe
+    mean = total / safe
+    var = np.maximum(squares / safe - mean * mean, 0.0)
     labels = layout.blocks()
     per_block = {}
     for block in np.unique(labels):
