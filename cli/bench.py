@@ -34,3 +34,29 @@ def matching(
     if json:
         argv += ["--json", str(json)]
     raise typer.Exit(main(argv))
+
+
+@app.command()
+def fusion(
+    clients: Annotated[
+        list[int] | None, typer.Option(help="Client counts S of the MLP case [default: 10 20 30].")
+    ] = None,
+    numpy_clients: Annotated[
+        list[int] | None, typer.Option(help="S values also run on the numpy backend [default: 10].")
+    ] = None,
+    cnn: Annotated[bool, typer.Option(help="Also fuse 16 CNN clients.")] = True,
+    json: Annotated[Path | None, typer.Option(help="Write the results as JSON here.")] = None,
+) -> None:
+    """PFNM and NAFI on generative MLP clients and a 16-client CNN, C++ vs numpy backend."""
+    from fusekit.bench.fusion import main
+
+    argv = []
+    if clients:
+        argv += ["--clients", *map(str, clients)]
+    if numpy_clients is not None:
+        argv += ["--numpy-clients", *map(str, numpy_clients)]
+    if not cnn:
+        argv.append("--no-cnn")
+    if json:
+        argv += ["--json", str(json)]
+    raise typer.Exit(main(argv))

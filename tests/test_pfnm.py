@@ -318,3 +318,16 @@ def test_sweeps_stop_at_a_fixed_point():
     assert result.report["sweeps_run"] < 10 and result.report["moves"][-1] == 0
     assert all(m > 0 for m in result.report["moves"][:-1])
     assert len(result.report["objective"]) == 1 + result.report["sweeps_run"]
+
+
+def test_fusion_benchmark_runs_end_to_end_on_a_tiny_case(tmp_path):
+    from fusekit.bench.fusion import main
+
+    out = tmp_path / "bench.json"
+    assert main(["--clients", "2", "--numpy-clients", "2", "--no-cnn", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["method"], r["backend"]) for r in rows} == {
+        ("pfnm", "core"), ("pfnm", "numpy"), ("nafi", "core"), ("nafi", "numpy")}
+    # Two clients of 100 pool neurons each cover between 100 and 150 of them.
+    assert all(100 <= r["widths"][0] <= 150 and r["purity"] == 1.0 for r in rows)
+    assert len({r["widths"][0] for r in rows}) == 1
