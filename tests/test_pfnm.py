@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from test_neurons import Net, cnn, outputs
+from test_neurons import Net, cnn, outputs, randomize_batchnorm
 from torch import nn
 
 import fusekit
@@ -331,3 +331,26 @@ def test_fusion_benchmark_runs_end_to_end_on_a_tiny_case(tmp_path):
     # Two clients of 100 pool neurons each cover between 100 and 150 of them.
     assert all(100 <= r["widths"][0] <= 150 and r["purity"] == 1.0 for r in rows)
     assert len({r["widths"][0] for r in rows}) == 1
+
+
+@pytest.mark.parametrize("method", ["pfnm", "nafi"])
+def test_fused_checkpoint_carries_its_widths_and_loads_into_the_module_class(method, tmp_path):
+    from fusekit.nn.arch import convnet_arch
+    from fusekit.nn.modules import build_model, load_model
+
+    clients = []
+    for seed, channels in enumerate(((4, 6), (5, 6), (4, 7))):
+        arch = convnet_arch((1, 8, 8), channels, 10)
+        model = build_model(arch, seed=seed)
+        randomize_batchnorm(model)
+        state = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+        clients.append(Checkpoint.from_state_dict(
+            state, {"fusekit.arch": json.dumps(arch), "fusekit.num_samples": "50"}))
+    result = fusekit.fuse(clients, method=method, sweeps=2)
+    arch = json.loads(result.metadata["fusekit.arch"])
+    assert arch["channels"] == result.widths and min(result.widths) >= 5
+    path = result.save(tmp_path / "fused.safetensors")
+    model = load_model(path)
+    with torch.no_grad():
+        out = model(torch.randn(2, 1, 8, 8)).numpy()
+    assert out.shape == (2, 10) and np.isfinite(out).all()
