@@ -43,7 +43,8 @@ def fuse(
         list[float] | None, typer.Option(
             "--sigma", help="pfnm/nafi: client noise variance sigma^2, in multiples of the "
             "layer's per-coordinate weight variance (see --variance-units); repeat once per "
-            "client for per-client values [default: 1.0].", show_default=False)
+            "client for per-client values, in the canonical client order (widest first, "
+            "then content hash) [default: 1.0].", show_default=False)
     ] = None,
     sigma0: Annotated[
         float | None, typer.Option("--sigma0", help="pfnm/nafi: prior variance sigma0^2 of "

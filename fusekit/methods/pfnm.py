@@ -46,8 +46,10 @@ class PFNM(FusionMethod):
         """Match hidden neurons bottom-up with PFNM's cost and average matched neurons.
 
         Args:
-            sigma: client noise variance sigma_s^2: one value, or one per client (in the
-                order given); in units of the layer's weight variance (see variance_units).
+            sigma: client noise variance sigma_s^2: one value, or one per client in the
+                order the method receives them (``fusekit.fuse`` sorts clients canonically,
+                widest first then by content hash; ``report["clients"]`` lists that order);
+                in units of the layer's weight variance (see variance_units).
             sigma0: prior variance sigma0^2 of global neurons, same units.
             gamma: Beta-process mass gamma0 (> 0); larger opens new neurons more readily.
             mu0: prior mean of the global neurons (weight units).
