@@ -6,9 +6,9 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from fusekit._cli.output import emit_json, stderr, stdout
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from fusekit._cli.output import emit_json, stderr, stdout
 from fusekit.data import load_dataset
 from fusekit.nn.arch import describe_arch
 from fusekit.simulate import SimulationConfig, client_archs, simulate_clients

@@ -4,9 +4,9 @@ import json
 
 import pytest
 import torch
-from fusekit._cli.app import app
 from typer.testing import CliRunner
 
+from fusekit._cli.app import app
 from fusekit.checkpoint import ARCH, CLASS_COUNTS, METHOD, NUM_SAMPLES, save_checkpoint
 from fusekit.data import synthetic
 from fusekit.errors import CheckpointError, DataError
