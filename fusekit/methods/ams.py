@@ -78,7 +78,7 @@ class AdaptiveModelSelection(FusionMethod):
         check_same_outputs(checkpoints, specs)
         state_dict: dict[str, np.ndarray] = {}
         models = []
-        for index, (checkpoint, spec) in enumerate(zip(checkpoints, specs)):
+        for index, (checkpoint, spec) in enumerate(zip(checkpoints, specs, strict=True)):
             prefix = model_prefix(index)
             for name in checkpoint.tensors:
                 state_dict[prefix + name] = checkpoint.tensor(name)
@@ -130,7 +130,7 @@ def check_same_outputs(checkpoints: Sequence[Checkpoint],
                        specs: Sequence[PermutationSpec]) -> None:
     """AMS compares logits across models: every model needs the same number of outputs."""
     first = specs[0].out_features
-    for checkpoint, spec in zip(checkpoints, specs):
+    for checkpoint, spec in zip(checkpoints, specs, strict=True):
         if spec.out_features != first:
             raise IncompatibleModelsError(
                 f"{checkpoint.label} has {spec.out_features} outputs but "
