@@ -97,13 +97,10 @@ def check_compatible(checkpoints: Sequence[Checkpoint], specs: Sequence[Permutat
     """Every client must have the same tensors and the same layer structure."""
     first, first_spec = checkpoints[0], specs[0]
     for other, spec in zip(checkpoints[1:], specs[1:]):
-        missing = sorted(set(first.tensors) - set(other.tensors))
-        extra = sorted(set(other.tensors) - set(first.tensors))
-        if missing or extra:
-            name, where, lacks = (missing[0], first, other) if missing else (extra[0], other, first)
+        if len(first_spec.layers) != len(spec.layers):
             raise IncompatibleModelsError(
-                f"tensor {name!r} is in {where.label} but missing from {lacks.label}; "
-                "expected every client to have the same tensors"
+                f"architectures cannot be fused: {first.label} has {len(first_spec.layers)} "
+                f"layers, {other.label} has {len(spec.layers)}"
             )
         for mine, theirs in zip(first_spec.structure(), spec.structure()):
             if mine != theirs:
@@ -111,10 +108,13 @@ def check_compatible(checkpoints: Sequence[Checkpoint], specs: Sequence[Permutat
                     f"architectures cannot be fused: {first.label} has {_describe(mine)} "
                     f"where {other.label} has {_describe(theirs)}"
                 )
-        if len(first_spec.layers) != len(spec.layers):
+        missing = sorted(set(first.tensors) - set(other.tensors))
+        extra = sorted(set(other.tensors) - set(first.tensors))
+        if missing or extra:
+            name, where, lacks = (missing[0], first, other) if missing else (extra[0], other, first)
             raise IncompatibleModelsError(
-                f"architectures cannot be fused: {first.label} has {len(first_spec.layers)} "
-                f"layers, {other.label} has {len(spec.layers)}"
+                f"tensor {name!r} is in {where.label} but missing from {lacks.label}; "
+                "expected every client to have the same tensors"
             )
 
 

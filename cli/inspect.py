@@ -1,0 +1,73 @@
+"""``fusekit inspect``: what is in a checkpoint, and what would block fusing it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from fusekit.api import check_compatible, client_spec, describe_checkpoint
+from fusekit.checkpoint import load_checkpoint
+from fusekit.errors import FusekitError
+from fusekit._cli.output import emit_json, stdout
+
+
+def inspect(
+    files: Annotated[list[Path], typer.Argument(help="Checkpoints to inspect.", show_default=False)],
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Show layers, widths, permutation groups and metadata; exit 2 if fusion is blocked."""
+    reports, loaded = [], []
+    for path in files:
+        try:
+            checkpoint = load_checkpoint(path)
+        except FusekitError as exc:
+            reports.append({"path": str(path), "problems": [str(exc)]})
+            continue
+        reports.append(describe_checkpoint(checkpoint))
+        if not reports[-1]["problems"]:
+            loaded.append(checkpoint)
+    together = _fusion_problem(loaded) if len(loaded) > 1 else None
+    if as_json:
+        emit_json({"files": reports, "fusable_together": together is None and
+                   all(not r["problems"] for r in reports), "problem": together})
+    else:
+        for report in reports:
+            _print_report(report)
+        if together:
+            stdout.print(f"[bold red]cannot fuse these files together:[/] {together}")
+    if together or any(r["problems"] for r in reports):
+        raise typer.Exit(2)
+
+
+def _fusion_problem(checkpoints) -> str | None:
+    try:
+        check_compatible(checkpoints, [client_spec(c, None) for c in checkpoints])
+    except FusekitError as exc:
+        return str(exc)
+    return None
+
+
+def _print_report(report: dict[str, Any]) -> None:
+    stdout.rule(report["path"])
+    for problem in report["problems"]:
+        stdout.print(f"[bold red]problem:[/] {problem}", highlight=False)
+    if "layers" not in report:
+        return
+    table = Table("layer", "kind", "in", "out", "kernel", "BatchNorm", "flatten block")
+    for layer in report["layers"]:
+        kernel = "x".join(map(str, layer["kernel_size"])) if layer["kind"] == "conv2d" else ""
+        table.add_row(layer["name"], layer["kind"], str(layer["in_features"]),
+                      str(layer["out_features"]), kernel, layer["norm"] or "",
+                      str(layer["input_block"]) if layer["input_block"] > 1 else "")
+    stdout.print(table)
+    stdout.print(f"hidden widths: {report['hidden_widths']}  ·  {report['tensors']} tensors, "
+                 f"{report['parameters']:,} values")
+    for i, group in enumerate(report["permutation_groups"]):
+        stdout.print(f"permutation group {i}: " + ", ".join(group), highlight=False)
+    if report["other_tensors"]:
+        stdout.print("not permuted: " + ", ".join(report["other_tensors"]), highlight=False)
+    for key, value in report["metadata"].items():
+        stdout.print(f"[dim]{key}[/] = {value}", highlight=False)

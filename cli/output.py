@@ -1,0 +1,61 @@
+"""What every command shares: consoles, JSON output, and the error policy of the CLI.
+
+Exit codes: 0 success, 2 bad input (one line on stderr naming what is wrong), 1 a failed
+run. ``--verbose`` shows tracebacks. ``--json`` puts machine-readable output on stdout;
+progress and logs always go to stderr.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+
+from fusekit.errors import FusekitError
+
+stdout = Console()
+stderr = Console(stderr=True)
+state = {"verbose": False}
+
+
+def handle_errors(command):
+    """Bad input -> one line and exit 2; any other failure -> exit 1 (traceback with -v)."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except FusekitError as exc:
+            fail(exc, code=2)
+        except (typer.Exit, typer.Abort, KeyboardInterrupt):
+            raise
+        except Exception as exc:  # noqa: BLE001 - the front door reports every failure
+            fail(exc, code=1)
+
+    return wrapper
+
+
+def fail(exc: Exception | str, code: int) -> None:
+    if state["verbose"] and isinstance(exc, Exception):
+        stderr.print_exception()
+    stderr.print(f"[bold red]error:[/] {exc}", markup=True, highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def emit_json(payload: Any) -> None:
+    """Machine-readable output: plain JSON on stdout, nothing else."""
+    sys.stdout.write(json.dumps(payload, indent=2, default=_jsonable) + "\n")
+    sys.stdout.flush()
+
+
+def _jsonable(value: Any) -> Any:
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"not JSON-serialisable: {type(value).__name__}")

@@ -1,0 +1,75 @@
+"""Small real models, written as checkpoints, for the tests."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from fusekit.checkpoint import save_checkpoint
+
+
+def mlp(widths=(6, 5, 3), batchnorm=False, seed=0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for i, (a, b) in enumerate(zip(widths[:-1], widths[1:])):
+        layers.append(nn.Linear(a, b))
+        if i < len(widths) - 2:
+            layers += [nn.BatchNorm1d(b)] if batchnorm else []
+            layers.append(nn.ReLU())
+    return _with_random_stats(nn.Sequential(*layers))
+
+
+def cnn(channels=(4, 6), hidden=8, classes=3, seed=0) -> nn.Sequential:
+    """Conv-BN-ReLU-MaxPool blocks on 1x8x8 images, then a linear head."""
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    c_in = 1
+    for c in channels:
+        layers += [nn.Conv2d(c_in, c, 3, padding=1), nn.BatchNorm2d(c), nn.ReLU(), nn.MaxPool2d(2)]
+        c_in = c
+    side = 8 // 2 ** len(channels)
+    layers += [nn.Flatten(), nn.Linear(c_in * side * side, hidden), nn.ReLU(),
+               nn.Linear(hidden, classes)]
+    return _with_random_stats(nn.Sequential(*layers))
+
+
+def _with_random_stats(model: nn.Module) -> nn.Module:
+    """BatchNorm with non-trivial statistics, so tests see whether they are handled."""
+    for module in model.modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            module.running_mean.normal_()
+            module.running_var.uniform_(0.5, 2.0)
+            module.weight.data.uniform_(0.5, 1.5)
+            module.bias.data.normal_()
+            module.num_batches_tracked.fill_(int(torch.randint(1, 100, ()).item()))
+    return model.eval()
+
+
+def write(path: Path, model_or_sd, **metadata) -> Path:
+    sd = model_or_sd.state_dict() if isinstance(model_or_sd, nn.Module) else model_or_sd
+    meta = {f"fusekit.{k}": str(v) for k, v in metadata.items()}
+    return save_checkpoint(path, sd, meta)
+
+
+def numpy_state(model: nn.Module) -> dict[str, np.ndarray]:
+    return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+
+
+def file_digest(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+@pytest.fixture
+def mlp_clients(tmp_path) -> list[Path]:
+    """Three 6-5-3 MLP clients with BatchNorm and sample/class counts."""
+    counts = [[5, 3, 2], [1, 8, 1], [0, 2, 8]]
+    return [
+        write(tmp_path / f"client{i}.safetensors", mlp(batchnorm=True, seed=i),
+              num_samples=sum(c), class_counts=str(c))
+        for i, c in enumerate(counts)
+    ]

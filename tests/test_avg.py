@@ -1,0 +1,147 @@
+import json
+import logging
+
+import numpy as np
+import pytest
+import torch
+from conftest import cnn, mlp, write
+
+import fusekit
+from fusekit.checkpoint import load_checkpoint
+from fusekit.errors import IncompatibleModelsError, ParameterError, UnknownMethodError
+
+
+def reference_average(paths):
+    """FedAvg in plain numpy: Σ_s N_s θ_s / Σ N, counters take the max."""
+    ckpts = [load_checkpoint(p) for p in paths]
+    n = np.array([c.num_samples for c in ckpts], dtype=np.float64)
+    out = {}
+    for name in ckpts[0].tensors:
+        stack = np.stack([c.tensor(name) for c in ckpts])
+        if name.endswith("num_batches_tracked"):
+            out[name] = stack.max(axis=0)
+        else:
+            out[name] = np.tensordot(n / n.sum(), stack.astype(np.float64), axes=1)
+    return out
+
+
+def test_average_matches_numpy_reference(mlp_clients):
+    result = fusekit.fuse(mlp_clients, method="avg")
+    expected = reference_average(mlp_clients)
+    assert set(result.state_dict) == set(expected)
+    for name, value in expected.items():
+        assert result.state_dict[name].dtype == load_checkpoint(mlp_clients[0]).tensor(name).dtype
+        np.testing.assert_allclose(result.state_dict[name], value, rtol=1e-6, err_msg=name)
+    assert result.state_dict["1.num_batches_tracked"].dtype == np.int64
+
+
+def test_class_weighted_output_layer(mlp_clients):
+    result = fusekit.fuse(mlp_clients, method="avg", class_weighted=True)
+    ckpts = [load_checkpoint(p) for p in mlp_clients]
+    counts = np.stack([c.class_counts for c in ckpts])
+    shares = counts / counts.sum(axis=0)
+    for name in ("3.weight", "3.bias"):
+        stack = np.stack([c.tensor(name) for c in ckpts]).astype(np.float64)
+        expected = np.stack([shares[:, k] @ stack[:, k].reshape(len(ckpts), -1)
+                             for k in range(3)]).reshape(stack.shape[1:])
+        np.testing.assert_allclose(result.state_dict[name], expected, rtol=1e-6)
+    # hidden layers are still sample-weighted
+    np.testing.assert_allclose(result.state_dict["0.weight"],
+                               reference_average(mlp_clients)["0.weight"], rtol=1e-6)
+
+
+def test_class_weighted_needs_class_counts(tmp_path):
+    paths = [write(tmp_path / f"{i}.safetensors", mlp(seed=i), num_samples=3) for i in range(2)]
+    with pytest.raises(ParameterError, match=r"needs fusekit\.class_counts.*0\.safetensors"):
+        fusekit.fuse(paths, class_weighted=True)
+
+
+def test_uniform_weights_with_a_warning(tmp_path, caplog):
+    paths = [write(tmp_path / f"{i}.safetensors", mlp(seed=i)) for i in range(2)]
+    with caplog.at_level(logging.WARNING):
+        result = fusekit.fuse(paths)
+    assert "weighting clients uniformly" in caplog.text
+    a, b = (load_checkpoint(p).tensor("0.weight") for p in paths)
+    np.testing.assert_allclose(result.state_dict["0.weight"], (a + b) / 2, rtol=1e-6)
+
+
+def test_order_of_inputs_does_not_change_the_result(mlp_clients):
+    a = fusekit.fuse(mlp_clients).state_dict
+    b = fusekit.fuse(mlp_clients[::-1]).state_dict
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name])
+
+
+def test_fusing_identical_models_is_the_identity(tmp_path):
+    model = cnn()
+    paths = [write(tmp_path / f"{i}.safetensors", model, num_samples=i + 1) for i in range(3)]
+    fused = fusekit.fuse(paths).state_dict
+    for name, tensor in model.state_dict().items():
+        np.testing.assert_allclose(fused[name], tensor.numpy(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("make", [lambda s: mlp(batchnorm=True, seed=s), lambda s: cnn(seed=s)])
+def test_fused_checkpoint_loads_into_the_same_module_class(tmp_path, make):
+    paths = [write(tmp_path / f"{i}.safetensors", make(i), num_samples=5) for i in range(3)]
+    out = fusekit.fuse(paths).save(tmp_path / "fused.safetensors")
+    import safetensors.torch
+
+    model = make(99)
+    model.load_state_dict(safetensors.torch.load_file(out), strict=True)
+    x = torch.randn(2, 6) if isinstance(model[0], torch.nn.Linear) else torch.randn(2, 1, 8, 8)
+    assert torch.isfinite(model(x)).all()
+
+
+def test_mismatched_shapes(tmp_path):
+    a = write(tmp_path / "a.safetensors", mlp(widths=(6, 5, 3)))
+    b = write(tmp_path / "b.safetensors", mlp(widths=(6, 7, 3)))
+    with pytest.raises(IncompatibleModelsError,
+                       match=r"tensor '0\.bias' has shape \(5,\) in .*a\.safetensors but \(7,\) "
+                             r"in .*b\.safetensors; 'avg' needs equal shapes"):
+        fusekit.fuse([a, b], method="avg")
+
+
+def test_architectures_that_cannot_be_fused(tmp_path):
+    a = write(tmp_path / "a.safetensors", mlp(widths=(6, 5, 3)))
+    b = write(tmp_path / "b.safetensors", mlp(widths=(6, 5, 5, 3)))
+    with pytest.raises(IncompatibleModelsError,
+                       match=r"architectures cannot be fused: .*a\.safetensors has 2 layers, "
+                             r".*b\.safetensors has 3"):
+        fusekit.fuse([a, b])
+    c = write(tmp_path / "c.safetensors", mlp(widths=(6, 5, 4)))
+    with pytest.raises(IncompatibleModelsError, match=r"has 3 outputs where .*c\.safetensors "
+                                                      r"has 4 outputs"):
+        fusekit.fuse([a, c])
+
+
+def test_tensor_missing_in_one_client(tmp_path):
+    sd = mlp().state_dict()
+    a = write(tmp_path / "a.safetensors", sd)
+    b = write(tmp_path / "b.safetensors", {**sd, "temperature": torch.ones(1)})
+    with pytest.raises(IncompatibleModelsError, match=r"tensor 'temperature' is in .*b\.safetensors "
+                                                      r"but missing from .*a\.safetensors"):
+        fusekit.fuse([a, b])
+
+
+def test_unknown_method_lists_valid_ones(mlp_clients):
+    with pytest.raises(UnknownMethodError, match=r"unknown fusion method 'fedprox'; choose one of: "
+                                                 r".*avg"):
+        fusekit.fuse(mlp_clients, method="fedprox")
+
+
+def test_unknown_parameter(mlp_clients):
+    with pytest.raises(ParameterError, match=r"method 'avg' does not take parameter\(s\) sigma; "
+                                             r"it takes: class_weighted"):
+        fusekit.fuse(mlp_clients, method="avg", sigma=1.0)
+
+
+def test_no_inputs():
+    with pytest.raises(ParameterError, match="expected at least one checkpoint"):
+        fusekit.fuse([])
+
+
+def test_fused_metadata_describes_the_model(mlp_clients):
+    result = fusekit.fuse(mlp_clients)
+    spec = json.loads(result.metadata["fusekit.spec"])
+    assert [layer["name"] for layer in spec["layers"]] == ["0", "3"]
+    assert result.widths == [5]

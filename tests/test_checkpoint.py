@@ -1,0 +1,175 @@
+import json
+import os
+import struct
+
+import numpy as np
+import pytest
+from conftest import file_digest, mlp, write
+
+import fusekit
+from fusekit.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from fusekit.errors import CheckpointError, CheckpointNotFoundError, OutputError
+
+
+def test_round_trip_keeps_tensors_and_metadata(tmp_path):
+    model = mlp()
+    path = write(tmp_path / "m.safetensors", model, num_samples=12, class_counts="[4, 4, 4]")
+    ckpt = load_checkpoint(path)
+    assert ckpt.num_samples == 12
+    np.testing.assert_array_equal(ckpt.class_counts, [4, 4, 4])
+    for name, tensor in model.state_dict().items():
+        np.testing.assert_array_equal(ckpt.tensor(name), tensor.numpy())
+
+
+def test_content_hash_ignores_metadata_and_file_bytes(tmp_path):
+    model = mlp()
+    a = load_checkpoint(write(tmp_path / "a.safetensors", model, num_samples=1))
+    b = load_checkpoint(write(tmp_path / "b.safetensors", model, num_samples=2))
+    c = load_checkpoint(write(tmp_path / "c.safetensors", mlp(seed=1)))
+    assert a.content_hash == b.content_hash != c.content_hash
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(CheckpointNotFoundError, match=r"nope\.safetensors.*does not exist"):
+        load_checkpoint(tmp_path / "nope.safetensors")
+
+
+def test_truncated_file(tmp_path):
+    path = write(tmp_path / "m.safetensors", mlp())
+    data = path.read_bytes()
+    path.write_bytes(data[:-8])  # the header is intact, the tensor data is not
+    with pytest.raises(CheckpointError, match=r"m\.safetensors: not a valid safetensors file"):
+        load_checkpoint(path)
+
+
+def test_file_shorter_than_header_length(tmp_path):
+    path = tmp_path / "tiny.safetensors"
+    path.write_bytes(b"\x01\x02")
+    with pytest.raises(CheckpointError, match=r"tiny\.safetensors.*8-byte header.*2 bytes"):
+        load_checkpoint(path)
+
+
+def test_corrupt_header_json(tmp_path):
+    path = tmp_path / "bad.safetensors"
+    header = b'{"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]'  # unterminated
+    path.write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 8)
+    with pytest.raises(CheckpointError, match=r"bad\.safetensors: not a valid safetensors file"):
+        load_checkpoint(path)
+
+
+def test_absurd_header_length(tmp_path):
+    path = tmp_path / "huge.safetensors"
+    path.write_bytes(struct.pack("<Q", 2**62) + b"{}")
+    with pytest.raises(CheckpointError, match=r"huge\.safetensors.*header claims 4611686018427387904 "
+                                              r"bytes; expected at most"):
+        load_checkpoint(path)
+
+
+def test_header_longer_than_file(tmp_path):
+    path = tmp_path / "short.safetensors"
+    path.write_bytes(struct.pack("<Q", 1000) + b"{}")
+    with pytest.raises(CheckpointError, match=r"short\.safetensors: truncated.*1000 bytes, only 2"):
+        load_checkpoint(path)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_tensor_is_named(tmp_path, bad):
+    sd = {k: v.numpy().copy() for k, v in mlp().state_dict().items()}
+    sd["2.weight"][1, 1] = bad
+    ckpt = load_checkpoint(write(tmp_path / "nan.safetensors", sd))
+    with pytest.raises(CheckpointError, match=r"nan\.safetensors: tensor '2\.weight' has 1 "
+                                              r"non-finite value.*expected finite"):
+        ckpt.state_dict()
+
+
+def test_integer_weights_are_refused(tmp_path):
+    sd = {k: v.numpy() for k, v in mlp().state_dict().items()}
+    sd["0.weight"] = sd["0.weight"].astype(np.int32)
+    path = write(tmp_path / "int.safetensors", sd)
+    with pytest.raises(CheckpointError, match=r"int\.safetensors: tensor '0\.weight' has dtype "
+                                              r"I32; expected a floating-point weight"):
+        load_checkpoint(path)
+
+
+@pytest.mark.parametrize(("key", "value", "message"), [
+    ("num_samples", "many", "must be a positive integer, found 'many'"),
+    ("num_samples", "0", "must be a positive integer, found '0'"),
+    ("class_counts", "[1, -2]", "JSON list of non-negative counts"),
+    ("arch", "{not json", "fusekit.arch must be JSON"),
+])
+def test_malformed_metadata(tmp_path, key, value, message):
+    path = write(tmp_path / "meta.safetensors", mlp(), **{key: value})
+    with pytest.raises(CheckpointError, match=rf"meta\.safetensors: metadata .*{message}"):
+        load_checkpoint(path)
+
+
+def test_bfloat16_tensors_are_read_as_float32(tmp_path):
+    import safetensors.torch
+    import torch
+
+    path = tmp_path / "bf16.safetensors"
+    safetensors.torch.save_file(mlp().to(dtype=torch.bfloat16).state_dict(), path)
+    ckpt = load_checkpoint(path)
+    assert ckpt.tensors["0.weight"].dtype == "BF16"
+    assert ckpt.tensor("0.weight").dtype == np.float32
+
+
+def test_save_refuses_to_overwrite_and_force_replaces(tmp_path):
+    path = write(tmp_path / "out.safetensors", mlp())
+    before = file_digest(path)
+    with pytest.raises(OutputError, match=r"out\.safetensors: output file exists.*--force"):
+        save_checkpoint(path, {"w": np.zeros(2, np.float32)})
+    assert file_digest(path) == before
+    save_checkpoint(path, {"w": np.zeros(2, np.float32)}, force=True)
+    assert list(load_checkpoint(path).tensors) == ["w"]
+
+
+def test_save_into_missing_directory(tmp_path):
+    with pytest.raises(OutputError, match=r"output directory .*missing does not exist"):
+        save_checkpoint(tmp_path / "missing" / "f.safetensors", {"w": np.zeros(2)})
+
+
+def test_failed_write_leaves_nothing_behind(tmp_path, monkeypatch):
+    def broken_fsync(fd):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "fsync", broken_fsync)
+    with pytest.raises(OSError, match="disk full"):
+        save_checkpoint(tmp_path / "f.safetensors", {"w": np.zeros(2)})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_interrupted_fusion_leaves_no_output(mlp_clients, tmp_path, monkeypatch):
+    import safetensors.numpy
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(safetensors.numpy, "save", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        fusekit.fuse(mlp_clients).save(tmp_path / "fused.safetensors")
+    assert not (tmp_path / "fused.safetensors").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_fusion_never_modifies_inputs(mlp_clients, tmp_path):
+    before = [file_digest(p) for p in mlp_clients]
+    fusekit.fuse(mlp_clients).save(tmp_path / "fused.safetensors")
+    assert [file_digest(p) for p in mlp_clients] == before
+
+
+def test_fused_output_carries_provenance(mlp_clients, tmp_path):
+    path = fusekit.fuse(mlp_clients, method="avg").save(tmp_path / "fused.safetensors")
+    meta = load_checkpoint(path).metadata
+    hashes = sorted(load_checkpoint(p).content_hash for p in mlp_clients)
+    assert sorted(json.loads(meta["fusekit.inputs"])) == hashes
+    assert meta["fusekit.method"] == "avg"
+    assert json.loads(meta["fusekit.params"]) == {"class_weighted": False}
+    assert meta["fusekit.version"] == fusekit.__version__
+
+
+def test_in_memory_checkpoint_has_same_interface():
+    ckpt = Checkpoint.from_state_dict(mlp().state_dict(), {"fusekit.num_samples": "3"})
+    assert ckpt.num_samples == 3
+    assert ckpt.tensor("0.weight").shape == (5, 6)
+    assert "memory" in ckpt.label

@@ -1,0 +1,146 @@
+import json
+
+import numpy as np
+import pytest
+from conftest import file_digest, mlp, write
+from typer.testing import CliRunner
+
+from fusekit._cli.app import app
+from fusekit.checkpoint import load_checkpoint
+
+runner = CliRunner()
+
+
+def run(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def test_version_reports_the_core():
+    result = run("--version")
+    assert result.exit_code == 0
+    assert "C++ core: loaded" in result.stdout
+
+
+def test_fuse_end_to_end(mlp_clients, tmp_path):
+    out = tmp_path / "fused.safetensors"
+    result = run("fuse", *mlp_clients, "--method", "avg", "-o", out)
+    assert result.exit_code == 0, result.output
+    assert "fused with avg" in result.stdout
+    assert load_checkpoint(out).metadata["fusekit.method"] == "avg"
+
+
+def test_fuse_json_is_clean_on_stdout(mlp_clients, tmp_path):
+    out = tmp_path / "fused.safetensors"
+    result = run("fuse", *mlp_clients, "-o", out, "--json", "--class-weighted")
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.stdout)
+    assert payload["output"] == str(out)
+    assert payload["params"] == {"class_weighted": True}
+    assert payload["widths"] == [5]
+
+
+def test_default_output_name(mlp_clients, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert run("fuse", *mlp_clients).exit_code == 0
+    assert (tmp_path / "fused-avg.safetensors").is_file()
+
+
+def test_existing_output_needs_force(mlp_clients, tmp_path):
+    out = tmp_path / "fused.safetensors"
+    assert run("fuse", *mlp_clients, "-o", out).exit_code == 0
+    before = file_digest(out)
+    result = run("fuse", *mlp_clients[:2], "-o", out)
+    assert result.exit_code == 2
+    assert "output file exists; pass --force" in result.stderr
+    assert file_digest(out) == before
+    assert run("fuse", *mlp_clients[:2], "-o", out, "--force").exit_code == 0
+    assert file_digest(out) != before
+
+
+def _corrupt(tmp_path):
+    path = tmp_path / "corrupt.safetensors"
+    path.write_bytes(b"\xff" * 64)
+    return path
+
+
+def _nan(tmp_path):
+    sd = {k: v.numpy().copy() for k, v in mlp(batchnorm=True).state_dict().items()}
+    sd["0.bias"][0] = np.nan
+    return write(tmp_path / "nan.safetensors", sd)
+
+
+def _other_arch(tmp_path):
+    return write(tmp_path / "deep.safetensors", mlp(widths=(6, 5, 5, 3), batchnorm=True))
+
+
+def _int_weights(tmp_path):
+    sd = {k: v.numpy() for k, v in mlp(batchnorm=True).state_dict().items()}
+    sd["3.weight"] = sd["3.weight"].astype(np.int64)
+    return write(tmp_path / "int.safetensors", sd)
+
+
+@pytest.mark.parametrize(("make_bad", "message"), [
+    (lambda tmp: tmp / "missing.safetensors", r"missing\.safetensors: checkpoint file does not exist"),
+    (_corrupt, r"corrupt\.safetensors: safetensors header claims \d+ bytes; expected at most"),
+    (_nan, r"nan\.safetensors: tensor '0\.bias' has 1 non-finite value"),
+    (_other_arch, r"architectures cannot be fused: .* has 2 layers, .*deep\.safetensors has 3"),
+    (_int_weights, r"int\.safetensors: tensor '3\.weight' has dtype I64; expected a floating"),
+])
+def test_bad_input_exits_2_and_leaves_nothing(mlp_clients, tmp_path, make_bad, message):
+    import re
+
+    bad = make_bad(tmp_path)
+    before = [file_digest(p) for p in mlp_clients]
+    out = tmp_path / "fused.safetensors"
+    result = run("fuse", *mlp_clients, bad, "-o", out)
+    assert result.exit_code == 2, result.output
+    assert re.search(message, " ".join(result.stderr.split())), result.stderr
+    assert not out.exists()
+    assert [file_digest(p) for p in mlp_clients] == before
+
+
+def test_unknown_method(mlp_clients, tmp_path):
+    result = run("fuse", *mlp_clients, "-m", "magic", "-o", tmp_path / "f.safetensors")
+    assert result.exit_code == 2
+    assert "unknown fusion method 'magic'; choose one of: " in result.stderr
+    assert "avg" in result.stderr
+
+
+def test_output_directory_missing(mlp_clients, tmp_path):
+    result = run("fuse", *mlp_clients, "-o", tmp_path / "nowhere" / "f.safetensors")
+    assert result.exit_code == 2
+    assert "output directory" in result.stderr and "nowhere does not exist" in result.stderr
+
+
+def test_mismatched_shapes_for_avg(mlp_clients, tmp_path):
+    wide = write(tmp_path / "wide.safetensors", mlp(widths=(6, 8, 3), batchnorm=True))
+    result = run("fuse", mlp_clients[0], wide, "-o", tmp_path / "f.safetensors")
+    assert result.exit_code == 2
+    assert "'avg' needs equal shapes" in " ".join(result.stderr.split())
+
+
+def test_inspect_shows_layers_and_groups(mlp_clients):
+    result = run("inspect", mlp_clients[0])
+    assert result.exit_code == 0, result.output
+    text = result.stdout
+    assert "hidden widths: [5]" in text
+    assert "permutation group 0" in text
+    assert "fusekit.num_samples" in text
+
+
+def test_inspect_json_reports_what_blocks_fusion(mlp_clients, tmp_path):
+    deep = _other_arch(tmp_path)
+    corrupt = _corrupt(tmp_path)
+    result = run("inspect", mlp_clients[0], deep, corrupt, "--json")
+    assert result.exit_code == 2
+    payload = json.loads(result.stdout)
+    assert payload["fusable_together"] is False
+    assert "architectures cannot be fused" in payload["problem"]
+    assert "header claims" in payload["files"][2]["problems"][0]
+    assert payload["files"][0]["hidden_widths"] == [5]
+
+
+def test_verbose_shows_traceback(tmp_path):
+    result = runner.invoke(app, ["-v", "fuse", str(tmp_path / "none.safetensors")])
+    assert result.exit_code == 2
+    assert "Traceback" in result.stderr
