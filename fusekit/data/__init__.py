@@ -1,1 +1,37 @@
+"""Data sets and client partitions for simulation and evaluation (numpy only, no torch)."""
 
+from fusekit.data.datasets import (
+    DATASETS,
+    Dataset,
+    cifar10,
+    digits,
+    idx_dataset,
+    load_dataset,
+    npz_dataset,
+    synthetic,
+)
+from fusekit.data.partitions import (
+    PARTITIONS,
+    class_counts,
+    dirichlet_partition,
+    iid_partition,
+    label_partition,
+    partition,
+)
+
+__all__ = [
+    "DATASETS",
+    "PARTITIONS",
+    "Dataset",
+    "cifar10",
+    "class_counts",
+    "digits",
+    "dirichlet_partition",
+    "idx_dataset",
+    "iid_partition",
+    "label_partition",
+    "load_dataset",
+    "npz_dataset",
+    "partition",
+    "synthetic",
+]

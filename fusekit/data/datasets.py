@@ -1,0 +1,301 @@
+"""Data sets for simulation and evaluation. Nothing is ever downloaded.
+
+- ``digits``: scikit-learn's bundled 8x8 digits (1797 images, embedded, the default).
+- ``mnist``, ``fashion-mnist``: the standard IDX files (optionally .gz) in ``data_dir``.
+- ``cifar10``: the standard python pickle batches (``cifar-10-batches-py/``) in ``data_dir``.
+- ``npz``: any .npz file with ``x_train, y_train, x_test, y_test``.
+- ``synthetic``: seeded Gaussian-mixture classification of any size and dimension.
+
+Images are float32 (N, C, H, W), vectors float32 (N, D); labels int64 in 0..K-1. Inputs are
+standardised with the training set's mean and standard deviation (per channel for images)
+so every model sees inputs on the same scale.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import pickle
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from fusekit.errors import DataError, ParameterError
+
+DATASETS = ("digits", "mnist", "fashion-mnist", "cifar10", "npz", "synthetic")
+
+_IDX_FILES = {
+    "x_train": "train-images-idx3-ubyte",
+    "y_train": "train-labels-idx1-ubyte",
+    "x_test": "t10k-images-idx3-ubyte",
+    "y_test": "t10k-labels-idx1-ubyte",
+}
+_IDX_SUBDIRS = {
+    "mnist": ("", "mnist", "MNIST/raw", "MNIST"),
+    "fashion-mnist": ("", "fashion-mnist", "FashionMNIST/raw", "FashionMNIST", "fashion_mnist"),
+}
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """A train/test split.
+
+    Attributes:
+        name: data set name (for reports).
+        x_train: float32 (N, *input_shape).
+        y_train: int64 (N,), values in 0..num_classes-1.
+        x_test: float32 (M, *input_shape).
+        y_test: int64 (M,).
+        num_classes: K.
+    """
+
+    name: str
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+    num_classes: int
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return tuple(self.x_train.shape[1:])
+
+    def __repr__(self) -> str:
+        return (
+            f"Dataset({self.name!r}, train={len(self.y_train)}, test={len(self.y_test)}, "
+            f"input_shape={self.input_shape}, classes={self.num_classes})"
+        )
+
+
+def load_dataset(
+    name: str,
+    *,
+    data_dir: str | os.PathLike[str] | None = None,
+    path: str | os.PathLike[str] | None = None,
+    samples: int = 10_000,
+    features: int = 20,
+    classes: int = 10,
+    seed: int = 0,
+) -> Dataset:
+    """Load a data set by name.
+
+    Args:
+        name: one of ``digits, mnist, fashion-mnist, cifar10, npz, synthetic``.
+        data_dir: folder holding the mnist / fashion-mnist / cifar10 files.
+        path: the .npz file for ``npz``.
+        samples, features, classes, seed: size, dimension, class count and seed of
+            ``synthetic`` (80% train, 20% test).
+
+    Raises:
+        DataError: files missing or malformed (the message lists the files needed).
+        ParameterError: unknown name or invalid synthetic sizes.
+    """
+    if name == "digits":
+        return digits()
+    if name in ("mnist", "fashion-mnist"):
+        return idx_dataset(name, _require_dir(name, data_dir))
+    if name == "cifar10":
+        return cifar10(_require_dir(name, data_dir))
+    if name == "npz":
+        if path is None:
+            raise DataError(
+                "npz: pass the file with --data-path (x_train, y_train, x_test, y_test)"
+            )
+        return npz_dataset(path)
+    if name == "synthetic":
+        return synthetic(samples=samples, features=features, classes=classes, seed=seed)
+    raise ParameterError(f"data: expected one of {list(DATASETS)}, found {name!r}")
+
+
+def digits() -> Dataset:
+    """scikit-learn's bundled digits: 8x8 grey images, 10 classes; a fixed stratified
+    75/25 train/test split (1347/450)."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    bunch = load_digits()
+    images = bunch.images.astype(np.float32)[:, None, :, :]
+    x_train, x_test, y_train, y_test = train_test_split(
+        images,
+        bunch.target.astype(np.int64),
+        test_size=0.25,
+        random_state=0,
+        stratify=bunch.target,
+    )
+    return _standardised("digits", x_train, y_train, x_test, y_test)
+
+
+def synthetic(
+    *, samples: int = 10_000, features: int = 20, classes: int = 10, seed: int = 0
+) -> Dataset:
+    """Seeded Gaussian mixture: each class is a mixture of two unit-variance Gaussian blobs
+    with centres drawn from N(0, 1.5^2 I), so classes are not linearly separable in
+    general; classes are drawn uniformly; 80% train, 20% test.
+
+    Raises:
+        ParameterError: fewer than 2*classes samples, features < 1 or classes < 2.
+    """
+    if samples < 2 * classes or features < 1 or classes < 2:
+        raise ParameterError(
+            f"synthetic: expected samples >= 2*classes, features >= 1, classes >= 2; found "
+            f"samples={samples}, features={features}, classes={classes}"
+        )
+    rng = np.random.default_rng(seed)
+    centres = rng.normal(0.0, 1.5, size=(classes, 2, features))
+    y = rng.integers(0, classes, size=samples)
+    blob = rng.integers(0, 2, size=samples)
+    x = centres[y, blob] + rng.normal(0.0, 1.0, size=(samples, features))
+    n_train = round(0.8 * samples)
+    return _standardised(
+        f"synthetic-{features}d-{classes}c",
+        x[:n_train].astype(np.float32),
+        y[:n_train].astype(np.int64),
+        x[n_train:].astype(np.float32),
+        y[n_train:].astype(np.int64),
+    )
+
+
+def npz_dataset(path: str | os.PathLike[str]) -> Dataset:
+    """Any .npz with ``x_train, y_train, x_test, y_test`` (labels integers 0..K-1)."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: npz data file does not exist")
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            arrays = {k: f[k] for k in ("x_train", "y_train", "x_test", "y_test") if k in f}
+    except (OSError, ValueError) as exc:
+        raise DataError(f"{path}: not a readable .npz file ({exc})") from None
+    missing = sorted({"x_train", "y_train", "x_test", "y_test"} - set(arrays))
+    if missing:
+        raise DataError(
+            f"{path}: missing array(s) {missing}; expected x_train, y_train, x_test, y_test"
+        )
+    for split in ("train", "test"):
+        x, y = arrays[f"x_{split}"], arrays[f"y_{split}"]
+        if y.ndim != 1 or y.dtype.kind not in "iu" or len(x) != len(y) or x.ndim < 2:
+            raise DataError(
+                f"{path}: expected x_{split} (N, ...) and integer y_{split} (N,); found shapes "
+                f"{x.shape} and {y.shape} ({y.dtype})"
+            )
+    return _standardised(
+        path.stem,
+        arrays["x_train"].astype(np.float32),
+        arrays["y_train"].astype(np.int64),
+        arrays["x_test"].astype(np.float32),
+        arrays["y_test"].astype(np.int64),
+    )
+
+
+def idx_dataset(name: str, data_dir: Path) -> Dataset:
+    """MNIST or Fashion-MNIST from the four standard IDX files (``.gz`` accepted), looked
+    up in ``data_dir`` and its usual subfolders (``mnist/``, torchvision's ``MNIST/raw/``)."""
+    for sub in _IDX_SUBDIRS[name]:
+        folder = data_dir / sub
+        found = {k: _find_file(folder, base) for k, base in _IDX_FILES.items()}
+        if all(found.values()):
+            arrays = {k: _read_idx(p) for k, p in found.items()}  # type: ignore[arg-type]
+            return _standardised(
+                name,
+                arrays["x_train"].astype(np.float32)[:, None] / 255.0,
+                arrays["y_train"].astype(np.int64),
+                arrays["x_test"].astype(np.float32)[:, None] / 255.0,
+                arrays["y_test"].astype(np.int64),
+            )
+    raise DataError(
+        f"{name}: files not found under {data_dir} (also looked in "
+        f"{[s for s in _IDX_SUBDIRS[name] if s]}); expected {sorted(_IDX_FILES.values())} "
+        "(optionally .gz). fusekit never downloads data: fetch them yourself"
+    )
+
+
+def cifar10(data_dir: Path) -> Dataset:
+    """CIFAR-10 from the python pickle batches: ``data_batch_1..5`` and ``test_batch`` in
+    ``data_dir`` or ``data_dir/cifar-10-batches-py``."""
+    names = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
+    for folder in (data_dir, data_dir / "cifar-10-batches-py"):
+        if all((folder / n).is_file() for n in names):
+            batches = [_read_cifar_batch(folder / n) for n in names]
+            x_train = np.concatenate([b[0] for b in batches[:5]])
+            y_train = np.concatenate([b[1] for b in batches[:5]])
+            return _standardised(
+                "cifar10", x_train / 255.0, y_train, batches[5][0] / 255.0, batches[5][1]
+            )
+    raise DataError(
+        f"cifar10: files not found under {data_dir} or {data_dir / 'cifar-10-batches-py'}; "
+        f"expected {names} (the 'python version' of CIFAR-10). fusekit never downloads data"
+    )
+
+
+def _read_cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    try:
+        with open(path, "rb") as f:
+            batch = pickle.load(f, encoding="bytes")  # the user's own local file
+        data = np.asarray(batch[b"data"], dtype=np.float32).reshape(-1, 3, 32, 32)
+        labels = np.asarray(batch[b"labels"], dtype=np.int64)
+    except (OSError, pickle.UnpicklingError, KeyError, ValueError, EOFError) as exc:
+        raise DataError(f"{path}: not a CIFAR-10 python batch ({exc})") from None
+    return data, labels
+
+
+def _find_file(folder: Path, base: str) -> Path | None:
+    for candidate in (
+        base,
+        base.replace("-idx", ".idx"),
+        base + ".gz",
+        base.replace("-idx", ".idx") + ".gz",
+    ):
+        if (folder / candidate).is_file():
+            return folder / candidate
+    return None
+
+
+def _read_idx(path: Path) -> np.ndarray:
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rb") as f:
+            raw = f.read()
+        zero, dtype_code, ndim = struct.unpack(">HBB", raw[:4])
+        if zero != 0 or dtype_code != 0x08:
+            raise ValueError(f"magic {raw[:4].hex()} is not an unsigned-byte IDX file")
+        shape = struct.unpack(f">{ndim}I", raw[4 : 4 + 4 * ndim])
+        data = np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim)
+        return data.reshape(shape)
+    except (OSError, ValueError, struct.error, EOFError) as exc:
+        raise DataError(f"{path}: not a valid IDX file ({exc})") from None
+
+
+def _require_dir(name: str, data_dir: str | os.PathLike[str] | None) -> Path:
+    if data_dir is None:
+        raise DataError(f"{name}: pass --data-dir, the folder holding its files (never downloaded)")
+    folder = Path(data_dir)
+    if not folder.is_dir():
+        raise DataError(f"{name}: --data-dir {folder} is not a directory")
+    return folder
+
+
+def _standardised(
+    name: str, x_train: np.ndarray, y_train: np.ndarray, x_test: np.ndarray, y_test: np.ndarray
+) -> Dataset:
+    if x_train.shape[1:] != x_test.shape[1:]:
+        raise DataError(
+            f"{name}: train samples have shape {x_train.shape[1:]}, test samples "
+            f"{x_test.shape[1:]}; expected the same"
+        )
+    labels = np.concatenate([y_train, y_test])
+    if labels.min() < 0:
+        raise DataError(f"{name}: labels must be 0..K-1, found {int(labels.min())}")
+    # Per-channel statistics for images (N, C, H, W), per-feature-scalar for vectors.
+    axes = (0, 2, 3) if x_train.ndim == 4 else tuple(range(x_train.ndim))
+    mean = x_train.mean(axis=axes, keepdims=True)
+    std = x_train.std(axis=axes, keepdims=True)
+    std = np.where(std > 0, std, 1.0)
+    return Dataset(
+        name=name,
+        x_train=((x_train - mean) / std).astype(np.float32),
+        y_train=y_train.astype(np.int64),
+        x_test=((x_test - mean) / std).astype(np.float32),
+        y_test=y_test.astype(np.int64),
+        num_classes=int(labels.max()) + 1,
+    )

@@ -1,0 +1,219 @@
+"""torch modules built from an architecture description (see :mod:`fusekit.nn.arch`).
+
+Every model holds ONE ``nn.Sequential`` named ``net`` so its tensor names are
+``net.<i>.weight`` etc. and their natural order is the layer order:
+
+    MLP:     [Linear, (BatchNorm1d), ReLU, (PAN)]* + Linear
+    ConvNet: [Conv2d(padding=k//2), BatchNorm2d, ReLU, (PAN), (MaxPool2d(2))]*
+             + Flatten + [Linear, ReLU, (PAN)]* + Linear
+
+PAN encodings are buffers ``net.<i>.encoding``, never parameters. The PANs paper applies
+the encoding before the activation (Eq. 2-3); fusekit applies it after the ReLU. For
+multiplicative encodings (all factors > 0) the two are the same function; for additive
+ones fusekit's order adds a fixed per-neuron offset to the layer output instead of to the
+pre-activation, which breaks permutation symmetry in the same way.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from fusekit.checkpoint import Checkpoint, is_integer_buffer, load_checkpoint
+from fusekit.errors import CheckpointError, SpecError
+from fusekit.nn.arch import convnet_feature_size, pan_encoding, validate_arch
+
+
+class PositionEncoding(nn.Module):
+    """Position-aware neurons (PANs paper Eq. 4-5): a fixed per-neuron encoding added to or
+    multiplied with a layer's outputs.
+
+    Args:
+        width: number of neurons (or channels) J.
+        pan: ``{"mode", "amplitude", "period"}`` as validated by ``validate_pan``.
+        channels_first_image: True for conv feature maps (encoding shape (J, 1, 1)),
+            False for linear layers (shape (J,)).
+    """
+
+    def __init__(self, width: int, pan: Mapping[str, Any], *, channels_first_image: bool):
+        super().__init__()
+        self.mode = pan["mode"]
+        values = torch.from_numpy(pan_encoding(width, pan))
+        if channels_first_image:
+            values = values.reshape(width, 1, 1)
+        self.register_buffer("encoding", values)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mode == "additive":
+            return x + self.encoding
+        return x * self.encoding
+
+    def extra_repr(self) -> str:
+        return f"mode={self.mode}, width={self.encoding.shape[0]}"
+
+
+class FusekitMLP(nn.Module):
+    """Multi-layer perceptron; inputs of any shape (N, ...) are flattened to (N, D)."""
+
+    def __init__(self, arch: Mapping[str, Any]):
+        super().__init__()
+        self.arch = validate_arch(arch)
+        layers: list[nn.Module] = []
+        width_in = self.arch["in_features"]
+        for width in self.arch["hidden"]:
+            layers.append(nn.Linear(width_in, width))
+            if self.arch["batchnorm"]:
+                layers.append(nn.BatchNorm1d(width))
+            layers.append(nn.ReLU())
+            if self.arch["pan"]:
+                layers.append(PositionEncoding(width, self.arch["pan"], channels_first_image=False))
+            width_in = width
+        layers.append(nn.Linear(width_in, self.arch["out_features"]))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x.flatten(1))
+
+
+class FusekitConvNet(nn.Module):
+    """Small ConvNet of conv-BatchNorm-ReLU blocks and a linear head; inputs (N, C, H, W)
+    or flattened (N, C*H*W)."""
+
+    def __init__(self, arch: Mapping[str, Any]):
+        super().__init__()
+        self.arch = validate_arch(arch)
+        a = self.arch
+        layers: list[nn.Module] = []
+        channels_in = a["in_channels"]
+        for channels in a["channels"]:
+            layers += [
+                nn.Conv2d(channels_in, channels, a["kernel_size"], padding=a["kernel_size"] // 2),
+                nn.BatchNorm2d(channels),
+                nn.ReLU(),
+            ]
+            if a["pan"]:
+                layers.append(PositionEncoding(channels, a["pan"], channels_first_image=True))
+            if a["pool"]:
+                layers.append(nn.MaxPool2d(2))
+            channels_in = channels
+        height, width = convnet_feature_size(a)
+        layers.append(nn.Flatten())
+        width_in = channels_in * height * width
+        for width_out in a["hidden"]:
+            layers += [nn.Linear(width_in, width_out), nn.ReLU()]
+            if a["pan"]:
+                layers.append(PositionEncoding(width_out, a["pan"], channels_first_image=False))
+            width_in = width_out
+        layers.append(nn.Linear(width_in, a["out_features"]))
+        self.net = nn.Sequential(*layers)
+        self._input_shape = (a["in_channels"], *a["image_size"])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x.reshape(x.shape[0], *self._input_shape))
+
+
+def build_model(arch: Mapping[str, Any], *, seed: int | None = None) -> nn.Module:
+    """Build the torch module an architecture describes (float32, on the CPU).
+
+    Args:
+        arch: architecture description (``fusekit.arch`` metadata).
+        seed: when given, the initial weights are drawn from this seed without touching
+            torch's global random state; otherwise from the global state.
+
+    Raises:
+        SpecError: the description is invalid.
+    """
+    cls = FusekitMLP if validate_arch(arch)["type"] == "mlp" else FusekitConvNet
+    if seed is None:
+        return cls(arch)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return cls(arch)
+
+
+def state_dict_to_torch(state_dict: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """numpy/torch arrays -> torch tensors (float32 weights, int64 counters), copied so that
+    read-only numpy buffers are never shared with torch."""
+    out = {}
+    for name, value in state_dict.items():
+        tensor = torch.as_tensor(np.array(value, copy=True))
+        out[name] = tensor.long() if is_integer_buffer(name) else tensor.float()
+    return out
+
+
+def load_state_into(model: nn.Module, state_dict: Mapping[str, Any], label: str) -> nn.Module:
+    """Load ``state_dict`` into ``model`` strictly, with a message naming ``label``.
+
+    Raises:
+        CheckpointError: missing/unexpected tensors or shape mismatches.
+    """
+    tensors = state_dict_to_torch(state_dict)
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{label}: tensors do not match its fusekit.arch; missing {missing[:6]}, "
+            f"unexpected {unexpected[:6]}"
+        )
+    for name, tensor in tensors.items():
+        if is_integer_buffer(name) and tensor.numel() == 1:
+            # Scalar counters may come back as shape (1,) (np.ascontiguousarray makes 0-d 1-d).
+            tensors[name] = tensor = tensor.reshape(expected[name].shape)
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise CheckpointError(
+                f"{label}: tensor {name!r} has shape {tuple(tensor.shape)}; its fusekit.arch "
+                f"expects {tuple(expected[name].shape)}"
+            )
+    model.load_state_dict(tensors)
+    return model
+
+
+def load_model(
+    checkpoint_or_path: Checkpoint | str | os.PathLike[str],
+    device: str | torch.device = "cpu",
+) -> nn.Module:
+    """Build the module of a plain client or fused checkpoint and load its weights.
+
+    Args:
+        checkpoint_or_path: a :class:`~fusekit.checkpoint.Checkpoint` or a path to one.
+        device: where to put the model; it is returned in eval mode.
+
+    Returns:
+        The torch module (``FusekitMLP`` or ``FusekitConvNet``).
+
+    Raises:
+        CheckpointError: no ``fusekit.arch`` metadata, an invalid one, or tensors that do
+            not match it.
+    """
+    ckpt = (
+        checkpoint_or_path
+        if isinstance(checkpoint_or_path, Checkpoint)
+        else load_checkpoint(checkpoint_or_path)
+    )
+    if ckpt.arch is None:
+        raise CheckpointError(
+            f"{ckpt.label}: no fusekit.arch metadata; fusekit needs it to rebuild the model "
+            "(checkpoints written by `fusekit simulate` and `fusekit fuse` carry it)"
+        )
+    try:
+        model = build_model(ckpt.arch)
+    except SpecError as exc:
+        raise CheckpointError(f"{ckpt.label}: invalid fusekit.arch ({exc})") from None
+    load_state_into(model, ckpt.state_dict(), ckpt.label)
+    return model.to(device).eval()
+
+
+def pan_buffer_names(model_or_state: nn.Module | Mapping[str, Any]) -> list[str]:
+    """Names of the PAN encoding buffers of a model or state_dict (empty when no PANs)."""
+    names = (
+        model_or_state.state_dict().keys()
+        if isinstance(model_or_state, nn.Module)
+        else model_or_state.keys()
+    )
+    return [n for n in names if n.endswith(".encoding")]

@@ -1,0 +1,161 @@
+"""fusekit.data: data sets and partitions (ALGORITHMS.md §8)."""
+
+import gzip
+import pickle
+import struct
+
+import numpy as np
+import pytest
+
+from fusekit.data import (
+    class_counts,
+    digits,
+    dirichlet_partition,
+    iid_partition,
+    label_partition,
+    load_dataset,
+    partition,
+    synthetic,
+)
+from fusekit.errors import DataError, ParameterError
+
+LABELS = np.repeat(np.arange(10), 60)
+
+
+def _assert_disjoint_cover(parts, expected):
+    joined = np.concatenate(parts)
+    assert len(joined) == len(np.unique(joined)), "a sample is used twice"
+    assert set(joined.tolist()) == set(np.asarray(expected).tolist())
+
+
+@pytest.mark.parametrize("method", ["iid", "dirichlet", "labels"])
+def test_partitions_are_seeded_and_use_each_sample_once(method):
+    a = partition(LABELS, 7, method, alpha=0.3, min_samples=5, seed=3)
+    b = partition(LABELS, 7, method, alpha=0.3, min_samples=5, seed=3)
+    c = partition(LABELS, 7, method, alpha=0.3, min_samples=5, seed=4)
+    assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+    assert not all(np.array_equal(x, y) for x, y in zip(a, c, strict=True))
+    assert len(a) == 7 and min(len(p) for p in a) >= 5
+    assert all(p.dtype == np.int64 and np.all(np.diff(p) > 0) for p in a)
+    _assert_disjoint_cover(a, np.arange(LABELS.size))
+
+
+def test_iid_sizes_are_balanced():
+    sizes = [len(p) for p in iid_partition(LABELS, 7, seed=0)]
+    assert max(sizes) - min(sizes) <= 1
+
+
+def test_dirichlet_small_alpha_is_skewed_large_alpha_is_not():
+    def mean_max_share(alpha):
+        parts = dirichlet_partition(LABELS, 5, alpha, min_samples=1, seed=0)
+        return np.mean([np.bincount(LABELS[p], minlength=10).max() / len(p) for p in parts])
+
+    assert mean_max_share(0.05) > 0.35 > 0.2 > mean_max_share(100.0)
+
+
+def test_label_partition_class_sets_in_range():
+    parts = label_partition(LABELS, 6, 2, 4, seed=1)
+    seen = set()
+    for p in parts:
+        k = np.unique(LABELS[p]).size
+        assert 2 <= k <= 4
+        seen |= set(LABELS[p].tolist())
+    assert seen == set(range(10))
+    _assert_disjoint_cover(parts, np.arange(LABELS.size))
+
+
+def test_label_partition_uncoverable_uses_only_drawn_classes():
+    parts = label_partition(LABELS, 2, 3, 3, seed=0)
+    assert all(np.unique(LABELS[p]).size == 3 for p in parts)
+    drawn = np.unique(np.concatenate([LABELS[p] for p in parts]))
+    _assert_disjoint_cover(parts, np.flatnonzero(np.isin(LABELS, drawn)))
+
+
+def test_partition_errors():
+    with pytest.raises(ParameterError, match="alpha"):
+        partition(LABELS, 3, "dirichlet", alpha=0)
+    with pytest.raises(ParameterError, match="need 700 samples"):
+        partition(LABELS, 70, "iid", min_samples=10)
+    with pytest.raises(ParameterError, match="min_classes"):
+        partition(LABELS, 3, "labels", min_classes=5, max_classes=11)
+    with pytest.raises(ParameterError, match="expected one of"):
+        partition(LABELS, 3, "shards")
+    with pytest.raises(ParameterError, match="no split"):
+        dirichlet_partition(np.repeat(np.arange(2), 10), 10, 0.01, min_samples=2)
+
+
+def test_class_counts():
+    assert class_counts(np.array([0, 2, 2, 1]), np.array([1, 2, 3]), 4) == [0, 1, 2, 0]
+
+
+def test_digits_is_standardised_and_fixed():
+    ds = digits()
+    assert ds.input_shape == (1, 8, 8) and ds.num_classes == 10
+    assert (len(ds.y_train), len(ds.y_test)) == (1347, 450)
+    assert abs(float(ds.x_train.mean())) < 1e-4 and abs(float(ds.x_train.std()) - 1) < 1e-3
+    assert ds.x_train.dtype == np.float32 and ds.y_train.dtype == np.int64
+    assert np.array_equal(digits().y_test, ds.y_test)
+
+
+def test_synthetic_is_seeded_and_sized():
+    a = synthetic(samples=500, features=7, classes=4, seed=1)
+    b = load_dataset("synthetic", samples=500, features=7, classes=4, seed=1)
+    assert a.input_shape == (7,) and len(a.y_train) == 400 and a.num_classes == 4
+    np.testing.assert_array_equal(a.x_train, b.x_train)
+    assert not np.array_equal(a.x_train, synthetic(samples=500, features=7, classes=4).x_train)
+
+
+def test_npz(tmp_path):
+    rng = np.random.default_rng(0)
+    path = tmp_path / "d.npz"
+    np.savez(
+        path,
+        x_train=rng.normal(size=(20, 3)),
+        y_train=rng.integers(0, 3, 20),
+        x_test=rng.normal(size=(5, 3)),
+        y_test=np.array([0, 1, 2, 2, 1]),
+    )
+    ds = load_dataset("npz", path=path)
+    assert ds.input_shape == (3,) and ds.num_classes == 3
+    np.savez(tmp_path / "bad.npz", x_train=np.zeros((2, 2)))
+    with pytest.raises(DataError, match="missing array"):
+        load_dataset("npz", path=tmp_path / "bad.npz")
+
+
+def _write_idx(path, array, gz):
+    header = struct.pack(">HBB", 0, 8, array.ndim) + struct.pack(f">{array.ndim}I", *array.shape)
+    data = header + array.astype(np.uint8).tobytes()
+    with (gzip.open if gz else open)(path, "wb") as f:
+        f.write(data)
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_mnist_idx_files(tmp_path, gz):
+    folder = tmp_path / "MNIST" / "raw"
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    suffix = ".gz" if gz else ""
+    _write_idx(folder / f"train-images-idx3-ubyte{suffix}", rng.integers(0, 256, (12, 28, 28)), gz)
+    _write_idx(folder / f"train-labels-idx1-ubyte{suffix}", np.arange(12) % 10, gz)
+    _write_idx(folder / f"t10k-images-idx3-ubyte{suffix}", rng.integers(0, 256, (4, 28, 28)), gz)
+    _write_idx(folder / f"t10k-labels-idx1-ubyte{suffix}", np.arange(4), gz)
+    ds = load_dataset("mnist", data_dir=tmp_path)
+    assert ds.input_shape == (1, 28, 28) and ds.num_classes == 10 and len(ds.y_test) == 4
+
+
+def test_missing_files_say_which_are_needed(tmp_path):
+    with pytest.raises(DataError, match="train-images-idx3-ubyte"):
+        load_dataset("fashion-mnist", data_dir=tmp_path)
+    with pytest.raises(DataError, match="data_batch_1"):
+        load_dataset("cifar10", data_dir=tmp_path)
+    with pytest.raises(DataError, match="--data-dir"):
+        load_dataset("mnist")
+
+
+def test_cifar10_batches(tmp_path):
+    rng = np.random.default_rng(0)
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        batch = {b"data": rng.integers(0, 256, (3, 3072), dtype=np.uint8), b"labels": [0, 5, 9]}
+        (tmp_path / name).write_bytes(pickle.dumps(batch))
+    ds = load_dataset("cifar10", data_dir=tmp_path)
+    assert ds.input_shape == (3, 32, 32) and len(ds.y_train) == 15 and ds.num_classes == 10
