@@ -137,7 +137,7 @@ def test_convolutional_model_without_arch_is_refused(tmp_path):
     from conftest import cnn
 
     path = write(tmp_path / "cnn.safetensors", cnn(), num_samples=4)
-    with pytest.raises(CheckpointError, match="convolutional model needs fusekit.arch"):
+    with pytest.raises(CheckpointError, match=r"convolutional model needs fusekit\.arch"):
         fusekit.load_fused(path, "cpu")
 
 
