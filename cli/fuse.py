@@ -20,12 +20,16 @@ _METHODS_HELP = "; ".join(f"{name}: {cls.summary}" for name, cls in sorted(METHO
 def fuse(
     checkpoints: Annotated[list[Path], typer.Argument(help="Client checkpoints (.safetensors).",
                                                       show_default=False)],
-    method: Annotated[str, typer.Option("--method", "-m", help=f"Fusion method. {_METHODS_HELP}.")] = "avg",
+    method: Annotated[
+        str, typer.Option("--method", "-m", help=f"Fusion method. {_METHODS_HELP}.")
+    ] = "avg",
     output: Annotated[
         Path | None, typer.Option("--output", "-o", help="Where to write the fused model "
                                   "[default: fused-METHOD.safetensors].")
     ] = None,
-    force: Annotated[bool, typer.Option("--force", help="Replace an existing output file.")] = False,
+    force: Annotated[
+        bool, typer.Option("--force", help="Replace an existing output file.")
+    ] = False,
     spec: Annotated[
         Path | None, typer.Option("--spec", help="JSON permutation spec for models whose "
                                   "structure cannot be inferred from names and shapes.")

@@ -8,14 +8,16 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
+from fusekit._cli.output import emit_json, stdout
 from fusekit.api import check_compatible, client_spec, describe_checkpoint
 from fusekit.checkpoint import load_checkpoint
 from fusekit.errors import FusekitError
-from fusekit._cli.output import emit_json, stdout
 
 
 def inspect(
-    files: Annotated[list[Path], typer.Argument(help="Checkpoints to inspect.", show_default=False)],
+    files: Annotated[
+        list[Path], typer.Argument(help="Checkpoints to inspect.", show_default=False)
+    ],
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """Show layers, widths, permutation groups and metadata; exit 2 if fusion is blocked."""

@@ -34,7 +34,7 @@ def handle_errors(command):
             fail(exc, code=2)
         except (typer.Exit, typer.Abort, KeyboardInterrupt):
             raise
-        except Exception as exc:  # noqa: BLE001 - the front door reports every failure
+        except Exception as exc:
             fail(exc, code=1)
 
     return wrapper

@@ -2,10 +2,14 @@
 // mapping from Status to Python exceptions.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
+#include <cstdint>
 #include <string>
+#include <vector>
 
 #include "cost.hpp"
+#include "lap.hpp"
 #include "status.hpp"
 
 namespace py = pybind11;
@@ -14,6 +18,14 @@ using fusekit::Status;
 namespace {
 
 using Array = py::array_t<double, py::array::c_style | py::array::forcecast>;
+using Array32 = py::array_t<float, py::array::c_style | py::array::forcecast>;
+using Index = py::array_t<std::int64_t, py::array::c_style>;
+
+[[noreturn]] void raise_infeasible(const std::string& message) {
+    py::object cls = py::module_::import("fusekit.errors").attr("InfeasibleAssignmentError");
+    PyErr_SetString(cls.ptr(), message.c_str());
+    throw py::error_already_set();
+}
 
 void raise_for(Status status, const std::string& what) {
     switch (status) {
@@ -22,17 +34,103 @@ void raise_for(Status status, const std::string& what) {
         case Status::invalid_shape:
             throw py::value_error(what + ": invalid shape");
         case Status::non_finite:
-            throw py::value_error(what + ": expected finite values, found NaN or -inf");
+            throw py::value_error(what + ": expected finite values or +inf, found NaN or -inf");
         case Status::infeasible:
-            throw py::value_error(what + ": no complete assignment avoids forbidden pairs");
+            raise_infeasible(what +
+                             ": no complete assignment avoids the forbidden (+inf) pairs");
     }
 }
 
-void require_2d(const Array& x, const char* name) {
+void require_2d(const py::array& x, const char* name) {
     if (x.ndim() != 2) {
         throw py::value_error(std::string(name) + ": expected a 2-D array, got " +
                               std::to_string(x.ndim()) + "-D");
     }
+}
+
+void require_length(const Array& x, py::ssize_t n, const char* name) {
+    if (x.ndim() != 1 || x.shape(0) != n) {
+        throw py::value_error(std::string(name) + ": expected a 1-D array of length " +
+                              std::to_string(n));
+    }
+}
+
+bool is_float32(const py::array& x) { return x.dtype().is(py::dtype::of<float>()); }
+
+template <class T>
+py::tuple solve_typed(const py::array& cost_in, const py::object& warm_u_in,
+                      const py::object& warm_v_in, bool return_duals) {
+    auto cost = py::array_t<T, py::array::c_style | py::array::forcecast>::ensure(cost_in);
+    const auto nr = static_cast<std::size_t>(cost.shape(0));
+    const auto nc = static_cast<std::size_t>(cost.shape(1));
+    Array warm_u, warm_v;
+    const bool warm = !warm_u_in.is_none();
+    if (warm) {
+        warm_u = Array::ensure(warm_u_in);
+        warm_v = Array::ensure(warm_v_in);
+        if (!warm_u || !warm_v) throw py::value_error("warm_start: expected two 1-D arrays");
+        require_length(warm_u, cost.shape(0), "warm_start[0] (row potentials u)");
+        require_length(warm_v, cost.shape(1), "warm_start[1] (column potentials v)");
+    }
+    Index col_of_row(static_cast<py::ssize_t>(nr));
+    Array u(static_cast<py::ssize_t>(return_duals ? nr : 0));
+    Array v(static_cast<py::ssize_t>(return_duals ? nc : 0));
+    Status status;
+    {
+        py::gil_scoped_release release;
+        status = fusekit::solve_assignment<T>(
+            cost.data(), nr, nc, warm ? warm_u.data() : nullptr,
+            warm ? warm_v.data() : nullptr, col_of_row.mutable_data(),
+            return_duals ? u.mutable_data() : nullptr, return_duals ? v.mutable_data() : nullptr);
+    }
+    raise_for(status, "cost matrix");
+    return py::make_tuple(col_of_row, u, v);
+}
+
+py::tuple solve_assignment(const py::array& cost, const py::object& warm_u,
+                           const py::object& warm_v, bool return_duals) {
+    require_2d(cost, "cost");
+    if (is_float32(cost)) return solve_typed<float>(cost, warm_u, warm_v, return_duals);
+    return solve_typed<double>(cost, warm_u, warm_v, return_duals);
+}
+
+template <class T>
+py::list solve_batch_typed(const py::list& costs, int n_threads) {
+    using TArray = py::array_t<T, py::array::c_style | py::array::forcecast>;
+    std::vector<TArray> arrays;
+    std::vector<Index> results;
+    std::vector<const T*> data;
+    std::vector<std::size_t> nr, nc;
+    std::vector<std::int64_t*> outs;
+    for (py::ssize_t k = 0; k < static_cast<py::ssize_t>(costs.size()); ++k) {
+        py::array item = costs[static_cast<std::size_t>(k)].cast<py::array>();
+        require_2d(item, "costs[k]");
+        arrays.push_back(TArray::ensure(item));
+        nr.push_back(static_cast<std::size_t>(item.shape(0)));
+        nc.push_back(static_cast<std::size_t>(item.shape(1)));
+        results.emplace_back(item.shape(0));
+    }
+    for (std::size_t k = 0; k < arrays.size(); ++k) {
+        data.push_back(arrays[k].data());
+        outs.push_back(results[k].mutable_data());
+    }
+    std::vector<Status> statuses(arrays.size(), Status::ok);
+    {
+        py::gil_scoped_release release;
+        fusekit::solve_assignments<T>(data.data(), nr.data(), nc.data(), arrays.size(),
+                                      outs.data(), statuses.data(), n_threads);
+    }
+    py::list out;
+    for (std::size_t k = 0; k < arrays.size(); ++k) {
+        raise_for(statuses[k], "costs[" + std::to_string(k) + "]");
+        out.append(results[k]);
+    }
+    return out;
+}
+
+py::list solve_assignments(const py::list& costs, bool float32, int n_threads) {
+    if (float32) return solve_batch_typed<float>(costs, n_threads);
+    return solve_batch_typed<double>(costs, n_threads);
 }
 
 Array sqeuclidean_cost(const Array& a, const Array& b, int n_threads) {
@@ -56,6 +154,39 @@ Array sqeuclidean_cost(const Array& a, const Array& b, int n_threads) {
     return out;
 }
 
+// Arguments arrive validated and broadcast by fusekit.matching; shapes are rechecked here
+// because a wrong one would read out of bounds.
+Array posterior_cost(const Array& local, const Array& precision, const Array& sums,
+                     const Array& precisions, const Array& counts, const Array& mu0,
+                     const Array& sigma0_2, double n_clients, double gamma0, double lam,
+                     int n_threads) {
+    require_2d(local, "local");
+    require_2d(sums, "global_sums");
+    require_2d(precisions, "global_precisions");
+    const py::ssize_t nl = local.shape(0), p = local.shape(1), ng = sums.shape(0);
+    if (sums.shape(1) != p || precisions.shape(0) != ng || precisions.shape(1) != p) {
+        throw py::value_error("global_sums / global_precisions: expected shape (J_global, " +
+                              std::to_string(p) + ")");
+    }
+    require_length(precision, p, "client_precision");
+    require_length(counts, ng, "global_counts");
+    require_length(mu0, p, "mu0");
+    require_length(sigma0_2, p, "sigma0_2");
+    fusekit::PosteriorCostInput in{local.data(), precision.data(), sums.data(),
+                                   precisions.data(), counts.data(), mu0.data(),
+                                   sigma0_2.data(), static_cast<std::size_t>(nl),
+                                   static_cast<std::size_t>(ng), static_cast<std::size_t>(p),
+                                   n_clients, gamma0, lam};
+    Array out({ng + nl, nl});
+    Status status;
+    {
+        py::gil_scoped_release release;
+        status = fusekit::posterior_cost(in, out.mutable_data(), n_threads);
+    }
+    raise_for(status, "posterior_cost");
+    return out;
+}
+
 bool has_openmp() {
 #ifdef FUSEKIT_OPENMP
     return true;
@@ -68,8 +199,18 @@ bool has_openmp() {
 
 PYBIND11_MODULE(_core, m) {
     m.doc() = "fusekit's C++ core: neuron cost matrices and assignment solvers";
+    m.def("solve_assignment", &solve_assignment, py::arg("cost"), py::arg("warm_u") = py::none(),
+          py::arg("warm_v") = py::none(), py::arg("return_duals") = false,
+          "Minimum-cost assignment of a float32/float64 matrix; returns (col_of_row, u, v).");
+    m.def("solve_assignments", &solve_assignments, py::arg("costs"), py::arg("float32"),
+          py::arg("n_threads") = 0, "Independent assignment problems solved on a thread pool.");
     m.def("sqeuclidean_cost", &sqeuclidean_cost, py::arg("a"), py::arg("b"),
           py::arg("n_threads") = 0,
           "Pairwise squared Euclidean distances between the rows of a (n, p) and b (m, p).");
+    m.def("posterior_cost", &posterior_cost, py::arg("local"), py::arg("client_precision"),
+          py::arg("global_sums"), py::arg("global_precisions"), py::arg("global_counts"),
+          py::arg("mu0"), py::arg("sigma0_2"), py::arg("n_clients"), py::arg("gamma0"),
+          py::arg("lam"), py::arg("n_threads") = 0,
+          "PFNM (lam = 0) / NAFI matching cost of one client against the global posterior.");
     m.def("has_openmp", &has_openmp, "Whether the extension was built with OpenMP.");
 }

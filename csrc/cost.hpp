@@ -10,4 +10,24 @@ namespace fusekit {
 Status sqeuclidean_cost(const double* a, std::size_t n, const double* b, std::size_t m,
                         std::size_t p, double* out, int n_threads);
 
+// Inputs of the PFNM / NAFI matching cost of one client against the global posterior
+// (ALGORITHMS.md section 3-4). Per-coordinate arrays have length p; s = client precision
+// 1/sigma_s^2 (0 = unobserved), mu0 and sigma0_2 the prior.
+struct PosteriorCostInput {
+    const double* local;       // (n_local x p) client neuron vectors w_j
+    const double* precision;   // (p) s
+    const double* sums;        // (n_global x p) precision-weighted sums incl. prior term
+    const double* precisions;  // (n_global x p) P_i incl. 1/sigma0^2, all > 0
+    const double* counts;      // (n_global) n_i, 1 <= n_i < n_clients
+    const double* mu0;         // (p)
+    const double* sigma0_2;    // (p), > 0
+    std::size_t n_local, n_global, p;
+    double n_clients, gamma0;
+    double lam;  // NAFI's KL weight; 0 gives PFNM
+};
+
+// Fills out ((n_global + n_local) x n_local) with the cost to minimise: rows < n_global
+// are existing global neurons, row n_global + k - 1 is the k-th new-neuron slot.
+Status posterior_cost(const PosteriorCostInput& in, double* out, int n_threads);
+
 }  // namespace fusekit

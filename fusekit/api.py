@@ -96,13 +96,13 @@ def client_spec(checkpoint: Checkpoint, spec: SpecLike | None) -> PermutationSpe
 def check_compatible(checkpoints: Sequence[Checkpoint], specs: Sequence[PermutationSpec]) -> None:
     """Every client must have the same tensors and the same layer structure."""
     first, first_spec = checkpoints[0], specs[0]
-    for other, spec in zip(checkpoints[1:], specs[1:]):
+    for other, spec in zip(checkpoints[1:], specs[1:], strict=True):
         if len(first_spec.layers) != len(spec.layers):
             raise IncompatibleModelsError(
                 f"architectures cannot be fused: {first.label} has {len(first_spec.layers)} "
                 f"layers, {other.label} has {len(spec.layers)}"
             )
-        for mine, theirs in zip(first_spec.structure(), spec.structure()):
+        for mine, theirs in zip(first_spec.structure(), spec.structure(), strict=True):
             if mine != theirs:
                 raise IncompatibleModelsError(
                     f"architectures cannot be fused: {first.label} has {_describe(mine)} "

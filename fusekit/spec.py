@@ -117,8 +117,9 @@ class PermutationSpec:
     def structure(self) -> list[tuple[Any, ...]]:
         """What must agree between clients for them to be fused (everything but widths)."""
         rows = [
-            (l.name, l.kind, l.kernel_size, l.norm is not None, l.bias is not None)
-            for l in self.layers
+            (layer.name, layer.kind, layer.kernel_size, layer.norm is not None,
+             layer.bias is not None)
+            for layer in self.layers
         ]
         return [*rows, ("in", self.in_features), ("out", self.out_features)]
 
@@ -184,8 +185,8 @@ def infer_spec(state_dict: Mapping[str, Any], *, label: str = "state_dict") -> P
     for name, shape in shapes.items():
         prefix, _, part = name.rpartition(".")
         modules.setdefault(prefix, {})[part] = shape
-    weights = [p for p, parts in modules.items() if "weight" in parts and "running_mean" not in parts]
     norms = [p for p, parts in modules.items() if "running_mean" in parts]
+    weights = [p for p, parts in modules.items() if "weight" in parts and p not in norms]
     for prefix in weights:
         ndim = len(modules[prefix]["weight"])
         if ndim not in (2, 4):
@@ -194,7 +195,9 @@ def infer_spec(state_dict: Mapping[str, Any], *, label: str = "state_dict") -> P
                 "Conv2d (4) layers only; describe other models with a JSON spec file (--spec)"
             )
     if not weights:
-        raise SpecError(f"{label}: found no Linear or Conv2d weight tensors (names '<module>.weight')")
+        raise SpecError(
+            f"{label}: found no Linear or Conv2d weight tensors (names '<module>.weight')"
+        )
     order = _chained_order(sorted(weights + norms, key=_natural_key), modules, label)
     return _build_spec(order, modules, shapes, label)
 
@@ -251,7 +254,7 @@ def _build_spec(order: list[str], modules, shapes: Shapes, label: str,
         if "running_mean" in parts:
             norm = _norm(prefix, parts, (eps or {}).get(prefix, BATCHNORM_EPS))
             layers[-1] = replace(layers[-1], norm=norm)
-            used.update(norm.tensors + [norm.num_batches_tracked or ""])
+            used.update([*norm.tensors, norm.num_batches_tracked or ""])
             continue
         own = {part: f"{prefix}.{part}" for part in parts} | dict((names or {}).get(prefix, {}))
         layers.append(_layer(prefix, parts, own, layers[-1] if layers else None, label))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +17,7 @@ from fusekit.checkpoint import save_checkpoint
 def mlp(widths=(6, 5, 3), batchnorm=False, seed=0) -> nn.Sequential:
     torch.manual_seed(seed)
     layers: list[nn.Module] = []
-    for i, (a, b) in enumerate(zip(widths[:-1], widths[1:])):
+    for i, (a, b) in enumerate(itertools.pairwise(widths)):
         layers.append(nn.Linear(a, b))
         if i < len(widths) - 2:
             layers += [nn.BatchNorm1d(b)] if batchnorm else []

@@ -4,9 +4,9 @@ import struct
 
 import numpy as np
 import pytest
-from conftest import file_digest, mlp, write
 
 import fusekit
+from conftest import file_digest, mlp, write
 from fusekit.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from fusekit.errors import CheckpointError, CheckpointNotFoundError, OutputError
 
@@ -60,8 +60,9 @@ def test_corrupt_header_json(tmp_path):
 def test_absurd_header_length(tmp_path):
     path = tmp_path / "huge.safetensors"
     path.write_bytes(struct.pack("<Q", 2**62) + b"{}")
-    with pytest.raises(CheckpointError, match=r"huge\.safetensors.*header claims 4611686018427387904 "
-                                              r"bytes; expected at most"):
+    with pytest.raises(CheckpointError,
+                       match=r"huge\.safetensors.*header claims 4611686018427387904 bytes; "
+                             r"expected at most"):
         load_checkpoint(path)
 
 

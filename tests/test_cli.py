@@ -2,9 +2,9 @@ import json
 
 import numpy as np
 import pytest
-from conftest import file_digest, mlp, write
 from typer.testing import CliRunner
 
+from conftest import file_digest, mlp, write
 from fusekit._cli.app import app
 from fusekit.checkpoint import load_checkpoint
 
@@ -80,7 +80,8 @@ def _int_weights(tmp_path):
 
 
 @pytest.mark.parametrize(("make_bad", "message"), [
-    (lambda tmp: tmp / "missing.safetensors", r"missing\.safetensors: checkpoint file does not exist"),
+    (lambda tmp: tmp / "missing.safetensors",
+     r"missing\.safetensors: checkpoint file does not exist"),
     (_corrupt, r"corrupt\.safetensors: safetensors header claims \d+ bytes; expected at most"),
     (_nan, r"nan\.safetensors: tensor '0\.bias' has 1 non-finite value"),
     (_other_arch, r"architectures cannot be fused: .* has 2 layers, .*deep\.safetensors has 3"),

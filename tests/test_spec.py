@@ -3,9 +3,9 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import cnn, mlp, numpy_state
 from torch import nn
 
+from conftest import cnn, mlp, numpy_state
 from fusekit.errors import SpecError
 from fusekit.spec import infer_spec, load_spec_file, permute
 
@@ -63,7 +63,8 @@ def test_permuting_hidden_neurons_keeps_the_function(make):
     expected = model(x)
     rng = np.random.default_rng(0)
     permuted = permute(numpy_state(model), spec, [rng.permutation(w) for w in spec.hidden_widths])
-    model.load_state_dict({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in permuted.items()})
+    model.load_state_dict(
+        {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in permuted.items()})
     torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-6)
 
 

@@ -56,7 +56,7 @@ def average_tensor(arrays: Sequence[np.ndarray], weights: np.ndarray, name: str)
     if is_integer_buffer(name):
         return np.max(np.stack(arrays), axis=0)
     total = np.zeros(arrays[0].shape, dtype=np.float64)
-    for weight, array in zip(weights, arrays):
+    for weight, array in zip(weights, arrays, strict=True):
         total += weight * array
     return total.astype(arrays[0].dtype)
 

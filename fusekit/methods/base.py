@@ -108,7 +108,7 @@ def sample_weights(checkpoints: Sequence[Checkpoint]) -> np.ndarray:
     """α_s = N_s / Σ N (ALGORITHMS §1); uniform, with a warning, when any count is missing."""
     counts = [c.num_samples for c in checkpoints]
     if any(n is None for n in counts):
-        missing = [c.label for c, n in zip(checkpoints, counts) if n is None]
+        missing = [c.label for c, n in zip(checkpoints, counts, strict=True) if n is None]
         log.warning("no %s metadata in %s: weighting clients uniformly",
                     ckpt_meta.NUM_SAMPLES, ", ".join(missing))
         return np.full(len(checkpoints), 1.0 / len(checkpoints))

@@ -1,0 +1,353 @@
+"""Matching engine: linear assignment and neuron cost matrices, computed in ``fusekit._core``.
+
+The assignment solver follows SciPy's ``linear_sum_assignment`` contract, so SciPy is a
+drop-in oracle; it adds warm starts from the dual potentials of a previous, similar
+problem (PFNM / NAFI sweeps re-solve nearly the same problem again and again) and a
+threaded batch API. The cost kernels compute the PFNM / NAFI matching costs of
+ALGORITHMS.md sections 3-4 and the squared-Euclidean ground cost of OT fusion.
+
+Numpy reference implementations with the same signatures live in ``fusekit.reference``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from fusekit._native import core
+from fusekit.errors import ParameterError
+
+__all__ = [
+    "nafi_cost",
+    "pfnm_cost",
+    "solve_assignment",
+    "solve_assignments",
+    "sqeuclidean_cost",
+]
+
+
+def _as_cost_matrix(cost, maximize: bool, name: str = "cost") -> np.ndarray:
+    """A C-contiguous float32/float64 copy-or-view of ``cost``, negated when maximising."""
+    array = np.asarray(cost)
+    if array.ndim != 2:
+        raise ValueError(f"{name}: expected a 2-D cost matrix, got shape {array.shape}")
+    if array.dtype == np.bool_ or not (
+        np.issubdtype(array.dtype, np.number) and not np.issubdtype(array.dtype, np.complexfloating)
+    ):
+        raise ValueError(f"{name}: expected a real numeric matrix, got dtype {array.dtype}")
+    if array.dtype != np.float32:
+        array = array.astype(np.float64, copy=False)
+    if maximize:
+        # SciPy's convention: negate first, so +inf becomes an invalid -inf when maximising.
+        array = -array
+    return np.ascontiguousarray(array)
+
+
+def _row_col(col_of_row: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    rows = np.flatnonzero(col_of_row >= 0)
+    return rows, col_of_row[rows]
+
+
+def solve_assignment(
+    cost,
+    *,
+    maximize: bool = False,
+    warm_start: tuple[np.ndarray, np.ndarray] | None = None,
+    return_duals: bool = False,
+):
+    """Solve the linear assignment problem (Jonker-Volgenant shortest augmenting paths).
+
+    Parameters
+    ----------
+    cost : array_like, shape (n, m)
+        Real matrix (float32 is solved in float32 storage, anything else as float64; any
+        strides). ``+inf`` marks a forbidden pair. Rectangular matrices assign
+        ``min(n, m)`` pairs.
+    maximize : bool
+        Maximise the total instead of minimising it (then ``-inf`` is the forbidden value).
+    warm_start : (u, v), optional
+        Dual potentials, shapes (n,) and (m,), of a previous problem of the same shape and
+        orientation, as returned with ``return_duals=True``. They only change how fast the
+        solution is found, never which optimum is returned in cost.
+    return_duals : bool
+        Also return the dual potentials ``(u, v)``: ``u[i] + v[j] <= cost[i, j]`` (``>=``
+        when maximising) with equality on assigned pairs.
+
+    Returns
+    -------
+    row_ind, col_ind : ndarray of int64, shape (min(n, m),)
+        Assigned pairs, rows sorted increasingly (SciPy's ``linear_sum_assignment``
+        contract; the total cost equals SciPy's optimum).
+    (u, v) : tuple of ndarray of float64, only with ``return_duals=True``.
+
+    Raises
+    ------
+    ValueError
+        ``cost`` is not a real 2-D matrix, holds NaN or ``-inf`` (``+inf`` when
+        maximising), or ``warm_start`` has the wrong shapes or non-finite values.
+    InfeasibleAssignmentError
+        Every complete assignment uses a forbidden pair.
+    """
+    matrix = _as_cost_matrix(cost, maximize)
+    warm_u = warm_v = None
+    if warm_start is not None:
+        try:
+            warm_u, warm_v = warm_start
+        except (TypeError, ValueError):
+            raise ValueError("warm_start: expected a pair (u, v) of 1-D arrays") from None
+        warm_u = np.asarray(warm_u, dtype=np.float64)
+        warm_v = np.asarray(warm_v, dtype=np.float64)
+        if maximize:
+            warm_u, warm_v = -warm_u, -warm_v
+    col_of_row, u, v = core().solve_assignment(matrix, warm_u, warm_v, return_duals)
+    rows, cols = _row_col(col_of_row)
+    if not return_duals:
+        return rows, cols
+    if maximize:
+        u, v = -u, -v
+    return rows, cols, (u, v)
+
+
+def solve_assignments(
+    costs: Sequence, *, maximize: bool = False, n_threads: int | None = None
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Solve independent assignment problems in parallel threads (GIL released).
+
+    Parameters
+    ----------
+    costs : sequence of array_like, each shape (n_k, m_k)
+        As for :func:`solve_assignment`; shapes may differ. The batch is solved in float32
+        storage only when every matrix is float32.
+    maximize : bool
+        Maximise every total instead of minimising it.
+    n_threads : int, optional
+        Worker threads; default: one per available core.
+
+    Returns
+    -------
+    list of (row_ind, col_ind), one per problem, as :func:`solve_assignment`.
+
+    Raises
+    ------
+    ValueError, InfeasibleAssignmentError
+        As :func:`solve_assignment`, naming the index of the offending problem.
+    """
+    if n_threads is not None and (not isinstance(n_threads, int) or n_threads < 1):
+        raise ParameterError(f"n_threads: expected a positive integer, got {n_threads!r}")
+    matrices = [_as_cost_matrix(c, maximize, name=f"costs[{k}]") for k, c in enumerate(costs)]
+    float32 = bool(matrices) and all(m.dtype == np.float32 for m in matrices)
+    if not float32:
+        matrices = [m.astype(np.float64, copy=False) for m in matrices]
+    results = core().solve_assignments(matrices, float32, n_threads or 0)
+    return [_row_col(col_of_row) for col_of_row in results]
+
+
+def sqeuclidean_cost(a, b) -> np.ndarray:
+    """Pairwise squared Euclidean distances, the ground cost of OT fusion (ALGORITHMS.md §5).
+
+    Parameters
+    ----------
+    a : array_like, shape (n, p)
+    b : array_like, shape (m, p)
+
+    Returns
+    -------
+    ndarray of float64, shape (n, m)
+        ``out[i, j] = sum_p (a[i, p] - b[j, p])**2``, computed as differences (never
+        negative, no cancellation), blocked and multithreaded.
+
+    Raises
+    ------
+    ValueError
+        Not 2-D, different numbers of columns, or non-finite values.
+    """
+    a = _finite_matrix(a, "a")
+    b = _finite_matrix(b, "b")
+    if a.shape[1] != b.shape[1]:
+        raise ValueError(
+            f"a and b: expected the same number of columns, got {a.shape[1]} and {b.shape[1]}"
+        )
+    return core().sqeuclidean_cost(a, b)
+
+
+def _finite_matrix(x, name: str) -> np.ndarray:
+    array = np.ascontiguousarray(np.asarray(x, dtype=np.float64))
+    if array.ndim != 2:
+        raise ValueError(f"{name}: expected a 2-D array, got shape {array.shape}")
+    if not np.isfinite(array).all():
+        raise ValueError(f"{name}: expected finite values, found NaN or inf")
+    return array
+
+
+def _per_coordinate(x, p: int, name: str, *, bound: str | None) -> np.ndarray:
+    """Broadcast a scalar or (p,) argument to a contiguous (p,) float64 vector."""
+    array = np.asarray(x, dtype=np.float64)
+    if array.ndim == 0:
+        array = np.full(p, float(array))
+    elif array.shape != (p,):
+        raise ParameterError(f"{name}: expected a scalar or shape ({p},), got {array.shape}")
+    if not np.isfinite(array).all():
+        raise ParameterError(f"{name}: expected finite values")
+    if bound == "positive" and not (array > 0).all():
+        raise ParameterError(f"{name}: expected values > 0, found min {array.min()}")
+    if bound == "non-negative" and not (array >= 0).all():
+        raise ParameterError(f"{name}: expected values >= 0, found min {array.min()}")
+    return np.ascontiguousarray(array)
+
+
+def _posterior_cost(
+    local,
+    client_precision,
+    global_sums,
+    global_precisions,
+    global_counts,
+    n_clients,
+    mu0,
+    sigma0_2,
+    gamma0,
+    lam,
+) -> np.ndarray:
+    local = _finite_matrix(local, "local")
+    j_local, p = local.shape
+    sums = _finite_matrix(global_sums, "global_sums")
+    precisions = _finite_matrix(global_precisions, "global_precisions")
+    if sums.shape[1:] != (p,) or precisions.shape != sums.shape:
+        raise ValueError(
+            f"global_sums {sums.shape} and global_precisions {precisions.shape}: expected "
+            f"the same shape (J_global, {p})"
+        )
+    if not (precisions > 0).all():
+        raise ParameterError(
+            "global_precisions: expected values > 0 (they include the prior 1/sigma0^2)"
+        )
+    counts = np.ascontiguousarray(np.asarray(global_counts, dtype=np.float64))
+    if counts.shape != (sums.shape[0],):
+        raise ValueError(f"global_counts: expected shape ({sums.shape[0]},), got {counts.shape}")
+    if isinstance(n_clients, bool) or not isinstance(n_clients, (int, np.integer)) or n_clients < 2:
+        raise ParameterError(f"n_clients: expected an integer >= 2, got {n_clients!r}")
+    if counts.size and not ((counts >= 1).all() and (counts < n_clients).all()):
+        raise ParameterError(
+            f"global_counts: expected 1 <= n_i < n_clients={n_clients} (clients other than "
+            f"this one), found range [{counts.min()}, {counts.max()}]"
+        )
+    if not (np.isfinite(gamma0) and gamma0 > 0):
+        raise ParameterError(f"gamma0: expected a finite value > 0, got {gamma0!r}")
+    if not (np.isfinite(lam) and lam >= 0):
+        raise ParameterError(f"lam: expected a finite value >= 0, got {lam!r}")
+    return core().posterior_cost(
+        local,
+        _per_coordinate(client_precision, p, "client_precision", bound="non-negative"),
+        sums,
+        precisions,
+        counts,
+        _per_coordinate(mu0, p, "mu0", bound=None),
+        _per_coordinate(sigma0_2, p, "sigma0_2", bound="positive"),
+        float(n_clients),
+        float(gamma0),
+        float(lam),
+    )
+
+
+def pfnm_cost(
+    local,
+    client_precision,
+    global_sums,
+    global_precisions,
+    global_counts,
+    *,
+    n_clients: int,
+    mu0=0.0,
+    sigma0_2=1.0,
+    gamma0: float = 1.0,
+) -> np.ndarray:
+    """PFNM matching cost of one client against the global posterior (NAFI paper Eq. 5).
+
+    Parameters
+    ----------
+    local : array_like, shape (J_l, P)
+        The client's neuron vectors w_j.
+    client_precision : float or array_like, shape (P,)
+        Client precision s = 1/sigma_s^2 per coordinate; 0 marks an unobserved coordinate.
+    global_sums : array_like, shape (J_g, P)
+        Precision-weighted sums of the members of each global neuron, including the prior
+        term mu0/sigma0^2.
+    global_precisions : array_like, shape (J_g, P)
+        Posterior precisions P_i (including 1/sigma0^2), all > 0.
+    global_counts : array_like, shape (J_g,)
+        n_i, the number of OTHER clients in global neuron i (1 <= n_i < n_clients).
+    n_clients : int
+        S, the number of clients.
+    mu0, sigma0_2 : float or array_like, shape (P,)
+        Prior mean and variance of global neurons.
+    gamma0 : float
+        Mass of the Beta-Bernoulli process.
+
+    Returns
+    -------
+    ndarray of float64, shape (J_g + J_l, J_l)
+        Cost to minimise (up to a per-column constant):
+        row i < J_g: ``sum_p a_ip (w_jp - m_ip)^2 + 2 log((S - n_i) / n_i)`` with
+        ``a = s P / (s + P)``, ``m = sums / P``; row J_g + k - 1 (new-neuron slot k):
+        ``sum_p s/(1 + s sigma0^2) (w_jp - mu0_p)^2 + 2 log(k S / gamma0)``.
+
+    Raises
+    ------
+    ValueError, ParameterError
+        Shapes disagree, values are non-finite or out of range.
+    """
+    return _posterior_cost(
+        local,
+        client_precision,
+        global_sums,
+        global_precisions,
+        global_counts,
+        n_clients,
+        mu0,
+        sigma0_2,
+        gamma0,
+        0.0,
+    )
+
+
+def nafi_cost(
+    local,
+    client_precision,
+    global_sums,
+    global_precisions,
+    global_counts,
+    *,
+    n_clients: int,
+    mu0=0.0,
+    sigma0_2=1.0,
+    gamma0: float = 1.0,
+    lam: float = 1e-2,
+) -> np.ndarray:
+    """NAFI matching cost: PFNM's cost plus ``lam`` times a KL term (NAFI paper Eq. 14).
+
+    Parameters are those of :func:`pfnm_cost`, plus ``lam`` (>= 0), the KL weight.
+    The KL between the global neuron's posterior before and after adding w_j is
+    ``1/2 sum_p [r - 1 - ln r + s^2 (w_jp - m_ip)^2 / (P_ip + s_p)]`` with
+    ``r = (P_ip + s_p) / P_ip``; new slots use P = 1/sigma0^2 and m = mu0 (Lemma 5.1).
+
+    Returns
+    -------
+    ndarray of float64, shape (J_g + J_l, J_l)
+
+    Raises
+    ------
+    ValueError, ParameterError
+        As :func:`pfnm_cost`, or ``lam`` negative.
+    """
+    return _posterior_cost(
+        local,
+        client_precision,
+        global_sums,
+        global_precisions,
+        global_counts,
+        n_clients,
+        mu0,
+        sigma0_2,
+        gamma0,
+        lam,
+    )
