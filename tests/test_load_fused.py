@@ -74,7 +74,7 @@ def test_every_method_round_trips(tmp_path, method, kind):
     assert isinstance(model, AMSModel) == (method == "ams")
 
 
-@pytest.mark.parametrize("method", ["avg", "ams"])
+@pytest.mark.parametrize("method", ["avg", "ams", "ot"])
 @pytest.mark.parametrize("kind", ["mlp", "convnet"])
 def test_fusing_copies_of_one_client_gives_back_its_function(tmp_path, method, kind):
     client = write_client(tmp_path / "c.safetensors", arch_of(kind), seed=3)

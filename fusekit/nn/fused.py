@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from fusekit.checkpoint import Checkpoint, load_checkpoint
-from fusekit.errors import CheckpointError, SpecError
+from fusekit.errors import CheckpointError, DataError, SpecError
 from fusekit.methods.ams import AMS_METADATA, read_ams_metadata
 from fusekit.methods.base import SPEC
 from fusekit.nn.ams import AMSModel
@@ -123,6 +123,58 @@ def build_plain_model(
     return SpecMLP(spec, state_dict, label)
 
 
+def hidden_preactivations(checkpoint: Checkpoint, spec: PermutationSpec,
+                          inputs: np.ndarray) -> list[np.ndarray]:
+    """A client's pre-activations on ``inputs``, for activation-mode OT fusion (§5).
+
+    The pre-activation of a hidden neuron is its layer's output after the BatchNorm (if
+    any) and before the ReLU, i.e. the output of the BatchNorm-folded layer.
+
+    Args:
+        checkpoint: the client (built with :func:`build_plain_model`, on the CPU).
+        spec: its permutation spec.
+        inputs: float32 (N, ...) inputs the model accepts (flattened for an MLP).
+
+    Returns:
+        Per hidden layer, float64 (samples, J): linear layers give N rows; conv layers
+        give N*H*W rows (every spatial position of a channel is a sample of that neuron).
+
+    Raises:
+        DataError: the inputs do not fit the model.
+    """
+    spec_json = spec.to_json() if checkpoint.arch is None else None
+    model = build_plain_model(checkpoint.state_dict(), checkpoint.arch, spec_json,
+                              checkpoint.label).eval()
+    captured: list[torch.Tensor] = []
+    hooks = [module.register_forward_hook(lambda _m, _i, out: captured.append(out.clone()))
+             for module in preactivation_modules(model, spec)[:-1]]
+    try:
+        with torch.no_grad():
+            model(torch.from_numpy(np.ascontiguousarray(inputs, dtype=np.float32)))
+    except RuntimeError as exc:
+        raise DataError(
+            f"activations: inputs of shape {tuple(inputs.shape)} do not fit "
+            f"{checkpoint.label} ({str(exc).splitlines()[0]})"
+        ) from None
+    finally:
+        for hook in hooks:
+            hook.remove()
+    out = []
+    for value in captured:
+        if value.dim() == 4:  # (N, C, H, W) -> (N*H*W, C)
+            value = value.permute(0, 2, 3, 1).reshape(-1, value.shape[1])
+        out.append(value.double().numpy())
+    return out
+
+
+def preactivation_modules(model: nn.Module, spec: PermutationSpec) -> list[nn.Module]:
+    """Per spec layer, the module whose output is that layer's pre-activation."""
+    if isinstance(model, SpecMLP):
+        return list(model.preactivation)
+    return [model.get_submodule(layer.norm.prefix if layer.norm else layer.name)
+            for layer in spec.layers]
+
+
 class SpecMLP(nn.Module):
     """A ReLU MLP read from a permutation spec: Linear, (BatchNorm1d), ReLU, ..., Linear.
 
@@ -143,6 +195,7 @@ class SpecMLP(nn.Module):
             )
         tensors = state_dict_to_torch(state_dict)
         layers: list[nn.Module] = []
+        self.preactivation: list[nn.Module] = []
         for index, layer in enumerate(spec.layers):
             linear = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None)
             _copy(linear, {"weight": layer.weight, "bias": layer.bias}, tensors)
@@ -154,6 +207,7 @@ class SpecMLP(nn.Module):
                              "running_mean": layer.norm.running_mean,
                              "running_var": layer.norm.running_var}, tensors)
                 layers.append(norm)
+            self.preactivation.append(layers[-1])
             if index < len(spec.layers) - 1:
                 layers.append(nn.ReLU())
         self.net = nn.Sequential(*layers)
