@@ -110,13 +110,8 @@ class OptimalTransport(FusionMethod):
         clients = [neurons.client_layers(c, s) for c, s in zip(checkpoints, specs, strict=True)]
         aligned, layer_reports = align_to_anchor(clients, anchor_index, preactivations)
         weights = sample_weights(checkpoints)
-        fused = [
-            neurons.UnitLayer(
-                weight=sum(w * client[li].weight for w, client in zip(weights, aligned)),
-                bias=sum(w * client[li].bias for w, client in zip(weights, aligned)),
-            )
-            for li in range(len(specs[0].layers))
-        ]
+        fused = [average_layers([client[li] for client in aligned], weights)
+                 for li in range(len(specs[0].layers))]
         spec = specs[anchor_index]
         state_dict = neurons.to_state_dict(checkpoints, spec, fused)
         params = {
@@ -216,6 +211,13 @@ def align_to_anchor(
             reports.append({"layer": li, "width": clients[anchor][li].out_features,
                             "transport": sorted(kinds), "mean_cost": costs})
     return aligned, reports
+
+
+def average_layers(layers: Sequence[neurons.UnitLayer], weights: np.ndarray) -> neurons.UnitLayer:
+    """Σ_s α_s layer_s of layers already aligned to the same neuron order (step 5)."""
+    pairs = list(zip(weights, layers, strict=True))
+    return neurons.UnitLayer(weight=sum(a * layer.weight for a, layer in pairs),
+                             bias=sum(a * layer.bias for a, layer in pairs))
 
 
 def align_incoming(layer: neurons.UnitLayer, normalised: np.ndarray | None) -> neurons.UnitLayer:
