@@ -251,3 +251,20 @@ def test_read_ams_metadata_rejects_malformed():
     bad_k = {"format": "fusekit.ams/1", "mode": "topk", "k": 9, "models": [{}]}
     with pytest.raises(CheckpointError, match=r"1 <= k <= 1"):
         read_ams_metadata({AMS_METADATA: json.dumps(bad_k)}, "x")
+
+
+def test_cli_fuse_ams(tmp_path):
+    from typer.testing import CliRunner
+
+    from fusekit._cli.app import app
+
+    paths = [_write(tmp_path, f"c{i}.safetensors", m, 5) for i, m in enumerate(mixed_models())]
+    out = tmp_path / "ams.safetensors"
+    result = CliRunner().invoke(app, ["fuse", *map(str, paths), "--method", "ams", "--mode",
+                                      "topk", "--k", "3", "-o", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["params"] == {"mode": "topk", "k": 3}
+    assert read_ams_metadata(load_checkpoint(out).metadata, "out")["k"] == 3
+    bad = CliRunner().invoke(app, ["fuse", *map(str, paths), "--method", "ams", "--mode",
+                                   "topk", "-o", str(tmp_path / "x.safetensors")])
+    assert bad.exit_code == 2 and "needs k" in bad.output

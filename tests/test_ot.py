@@ -276,3 +276,22 @@ def test_activation_inputs_that_do_not_fit_are_refused(tmp_path):
     with pytest.raises(DataError, match=r"inputs of shape \(8, 4\) do not fit"):
         fusekit.fuse(_clients(tmp_path, models, [1, 1]), method="ot",
                      activations=np.zeros((8, 4)))
+
+
+def test_cli_fuse_ot(tmp_path):
+    from typer.testing import CliRunner
+
+    from fusekit._cli.app import app
+
+    models = [mlp(widths=(6, 5, 3), seed=0), mlp(widths=(6, 7, 3), seed=1)]
+    paths = _clients(tmp_path, models, [5, 8])
+    np.save(tmp_path / "inputs.npy", np.random.default_rng(0).normal(size=(30, 6)))
+    out = tmp_path / "ot.safetensors"
+    result = CliRunner().invoke(app, [
+        "fuse", *map(str, paths), "--method", "ot", "--anchor", "c0.safetensors",
+        "--activations", str(tmp_path / "inputs.npy"), "--activation-samples", "20",
+        "-o", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.stdout)
+    assert payload["widths"] == [5] and payload["report"]["cost"] == "activations"
+    assert payload["params"]["activation_samples"] == 20
