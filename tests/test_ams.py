@@ -156,9 +156,10 @@ def test_vectorised_groups_equal_one_by_one_and_modes_switch():
     assert ams._groups == [[0, 1, 2, 3]]
     x = torch.randn(33, 12)
     with torch.no_grad():
-        grouped = ams.all_logits(x)
         one_by_one = torch.stack([m(x) for m in models])
-        torch.testing.assert_close(grouped, one_by_one, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(ams.all_logits(x), one_by_one)  # CPU default: one by one
+        ams.vectorise = True
+        torch.testing.assert_close(ams.all_logits(x), one_by_one, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(ams(x), one_by_one.sum(0), rtol=1e-5, atol=1e-5)
         ams.set_mode("top1")
         ref, _ = reference_selection(one_by_one.double().numpy(), 1)

@@ -9,10 +9,10 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import mlp, write
 from test_ams import reference_selection
 
 import fusekit
+from conftest import mlp, write
 from fusekit.checkpoint import load_checkpoint, save_checkpoint
 from fusekit.errors import CheckpointError
 from fusekit.methods import METHODS

@@ -1,10 +1,10 @@
 """The AMS module: every client model, run on the same batch, answering per sample with the
 most confident one(s) (ALGORITHMS.md §6; AMS paper §5, Eq. 7-9, Algorithm 2).
 
-Sub-models with the same architecture (same module class and tensor shapes) run as one
-vectorised call (``torch.func.vmap`` over their stacked weights), so S equal clients cost
-a handful of batched matrix products instead of S separate forward passes; models of
-other architectures run one by one on the same device.
+All sub-models run on the same batch on the same device. On CUDA, sub-models with the
+same architecture (same module class and tensor shapes) run as one vectorised call
+(``torch.func.vmap`` over their stacked weights: a few batched kernels instead of S
+separate forward passes); on the CPU they run one by one, which measured faster there.
 """
 
 from __future__ import annotations
@@ -65,6 +65,10 @@ class AMSModel(nn.Module):
         models: the sub-models (``models.<i>`` in the state_dict, as in the artefact).
         mode: ``top1``, ``topk`` or ``full``; ``k``: models summed (see :func:`select_logits`).
             Both can be changed after loading with :meth:`set_mode`.
+        vectorise: run sub-models of the same architecture as one vmap call. Default
+            None = only on CUDA: on the CPU, vmap turns each Linear into a batched matmul
+            plus a broadcast add and measured 2-2.5x slower than running the models one by
+            one (benchmarks/RESULTS.md); the results are the same either way.
     """
 
     def __init__(self, models: Sequence[nn.Module], mode: str = "top1", k: int | None = None):
@@ -74,6 +78,7 @@ class AMSModel(nn.Module):
         self.models = nn.ModuleList(models)
         self.mode, self.k = mode, resolve_k(mode, k, len(models))
         self._groups = _same_architecture_groups(self.models)
+        self.vectorise: bool | None = None
 
     def set_mode(self, mode: str, k: int | None = None) -> AMSModel:
         """Switch between top1 / topk / full without reloading; returns self."""
@@ -86,8 +91,10 @@ class AMSModel(nn.Module):
         for group in self._groups:
             # vmap cannot update BatchNorm running statistics in place: train mode runs the
             # models one by one.
-            if len(group) == 1 or self.training:
-                out[group[0]] = self.models[group[0]](x)
+            vectorise = x.is_cuda if self.vectorise is None else self.vectorise
+            if len(group) == 1 or self.training or not vectorise:
+                for index in group:
+                    out[index] = self.models[index](x)
                 continue
             members = [self.models[i] for i in group]
             params, buffers = stack_module_state(members)
