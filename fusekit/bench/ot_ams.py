@@ -188,10 +188,10 @@ def run_ams(n_models: int, batch: int, repeats: int) -> list[dict[str, Any]]:
                     model = AMSModel(models, mode=mode).to(device).eval()
                     model.vectorise = vectorise
 
-                    def step(m=model):
+                    def step(m=model, inputs=x, on_gpu=device == "cuda"):
                         with torch.no_grad():
-                            out = m(x)
-                        if device == "cuda":
+                            out = m(inputs)
+                        if on_gpu:
                             torch.cuda.synchronize()
                         return out
 
