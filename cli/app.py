@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 from rich.logging import RichHandler
 
-from fusekit._cli import fuse, inspect
+from fusekit._cli import bench, fuse, inspect
 from fusekit._cli.output import handle_errors, state, stderr, stdout
 from fusekit._native import core_status
 from fusekit._version import __version__
@@ -49,6 +49,7 @@ def _main(
 
 app.command("fuse")(handle_errors(fuse.fuse))
 app.command("inspect")(handle_errors(inspect.inspect))
+app.add_typer(bench.app, name="bench")
 
 
 def main() -> None:

@@ -209,7 +209,7 @@ def _posterior_cost(
     lam,
 ) -> np.ndarray:
     local = _finite_matrix(local, "local")
-    j_local, p = local.shape
+    p = local.shape[1]
     sums = _finite_matrix(global_sums, "global_sums")
     precisions = _finite_matrix(global_precisions, "global_precisions")
     if sums.shape[1:] != (p,) or precisions.shape != sums.shape:

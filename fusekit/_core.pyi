@@ -1,0 +1,31 @@
+"""Type stubs for fusekit's compiled core (csrc/bindings.cpp)."""
+
+import numpy as np
+import numpy.typing as npt
+
+def solve_assignment(
+    cost: npt.NDArray[np.float32] | npt.NDArray[np.float64],
+    warm_u: npt.ArrayLike | None = None,
+    warm_v: npt.ArrayLike | None = None,
+    return_duals: bool = False,
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float64], npt.NDArray[np.float64]]: ...
+def solve_assignments(
+    costs: list[np.ndarray], float32: bool, n_threads: int = 0
+) -> list[npt.NDArray[np.int64]]: ...
+def sqeuclidean_cost(
+    a: npt.NDArray[np.float64], b: npt.NDArray[np.float64], n_threads: int = 0
+) -> npt.NDArray[np.float64]: ...
+def posterior_cost(
+    local: npt.NDArray[np.float64],
+    client_precision: npt.NDArray[np.float64],
+    global_sums: npt.NDArray[np.float64],
+    global_precisions: npt.NDArray[np.float64],
+    global_counts: npt.NDArray[np.float64],
+    mu0: npt.NDArray[np.float64],
+    sigma0_2: npt.NDArray[np.float64],
+    n_clients: float,
+    gamma0: float,
+    lam: float,
+    n_threads: int = 0,
+) -> npt.NDArray[np.float64]: ...
+def has_openmp() -> bool: ...

@@ -1,0 +1,333 @@
+# ruff: noqa: B023  (benchmark closures are timed within the iteration that made them)
+"""Benchmark of the matching engine against every assignment solver a Python user can reach.
+
+Peers are measured in the same run, median of several repetitions, on seeded problems:
+fusekit, SciPy ``linear_sum_assignment``, lapx 0.11 (``lapjvh``, ``lapjvr``), gatagat's
+``lap``, ``lapjv`` and POT's ``emd``. lapx and gatagat's lap both install a module named
+``lap``: the one that is not importable normally is loaded from a ``pip install --target``
+directory given with ``--lapx-path`` / ``--lap-path`` (or FUSEKIT_BENCH_LAPX_PATH /
+FUSEKIT_BENCH_LAP_PATH). A peer that is missing is reported as such, never fatal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from fusekit import matching
+
+logger = logging.getLogger(__name__)
+
+Solver = Callable[[np.ndarray], object]
+
+
+def _import_lap_from(path: str | None):
+    """Import a module called ``lap`` from ``path`` (or the normal sys.path when None)."""
+    saved_modules = {k: v for k, v in sys.modules.items() if k == "lap" or k.startswith("lap.")}
+    for key in saved_modules:
+        del sys.modules[key]
+    saved_path = list(sys.path)
+    try:
+        if path:
+            sys.path.insert(0, path)
+        return importlib.import_module("lap")
+    except ImportError:
+        return None
+    finally:
+        sys.path[:] = saved_path
+        for key in [k for k in sys.modules if k == "lap" or k.startswith("lap.")]:
+            del sys.modules[key]
+        sys.modules.update(saved_modules)
+
+
+def load_peers(lapx_path: str | None, lap_path: str | None) -> tuple[dict[str, Solver], dict]:
+    """Solvers keyed by name, and a note per peer (version or why it is missing)."""
+    import scipy
+    from scipy.optimize import linear_sum_assignment
+
+    peers: dict[str, Solver] = {
+        "fusekit": matching.solve_assignment,
+        "scipy": linear_sum_assignment,
+    }
+    notes = {"fusekit": "this build", "scipy": scipy.__version__}
+    lapx = gatagat = None
+    for candidate in [
+        _import_lap_from(None),
+        _import_lap_from(lapx_path),
+        _import_lap_from(lap_path),
+    ]:
+        if candidate is None:
+            continue
+        if hasattr(candidate, "lapjvh"):
+            lapx = lapx or candidate
+        else:
+            gatagat = gatagat or candidate
+    if lapx is not None:
+        peers["lapx lapjvh"] = lambda c: lapx.lapjvh(c, extend_cost=True, return_cost=False)
+        peers["lapx lapjvr"] = lambda c: lapx.lapjvr(c, extend_cost=True, return_cost=False)
+        notes["lapx"] = lapx.__file__
+    else:
+        notes["lapx"] = "not installed (pip install --target DIR lapx==0.11.*; --lapx-path DIR)"
+    if gatagat is not None:
+        peers["lap"] = lambda c: gatagat.lapjv(c, extend_cost=True)
+        notes["lap"] = gatagat.__file__
+    else:
+        notes["lap"] = "not installed (pip install --target DIR lap; --lap-path DIR)"
+    try:
+        from lapjv import lapjv
+
+        peers["lapjv"] = lambda c: lapjv(c) if c.shape[0] == c.shape[1] else None
+        notes["lapjv"] = "square only"
+    except ImportError:
+        notes["lapjv"] = "not installed"
+    try:
+        import ot
+
+        def emd(c):
+            if c.shape[0] != c.shape[1] or c.shape[0] > 1000:
+                return None
+            w = np.full(c.shape[0], 1.0 / c.shape[0])
+            return ot.emd(w, w, c.astype(np.float64))
+
+        peers["POT emd"] = emd
+        notes["POT emd"] = f"{ot.__version__}, square n <= 1000"
+    except ImportError:
+        notes["POT emd"] = "not installed"
+    return peers, notes
+
+
+def median_time(fn: Callable[[], object], budget: float = 0.4, max_reps: int = 15) -> float | None:
+    """Median wall time of fn() in seconds after one warm-up; None if fn returns None."""
+    start = time.perf_counter()
+    if fn() is None:
+        return None
+    first = time.perf_counter() - start
+    reps = int(max(3, min(max_reps, budget / max(first, 1e-6))))
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def pfnm_problem(rng, j_global: int, j_local: int = 100, p: int = 60, all_new: bool = False):
+    """A PFNM cost (J_g + J_l) x J_l from fusekit.pfnm_cost: most local neurons are noisy
+    copies of global neurons (or none, when all_new)."""
+    means = rng.normal(scale=0.3, size=(j_global, p))
+    precisions = np.full((j_global, p), 1.0 + 25.0 * 4)
+    if all_new:
+        local = rng.normal(scale=0.3, size=(j_local, p))
+    else:
+        local = means[rng.choice(j_global, j_local, replace=False)]
+        local = local + rng.normal(scale=0.05, size=local.shape)
+    counts = rng.integers(1, 10, j_global)
+    return matching.pfnm_cost(
+        local, 25.0, means * precisions, precisions, counts, n_clients=10, sigma0_2=0.1
+    )
+
+
+def near_permutation(rng, n: int) -> np.ndarray:
+    cost = 1.0 + rng.random((n, n))
+    cost[np.arange(n), rng.permutation(n)] = 0.1 * rng.random(n)
+    return cost
+
+
+def assignment_problems(rng, quick: bool):
+    sizes = [100, 300, 1000, 2000] + ([] if quick else [4000])
+    for n in sizes:
+        yield f"uniform {n}x{n}", rng.random((n, n))
+    for n in [1000] + ([] if quick else [4000]):
+        yield f"uniform {n}x{n} f32", rng.random((n, n)).astype(np.float32)
+    for j_global in [100, 500, 2000]:
+        yield f"PFNM {j_global + 100}x100", pfnm_problem(rng, j_global)
+    yield "PFNM 600x100 f32", pfnm_problem(rng, 500).astype(np.float32)
+    yield "PFNM 600x100 all new", pfnm_problem(rng, 500, all_new=True)
+    for n in [1000] + ([] if quick else [4000]):
+        yield f"near-permutation {n}x{n}", near_permutation(rng, n)
+    yield "near-permutation 1000x1000 f32", near_permutation(rng, 1000).astype(np.float32)
+
+
+def bench_assignment(peers, rng, quick):
+    rows = []
+    for name, cost in assignment_problems(rng, quick):
+        result = {"problem": name}
+        for peer, solve in peers.items():
+            result[peer] = median_time(lambda s=solve, c=cost: s(c), max_reps=7)
+        rows.append(result)
+        logger.info("%s done", name)
+    return rows
+
+
+def bench_warm(rng):
+    rows = []
+    cases = [
+        ("PFNM 600x100", pfnm_problem(rng, 500), 0.01),
+        ("PFNM 2100x100", pfnm_problem(rng, 2000), 0.01),
+        ("uniform 1000x1000", rng.random((1000, 1000)), 1e-4),
+        ("uniform 1000x1000", rng.random((1000, 1000)), 1e-3),
+    ]
+    for name, cost, scale in cases:
+        _, _, duals = matching.solve_assignment(cost, return_duals=True)
+        perturbed = cost + scale * np.abs(cost).mean() * rng.standard_normal(cost.shape)
+        cold = median_time(lambda c=perturbed: matching.solve_assignment(c))
+        warm = median_time(lambda c=perturbed, d=duals: matching.solve_assignment(c, warm_start=d))
+        rows.append({"problem": f"{name}, perturbation {scale:g}", "cold": cold, "warm": warm})
+    return rows
+
+
+def bench_batch(peers, rng):
+    costs = [pfnm_problem(rng, 500) for _ in range(64)]
+    result = {"problem": "64 x PFNM 600x100"}
+    result["fusekit batch (threads)"] = median_time(lambda: matching.solve_assignments(costs))
+    for peer, solve in peers.items():
+        if peer in {"POT emd", "lapjv"}:
+            continue
+        result[peer + " loop"] = median_time(lambda s=solve: [s(c) for c in costs], max_reps=5)
+    return [result]
+
+
+def bench_kernels(rng, quick):
+    from fusekit import reference
+
+    rows = []
+    shapes = [(100, 100, 800), (500, 100, 1000), (2000, 500, 1000)]
+    if not quick:
+        shapes.append((2000, 500, 5000))
+    for j_global, j_local, p in shapes:
+        local = rng.normal(size=(j_local, p))
+        means = rng.normal(size=(j_global, p))
+        precisions = 1.0 + rng.random((j_global, p))
+        sums = means * precisions
+        counts = rng.integers(1, 10, j_global)
+        s = rng.random(p) + 0.5
+        globals_ = rng.normal(size=(j_global, p))
+        matmul_t = median_time(lambda: means @ local.T)
+        kernels = {
+            "pfnm_cost": (
+                lambda: matching.pfnm_cost(local, s, sums, precisions, counts, n_clients=10),
+                4,
+            ),
+            "nafi_cost": (
+                lambda: matching.nafi_cost(local, s, sums, precisions, counts, n_clients=10),
+                4,
+            ),
+            "sqeuclidean_cost": (lambda: matching.sqeuclidean_cost(globals_, local), 3),
+        }
+        if j_global * j_local * p <= 100 * 100 * 800:
+            kernels["pfnm_cost (numpy reference)"] = (
+                lambda: reference.pfnm_cost(local, s, sums, precisions, counts, n_clients=10),
+                4,
+            )
+        ijp = j_global * j_local * p
+        matmul_gflops = 2 * ijp / matmul_t / 1e9
+        for name, (fn, flops) in kernels.items():
+            t = median_time(fn, max_reps=5)
+            gflops = flops * ijp / t / 1e9
+            rows.append(
+                {
+                    "kernel": name,
+                    "shape": f"{j_global}x{j_local}x{p}",
+                    "seconds": t,
+                    "gflops": gflops,
+                    "matmul_gflops": matmul_gflops,
+                    "ratio": gflops / matmul_gflops,
+                }
+            )
+    return rows
+
+
+def _ms(x):
+    return "n/a" if x is None else f"{x * 1e3:.3f}"
+
+
+def format_tables(results) -> str:
+    lines = []
+    peers = [k for k in results["assignment"][0] if k != "problem"]
+    lines.append("Assignment, median ms (lower is better); ratio = fusekit / fastest lapx")
+    lines.append("")
+    lines.append("| problem | " + " | ".join(peers) + " | fusekit / lapx |")
+    lines.append("|---" * (len(peers) + 2) + "|")
+    for row in results["assignment"]:
+        lapx = [row[k] for k in row if k.startswith("lapx") and row[k] is not None]
+        ratio = f"{row['fusekit'] / min(lapx):.2f}" if lapx else "lapx missing"
+        lines.append(
+            f"| {row['problem']} | " + " | ".join(_ms(row[p]) for p in peers) + f" | {ratio} |"
+        )
+    lines.append("")
+    lines.append("Warm-started re-solve (fusekit), median ms")
+    lines.append("")
+    lines.append("| problem | cold | warm | speed-up |")
+    lines.append("|---|---|---|---|")
+    for row in results["warm"]:
+        lines.append(
+            f"| {row['problem']} | {_ms(row['cold'])} | {_ms(row['warm'])} | "
+            f"{row['cold'] / row['warm']:.1f}x |"
+        )
+    lines.append("")
+    lines.append("Batch, median ms")
+    lines.append("")
+    for row in results["batch"]:
+        for key, value in row.items():
+            if key != "problem":
+                lines.append(f"- {row['problem']}, {key}: {_ms(value)}")
+    lines.append("")
+    lines.append("Cost kernels (all threads); GFLOP/s counts 4 flops per (i, j, p) for PFNM/NAFI")
+    lines.append("(two multiply-adds), 3 for sqeuclidean, 2 for numpy's matmul of the same shape")
+    lines.append("")
+    lines.append("| kernel | J_g x J_l x P | ms | GFLOP/s | matmul GFLOP/s | ratio |")
+    lines.append("|---|---|---|---|---|---|")
+    for row in results["kernels"]:
+        lines.append(
+            f"| {row['kernel']} | {row['shape']} | {row['seconds'] * 1e3:.2f} | "
+            f"{row['gflops']:.1f} | {row['matmul_gflops']:.1f} | {row['ratio']:.2f} |"
+        )
+    lines.append("")
+    lines.append("Peers: " + "; ".join(f"{k}: {v}" for k, v in results["peers"].items()))
+    return "\n".join(lines)
+
+
+def run(quick: bool = False, lapx_path: str | None = None, lap_path: str | None = None) -> dict:
+    """Run every benchmark; returns a JSON-able dict (machine, versions, tables)."""
+    peers, notes = load_peers(lapx_path, lap_path)
+    rng = np.random.default_rng(20240601)
+    return {
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor(),
+            "cpus": os.cpu_count(),
+            "python": sys.version.split()[0],
+            "numpy": np.__version__,
+        },
+        "peers": notes,
+        "assignment": bench_assignment(peers, rng, quick),
+        "warm": bench_warm(rng),
+        "batch": bench_batch(peers, rng),
+        "kernels": bench_kernels(rng, quick),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="skip the 4000x4000 problems")
+    parser.add_argument("--lapx-path", default=os.environ.get("FUSEKIT_BENCH_LAPX_PATH"))
+    parser.add_argument("--lap-path", default=os.environ.get("FUSEKIT_BENCH_LAP_PATH"))
+    parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    args = parser.parse_args(argv)
+    results = run(args.quick, args.lapx_path, args.lap_path)
+    table = format_tables(results)
+    sys.stdout.write(table + "\n")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+    return 0
