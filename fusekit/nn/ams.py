@@ -4,7 +4,7 @@ most confident one(s) (ALGORITHMS.md §6; AMS paper §5, Eq. 7-9, Algorithm 2).
 All sub-models run on the same batch on the same device. On CUDA, sub-models with the
 same architecture (same module class and tensor shapes) run as one vectorised call
 (``torch.func.vmap`` over their stacked weights: a few batched kernels instead of S
-separate forward passes); on the CPU they run one by one, which measured faster there.
+separate forward passes); on the CPU they run one by one, which measured no slower there.
 """
 
 from __future__ import annotations
@@ -67,8 +67,9 @@ class AMSModel(nn.Module):
             Both can be changed after loading with :meth:`set_mode`.
         vectorise: run sub-models of the same architecture as one vmap call. Default
             None = only on CUDA: on the CPU, vmap turns each Linear into a batched matmul
-            plus a broadcast add and measured 2-2.5x slower than running the models one by
-            one (benchmarks/RESULTS.md); the results are the same either way.
+            plus a broadcast add and measured no faster than running the models one by one
+            (2.4x slower at batch 128, within noise at 1024; benchmarks/RESULTS.md). The
+            results are the same either way.
     """
 
     def __init__(self, models: Sequence[nn.Module], mode: str = "top1", k: int | None = None):
