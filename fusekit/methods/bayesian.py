@@ -307,12 +307,10 @@ def match_neurons(
         cols = np.asarray(cols, dtype=np.int64)
         local_rows = np.empty(vecs[s].shape[0], dtype=np.int64)
         local_rows[cols] = rows
-        # Every ordering of the chosen "new" slots costs the same; number new globals by
-        # slot so the result never depends on how the solver broke that tie.
+        # Every way of giving the chosen "new" slots to the new neurons costs the same;
+        # number new globals in local-neuron order so no solver tie-break shows through.
         is_new = local_rows >= n_global
-        if is_new.any():
-            ranks = np.argsort(np.argsort(local_rows[is_new], kind="stable"), kind="stable")
-            local_rows[is_new] = n_global + ranks
+        local_rows[is_new] = n_global + np.arange(int(is_new.sum()))
         assignments[s] = local_rows
         state.add(local_rows, weighted[s], precs[s])
         return float(cost[rows, cols].sum())
