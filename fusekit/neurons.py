@@ -1,0 +1,293 @@
+"""Neuron vectors: the one place that turns a client's layers into vectors and back.
+
+Used by every method that matches neurons (PFNM, NAFI, OT fusion). ALGORITHMS.md §2.
+
+Every Linear or Conv2d layer is handled in one *unit form*: a weight of shape
+``(out, in_units, block)`` plus a bias ``(out,)``, where ``in_units`` are the neurons of the
+layer below (or the input features/channels of the first layer) and ``block`` the columns
+each of them owns:
+
+- Conv2d ``(C_out, C_in, kh, kw)`` -> ``(C_out, C_in, kh*kw)``: a channel's kernel positions;
+- Linear after a conv->linear flatten ``(K, C*H*W)`` -> ``(K, C, H*W)``: a channel's spatial
+  block (PyTorch flattens (C, H, W) channel-major);
+- plain Linear ``(out, in)`` -> ``(out, in, 1)``.
+
+Permuting the neurons of the layer below permutes axis 1 of the unit form, whatever the
+layer kind, so mapping incoming weights into the GLOBAL index space of the layer below is
+one scatter (:func:`map_incoming`). A client that has no neuron at a global index leaves
+those columns *unobserved* (mask False): methods give them precision 0 instead of treating
+them as observed zeros.
+
+BatchNorm is folded into the layer before matching (NAFI Appendix E):
+``W <- gamma W / sqrt(var + eps)``, ``b <- gamma (b - mean) / sqrt(var + eps) + beta``, and
+written back as the identity (``gamma = 1, beta = 0, mean = 0, var = 1 - eps``), so a fused
+checkpoint loads into the same module class (:func:`to_state_dict`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from fusekit.checkpoint import Checkpoint
+from fusekit.errors import IncompatibleModelsError, SpecError
+from fusekit.spec import Layer, PermutationSpec
+
+PAN_SUFFIX = ".encoding"
+
+
+@dataclass
+class UnitLayer:
+    """One layer in unit form (see module docstring), BatchNorm folded, float64.
+
+    Attributes:
+        weight: (out, in_units, block) float64.
+        bias: (out,) float64 (zeros when the layer has neither a bias nor a BatchNorm).
+    """
+
+    weight: np.ndarray
+    bias: np.ndarray
+
+    @property
+    def out_features(self) -> int:
+        return int(self.weight.shape[0])
+
+
+def refuse_position_aware(checkpoints: Sequence[Checkpoint], specs: Sequence[PermutationSpec],
+                          method: str) -> None:
+    """Refuse checkpoints trained with position-aware neurons (PANs, ALGORITHMS.md §7).
+
+    PAN encodings (buffers named ``*.encoding``, or ``"pan"`` set in ``fusekit.arch``) make
+    the network depend on neuron positions, so permuting neurons changes its function.
+
+    Raises:
+        IncompatibleModelsError: naming the first PAN checkpoint and recommending ``avg``.
+    """
+    for checkpoint, spec in zip(checkpoints, specs):
+        buffers = [name for name in spec.other if name.endswith(PAN_SUFFIX)]
+        arch = checkpoint.arch or {}
+        if buffers or arch.get("pan"):
+            found = f"PAN buffers {buffers}" if buffers else "\"pan\" in fusekit.arch"
+            raise IncompatibleModelsError(
+                f"{checkpoint.label}: trained with position-aware neurons ({found}); permuting "
+                f"its neurons would change the model, so {method!r} cannot fuse it. Use "
+                "--method avg (coordinate averaging), which PANs are made for."
+            )
+
+
+def unit_weight(weight: np.ndarray, layer: Layer) -> np.ndarray:
+    """A layer's weight tensor in unit form ``(out, in_units, block)``, float64."""
+    weight = np.asarray(weight, dtype=np.float64)
+    return weight.reshape(weight.shape[0], layer.in_features, -1)
+
+
+def fold_batchnorm(checkpoint: Checkpoint, layer: Layer) -> UnitLayer:
+    """A client's layer in unit form with its BatchNorm (if any) folded in (NAFI App. E)."""
+    weight = unit_weight(checkpoint.tensor(layer.weight), layer)
+    bias = (np.asarray(checkpoint.tensor(layer.bias), dtype=np.float64) if layer.bias
+            else np.zeros(weight.shape[0]))
+    norm = layer.norm
+    if norm is not None:
+        scale = 1.0 / np.sqrt(np.asarray(checkpoint.tensor(norm.running_var), np.float64)
+                              + norm.eps)
+        if norm.weight is not None:
+            scale = scale * np.asarray(checkpoint.tensor(norm.weight), np.float64)
+        shift = np.asarray(checkpoint.tensor(norm.bias), np.float64) if norm.bias else 0.0
+        mean = np.asarray(checkpoint.tensor(norm.running_mean), np.float64)
+        weight = weight * scale[:, None, None]
+        bias = scale * (bias - mean) + shift
+    return UnitLayer(weight, bias)
+
+
+def client_layers(checkpoint: Checkpoint, spec: PermutationSpec) -> list[UnitLayer]:
+    """Every layer of one client, input to output, in unit form with BatchNorm folded."""
+    return [fold_batchnorm(checkpoint, layer) for layer in spec.layers]
+
+
+def map_incoming(weight: np.ndarray, assignment: np.ndarray | None,
+                 n_global: int) -> tuple[np.ndarray, np.ndarray]:
+    """Scatter a unit-form weight's input units into the global index space below.
+
+    Args:
+        weight: (out, in_units, block) unit-form weight of one client.
+        assignment: (in_units,) int, global index of each of the client's neurons in the
+            layer below; ``None`` when the layer below is the fixed input (identity).
+        n_global: number of global neurons in the layer below.
+
+    Returns:
+        (mapped, observed): mapped (out, n_global, block) float64 with zeros at global units
+        the client lacks, and observed (n_global,) bool marking the units it has.
+    """
+    if assignment is None:
+        return weight, np.ones(weight.shape[1], dtype=bool)
+    assignment = np.asarray(assignment, dtype=np.int64)
+    mapped = np.zeros((weight.shape[0], n_global, weight.shape[2]))
+    mapped[:, assignment, :] = weight
+    observed = np.zeros(n_global, dtype=bool)
+    observed[assignment] = True
+    return mapped, observed
+
+
+def outgoing_weights(next_weight: np.ndarray) -> np.ndarray:
+    """Outgoing weights of each neuron, (J, K*block) from the next layer's (K, J, block)."""
+    return np.ascontiguousarray(next_weight.transpose(1, 0, 2)).reshape(next_weight.shape[1], -1)
+
+
+@dataclass(frozen=True)
+class VectorLayout:
+    """How a neuron vector splits: [incoming (n_in * block_in), bias (1), outgoing]."""
+
+    n_in: int
+    block_in: int
+    n_out: int = 0  # K: units of the next layer whose weights are appended (0: none)
+    block_out: int = 1
+
+    @property
+    def incoming(self) -> slice:
+        return slice(0, self.n_in * self.block_in)
+
+    @property
+    def bias(self) -> int:
+        return self.n_in * self.block_in
+
+    @property
+    def outgoing(self) -> slice:
+        return slice(self.bias + 1, self.size)
+
+    @property
+    def size(self) -> int:
+        return self.bias + 1 + self.n_out * self.block_out
+
+    def blocks(self) -> np.ndarray:
+        """(size,) int: 0 for incoming coordinates, 1 for the bias, 2 for outgoing ones."""
+        labels = np.zeros(self.size, dtype=np.int64)
+        labels[self.bias] = 1
+        labels[self.outgoing] = 2
+        return labels
+
+    def split(self, vectors: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(J, size) vectors -> incoming (J, n_in, block_in), bias (J,), outgoing
+        (n_out, J, block_out) (the next layer's unit-form weight)."""
+        count = vectors.shape[0]
+        incoming = vectors[:, self.incoming].reshape(count, self.n_in, self.block_in)
+        outgoing = vectors[:, self.outgoing].reshape(count, self.n_out, self.block_out)
+        return incoming, vectors[:, self.bias].copy(), outgoing.transpose(1, 0, 2).copy()
+
+
+def neuron_vectors(
+    layer: UnitLayer,
+    assignment_below: np.ndarray | None,
+    n_global_below: int,
+    next_layer: UnitLayer | None = None,
+) -> tuple[np.ndarray, np.ndarray, VectorLayout]:
+    """One client's neuron vectors for a hidden layer (ALGORITHMS.md §2).
+
+    ``w_j = [incoming weights of j mapped to the global space below, b_j,
+    (when next_layer is given) outgoing weights of j]``.
+
+    Args:
+        layer: the client's layer in unit form.
+        assignment_below: (in_units,) global indices of the client's neurons one layer
+            down, or None for the first layer.
+        n_global_below: global width of the layer below (input size for the first layer).
+        next_layer: the following layer, whose weights are appended as outgoing weights
+            (the output layer, in PFNM's one-hidden-layer formulation).
+
+    Returns:
+        vectors (J, P) float64, observed (P,) bool, and the VectorLayout.
+    """
+    mapped, observed_units = map_incoming(layer.weight, assignment_below, n_global_below)
+    block_in = layer.weight.shape[2]
+    parts = [mapped.reshape(mapped.shape[0], -1), layer.bias[:, None]]
+    observed = [np.repeat(observed_units, block_in), [True]]
+    layout = VectorLayout(mapped.shape[1], block_in)
+    if next_layer is not None:
+        parts.append(outgoing_weights(next_layer.weight))
+        observed.append(np.ones(parts[-1].shape[1], dtype=bool))
+        layout = VectorLayout(mapped.shape[1], block_in, next_layer.weight.shape[0],
+                              next_layer.weight.shape[2])
+    return np.hstack(parts), np.concatenate(observed), layout
+
+
+def block_variances(vectors: Sequence[np.ndarray], observed: Sequence[np.ndarray],
+                    layout: VectorLayout) -> np.ndarray:
+    """Per-coordinate variance of the clients' neuron vectors, averaged within each block.
+
+    For every coordinate, the variance over all clients' neurons that observe it; then the
+    mean over the coordinates of each block (incoming weights, bias, outgoing weights).
+    This is the unit in which PFNM/NAFI express sigma^2 and sigma0^2 by default.
+
+    Returns:
+        (P,) float64, constant within each block, > 0 (a block of constant values gets the
+        mean variance of the other blocks, or 1).
+    """
+    stacked = np.vstack(vectors)
+    mask = np.vstack([np.broadcast_to(o, v.shape) for v, o in zip(vectors, observed)])
+    count = mask.sum(0)
+    safe = np.maximum(count, 1)
+    mean = np.where(mask, stacked, 0.0).sum(0) / safe
+    var = np.where(mask, (stacked - mean) ** 2, 0.0).sum(0) / safe
+    labels = layout.blocks()
+    per_block = {}
+    for block in np.unique(labels):
+        cols = (labels == block) & (count > 0)
+        per_block[block] = float(var[cols].mean()) if cols.any() else 0.0
+    positive = [v for v in per_block.values() if v > 0]
+    fallback = float(np.mean(positive)) if positive else 1.0
+    table = np.array([per_block.get(b, 0.0) or fallback for b in range(3)])
+    return table[labels]
+
+
+def to_state_dict(checkpoints: Sequence[Checkpoint], spec: PermutationSpec,
+                  layers: Sequence[UnitLayer]) -> dict[str, np.ndarray]:
+    """Write fused unit-form layers back as tensors named like the clients' ones.
+
+    Weights get their original layout (conv kernels, flattened linear inputs) at the fused
+    widths and the first client's dtype. BatchNorms become the identity (gamma 1, beta 0,
+    mean 0, var 1 - eps); a layer without a bias of its own keeps its fused bias in the
+    BatchNorm's beta instead. ``num_batches_tracked`` takes the clients' maximum.
+
+    Args:
+        checkpoints: the clients (for dtypes and counters).
+        spec: the clients' permutation spec (names, kinds, kernel sizes).
+        layers: fused layers, one per spec layer, in unit form.
+
+    Raises:
+        SpecError: a bias cannot be stored (no layer bias and no affine BatchNorm).
+    """
+    first = checkpoints[0]
+    out: dict[str, np.ndarray] = {}
+    for layer, fused in zip(spec.layers, layers):
+        dtype = first.tensor(layer.weight).dtype
+        weight = fused.weight
+        if layer.kind == "conv2d":
+            weight = weight.reshape(weight.shape[0], weight.shape[1], *layer.kernel_size)
+        else:
+            weight = weight.reshape(weight.shape[0], -1)
+        out[layer.weight] = weight.astype(dtype)
+        bias_home = layer.bias
+        norm = layer.norm
+        if norm is not None:
+            if layer.bias is None:
+                bias_home = norm.bias
+            width = fused.out_features
+            if norm.weight:
+                out[norm.weight] = np.ones(width, dtype)
+            if norm.bias:
+                out[norm.bias] = np.zeros(width, dtype)
+            out[norm.running_mean] = np.zeros(width, dtype)
+            out[norm.running_var] = np.full(width, 1.0 - norm.eps, dtype)
+            if norm.num_batches_tracked:
+                out[norm.num_batches_tracked] = np.max(
+                    [c.tensor(norm.num_batches_tracked) for c in checkpoints], axis=0)
+        if bias_home is None:
+            if np.any(fused.bias != 0):
+                raise SpecError(
+                    f"layer {layer.name}: the fused bias has nowhere to go (no bias tensor and "
+                    "no affine BatchNorm)"
+                )
+            continue
+        out[bias_home] = fused.bias.astype(dtype)
+    return out
