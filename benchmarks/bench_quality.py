@@ -75,12 +75,17 @@ class Cell:
 
 
 def variants() -> dict[str, tuple[str, dict[str, Any]]]:
-    """Label -> (method, params): every registered method with defaults, plus variants."""
-    out: dict[str, tuple[str, dict[str, Any]]] = {name: (name, {}) for name in METHODS}
-    if "avg" in METHODS:
-        out["avg-cw"] = ("avg", {"class_weighted": True})
-    if "ams" in METHODS:
-        out["ams-full"] = ("ams", {"mode": "full"})
+    """Label -> (method, params): every registered method with its defaults (README order
+    first), with avg-cw after avg and ams-full after ams."""
+    from fusekit.demo import registered_methods
+
+    out: dict[str, tuple[str, dict[str, Any]]] = {}
+    for name in registered_methods():
+        out[name] = (name, {})
+        if name == "avg":
+            out["avg-cw"] = ("avg", {"class_weighted": True})
+        if name == "ams":
+            out["ams-full"] = ("ams", {"mode": "full"})
     return out
 
 
@@ -342,11 +347,15 @@ def plot_alpha(rows: list[dict[str, Any]], path: Path) -> bool:
     for ax, data in zip(axes[0], datasets, strict=True):
         keys = sorted((k for k in summary if k[0] == data), key=lambda k: float(k[1][4:]))
         alphas = [float(k[1][4:]) for k in keys]
-        labels = list(summary[keys[0]])
+        # ams-full has the ensemble's accuracy exactly (argmax of a logit sum = of a mean).
+        labels = [lab for lab in summary[keys[0]] if lab != "ams-full"]
         for label in labels:
             means = [100 * summary[k][label][0] for k in keys]
             stds = [100 * summary[k][label][1] for k in keys]
-            ax.errorbar(alphas, means, yerr=stds, marker="o", capsize=3, label=label)
+            style = "--" if label in ("local (mean)", "ensemble") else "-"
+            ax.errorbar(
+                alphas, means, yerr=stds, marker="o", capsize=3, label=label, linestyle=style
+            )
         ax.set_xscale("log")
         ax.set_xticks(alphas, [f"{a:g}" for a in alphas])
         ax.set_xlabel("Dirichlet alpha (larger = closer to iid)")
@@ -466,15 +475,17 @@ def render(
     rows: dict[str, list], payload: dict[str, Any], args: argparse.Namespace, plotted: bool
 ) -> str:
     m = payload["machine"]
+    epochs = ", ".join(f"{k} {v}" for k, v in payload["epochs"].items())
     parts = [
         "## Fusion quality",
         "",
         f"`python benchmarks/bench_quality.py{' --quick' if args.quick else ''}` — test accuracy "
         f"(%) mean ± std over {payload['seeds']} seeds; every client trains an MLP with Adam "
-        f"(lr {LR:g}, batch 32; epochs {payload['epochs']}), independent initialisations unless "
+        f"(lr {LR:g}, batch 32; epochs: {epochs}), independent initialisations unless "
         "noted. Local (mean) = average test accuracy of the client models; ensemble = logit "
         "average of all client models. Methods run with their default parameters; avg-cw = "
-        "class-weighted output layer; ams-full = AMS summing every model's logits. "
+        "class-weighted output layer; ams-full = AMS summing every model's logits (always "
+        "the ensemble's accuracy; left out of the plot). "
         f"{m['platform']}, torch {m['torch']}, {m['core']}; total {payload['elapsed_s']:.0f} s.",
         "",
         "### Heterogeneity (S = 10 clients, 1 hidden layer of 100)",
