@@ -330,6 +330,32 @@ def time_table(summary: dict[tuple, dict], key_names: tuple[str, ...]) -> str:
     return "\n".join(lines)
 
 
+def width_table(rows: list[dict[str, Any]], key_names: tuple[str, ...]) -> str:
+    """Mean fused hidden widths per method (methods that keep the clients' widths show them)."""
+    widths: dict[tuple, dict[str, list[list[int]]]] = defaultdict(lambda: defaultdict(list))
+    for row in rows:
+        key = tuple(row["cell"][f] for f in key_names)
+        for label, res in row["methods"].items():
+            if res.get("widths"):
+                widths[key][label].append(res["widths"])
+    labels: list[str] = []
+    for cells in widths.values():
+        labels += [lab for lab in cells if lab not in labels]
+    lines = [
+        "| " + " | ".join([*key_names, *labels]) + " |",
+        "|" + "---|" * (len(key_names) + len(labels)),
+    ]
+    for key, cells in widths.items():
+        values = [
+            ", ".join(str(round(float(w))) for w in np.mean(cells[lab], axis=0))
+            if lab in cells
+            else "-"
+            for lab in labels
+        ]
+        lines.append("| " + " | ".join([*map(str, key), *values]) + " |")
+    return "\n".join(lines)
+
+
 def plot_alpha(rows: list[dict[str, Any]], path: Path) -> bool:
     """Accuracy against the Dirichlet alpha, one line per method, one panel per data set."""
     try:
@@ -412,7 +438,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", type=Path, default=HERE / "results" / "quality_alpha.png")
     parser.add_argument("--results-md", type=Path, default=HERE / "RESULTS.md")
     parser.add_argument("--no-write", action="store_true", help="do not touch RESULTS.md")
+    parser.add_argument(
+        "--from-json",
+        type=Path,
+        default=None,
+        help="re-render the tables and plot from a saved JSON, no runs",
+    )
     args = parser.parse_args(argv)
+    if args.from_json is not None:
+        payload = json.loads(args.from_json.read_text())
+        args.quick = payload["quick"]
+        return publish(payload, args)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     seeds = args.seeds or (2 if args.quick else 3)
 
@@ -463,6 +499,12 @@ def main(argv: list[str] | None = None) -> int:
     }
     args.json_out.parent.mkdir(parents=True, exist_ok=True)
     args.json_out.write_text(json.dumps(payload, indent=1))
+    return publish(payload, args)
+
+
+def publish(payload: dict[str, Any], args: argparse.Namespace) -> int:
+    """Plot, print the markdown section, and write it into RESULTS.md."""
+    rows = payload["studies"]
     plotted = plot_alpha(rows["main"], args.plot)
     section = render(rows, payload, args, plotted)
     print(section)
@@ -491,6 +533,12 @@ def render(
         "### Heterogeneity (S = 10 clients, 1 hidden layer of 100)",
         "",
         markdown_table(summarise(rows["main"], ("data", "partition")), ("data", "partition")),
+    ]
+    parts += [
+        "",
+        "Fused hidden widths (mean over seeds; clients have 100):",
+        "",
+        width_table(rows["main"], ("data", "partition")),
     ]
     if plotted:
         parts += ["", f"![accuracy against alpha](results/{args.plot.name})"]
