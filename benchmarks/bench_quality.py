@@ -8,6 +8,7 @@ Studies (each cell: mean ± std over seeds):
            of PAN clients (multiplicative, A = 0.1, T = 1; the PANs paper's defaults)
   lambda   NAFI's lambda from 1e-8 to 1 on the main digits cells
   mnist    (only with --data-dir holding the MNIST files) hetero-dir 0.5 and hetero-label
+  full     (only with --full) data x partition x S in {5, 10, 20} x {1, 2} hidden layers
 
 Every method in fusekit.METHODS at run time is included with its default parameters, plus
 variants: avg with the class-weighted output layer, and AMS-full next to AMS's default.
@@ -74,12 +75,17 @@ class Cell:
 
 
 def variants() -> dict[str, tuple[str, dict[str, Any]]]:
-    """Label -> (method, params): every registered method with defaults, plus variants."""
-    out: dict[str, tuple[str, dict[str, Any]]] = {name: (name, {}) for name in METHODS}
-    if "avg" in METHODS:
-        out["avg-cw"] = ("avg", {"class_weighted": True})
-    if "ams" in METHODS:
-        out["ams-full"] = ("ams", {"mode": "full"})
+    """Label -> (method, params): every registered method with its defaults (README order
+    first), with avg-cw after avg and ams-full after ams."""
+    from fusekit.demo import registered_methods
+
+    out: dict[str, tuple[str, dict[str, Any]]] = {}
+    for name in registered_methods():
+        out[name] = (name, {})
+        if name == "avg":
+            out["avg-cw"] = ("avg", {"class_weighted": True})
+        if name == "ams":
+            out["ams-full"] = ("ams", {"mode": "full"})
     return out
 
 
@@ -98,54 +104,86 @@ def load(name: str, data_dir: Path | None) -> Dataset:
     return load_dataset(name, data_dir=data_dir)
 
 
-def run_cell(
-    cell: Cell,
-    dataset: Dataset,
-    evaluator: Evaluator,
-    methods: dict[str, tuple[str, dict[str, Any]]],
-    epochs: int,
-) -> dict[str, Any]:
-    """Simulate the clients of one cell, fuse with every variant, evaluate everything."""
-    config = SimulationConfig(
-        clients=cell.clients,
-        arch=cell.arch,
-        seed=cell.seed,
-        pan=PAN if cell.pan else None,
-        shared_init=cell.shared_init,
-        min_samples=10,
-        train=TrainConfig(epochs=epochs, batch_size=32, lr=LR),
-        **PARTITIONS[cell.partition],
-    )
-    row: dict[str, Any] = {"cell": asdict(cell), "methods": {}}
-    with tempfile.TemporaryDirectory(prefix="fusekit-quality-") as tmp:
+class Runner:
+    """Simulates each cell once (client files kept in one temporary folder for the whole
+    run) and fuses/evaluates any set of method variants on it, caching every result."""
+
+    def __init__(self, datasets: dict[str, Dataset], device: str, workspace: Path):
+        self.datasets = datasets
+        self.evaluators = {name: Evaluator(d, device) for name, d in datasets.items()}
+        self.workspace = workspace
+        self.clients: dict[Cell, tuple[list[Path], dict[str, Any]]] = {}
+        self.results: dict[tuple[Cell, str], dict[str, Any]] = {}
+
+    def row(self, cell: Cell, methods: dict[str, tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+        """Local/ensemble accuracy of a cell and the accuracy/time of each variant."""
+        paths, base = self._simulate(cell)
+        evaluator = self.evaluators[cell.data]
+        row = {**base, "methods": {}}
+        for label, (method, params) in methods.items():
+            if (cell, label) not in self.results:
+                self.results[cell, label] = self._fuse(
+                    cell, paths, evaluator, label, method, params
+                )
+            row["methods"][label] = self.results[cell, label]
+        return row
+
+    def _simulate(self, cell: Cell) -> tuple[list[Path], dict[str, Any]]:
+        if cell in self.clients:
+            return self.clients[cell]
+        evaluator = self.evaluators[cell.data]
+        config = SimulationConfig(
+            clients=cell.clients,
+            arch=cell.arch,
+            seed=cell.seed,
+            pan=PAN if cell.pan else None,
+            shared_init=cell.shared_init,
+            min_samples=10,
+            train=TrainConfig(epochs=EPOCHS[cell.data], batch_size=32, lr=LR),
+            **PARTITIONS[cell.partition],
+        )
+        folder = self.workspace / f"cell{len(self.clients)}"
         start = time.perf_counter()
-        clients = simulate_clients(dataset, config, out_dir=Path(tmp), device=str(evaluator.device))
-        row["train_s"] = time.perf_counter() - start
+        clients = simulate_clients(
+            self.datasets[cell.data], config, out_dir=folder, device=str(evaluator.device)
+        )
+        train_s = time.perf_counter() - start
         paths = [c.path for c in clients]
         logits = [evaluator.logits(p)[1] for p in paths]
-        row["local_mean"] = float(
-            np.mean([evaluator.score(z, "", "client").accuracy for z in logits])
-        )
-        row["ensemble"] = evaluator.ensemble(logits).accuracy
-        for label, (method, params) in methods.items():
-            try:
-                begin = time.perf_counter()
-                result = fusekit.fuse(paths, method=method, **params)
-                seconds = time.perf_counter() - begin
-                fused = result.save(Path(tmp) / f"fused-{label}.safetensors")
-                accuracy = evaluator.score(evaluator.logits(fused)[1], label, "fused").accuracy
-                row["methods"][label] = {
-                    "accuracy": accuracy,
-                    "time_s": seconds,
-                    "widths": list(result.widths),
-                }
-            except Exception as exc:  # a failing method is reported, not hidden
-                log.error("%s on %s: %s: %s", label, cell, type(exc).__name__, exc)
-                row["methods"][label] = {"error": f"{type(exc).__name__}: {exc}"}
-    return row
+        base = {
+            "cell": asdict(cell),
+            "train_s": train_s,
+            "local_mean": float(
+                np.mean([evaluator.score(z, "", "client").accuracy for z in logits])
+            ),
+            "ensemble": evaluator.ensemble(logits).accuracy,
+        }
+        self.clients[cell] = (paths, base)
+        return paths, base
+
+    def _fuse(
+        self,
+        cell: Cell,
+        paths: list[Path],
+        evaluator: Evaluator,
+        label: str,
+        method: str,
+        params: dict[str, Any],
+    ) -> dict[str, Any]:
+        try:
+            begin = time.perf_counter()
+            result = fusekit.fuse(paths, method=method, **params)
+            seconds = time.perf_counter() - begin
+            fused = result.save(paths[0].parent / f"fused-{label}.safetensors")
+            accuracy = evaluator.score(evaluator.logits(fused)[1], label, "fused").accuracy
+            fused.unlink()
+            return {"accuracy": accuracy, "time_s": seconds, "widths": list(result.widths)}
+        except Exception as exc:  # a failing method is reported, not hidden
+            log.error("%s on %s: %s: %s", label, cell, type(exc).__name__, exc)
+            return {"error": f"{type(exc).__name__}: {exc}"}
 
 
-def grid(quick: bool, seeds: int, have_mnist: bool) -> dict[str, list[Cell]]:
+def grid(quick: bool, full: bool, seeds: int, have_mnist: bool) -> dict[str, list[Cell]]:
     """The cells of every study (cells shared between studies run once)."""
     seed_list = range(seeds)
     partitions = ["dir-0.1", "dir-0.5", "labels"] if quick else list(PARTITIONS)
@@ -172,6 +210,15 @@ def grid(quick: bool, seeds: int, have_mnist: bool) -> dict[str, list[Cell]]:
     }
     if quick:
         studies["depth"] = [c for c in studies["depth"] if c.partition == "dir-0.5"]
+    if full:
+        studies["full"] = [
+            Cell(d, p, n, a, s)
+            for d in datasets
+            for p in partitions
+            for n in (5, 10, 20)
+            for a in (one, "mlp:100,100")
+            for s in seed_list
+        ]
     if have_mnist:
         studies["mnist"] = [
             Cell("mnist", p, 10, one, s) for p in ("dir-0.5", "labels") for s in seed_list
@@ -179,19 +226,12 @@ def grid(quick: bool, seeds: int, have_mnist: bool) -> dict[str, list[Cell]]:
     return studies
 
 
-def nafi_lambda_rows(
-    cells: list[Cell],
-    datasets: dict[str, Dataset],
-    evaluators: dict[str, Evaluator],
-    epochs: dict[str, int],
-) -> list[dict[str, Any]]:
-    """NAFI with lambda from 1e-8 to 1 on the given cells (PFNM is lambda = 0)."""
-    variants_ = {f"nafi-{lam:g}": ("nafi", {"lam": lam}) for lam in LAMBDAS}
+def lambda_variants() -> dict[str, tuple[str, dict[str, Any]]]:
+    """NAFI with lambda from 1e-8 to 1, and PFNM (lambda = 0) for reference."""
+    out = {f"nafi-{lam:g}": ("nafi", {"lam": lam}) for lam in LAMBDAS}
     if "pfnm" in METHODS:
-        variants_["pfnm"] = ("pfnm", {})
-    return [
-        run_cell(c, datasets[c.data], evaluators[c.data], variants_, epochs[c.data]) for c in cells
-    ]
+        out["pfnm"] = ("pfnm", {})
+    return out
 
 
 def summarise(rows: list[dict[str, Any]], key_fields: tuple[str, ...]) -> dict[tuple, dict]:
@@ -220,6 +260,38 @@ def summarise(rows: list[dict[str, Any]], key_fields: tuple[str, ...]) -> dict[t
             for label, v in labels.items()
         }
     return out
+
+
+NAFI_ORDER = ("avg", "ot", "pfnm", "nafi")  # NAFI paper Table 2, non-iid MNIST, worst first
+
+
+def paper_checks(rows: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """Lines comparing the measured orderings with the papers' (computed, not written)."""
+    lines = []
+    main = summarise(rows["main"], ("data", "partition"))
+    for (data, partition), cells in main.items():
+        if not partition.startswith("dir-") or not all(m in cells for m in NAFI_ORDER):
+            continue
+        means = {m: cells[m][0] for m in NAFI_ORDER}
+        order = " < ".join(sorted(means, key=means.get))
+        verdict = "matches" if tuple(sorted(means, key=means.get)) == NAFI_ORDER else "differs"
+        gap = 100 * (means["nafi"] - means["pfnm"])
+        lines.append(
+            f"- NAFI Table 2 ordering (avg < ot < pfnm < nafi), {data} {partition}: measured "
+            f"{order} ({verdict}; nafi - pfnm = {gap:+.1f} points)"
+        )
+    for (data, partition), cells in main.items():
+        if partition == "labels" and "ams" in cells:
+            gap = 100 * (cells["ams"][0] - cells["ensemble"][0])
+            lines.append(
+                f"- AMS Tables 2-3 (AMS-top1 well above the ensemble under hetero-label), "
+                f"{data}: ams - ensemble = {gap:+.1f} points"
+            )
+    pans = summarise(rows["pans"], ("pan",))
+    if (False,) in pans and (True,) in pans and "avg" in pans[(True,)]:
+        gap = 100 * (pans[(True,)]["avg"][0] - pans[(False,)]["avg"][0])
+        lines.append(f"- PANs + avg against plain avg (shared initial model): {gap:+.1f} points")
+    return lines
 
 
 def markdown_table(summary: dict[tuple, dict], key_names: tuple[str, ...]) -> str:
@@ -258,6 +330,32 @@ def time_table(summary: dict[tuple, dict], key_names: tuple[str, ...]) -> str:
     return "\n".join(lines)
 
 
+def width_table(rows: list[dict[str, Any]], key_names: tuple[str, ...]) -> str:
+    """Mean fused hidden widths per method (methods that keep the clients' widths show them)."""
+    widths: dict[tuple, dict[str, list[list[int]]]] = defaultdict(lambda: defaultdict(list))
+    for row in rows:
+        key = tuple(row["cell"][f] for f in key_names)
+        for label, res in row["methods"].items():
+            if res.get("widths"):
+                widths[key][label].append(res["widths"])
+    labels: list[str] = []
+    for cells in widths.values():
+        labels += [lab for lab in cells if lab not in labels]
+    lines = [
+        "| " + " | ".join([*key_names, *labels]) + " |",
+        "|" + "---|" * (len(key_names) + len(labels)),
+    ]
+    for key, cells in widths.items():
+        values = [
+            ", ".join(str(round(float(w))) for w in np.mean(cells[lab], axis=0))
+            if lab in cells
+            else "-"
+            for lab in labels
+        ]
+        lines.append("| " + " | ".join([*map(str, key), *values]) + " |")
+    return "\n".join(lines)
+
+
 def plot_alpha(rows: list[dict[str, Any]], path: Path) -> bool:
     """Accuracy against the Dirichlet alpha, one line per method, one panel per data set."""
     try:
@@ -275,11 +373,15 @@ def plot_alpha(rows: list[dict[str, Any]], path: Path) -> bool:
     for ax, data in zip(axes[0], datasets, strict=True):
         keys = sorted((k for k in summary if k[0] == data), key=lambda k: float(k[1][4:]))
         alphas = [float(k[1][4:]) for k in keys]
-        labels = list(summary[keys[0]])
+        # ams-full has the ensemble's accuracy exactly (argmax of a logit sum = of a mean).
+        labels = [lab for lab in summary[keys[0]] if lab != "ams-full"]
         for label in labels:
             means = [100 * summary[k][label][0] for k in keys]
             stds = [100 * summary[k][label][1] for k in keys]
-            ax.errorbar(alphas, means, yerr=stds, marker="o", capsize=3, label=label)
+            style = "--" if label in ("local (mean)", "ensemble") else "-"
+            ax.errorbar(
+                alphas, means, yerr=stds, marker="o", capsize=3, label=label, linestyle=style
+            )
         ax.set_xscale("log")
         ax.set_xticks(alphas, [f"{a:g}" for a in alphas])
         ax.set_xlabel("Dirichlet alpha (larger = closer to iid)")
@@ -324,6 +426,11 @@ def machine() -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="smaller grid, 2 seeds")
+    parser.add_argument(
+        "--full",
+        action="store_true",
+        help="also the full factorial data x partition x S x depth (slow)",
+    )
     parser.add_argument("--seeds", type=int, default=None, help="seeds per cell [3; quick 2]")
     parser.add_argument("--data-dir", type=Path, default=None, help="folder with MNIST files")
     parser.add_argument("--device", default="auto")
@@ -331,7 +438,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", type=Path, default=HERE / "results" / "quality_alpha.png")
     parser.add_argument("--results-md", type=Path, default=HERE / "RESULTS.md")
     parser.add_argument("--no-write", action="store_true", help="do not touch RESULTS.md")
+    parser.add_argument(
+        "--from-json",
+        type=Path,
+        default=None,
+        help="re-render the tables and plot from a saved JSON, no runs",
+    )
     args = parser.parse_args(argv)
+    if args.from_json is not None:
+        payload = json.loads(args.from_json.read_text())
+        args.quick = payload["quick"]
+        return publish(payload, args)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     seeds = args.seeds or (2 if args.quick else 3)
 
@@ -343,45 +460,51 @@ def main(argv: list[str] | None = None) -> int:
             have_mnist = True
         except DataError as exc:
             log.warning("MNIST study skipped: %s", exc)
-    epochs = dict(EPOCHS)
-    evaluators = {k: Evaluator(d, args.device) for k, d in datasets.items()}
     methods = variants()
     log.info("methods: %s", ", ".join(methods))
-    studies = grid(args.quick, seeds, have_mnist)
-    done: dict[Cell, dict[str, Any]] = {}
+    studies = grid(args.quick, args.full, seeds, have_mnist)
     start = time.perf_counter()
-    total = len({c for cells in studies.values() for c in cells})
-    for cells in studies.values():
-        for cell in cells:
-            if cell not in done:
-                done[cell] = run_cell(
+    rows: dict[str, list[dict[str, Any]]] = {}
+    with tempfile.TemporaryDirectory(prefix="fusekit-quality-") as tmp:
+        runner = Runner(datasets, args.device, Path(tmp))
+        total = len({c for cells in studies.values() for c in cells})
+        for name, cells in studies.items():
+            rows[name] = []
+            for cell in cells:
+                rows[name].append(runner.row(cell, methods_for(cell, methods)))
+                log.info(
+                    "[%d/%d] %s  %.0fs",
+                    len(runner.clients),
+                    total,
                     cell,
-                    datasets[cell.data],
-                    evaluators[cell.data],
-                    methods_for(cell, methods),
-                    epochs[cell.data],
+                    time.perf_counter() - start,
                 )
-                log.info("[%d/%d] %s  %.1fs", len(done), total, cell, time.perf_counter() - start)
-    rows = {name: [done[c] for c in cells] for name, cells in studies.items()}
-    if "nafi" in METHODS:
-        lam_cells = [
-            c
-            for c in studies["main"]
-            if c.data == "digits" and c.partition in ("dir-0.1", "dir-0.5", "labels")
-        ]
-        rows["lambda"] = nafi_lambda_rows(lam_cells, datasets, evaluators, epochs)
+        if "nafi" in METHODS:
+            lam_cells = [
+                c
+                for c in studies["main"]
+                if c.data == "digits" and c.partition in ("dir-0.1", "dir-0.5", "labels")
+            ]
+            rows["lambda"] = [runner.row(c, lambda_variants()) for c in lam_cells]
     elapsed = time.perf_counter() - start
 
     payload = {
         "machine": machine(),
         "seeds": seeds,
         "quick": args.quick,
-        "epochs": epochs,
+        "epochs": EPOCHS,
+        "full": args.full,
         "elapsed_s": elapsed,
         "studies": rows,
     }
     args.json_out.parent.mkdir(parents=True, exist_ok=True)
     args.json_out.write_text(json.dumps(payload, indent=1))
+    return publish(payload, args)
+
+
+def publish(payload: dict[str, Any], args: argparse.Namespace) -> int:
+    """Plot, print the markdown section, and write it into RESULTS.md."""
+    rows = payload["studies"]
     plotted = plot_alpha(rows["main"], args.plot)
     section = render(rows, payload, args, plotted)
     print(section)
@@ -394,20 +517,28 @@ def render(
     rows: dict[str, list], payload: dict[str, Any], args: argparse.Namespace, plotted: bool
 ) -> str:
     m = payload["machine"]
+    epochs = ", ".join(f"{k} {v}" for k, v in payload["epochs"].items())
     parts = [
         "## Fusion quality",
         "",
         f"`python benchmarks/bench_quality.py{' --quick' if args.quick else ''}` — test accuracy "
         f"(%) mean ± std over {payload['seeds']} seeds; every client trains an MLP with Adam "
-        f"(lr {LR:g}, batch 32; epochs {payload['epochs']}), independent initialisations unless "
+        f"(lr {LR:g}, batch 32; epochs: {epochs}), independent initialisations unless "
         "noted. Local (mean) = average test accuracy of the client models; ensemble = logit "
         "average of all client models. Methods run with their default parameters; avg-cw = "
-        "class-weighted output layer; ams-full = AMS summing every model's logits. "
+        "class-weighted output layer; ams-full = AMS summing every model's logits (always "
+        "the ensemble's accuracy; left out of the plot). "
         f"{m['platform']}, torch {m['torch']}, {m['core']}; total {payload['elapsed_s']:.0f} s.",
         "",
         "### Heterogeneity (S = 10 clients, 1 hidden layer of 100)",
         "",
         markdown_table(summarise(rows["main"], ("data", "partition")), ("data", "partition")),
+    ]
+    parts += [
+        "",
+        "Fused hidden widths (mean over seeds; clients have 100):",
+        "",
+        width_table(rows["main"], ("data", "partition")),
     ]
     if plotted:
         parts += ["", f"![accuracy against alpha](results/{args.plot.name})"]
@@ -429,6 +560,9 @@ def render(
         "",
         markdown_table(summarise(rows["pans"], ("pan",)), ("PANs",)),
     ]
+    checks = paper_checks(rows)
+    if checks:
+        parts += ["", "### Against the papers (computed from the tables above)", "", *checks]
     if "lambda" in rows:
         parts += [
             "",
@@ -436,6 +570,9 @@ def render(
             "",
             markdown_table(summarise(rows["lambda"], ("partition",)), ("partition",)),
         ]
+    if "full" in rows:
+        keys = ("data", "partition", "clients", "arch")
+        parts += ["", "### Full grid", "", markdown_table(summarise(rows["full"], keys), keys)]
     if "mnist" in rows:
         parts += [
             "",

@@ -6,10 +6,10 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from fusekit._cli.output import emit_json, stderr, stdout
 from rich.markup import escape
 from rich.table import Table
 
+from fusekit._cli.output import emit_json, stderr, stdout
 from fusekit.demo import DemoConfig, DemoReport, run_demo
 
 

@@ -6,6 +6,8 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.table import Table
+
 from fusekit._cli.output import emit_json, stdout
 from fusekit._cli.simulate import (
     ClassesOption,
@@ -16,8 +18,6 @@ from fusekit._cli.simulate import (
     FeaturesOption,
     SamplesOption,
 )
-from rich.table import Table
-
 from fusekit.data import load_dataset
 from fusekit.evaluate import evaluate_checkpoints
 

@@ -64,8 +64,9 @@ def fuse(
                                  "greedy pass [default: 5].", show_default=False)
     ] = None,
     seed: Annotated[
-        int | None, typer.Option("--seed", help="pfnm/nafi: seed of the sweep order "
-                                 "[default: 0].", show_default=False)
+        int | None, typer.Option("--seed", help="pfnm/nafi: seed of the sweep order; ot: "
+                                 "seed of the --activations subset [default: 0].",
+                                 show_default=False)
     ] = None,
     lam: Annotated[
         float | None, typer.Option("--lam", "--lambda", help="nafi: weight of the KL penalty "
@@ -96,6 +97,28 @@ def fuse(
                                  "(reference kernels + SciPy) [default: core].",
                                  show_default=False)
     ] = None,
+    anchor: Annotated[
+        str | None, typer.Option("--anchor", help="ot: the client to align to (its path, file "
+                                 "name or content-hash prefix) [default: most samples].")
+    ] = None,
+    activations: Annotated[
+        str | None, typer.Option("--activations", help="ot: compare neurons by their "
+                                 "pre-activations on these inputs instead of by weights: a "
+                                 ".npy (N, ...), a .npz with x or x_train, or a data set name.")
+    ] = None,
+    activation_samples: Annotated[
+        int | None, typer.Option("--activation-samples", help="ot: at most this many inputs "
+                                 "for --activations [default: 256].")
+    ] = None,
+    data_dir: Annotated[
+        Path | None, typer.Option("--data-dir", help="ot: folder of the data set named by "
+                                  "--activations (mnist, fashion-mnist, cifar10).")
+    ] = None,
+    mode: Annotated[
+        str | None, typer.Option("--mode", help="ams: top1 (most confident model), topk (sum "
+                                 "of the k most confident) or full (sum of all) [default: top1].")
+    ] = None,
+    k: Annotated[int | None, typer.Option("--k", help="ams: models summed by --mode topk.")] = None,
 ) -> None:
     """Fuse client checkpoints into one model, in one shot and without data."""
     params = _given(
@@ -104,6 +127,8 @@ def fuse(
         sigma0=sigma0, gamma=gamma, mu0=mu0, sweeps=sweeps, seed=seed, lam=lam,
         max_width=max_width, class_share=class_share, unobserved=unobserved,
         variance_units=variance_units, backend=backend,
+        anchor=anchor, activations=activations, activation_samples=activation_samples,
+        data_dir=data_dir, mode=mode, k=k,
     )
     output = output or Path(f"fused-{method}.safetensors")
     if output.exists() and not force:

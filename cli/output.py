@@ -15,6 +15,7 @@ from typing import Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from fusekit.errors import FusekitError
 
@@ -43,7 +44,7 @@ def handle_errors(command):
 def fail(exc: Exception | str, code: int) -> None:
     if state["verbose"] and isinstance(exc, Exception):
         stderr.print_exception()
-    stderr.print(f"[bold red]error:[/] {exc}", markup=True, highlight=False, soft_wrap=True)
+    stderr.print("[bold red]error:[/]", escape(str(exc)), highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 

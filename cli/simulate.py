@@ -6,9 +6,9 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from fusekit._cli.output import emit_json, stderr, stdout
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from fusekit._cli.output import emit_json, stderr, stdout
 from fusekit.data import load_dataset
 from fusekit.nn.arch import describe_arch
 from fusekit.simulate import SimulationConfig, client_archs, simulate_clients
@@ -71,11 +71,11 @@ def simulate(
     shared_init: Annotated[
         bool, typer.Option("--shared-init", help="Start every client from the same weights.")
     ] = False,
-    epochs: Annotated[int, typer.Option("--epochs", help="Local epochs.")] = 10,
+    epochs: Annotated[int, typer.Option("--epochs", help="Local epochs.")] = 20,
     batch_size: Annotated[int, typer.Option("--batch-size", help="Mini-batch size.")] = 32,
     optimizer: Annotated[str, typer.Option("--optimizer", help="adam or sgd.")] = "adam",
     lr: Annotated[
-        float | None, typer.Option("--lr", help="Learning rate [adam 1e-3, sgd 0.05].")
+        float | None, typer.Option("--lr", help="Learning rate [adam 3e-3, sgd 0.05].")
     ] = None,
     fednlr: Annotated[
         bool,
@@ -122,7 +122,7 @@ def simulate(
         train=TrainConfig(
             epochs=epochs,
             batch_size=batch_size,
-            lr=lr if lr is not None else (1e-3 if optimizer == "adam" else 0.05),
+            lr=lr if lr is not None else (3e-3 if optimizer == "adam" else 0.05),
             optimizer=optimizer,
             fednlr=FedNLRConfig() if fednlr else None,
         ),

@@ -3,7 +3,10 @@
     >>> import fusekit
     >>> result = fusekit.fuse(["a.safetensors", "b.safetensors"], method="avg")
     >>> result.save("fused.safetensors")
+    >>> model = fusekit.load_fused("fused.safetensors")  # a torch module (imports torch)
 """
+
+from typing import Any
 
 from fusekit._version import __version__
 from fusekit.api import fuse
@@ -20,5 +23,16 @@ __all__ = [
     "fuse",
     "infer_spec",
     "load_checkpoint",
+    "load_fused",
     "save_checkpoint",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # load_fused needs torch; importing it lazily keeps `import fusekit` (and the fusion
+    # path) free of torch's import time.
+    if name == "load_fused":
+        from fusekit.nn.fused import load_fused
+
+        return load_fused
+    raise AttributeError(f"module 'fusekit' has no attribute {name!r}")

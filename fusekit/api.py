@@ -55,7 +55,8 @@ def fuse(
     _check_params(fusion, params)
     checkpoints = [c if isinstance(c, Checkpoint) else load_checkpoint(c) for c in inputs]
     specs = [client_spec(c, spec) for c in checkpoints]
-    check_compatible(checkpoints, specs)
+    if fusion.requires_same_architecture:
+        check_compatible(checkpoints, specs)
     order = sorted(range(len(checkpoints)), key=lambda i: canonical_key(checkpoints[i], specs[i]))
     checkpoints = [checkpoints[i] for i in order]
     specs = [specs[i] for i in order]

@@ -287,7 +287,8 @@ def save_checkpoint(
         raise OutputError(f"{path}: output directory {directory} does not exist")
     if path.exists() and not force:
         raise OutputError(f"{path}: output file exists; pass --force (force=True) to replace it")
-    arrays = {k: np.ascontiguousarray(_as_numpy(v)) for k, v in tensors.items()}
+    # np.require keeps 0-d tensors 0-d (np.ascontiguousarray would make them 1-d).
+    arrays = {k: np.require(_as_numpy(v), requirements="C") for k, v in tensors.items()}
     payload = safetensors.numpy.save(arrays, metadata=dict(metadata or {}))
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{path.name}.", suffix=".tmp")
     try:

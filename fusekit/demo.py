@@ -112,11 +112,16 @@ class DemoReport:
         }
 
 
+# The README's order; methods registered later follow in registration order.
+PREFERRED_ORDER = ("avg", "pfnm", "nafi", "ot", "ams")
+
+
 def registered_methods() -> list[str]:
-    """Names of every fusion method registered at run time, in registration order."""
+    """Names of every fusion method registered at run time (avg, pfnm, nafi, ot, ams first)."""
     from fusekit.methods import METHODS
 
-    return list(METHODS)
+    known = [m for m in PREFERRED_ORDER if m in METHODS]
+    return known + [m for m in METHODS if m not in known]
 
 
 def run_demo(

@@ -76,9 +76,9 @@ def load_for_evaluation(
 ) -> nn.Module:
     """The one place that turns a checkpoint into a module for evaluation.
 
-    Fused outputs (``fusekit.method`` metadata) go through ``fusekit.load_fused`` when the
-    package provides it (it also rebuilds AMS artefacts); plain client checkpoints, and
-    fused ones before it exists, through :func:`fusekit.nn.load_model`.
+    Uses ``fusekit.load_fused`` when the package provides it (it rebuilds every method's
+    output, AMS artefacts included, and clients without ``fusekit.arch``); otherwise
+    :func:`fusekit.nn.load_model`, which needs ``fusekit.arch``.
 
     Raises:
         CheckpointError: the file cannot be turned into a model.
@@ -91,8 +91,8 @@ def load_for_evaluation(
     import fusekit
 
     load_fused = getattr(fusekit, "load_fused", None)
-    if METHOD in ckpt.metadata and load_fused is not None and ckpt.path is not None:
-        return load_fused(ckpt.path, device).eval()
+    if load_fused is not None:
+        return load_fused(ckpt, str(device)).eval()
     return load_model(ckpt, device)
 
 

@@ -60,9 +60,9 @@ class TrainConfig:
             Adam divides out any per-neuron gradient scale.
     """
 
-    epochs: int = 10
+    epochs: int = 20
     batch_size: int = 32
-    lr: float = 1e-3
+    lr: float = 3e-3
     optimizer: str = "adam"
     momentum: float = 0.9
     weight_decay: float = 0.0

@@ -174,3 +174,8 @@ def test_in_memory_checkpoint_has_same_interface():
     assert ckpt.num_samples == 3
     assert ckpt.tensor("0.weight").shape == (5, 6)
     assert "memory" in ckpt.label
+
+
+def test_scalar_tensors_keep_their_shape(tmp_path):
+    path = save_checkpoint(tmp_path / "s.safetensors", {"n.num_batches_tracked": np.array(7)})
+    assert load_checkpoint(path).tensor("n.num_batches_tracked").shape == ()

@@ -145,3 +145,9 @@ def test_verbose_shows_traceback(tmp_path):
     result = runner.invoke(app, ["-v", "fuse", str(tmp_path / "none.safetensors")])
     assert result.exit_code == 2
     assert "Traceback" in result.stderr
+
+
+def test_error_text_with_brackets_is_printed_verbatim(tmp_path):
+    result = run("fuse", tmp_path / "[/bold]x.safetensors")
+    assert result.exit_code == 2
+    assert "[/bold]x.safetensors: checkpoint file does not exist" in result.stderr

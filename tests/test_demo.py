@@ -3,9 +3,9 @@
 import json
 
 import pytest
-from fusekit._cli.app import app
 from typer.testing import CliRunner
 
+from fusekit._cli.app import app
 from fusekit.demo import DemoConfig, registered_methods, run_demo
 from fusekit.errors import UnknownMethodError
 from fusekit.methods import METHODS

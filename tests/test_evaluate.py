@@ -4,14 +4,14 @@ import json
 
 import pytest
 import torch
-from fusekit._cli.app import app
 from typer.testing import CliRunner
 
+from fusekit._cli.app import app
 from fusekit.checkpoint import ARCH, CLASS_COUNTS, METHOD, NUM_SAMPLES, save_checkpoint
 from fusekit.data import synthetic
 from fusekit.errors import CheckpointError, DataError
 from fusekit.evaluate import Evaluator, evaluate_checkpoints
-from fusekit.nn import build_model, mlp_arch
+from fusekit.nn import build_model, convnet_arch, mlp_arch
 
 DATA = synthetic(samples=300, features=5, classes=3, seed=1)
 
@@ -49,15 +49,26 @@ def test_scores_match_direct_torch_computation(tmp_path):
     )
 
 
-def test_wrong_number_of_classes_and_missing_arch(tmp_path):
+def test_wrong_number_of_classes(tmp_path):
     path, _ = _write(tmp_path / "a.safetensors", mlp_arch(5, [7], 4), 0)
     with pytest.raises(DataError, match="3 classes"):
         evaluate_checkpoints([path], DATA, device="cpu")
-    bare = save_checkpoint(
-        tmp_path / "bare.safetensors", build_model(mlp_arch(5, [2], 3)).state_dict()
-    )
+
+
+def test_checkpoints_without_arch(tmp_path):
+    # An MLP without fusekit.arch is rebuilt from its tensors (fusekit.load_fused); a
+    # ConvNet cannot be (padding and pooling are not in the tensors).
+    mlp = build_model(mlp_arch(5, [2], 3), seed=0).eval()
+    bare = save_checkpoint(tmp_path / "bare.safetensors", mlp.state_dict())
+    score = evaluate_checkpoints([bare], DATA, device="cpu").scores[0]
+    with torch.no_grad():
+        logits = mlp(torch.as_tensor(DATA.x_test))
+    y = torch.as_tensor(DATA.y_test)
+    assert score.accuracy == pytest.approx((logits.argmax(1) == y).double().mean().item())
+    conv = build_model(convnet_arch((1, 2, 2), [3], 3), seed=0).state_dict()
+    bare_conv = save_checkpoint(tmp_path / "conv.safetensors", conv)
     with pytest.raises(CheckpointError, match=r"fusekit\.arch"):
-        evaluate_checkpoints([bare], DATA, device="cpu")
+        evaluate_checkpoints([bare_conv], DATA, device="cpu")
 
 
 def test_evaluator_moves_test_set_once():

@@ -5,17 +5,17 @@ import json
 import numpy as np
 import pytest
 import torch
-from fusekit._cli.app import app
 from typer.testing import CliRunner
 
 import fusekit
+from fusekit._cli.app import app
 from fusekit.checkpoint import load_checkpoint
 from fusekit.data import synthetic
 from fusekit.errors import OutputError, ParameterError, SpecError
 from fusekit.evaluate import evaluate_checkpoints
 from fusekit.nn import load_model, pan_buffer_names
 from fusekit.simulate import SIMULATION, SimulationConfig, simulate_clients
-from fusekit.train import TrainConfig
+from fusekit.train import FedNLRConfig, TrainConfig
 
 DATA = synthetic(samples=400, features=8, classes=4, seed=0)
 FAST = TrainConfig(epochs=2, batch_size=32, lr=1e-2)
@@ -153,3 +153,33 @@ def test_cli_fednlr_needs_sgd(tmp_path):
         app, ["simulate", "--out", str(tmp_path), "--fednlr", "--optimizer", "adam"]
     )
     assert result.exit_code == 2 and "sgd" in result.output
+
+
+def test_convnet_clients_fuse_and_evaluate(tmp_path):
+    from fusekit.data import digits
+
+    images = digits()
+    config = SimulationConfig(
+        clients=2, arch="conv:4,6/8", train=TrainConfig(epochs=1), min_samples=5
+    )
+    clients = simulate_clients(images, config, out_dir=tmp_path)
+    arch = clients[0].checkpoint.arch
+    assert arch["type"] == "convnet" and arch["channels"] == [4, 6] and arch["hidden"] == [8]
+    fused = fusekit.fuse([c.path for c in clients], method="avg").save(tmp_path / "f.safetensors")
+    report = evaluate_checkpoints([c.path for c in clients] + [fused], images, device="cpu")
+    assert [s.kind for s in report.scores] == ["client", "client", "fused", "ensemble"]
+
+
+def test_fednlr_clients_get_neuron_wise_rates():
+    config = _config(
+        shared_init=True,
+        arch="mlp:12,6",
+        train=TrainConfig(epochs=1, optimizer="sgd", lr=0.05, fednlr=FedNLRConfig()),
+    )
+    clients = simulate_clients(DATA, config)
+    rates = clients[0].training.neuron_learning_rates
+    assert [r.shape for r in rates] == [(12,), (6,), (4,)]
+    for index, r in enumerate(rates, start=1):
+        assert r.mean() == pytest.approx(0.05)
+        mu = 2.0 + index / 3 + 0.5 * np.log(r.size)
+        assert r.max() / r.min() == pytest.approx(mu)

@@ -58,6 +58,9 @@ class FusionMethod(ABC):
     summary: ClassVar[str]
     #: True when the method permutes neurons (it must refuse position-aware neurons).
     permutes_neurons: ClassVar[bool] = False
+    #: False for methods that keep every client's model as it is (AMS): fusekit.fuse then
+    #: skips the same-layers check and the method checks what it needs itself.
+    requires_same_architecture: ClassVar[bool] = True
 
     @abstractmethod
     def fuse(

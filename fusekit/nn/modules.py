@@ -162,9 +162,6 @@ def load_state_into(model: nn.Module, state_dict: Mapping[str, Any], label: str)
             f"unexpected {unexpected[:6]}"
         )
     for name, tensor in tensors.items():
-        if is_integer_buffer(name) and tensor.numel() == 1:
-            # Scalar counters may come back as shape (1,) (np.ascontiguousarray makes 0-d 1-d).
-            tensors[name] = tensor = tensor.reshape(expected[name].shape)
         if tuple(tensor.shape) != tuple(expected[name].shape):
             raise CheckpointError(
                 f"{label}: tensor {name!r} has shape {tuple(tensor.shape)}; its fusekit.arch "

@@ -1,0 +1,252 @@
+"""OT fusion and AMS inference benchmark (``python -m fusekit.bench.ot_ams``; the OT/AMS rows
+of ``benchmarks/bench_fusion.py``).
+
+OT fusion (ALGORITHMS.md §5), clients = noisy, permuted copies of one random network:
+
+- 784-100-10 MLP, S clients, equal widths: fusekit (C++ assignment) against the same
+  alignment with POT's ``ot.emd`` for every plan (what the authors' OTFusion code runs),
+  weights mode; both in the same run, ratio = emd / fusekit.
+- the same MLP with widths 90..110 (unequal: EMD for both), and with the activation cost
+  on 256 inputs;
+- 784-1000-10, 10 clients (where the plan solver dominates);
+- a 3-conv CNN (64-96-128 channels, BatchNorm, 3x32x32), 16 clients.
+Quality: relative L2 error of the fused model's logits against the original network on
+random inputs (OT undoes the permutations; coordinate averaging cannot).
+
+AMS inference (ALGORITHMS.md §6): samples/s of the loaded AMS module on batches of 1024,
+top1 and full, S equal 784-100-10 MLPs and a mixed set (MLPs of depth 1-5 + a CNN), with
+the same-architecture groups vectorised (vmap) or run model by model (the module's
+default: vmap on CUDA only); CPU, and GPU when torch sees one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from fusekit import neurons
+from fusekit._version import __version__
+from fusekit.checkpoint import Checkpoint
+from fusekit.methods.base import sample_weights
+from fusekit.methods.ot import align_to_anchor, average_layers
+from fusekit.spec import infer_spec, permute
+
+
+def permuted_copies(state: dict[str, np.ndarray], n_clients: int, noise: float, seed: int,
+                    widths: Sequence[int] | None = None) -> list[Checkpoint]:
+    """Noisy, permuted copies of one network; with ``widths`` the first hidden layer of
+    client s keeps only ``widths[s]`` of its neurons (or duplicates some, when wider)."""
+    rng = np.random.default_rng(seed)
+    spec = infer_spec(state)
+    clients = []
+    for s in range(n_clients):
+        copy = permute(state, spec, [rng.permutation(w) for w in spec.hidden_widths])
+        if widths is not None:
+            keep = rng.choice(spec.hidden_widths[0], widths[s],
+                              replace=widths[s] > spec.hidden_widths[0])
+            for ref in spec.group(0):
+                copy[ref.tensor] = np.take(copy[ref.tensor], keep, axis=ref.axis)
+        copy = {k: v if "running" in k else v + noise * v.std() * rng.standard_normal(v.shape)
+                for k, v in copy.items()}
+        clients.append(Checkpoint.from_state_dict(copy, {"fusekit.num_samples": "100"}))
+    return clients
+
+
+def random_mlp(width: int = 100, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {"net.0.weight": rng.normal(0, 784 ** -0.5, (width, 784)),
+            "net.0.bias": rng.normal(0, 0.1, width),
+            "net.2.weight": rng.normal(0, width ** -0.5, (10, width)),
+            "net.2.bias": rng.normal(0, 0.1, 10)}
+
+
+def random_cnn(channels: Sequence[int] = (64, 96, 128), seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    state: dict[str, np.ndarray] = {}
+    prev, size = 3, 32
+    for i, width in enumerate(channels):
+        conv, norm = f"net.{4 * i}", f"net.{4 * i + 1}"
+        state[f"{conv}.weight"] = rng.normal(0, (prev * 9) ** -0.5, (width, prev, 3, 3))
+        state[f"{conv}.bias"] = rng.normal(0, 0.05, width)
+        state[f"{norm}.weight"] = rng.uniform(0.5, 1.5, width)
+        state[f"{norm}.bias"] = rng.normal(0, 0.1, width)
+        state[f"{norm}.running_mean"] = rng.normal(0, 0.1, width)
+        state[f"{norm}.running_var"] = rng.uniform(0.5, 2.0, width)
+        prev, size = width, size // 2
+    head = f"net.{4 * len(channels) + 1}"
+    state[f"{head}.weight"] = rng.normal(0, (prev * size * size) ** -0.5, (10, prev * size**2))
+    state[f"{head}.bias"] = rng.normal(0, 0.05, 10)
+    return state
+
+
+def _fuse_ot(clients: Sequence[Checkpoint], solver: str, inputs: np.ndarray | None):
+    """OT fusion as ``fusekit.fuse(method="ot")`` runs it, with a choice of plan solver."""
+    specs = [infer_spec({n: i.shape for n, i in c.tensors.items()}) for c in clients]
+    pre = None
+    if inputs is not None:
+        from fusekit.nn.fused import hidden_preactivations
+
+        pre = [hidden_preactivations(c, s, inputs) for c, s in zip(clients, specs, strict=True)]
+    layers = [neurons.client_layers(c, s) for c, s in zip(clients, specs, strict=True)]
+    aligned, _ = align_to_anchor(layers, 0, pre, solver=solver)
+    weights = sample_weights(clients)
+    fused = [average_layers([a[i] for a in aligned], weights) for i in range(len(layers[0]))]
+    return neurons.to_state_dict(clients, specs[0], fused)
+
+
+def _median_time(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
+    times, out = [], None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times)), out
+
+
+def _logit_error(state: dict[str, np.ndarray], reference: dict[str, np.ndarray],
+                 input_shape: tuple[int, ...]) -> float:
+    from fusekit.nn.fused import build_plain_model
+
+    if len(input_shape) > 1:
+        return float("nan")  # conv models need fusekit.arch to be rebuilt; timing only
+    x = np.random.default_rng(1).normal(size=(256, *input_shape)).astype(np.float32)
+    import torch
+
+    with torch.no_grad():
+        got = build_plain_model(state, None, None, "fused")(torch.from_numpy(x)).numpy()
+        want = build_plain_model(reference, None, None, "reference")(torch.from_numpy(x)).numpy()
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+def run_ot(sizes: Sequence[int], repeats: int) -> list[dict[str, Any]]:
+    rows = []
+    reference = random_mlp()
+    for n_clients in sizes:
+        rng = np.random.default_rng(n_clients)
+        cases = [
+            ("equal widths", permuted_copies(reference, n_clients, 0.05, n_clients), None),
+            ("widths 90-110", permuted_copies(reference, n_clients, 0.05, n_clients,
+                                              rng.integers(90, 111, n_clients)), None),
+            ("activations", permuted_copies(reference, n_clients, 0.05, n_clients),
+             np.random.default_rng(0).normal(size=(256, 784)).astype(np.float32)),
+        ]
+        for label, clients, inputs in cases:
+            row = {"case": f"ot mlp784-100-10 S={n_clients} {label}"}
+            for solver in ("auto", "emd"):
+                _fuse_ot(clients[:2], solver, None if inputs is None else inputs[:8])  # warm-up
+                seconds, state = _median_time(lambda c=clients, s=solver, x=inputs:
+                                              _fuse_ot(c, s, x), repeats)
+                row[f"{solver}_s"] = seconds
+                if solver == "auto":
+                    row["logit_error"] = _logit_error(state, reference, (784,))
+            row["speedup_vs_emd"] = row["emd_s"] / row["auto_s"]
+            rows.append(row)
+            _print(row)
+    avg = {k: np.mean([c.tensor(k) for c in permuted_copies(reference, 10, 0.05, 10)], axis=0)
+           for k in reference}
+    row = {"case": "avg mlp784-100-10 S=10 (no alignment)",
+           "logit_error": _logit_error(avg, reference, (784,))}
+    rows.append(row)
+    _print(row)
+    wide = random_mlp(1000)
+    clients = permuted_copies(wide, 10, 0.05, 3)
+    row = {"case": "ot mlp784-1000-10 S=10 equal widths"}
+    for solver in ("auto", "emd"):
+        row[f"{solver}_s"], state = _median_time(lambda s=solver: _fuse_ot(clients, s, None), 1)
+        if solver == "auto":
+            row["logit_error"] = _logit_error(state, wide, (784,))
+    row["speedup_vs_emd"] = row["emd_s"] / row["auto_s"]
+    rows.append(row)
+    _print(row)
+    clients = permuted_copies(random_cnn(), 16, 0.05, 7)
+    row = {"case": "ot cnn 3x(64,96,128) S=16 equal widths"}
+    for solver in ("auto", "emd"):
+        row[f"{solver}_s"], _ = _median_time(lambda s=solver: _fuse_ot(clients, s, None), 1)
+    row["speedup_vs_emd"] = row["emd_s"] / row["auto_s"]
+    rows.append(row)
+    _print(row)
+    return rows
+
+
+def run_ams(n_models: int, batch: int, repeats: int) -> list[dict[str, Any]]:
+    import torch
+
+    from fusekit.nn import build_model, convnet_arch, mlp_arch
+    from fusekit.nn.ams import AMSModel
+
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    sets = {
+        f"{n_models} x mlp784-100-10": [build_model(mlp_arch(784, [100], 10), seed=i)
+                                        for i in range(n_models)],
+        "mixed: mlp depth 1-5 + cnn": [build_model(mlp_arch(784, [100] * d, 10), seed=d)
+                                       for d in range(1, 6)]
+        + [build_model(convnet_arch((1, 28, 28), [16, 32], 10), seed=9)],
+    }
+    rows = []
+    for device in devices:
+        x = torch.randn(batch, 1, 28, 28, device=device)
+        for label, models in sets.items():
+            for mode in ("top1", "full"):
+                row = {"case": f"ams {label} {mode} batch={batch}", "device": device}
+                for vectorise in (True, False):  # the module's own choice is tested elsewhere
+                    model = AMSModel(models, mode=mode).to(device).eval()
+                    model.vectorise = vectorise
+
+                    def step(m=model, inputs=x, on_gpu=device == "cuda"):
+                        with torch.no_grad():
+                            out = m(inputs)
+                        if on_gpu:
+                            torch.cuda.synchronize()
+                        return out
+
+                    step()  # warm-up
+                    seconds, _ = _median_time(step, repeats)
+                    key = "vectorised" if vectorise else "model_by_model"
+                    row[f"{key}_samples_per_s"] = batch / seconds
+                rows.append(row)
+                _print(row)
+    return rows
+
+
+def _print(row: dict[str, Any]) -> None:
+    cells = [f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
+             if k != "case"]
+    print(f"{row['case']:<48} " + "  ".join(cells), flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", type=int, nargs="+", default=[10, 30])
+    parser.add_argument("--ams-models", type=int, default=10)
+    parser.add_argument("--batch", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", default="benchmarks/results/bench_ot_ams.json")
+    args = parser.parse_args(argv)
+    import torch
+
+    rows = run_ot(args.clients, args.repeats) + run_ams(args.ams_models, args.batch,
+                                                       args.repeats)
+    payload = {
+        "machine": {"platform": platform.platform(), "processor": platform.processor(),
+                    "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                    "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None},
+        "versions": {"fusekit": __version__, "numpy": np.__version__, "torch": torch.__version__,
+                     "python": platform.python_version()},
+        "rows": rows,
+    }
+    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(payload, f, indent=2)
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

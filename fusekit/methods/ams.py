@@ -1,0 +1,165 @@
+"""AMS, adaptive model selection (ALGORITHMS.md §6; AMS paper §5, Eq. 7-9, Algorithms 1-2).
+
+AMS averages nothing: the fused artefact keeps every client's model, and at inference each
+input is answered by the model(s) with the largest "absolute confidence" max_c f_s,c(x).
+The artefact is one safetensors file: client i's tensors under ``models.<i>.`` (clients in
+fusekit's canonical order) and the metadata key ``fusekit.ams``::
+
+    {"format": "fusekit.ams/1", "mode": "top1", "k": 1,
+     "models": [{"prefix": "models.0.", "arch": {...} | null, "spec": {...},
+                 "num_samples": 600 | null}, ...]}
+
+``arch`` is the client's ``fusekit.arch`` (how :func:`fusekit.load_fused` rebuilds it) and
+``spec`` its permutation spec JSON (the fallback for clients without ``arch``). The
+selection itself runs in torch (:mod:`fusekit.nn.ams`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from fusekit.checkpoint import Checkpoint
+from fusekit.errors import CheckpointError, IncompatibleModelsError, ParameterError
+from fusekit.methods.base import FusionMethod, FusionResult, register
+from fusekit.spec import PermutationSpec
+
+AMS_METADATA = "fusekit.ams"
+AMS_FORMAT = "fusekit.ams/1"
+MODES = ("top1", "topk", "full")
+
+
+def model_prefix(index: int) -> str:
+    """Tensor-name prefix of sub-model ``index`` in an AMS artefact."""
+    return f"models.{index}."
+
+
+@register
+class AdaptiveModelSelection(FusionMethod):
+    name = "ams"
+    summary = ("adaptive model selection: keep every client model, answer each input with "
+               "the most confident one(s) (top1 | topk | full); any architectures")
+    requires_same_architecture = False
+
+    def fuse(
+        self,
+        checkpoints: Sequence[Checkpoint],
+        specs: Sequence[PermutationSpec],
+        *,
+        mode: str = "top1",
+        k: int | None = None,
+    ) -> FusionResult:
+        """Pack every client into one AMS artefact (AMS paper Algorithm 2).
+
+        Args:
+            checkpoints: the S clients, in canonical order (their index in the artefact is
+                the tie-breaking order: on equal confidence the lower index wins).
+            specs: each client's permutation spec; architectures may differ (depth, width,
+                MLP or CNN) as long as every model has the same number of outputs.
+            mode: ``top1`` (answer with the most confident model, AMS-top1), ``topk`` (sum
+                the logits of the k most confident models) or ``full`` (sum all S logits,
+                AMS-full).
+            k: number of models summed by ``topk``, 1 <= k <= S; implied by the other modes
+                (1 for top1, S for full) and may only be given with them if it agrees.
+
+        Returns:
+            FusionResult whose state_dict holds ``models.<i>.<name>`` for every client
+            tensor and whose metadata describes each sub-model (``fusekit.ams``);
+            ``widths`` is empty (there is no single fused layer structure).
+
+        Raises:
+            ParameterError: unknown mode, or k missing/out of range/contradicting the mode.
+            IncompatibleModelsError: the models do not all have the same number of outputs.
+        """
+        k = resolve_k(mode, k, len(checkpoints))
+        check_same_outputs(checkpoints, specs)
+        state_dict: dict[str, np.ndarray] = {}
+        models = []
+        for index, (checkpoint, spec) in enumerate(zip(checkpoints, specs, strict=True)):
+            prefix = model_prefix(index)
+            for name in checkpoint.tensors:
+                state_dict[prefix + name] = checkpoint.tensor(name)
+            models.append({"prefix": prefix, "arch": checkpoint.arch, "spec": spec.to_json(),
+                           "num_samples": checkpoint.num_samples})
+        description = {"format": AMS_FORMAT, "mode": mode, "k": k, "models": models}
+        report = {
+            "models": len(models),
+            "hidden_widths": [spec.hidden_widths for spec in specs],
+            "parameters": int(sum(np.prod(a.shape) for a in state_dict.values())),
+        }
+        return FusionResult(
+            state_dict=state_dict,
+            method=self.name,
+            params={"mode": mode, "k": k},
+            widths=[],
+            report=report,
+            metadata={AMS_METADATA: json.dumps(description)},
+        )
+
+
+def resolve_k(mode: str, k: int | None, n_models: int) -> int:
+    """The number of models whose logits are summed: 1 (top1), k (topk), S (full).
+
+    Raises:
+        ParameterError: unknown mode; ``topk`` without k or with k outside 1..S; a k that
+            contradicts ``top1``/``full``.
+    """
+    if mode not in MODES:
+        raise ParameterError(f"mode: expected one of {', '.join(MODES)}, got {mode!r}")
+    if k is not None and (isinstance(k, bool) or not isinstance(k, (int, np.integer))):
+        raise ParameterError(f"k: expected an integer, got {k!r}")
+    implied = {"top1": 1, "full": n_models}.get(mode)
+    if implied is not None:
+        if k is not None and k != implied:
+            raise ParameterError(
+                f"k={k} contradicts mode {mode!r}, which sums {implied} model(s); use "
+                "mode='topk' to choose k"
+            )
+        return implied
+    if k is None:
+        raise ParameterError("mode 'topk' needs k (--k): how many models' logits to sum")
+    if not 1 <= k <= n_models:
+        raise ParameterError(f"k: expected 1 <= k <= {n_models} (the number of models), got {k}")
+    return int(k)
+
+
+def check_same_outputs(checkpoints: Sequence[Checkpoint],
+                       specs: Sequence[PermutationSpec]) -> None:
+    """AMS compares logits across models: every model needs the same number of outputs."""
+    first = specs[0].out_features
+    for checkpoint, spec in zip(checkpoints, specs, strict=True):
+        if spec.out_features != first:
+            raise IncompatibleModelsError(
+                f"{checkpoint.label} has {spec.out_features} outputs but "
+                f"{checkpoints[0].label} has {first}; AMS needs every model to have the same "
+                "number of outputs (classes)"
+            )
+
+
+def read_ams_metadata(metadata: Mapping[str, str], label: str) -> dict[str, Any]:
+    """Parse and check the ``fusekit.ams`` metadata of an AMS artefact.
+
+    Raises:
+        CheckpointError: the key is missing, not JSON, of another format, or lacks models.
+    """
+    raw = metadata.get(AMS_METADATA)
+    if raw is None:
+        raise CheckpointError(f"{label}: no {AMS_METADATA} metadata; not an AMS artefact")
+    try:
+        description = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{label}: metadata {AMS_METADATA} is not JSON ({exc})") from None
+    if (not isinstance(description, dict) or description.get("format") != AMS_FORMAT
+            or not isinstance(description.get("models"), list) or not description["models"]):
+        raise CheckpointError(
+            f"{label}: metadata {AMS_METADATA} must be an object with \"format\": "
+            f"\"{AMS_FORMAT}\" and a non-empty \"models\" list, found {raw[:120]!r}"
+        )
+    try:
+        resolve_k(description.get("mode"), description.get("k"), len(description["models"]))
+    except ParameterError as exc:
+        raise CheckpointError(f"{label}: metadata {AMS_METADATA}: {exc}") from None
+    return description

@@ -1,0 +1,333 @@
+"""Optimal-transport fusion (Singh & Jaggi 2020, "Model Fusion via Optimal Transport");
+ALGORITHMS.md §5.
+
+Every client is aligned to an anchor model A, layer by layer, bottom-up, and the aligned
+clients are averaged with sample-count weights; the fused widths are the anchor's.
+
+For hidden layer l of client s (unit form, BatchNorm folded, see :mod:`fusekit.neurons`):
+
+1. incoming weights are mapped into the anchor's index space of layer l-1 with the
+   previous transport map, per kernel position / per spatial block:
+   W_s(aligned inputs)[j, g, b] = Σ_i W_s[j, i, b] T̂_{l-1}[i, g],  T̂ = T diag(1/β);
+2. ground cost M_ij = ‖w_si − w_Aj‖² between the neuron vectors [aligned incoming
+   weights, bias] (``weights`` mode, data-free), or between the neurons' pre-activations
+   on a batch of inputs (``activations`` mode);
+3. transport plan T (J_s × J_A) with uniform marginals: when J_s = J_A the optimal plan is
+   a permutation / J, found by fusekit's C++ assignment solver; otherwise exact EMD
+   (POT's ``ot.emd``);
+4. aligned layer W̃_s = diag(1/β) Tᵀ W_s(aligned inputs), b̃_s = diag(1/β) Tᵀ b_s with
+   β = Tᵀ 1 (column sums): each anchor neuron receives the transported mass-weighted mean
+   of the client neurons sent to it.
+
+The output layer only gets step 1: its class axis is never transported.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fusekit import neurons
+from fusekit.checkpoint import Checkpoint
+from fusekit.errors import DataError, ParameterError
+from fusekit.matching import solve_assignment, sqeuclidean_cost
+from fusekit.methods.base import FusionMethod, FusionResult, register, sample_weights
+from fusekit.spec import PermutationSpec
+
+log = logging.getLogger(__name__)
+
+ActivationSource = str | os.PathLike[str] | np.ndarray
+
+
+@register
+class OptimalTransport(FusionMethod):
+    name = "ot"
+    summary = ("optimal-transport alignment to an anchor client, then weighted averaging "
+               "(Singh & Jaggi); fused widths = the anchor's")
+    permutes_neurons = True
+
+    def fuse(
+        self,
+        checkpoints: Sequence[Checkpoint],
+        specs: Sequence[PermutationSpec],
+        *,
+        anchor: str | None = None,
+        activations: ActivationSource | None = None,
+        activation_samples: int = 256,
+        data_dir: str | os.PathLike[str] | None = None,
+        seed: int = 0,
+    ) -> FusionResult:
+        """Align every client to the anchor with optimal transport and average them.
+
+        Args:
+            checkpoints: S clients of the same layer structure (widths may differ), in
+                canonical order.
+            specs: their permutation specs.
+            anchor: the client whose neuron order and widths the fused model takes: its
+                path (as given, or its file name) or a prefix (>= 8 hex digits) of its
+                content hash. Default: the client with the most samples (first in
+                canonical order on ties).
+            activations: None for the data-free weight cost (default); otherwise inputs
+                for the activation cost — an (N, ...) array, a ``.npy`` file of inputs
+                (N, ...), a ``.npz`` file holding ``x`` or ``x_train``, or a data set name
+                of :mod:`fusekit.data` (its training inputs). See
+                :func:`load_activation_inputs`.
+            activation_samples: at most this many inputs (a seeded random subset) are run.
+            data_dir: folder holding the files of a local data set named by ``activations``
+                (mnist, fashion-mnist, cifar10).
+            seed: seeds that subset.
+
+        Returns:
+            FusionResult at the anchor's widths; report per layer: transport kind
+            ("assignment" or "emd") and mean transport cost per client.
+
+        Raises:
+            IncompatibleModelsError: PAN checkpoints (positions matter; use avg).
+            ParameterError: unknown anchor, bad activation_samples.
+            DataError: unreadable activation inputs or inputs that do not fit the models.
+        """
+        neurons.refuse_position_aware(checkpoints, specs, self.name)
+        anchor_index = resolve_anchor(checkpoints, anchor)
+        if isinstance(activation_samples, bool) or not isinstance(activation_samples, int) \
+                or activation_samples < 1:
+            raise ParameterError(
+                f"activation_samples: expected a positive integer, got {activation_samples!r}"
+            )
+        start = time.perf_counter()
+        preactivations = None
+        if activations is not None:
+            inputs = load_activation_inputs(activations, activation_samples, seed, data_dir)
+            from fusekit.nn.fused import hidden_preactivations  # torch: only in this mode
+
+            preactivations = [hidden_preactivations(c, s, inputs)
+                              for c, s in zip(checkpoints, specs, strict=True)]
+        clients = [neurons.client_layers(c, s) for c, s in zip(checkpoints, specs, strict=True)]
+        aligned, layer_reports = align_to_anchor(clients, anchor_index, preactivations)
+        weights = sample_weights(checkpoints)
+        fused = [average_layers([client[li] for client in aligned], weights)
+                 for li in range(len(specs[0].layers))]
+        spec = specs[anchor_index]
+        state_dict = neurons.to_state_dict(checkpoints, spec, fused)
+        params = {
+            "anchor": checkpoints[anchor_index].label if anchor is not None else None,
+            "activations": _describe_source(activations),
+            "activation_samples": activation_samples,
+            "data_dir": os.fspath(data_dir) if data_dir is not None else None,
+            "seed": seed,
+        }
+        report = {
+            "anchor": checkpoints[anchor_index].label,
+            "cost": "activations" if activations is not None else "weights",
+            "layers": layer_reports,
+            "align_time_s": time.perf_counter() - start,
+        }
+        return self.result(state_dict, checkpoints, spec, params, report)
+
+
+def resolve_anchor(checkpoints: Sequence[Checkpoint], anchor: str | None) -> int:
+    """Index of the anchor client (see :meth:`OptimalTransport.fuse`).
+
+    Raises:
+        ParameterError: ``anchor`` matches no client, or several.
+    """
+    if anchor is None:
+        counts = [c.num_samples or 0 for c in checkpoints]
+        return int(np.argmax(counts))  # first maximum: canonical order breaks ties
+    if not isinstance(anchor, (str, os.PathLike)):
+        raise ParameterError(
+            f"anchor: expected a checkpoint path or content-hash prefix, got {anchor!r}"
+        )
+    text = os.fspath(anchor)
+    matches = [i for i, c in enumerate(checkpoints) if _is_anchor(c, text)]
+    if len(matches) != 1:
+        found = "no client" if not matches else f"{len(matches)} clients"
+        raise ParameterError(
+            f"anchor {text!r} matches {found}; expected the path or file name of one input, "
+            f"or a content-hash prefix of >= 8 hex digits; inputs: "
+            f"{', '.join(c.label for c in checkpoints)}"
+        )
+    return matches[0]
+
+
+def _is_anchor(checkpoint: Checkpoint, text: str) -> bool:
+    if checkpoint.path is not None:
+        path = Path(checkpoint.path)
+        if text in (str(path), path.name) or Path(text).resolve() == path.resolve():
+            return True
+    lowered = text.lower()
+    return (len(lowered) >= 8 and all(ch in "0123456789abcdef" for ch in lowered)
+            and checkpoint.content_hash.startswith(lowered))
+
+
+def align_to_anchor(
+    clients: Sequence[Sequence[neurons.UnitLayer]],
+    anchor: int,
+    preactivations: Sequence[Sequence[np.ndarray]] | None = None,
+    *,
+    solver: str = "auto",
+) -> tuple[list[list[neurons.UnitLayer]], list[dict[str, Any]]]:
+    """Align every client's layers to the anchor's neuron order (steps 1-4 of §5).
+
+    Args:
+        clients: per client, its layers in unit form (BatchNorm folded), input to output.
+        anchor: index of the anchor client (returned unchanged).
+        preactivations: per client, per hidden layer, (samples, J) pre-activations for the
+            activation cost; None for the weight cost.
+        solver: see :func:`transport_plan` (``"emd"`` is the benchmarks' peer).
+
+    Returns:
+        (aligned, reports): per client its layers at the anchor's widths, and per hidden
+        layer a dict with the transport kind and the mean plan cost ⟨T, M⟩ per client.
+    """
+    n_layers = len(clients[anchor])
+    aligned: list[list[neurons.UnitLayer]] = [[] for _ in clients]
+    maps: list[np.ndarray | None] = [None] * len(clients)  # T̂ of the layer below
+    reports = []
+    for li in range(n_layers):
+        kinds, costs = set(), []
+        for s, layers in enumerate(clients):
+            layer = align_incoming(layers[li], maps[s])
+            if s == anchor or li == n_layers - 1:
+                aligned[s].append(layer)
+                continue
+            anchor_layer = clients[anchor][li]
+            if preactivations is None:
+                cost = sqeuclidean_cost(neuron_matrix(layer), neuron_matrix(anchor_layer))
+            else:
+                cost = sqeuclidean_cost(preactivations[s][li].T, preactivations[anchor][li].T)
+            plan, kind = transport_plan(cost, solver)
+            kinds.add(kind)
+            costs.append(float((plan * cost).sum()))
+            normalised = plan / plan.sum(axis=0, keepdims=True)  # T diag(1/β)
+            maps[s] = normalised
+            aligned[s].append(neurons.UnitLayer(
+                weight=np.tensordot(normalised, layer.weight, axes=(0, 0)),  # (G, U, B)
+                bias=normalised.T @ layer.bias,
+            ))
+        if li < n_layers - 1:
+            reports.append({"layer": li, "width": clients[anchor][li].out_features,
+                            "transport": sorted(kinds), "mean_cost": costs})
+    return aligned, reports
+
+
+def average_layers(layers: Sequence[neurons.UnitLayer], weights: np.ndarray) -> neurons.UnitLayer:
+    """Σ_s α_s layer_s of layers already aligned to the same neuron order (step 5)."""
+    pairs = list(zip(weights, layers, strict=True))
+    return neurons.UnitLayer(weight=sum(a * layer.weight for a, layer in pairs),
+                             bias=sum(a * layer.bias for a, layer in pairs))
+
+
+def align_incoming(layer: neurons.UnitLayer, normalised: np.ndarray | None) -> neurons.UnitLayer:
+    """Map a unit-form layer's input units into the anchor's space below (step 1):
+    ``W[j, g, b] = Σ_i W[j, i, b] T̂[i, g]`` for every kernel position / spatial block b."""
+    if normalised is None:
+        return layer
+    mapped = np.tensordot(layer.weight, normalised, axes=(1, 0))  # (J, B, G): BLAS, not einsum
+    return neurons.UnitLayer(np.ascontiguousarray(mapped.transpose(0, 2, 1)), layer.bias)
+
+
+def neuron_matrix(layer: neurons.UnitLayer) -> np.ndarray:
+    """(J, P) neuron vectors [incoming weights (all kernel positions), bias]."""
+    return np.hstack([layer.weight.reshape(layer.out_features, -1), layer.bias[:, None]])
+
+
+def transport_plan(cost: np.ndarray, solver: str = "auto") -> tuple[np.ndarray, str]:
+    """Optimal plan between uniform marginals 1/n and 1/m for an (n, m) ground cost.
+
+    When n = m the optimum is a permutation matrix / n (Birkhoff), solved exactly by the C++
+    assignment solver; otherwise by POT's exact network simplex ``ot.emd``. ``solver="emd"``
+    uses ``ot.emd`` for every shape (what the authors' code does; the benchmarks' peer).
+
+    Returns:
+        (plan (n, m) float64 with row sums 1/n and column sums 1/m, "assignment" | "emd").
+    """
+    if solver not in ("auto", "emd"):
+        raise ParameterError(f"solver: expected 'auto' or 'emd', got {solver!r}")
+    n, m = cost.shape
+    if n == m and solver == "auto":
+        rows, cols = solve_assignment(cost)
+        plan = np.zeros((n, m))
+        plan[rows, cols] = 1.0 / n
+        return plan, "assignment"
+    import ot  # POT: only needed for unequal widths
+
+    plan = ot.emd(np.full(n, 1.0 / n), np.full(m, 1.0 / m), np.ascontiguousarray(cost))
+    return np.asarray(plan, dtype=np.float64), "emd"
+
+
+def load_activation_inputs(source: ActivationSource, samples: int, seed: int = 0,
+                           data_dir: str | os.PathLike[str] | None = None) -> np.ndarray:
+    """The inputs on which activation-mode OT compares neurons, float32 (N, ...).
+
+    Args:
+        source: an array (N, ...); a ``.npy`` file holding such an array; a ``.npz`` file
+            holding ``x`` (or ``x_train``, fusekit's data-set format) of shape (N, ...); or
+            the name of a :mod:`fusekit.data` data set (its training inputs; mnist,
+            fashion-mnist and cifar10 read their files from ``data_dir``).
+        samples: at most this many rows are kept (a seeded random subset, in index order).
+        seed: seeds the subset.
+        data_dir: folder of a local data set's files.
+
+    Raises:
+        DataError: a missing or unreadable file, no ``x``/``x_train`` array, a non-numeric
+            or empty array, or an unknown data-set name.
+    """
+    if isinstance(source, np.ndarray):
+        inputs = source
+    else:
+        text = os.fspath(source)
+        path = Path(text)
+        if path.suffix in (".npy", ".npz"):
+            inputs = _read_array_file(path)
+        else:
+            from fusekit.data import load_dataset
+
+            try:
+                inputs = load_dataset(text, data_dir=data_dir).x_train
+            except ParameterError:
+                raise DataError(
+                    f"activations: {text!r} is neither a .npy/.npz file nor a data set name "
+                    "of fusekit.data"
+                ) from None
+    inputs = np.asarray(inputs)
+    if inputs.ndim < 2 or len(inputs) == 0 or inputs.dtype.kind not in "fiu":
+        raise DataError(
+            f"activations: expected numeric inputs of shape (N, ...) with N >= 1, got "
+            f"{inputs.dtype} array of shape {inputs.shape}"
+        )
+    if len(inputs) > samples:
+        keep = np.sort(np.random.default_rng(seed).choice(len(inputs), samples, replace=False))
+        inputs = inputs[keep]
+    return np.ascontiguousarray(inputs, dtype=np.float32)
+
+
+def _read_array_file(path: Path) -> np.ndarray:
+    if not path.is_file():
+        raise DataError(f"{path}: activation input file does not exist")
+    try:
+        loaded = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        raise DataError(f"{path}: not a readable {path.suffix} file ({exc})") from None
+    if isinstance(loaded, np.ndarray):
+        return loaded
+    with loaded:
+        for key in ("x", "x_train"):
+            if key in loaded:
+                return loaded[key]
+        raise DataError(
+            f"{path}: expected an array named 'x' or 'x_train', found {sorted(loaded.files)}"
+        )
+
+
+def _describe_source(source: ActivationSource | None) -> str | None:
+    if source is None:
+        return None
+    if isinstance(source, np.ndarray):
+        return f"<array {tuple(source.shape)}>"
+    return os.fspath(source)

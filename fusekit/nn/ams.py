@@ -1,0 +1,135 @@
+"""The AMS module: every client model, run on the same batch, answering per sample with the
+most confident one(s) (ALGORITHMS.md §6; AMS paper §5, Eq. 7-9, Algorithm 2).
+
+All sub-models run on the same batch on the same device. On CUDA, sub-models with the
+same architecture (same module class and tensor shapes) run as one vectorised call
+(``torch.func.vmap`` over their stacked weights: a few batched kernels instead of S
+separate forward passes); on the CPU they run one by one, which measured no slower there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from torch.func import functional_call, stack_module_state, vmap
+
+from fusekit.errors import ParameterError
+from fusekit.methods.ams import MODES, resolve_k
+
+
+def select_logits(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum the logits of the k models with the largest absolute confidence, per sample.
+
+    Absolute confidence of model s on sample b is max_c logits[s, b, c] (AMS paper Eq. 8);
+    the k most confident models are chosen per sample (Eq. 9 for k = 1) and their logits
+    summed. Ties are broken by the lower model index (a stable descending sort), so the
+    choice is deterministic on every device.
+
+    Args:
+        logits: (S, B, C) float tensor, logits of S models on B samples.
+        k: number of models summed, 1 <= k <= S (k = S is AMS-full, the plain logit sum).
+
+    Returns:
+        (fused, chosen): fused (B, C) summed logits and chosen (k, B) int64 model indices,
+        most confident first.
+
+    Raises:
+        ParameterError: logits not 3-D, or k outside 1..S.
+    """
+    if logits.dim() != 3:
+        raise ParameterError(
+            f"logits: expected shape (models, batch, classes), got {tuple(logits.shape)}"
+        )
+    n_models, batch, classes = logits.shape
+    if not 1 <= k <= n_models:
+        raise ParameterError(f"k: expected 1 <= k <= {n_models} (the number of models), got {k}")
+    if k == n_models:
+        chosen = torch.arange(n_models, device=logits.device)[:, None].expand(n_models, batch)
+        return logits.sum(dim=0), chosen
+    confidence = logits.amax(dim=2)
+    if k == 1:
+        # argmax returns the first maximal index: the lower model index wins ties.
+        chosen = confidence.argmax(dim=0, keepdim=True)
+    else:
+        chosen = torch.sort(confidence, dim=0, descending=True, stable=True).indices[:k]
+    picked = logits.gather(0, chosen[:, :, None].expand(k, batch, classes))
+    return picked.sum(dim=0), chosen
+
+
+class AMSModel(nn.Module):
+    """Adaptive model selection over sub-models that map the same inputs to C logits.
+
+    Attributes:
+        models: the sub-models (``models.<i>`` in the state_dict, as in the artefact).
+        mode: ``top1``, ``topk`` or ``full``; ``k``: models summed (see :func:`select_logits`).
+            Both can be changed after loading with :meth:`set_mode`.
+        vectorise: run sub-models of the same architecture as one vmap call. Default
+            None = only on CUDA: on the CPU, vmap turns each Linear into a batched matmul
+            plus a broadcast add and measured no faster than running the models one by one
+            (2.4x slower at batch 128, within noise at 1024; benchmarks/RESULTS.md). The
+            results are the same either way.
+    """
+
+    def __init__(self, models: Sequence[nn.Module], mode: str = "top1", k: int | None = None):
+        super().__init__()
+        if not models:
+            raise ParameterError("models: expected at least one sub-model, got none")
+        self.models = nn.ModuleList(models)
+        self.mode, self.k = mode, resolve_k(mode, k, len(models))
+        self._groups = _same_architecture_groups(self.models)
+        self.vectorise: bool | None = None
+
+    def set_mode(self, mode: str, k: int | None = None) -> AMSModel:
+        """Switch between top1 / topk / full without reloading; returns self."""
+        self.mode, self.k = mode, resolve_k(mode, k, len(self.models))
+        return self
+
+    def all_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits of every sub-model on ``x``: (S, B, C)."""
+        out: list[torch.Tensor | None] = [None] * len(self.models)
+        for group in self._groups:
+            # vmap cannot update BatchNorm running statistics in place: train mode runs the
+            # models one by one.
+            vectorise = x.is_cuda if self.vectorise is None else self.vectorise
+            if len(group) == 1 or self.training or not vectorise:
+                for index in group:
+                    out[index] = self.models[index](x)
+                continue
+            members = [self.models[i] for i in group]
+            params, buffers = stack_module_state(members)
+            template = members[0]
+
+            def run(p, b, inputs, template=template):
+                return functional_call(template, (p, b), (inputs,))
+
+            stacked = vmap(run, in_dims=(0, 0, None))(params, buffers, x)
+            for row, index in enumerate(group):
+                out[index] = stacked[row]
+        return torch.stack(out)  # type: ignore[arg-type]
+
+    def select(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(fused logits (B, C), chosen model indices (k, B)) for inputs ``x``."""
+        return select_logits(self.all_logits(x), self.k)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.select(x)[0]
+
+    def extra_repr(self) -> str:
+        return f"mode={self.mode}, k={self.k}, models={len(self.models)}"
+
+
+def _same_architecture_groups(models: nn.ModuleList) -> list[list[int]]:
+    """Indices of sub-models that can share one vectorised call: same class, same module
+    structure (repr) and the same tensors with the same shapes and dtypes."""
+    groups: dict[tuple, list[int]] = {}
+    for index, model in enumerate(models):
+        signature = (type(model), tuple(
+            (name, tuple(t.shape), t.dtype) for name, t in model.state_dict().items()
+        ), repr(model))
+        groups.setdefault(signature, []).append(index)
+    return list(groups.values())
+
+
+__all__ = ["MODES", "AMSModel", "select_logits"]

@@ -1,0 +1,271 @@
+"""AMS (ALGORITHMS.md §6): packing the clients, and the selection against a numpy reference."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import fusekit
+from fusekit.checkpoint import Checkpoint, load_checkpoint
+from fusekit.errors import IncompatibleModelsError, ParameterError
+from fusekit.methods.ams import AMS_METADATA, read_ams_metadata, resolve_k
+from fusekit.nn.ams import AMSModel, select_logits
+
+
+def reference_selection(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """AMS paper Eq. 8-9 sample by sample: rank models by max logit (ties: lower index
+    first), sum the logits of the first k."""
+    n_models, batch, classes = logits.shape
+    fused = np.zeros((batch, classes))
+    chosen = np.zeros((k, batch), dtype=np.int64)
+    for b in range(batch):
+        confidence = [max(logits[s, b]) for s in range(n_models)]
+        ranking = sorted(range(n_models), key=lambda s: (-confidence[s], s))[:k]
+        fused[b] = sum(logits[s, b].astype(np.float64) for s in ranking)
+        chosen[:, b] = ranking
+    return fused, chosen
+
+
+def assert_same_choice(chosen: torch.Tensor, expected: np.ndarray, n_models: int) -> None:
+    """Ranked choice for k < S; for k = S (every model) only the set is defined."""
+    chosen = chosen.numpy()
+    if len(expected) == n_models:
+        chosen, expected = np.sort(chosen, axis=0), np.sort(expected, axis=0)
+    np.testing.assert_array_equal(chosen, expected)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_selection_matches_reference_on_random_logits(seed):
+    rng = np.random.default_rng(seed)
+    logits = rng.normal(size=(5, 64, 7)).astype(np.float32)
+    for k in range(1, 6):
+        fused, chosen = select_logits(torch.from_numpy(logits), k)
+        ref_fused, ref_chosen = reference_selection(logits, k)
+        assert_same_choice(chosen, ref_chosen, 5)
+        np.testing.assert_allclose(fused.numpy(), ref_fused, rtol=1e-6, atol=1e-6)
+
+
+def test_selection_breaks_ties_by_lower_model_index():
+    rng = np.random.default_rng(7)
+    # small integers: many exact ties of the max logit between models
+    logits = rng.integers(-2, 3, size=(6, 200, 3)).astype(np.float32)
+    for k in range(1, 7):
+        fused, chosen = select_logits(torch.from_numpy(logits), k)
+        ref_fused, ref_chosen = reference_selection(logits, k)
+        assert_same_choice(chosen, ref_chosen, 6)
+        np.testing.assert_array_equal(fused.numpy(), ref_fused)
+    all_equal = torch.ones(4, 3, 2)
+    assert select_logits(all_equal, 1)[1].tolist() == [[0, 0, 0]]
+    assert select_logits(all_equal, 3)[1].tolist() == [[0, 0, 0], [1, 1, 1], [2, 2, 2]]
+
+
+def test_full_is_the_logit_sum_and_top1_picks_one_model():
+    logits = torch.tensor([[[1.0, 5.0]], [[4.0, 0.0]], [[0.0, 6.0]]])
+    assert select_logits(logits, 3)[0].tolist() == [[5.0, 11.0]]
+    assert select_logits(logits, 1)[0].tolist() == [[0.0, 6.0]]
+    assert select_logits(logits, 2)[0].tolist() == [[1.0, 11.0]]
+
+
+def test_selection_rejects_bad_shapes_and_k():
+    with pytest.raises(ParameterError, match=r"expected shape \(models, batch, classes\)"):
+        select_logits(torch.zeros(3, 4), 1)
+    with pytest.raises(ParameterError, match=r"1 <= k <= 3"):
+        select_logits(torch.zeros(3, 4, 2), 4)
+
+
+@pytest.mark.parametrize(("mode", "k", "expected"),
+                         [("top1", None, 1), ("top1", 1, 1), ("full", None, 4),
+                          ("full", 4, 4), ("topk", 2, 2), ("topk", 4, 4)])
+def test_resolve_k(mode, k, expected):
+    assert resolve_k(mode, k, 4) == expected
+
+
+@pytest.mark.parametrize(("mode", "k", "message"), [
+    ("best", None, r"mode: expected one of top1, topk, full, got 'best'"),
+    ("topk", None, r"mode 'topk' needs k"),
+    ("topk", 0, r"1 <= k <= 4"),
+    ("topk", 5, r"1 <= k <= 4"),
+    ("topk", 2.5, r"k: expected an integer"),
+    ("top1", 2, r"k=2 contradicts mode 'top1'"),
+    ("full", 3, r"k=3 contradicts mode 'full'"),
+])
+def test_resolve_k_rejects(mode, k, message):
+    with pytest.raises(ParameterError, match=message):
+        resolve_k(mode, k, 4)
+
+
+# ---- real sub-models (plain torch modules; no fusekit.nn architecture needed) ----
+
+def mlp(depth: int, seed: int, in_features: int = 12, classes: int = 4) -> nn.Module:
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    width = in_features
+    for _ in range(depth):
+        layers += [nn.Linear(width, 9), nn.ReLU()]
+        width = 9
+    return nn.Sequential(nn.Flatten(), *layers, nn.Linear(width, classes)).eval()
+
+
+def cnn(seed: int, classes: int = 4) -> nn.Module:
+    """Takes flat (B, 12) inputs as 3x2x2 images."""
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Unflatten(1, (3, 2, 2)), nn.Conv2d(3, 5, 3, padding=1), nn.BatchNorm2d(5),
+        nn.ReLU(), nn.Flatten(), nn.Linear(20, classes),
+    ).eval()
+
+
+def _randomise_batchnorm(model: nn.Module) -> nn.Module:
+    for module in model.modules():
+        if isinstance(module, nn.BatchNorm2d):
+            module.running_mean.normal_()
+            module.running_var.uniform_(0.5, 2.0)
+    return model
+
+
+def mixed_models() -> list[nn.Module]:
+    """MLPs of depth 1 to 5, two more of depth 2 (a vectorised group) and a CNN."""
+    return ([mlp(depth, seed=depth) for depth in range(1, 6)] + [mlp(2, 10), mlp(2, 11)]
+            + [_randomise_batchnorm(cnn(20))])
+
+
+@pytest.mark.parametrize(("mode", "k"), [("top1", None), ("topk", 3), ("full", None)])
+def test_ams_model_matches_reference_across_architectures(mode, k):
+    models = mixed_models()
+    ams = AMSModel(models, mode=mode, k=k).eval()
+    x = torch.randn(50, 12)
+    with torch.no_grad():
+        separate = np.stack([m(x).double().numpy() for m in models])
+        fused, chosen = ams.select(x)
+    ref_fused, ref_chosen = reference_selection(separate, ams.k)
+    assert_same_choice(chosen, ref_chosen, len(models))
+    np.testing.assert_allclose(fused.numpy(), ref_fused, rtol=1e-5, atol=1e-5)
+    # the paper's premise: top1 answers with exactly one sub-model's logits
+    if mode == "top1":
+        for b in range(0, 50, 7):
+            np.testing.assert_allclose(fused[b].numpy(), separate[chosen[0, b], b], rtol=1e-5)
+
+
+def test_vectorised_groups_equal_one_by_one_and_modes_switch():
+    models = [mlp(3, seed) for seed in range(4)]
+    ams = AMSModel(models, mode="full").eval()
+    assert ams._groups == [[0, 1, 2, 3]]
+    x = torch.randn(33, 12)
+    with torch.no_grad():
+        one_by_one = torch.stack([m(x) for m in models])
+        torch.testing.assert_close(ams.all_logits(x), one_by_one)  # CPU default: one by one
+        ams.vectorise = True
+        torch.testing.assert_close(ams.all_logits(x), one_by_one, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(ams(x), one_by_one.sum(0), rtol=1e-5, atol=1e-5)
+        ams.set_mode("top1")
+        ref, _ = reference_selection(one_by_one.double().numpy(), 1)
+        np.testing.assert_allclose(ams(x).numpy(), ref, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ParameterError, match="needs k"):
+        ams.set_mode("topk")
+
+
+# ---- fusing: the artefact ----
+
+def _state(model: nn.Module) -> dict[str, np.ndarray]:
+    return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+
+
+def _write(tmp_path, name, model, num_samples):
+    return fusekit.save_checkpoint(tmp_path / name, _state(model),
+                                   {"fusekit.num_samples": str(num_samples)})
+
+
+def test_fuse_packs_every_client_across_architectures(tmp_path):
+    models = mixed_models()
+    paths = [_write(tmp_path, f"c{i}.safetensors", m, 10 + i) for i, m in enumerate(models)]
+    result = fusekit.fuse(paths, method="ams", mode="topk", k=2)
+    assert result.method == "ams" and result.params == {"mode": "topk", "k": 2}
+    assert result.widths == []
+    description = read_ams_metadata(result.metadata, "result")
+    assert [m["prefix"] for m in description["models"]] == [
+        f"models.{i}." for i in range(len(models))]
+    # every client appears exactly once, tensors bit-identical, in fusekit's canonical order
+    hashes = json.loads(result.metadata["fusekit.inputs"])
+    by_hash = {load_checkpoint(p).content_hash: load_checkpoint(p) for p in paths}
+    assert sorted(hashes) == sorted(by_hash)
+    for i, digest in enumerate(hashes):
+        client = by_hash[digest]
+        assert description["models"][i]["num_samples"] == client.num_samples
+        for name in client.tensors:
+            np.testing.assert_array_equal(result.state_dict[f"models.{i}.{name}"],
+                                          client.tensor(name))
+    n_tensors = sum(len(load_checkpoint(p).tensors) for p in paths)
+    assert len(result.state_dict) == n_tensors
+    # the saved artefact keeps its description
+    saved = load_checkpoint(result.save(tmp_path / "ams.safetensors"))
+    assert read_ams_metadata(saved.metadata, "saved") == description
+    assert json.loads(saved.metadata["fusekit.params"]) == {"k": 2, "mode": "topk"}
+
+
+def test_fuse_is_independent_of_input_order(tmp_path):
+    models = mixed_models()[:4]
+    paths = [_write(tmp_path, f"c{i}.safetensors", m, 5) for i, m in enumerate(models)]
+    a = fusekit.fuse(paths, method="ams")
+    b = fusekit.fuse(paths[::-1], method="ams")
+    assert a.metadata[AMS_METADATA] == b.metadata[AMS_METADATA]
+    assert a.state_dict.keys() == b.state_dict.keys()
+    for name in a.state_dict:
+        np.testing.assert_array_equal(a.state_dict[name], b.state_dict[name])
+
+
+def test_fuse_refuses_different_output_counts(tmp_path):
+    paths = [_write(tmp_path, "four.safetensors", mlp(1, 0, classes=4), 5),
+             _write(tmp_path, "three.safetensors", mlp(2, 1, classes=3), 5)]
+    with pytest.raises(IncompatibleModelsError,
+                       match=r"has \d outputs but .* has \d; AMS needs every model"):
+        fusekit.fuse(paths, method="ams")
+
+
+def test_avg_still_refuses_mixed_architectures(tmp_path):
+    paths = [_write(tmp_path, "a.safetensors", mlp(1, 0), 5),
+             _write(tmp_path, "b.safetensors", mlp(2, 1), 5)]
+    with pytest.raises(IncompatibleModelsError):
+        fusekit.fuse(paths, method="avg")
+
+
+def test_fuse_rejects_bad_parameters():
+    ckpts = [Checkpoint.from_state_dict(_state(mlp(1, s))) for s in range(2)]
+    with pytest.raises(ParameterError, match="1 <= k <= 2"):
+        fusekit.fuse(ckpts, method="ams", mode="topk", k=3)
+    with pytest.raises(ParameterError, match="does not take parameter"):
+        fusekit.fuse(ckpts, method="ams", anchor=0)
+
+
+def test_read_ams_metadata_rejects_malformed():
+    from fusekit.errors import CheckpointError
+
+    with pytest.raises(CheckpointError, match="not an AMS artefact"):
+        read_ams_metadata({}, "x.safetensors")
+    with pytest.raises(CheckpointError, match="not JSON"):
+        read_ams_metadata({AMS_METADATA: "{"}, "x.safetensors")
+    with pytest.raises(CheckpointError, match="non-empty \"models\" list"):
+        read_ams_metadata({AMS_METADATA: json.dumps({"format": "fusekit.ams/1"})}, "x")
+    bad_k = {"format": "fusekit.ams/1", "mode": "topk", "k": 9, "models": [{}]}
+    with pytest.raises(CheckpointError, match=r"1 <= k <= 1"):
+        read_ams_metadata({AMS_METADATA: json.dumps(bad_k)}, "x")
+
+
+def test_cli_fuse_ams(tmp_path):
+    from typer.testing import CliRunner
+
+    from fusekit._cli.app import app
+
+    paths = [_write(tmp_path, f"c{i}.safetensors", m, 5) for i, m in enumerate(mixed_models())]
+    out = tmp_path / "ams.safetensors"
+    result = CliRunner().invoke(app, ["fuse", *map(str, paths), "--method", "ams", "--mode",
+                                      "topk", "--k", "3", "-o", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["params"] == {"mode": "topk", "k": 3}
+    assert read_ams_metadata(load_checkpoint(out).metadata, "out")["k"] == 3
+    bad = CliRunner().invoke(app, ["fuse", *map(str, paths), "--method", "ams", "--mode",
+                                   "topk", "-o", str(tmp_path / "x.safetensors")])
+    assert bad.exit_code == 2 and "needs k" in bad.output
