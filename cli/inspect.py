@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from fusekit._cli.output import emit_json, stdout
@@ -69,6 +70,8 @@ def _print_report(report: dict[str, Any]) -> None:
                  f"{report['parameters']:,} values")
     for i, group in enumerate(report["permutation_groups"]):
         stdout.print(f"permutation group {i}: " + ", ".join(group), highlight=False)
+    for limit in report["limits"]:
+        stdout.print(f"[bold yellow]limit:[/] {escape(limit)}", highlight=False)
     if report["other_tensors"]:
         stdout.print("not permuted: " + ", ".join(report["other_tensors"]), highlight=False)
     for key, value in report["metadata"].items():

@@ -154,6 +154,7 @@ def describe_checkpoint(checkpoint: Checkpoint) -> dict[str, Any]:
         for i in range(len(spec.hidden_widths))
     ]
     info["other_tensors"] = list(spec.other)
+    info["limits"] = _permutation_limits(checkpoint, spec)
     try:
         for name in checkpoint.tensors:
             checkpoint.tensor(name)
@@ -161,6 +162,19 @@ def describe_checkpoint(checkpoint: Checkpoint) -> dict[str, Any]:
         info["problems"].append(str(exc))
     info["metadata"] = {k: _maybe_json(v) for k, v in checkpoint.metadata.items()}
     return info
+
+
+def _permutation_limits(checkpoint: Checkpoint, spec: PermutationSpec) -> list[str]:
+    """Why permutation-based methods would refuse this checkpoint (other methods may not)."""
+    from fusekit.methods import METHODS
+    from fusekit.neurons import refuse_position_aware
+
+    permuting = sorted(name for name, cls in METHODS.items() if cls.permutes_neurons)
+    try:
+        refuse_position_aware([checkpoint], [spec], "/".join(permuting))
+    except IncompatibleModelsError as exc:
+        return [str(exc)]
+    return []
 
 
 def _numel(shape: tuple[int, ...]) -> int:

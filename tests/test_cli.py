@@ -151,3 +151,14 @@ def test_error_text_with_brackets_is_printed_verbatim(tmp_path):
     result = run("fuse", tmp_path / "[/bold]x.safetensors")
     assert result.exit_code == 2
     assert "[/bold]x.safetensors: checkpoint file does not exist" in result.stderr
+
+
+def test_inspect_names_what_limits_a_pan_checkpoint(tmp_path):
+    import torch
+
+    sd = {**mlp(batchnorm=True).state_dict(), "2.encoding": torch.ones(5)}
+    path = write(tmp_path / "pan.safetensors", sd)
+    result = run("inspect", path, "--json")
+    assert result.exit_code == 0, result.output
+    (limit,) = json.loads(result.stdout)["files"][0]["limits"]
+    assert "position-aware neurons" in limit and "--method avg" in limit
