@@ -65,7 +65,7 @@ def refuse_position_aware(checkpoints: Sequence[Checkpoint], specs: Sequence[Per
     Raises:
         IncompatibleModelsError: naming the first PAN checkpoint and recommending ``avg``.
     """
-    for checkpoint, spec in zip(checkpoints, specs):
+    for checkpoint, spec in zip(checkpoints, specs, strict=True):
         buffers = [name for name in spec.other if name.endswith(PAN_SUFFIX)]
         arch = checkpoint.arch or {}
         if buffers or arch.get("pan"):
@@ -224,9 +224,10 @@ def block_variances(vectors: Sequence[np.ndarray], observed: Sequence[np.ndarray
         mean variance of the other blocks, or 1).
     """
     # Column sums per client, masked afterwards: the mask is per client, not per neuron.
-    count = sum(v.shape[0] * np.asarray(o, dtype=np.float64) for v, o in zip(vectors, observed))
-    total = sum(v.sum(0) * o for v, o in zip(vectors, observed))
-    squares = sum(np.einsum("ij,ij->j", v, v) * o for v, o in zip(vectors, observed))
+    pairs = list(zip(vectors, observed, strict=True))
+    count = sum(v.shape[0] * np.asarray(o, dtype=np.float64) for v, o in pairs)
+    total = sum(v.sum(0) * o for v, o in pairs)
+    squares = sum(np.einsum("ij,ij->j", v, v) * o for v, o in pairs)
     safe = np.maximum(count, 1)
     mean = total / safe
     var = np.maximum(squares / safe - mean * mean, 0.0)
@@ -260,7 +261,7 @@ def to_state_dict(checkpoints: Sequence[Checkpoint], spec: PermutationSpec,
     """
     first = checkpoints[0]
     out: dict[str, np.ndarray] = {}
-    for layer, fused in zip(spec.layers, layers):
+    for layer, fused in zip(spec.layers, layers, strict=True):
         dtype = first.tensor(layer.weight).dtype
         weight = fused.weight
         if layer.kind == "conv2d":

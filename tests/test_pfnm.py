@@ -189,7 +189,7 @@ def test_nafi_with_lambda_zero_gives_pfnm_exactly():
     pfnm = match_neurons(vectors, precisions, sigma0_2=0.01, sweeps=3, seed=7, backend=NUMPY)
     nafi = match_neurons(vectors, precisions, sigma0_2=0.01, sweeps=3, seed=7, lam=0.0,
                          backend=NUMPY)
-    for a, b in zip(pfnm.assignments, nafi.assignments):
+    for a, b in zip(pfnm.assignments, nafi.assignments, strict=True):
         np.testing.assert_array_equal(a, b)
     np.testing.assert_array_equal(pfnm.means, nafi.means)
     assert pfnm.report["objective"] == nafi.report["objective"]
@@ -269,7 +269,7 @@ def test_core_and_numpy_backends_agree(lam):
     kwargs = dict(sigma0_2=0.01, sweeps=2, seed=1, lam=lam, true_labels=labels)
     core = match_neurons(vectors, [100.0] * 4, backend="core", **kwargs)
     numpy = match_neurons(vectors, [100.0] * 4, backend="numpy", **kwargs)
-    for a, b in zip(core.assignments, numpy.assignments):
+    for a, b in zip(core.assignments, numpy.assignments, strict=True):
         np.testing.assert_array_equal(a, b)
     np.testing.assert_allclose(core.means, numpy.means, rtol=1e-12)
     assert core.report["backend"] == "core" and numpy.report["backend"] == "numpy"

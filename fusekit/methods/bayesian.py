@@ -286,7 +286,7 @@ def match_neurons(
 
     prior_precision = 1.0 / sigma0_vec
     state = _GlobalState(n_coords, mu0_vec * prior_precision, prior_precision)
-    weighted = [v * p for v, p in zip(vecs, precs)]
+    weighted = [v * p for v, p in zip(vecs, precs, strict=True)]
     assignments: list[np.ndarray] = [np.empty(0, dtype=np.int64)] * n_clients
     timing = {"cost": 0.0, "assignment": 0.0, "n": 0}
     column_duals: dict[int, np.ndarray] = {}
@@ -331,7 +331,7 @@ def match_neurons(
     assignments[first] = np.arange(vecs[first].shape[0], dtype=np.int64)
     state.add(assignments[first], weighted[first], precs[first])
     objective, lap_totals = [], []
-    data_term = sum(float(np.sum(w * v)) for w, v in zip(weighted, vecs))
+    data_term = sum(float(np.sum(w * v)) for w, v in zip(weighted, vecs, strict=True))
     moves: list[int] = []
     total = sum(assign(s) for s in order[1:])
     objective.append(_objective(state, data_term, n_clients, gamma0))
@@ -401,7 +401,7 @@ def _final_posterior(
     sums = np.tile(state.prior_sum, (n_global, 1))
     precisions = np.tile(state.prior_precision, (n_global, 1))
     counts = np.zeros(n_global, dtype=np.int64)
-    for rows, w, p in zip(assignments, weighted, precs):
+    for rows, w, p in zip(assignments, weighted, precs, strict=True):
         sums[rows] += w
         precisions[rows] += p
         counts[rows] += 1
@@ -586,7 +586,7 @@ def fuse_network(checkpoints, specs, params: BayesianParams, method: str):
     n_clients = len(checkpoints)
     sigmas = _check_params(params, n_clients)
     spec = specs[0]
-    clients = [neurons.client_layers(c, sp) for c, sp in zip(checkpoints, specs)]
+    clients = [neurons.client_layers(c, sp) for c, sp in zip(checkpoints, specs, strict=True)]
     n_hidden = len(spec.layers) - 1
     shares = _class_shares(checkpoints, spec.out_features, params.class_share)
     alphas = sample_weights(checkpoints)
