@@ -55,6 +55,19 @@ void require_length(const Array& x, py::ssize_t n, const char* name) {
     }
 }
 
+// SciPy's OpenBLAS dgemm, looked up once through the capsules of scipy.linalg.cython_blas
+// (the documented way to call SciPy's BLAS from compiled code), so the core links no BLAS.
+fusekit::Dgemm blas_dgemm() {
+    static const fusekit::Dgemm gemm = [] {
+        py::object capi = py::module_::import("scipy.linalg.cython_blas").attr("__pyx_capi__");
+        py::object capsule = capi["dgemm"];
+        void* pointer = PyCapsule_GetPointer(capsule.ptr(), PyCapsule_GetName(capsule.ptr()));
+        if (pointer == nullptr) throw py::error_already_set();
+        return reinterpret_cast<fusekit::Dgemm>(pointer);
+    }();
+    return gemm;
+}
+
 bool is_float32(const py::array& x) { return x.dtype().is(py::dtype::of<float>()); }
 
 template <class T>
@@ -144,10 +157,11 @@ Array sqeuclidean_cost(const Array& a, const Array& b, int n_threads) {
     const auto m = static_cast<std::size_t>(b.shape(0));
     const auto p = static_cast<std::size_t>(a.shape(1));
     Array out({n, m});
+    const fusekit::Dgemm gemm = blas_dgemm();
     Status status;
     {
         py::gil_scoped_release release;
-        status = fusekit::sqeuclidean_cost(a.data(), n, b.data(), m, p, out.mutable_data(),
+        status = fusekit::sqeuclidean_cost(gemm, a.data(), n, b.data(), m, p, out.mutable_data(),
                                            n_threads);
     }
     raise_for(status, "sqeuclidean_cost");
@@ -178,13 +192,19 @@ Array posterior_cost(const Array& local, const Array& precision, const Array& su
                                    static_cast<std::size_t>(ng), static_cast<std::size_t>(p),
                                    n_clients, gamma0, lam};
     Array out({ng + nl, nl});
+    const fusekit::Dgemm gemm = blas_dgemm();
     Status status;
     {
         py::gil_scoped_release release;
-        status = fusekit::posterior_cost(in, out.mutable_data(), n_threads);
+        status = fusekit::posterior_cost(gemm, in, out.mutable_data(), n_threads);
     }
     raise_for(status, "posterior_cost");
     return out;
+}
+
+double finite_min(const Array& x) {
+    py::gil_scoped_release release;
+    return fusekit::finite_min(x.data(), static_cast<std::size_t>(x.size()));
 }
 
 bool has_openmp() {
@@ -212,5 +232,7 @@ PYBIND11_MODULE(_core, m) {
           py::arg("mu0"), py::arg("sigma0_2"), py::arg("n_clients"), py::arg("gamma0"),
           py::arg("lam"), py::arg("n_threads") = 0,
           "PFNM (lam = 0) / NAFI matching cost of one client against the global posterior.");
+    m.def("finite_min", &finite_min, py::arg("x"),
+          "Smallest value of a float64 array, NaN when some value is NaN or infinite.");
     m.def("has_openmp", &has_openmp, "Whether the extension was built with OpenMP.");
 }
