@@ -7,6 +7,7 @@
 #include <thread>
 #include <vector>
 
+#include "candidates.hpp"
 #include "simd.hpp"
 
 namespace fusekit {
@@ -14,6 +15,9 @@ namespace fusekit {
 namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// Below this many objects (the longer side) a dense solve is as fast as candidate lists.
+constexpr std::size_t kMinCandidateObjects = 64;
 
 // Relaxes every column not yet finalised through row `row` (reached at offset h, so the
 // new distance of column j is row[j] - v[j] - h) and returns the smallest distance among
@@ -392,6 +396,10 @@ Status solve_assignment(const T* cost, std::size_t nr, std::size_t nc, const dou
     bool has_inf = false;
     const Status valid = check_values(cost, nr * nc, has_inf);
     if (valid != Status::ok) return valid;
+    if (warm_u == nullptr && std::max(nr, nc) >= kMinCandidateObjects &&
+        solve_by_candidates(cost, nr, nc, col_of_row, u, v)) {
+        return Status::ok;
+    }
 
     // Work on the orientation with no more rows than columns.
     const bool flip = nr > nc;

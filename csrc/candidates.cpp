@@ -1,0 +1,471 @@
+#include "candidates.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <limits>
+#include <vector>
+
+#include "simd.hpp"
+
+namespace fusekit {
+
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// Candidates per agent at first. The lists double when the sparse problem cannot assign
+// every agent (at most kMaxGrowths times); certificate violations add single pairs.
+constexpr std::size_t kInitialCandidates = 16;
+constexpr int kMaxGrowths = 1;
+constexpr int kReductionPasses = 8;
+// Re-solves before falling back to the dense solver (each adds pairs or longer lists).
+constexpr int kMaxRounds = 12;
+
+struct Edge {
+    std::int64_t object;
+    double cost;
+};
+
+// The matrix seen from the agents: agent a's line holds its costs to every object.
+template <class T>
+struct View {
+    const T* cost;
+    std::size_t nr, nc;
+    bool agents_are_rows;
+    std::size_t agents() const { return agents_are_rows ? nr : nc; }
+    std::size_t objects() const { return agents_are_rows ? nc : nr; }
+    double at(std::size_t a, std::size_t o) const {
+        return static_cast<double>(agents_are_rows ? cost[a * nc + o] : cost[o * nc + a]);
+    }
+};
+
+// The k cheapest (cost, object) pairs of each agent, sorted, fed one pair at a time.
+class CheapestLists {
+   public:
+    CheapestLists(std::size_t agents, std::size_t k)
+        : k_(k), count_(agents, 0), cost_(agents * k), object_(agents * k), bound_(agents, kInf) {}
+
+    // Pairs at or above the bound cannot enter agent a's list.
+    const double* bounds() const { return bound_.data(); }
+
+    void offer(std::size_t a, double c, std::int64_t o) {
+        double* cs = cost_.data() + a * k_;
+        std::int64_t* os = object_.data() + a * k_;
+        std::size_t n = count_[a];
+        std::size_t pos = n < k_ ? n : k_ - 1;  // a full list drops its last pair
+        while (pos > 0 && cs[pos - 1] > c) {
+            cs[pos] = cs[pos - 1];
+            os[pos] = os[pos - 1];
+            --pos;
+        }
+        cs[pos] = c;
+        os[pos] = o;
+        if (n < k_) count_[a] = ++n;
+        if (n == k_) bound_[a] = cs[k_ - 1];
+    }
+
+    std::vector<Edge> list(std::size_t a) const {
+        std::vector<Edge> edges(count_[a]);
+        for (std::size_t t = 0; t < count_[a]; ++t) edges[t] = {object_[a * k_ + t], cost_[a * k_ + t]};
+        return edges;
+    }
+
+   private:
+    std::size_t k_;
+    std::vector<std::size_t> count_;
+    std::vector<double> cost_;
+    std::vector<std::int64_t> object_;
+    std::vector<double> bound_;
+};
+
+constexpr std::size_t kChunk = 16;
+
+// Whether some x[l] <= bound[l] in one chunk, as a min-reduction (which vectorises
+// reliably), so that scalar work happens only on the rare chunks holding a candidate.
+template <class T>
+inline bool chunk_at_most(const T* __restrict x, const double* __restrict bound) {
+    double gap = kInf;
+#pragma omp simd reduction(min : gap)
+    for (std::size_t l = 0; l < kChunk; ++l) {
+        const double g = static_cast<double>(x[l]) - bound[l];
+        gap = g < gap ? g : gap;
+    }
+    return !(gap > 0.0);
+}
+
+// Offers row i's entries at or below their column's bound to the columns' lists.
+template <class T>
+FUSEKIT_CLONES void offer_row(const T* row, std::size_t i, std::size_t n, const double* bounds,
+                              CheapestLists& lists) {
+    for (std::size_t j0 = 0; j0 < n; j0 += kChunk) {
+        const std::size_t j1 = std::min(n, j0 + kChunk);
+        if (j1 - j0 == kChunk && !chunk_at_most(row + j0, bounds + j0)) continue;
+        for (std::size_t j = j0; j < j1; ++j) {
+            const double c = static_cast<double>(row[j]);
+            if (c <= bounds[j] && c < lists.bounds()[j]) {
+                lists.offer(j, c, static_cast<std::int64_t>(i));
+            }
+        }
+    }
+}
+
+// The entries of x at or below bound, in order.
+template <class T>
+FUSEKIT_CLONES void collect_at_most(const T* __restrict x, std::size_t n, double bound,
+                                    std::vector<Edge>& found) {
+    found.clear();
+    double bounds[kChunk];
+    std::fill(bounds, bounds + kChunk, bound);
+    for (std::size_t j0 = 0; j0 < n; j0 += kChunk) {
+        const std::size_t j1 = std::min(n, j0 + kChunk);
+        if (j1 - j0 == kChunk && !chunk_at_most(x + j0, bounds)) continue;
+        for (std::size_t j = j0; j < j1; ++j) {
+            const double c = static_cast<double>(x[j]);
+            if (c <= bound) found.push_back({static_cast<std::int64_t>(j), c});
+        }
+    }
+}
+
+// Elementwise minimum into acc (the running minima of a block of rows).
+template <class T>
+FUSEKIT_CLONES void min_into(const T* __restrict row, double* __restrict acc, std::size_t n) {
+#pragma omp simd
+    for (std::size_t j = 0; j < n; ++j) {
+        const double c = static_cast<double>(row[j]);
+        acc[j] = c < acc[j] ? c : acc[j];
+    }
+}
+
+
+// k-th smallest of x[0..n), n >= k (reorders x).
+double kth_smallest(double* x, std::size_t n, std::size_t k) {
+    std::nth_element(x, x + (k - 1), x + n);
+    return x[k - 1];
+}
+
+// Every agent's k cheapest objects, in two passes. Split an agent's line into B = 4k
+// strided blocks (elementwise minima of consecutive B-wide segments, fully vectorised):
+// the k-th smallest block minimum is the minimum of k distinct entries, so it bounds the
+// k-th smallest cost from above, tightly (about k entries lie below it). The second pass
+// tests chunks against that bound and does scalar work only on the chunks that hit.
+template <class T>
+CheapestLists cheapest(const View<T>& view, std::size_t k, std::vector<double>* column_min) {
+    CheapestLists lists(view.agents(), k);
+    const std::size_t blocks = std::min(view.objects(), 4 * k);
+    if (view.agents_are_rows) {
+        std::vector<Edge> found;
+        std::vector<double> block_min(blocks);
+        const auto by_cost = [](const Edge& x, const Edge& y) {
+            return x.cost < y.cost || (x.cost == y.cost && x.object < y.object);
+        };
+        for (std::size_t i = 0; i < view.nr; ++i) {
+            const T* row = view.cost + i * view.nc;
+            for (std::size_t b = 0; b < blocks; ++b) block_min[b] = static_cast<double>(row[b]);
+            for (std::size_t j0 = blocks; j0 < view.nc; j0 += blocks) {
+                min_into(row + j0, block_min.data(), std::min(blocks, view.nc - j0));
+            }
+            const double bound = kth_smallest(block_min.data(), blocks, k);
+            if (column_min) min_into(row, column_min->data(), view.nc);
+            collect_at_most(row, view.nc, bound, found);
+            const std::size_t kept = std::min(k, found.size());
+            std::partial_sort(found.begin(), found.begin() + static_cast<std::ptrdiff_t>(kept),
+                              found.end(), by_cost);
+            for (std::size_t t = 0; t < kept; ++t) lists.offer(i, found[t].cost, found[t].object);
+        }
+        return lists;
+    }
+    std::vector<double> block_min(blocks * view.nc, kInf), bound(view.nc), column(blocks);
+    for (std::size_t i = 0; i < view.nr; ++i) {
+        min_into(view.cost + i * view.nc, block_min.data() + (i % blocks) * view.nc, view.nc);
+    }
+    for (std::size_t j = 0; j < view.nc; ++j) {
+        for (std::size_t b = 0; b < blocks; ++b) column[b] = block_min[b * view.nc + j];
+        bound[j] = kth_smallest(column.data(), blocks, k);
+    }
+    for (std::size_t i = 0; i < view.nr; ++i) {
+        offer_row(view.cost + i * view.nc, i, view.nc, bound.data(), lists);
+    }
+    return lists;
+}
+
+// Jonker-Volgenant shortest augmenting paths on the candidate graph, agents <= objects.
+// Object potentials v start at 0 and only decrease, and an object keeps v = 0 until it
+// is assigned: the conditions that make a rectangular solution optimal (lap.hpp).
+class SparseSolver {
+   public:
+    explicit SparseSolver(std::size_t objects)
+        : v_(objects, 0.0), d_(objects, kInf), pred_cost_(objects, 0.0), y_(objects, -1),
+          pred_(objects, -1), state_(objects, 0) {}
+
+    // False when some agent cannot be assigned within the graph (its lists are too short).
+    // start_v: initial object potentials (square problems only), or empty for zeros.
+    bool solve(const std::vector<std::vector<Edge>>& graph, const std::vector<double>& start_v) {
+        const std::size_t na = graph.size();
+        if (start_v.empty()) {
+            std::fill(v_.begin(), v_.end(), 0.0);
+        } else {
+            v_ = start_v;
+        }
+        std::fill(y_.begin(), y_.end(), -1);
+        x_.assign(na, -1);
+        x_cost_.assign(na, 0.0);
+        std::vector<std::size_t> free_agents(na);
+        for (std::size_t a = 0; a < na; ++a) free_agents[a] = a;
+        for (int pass = 0; pass < kReductionPasses; ++pass) row_reduction(graph, free_agents);
+        if (std::getenv("FKDBG")) std::fprintf(stderr, "free after ARR %zu of %zu\n", free_agents.size(), na);
+        pops_ = 0;
+        for (std::size_t a : free_agents) {
+            if (!augment(graph, a)) return false;
+        }
+        if (std::getenv("FKDBG")) std::fprintf(stderr, "pops %zu\n", pops_);
+        return true;
+    }
+
+    const std::vector<double>& object_potentials() const { return v_; }
+    const std::vector<std::int64_t>& object_of_agent() const { return x_; }
+    // u_a = c(a, x_a) - v(x_a): the agent potentials, tight on assigned pairs.
+    double agent_potential(std::size_t a) const {
+        return x_cost_[a] - v_[static_cast<std::size_t>(x_[a])];
+    }
+
+   private:
+    struct Entry {
+        double d;
+        int assigned;  // on ties prefer free objects: the search ends sooner
+        std::int64_t object;
+        bool operator>(const Entry& o) const {
+            return d > o.d || (d == o.d && assigned > o.assigned);
+        }
+    };
+
+    void relax(const std::vector<Edge>& edges, std::int64_t agent, double h) {
+        for (const Edge& e : edges) {
+            const auto o = static_cast<std::size_t>(e.object);
+            if (state_[o] == 2) continue;
+            const double nd = e.cost - v_[o] - h;
+            if (!(nd < d_[o])) continue;
+            d_[o] = nd;
+            pred_[o] = agent;
+            pred_cost_[o] = e.cost;
+            if (state_[o] == 0) {
+                state_[o] = 1;
+                touched_.push_back(o);
+            }
+            heap_.push_back({nd, y_[o] >= 0, e.object});
+            std::push_heap(heap_.begin(), heap_.end(), std::greater<>());
+        }
+    }
+
+    // Jonker-Volgenant augmenting row reduction: each free agent takes its cheapest object
+    // (by reduced cost c - v), lowering that object's potential to its second cheapest so
+    // the agent stays tight; a displaced agent waits for the next pass. Potentials only
+    // decrease and objects stay assigned, so the rectangular conditions hold throughout.
+    void row_reduction(const std::vector<std::vector<Edge>>& graph,
+                       std::vector<std::size_t>& free_agents) {
+        std::size_t kept = 0;
+        for (std::size_t a : free_agents) {
+            double best = kInf, second = kInf;
+            const Edge* first = nullptr;
+            const Edge* runner_up = nullptr;
+            for (const Edge& e : graph[a]) {
+                const double h = e.cost - v_[static_cast<std::size_t>(e.object)];
+                if (h < best) {
+                    second = best;
+                    runner_up = first;
+                    best = h;
+                    first = &e;
+                } else if (h < second) {
+                    second = h;
+                    runner_up = &e;
+                }
+            }
+            if (first == nullptr) {
+                free_agents[kept++] = a;
+                continue;
+            }
+            auto o = static_cast<std::size_t>(first->object);
+            if (best < second) {
+                if (second < kInf) v_[o] -= second - best;
+            } else if (y_[o] >= 0) {
+                first = runner_up;  // a tie: take the other one, free if possible
+                o = static_cast<std::size_t>(first->object);
+            }
+            const std::int64_t previous = y_[o];
+            y_[o] = static_cast<std::int64_t>(a);
+            x_[a] = first->object;
+            x_cost_[a] = first->cost;
+            if (previous >= 0) {
+                x_[static_cast<std::size_t>(previous)] = -1;
+                free_agents[kept++] = static_cast<std::size_t>(previous);
+            }
+        }
+        free_agents.resize(kept);
+    }
+
+    void reset_search() {
+        for (std::size_t o : touched_) {
+            d_[o] = kInf;
+            state_[o] = 0;
+        }
+        touched_.clear();
+        heap_.clear();
+        finished_.clear();
+    }
+
+    bool augment(const std::vector<std::vector<Edge>>& graph, std::size_t f) {
+        relax(graph[f], static_cast<std::int64_t>(f), 0.0);
+        std::size_t sink = 0;
+        double dmin = 0.0;
+        for (;;) {
+            if (heap_.empty()) {
+                reset_search();
+                return false;
+            }
+            std::pop_heap(heap_.begin(), heap_.end(), std::greater<>());
+            ++pops_;
+            const Entry top = heap_.back();
+            heap_.pop_back();
+            const auto o = static_cast<std::size_t>(top.object);
+            if (state_[o] == 2 || top.d != d_[o]) continue;  // stale entry
+            dmin = top.d;
+            state_[o] = 2;
+            finished_.push_back(o);
+            if (y_[o] < 0) {
+                sink = o;
+                break;
+            }
+            const auto i = static_cast<std::size_t>(y_[o]);
+            relax(graph[i], y_[o], x_cost_[i] - v_[o] - dmin);
+        }
+        for (std::size_t o : finished_) v_[o] += d_[o] - dmin;
+        for (std::size_t o = sink;;) {
+            const auto i = static_cast<std::size_t>(pred_[o]);
+            const std::int64_t previous = x_[i];
+            y_[o] = static_cast<std::int64_t>(i);
+            x_[i] = static_cast<std::int64_t>(o);
+            x_cost_[i] = pred_cost_[o];
+            if (i == f) break;
+            o = static_cast<std::size_t>(previous);
+        }
+        reset_search();
+        return true;
+    }
+
+    std::vector<double> v_, d_, pred_cost_, x_cost_;
+    std::vector<std::int64_t> y_, pred_, x_;
+    std::vector<unsigned char> state_;  // 0 untouched, 1 reached, 2 final
+    std::vector<std::size_t> touched_, finished_;
+    std::vector<Entry> heap_;
+    std::size_t pops_ = 0;
+};
+
+// Reduced costs of one matrix row, c_ij - r - col[j]; true when some is negative.
+template <class T>
+FUSEKIT_CLONES bool row_violates(const T* __restrict row, double r, const double* __restrict col,
+                                 std::size_t n) {
+    int bad = 0;
+#pragma omp simd reduction(| : bad)
+    for (std::size_t j = 0; j < n; ++j) bad |= static_cast<double>(row[j]) - r - col[j] < 0.0;
+    return bad != 0;
+}
+
+bool has_edge(const std::vector<Edge>& edges, std::int64_t object) {
+    for (const Edge& e : edges) {
+        if (e.object == object) return true;
+    }
+    return false;
+}
+
+// Adds every pair of the full matrix whose reduced cost is negative under the sparse
+// solution's potentials (and not yet a candidate); none added proves optimality.
+template <class T>
+std::size_t add_violations(const View<T>& view, const SparseSolver& solver,
+                           std::vector<std::vector<Edge>>& graph) {
+    const std::size_t na = view.agents();
+    std::vector<double> agent_u(na);
+    for (std::size_t a = 0; a < na; ++a) agent_u[a] = solver.agent_potential(a);
+    const std::vector<double>& object_v = solver.object_potentials();
+    const std::vector<double>& row_pot = view.agents_are_rows ? agent_u : object_v;
+    const std::vector<double>& col_pot = view.agents_are_rows ? object_v : agent_u;
+    std::size_t added = 0;
+    for (std::size_t i = 0; i < view.nr; ++i) {
+        const T* row = view.cost + i * view.nc;
+        if (!row_violates(row, row_pot[i], col_pot.data(), view.nc)) continue;
+        for (std::size_t j = 0; j < view.nc; ++j) {
+            const double c = static_cast<double>(row[j]);
+            if (!(c - row_pot[i] - col_pot[j] < 0.0)) continue;
+            const std::size_t a = view.agents_are_rows ? i : j;
+            const auto o = static_cast<std::int64_t>(view.agents_are_rows ? j : i);
+            if (has_edge(graph[a], o)) continue;  // rounding on a pair already solved
+            graph[a].push_back({o, c});
+            ++added;
+        }
+    }
+    return added;
+}
+
+}  // namespace
+
+template <class T>
+bool solve_by_candidates(const T* cost, std::size_t nr, std::size_t nc,
+                         std::int64_t* col_of_row, double* u, double* v) {
+    const View<T> view{cost, nr, nc, nr <= nc};
+    const std::size_t na = view.agents(), no = view.objects();
+    std::size_t k = std::min(kInitialCandidates, no);
+    auto t0 = std::chrono::steady_clock::now();
+    auto lap = [&](const char* what) { if (std::getenv("FKDBG")) { auto t1 = std::chrono::steady_clock::now(); std::fprintf(stderr, "%s %.3f ms\n", what, std::chrono::duration<double, std::milli>(t1 - t0).count()); t0 = t1; } };
+    // Square problems start from the column minima (Jonker-Volgenant's column reduction);
+    // rectangular ones need zero potentials on objects that may stay unassigned.
+    std::vector<double> column_min(nr == nc ? nc : 0, kInf);
+    const CheapestLists lists = cheapest(view, k, nr == nc ? &column_min : nullptr);
+    lap("scan");
+    std::vector<std::vector<Edge>> graph(na);
+    for (std::size_t a = 0; a < na; ++a) graph[a] = lists.list(a);
+
+    SparseSolver solver(no);
+    bool solved = false;
+    int growths = 0;
+    for (int round = 0; round < kMaxRounds && !solved; ++round) {
+        const bool ok = solver.solve(graph, column_min);
+        lap("solve");
+        if (!ok) {
+            // Too few candidates for some agents (e.g. many local neurons wanting the same
+            // few new-neuron slots): longer lists for everyone, or the dense solver.
+            if (k >= no || ++growths > kMaxGrowths) return false;
+            k = std::min(no, 2 * k);
+            const CheapestLists longer = cheapest(view, k, nullptr);
+            for (std::size_t a = 0; a < na; ++a) graph[a] = longer.list(a);
+            continue;
+        }
+        const std::size_t added = add_violations(view, solver, graph);
+        lap("certify");
+        if (std::getenv("FKDBG")) std::fprintf(stderr, "round %d added %zu\n", round, added);
+        solved = added == 0;
+    }
+    if (!solved) return false;
+
+    const auto& x = solver.object_of_agent();
+    const auto& object_v = solver.object_potentials();
+    std::fill(col_of_row, col_of_row + nr, -1);
+    for (std::size_t a = 0; a < na; ++a) {
+        const auto o = static_cast<std::size_t>(x[a]);
+        const std::size_t i = view.agents_are_rows ? a : o;
+        col_of_row[i] = static_cast<std::int64_t>(view.agents_are_rows ? o : a);
+    }
+    double* agent_pot = view.agents_are_rows ? u : v;
+    double* object_pot = view.agents_are_rows ? v : u;
+    if (agent_pot) {
+        for (std::size_t a = 0; a < na; ++a) agent_pot[a] = solver.agent_potential(a);
+    }
+    if (object_pot) std::copy(object_v.begin(), object_v.end(), object_pot);
+    return true;
+}
+
+template bool solve_by_candidates<float>(const float*, std::size_t, std::size_t, std::int64_t*,
+                                         double*, double*);
+template bool solve_by_candidates<double>(const double*, std::size_t, std::size_t,
+                                          std::int64_t*, double*, double*);
+
+}  // namespace fusekit
