@@ -1,10 +1,8 @@
 #include "candidates.hpp"
 
 #include <algorithm>
-#include <chrono>
-#include <cstdio>
-#include <cstdlib>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "simd.hpp"
@@ -47,7 +45,8 @@ class CheapestLists {
     CheapestLists(std::size_t agents, std::size_t k)
         : k_(k), count_(agents, 0), cost_(agents * k), object_(agents * k), bound_(agents, kInf) {}
 
-    // Pairs at or above the bound cannot enter agent a's list.
+    // Pairs at or above the bound cannot enter agent a's list; once the list is full it is
+    // the k-th smallest value, a lower bound on every pair left out.
     const double* bounds() const { return bound_.data(); }
 
     void offer(std::size_t a, double c, std::int64_t o) {
@@ -66,10 +65,15 @@ class CheapestLists {
         if (n == k_) bound_[a] = cs[k_ - 1];
     }
 
-    std::vector<Edge> list(std::size_t a) const {
-        std::vector<Edge> edges(count_[a]);
-        for (std::size_t t = 0; t < count_[a]; ++t) edges[t] = {object_[a * k_ + t], cost_[a * k_ + t]};
-        return edges;
+    // Agent a's candidates with their true costs (the lists may rank reduced costs).
+    template <class T>
+    std::vector<Edge> edges(const View<T>& view, std::size_t a) const {
+        std::vector<Edge> out(count_[a]);
+        for (std::size_t t = 0; t < count_[a]; ++t) {
+            const std::int64_t o = object_[a * k_ + t];
+            out[t] = {o, view.at(a, static_cast<std::size_t>(o))};
+        }
+        return out;
     }
 
    private:
@@ -80,7 +84,7 @@ class CheapestLists {
     std::vector<double> bound_;
 };
 
-constexpr std::size_t kChunk = 16;
+constexpr std::size_t kChunk = 8;
 
 // Whether some x[l] <= bound[l] in one chunk, as a min-reduction (which vectorises
 // reliably), so that scalar work happens only on the rare chunks holding a candidate.
@@ -139,6 +143,33 @@ FUSEKIT_CLONES void min_into(const T* __restrict row, double* __restrict acc, st
 }
 
 
+// buffer = row - shift (shift per column, or one value for the whole row when scalar).
+template <class T>
+FUSEKIT_CLONES void subtract(const T* __restrict row, const double* __restrict shift, bool scalar,
+                             std::size_t n, double* __restrict buffer) {
+#pragma omp simd
+    for (std::size_t j = 0; j < n; ++j) {
+        buffer[j] = static_cast<double>(row[j]) - (scalar ? shift[0] : shift[j]);
+    }
+}
+
+// Row i as the values the lists rank: costs, or reduced costs c - s_o when object
+// potentials s are given (a warm start). Objects are columns when agents are rows.
+template <class T>
+const double* ranked_row(const View<T>& view, std::size_t i, const double* shift,
+                         std::vector<double>& buffer) {
+    const T* row = view.cost + i * view.nc;
+    if constexpr (std::is_same_v<T, double>) {
+        if (shift == nullptr) return row;
+    }
+    static const double zero = 0.0;
+    const bool scalar = shift == nullptr || !view.agents_are_rows;
+    const double* s = shift == nullptr ? &zero : view.agents_are_rows ? shift : shift + i;
+    buffer.resize(view.nc);
+    subtract(row, s, scalar, view.nc, buffer.data());
+    return buffer.data();
+}
+
 // k-th smallest of x[0..n), n >= k (reorders x).
 double kth_smallest(double* x, std::size_t n, std::size_t k) {
     std::nth_element(x, x + (k - 1), x + n);
@@ -151,18 +182,20 @@ double kth_smallest(double* x, std::size_t n, std::size_t k) {
 // k-th smallest cost from above, tightly (about k entries lie below it). The second pass
 // tests chunks against that bound and does scalar work only on the chunks that hit.
 template <class T>
-CheapestLists cheapest(const View<T>& view, std::size_t k, std::vector<double>* column_min) {
+CheapestLists cheapest(const View<T>& view, std::size_t k, const double* shift,
+                       std::vector<double>* column_min) {
     CheapestLists lists(view.agents(), k);
     const std::size_t blocks = std::min(view.objects(), 4 * k);
+    std::vector<double> buffer;
     if (view.agents_are_rows) {
         std::vector<Edge> found;
         std::vector<double> block_min(blocks);
-        const auto by_cost = [](const Edge& x, const Edge& y) {
+        const auto by_value = [](const Edge& x, const Edge& y) {
             return x.cost < y.cost || (x.cost == y.cost && x.object < y.object);
         };
         for (std::size_t i = 0; i < view.nr; ++i) {
-            const T* row = view.cost + i * view.nc;
-            for (std::size_t b = 0; b < blocks; ++b) block_min[b] = static_cast<double>(row[b]);
+            const double* row = ranked_row(view, i, shift, buffer);
+            std::copy(row, row + blocks, block_min.begin());
             for (std::size_t j0 = blocks; j0 < view.nc; j0 += blocks) {
                 min_into(row + j0, block_min.data(), std::min(blocks, view.nc - j0));
             }
@@ -171,21 +204,22 @@ CheapestLists cheapest(const View<T>& view, std::size_t k, std::vector<double>* 
             collect_at_most(row, view.nc, bound, found);
             const std::size_t kept = std::min(k, found.size());
             std::partial_sort(found.begin(), found.begin() + static_cast<std::ptrdiff_t>(kept),
-                              found.end(), by_cost);
+                              found.end(), by_value);
             for (std::size_t t = 0; t < kept; ++t) lists.offer(i, found[t].cost, found[t].object);
         }
         return lists;
     }
     std::vector<double> block_min(blocks * view.nc, kInf), bound(view.nc), column(blocks);
     for (std::size_t i = 0; i < view.nr; ++i) {
-        min_into(view.cost + i * view.nc, block_min.data() + (i % blocks) * view.nc, view.nc);
+        const double* row = ranked_row(view, i, shift, buffer);
+        min_into(row, block_min.data() + (i % blocks) * view.nc, view.nc);
     }
     for (std::size_t j = 0; j < view.nc; ++j) {
         for (std::size_t b = 0; b < blocks; ++b) column[b] = block_min[b * view.nc + j];
         bound[j] = kth_smallest(column.data(), blocks, k);
     }
     for (std::size_t i = 0; i < view.nr; ++i) {
-        offer_row(view.cost + i * view.nc, i, view.nc, bound.data(), lists);
+        offer_row(ranked_row(view, i, shift, buffer), i, view.nc, bound.data(), lists);
     }
     return lists;
 }
@@ -214,16 +248,19 @@ class SparseSolver {
         std::vector<std::size_t> free_agents(na);
         for (std::size_t a = 0; a < na; ++a) free_agents[a] = a;
         for (int pass = 0; pass < kReductionPasses; ++pass) row_reduction(graph, free_agents);
-        if (std::getenv("FKDBG")) std::fprintf(stderr, "free after ARR %zu of %zu\n", free_agents.size(), na);
-        pops_ = 0;
         for (std::size_t a : free_agents) {
             if (!augment(graph, a)) return false;
         }
-        if (std::getenv("FKDBG")) std::fprintf(stderr, "pops %zu\n", pops_);
         return true;
     }
 
     const std::vector<double>& object_potentials() const { return v_; }
+    bool unassigned_objects_at_zero() const {
+        for (std::size_t o = 0; o < v_.size(); ++o) {
+            if (y_[o] < 0 && v_[o] != 0.0) return false;
+        }
+        return true;
+    }
     const std::vector<std::int64_t>& object_of_agent() const { return x_; }
     // u_a = c(a, x_a) - v(x_a): the agent potentials, tight on assigned pairs.
     double agent_potential(std::size_t a) const {
@@ -324,7 +361,6 @@ class SparseSolver {
                 return false;
             }
             std::pop_heap(heap_.begin(), heap_.end(), std::greater<>());
-            ++pops_;
             const Entry top = heap_.back();
             heap_.pop_back();
             const auto o = static_cast<std::size_t>(top.object);
@@ -358,7 +394,6 @@ class SparseSolver {
     std::vector<unsigned char> state_;  // 0 untouched, 1 reached, 2 final
     std::vector<std::size_t> touched_, finished_;
     std::vector<Entry> heap_;
-    std::size_t pops_ = 0;
 };
 
 // Reduced costs of one matrix row, c_ij - r - col[j]; true when some is negative.
@@ -406,43 +441,67 @@ std::size_t add_violations(const View<T>& view, const SparseSolver& solver,
     return added;
 }
 
+// Whether the lists alone prove optimality, sparing a pass over the matrix. A pair left out
+// of agent a's full list has value c - s_o >= rho_a (the list's k-th value, s the ranking
+// potentials), so under the final potentials its reduced cost is at least
+// rho_a - u_a - max_o (v_o - s_o); the solver only lowers potentials, so this often holds.
+bool certified_by_bounds(const CheapestLists& lists, const SparseSolver& solver,
+                         const double* shift) {
+    const std::vector<double>& v = solver.object_potentials();
+    double rise = -kInf;
+    for (std::size_t o = 0; o < v.size(); ++o) rise = std::max(rise, v[o] - (shift ? shift[o] : 0.0));
+    const double* rho = lists.bounds();
+    for (std::size_t a = 0; a < solver.object_of_agent().size(); ++a) {
+        if (rho[a] < kInf && rho[a] - solver.agent_potential(a) < rise) return false;
+    }
+    return true;
+}
+
 }  // namespace
 
 template <class T>
 bool solve_by_candidates(const T* cost, std::size_t nr, std::size_t nc,
-                         std::int64_t* col_of_row, double* u, double* v) {
+                         const double* warm_objects, std::int64_t* col_of_row, double* u,
+                         double* v) {
     const View<T> view{cost, nr, nc, nr <= nc};
     const std::size_t na = view.agents(), no = view.objects();
     std::size_t k = std::min(kInitialCandidates, no);
-    auto t0 = std::chrono::steady_clock::now();
-    auto lap = [&](const char* what) { if (std::getenv("FKDBG")) { auto t1 = std::chrono::steady_clock::now(); std::fprintf(stderr, "%s %.3f ms\n", what, std::chrono::duration<double, std::milli>(t1 - t0).count()); t0 = t1; } };
-    // Square problems start from the column minima (Jonker-Volgenant's column reduction);
-    // rectangular ones need zero potentials on objects that may stay unassigned.
-    std::vector<double> column_min(nr == nc ? nc : 0, kInf);
-    const CheapestLists lists = cheapest(view, k, nr == nc ? &column_min : nullptr);
-    lap("scan");
+    // A warm start ranks candidates by reduced cost and starts the solver from the warm
+    // potentials (shifted to <= 0 for a rectangular problem; only differences matter).
+    std::vector<double> shift;
+    if (warm_objects != nullptr) {
+        shift.assign(warm_objects, warm_objects + no);
+        if (nr != nc) {
+            const double top = *std::max_element(shift.begin(), shift.end());
+            for (double& s : shift) s -= top;
+        }
+    }
+    const double* ranking = shift.empty() ? nullptr : shift.data();
+    // A cold square problem starts from the column minima (Jonker-Volgenant's column
+    // reduction); a cold rectangular one from zeros, the value unassigned objects must keep.
+    std::vector<double> column_min(!ranking && nr == nc ? nc : 0, kInf);
+    CheapestLists lists = cheapest(view, k, ranking, column_min.empty() ? nullptr : &column_min);
+    const std::vector<double>& start = ranking ? shift : column_min;
     std::vector<std::vector<Edge>> graph(na);
-    for (std::size_t a = 0; a < na; ++a) graph[a] = lists.list(a);
+    for (std::size_t a = 0; a < na; ++a) graph[a] = lists.edges(view, a);
 
     SparseSolver solver(no);
     bool solved = false;
     int growths = 0;
     for (int round = 0; round < kMaxRounds && !solved; ++round) {
-        const bool ok = solver.solve(graph, column_min);
-        lap("solve");
-        if (!ok) {
+        if (!solver.solve(graph, start)) {
             // Too few candidates for some agents (e.g. many local neurons wanting the same
             // few new-neuron slots): longer lists for everyone, or the dense solver.
             if (k >= no || ++growths > kMaxGrowths) return false;
             k = std::min(no, 2 * k);
-            const CheapestLists longer = cheapest(view, k, nullptr);
-            for (std::size_t a = 0; a < na; ++a) graph[a] = longer.list(a);
+            lists = cheapest(view, k, ranking, nullptr);
+            for (std::size_t a = 0; a < na; ++a) graph[a] = lists.edges(view, a);
             continue;
         }
-        const std::size_t added = add_violations(view, solver, graph);
-        lap("certify");
-        if (std::getenv("FKDBG")) std::fprintf(stderr, "round %d added %zu\n", round, added);
-        solved = added == 0;
+        // Warm potentials of objects left unassigned must be 0 in a rectangular solution.
+        if (nr != nc && !solver.unassigned_objects_at_zero()) return false;
+        solved = certified_by_bounds(lists, solver, ranking) ||
+                 add_violations(view, solver, graph) == 0;
     }
     if (!solved) return false;
 
@@ -463,9 +522,9 @@ bool solve_by_candidates(const T* cost, std::size_t nr, std::size_t nc,
     return true;
 }
 
-template bool solve_by_candidates<float>(const float*, std::size_t, std::size_t, std::int64_t*,
-                                         double*, double*);
+template bool solve_by_candidates<float>(const float*, std::size_t, std::size_t, const double*,
+                                         std::int64_t*, double*, double*);
 template bool solve_by_candidates<double>(const double*, std::size_t, std::size_t,
-                                          std::int64_t*, double*, double*);
+                                          const double*, std::int64_t*, double*, double*);
 
 }  // namespace fusekit

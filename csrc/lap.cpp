@@ -396,9 +396,20 @@ Status solve_assignment(const T* cost, std::size_t nr, std::size_t nc, const dou
     bool has_inf = false;
     const Status valid = check_values(cost, nr * nc, has_inf);
     if (valid != Status::ok) return valid;
-    if (warm_u == nullptr && std::max(nr, nc) >= kMinCandidateObjects &&
-        solve_by_candidates(cost, nr, nc, col_of_row, u, v)) {
-        return Status::ok;
+    const double* warm_objects = nr > nc ? warm_u : warm_v;
+    if (warm_objects != nullptr) {
+        for (std::size_t j = 0; j < std::max(nr, nc); ++j) {
+            if (!std::isfinite(warm_objects[j])) return Status::non_finite;
+        }
+    }
+    if (std::max(nr, nc) >= kMinCandidateObjects) {
+        // A warm start that cannot be used (objects it priced are now left unassigned)
+        // costs one scan; the cold candidate solve follows.
+        if (warm_objects != nullptr &&
+            solve_by_candidates(cost, nr, nc, warm_objects, col_of_row, u, v)) {
+            return Status::ok;
+        }
+        if (solve_by_candidates(cost, nr, nc, nullptr, col_of_row, u, v)) return Status::ok;
     }
 
     // Work on the orientation with no more rows than columns.
