@@ -143,18 +143,20 @@ FUSEKIT_CLONES void min_into(const T* __restrict row, double* __restrict acc, st
 }
 
 
-// buffer = row - shift (shift per column, or one value for the whole row when scalar).
+// buffer = row - shift, or row converted to double when shift is null.
 template <class T>
-FUSEKIT_CLONES void subtract(const T* __restrict row, const double* __restrict shift, bool scalar,
+FUSEKIT_CLONES void subtract(const T* __restrict row, const double* __restrict shift,
                              std::size_t n, double* __restrict buffer) {
-#pragma omp simd
-    for (std::size_t j = 0; j < n; ++j) {
-        buffer[j] = static_cast<double>(row[j]) - (scalar ? shift[0] : shift[j]);
+    if (shift == nullptr) {
+        for (std::size_t j = 0; j < n; ++j) buffer[j] = static_cast<double>(row[j]);
+        return;
     }
+#pragma omp simd
+    for (std::size_t j = 0; j < n; ++j) buffer[j] = static_cast<double>(row[j]) - shift[j];
 }
 
-// Row i as the values the lists rank: costs, or reduced costs c - s_o when object
-// potentials s are given (a warm start). Objects are columns when agents are rows.
+// Row i as the values the lists rank: costs, or reduced costs c_ij - s_j when column
+// potentials s are given (a warm start; square problems, so agents are rows).
 template <class T>
 const double* ranked_row(const View<T>& view, std::size_t i, const double* shift,
                          std::vector<double>& buffer) {
@@ -162,11 +164,8 @@ const double* ranked_row(const View<T>& view, std::size_t i, const double* shift
     if constexpr (std::is_same_v<T, double>) {
         if (shift == nullptr) return row;
     }
-    static const double zero = 0.0;
-    const bool scalar = shift == nullptr || !view.agents_are_rows;
-    const double* s = shift == nullptr ? &zero : view.agents_are_rows ? shift : shift + i;
     buffer.resize(view.nc);
-    subtract(row, s, scalar, view.nc, buffer.data());
+    subtract(row, shift, view.nc, buffer.data());
     return buffer.data();
 }
 
@@ -174,6 +173,19 @@ const double* ranked_row(const View<T>& view, std::size_t i, const double* shift
 double kth_smallest(double* x, std::size_t n, std::size_t k) {
     std::nth_element(x, x + (k - 1), x + n);
     return x[k - 1];
+}
+
+// k-th smallest of line[0..n) or an upper bound close to it: the k-th smallest of the
+// minima of 4k strided blocks (each the minimum of distinct
+// entries, so k of them bound the k-th smallest entry from above).
+double kth_smallest_bound(const double* line, std::size_t n, std::size_t k,
+                          std::vector<double>& block_min) {
+    const std::size_t blocks = std::min(n, 4 * k);
+    block_min.assign(line, line + blocks);
+    for (std::size_t j0 = blocks; j0 < n; j0 += blocks) {
+        min_into(line + j0, block_min.data(), std::min(blocks, n - j0));
+    }
+    return kth_smallest(block_min.data(), blocks, k);
 }
 
 // Every agent's k cheapest objects, in two passes. Split an agent's line into B = 4k
@@ -189,17 +201,13 @@ CheapestLists cheapest(const View<T>& view, std::size_t k, const double* shift,
     std::vector<double> buffer;
     if (view.agents_are_rows) {
         std::vector<Edge> found;
-        std::vector<double> block_min(blocks);
+        std::vector<double> block_min;
         const auto by_value = [](const Edge& x, const Edge& y) {
             return x.cost < y.cost || (x.cost == y.cost && x.object < y.object);
         };
         for (std::size_t i = 0; i < view.nr; ++i) {
             const double* row = ranked_row(view, i, shift, buffer);
-            std::copy(row, row + blocks, block_min.begin());
-            for (std::size_t j0 = blocks; j0 < view.nc; j0 += blocks) {
-                min_into(row + j0, block_min.data(), std::min(blocks, view.nc - j0));
-            }
-            const double bound = kth_smallest(block_min.data(), blocks, k);
+            const double bound = kth_smallest_bound(row, view.nc, k, block_min);
             if (column_min) min_into(row, column_min->data(), view.nc);
             collect_at_most(row, view.nc, bound, found);
             const std::size_t kept = std::min(k, found.size());
@@ -222,6 +230,55 @@ CheapestLists cheapest(const View<T>& view, std::size_t k, const double* shift,
         offer_row(ranked_row(view, i, shift, buffer), i, view.nc, bound.data(), lists);
     }
     return lists;
+}
+
+// Candidates of a warm start: every pair whose reduced cost c - s_o is at most its
+// agent's threshold tau_a, in one pass with no selection (a pair left out has value
+// > tau_a). Pairs keep their true costs.
+template <class T>
+std::vector<std::vector<Edge>> within_thresholds(const View<T>& view, const double* shift,
+                                                 const std::vector<double>& tau) {
+    std::vector<std::vector<Edge>> graph(view.agents());
+    std::vector<double> buffer;
+    std::vector<Edge> found;
+    for (std::size_t i = 0; i < view.nr; ++i) {
+        const double* row = ranked_row(view, i, shift, buffer);
+        if (view.agents_are_rows) {
+            collect_at_most(row, view.nc, tau[i], found);
+            for (Edge& e : found) e.cost = view.at(i, static_cast<std::size_t>(e.object));
+            graph[i] = found;
+            continue;
+        }
+        for (std::size_t j0 = 0; j0 < view.nc; j0 += kChunk) {
+            const std::size_t j1 = std::min(view.nc, j0 + kChunk);
+            if (j1 - j0 == kChunk && !chunk_at_most(row + j0, tau.data() + j0)) continue;
+            for (std::size_t j = j0; j < j1; ++j) {
+                if (row[j] <= tau[j]) graph[j].push_back({static_cast<std::int64_t>(i), view.at(j, i)});
+            }
+        }
+    }
+    return graph;
+}
+
+// Agent thresholds u_a + delta for within_thresholds, delta the median over a sample of
+// agents of (k-th smallest reduced cost - u_a): about k candidates per agent without
+// selecting per agent. Empty when the sample says the warm potentials do not fit.
+template <class T>
+std::vector<double> warm_thresholds(const View<T>& view, const double* shift,
+                                    const double* warm_agents, std::size_t k) {
+    constexpr std::size_t kSample = 16;
+    const std::size_t na = view.agents(), no = view.objects();
+    const std::size_t step = std::max<std::size_t>(1, na / kSample);
+    std::vector<double> gaps, line(no), block_min;
+    for (std::size_t a = 0; a < na; a += step) {
+        for (std::size_t o = 0; o < no; ++o) line[o] = view.at(a, o) - shift[o];
+        gaps.push_back(kth_smallest_bound(line.data(), no, k, block_min) - warm_agents[a]);
+    }
+    const double delta = kth_smallest(gaps.data(), gaps.size(), gaps.size() / 2 + 1);
+    if (!(delta > 0.0 && delta < kInf)) return {};
+    std::vector<double> tau(na);
+    for (std::size_t a = 0; a < na; ++a) tau[a] = warm_agents[a] + delta;
+    return tau;
 }
 
 // Jonker-Volgenant shortest augmenting paths on the candidate graph, agents <= objects.
@@ -255,12 +312,6 @@ class SparseSolver {
     }
 
     const std::vector<double>& object_potentials() const { return v_; }
-    bool unassigned_objects_at_zero() const {
-        for (std::size_t o = 0; o < v_.size(); ++o) {
-            if (y_[o] < 0 && v_[o] != 0.0) return false;
-        }
-        return true;
-    }
     const std::vector<std::int64_t>& object_of_agent() const { return x_; }
     // u_a = c(a, x_a) - v(x_a): the agent potentials, tight on assigned pairs.
     double agent_potential(std::size_t a) const {
@@ -445,12 +496,10 @@ std::size_t add_violations(const View<T>& view, const SparseSolver& solver,
 // of agent a's full list has value c - s_o >= rho_a (the list's k-th value, s the ranking
 // potentials), so under the final potentials its reduced cost is at least
 // rho_a - u_a - max_o (v_o - s_o); the solver only lowers potentials, so this often holds.
-bool certified_by_bounds(const CheapestLists& lists, const SparseSolver& solver,
-                         const double* shift) {
+bool certified_by_bounds(const double* rho, const SparseSolver& solver, const double* shift) {
     const std::vector<double>& v = solver.object_potentials();
     double rise = -kInf;
     for (std::size_t o = 0; o < v.size(); ++o) rise = std::max(rise, v[o] - (shift ? shift[o] : 0.0));
-    const double* rho = lists.bounds();
     for (std::size_t a = 0; a < solver.object_of_agent().size(); ++a) {
         if (rho[a] < kInf && rho[a] - solver.agent_potential(a) < rise) return false;
     }
@@ -461,29 +510,30 @@ bool certified_by_bounds(const CheapestLists& lists, const SparseSolver& solver,
 
 template <class T>
 bool solve_by_candidates(const T* cost, std::size_t nr, std::size_t nc,
-                         const double* warm_objects, std::int64_t* col_of_row, double* u,
-                         double* v) {
+                         const double* warm_agents, const double* warm_objects,
+                         std::int64_t* col_of_row, double* u, double* v) {
     const View<T> view{cost, nr, nc, nr <= nc};
     const std::size_t na = view.agents(), no = view.objects();
     std::size_t k = std::min(kInitialCandidates, no);
     // A warm start ranks candidates by reduced cost and starts the solver from the warm
-    // potentials (shifted to <= 0 for a rectangular problem; only differences matter).
-    std::vector<double> shift;
-    if (warm_objects != nullptr) {
-        shift.assign(warm_objects, warm_objects + no);
-        if (nr != nc) {
-            const double top = *std::max_element(shift.begin(), shift.end());
-            for (double& s : shift) s -= top;
-        }
-    }
-    const double* ranking = shift.empty() ? nullptr : shift.data();
+    // potentials.
+    const double* ranking = warm_objects;
     // A cold square problem starts from the column minima (Jonker-Volgenant's column
     // reduction); a cold rectangular one from zeros, the value unassigned objects must keep.
     std::vector<double> column_min(!ranking && nr == nc ? nc : 0, kInf);
-    CheapestLists lists = cheapest(view, k, ranking, column_min.empty() ? nullptr : &column_min);
-    const std::vector<double>& start = ranking ? shift : column_min;
+    std::vector<double> rho =
+        ranking ? warm_thresholds(view, ranking, warm_agents, k) : std::vector<double>();
     std::vector<std::vector<Edge>> graph(na);
-    for (std::size_t a = 0; a < na; ++a) graph[a] = lists.edges(view, a);
+    CheapestLists lists(0, 1);
+    if (!rho.empty()) {
+        graph = within_thresholds(view, ranking, rho);
+    } else {
+        lists = cheapest(view, k, ranking, column_min.empty() ? nullptr : &column_min);
+        for (std::size_t a = 0; a < na; ++a) graph[a] = lists.edges(view, a);
+        rho.assign(lists.bounds(), lists.bounds() + na);
+    }
+    const std::vector<double> start =
+        ranking ? std::vector<double>(ranking, ranking + no) : column_min;
 
     SparseSolver solver(no);
     bool solved = false;
@@ -496,11 +546,10 @@ bool solve_by_candidates(const T* cost, std::size_t nr, std::size_t nc,
             k = std::min(no, 2 * k);
             lists = cheapest(view, k, ranking, nullptr);
             for (std::size_t a = 0; a < na; ++a) graph[a] = lists.edges(view, a);
+            rho.assign(lists.bounds(), lists.bounds() + na);
             continue;
         }
-        // Warm potentials of objects left unassigned must be 0 in a rectangular solution.
-        if (nr != nc && !solver.unassigned_objects_at_zero()) return false;
-        solved = certified_by_bounds(lists, solver, ranking) ||
+        solved = certified_by_bounds(rho.data(), solver, ranking) ||
                  add_violations(view, solver, graph) == 0;
     }
     if (!solved) return false;
@@ -523,8 +572,9 @@ bool solve_by_candidates(const T* cost, std::size_t nr, std::size_t nc,
 }
 
 template bool solve_by_candidates<float>(const float*, std::size_t, std::size_t, const double*,
-                                         std::int64_t*, double*, double*);
+                                         const double*, std::int64_t*, double*, double*);
 template bool solve_by_candidates<double>(const double*, std::size_t, std::size_t,
-                                          const double*, std::int64_t*, double*, double*);
+                                          const double*, const double*, std::int64_t*, double*,
+                                          double*);
 
 }  // namespace fusekit
