@@ -232,30 +232,17 @@ CheapestLists cheapest(const View<T>& view, std::size_t k, const double* shift,
     return lists;
 }
 
-// Candidates of a warm start: every pair whose reduced cost c - s_o is at most its
-// agent's threshold tau_a, in one pass with no selection (a pair left out has value
-// > tau_a). Pairs keep their true costs.
+// Candidates of a warm start (agents are rows): every pair whose reduced cost c - s_j is at
+// most its row's threshold tau_i, in one pass with no selection (a pair left out has value
+// > tau_i). Pairs keep their true costs.
 template <class T>
 std::vector<std::vector<Edge>> within_thresholds(const View<T>& view, const double* shift,
                                                  const std::vector<double>& tau) {
-    std::vector<std::vector<Edge>> graph(view.agents());
+    std::vector<std::vector<Edge>> graph(view.nr);
     std::vector<double> buffer;
-    std::vector<Edge> found;
     for (std::size_t i = 0; i < view.nr; ++i) {
-        const double* row = ranked_row(view, i, shift, buffer);
-        if (view.agents_are_rows) {
-            collect_at_most(row, view.nc, tau[i], found);
-            for (Edge& e : found) e.cost = view.at(i, static_cast<std::size_t>(e.object));
-            graph[i] = found;
-            continue;
-        }
-        for (std::size_t j0 = 0; j0 < view.nc; j0 += kChunk) {
-            const std::size_t j1 = std::min(view.nc, j0 + kChunk);
-            if (j1 - j0 == kChunk && !chunk_at_most(row + j0, tau.data() + j0)) continue;
-            for (std::size_t j = j0; j < j1; ++j) {
-                if (row[j] <= tau[j]) graph[j].push_back({static_cast<std::int64_t>(i), view.at(j, i)});
-            }
-        }
+        collect_at_most(ranked_row(view, i, shift, buffer), view.nc, tau[i], graph[i]);
+        for (Edge& e : graph[i]) e.cost = view.at(i, static_cast<std::size_t>(e.object));
     }
     return graph;
 }
