@@ -1,6 +1,7 @@
 #include "candidates.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -115,19 +116,29 @@ FUSEKIT_CLONES void offer_row(const T* row, std::size_t i, std::size_t n, const 
     }
 }
 
-// The entries of x at or below bound, in order.
+// The entries of x at or below bound, in order: a vectorised test per chunk, then a bit
+// mask of the rare chunks that hit, whose set bits alone are visited.
 template <class T>
 FUSEKIT_CLONES void collect_at_most(const T* __restrict x, std::size_t n, double bound,
                                     std::vector<Edge>& found) {
     found.clear();
     double bounds[kChunk];
     std::fill(bounds, bounds + kChunk, bound);
-    for (std::size_t j0 = 0; j0 < n; j0 += kChunk) {
-        const std::size_t j1 = std::min(n, j0 + kChunk);
-        if (j1 - j0 == kChunk && !chunk_at_most(x + j0, bounds)) continue;
-        for (std::size_t j = j0; j < j1; ++j) {
-            const double c = static_cast<double>(x[j]);
-            if (c <= bound) found.push_back({static_cast<std::int64_t>(j), c});
+    std::size_t j0 = 0;
+    for (; j0 + kChunk <= n; j0 += kChunk) {
+        if (!chunk_at_most(x + j0, bounds)) continue;
+        unsigned mask = 0;
+        for (unsigned l = 0; l < kChunk; ++l) {
+            mask |= static_cast<unsigned>(static_cast<double>(x[j0 + l]) <= bound) << l;
+        }
+        for (; mask != 0; mask &= mask - 1) {
+            const std::size_t j = j0 + static_cast<std::size_t>(__builtin_ctz(mask));
+            found.push_back({static_cast<std::int64_t>(j), static_cast<double>(x[j])});
+        }
+    }
+    for (std::size_t j = j0; j < n; ++j) {
+        if (static_cast<double>(x[j]) <= bound) {
+            found.push_back({static_cast<std::int64_t>(j), static_cast<double>(x[j])});
         }
     }
 }
@@ -194,8 +205,7 @@ double kth_smallest_bound(const double* line, std::size_t n, std::size_t k,
 // k-th smallest cost from above, tightly (about k entries lie below it). The second pass
 // tests chunks against that bound and does scalar work only on the chunks that hit.
 template <class T>
-CheapestLists cheapest(const View<T>& view, std::size_t k, const double* shift,
-                       std::vector<double>* column_min) {
+CheapestLists cheapest(const View<T>& view, std::size_t k, const double* shift) {
     CheapestLists lists(view.agents(), k);
     const std::size_t blocks = std::min(view.objects(), 4 * k);
     std::vector<double> buffer;
@@ -208,7 +218,6 @@ CheapestLists cheapest(const View<T>& view, std::size_t k, const double* shift,
         for (std::size_t i = 0; i < view.nr; ++i) {
             const double* row = ranked_row(view, i, shift, buffer);
             const double bound = kth_smallest_bound(row, view.nc, k, block_min);
-            if (column_min) min_into(row, column_min->data(), view.nc);
             collect_at_most(row, view.nc, bound, found);
             const std::size_t kept = std::min(k, found.size());
             std::partial_sort(found.begin(), found.begin() + static_cast<std::ptrdiff_t>(kept),
@@ -232,40 +241,49 @@ CheapestLists cheapest(const View<T>& view, std::size_t k, const double* shift,
     return lists;
 }
 
-// Candidates of a warm start (agents are rows): every pair whose reduced cost c - s_j is at
-// most its row's threshold tau_i, in one pass with no selection (a pair left out has value
-// > tau_i). Pairs keep their true costs.
 template <class T>
-std::vector<std::vector<Edge>> within_thresholds(const View<T>& view, const double* shift,
-                                                 const std::vector<double>& tau) {
+FUSEKIT_CLONES double min_of(const T* __restrict x, std::size_t n) {
+    double best = kInf;
+#pragma omp simd reduction(min : best)
+    for (std::size_t j = 0; j < n; ++j) {
+        const double c = static_cast<double>(x[j]);
+        best = c < best ? c : best;
+    }
+    return best;
+}
+
+// Square problems, given column potentials s (a warm start's, or the column minima):
+// the typical gap between a row's smallest reduced cost c_ij - s_j and its k-th smallest,
+// the median over a sample of rows. NaN when the sample gives no positive finite gap.
+template <class T>
+double typical_gap(const View<T>& view, const double* shift, std::size_t k) {
+    constexpr std::size_t kSample = 16;
+    const std::size_t step = std::max<std::size_t>(1, view.nr / kSample);
+    std::vector<double> gaps, buffer, block_min;
+    for (std::size_t i = 0; i < view.nr; i += step) {
+        const double* row = ranked_row(view, i, shift, buffer);
+        gaps.push_back(kth_smallest_bound(row, view.nc, k, block_min) - min_of(row, view.nc));
+    }
+    const double gap = kth_smallest(gaps.data(), gaps.size(), gaps.size() / 2 + 1);
+    return gap > 0.0 && gap < kInf ? gap : std::numeric_limits<double>::quiet_NaN();
+}
+
+// Candidates of a square problem in one pass with no per-row selection: every pair whose
+// reduced cost c_ij - s_j is within gap of its row's smallest. rho[i] receives that
+// threshold, a lower bound on the value of every pair left out. Pairs keep true costs.
+template <class T>
+std::vector<std::vector<Edge>> within_gap(const View<T>& view, const double* shift, double gap,
+                                          std::vector<double>& rho) {
     std::vector<std::vector<Edge>> graph(view.nr);
     std::vector<double> buffer;
+    rho.resize(view.nr);
     for (std::size_t i = 0; i < view.nr; ++i) {
-        collect_at_most(ranked_row(view, i, shift, buffer), view.nc, tau[i], graph[i]);
+        const double* row = ranked_row(view, i, shift, buffer);
+        rho[i] = min_of(row, view.nc) + gap;
+        collect_at_most(row, view.nc, rho[i], graph[i]);
         for (Edge& e : graph[i]) e.cost = view.at(i, static_cast<std::size_t>(e.object));
     }
     return graph;
-}
-
-// Agent thresholds u_a + delta for within_thresholds, delta the median over a sample of
-// agents of (k-th smallest reduced cost - u_a): about k candidates per agent without
-// selecting per agent. Empty when the sample says the warm potentials do not fit.
-template <class T>
-std::vector<double> warm_thresholds(const View<T>& view, const double* shift,
-                                    const double* warm_agents, std::size_t k) {
-    constexpr std::size_t kSample = 16;
-    const std::size_t na = view.agents(), no = view.objects();
-    const std::size_t step = std::max<std::size_t>(1, na / kSample);
-    std::vector<double> gaps, line(no), block_min;
-    for (std::size_t a = 0; a < na; a += step) {
-        for (std::size_t o = 0; o < no; ++o) line[o] = view.at(a, o) - shift[o];
-        gaps.push_back(kth_smallest_bound(line.data(), no, k, block_min) - warm_agents[a]);
-    }
-    const double delta = kth_smallest(gaps.data(), gaps.size(), gaps.size() / 2 + 1);
-    if (!(delta > 0.0 && delta < kInf)) return {};
-    std::vector<double> tau(na);
-    for (std::size_t a = 0; a < na; ++a) tau[a] = warm_agents[a] + delta;
-    return tau;
 }
 
 // Jonker-Volgenant shortest augmenting paths on the candidate graph, agents <= objects.
@@ -497,30 +515,40 @@ bool certified_by_bounds(const double* rho, const SparseSolver& solver, const do
 
 template <class T>
 bool solve_by_candidates(const T* cost, std::size_t nr, std::size_t nc,
-                         const double* warm_agents, const double* warm_objects,
-                         std::int64_t* col_of_row, double* u, double* v) {
+                         const double* warm_columns, std::int64_t* col_of_row, double* u,
+                         double* v) {
     const View<T> view{cost, nr, nc, nr <= nc};
     const std::size_t na = view.agents(), no = view.objects();
     std::size_t k = std::min(kInitialCandidates, no);
-    // A warm start ranks candidates by reduced cost and starts the solver from the warm
-    // potentials.
-    const double* ranking = warm_objects;
-    // A cold square problem starts from the column minima (Jonker-Volgenant's column
-    // reduction); a cold rectangular one from zeros, the value unassigned objects must keep.
-    std::vector<double> column_min(!ranking && nr == nc ? nc : 0, kInf);
-    std::vector<double> rho =
-        ranking ? warm_thresholds(view, ranking, warm_agents, k) : std::vector<double>();
+    // Square problems rank candidates by reduced cost against column potentials, the warm
+    // start's or the column minima (Jonker-Volgenant's column reduction), which also start
+    // the solver. Rectangular ones rank raw costs and start from zero potentials, the value
+    // objects left unassigned must keep.
+    std::vector<double> start;
+    if (nr == nc) {
+        if (warm_columns != nullptr) {
+            start.assign(warm_columns, warm_columns + nc);
+        } else {
+            start.assign(nc, kInf);
+            for (std::size_t i = 0; i < nr; ++i) min_into(cost + i * nc, start.data(), nc);
+        }
+        // A fully forbidden column (+inf) gives no usable reference: rank raw costs.
+        if (!std::all_of(start.begin(), start.end(), [](double x) { return std::isfinite(x); })) {
+            start.clear();
+        }
+    }
+    const double* ranking = start.empty() ? nullptr : start.data();
+    std::vector<double> rho;
     std::vector<std::vector<Edge>> graph(na);
     CheapestLists lists(0, 1);
-    if (!rho.empty()) {
-        graph = within_thresholds(view, ranking, rho);
+    const double gap = ranking ? typical_gap(view, ranking, k) : std::nan("");
+    if (!std::isnan(gap)) {
+        graph = within_gap(view, ranking, gap, rho);
     } else {
-        lists = cheapest(view, k, ranking, column_min.empty() ? nullptr : &column_min);
+        lists = cheapest(view, k, ranking);
         for (std::size_t a = 0; a < na; ++a) graph[a] = lists.edges(view, a);
         rho.assign(lists.bounds(), lists.bounds() + na);
     }
-    const std::vector<double> start =
-        ranking ? std::vector<double>(ranking, ranking + no) : column_min;
 
     SparseSolver solver(no);
     bool solved = false;
@@ -531,7 +559,7 @@ bool solve_by_candidates(const T* cost, std::size_t nr, std::size_t nc,
             // few new-neuron slots): longer lists for everyone, or the dense solver.
             if (k >= no || ++growths > kMaxGrowths) return false;
             k = std::min(no, 2 * k);
-            lists = cheapest(view, k, ranking, nullptr);
+            lists = cheapest(view, k, ranking);
             for (std::size_t a = 0; a < na; ++a) graph[a] = lists.edges(view, a);
             rho.assign(lists.bounds(), lists.bounds() + na);
             continue;
@@ -559,9 +587,8 @@ bool solve_by_candidates(const T* cost, std::size_t nr, std::size_t nc,
 }
 
 template bool solve_by_candidates<float>(const float*, std::size_t, std::size_t, const double*,
-                                         const double*, std::int64_t*, double*, double*);
+                                         std::int64_t*, double*, double*);
 template bool solve_by_candidates<double>(const double*, std::size_t, std::size_t,
-                                          const double*, const double*, std::int64_t*, double*,
-                                          double*);
+                                          const double*, std::int64_t*, double*, double*);
 
 }  // namespace fusekit

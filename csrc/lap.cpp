@@ -396,8 +396,6 @@ Status solve_assignment(const T* cost, std::size_t nr, std::size_t nc, const dou
     bool has_inf = false;
     const Status valid = check_values(cost, nr * nc, has_inf);
     if (valid != Status::ok) return valid;
-    const double* warm_agents = nr > nc ? warm_v : warm_u;
-    const double* warm_objects = nr > nc ? warm_u : warm_v;
     if (warm_u != nullptr) {
         for (std::size_t i = 0; i < nr; ++i) {
             if (!std::isfinite(warm_u[i])) return Status::non_finite;
@@ -411,13 +409,8 @@ Status solve_assignment(const T* cost, std::size_t nr, std::size_t nc, const dou
         // priced but the new solution leaves unassigned must return to potential 0, which
         // takes re-solves and a full certificate pass: measured slower than a cold solve
         // (PFNM-shaped 600x100), so those are solved cold.
-        if (warm_objects != nullptr && nr == nc &&
-            solve_by_candidates(cost, nr, nc, warm_agents, warm_objects, col_of_row, u, v)) {
-            return Status::ok;
-        }
-        if (solve_by_candidates(cost, nr, nc, nullptr, nullptr, col_of_row, u, v)) {
-            return Status::ok;
-        }
+        const double* warm_columns = nr == nc ? warm_v : nullptr;
+        if (solve_by_candidates(cost, nr, nc, warm_columns, col_of_row, u, v)) return Status::ok;
     }
 
     // Work on the orientation with no more rows than columns.
