@@ -14,20 +14,23 @@ namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-// Candidates per agent at first. The lists double when the sparse problem cannot assign
-// every agent (at most kMaxGrowths times); certificate violations add single pairs.
-constexpr std::size_t kInitialCandidates = 16;
-constexpr int kMaxGrowths = 1;
+// Candidates when agents are rows: the pairs within a typical gap of their row's smallest
+// (reduced) cost, the gap from a row's minimum to its 8th smallest value (4th for warm
+// potentials, which are near-optimal). Measured on uniform 1000x1000: smaller gaps leave
+// violations (an extra pass), larger ones slow the collection and the solve.
+constexpr std::size_t kColdGapRank = 8;
+constexpr std::size_t kWarmGapRank = 4;
+// Candidates when agents are columns (tall problems such as PFNM's): each column's 16
+// cheapest rows, enough for the local neurons that take new-neuron slots.
+constexpr std::size_t kColumnCandidates = 16;
+// When the candidates cannot assign every agent (e.g. many local neurons wanting the same
+// few new-neuron slots) the gap grows this much (k doubles), at most kMaxGrowths times.
+constexpr double kGapGrowth = 4.0;
+constexpr int kMaxGrowths = 2;
 // Row reduction passes before the shortest-path phase: cheap on short lists, and on
 // uniform 1000x1000 8 passes leave ~80 of 1000 agents free against ~190 after JV's 2.
 constexpr int kReductionPasses = 8;
-// Square problems keep the pairs within a typical gap of each row's smallest reduced cost:
-// the gap to the row's 8th smallest (4th for warm potentials, which are near-optimal).
-// Measured on uniform 1000x1000: smaller gaps leave violations (an extra pass), larger
-// ones slow the collection and the solve.
-constexpr std::size_t kColdGapRank = 8;
-constexpr std::size_t kWarmGapRank = 4;
-// Re-solves before falling back to the dense solver (each adds pairs or longer lists).
+// Re-solves before falling back to the dense solver (each adds violated pairs).
 constexpr int kMaxRounds = 12;
 
 struct Edge {
@@ -124,33 +127,6 @@ FUSEKIT_CLONES void offer_row(const T* row, std::size_t i, std::size_t n, const 
     }
 }
 
-// The entries of x at or below bound, in order: a vectorised test per chunk, then a bit
-// mask of the rare chunks that hit, whose set bits alone are visited.
-template <class T>
-FUSEKIT_CLONES void collect_at_most(const T* __restrict x, std::size_t n, double bound,
-                                    std::vector<Edge>& found) {
-    found.clear();
-    double bounds[kChunk];
-    std::fill(bounds, bounds + kChunk, bound);
-    std::size_t j0 = 0;
-    for (; j0 + kChunk <= n; j0 += kChunk) {
-        if (!chunk_at_most(x + j0, bounds)) continue;
-        unsigned mask = 0;
-        for (unsigned l = 0; l < kChunk; ++l) {
-            mask |= static_cast<unsigned>(static_cast<double>(x[j0 + l]) <= bound) << l;
-        }
-        for (; mask != 0; mask &= mask - 1) {
-            const std::size_t j = j0 + static_cast<std::size_t>(__builtin_ctz(mask));
-            found.push_back({static_cast<std::int64_t>(j), static_cast<double>(x[j])});
-        }
-    }
-    for (std::size_t j = j0; j < n; ++j) {
-        if (static_cast<double>(x[j]) <= bound) {
-            found.push_back({static_cast<std::int64_t>(j), static_cast<double>(x[j])});
-        }
-    }
-}
-
 // Elementwise minimum into acc (the running minima of a block of rows).
 template <class T>
 FUSEKIT_CLONES void min_into(const T* __restrict row, double* __restrict acc, std::size_t n) {
@@ -194,9 +170,9 @@ double kth_smallest(double* x, std::size_t n, std::size_t k) {
     return x[k - 1];
 }
 
-// k-th smallest of line[0..n) or an upper bound close to it: the k-th smallest of the
-// minima of 4k strided blocks (each the minimum of distinct
-// entries, so k of them bound the k-th smallest entry from above).
+// An upper bound on the k-th smallest of line[0..n), close to it: the k-th smallest of the
+// minima of 4k strided blocks (elementwise minima of consecutive 4k-wide segments, fully
+// vectorised); k block minima are k distinct entries, so they bound it from above.
 double kth_smallest_bound(const double* line, std::size_t n, std::size_t k,
                           std::vector<double>& block_min) {
     const std::size_t blocks = std::min(n, 4 * k);
@@ -205,48 +181,6 @@ double kth_smallest_bound(const double* line, std::size_t n, std::size_t k,
         min_into(line + j0, block_min.data(), std::min(blocks, n - j0));
     }
     return kth_smallest(block_min.data(), blocks, k);
-}
-
-// Every agent's k cheapest objects, in two passes. Split an agent's line into B = 4k
-// strided blocks (elementwise minima of consecutive B-wide segments, fully vectorised):
-// the k-th smallest block minimum is the minimum of k distinct entries, so it bounds the
-// k-th smallest cost from above, tightly (about k entries lie below it). The second pass
-// tests chunks against that bound and does scalar work only on the chunks that hit.
-template <class T>
-CheapestLists cheapest(const View<T>& view, std::size_t k, const double* shift) {
-    CheapestLists lists(view.agents(), k);
-    const std::size_t blocks = std::min(view.objects(), 4 * k);
-    std::vector<double> buffer;
-    if (view.agents_are_rows) {
-        std::vector<Edge> found;
-        std::vector<double> block_min;
-        const auto by_value = [](const Edge& x, const Edge& y) {
-            return x.cost < y.cost || (x.cost == y.cost && x.object < y.object);
-        };
-        for (std::size_t i = 0; i < view.nr; ++i) {
-            const double* row = ranked_row(view, i, shift, buffer);
-            const double bound = kth_smallest_bound(row, view.nc, k, block_min);
-            collect_at_most(row, view.nc, bound, found);
-            const std::size_t kept = std::min(k, found.size());
-            std::partial_sort(found.begin(), found.begin() + static_cast<std::ptrdiff_t>(kept),
-                              found.end(), by_value);
-            for (std::size_t t = 0; t < kept; ++t) lists.offer(i, found[t].cost, found[t].object);
-        }
-        return lists;
-    }
-    std::vector<double> block_min(blocks * view.nc, kInf), bound(view.nc), column(blocks);
-    for (std::size_t i = 0; i < view.nr; ++i) {
-        const double* row = ranked_row(view, i, shift, buffer);
-        min_into(row, block_min.data() + (i % blocks) * view.nc, view.nc);
-    }
-    for (std::size_t j = 0; j < view.nc; ++j) {
-        for (std::size_t b = 0; b < blocks; ++b) column[b] = block_min[b * view.nc + j];
-        bound[j] = kth_smallest(column.data(), blocks, k);
-    }
-    for (std::size_t i = 0; i < view.nr; ++i) {
-        offer_row(ranked_row(view, i, shift, buffer), i, view.nc, bound.data(), lists);
-    }
-    return lists;
 }
 
 template <class T>
@@ -260,9 +194,9 @@ FUSEKIT_CLONES double min_of(const T* __restrict x, std::size_t n) {
     return best;
 }
 
-// Square problems, given column potentials s (a warm start's, or the column minima):
-// the typical gap between a row's smallest reduced cost c_ij - s_j and its k-th smallest,
-// the median over a sample of rows. NaN when the sample gives no positive finite gap.
+// Agents are rows: the typical gap between a row's smallest value and its k-th smallest,
+// the median over a sample of rows. Values are reduced costs c_ij - s_j when column
+// potentials s are given (square problems), else costs. NaN when no gap is finite.
 template <class T>
 double typical_gap(const View<T>& view, const double* shift, std::size_t k) {
     constexpr std::size_t kSample = 16;
@@ -273,12 +207,36 @@ double typical_gap(const View<T>& view, const double* shift, std::size_t k) {
         gaps.push_back(kth_smallest_bound(row, view.nc, k, block_min) - min_of(row, view.nc));
     }
     const double gap = kth_smallest(gaps.data(), gaps.size(), gaps.size() / 2 + 1);
-    return gap > 0.0 && gap < kInf ? gap : std::numeric_limits<double>::quiet_NaN();
+    return gap < kInf ? std::max(gap, 0.0) : std::numeric_limits<double>::quiet_NaN();
 }
 
-// Candidates of a square problem in one pass with no per-row selection: every pair whose
-// reduced cost c_ij - s_j is within gap of its row's smallest. rho[i] receives that
-// threshold, a lower bound on the value of every pair left out. Pairs keep true costs.
+// Appends (object, value) for every entry of x at or below bound to found: chunks are
+// tested vectorised, and only the set bits of those that hit are visited.
+template <class T>
+FUSEKIT_CLONES void collect_at_most(const T* __restrict x, std::size_t n, double bound,
+                                    std::vector<Edge>& found) {
+    double chunk_bound[kChunk];
+    std::fill(chunk_bound, chunk_bound + kChunk, bound);
+    const auto take = [&](std::size_t j) {
+        found.push_back({static_cast<std::int64_t>(j), static_cast<double>(x[j])});
+    };
+    std::size_t j0 = 0;
+    for (; j0 + kChunk <= n; j0 += kChunk) {
+        if (!chunk_at_most(x + j0, chunk_bound)) continue;
+        unsigned mask = 0;
+        for (unsigned l = 0; l < kChunk; ++l) {
+            mask |= static_cast<unsigned>(static_cast<double>(x[j0 + l]) <= bound) << l;
+        }
+        for (; mask != 0; mask &= mask - 1) take(j0 + static_cast<std::size_t>(__builtin_ctz(mask)));
+    }
+    for (std::size_t j = j0; j < n; ++j) {
+        if (static_cast<double>(x[j]) <= bound) take(j);
+    }
+}
+
+// Wide or square problems (agents are rows): every pair whose value is within gap of its
+// row's smallest, in one pass with no per-row selection. rho[i] receives row i's threshold,
+// a lower bound on the value of every pair left out. Edges keep the true costs.
 template <class T>
 std::vector<std::vector<Edge>> within_gap(const View<T>& view, const double* shift, double gap,
                                           std::vector<double>& rho) {
@@ -292,6 +250,29 @@ std::vector<std::vector<Edge>> within_gap(const View<T>& view, const double* shi
         for (Edge& e : graph[i]) e.cost = view.at(i, static_cast<std::size_t>(e.object));
     }
     return graph;
+}
+
+// Tall problems (agents are columns): each column's k cheapest rows, in two row-major
+// passes. Rows fall into 4k strided blocks; a column's k-th smallest block minimum bounds
+// its k-th smallest cost from above (see kth_smallest_bound), and the second pass offers
+// only the entries below that bound. A per-agent count suits PFNM's columns, whose spreads
+// differ wildly (a matched neuron vs. one that takes a new-neuron slot).
+template <class T>
+CheapestLists cheapest_per_column(const View<T>& view, std::size_t k) {
+    CheapestLists lists(view.nc, k);
+    const std::size_t blocks = std::min(view.nr, 4 * k);
+    std::vector<double> block_min(blocks * view.nc, kInf), bound(view.nc), column(blocks);
+    for (std::size_t i = 0; i < view.nr; ++i) {
+        min_into(view.cost + i * view.nc, block_min.data() + (i % blocks) * view.nc, view.nc);
+    }
+    for (std::size_t j = 0; j < view.nc; ++j) {
+        for (std::size_t b = 0; b < blocks; ++b) column[b] = block_min[b * view.nc + j];
+        bound[j] = kth_smallest(column.data(), blocks, k);
+    }
+    for (std::size_t i = 0; i < view.nr; ++i) {
+        offer_row(view.cost + i * view.nc, i, view.nc, bound.data(), lists);
+    }
+    return lists;
 }
 
 // Jonker-Volgenant shortest augmenting paths on the candidate graph, agents <= objects.
@@ -527,7 +508,6 @@ bool solve_by_candidates(const T* cost, std::size_t nr, std::size_t nc,
                          double* v) {
     const View<T> view{cost, nr, nc, nr <= nc};
     const std::size_t na = view.agents(), no = view.objects();
-    std::size_t k = std::min(kInitialCandidates, no);
     // Square problems rank candidates by reduced cost against column potentials, the warm
     // start's or the column minima (Jonker-Volgenant's column reduction), which also start
     // the solver. Rectangular ones rank raw costs and start from zero potentials, the value
@@ -546,31 +526,38 @@ bool solve_by_candidates(const T* cost, std::size_t nr, std::size_t nc,
         }
     }
     const double* ranking = start.empty() ? nullptr : start.data();
+    // Rows: pairs within a gap of the row's smallest value; columns: the k cheapest pairs.
+    // Each widening (growth) multiplies the gap, or doubles k.
+    double gap = 0.0;
+    std::size_t k = std::min(no, kColumnCandidates);
     std::vector<double> rho;
-    std::vector<std::vector<Edge>> graph(na);
-    CheapestLists lists(0, 1);
-    const std::size_t gap_rank = std::min(no, warm_columns ? kWarmGapRank : kColdGapRank);
-    const double gap = ranking ? typical_gap(view, ranking, gap_rank) : std::nan("");
-    if (!std::isnan(gap)) {
-        graph = within_gap(view, ranking, gap, rho);
-    } else {
-        lists = cheapest(view, k, ranking);
+    std::vector<std::vector<Edge>> graph;
+    const auto build = [&] {
+        if (view.agents_are_rows) {
+            graph = within_gap(view, ranking, gap, rho);
+            return;
+        }
+        const CheapestLists lists = cheapest_per_column(view, k);
+        graph.resize(na);
         for (std::size_t a = 0; a < na; ++a) graph[a] = lists.edges(view, a);
         rho.assign(lists.bounds(), lists.bounds() + na);
+    };
+    if (view.agents_are_rows) {
+        gap = typical_gap(view, ranking, std::min(no, warm_columns ? kWarmGapRank : kColdGapRank));
+        if (std::isnan(gap)) return false;
     }
+    build();
 
     SparseSolver solver(no);
     bool solved = false;
     int growths = 0;
     for (int round = 0; round < kMaxRounds && !solved; ++round) {
         if (!solver.solve(graph, start)) {
-            // Too few candidates for some agents (e.g. many local neurons wanting the same
-            // few new-neuron slots): longer lists for everyone, or the dense solver.
-            if (k >= no || ++growths > kMaxGrowths) return false;
+            const bool can_grow = view.agents_are_rows ? gap > 0.0 : k < no;
+            if (!can_grow || ++growths > kMaxGrowths) return false;
+            gap *= kGapGrowth;
             k = std::min(no, 2 * k);
-            lists = cheapest(view, k, ranking);
-            for (std::size_t a = 0; a < na; ++a) graph[a] = lists.edges(view, a);
-            rho.assign(lists.bounds(), lists.bounds() + na);
+            build();
             continue;
         }
         solved = certified_by_bounds(rho.data(), solver, ranking) ||
