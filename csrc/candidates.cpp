@@ -15,11 +15,10 @@ namespace {
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
 // Candidates when agents are rows: the pairs within a typical gap of their row's smallest
-// (reduced) cost, the gap from a row's minimum to its 8th smallest value (4th for warm
-// potentials, which are near-optimal). Measured on uniform 1000x1000: smaller gaps leave
-// violations (an extra pass), larger ones slow the collection and the solve.
-constexpr std::size_t kColdGapRank = 8;
-constexpr std::size_t kWarmGapRank = 4;
+// (reduced) cost, the gap from a row's minimum to its 8th smallest value. Measured on
+// uniform 1000x1000, cold and warm: 4 leaves violations (an extra pass and re-solve),
+// 16 slows the collection and the solve.
+constexpr std::size_t kGapRank = 8;
 // Candidates when agents are columns (tall problems such as PFNM's): each column's 16
 // cheapest rows, enough for the local neurons that take new-neuron slots.
 constexpr std::size_t kColumnCandidates = 16;
@@ -543,7 +542,7 @@ bool solve_by_candidates(const T* cost, std::size_t nr, std::size_t nc,
         rho.assign(lists.bounds(), lists.bounds() + na);
     };
     if (view.agents_are_rows) {
-        gap = typical_gap(view, ranking, std::min(no, warm_columns ? kWarmGapRank : kColdGapRank));
+        gap = typical_gap(view, ranking, std::min(no, kGapRank));
         if (std::isnan(gap)) return false;
     }
     build();
