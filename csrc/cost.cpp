@@ -7,9 +7,6 @@
 
 #include "simd.hpp"
 
-#ifdef FUSEKIT_OPENMP
-#include <omp.h>
-#endif
 
 namespace fusekit {
 
@@ -30,17 +27,14 @@ double* scratch(std::vector<double>& buffer, std::size_t size) {
 // local neuron that matches.
 constexpr double kCancellation = 1.0 / 64;
 
-// Bounds the left operand of one product call (rows x k doubles) at 4 MB.
-constexpr std::size_t kTileElements = std::size_t{1} << 19;
+// Threads: the products run on OpenBLAS's own thread pool; everything else here is serial
+// and vectorised. An OpenMP team spinning between the products took the cores from
+// OpenBLAS's threads: measured 10-60x slower on 2 shared cores.
 
-int thread_count(int n_threads) {
-#ifdef FUSEKIT_OPENMP
-    return n_threads > 0 ? n_threads : omp_get_max_threads();
-#else
-    (void)n_threads;
-    return 1;
-#endif
-}
+// Bounds the left operand of one product call (rows x k doubles) at 32 MB: fewer, larger
+// calls, because each call wakes OpenBLAS's threads again (on 2 busy cores, 4 MB tiles
+// ran 4x slower multi-threaded than single-threaded).
+constexpr std::size_t kTileElements = std::size_t{1} << 22;
 
 // Row-major out (rows x m, row stride ld) = alpha * left (rows x k) * right (m x k)^T: the
 // column-major product out^T = alpha * right^T' * left^T, with both operands read in place.
@@ -295,18 +289,13 @@ FUSEKIT_CLONES double finite_min(const double* x, std::size_t n) {
 }
 
 Status sqeuclidean_cost(Dgemm gemm, const double* a, std::size_t n, const double* b,
-                        std::size_t m, std::size_t p, double* out, int n_threads) {
+                        std::size_t m, std::size_t p, double* out) {
     if (n == 0 || m == 0) return Status::ok;
     std::vector<double> norm_a(n), norm_b(m);
     for (std::size_t i = 0; i < n; ++i) norm_a[i] = squared_norm(a + i * p, p);
     for (std::size_t j = 0; j < m; ++j) norm_b[j] = squared_norm(b + j * p, p);
     product(gemm, a, n, b, m, p, -2.0, out, m);
-    const int threads = thread_count(n_threads);
-#ifdef FUSEKIT_OPENMP
-#pragma omp parallel for schedule(static) num_threads(threads)
-#endif
-    for (std::ptrdiff_t ii = 0; ii < static_cast<std::ptrdiff_t>(n); ++ii) {
-        const auto i = static_cast<std::size_t>(ii);
+    for (std::size_t i = 0; i < n; ++i) {
         double* row = out + i * m;
         if (!finish_row(row, m, 1.0, 1.0, norm_b.data(), norm_a[i], norm_a[i], 1.0, norm_b.data())) {
             continue;
@@ -317,11 +306,10 @@ Status sqeuclidean_cost(Dgemm gemm, const double* a, std::size_t n, const double
             }
         }
     }
-    (void)threads;
     return Status::ok;
 }
 
-Status posterior_cost(Dgemm gemm, const PosteriorCostInput& in, double* out, int n_threads) {
+Status posterior_cost(Dgemm gemm, const PosteriorCostInput& in, double* out) {
     const std::size_t p = in.p, nl = in.n_local, ng = in.n_global;
     if (nl == 0) return Status::ok;
     const Coordinates c = classify(in);
@@ -361,14 +349,9 @@ Status posterior_cost(Dgemm gemm, const PosteriorCostInput& in, double* out, int
     const std::size_t tile =
         direct ? ng : std::max<std::size_t>(1, kTileElements / std::max<std::size_t>(k, 1));
     double* left = direct ? nullptr : scratch(left_buffer, std::min(tile, ng) * k);
-    const int threads = thread_count(n_threads);
     for (std::size_t i0 = 0; i0 < ng; i0 += tile) {
         const std::size_t rows = std::min(tile, ng - i0);
-#ifdef FUSEKIT_OPENMP
-#pragma omp parallel for schedule(static) num_threads(threads)
-#endif
-        for (std::ptrdiff_t ii = 0; ii < static_cast<std::ptrdiff_t>(rows); ++ii) {
-            const auto r = static_cast<std::size_t>(ii);
+        for (std::size_t r = 0; r < rows; ++r) {
             global_row(in, c, i0 + r, direct ? nullptr : left + r * k, terms);
         }
         if (direct) {
@@ -376,11 +359,7 @@ Status posterior_cost(Dgemm gemm, const PosteriorCostInput& in, double* out, int
         } else {
             product(gemm, left, rows, right, nl, k, 1.0, out + i0 * nl, nl);
         }
-#ifdef FUSEKIT_OPENMP
-#pragma omp parallel for schedule(static) num_threads(threads)
-#endif
-        for (std::ptrdiff_t ii = 0; ii < static_cast<std::ptrdiff_t>(rows); ++ii) {
-            const std::size_t i = i0 + static_cast<std::size_t>(ii);
+        for (std::size_t i = i0; i < i0 + rows; ++i) {
             const double a = terms.shared_weight[i], row_term = terms.row_term[i];
             const double a_max = terms.max_weight[i];
             double* row = out + i * nl;
@@ -396,7 +375,6 @@ Status posterior_cost(Dgemm gemm, const PosteriorCostInput& in, double* out, int
             for (std::size_t j = 0; j < nl; ++j) row[j] += offset;
         }
     }
-    (void)threads;
     new_neuron_rows(in, out);
     return Status::ok;
 }

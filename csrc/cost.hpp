@@ -19,7 +19,7 @@ double finite_min(const double* x, std::size_t n);
 
 // out[i, j] = sum_p (a[i, p] - b[j, p])^2 for a (n x p), b (m x p); out is n x m.
 Status sqeuclidean_cost(Dgemm gemm, const double* a, std::size_t n, const double* b,
-                        std::size_t m, std::size_t p, double* out, int n_threads);
+                        std::size_t m, std::size_t p, double* out);
 
 // Inputs of the PFNM / NAFI matching cost of one client against the global posterior
 // (ALGORITHMS.md section 3-4). Per-coordinate arrays have length p; s = client precision
@@ -39,6 +39,6 @@ struct PosteriorCostInput {
 
 // Fills out ((n_global + n_local) x n_local) with the cost to minimise: rows < n_global
 // are existing global neurons, row n_global + k - 1 is the k-th new-neuron slot.
-Status posterior_cost(Dgemm gemm, const PosteriorCostInput& in, double* out, int n_threads);
+Status posterior_cost(Dgemm gemm, const PosteriorCostInput& in, double* out);
 
 }  // namespace fusekit
