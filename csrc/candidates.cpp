@@ -149,8 +149,8 @@ FUSEKIT_CLONES void subtract(const T* __restrict row, const double* __restrict s
     for (std::size_t j = 0; j < n; ++j) buffer[j] = static_cast<double>(row[j]) - shift[j];
 }
 
-// Row i as the values the lists rank: costs, or reduced costs c_ij - s_j when column
-// potentials s are given (a warm start; square problems, so agents are rows).
+// Row i as doubles (a view when possible): costs, or reduced costs c_ij - s_j when column
+// potentials s are given (square problems).
 template <class T>
 const double* ranked_row(const View<T>& view, std::size_t i, const double* shift,
                          std::vector<double>& buffer) {
@@ -261,15 +261,17 @@ CheapestLists cheapest_per_column(const View<T>& view, std::size_t k) {
     CheapestLists lists(view.nc, k);
     const std::size_t blocks = std::min(view.nr, 4 * k);
     std::vector<double> block_min(blocks * view.nc, kInf), bound(view.nc), column(blocks);
+    std::vector<double> buffer;  // float rows as doubles: the chunk tests vectorise on those
     for (std::size_t i = 0; i < view.nr; ++i) {
-        min_into(view.cost + i * view.nc, block_min.data() + (i % blocks) * view.nc, view.nc);
+        const double* row = ranked_row(view, i, nullptr, buffer);
+        min_into(row, block_min.data() + (i % blocks) * view.nc, view.nc);
     }
     for (std::size_t j = 0; j < view.nc; ++j) {
         for (std::size_t b = 0; b < blocks; ++b) column[b] = block_min[b * view.nc + j];
         bound[j] = kth_smallest(column.data(), blocks, k);
     }
     for (std::size_t i = 0; i < view.nr; ++i) {
-        offer_row(view.cost + i * view.nc, i, view.nc, bound.data(), lists);
+        offer_row(ranked_row(view, i, nullptr, buffer), i, view.nc, bound.data(), lists);
     }
     return lists;
 }

@@ -16,8 +16,10 @@ namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-// Below this many objects (the longer side) a dense solve is as fast as candidate lists.
+// Below these sizes (the longer side) the dense solver is faster than candidate lists
+// (measured: uniform 100x100 dense 0.05 ms vs 0.10 ms; PFNM-shaped 200x100 0.08 vs 0.05).
 constexpr std::size_t kMinCandidateObjects = 64;
+constexpr std::size_t kMinCandidateSquare = 256;
 
 // Relaxes every column not yet finalised through row `row` (reached at offset h, so the
 // new distance of column j is row[j] - v[j] - h) and returns the smallest distance among
@@ -404,7 +406,7 @@ Status solve_assignment(const T* cost, std::size_t nr, std::size_t nc, const dou
             if (!std::isfinite(warm_v[j])) return Status::non_finite;
         }
     }
-    if (std::max(nr, nc) >= kMinCandidateObjects) {
+    if (std::max(nr, nc) >= (nr == nc ? kMinCandidateSquare : kMinCandidateObjects)) {
         // Warm starts pay on square problems. On rectangular ones every object a warm start
         // priced but the new solution leaves unassigned must return to potential 0, which
         // takes re-solves and a full certificate pass: measured slower than a cold solve

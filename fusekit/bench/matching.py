@@ -223,8 +223,21 @@ def bench_kernels(rng, quick):
     kernel, as for the matmul. PFNM/NAFI are timed twice: with scalar variances (every
     coordinate shares one weight per global neuron, the usual PFNM state: one product) and
     with per-coordinate variances (two products' worth of work by construction, so at most
-    about 0.5 of matmul on this count).
+    about 0.5 of matmul on this count). Each shape runs with all BLAS threads and with one
+    (threadpoolctl), because threaded BLAS timings on a small shared machine are dominated
+    by thread wake-ups.
     """
+    from threadpoolctl import threadpool_limits
+
+    rows = []
+    for threads in ["all", 1]:
+        with threadpool_limits(limits=None if threads == "all" else threads):
+            for row in _bench_kernels_once(rng, quick):
+                rows.append({"threads": threads, **row})
+    return rows
+
+
+def _bench_kernels_once(rng, quick):
     from fusekit import reference
 
     rows = []
@@ -308,14 +321,14 @@ def format_tables(results) -> str:
             if key != "problem":
                 lines.append(f"- {row['problem']}, {key}: {_ms(value)}")
     lines.append("")
-    lines.append("Cost kernels (all threads); GFLOP/s counts 2 J_g J_l P flops for every kernel,")
-    lines.append("the GEMM-shaped useful work, as for numpy's matmul of the same shape")
+    lines.append("Cost kernels; GFLOP/s counts 2 J_g J_l P flops for every kernel, the GEMM-shaped")
+    lines.append("useful work, as for numpy's matmul of the same shape; ratio = kernel / matmul")
     lines.append("")
-    lines.append("| kernel | J_g x J_l x P | ms | GFLOP/s | matmul GFLOP/s | ratio |")
-    lines.append("|---|---|---|---|---|---|")
+    lines.append("| threads | kernel | J_g x J_l x P | ms | GFLOP/s | matmul GFLOP/s | ratio |")
+    lines.append("|---|---|---|---|---|---|---|")
     for row in results["kernels"]:
         lines.append(
-            f"| {row['kernel']} | {row['shape']} | {row['seconds'] * 1e3:.2f} | "
+            f"| {row['threads']} | {row['kernel']} | {row['shape']} | {row['seconds'] * 1e3:.2f} | "
             f"{row['gflops']:.1f} | {row['matmul_gflops']:.1f} | {row['ratio']:.2f} |"
         )
     lines.append("")
