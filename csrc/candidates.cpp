@@ -226,7 +226,9 @@ FUSEKIT_CLONES void collect_at_most(const T* __restrict x, std::size_t n, double
         for (unsigned l = 0; l < kChunk; ++l) {
             mask |= static_cast<unsigned>(static_cast<double>(x[j0 + l]) <= bound) << l;
         }
-        for (; mask != 0; mask &= mask - 1) take(j0 + static_cast<std::size_t>(__builtin_ctz(mask)));
+        for (; mask != 0; mask &= mask - 1) {
+            take(j0 + static_cast<std::size_t>(__builtin_ctz(mask)));
+        }
     }
     for (std::size_t j = j0; j < n; ++j) {
         if (static_cast<double>(x[j]) <= bound) take(j);
@@ -494,7 +496,9 @@ std::size_t add_violations(const View<T>& view, const SparseSolver& solver,
 bool certified_by_bounds(const double* rho, const SparseSolver& solver, const double* shift) {
     const std::vector<double>& v = solver.object_potentials();
     double rise = -kInf;
-    for (std::size_t o = 0; o < v.size(); ++o) rise = std::max(rise, v[o] - (shift ? shift[o] : 0.0));
+    for (std::size_t o = 0; o < v.size(); ++o) {
+        rise = std::max(rise, v[o] - (shift ? shift[o] : 0.0));
+    }
     for (std::size_t a = 0; a < solver.object_of_agent().size(); ++a) {
         if (rho[a] < kInf && rho[a] - solver.agent_potential(a) < rise) return false;
     }

@@ -5,13 +5,15 @@
 
 namespace fusekit {
 
-// Solves the dense problem of solve_assignment (lap.hpp: same outputs) by keeping each
-// agent's cheapest candidates (agents: the shorter side; objects: the longer), solving
-// that sparse problem, and proving optimality on the full matrix with the dual potentials;
-// violated pairs are added and the sparse problem solved again. warm_columns (square
-// problems, or null): finite column potentials of a similar problem, which pick the
-// candidates by reduced cost and start the solver. Returns false, with nothing written, when it gives
-// up (the caller then runs the dense solver).
+// Solves the dense problem of solve_assignment (lap.hpp: same outputs) through candidate
+// pairs (PERFORMANCE.md: most pairs are hopeless). Agents are the shorter side, objects the
+// longer; each agent keeps its cheapest pairs, the sparse problem is solved with
+// Jonker-Volgenant shortest augmenting paths, and the dual potentials prove optimality on
+// the full matrix: from the candidate bounds alone when they suffice, else by a pass that
+// adds the violated pairs for another solve. The result has the dense optimum's cost.
+// warm_columns (square problems, or null): finite column potentials of a similar problem,
+// which pick the candidates by reduced cost and start the solver. Returns false, with
+// nothing written, when it gives up (the caller then runs the dense solver).
 template <class T>
 bool solve_by_candidates(const T* cost, std::size_t nr, std::size_t nc,
                          const double* warm_columns, std::int64_t* col_of_row, double* u,

@@ -297,7 +297,8 @@ Status sqeuclidean_cost(Dgemm gemm, const double* a, std::size_t n, const double
     product(gemm, a, n, b, m, p, -2.0, out, m);
     for (std::size_t i = 0; i < n; ++i) {
         double* row = out + i * m;
-        if (!finish_row(row, m, 1.0, 1.0, norm_b.data(), norm_a[i], norm_a[i], 1.0, norm_b.data())) {
+        if (!finish_row(row, m, 1.0, 1.0, norm_b.data(), norm_a[i], norm_a[i], 1.0,
+                        norm_b.data())) {
             continue;
         }
         for (std::size_t j = 0; j < m; ++j) {
@@ -363,8 +364,8 @@ Status posterior_cost(Dgemm gemm, const PosteriorCostInput& in, double* out) {
             const double a = terms.shared_weight[i], row_term = terms.row_term[i];
             const double a_max = terms.max_weight[i];
             double* row = out + i * nl;
-            if (finish_row(row, nl, terms.row_scale[i], a, shared_norm.data(), row_term, row_term, a_max,
-                           full_norm.data())) {
+            if (finish_row(row, nl, terms.row_scale[i], a, shared_norm.data(), row_term, row_term,
+                           a_max, full_norm.data())) {
                 for (std::size_t j = 0; j < nl; ++j) {
                     if (row[j] < kCancellation * (row_term + a_max * full_norm[j])) {
                         row[j] = exact_posterior_entry(in, i, j);
