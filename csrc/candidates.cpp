@@ -127,6 +127,35 @@ FUSEKIT_CLONES void offer_row(const T* row, std::size_t i, std::size_t n, const 
 }
 
 // Elementwise minimum into acc (the running minima of a block of rows).
+// Column minima so far and their rows, updated with row i.
+template <class T>
+FUSEKIT_CLONES void argmin_into(const T* __restrict row, std::int64_t i, double* __restrict acc,
+                                std::int64_t* __restrict at, std::size_t n) {
+#pragma omp simd
+    for (std::size_t j = 0; j < n; ++j) {
+        const double c = static_cast<double>(row[j]);
+        const bool smaller = c < acc[j];
+        acc[j] = smaller ? c : acc[j];
+        at[j] = smaller ? i : at[j];
+    }
+}
+
+// Whether the column minima's rows are all different: then that assignment is optimal
+// (u = 0, v = column minima is dual feasible and tight on it), as on near-permutation
+// problems, which need nothing more than this one pass.
+bool minima_form_assignment(const std::vector<std::int64_t>& row_of_min,
+                            std::int64_t* col_of_row) {
+    const std::size_t n = row_of_min.size();
+    std::vector<std::int64_t> col(n, -1);
+    for (std::size_t j = 0; j < n; ++j) {
+        const std::int64_t i = row_of_min[j];
+        if (i < 0 || col[static_cast<std::size_t>(i)] >= 0) return false;
+        col[static_cast<std::size_t>(i)] = static_cast<std::int64_t>(j);
+    }
+    std::copy(col.begin(), col.end(), col_of_row);
+    return true;
+}
+
 template <class T>
 FUSEKIT_CLONES void min_into(const T* __restrict row, double* __restrict acc, std::size_t n) {
 #pragma omp simd
@@ -523,7 +552,16 @@ bool solve_by_candidates(const T* cost, std::size_t nr, std::size_t nc,
             start.assign(warm_columns, warm_columns + nc);
         } else {
             start.assign(nc, kInf);
-            for (std::size_t i = 0; i < nr; ++i) min_into(cost + i * nc, start.data(), nc);
+            std::vector<std::int64_t> row_of_min(nc, -1);
+            for (std::size_t i = 0; i < nr; ++i) {
+                argmin_into(cost + i * nc, static_cast<std::int64_t>(i), start.data(),
+                            row_of_min.data(), nc);
+            }
+            if (minima_form_assignment(row_of_min, col_of_row)) {
+                if (u) std::fill(u, u + nr, 0.0);
+                if (v) std::copy(start.begin(), start.end(), v);
+                return true;
+            }
         }
         // A fully forbidden column (+inf) gives no usable reference: rank raw costs.
         if (!std::all_of(start.begin(), start.end(), [](double x) { return std::isfinite(x); })) {
