@@ -156,6 +156,11 @@ bool minima_form_assignment(const std::vector<std::int64_t>& row_of_min,
     return true;
 }
 
+FUSEKIT_CLONES void max_into(const double* __restrict row, double* __restrict acc, std::size_t n) {
+#pragma omp simd
+    for (std::size_t j = 0; j < n; ++j) acc[j] = row[j] > acc[j] ? row[j] : acc[j];
+}
+
 template <class T>
 FUSEKIT_CLONES void min_into(const T* __restrict row, double* __restrict acc, std::size_t n) {
 #pragma omp simd
@@ -283,23 +288,23 @@ std::vector<std::vector<Edge>> within_gap(const View<T>& view, const double* shi
 }
 
 // Tall problems (agents are columns): each column's k cheapest rows, in two row-major
-// passes. Rows fall into 4k strided blocks; a column's k-th smallest block minimum bounds
-// its k-th smallest cost from above (see kth_smallest_bound), and the second pass offers
-// only the entries below that bound. A per-agent count suits PFNM's columns, whose spreads
-// differ wildly (a matched neuron vs. one that takes a new-neuron slot).
+// passes. Rows fall into k strided blocks; the largest of a column's k block minima is a
+// bound on its k-th smallest cost (k distinct entries lie at or below it), found with
+// vectorised minima and maxima only, and the second pass offers only the entries below
+// it. A per-agent count suits PFNM's columns, whose spreads differ wildly (a matched
+// neuron vs. one that takes a new-neuron slot).
 template <class T>
 CheapestLists cheapest_per_column(const View<T>& view, std::size_t k) {
     CheapestLists lists(view.nc, k);
-    const std::size_t blocks = std::min(view.nr, 4 * k);
-    std::vector<double> block_min(blocks * view.nc, kInf), bound(view.nc), column(blocks);
+    const std::size_t blocks = std::min(view.nr, k);
+    std::vector<double> block_min(blocks * view.nc, kInf), bound(view.nc, -kInf);
     std::vector<double> buffer;  // float rows as doubles: the chunk tests vectorise on those
     for (std::size_t i = 0; i < view.nr; ++i) {
         const double* row = ranked_row(view, i, nullptr, buffer);
         min_into(row, block_min.data() + (i % blocks) * view.nc, view.nc);
     }
-    for (std::size_t j = 0; j < view.nc; ++j) {
-        for (std::size_t b = 0; b < blocks; ++b) column[b] = block_min[b * view.nc + j];
-        bound[j] = kth_smallest(column.data(), blocks, k);
+    for (std::size_t b = 0; b < blocks; ++b) {
+        max_into(block_min.data() + b * view.nc, bound.data(), view.nc);
     }
     for (std::size_t i = 0; i < view.nr; ++i) {
         offer_row(ranked_row(view, i, nullptr, buffer), i, view.nc, bound.data(), lists);
