@@ -55,6 +55,19 @@ void require_length(const Array& x, py::ssize_t n, const char* name) {
     }
 }
 
+// SciPy's OpenBLAS dgemm, looked up once through the capsules of scipy.linalg.cython_blas
+// (the documented way to call SciPy's BLAS from compiled code), so the core links no BLAS.
+fusekit::Dgemm blas_dgemm() {
+    static const fusekit::Dgemm gemm = [] {
+        py::object capi = py::module_::import("scipy.linalg.cython_blas").attr("__pyx_capi__");
+        py::object capsule = capi["dgemm"];
+        void* pointer = PyCapsule_GetPointer(capsule.ptr(), PyCapsule_GetName(capsule.ptr()));
+        if (pointer == nullptr) throw py::error_already_set();
+        return reinterpret_cast<fusekit::Dgemm>(pointer);
+    }();
+    return gemm;
+}
+
 bool is_float32(const py::array& x) { return x.dtype().is(py::dtype::of<float>()); }
 
 template <class T>
@@ -133,7 +146,7 @@ py::list solve_assignments(const py::list& costs, bool float32, int n_threads) {
     return solve_batch_typed<double>(costs, n_threads);
 }
 
-Array sqeuclidean_cost(const Array& a, const Array& b, int n_threads) {
+Array sqeuclidean_cost(const Array& a, const Array& b) {
     require_2d(a, "a");
     require_2d(b, "b");
     if (a.shape(1) != b.shape(1)) {
@@ -144,11 +157,11 @@ Array sqeuclidean_cost(const Array& a, const Array& b, int n_threads) {
     const auto m = static_cast<std::size_t>(b.shape(0));
     const auto p = static_cast<std::size_t>(a.shape(1));
     Array out({n, m});
+    const fusekit::Dgemm gemm = blas_dgemm();
     Status status;
     {
         py::gil_scoped_release release;
-        status = fusekit::sqeuclidean_cost(a.data(), n, b.data(), m, p, out.mutable_data(),
-                                           n_threads);
+        status = fusekit::sqeuclidean_cost(gemm, a.data(), n, b.data(), m, p, out.mutable_data());
     }
     raise_for(status, "sqeuclidean_cost");
     return out;
@@ -158,8 +171,7 @@ Array sqeuclidean_cost(const Array& a, const Array& b, int n_threads) {
 // because a wrong one would read out of bounds.
 Array posterior_cost(const Array& local, const Array& precision, const Array& sums,
                      const Array& precisions, const Array& counts, const Array& mu0,
-                     const Array& sigma0_2, double n_clients, double gamma0, double lam,
-                     int n_threads) {
+                     const Array& sigma0_2, double n_clients, double gamma0, double lam) {
     require_2d(local, "local");
     require_2d(sums, "global_sums");
     require_2d(precisions, "global_precisions");
@@ -178,13 +190,19 @@ Array posterior_cost(const Array& local, const Array& precision, const Array& su
                                    static_cast<std::size_t>(ng), static_cast<std::size_t>(p),
                                    n_clients, gamma0, lam};
     Array out({ng + nl, nl});
+    const fusekit::Dgemm gemm = blas_dgemm();
     Status status;
     {
         py::gil_scoped_release release;
-        status = fusekit::posterior_cost(in, out.mutable_data(), n_threads);
+        status = fusekit::posterior_cost(gemm, in, out.mutable_data());
     }
     raise_for(status, "posterior_cost");
     return out;
+}
+
+double finite_min(const Array& x) {
+    py::gil_scoped_release release;
+    return fusekit::finite_min(x.data(), static_cast<std::size_t>(x.size()));
 }
 
 bool has_openmp() {
@@ -205,12 +223,13 @@ PYBIND11_MODULE(_core, m) {
     m.def("solve_assignments", &solve_assignments, py::arg("costs"), py::arg("float32"),
           py::arg("n_threads") = 0, "Independent assignment problems solved on a thread pool.");
     m.def("sqeuclidean_cost", &sqeuclidean_cost, py::arg("a"), py::arg("b"),
-          py::arg("n_threads") = 0,
           "Pairwise squared Euclidean distances between the rows of a (n, p) and b (m, p).");
     m.def("posterior_cost", &posterior_cost, py::arg("local"), py::arg("client_precision"),
           py::arg("global_sums"), py::arg("global_precisions"), py::arg("global_counts"),
           py::arg("mu0"), py::arg("sigma0_2"), py::arg("n_clients"), py::arg("gamma0"),
-          py::arg("lam"), py::arg("n_threads") = 0,
+          py::arg("lam"),
           "PFNM (lam = 0) / NAFI matching cost of one client against the global posterior.");
+    m.def("finite_min", &finite_min, py::arg("x"),
+          "Smallest value of a float64 array, NaN when some value is NaN or infinite.");
     m.def("has_openmp", &has_openmp, "Whether the extension was built with OpenMP.");
 }

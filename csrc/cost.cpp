@@ -2,153 +2,81 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <vector>
 
 #include "simd.hpp"
 
-#ifdef FUSEKIT_OPENMP
-#include <omp.h>
-#endif
 
 namespace fusekit {
 
 namespace {
 
-// Every cost here is out[i, j] = sum_p (r[i, p] * w[j, p] - t[i, p])^2 + offset[i]: a
-// weighted squared distance with r = sqrt(weight) and t = r * centre. Written with the
-// square root folded in, each (i, j, p) term is two fused multiply-adds, the same work as
-// one GEMM pair, and unlike the |w|^2 - 2 w.m + |m|^2 expansion it does not cancel
-// catastrophically for near matches.
-//
-// Blocking: kRows rows of (r, t) for kDepth coordinates sit in a small packed panel
-// ([p][row] so each is a broadcast), the points are transposed once so that kCols
-// consecutive columns are one vector load, and the output tile stays in registers.
-constexpr std::size_t kRows = 4;
-constexpr std::size_t kDepth = 128;
+// Scratch memory reused across calls on the same thread: the operands are megabytes, and
+// fresh allocations cost more in page faults than the kernels' arithmetic at small sizes.
+double* scratch(std::vector<double>& buffer, std::size_t size) {
+    if (buffer.size() < size) buffer.resize(size);
+    return buffer.data();
+}
 
-template <std::size_t kCols>
-__attribute__((always_inline)) inline void panel_product(const double* __restrict rt,
-                                                         const double* __restrict wt,
-                                                         std::size_t depth, std::size_t m,
-                                                         double* __restrict out,
-                                                         std::size_t ld, std::size_t rows) {
-    std::size_t j0 = 0;
-    for (; j0 + kCols <= m; j0 += kCols) {
-        double acc[kRows][kCols];
-        for (std::size_t ii = 0; ii < kRows; ++ii) {
-            for (std::size_t jj = 0; jj < kCols; ++jj) {
-                acc[ii][jj] = ii < rows ? out[ii * ld + j0 + jj] : 0.0;
-            }
-        }
-        for (std::size_t q = 0; q < depth; ++q) {
-            const double* w = wt + q * m + j0;
-            const double* panel = rt + q * 2 * kRows;
-            for (std::size_t ii = 0; ii < kRows; ++ii) {
-                const double r = panel[ii], t = panel[kRows + ii];
-                for (std::size_t jj = 0; jj < kCols; ++jj) {
-                    const double e = r * w[jj] - t;
-                    acc[ii][jj] += e * e;
-                }
-            }
-        }
-        for (std::size_t ii = 0; ii < rows; ++ii) {
-            for (std::size_t jj = 0; jj < kCols; ++jj) out[ii * ld + j0 + jj] = acc[ii][jj];
-        }
+// Every cost here is a weighted squared distance sum_p a_ip (w_jp - m_ip)^2, expanded into
+// a matrix product (BLAS dgemm) plus row and column terms. A result below this fraction
+// of the magnitude of its terms has lost digits to cancellation (a local neuron close to
+// a global one) and is recomputed as a sum of squared differences; above it, rounding of
+// a length-p product stays far below 1e-10 relative. Few entries qualify: about one per
+// local neuron that matches.
+constexpr double kCancellation = 1.0 / 64;
+
+// Threads: the products run on OpenBLAS's own thread pool; everything else here is serial
+// and vectorised. An OpenMP team spinning between the products took the cores from
+// OpenBLAS's threads: measured 10-60x slower on 2 shared cores.
+
+// Bounds the left operand of one product call (rows x k doubles) at 32 MB: fewer, larger
+// calls, because each call wakes OpenBLAS's threads again (on 2 busy cores, 4 MB tiles
+// ran 4x slower multi-threaded than single-threaded).
+constexpr std::size_t kTileElements = std::size_t{1} << 22;
+
+// Row-major out (rows x m, row stride ld) = alpha * left (rows x k) * right (m x k)^T: the
+// column-major product out^T = alpha * right^T' * left^T, with both operands read in place.
+void product(Dgemm gemm, const double* left, std::size_t rows, const double* right,
+             std::size_t m, std::size_t k, double alpha, double* out, std::size_t ld) {
+    if (k == 0) {
+        for (std::size_t i = 0; i < rows; ++i) std::fill(out + i * ld, out + i * ld + m, 0.0);
+        return;
     }
-    for (std::size_t ii = 0; ii < rows; ++ii) {
-        for (std::size_t q = 0; q < depth; ++q) {
-            const double r = rt[q * 2 * kRows + ii], t = rt[q * 2 * kRows + kRows + ii];
-            const double* w = wt + q * m;
-            for (std::size_t j = j0; j < m; ++j) {
-                const double e = r * w[j] - t;
-                out[ii * ld + j] += e * e;
-            }
-        }
+    const int mm = static_cast<int>(m), nn = static_cast<int>(rows), kk = static_cast<int>(k);
+    const int ldk = kk, ldc = static_cast<int>(ld);
+    const double beta = 0.0;
+    gemm("T", "N", &mm, &nn, &kk, &alpha, right, &ldk, left, &ldk, &beta, out, &ldc);
+}
+
+// The epilogue of a product row: row[j] = scale * row[j] + a * column[j] + c. Returns
+// whether some entry fell below kCancellation * (c_bound + a_bound * column_bound[j]), its
+// magnitude bound.
+FUSEKIT_CLONES bool finish_row(double* __restrict row, std::size_t m, double scale, double a,
+                               const double* __restrict column, double c, double c_bound,
+                               double a_bound, const double* __restrict column_bound) {
+    int cancelled = 0;
+#pragma omp simd reduction(| : cancelled)
+    for (std::size_t j = 0; j < m; ++j) {
+        row[j] = scale * row[j] + a * column[j] + c;
+        cancelled |= row[j] < kCancellation * (c_bound + a_bound * column_bound[j]);
     }
+    return cancelled != 0;
 }
 
-__attribute__((target("avx512f,avx512dq,avx2,fma"))) void panel_avx512(
-    const double* rt, const double* wt, std::size_t depth, std::size_t m, double* out,
-    std::size_t ld, std::size_t rows) {
-    panel_product<24>(rt, wt, depth, m, out, ld, rows);
+double squared_norm(const double* x, std::size_t p) {
+    double acc = 0.0;
+#pragma omp simd reduction(+ : acc)
+    for (std::size_t q = 0; q < p; ++q) acc += x[q] * x[q];
+    return acc;
 }
 
-__attribute__((target("avx2,fma"))) void panel_avx2(const double* rt, const double* wt,
-                                                     std::size_t depth, std::size_t m,
-                                                     double* out, std::size_t ld,
-                                                     std::size_t rows) {
-    panel_product<12>(rt, wt, depth, m, out, ld, rows);
-}
-
-void panel_default(const double* rt, const double* wt, std::size_t depth, std::size_t m,
-                   double* out, std::size_t ld, std::size_t rows) {
-    panel_product<4>(rt, wt, depth, m, out, ld, rows);
-}
-
-using PanelFn = void (*)(const double*, const double*, std::size_t, std::size_t, double*,
-                         std::size_t, std::size_t);
-
-PanelFn select_panel() {
-#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq")) {
-        return panel_avx512;
-    }
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return panel_avx2;
-#endif
-    return panel_default;
-}
-
-int thread_count(int n_threads) {
-#ifdef FUSEKIT_OPENMP
-    return n_threads > 0 ? n_threads : omp_get_max_threads();
-#else
-    (void)n_threads;
-    return 1;
-#endif
-}
-
-// Drives the blocked product. pack(i0, rows, q0, depth, panel) writes r and t of rows
-// i0..i0+rows-1, coordinates q0..q0+depth-1, into panel[q][0..kRows) and
-// panel[q][kRows..2 kRows) (missing rows zero). out rows have stride ld.
-template <class Pack>
-void weighted_distances(const Pack& pack, std::size_t n, const double* points, std::size_t m,
-                        std::size_t p, double* out, std::size_t ld, int n_threads) {
-    if (n == 0 || m == 0) return;
-    std::vector<double> wt(p * m);
-    for (std::size_t j0 = 0; j0 < m; j0 += 32) {
-        for (std::size_t q0 = 0; q0 < p; q0 += 32) {
-            for (std::size_t j = j0; j < std::min(m, j0 + 32); ++j) {
-                for (std::size_t q = q0; q < std::min(p, q0 + 32); ++q) {
-                    wt[q * m + j] = points[j * p + q];
-                }
-            }
-        }
-    }
-    static const PanelFn panel_fn = select_panel();
-    const std::size_t tiles = (n + kRows - 1) / kRows;
-#ifdef FUSEKIT_OPENMP
-#pragma omp parallel num_threads(thread_count(n_threads))
-#endif
-    {
-        std::vector<double> panel(2 * kRows * kDepth);
-#ifdef FUSEKIT_OPENMP
-#pragma omp for schedule(dynamic, 4)
-#endif
-        for (std::ptrdiff_t tile = 0; tile < static_cast<std::ptrdiff_t>(tiles); ++tile) {
-            const std::size_t i0 = static_cast<std::size_t>(tile) * kRows;
-            const std::size_t rows = std::min(kRows, n - i0);
-            for (std::size_t ii = 0; ii < rows; ++ii) {
-                std::fill(out + (i0 + ii) * ld, out + (i0 + ii) * ld + m, 0.0);
-            }
-            for (std::size_t q0 = 0; q0 < p; q0 += kDepth) {
-                const std::size_t depth = std::min(kDepth, p - q0);
-                pack(i0, rows, q0, depth, panel.data());
-                panel_fn(panel.data(), wt.data() + q0 * m, depth, m, out + i0 * ld, ld, rows);
-            }
-        }
-    }
-    (void)n_threads;
+double squared_distance(const double* x, const double* y, std::size_t p) {
+    double acc = 0.0;
+#pragma omp simd reduction(+ : acc)
+    for (std::size_t q = 0; q < p; ++q) acc += (x[q] - y[q]) * (x[q] - y[q]);
+    return acc;
 }
 
 // Precision-weighted sum of squares for the NAFI/PFNM weights: client precision s and
@@ -164,74 +92,169 @@ inline double kl_constant(double s, double P) {
     return 0.5 * (x - std::log1p(x));
 }
 
-}  // namespace
+// Coordinates that enter the product. Unobserved ones (s = 0) cost nothing. A coordinate
+// is "shared" when its weight a_ip equals the reference coordinate's for every global
+// neuron (same s, same P_ip: scalar client variance, the usual PFNM state); all shared
+// coordinates of row i then have one weight a_i and need one product column (m_ip w_jp),
+// the others ("own") two (a_ip m_ip w_jp and a_ip w_jp^2).
+struct Coordinates {
+    std::vector<std::size_t> shared, own;
+};
 
-Status sqeuclidean_cost(const double* a, std::size_t n, const double* b, std::size_t m,
-                        std::size_t p, double* out, int n_threads) {
-    auto pack = [&](std::size_t i0, std::size_t rows, std::size_t q0, std::size_t depth,
-                    double* panel) {
-        for (std::size_t q = 0; q < depth; ++q) {
-            for (std::size_t ii = 0; ii < kRows; ++ii) {
-                panel[q * 2 * kRows + ii] = ii < rows ? 1.0 : 0.0;
-                panel[q * 2 * kRows + kRows + ii] = ii < rows ? a[(i0 + ii) * p + q0 + q] : 0.0;
-            }
-        }
-    };
-    if (p == 0) {
-        std::fill(out, out + n * m, 0.0);
-        return Status::ok;
-    }
-    weighted_distances(pack, n, b, m, p, out, m, n_threads);
-    return Status::ok;
+FUSEKIT_CLONES void mark_equal(const double* __restrict row, std::size_t ref, std::size_t p,
+                               unsigned char* __restrict same) {
+    const double reference = row[ref];
+#pragma omp simd
+    for (std::size_t q = 0; q < p; ++q) same[q] &= row[q] == reference;
 }
 
-Status posterior_cost(const PosteriorCostInput& in, double* out, int n_threads) {
-    const std::size_t p = in.p, nl = in.n_local, ng = in.n_global;
-    const double lam = in.lam;
-    auto pack = [&](std::size_t i0, std::size_t rows, std::size_t q0, std::size_t depth,
-                    double* panel) {
-        for (std::size_t q = 0; q < depth; ++q) {
-            const double s = in.precision[q0 + q];
-            for (std::size_t ii = 0; ii < kRows; ++ii) {
-                double r = 0.0, t = 0.0;
-                if (ii < rows) {
-                    const std::size_t k = (i0 + ii) * p + q0 + q;
-                    const double P = in.precisions[k];
-                    r = std::sqrt(posterior_weight(s, P, lam));
-                    t = r * (in.sums[k] / P);
-                }
-                panel[q * 2 * kRows + ii] = r;
-                panel[q * 2 * kRows + kRows + ii] = t;
-            }
-        }
-    };
-    if (p > 0) {
-        weighted_distances(pack, ng, in.local, nl, p, out, nl, n_threads);
-    } else {
-        std::fill(out, out + ng * nl, 0.0);
+Coordinates classify(const PosteriorCostInput& in) {
+    Coordinates c;
+    const std::size_t p = in.p;
+    std::size_t ref = p;
+    for (std::size_t q = 0; q < p && ref == p; ++q) {
+        if (in.precision[q] > 0.0) ref = q;
     }
-    const double S = in.n_clients;
-    for (std::size_t i = 0; i < ng; ++i) {
-        double offset = 2.0 * std::log((S - in.counts[i]) / in.counts[i]);
-        if (lam != 0.0) {
-            double kl = 0.0;
-            for (std::size_t q = 0; q < p; ++q) {
-                kl += kl_constant(in.precision[q], in.precisions[i * p + q]);
-            }
-            offset += lam * kl;
-        }
-        double* row = out + i * nl;
-        for (std::size_t j = 0; j < nl; ++j) row[j] += offset;
+    if (ref == p) return c;
+    std::vector<unsigned char> same(p);
+    for (std::size_t q = 0; q < p; ++q) same[q] = in.precision[q] == in.precision[ref];
+    for (std::size_t i = 0; i < in.n_global; ++i) {
+        mark_equal(in.precisions + i * p, ref, p, same.data());
     }
+    for (std::size_t q = 0; q < p; ++q) {
+        if (in.precision[q] > 0.0) (same[q] ? c.shared : c.own).push_back(q);
+    }
+    return c;
+}
 
-    // New-neuron slots: every slot k has the same per-neuron cost (distance to the prior)
-    // plus the slot's own penalty 2 log(k S / gamma0).
-    std::vector<double> weight(p), prior_kl(p);
+// The per-global-neuron side of the expansion: row i of the product's left operand
+// [-2 a_i m_i(shared) | -2 a_i m_i(own) | a_i(own)], and the terms outside the product.
+struct GlobalTerms {
+    std::vector<double> shared_weight;  // a_i of the shared coordinates
+    std::vector<double> row_term;       // sum_p a_ip m_ip^2
+    std::vector<double> max_weight;     // max_p a_ip, for the cancellation bound
+    std::vector<double> offset;         // 2 log((S - n_i) / n_i) + lam * KL constant
+    std::vector<double> row_scale;      // factor of the product row (see global_row)
+};
+
+// Coordinate k of a list, or k itself when the list is 0, 1, 2, ... (the common case: all
+// coordinates shared, or all own), so that the loops below need no gathers.
+template <bool kContiguous>
+inline std::size_t coordinate(const std::size_t* list, std::size_t k) {
+    return kContiguous ? k : list[k];
+}
+
+inline bool is_contiguous(const std::vector<std::size_t>& list) {
+    return list.empty() || list.back() + 1 == list.size();
+}
+
+template <bool kContiguous>
+FUSEKIT_CLONES double shared_part(const double* __restrict sums, const std::size_t* shared,
+                                  std::size_t ns, double scale, double inv_precision,
+                                  double* __restrict left) {
+    double mm = 0.0;
+#pragma omp simd reduction(+ : mm)
+    for (std::size_t k = 0; k < ns; ++k) {
+        const double m = sums[coordinate<kContiguous>(shared, k)] * inv_precision;
+        left[k] = scale * m;
+        mm += m * m;
+    }
+    return mm;
+}
+
+// Fills the own coordinates' two blocks of left; returns sum a m^2, max a and the KL sum.
+template <bool kContiguous>
+FUSEKIT_CLONES void own_part(const double* __restrict s, const double* __restrict sums,
+                             const double* __restrict prec, const std::size_t* own,
+                             std::size_t no, double lam, double* __restrict left,
+                             double& row_term, double& max_weight, double& kl) {
+    double acc = 0.0, top = 0.0;
+#pragma omp simd reduction(+ : acc) reduction(max : top)
+    for (std::size_t k = 0; k < no; ++k) {
+        const std::size_t q = coordinate<kContiguous>(own, k);
+        const double a = posterior_weight(s[q], prec[q], lam);
+        const double m = sums[q] / prec[q];
+        left[k] = -2.0 * a * m;
+        left[no + k] = a;
+        acc += a * m * m;
+        top = a > top ? a : top;
+    }
+    row_term += acc;
+    max_weight = std::max(max_weight, top);
+    if (lam != 0.0) {
+        for (std::size_t k = 0; k < no; ++k) {
+            const std::size_t q = coordinate<kContiguous>(own, k);
+            kl += kl_constant(s[q], prec[q]);
+        }
+    }
+}
+
+// With left == nullptr (every coordinate shared) the product reads the sums in place and
+// its row is scaled by -2 a_i / P_i afterwards: no operand is built at all.
+void global_row(const PosteriorCostInput& in, const Coordinates& c, std::size_t i,
+                double* left, GlobalTerms& t) {
+    const double* sums = in.sums + i * in.p;
+    const double* prec = in.precisions + i * in.p;
+    const std::size_t ns = c.shared.size(), no = c.own.size();
+    double row_term = 0.0, max_weight = 0.0, shared_weight = 0.0, kl = 0.0;
+    if (ns > 0) {
+        const std::size_t ref = c.shared[0];
+        const double s = in.precision[ref], P = prec[ref];
+        shared_weight = posterior_weight(s, P, in.lam);
+        const double scale = -2.0 * shared_weight, inv = 1.0 / P;
+        if (left == nullptr) {
+            row_term = shared_weight * squared_norm(sums, ns) * inv * inv;
+            t.row_scale[i] = scale * inv;
+        } else {
+            const double mm =
+                is_contiguous(c.shared)
+                    ? shared_part<true>(sums, nullptr, ns, scale, inv, left)
+                    : shared_part<false>(sums, c.shared.data(), ns, scale, inv, left);
+            row_term = shared_weight * mm;
+        }
+        max_weight = shared_weight;
+        // Identical terms of the KL constant: one evaluation for all shared coordinates.
+        if (in.lam != 0.0) kl = static_cast<double>(ns) * kl_constant(s, P);
+    }
+    if (no == 0) {
+        // nothing to add
+    } else if (is_contiguous(c.own)) {
+        own_part<true>(in.precision, sums, prec, nullptr, no, in.lam, left + ns, row_term,
+                       max_weight, kl);
+    } else {
+        own_part<false>(in.precision, sums, prec, c.own.data(), no, in.lam, left + ns,
+                        row_term, max_weight, kl);
+    }
+    const double S = in.n_clients, n_i = in.counts[i];
+    t.shared_weight[i] = shared_weight;
+    t.row_term[i] = row_term;
+    t.max_weight[i] = max_weight;
+    t.offset[i] = 2.0 * std::log((S - n_i) / n_i) + in.lam * kl;
+}
+
+// The exact cost sum_p a_ip (w_jp - m_ip)^2 of one pair, for entries the expansion cancels.
+double exact_posterior_entry(const PosteriorCostInput& in, std::size_t i, std::size_t j) {
+    const double* w = in.local + j * in.p;
+    const double* sums = in.sums + i * in.p;
+    const double* prec = in.precisions + i * in.p;
+    double acc = 0.0;
+    for (std::size_t q = 0; q < in.p; ++q) {
+        const double e = w[q] - sums[q] / prec[q];
+        acc += posterior_weight(in.precision[q], prec[q], in.lam) * e * e;
+    }
+    return acc;
+}
+
+// Rows n_global.. of out: every slot k has the same per-neuron cost (distance to the
+// prior) plus the slot's own penalty 2 log(k S / gamma0).
+void new_neuron_rows(const PosteriorCostInput& in, double* out) {
+    const std::size_t p = in.p, nl = in.n_local;
+    std::vector<double> weight(p);
     double new_offset = 0.0;
     for (std::size_t q = 0; q < p; ++q) {
         const double P0 = 1.0 / in.sigma0_2[q];
-        weight[q] = posterior_weight(in.precision[q], P0, lam);
-        if (lam != 0.0) new_offset += lam * kl_constant(in.precision[q], P0);
+        weight[q] = posterior_weight(in.precision[q], P0, in.lam);
+        if (in.lam != 0.0) new_offset += in.lam * kl_constant(in.precision[q], P0);
     }
     std::vector<double> to_prior(nl);
     for (std::size_t j = 0; j < nl; ++j) {
@@ -245,10 +268,115 @@ Status posterior_cost(const PosteriorCostInput& in, double* out, int n_threads) 
     }
     for (std::size_t k = 0; k < nl; ++k) {
         const double penalty =
-            2.0 * std::log(static_cast<double>(k + 1) * S / in.gamma0);
-        double* row = out + (ng + k) * nl;
+            2.0 * std::log(static_cast<double>(k + 1) * in.n_clients / in.gamma0);
+        double* row = out + (in.n_global + k) * nl;
         for (std::size_t j = 0; j < nl; ++j) row[j] = to_prior[j] + penalty;
     }
+}
+
+}  // namespace
+
+FUSEKIT_CLONES double finite_min(const double* x, std::size_t n) {
+    const double inf = std::numeric_limits<double>::infinity();
+    double smallest = inf;
+    int bad = 0;
+#pragma omp simd reduction(min : smallest) reduction(| : bad)
+    for (std::size_t k = 0; k < n; ++k) {
+        smallest = x[k] < smallest ? x[k] : smallest;
+        bad |= !(std::fabs(x[k]) < inf);
+    }
+    return bad ? std::numeric_limits<double>::quiet_NaN() : smallest;
+}
+
+Status sqeuclidean_cost(Dgemm gemm, const double* a, std::size_t n, const double* b,
+                        std::size_t m, std::size_t p, double* out) {
+    if (n == 0 || m == 0) return Status::ok;
+    std::vector<double> norm_a(n), norm_b(m);
+    for (std::size_t i = 0; i < n; ++i) norm_a[i] = squared_norm(a + i * p, p);
+    for (std::size_t j = 0; j < m; ++j) norm_b[j] = squared_norm(b + j * p, p);
+    product(gemm, a, n, b, m, p, -2.0, out, m);
+    for (std::size_t i = 0; i < n; ++i) {
+        double* row = out + i * m;
+        if (!finish_row(row, m, 1.0, 1.0, norm_b.data(), norm_a[i], norm_a[i], 1.0,
+                        norm_b.data())) {
+            continue;
+        }
+        for (std::size_t j = 0; j < m; ++j) {
+            if (row[j] < kCancellation * (norm_a[i] + norm_b[j])) {
+                row[j] = squared_distance(a + i * p, b + j * p, p);
+            }
+        }
+    }
+    return Status::ok;
+}
+
+Status posterior_cost(Dgemm gemm, const PosteriorCostInput& in, double* out) {
+    const std::size_t p = in.p, nl = in.n_local, ng = in.n_global;
+    if (nl == 0) return Status::ok;
+    const Coordinates c = classify(in);
+    const std::size_t ns = c.shared.size(), no = c.own.size(), k = ns + 2 * no;
+
+    // Every coordinate shared (scalar variances, all observed): one product of the inputs.
+    const bool direct = no == 0 && ns == p;
+
+    // The per-local-neuron side: right operand [w(shared) | w(own) | w(own)^2] and norms.
+    thread_local std::vector<double> right_buffer, left_buffer;
+    double* right = direct ? nullptr : scratch(right_buffer, nl * k);
+    std::vector<double> shared_norm(nl), full_norm(nl);
+    for (std::size_t j = 0; j < nl; ++j) {
+        const double* w = in.local + j * p;
+        if (direct) {
+            shared_norm[j] = full_norm[j] = squared_norm(w, p);
+            continue;
+        }
+        double* r = right + j * k;
+        double shared = 0.0, own = 0.0;
+        for (std::size_t t = 0; t < ns; ++t) {
+            r[t] = w[c.shared[t]];
+            shared += r[t] * r[t];
+        }
+        for (std::size_t t = 0; t < no; ++t) {
+            const double x = w[c.own[t]];
+            r[ns + t] = x;
+            r[ns + no + t] = x * x;
+            own += x * x;
+        }
+        shared_norm[j] = shared;
+        full_norm[j] = shared + own;
+    }
+
+    GlobalTerms terms{std::vector<double>(ng), std::vector<double>(ng), std::vector<double>(ng),
+                      std::vector<double>(ng), std::vector<double>(ng, 1.0)};
+    const std::size_t tile =
+        direct ? ng : std::max<std::size_t>(1, kTileElements / std::max<std::size_t>(k, 1));
+    double* left = direct ? nullptr : scratch(left_buffer, std::min(tile, ng) * k);
+    for (std::size_t i0 = 0; i0 < ng; i0 += tile) {
+        const std::size_t rows = std::min(tile, ng - i0);
+        for (std::size_t r = 0; r < rows; ++r) {
+            global_row(in, c, i0 + r, direct ? nullptr : left + r * k, terms);
+        }
+        if (direct) {
+            product(gemm, in.sums + i0 * p, rows, in.local, nl, p, 1.0, out + i0 * nl, nl);
+        } else {
+            product(gemm, left, rows, right, nl, k, 1.0, out + i0 * nl, nl);
+        }
+        for (std::size_t i = i0; i < i0 + rows; ++i) {
+            const double a = terms.shared_weight[i], row_term = terms.row_term[i];
+            const double a_max = terms.max_weight[i];
+            double* row = out + i * nl;
+            if (finish_row(row, nl, terms.row_scale[i], a, shared_norm.data(), row_term, row_term,
+                           a_max, full_norm.data())) {
+                for (std::size_t j = 0; j < nl; ++j) {
+                    if (row[j] < kCancellation * (row_term + a_max * full_norm[j])) {
+                        row[j] = exact_posterior_entry(in, i, j);
+                    }
+                }
+            }
+            const double offset = terms.offset[i];
+            for (std::size_t j = 0; j < nl; ++j) row[j] += offset;
+        }
+    }
+    new_neuron_rows(in, out);
     return Status::ok;
 }
 

@@ -6,9 +6,20 @@
 
 namespace fusekit {
 
+// Fortran BLAS dgemm (column-major, 32-bit integers), as SciPy's OpenBLAS exports it.
+// bindings.cpp looks the pointer up once, so the core links no BLAS of its own.
+using Dgemm = void (*)(const char* transa, const char* transb, const int* m, const int* n,
+                       const int* k, const double* alpha, const double* a, const int* lda,
+                       const double* b, const int* ldb, const double* beta, double* c,
+                       const int* ldc);
+
+// Smallest of x[0..n) (+inf when n == 0), or NaN when some value is NaN or infinite: the
+// input validation of the kernels in one vectorised pass.
+double finite_min(const double* x, std::size_t n);
+
 // out[i, j] = sum_p (a[i, p] - b[j, p])^2 for a (n x p), b (m x p); out is n x m.
-Status sqeuclidean_cost(const double* a, std::size_t n, const double* b, std::size_t m,
-                        std::size_t p, double* out, int n_threads);
+Status sqeuclidean_cost(Dgemm gemm, const double* a, std::size_t n, const double* b,
+                        std::size_t m, std::size_t p, double* out);
 
 // Inputs of the PFNM / NAFI matching cost of one client against the global posterior
 // (ALGORITHMS.md section 3-4). Per-coordinate arrays have length p; s = client precision
@@ -28,6 +39,6 @@ struct PosteriorCostInput {
 
 // Fills out ((n_global + n_local) x n_local) with the cost to minimise: rows < n_global
 // are existing global neurons, row n_global + k - 1 is the k-th new-neuron slot.
-Status posterior_cost(const PosteriorCostInput& in, double* out, int n_threads);
+Status posterior_cost(Dgemm gemm, const PosteriorCostInput& in, double* out);
 
 }  // namespace fusekit

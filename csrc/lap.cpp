@@ -7,6 +7,7 @@
 #include <thread>
 #include <vector>
 
+#include "candidates.hpp"
 #include "simd.hpp"
 
 namespace fusekit {
@@ -14,6 +15,11 @@ namespace fusekit {
 namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// Below these sizes (the longer side) the dense solver is faster than candidate lists
+// (measured: uniform 100x100 dense 0.05 ms vs 0.10 ms; PFNM-shaped 200x100 0.08 vs 0.05).
+constexpr std::size_t kMinCandidateObjects = 64;
+constexpr std::size_t kMinCandidateSquare = 256;
 
 // Relaxes every column not yet finalised through row `row` (reached at offset h, so the
 // new distance of column j is row[j] - v[j] - h) and returns the smallest distance among
@@ -392,6 +398,22 @@ Status solve_assignment(const T* cost, std::size_t nr, std::size_t nc, const dou
     bool has_inf = false;
     const Status valid = check_values(cost, nr * nc, has_inf);
     if (valid != Status::ok) return valid;
+    if (warm_u != nullptr) {
+        for (std::size_t i = 0; i < nr; ++i) {
+            if (!std::isfinite(warm_u[i])) return Status::non_finite;
+        }
+        for (std::size_t j = 0; j < nc; ++j) {
+            if (!std::isfinite(warm_v[j])) return Status::non_finite;
+        }
+    }
+    if (std::max(nr, nc) >= (nr == nc ? kMinCandidateSquare : kMinCandidateObjects)) {
+        // Warm starts pay on square problems. On rectangular ones every object a warm start
+        // priced but the new solution leaves unassigned must return to potential 0, which
+        // takes re-solves and a full certificate pass: measured slower than a cold solve
+        // (PFNM-shaped 600x100), so those are solved cold.
+        const double* warm_columns = nr == nc ? warm_v : nullptr;
+        if (solve_by_candidates(cost, nr, nc, warm_columns, col_of_row, u, v)) return Status::ok;
+    }
 
     // Work on the orientation with no more rows than columns.
     const bool flip = nr > nc;

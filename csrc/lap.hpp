@@ -1,4 +1,5 @@
-// Linear assignment: a Jonker-Volgenant shortest-augmenting-path solver on dense matrices.
+// Linear assignment: Jonker-Volgenant shortest augmenting paths, on candidate pairs with a
+// dual certificate (candidates.hpp) for all but small problems, else on the dense matrix.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -16,7 +17,8 @@ namespace fusekit {
 // maximum on unassigned columns (rows) of a rectangular problem.
 //
 // warm_u / warm_v (lengths nr / nc, both null or both set) are the duals of a previous,
-// similar problem; they change how fast, never what, the solver finds.
+// similar problem; they change how fast, never what, the solver finds. They speed up
+// square problems; rectangular ones of candidate size are solved cold (faster, measured).
 template <class T>
 Status solve_assignment(const T* cost, std::size_t nr, std::size_t nc, const double* warm_u,
                         const double* warm_v, std::int64_t* col_of_row, double* u, double* v);

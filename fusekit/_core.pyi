@@ -13,7 +13,7 @@ def solve_assignments(
     costs: list[np.ndarray], float32: bool, n_threads: int = 0
 ) -> list[npt.NDArray[np.int64]]: ...
 def sqeuclidean_cost(
-    a: npt.NDArray[np.float64], b: npt.NDArray[np.float64], n_threads: int = 0
+    a: npt.NDArray[np.float64], b: npt.NDArray[np.float64]
 ) -> npt.NDArray[np.float64]: ...
 def posterior_cost(
     local: npt.NDArray[np.float64],
@@ -26,6 +26,6 @@ def posterior_cost(
     n_clients: float,
     gamma0: float,
     lam: float,
-    n_threads: int = 0,
 ) -> npt.NDArray[np.float64]: ...
+def finite_min(x: npt.NDArray[np.float64]) -> float: ...
 def has_openmp() -> bool: ...

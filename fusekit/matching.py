@@ -175,7 +175,7 @@ def _finite_matrix(x, name: str) -> np.ndarray:
     array = np.ascontiguousarray(np.asarray(x, dtype=np.float64))
     if array.ndim != 2:
         raise ValueError(f"{name}: expected a 2-D array, got shape {array.shape}")
-    if not np.isfinite(array).all():
+    if np.isnan(core().finite_min(array)):
         raise ValueError(f"{name}: expected finite values, found NaN or inf")
     return array
 
@@ -217,7 +217,7 @@ def _posterior_cost(
             f"global_sums {sums.shape} and global_precisions {precisions.shape}: expected "
             f"the same shape (J_global, {p})"
         )
-    if not (precisions > 0).all():
+    if not core().finite_min(precisions) > 0:
         raise ParameterError(
             "global_precisions: expected values > 0 (they include the prior 1/sigma0^2)"
         )

@@ -122,19 +122,37 @@ def median_time(fn: Callable[[], object], budget: float = 0.4, max_reps: int = 1
     return statistics.median(times)
 
 
-def pfnm_problem(rng, j_global: int, j_local: int = 100, p: int = 60, all_new: bool = False):
-    """A PFNM cost (J_g + J_l) x J_l from fusekit.pfnm_cost: most local neurons are noisy
-    copies of global neurons (or none, when all_new)."""
-    means = rng.normal(scale=0.3, size=(j_global, p))
-    precisions = np.full((j_global, p), 1.0 + 25.0 * 4)
-    if all_new:
-        local = rng.normal(scale=0.3, size=(j_local, p))
-    else:
-        local = means[rng.choice(j_global, j_local, replace=False)]
-        local = local + rng.normal(scale=0.05, size=local.shape)
-    counts = rng.integers(1, 10, j_global)
-    return matching.pfnm_cost(
-        local, 25.0, means * precisions, precisions, counts, n_clients=10, sigma0_2=0.1
+def pfnm_problem(
+    rng, j_global: int, j_local: int = 100, p: int = 100, new_fraction: float = 0.1
+) -> np.ndarray:
+    """The PFNM cost (J_g + J_l) x J_l of one client against a global posterior, as PFNM
+    builds it (fusekit.reference.pfnm_cost), from the generative model of ALGORITHMS.md §3.
+
+    A pool of neurons theta ~ N(0, 0.1^2 I); clients see noisy copies w = theta + N(0, 0.02^2 I)
+    (the authors' synthetic setting). Global neuron i is the posterior of n_i ~ U{1..S-1}
+    other clients' copies of one pool neuron; the client's neurons are copies of distinct
+    global neurons except a fraction ``new_fraction`` drawn from fresh pool neurons
+    (1.0: every neuron new). sigma^2 = sigma0^2 = 0.1^2, the regime where a true match costs
+    far less than a new neuron, which costs far less than a wrong match.
+    """
+    from fusekit import reference
+
+    n_clients, weight_std, noise_std = 10, 0.1, 0.02
+    s, prior_precision = 1.0 / weight_std**2, 1.0 / weight_std**2
+    pool = rng.normal(scale=weight_std, size=(j_global, p))
+    counts = rng.integers(1, n_clients, j_global)
+    sums = np.empty((j_global, p))
+    for i, n_i in enumerate(counts):
+        copies = pool[i] + rng.normal(scale=noise_std, size=(n_i, p))
+        sums[i] = s * copies.sum(axis=0)  # + mu0 / sigma0^2 = 0
+    precisions = np.repeat((prior_precision + counts * s)[:, None], p, axis=1)
+    n_new = round(new_fraction * j_local)
+    seen = pool[rng.choice(j_global, j_local - n_new, replace=False)]
+    fresh = rng.normal(scale=weight_std, size=(n_new, p))
+    local = np.vstack([seen, fresh])[rng.permutation(j_local)]
+    local = local + rng.normal(scale=noise_std, size=local.shape)
+    return reference.pfnm_cost(
+        local, s, sums, precisions, counts, n_clients=n_clients, sigma0_2=weight_std**2
     )
 
 
@@ -153,7 +171,7 @@ def assignment_problems(rng, quick: bool):
     for j_global in [100, 500, 2000]:
         yield f"PFNM {j_global + 100}x100", pfnm_problem(rng, j_global)
     yield "PFNM 600x100 f32", pfnm_problem(rng, 500).astype(np.float32)
-    yield "PFNM 600x100 all new", pfnm_problem(rng, 500, all_new=True)
+    yield "PFNM 600x100 all new", pfnm_problem(rng, 500, new_fraction=1.0)
     for n in [1000] + ([] if quick else [4000]):
         yield f"near-permutation {n}x{n}", near_permutation(rng, n)
     yield "near-permutation 1000x1000 f32", near_permutation(rng, 1000).astype(np.float32)
@@ -199,6 +217,27 @@ def bench_batch(peers, rng):
 
 
 def bench_kernels(rng, quick):
+    """Cost kernels against numpy's matmul of the same shape, (J_g, P) @ (P, J_l).
+
+    GFLOP/s counts the useful work, the GEMM-shaped product: 2 J_g J_l P flops for every
+    kernel, as for the matmul. PFNM/NAFI are timed twice: with scalar variances (every
+    coordinate shares one weight per global neuron, the usual PFNM state: one product) and
+    with per-coordinate variances (two products' worth of work by construction, so at most
+    about 0.5 of matmul on this count). Each shape runs with all BLAS threads and with one
+    (threadpoolctl), because threaded BLAS timings on a small shared machine are dominated
+    by thread wake-ups.
+    """
+    from threadpoolctl import threadpool_limits
+
+    rows = []
+    for threads in ["all", 1]:
+        with threadpool_limits(limits=None if threads == "all" else threads):
+            for row in _bench_kernels_once(rng, quick):
+                rows.append({"threads": threads, **row})
+    return rows
+
+
+def _bench_kernels_once(rng, quick):
     from fusekit import reference
 
     rows = []
@@ -208,41 +247,40 @@ def bench_kernels(rng, quick):
     for j_global, j_local, p in shapes:
         local = rng.normal(size=(j_local, p))
         means = rng.normal(size=(j_global, p))
-        precisions = 1.0 + rng.random((j_global, p))
-        sums = means * precisions
         counts = rng.integers(1, 10, j_global)
+        scalar_precisions = np.repeat((1.0 + 4.0 * counts)[:, None], p, axis=1)
+        coordinate_precisions = 1.0 + rng.random((j_global, p))
         s = rng.random(p) + 0.5
-        globals_ = rng.normal(size=(j_global, p))
-        matmul_t = median_time(lambda: means @ local.T)
-        kernels = {
-            "pfnm_cost": (
-                lambda: matching.pfnm_cost(local, s, sums, precisions, counts, n_clients=10),
-                4,
-            ),
-            "nafi_cost": (
-                lambda: matching.nafi_cost(local, s, sums, precisions, counts, n_clients=10),
-                4,
-            ),
-            "sqeuclidean_cost": (lambda: matching.sqeuclidean_cost(globals_, local), 3),
+        cases = {
+            "scalar": (4.0, means * scalar_precisions, scalar_precisions),
+            "per-coordinate": (s, means * coordinate_precisions, coordinate_precisions),
         }
-        if j_global * j_local * p <= 100 * 100 * 800:
-            kernels["pfnm_cost (numpy reference)"] = (
-                lambda: reference.pfnm_cost(local, s, sums, precisions, counts, n_clients=10),
-                4,
+        matmul_t = median_time(lambda: means @ local.T)
+        kernels = {"sqeuclidean_cost": lambda: matching.sqeuclidean_cost(means, local)}
+        for variance, (prec, sums, precisions) in cases.items():
+            kernels[f"pfnm_cost ({variance} variance)"] = lambda a=prec, b=sums, c=precisions: (
+                matching.pfnm_cost(local, a, b, c, counts, n_clients=10)
             )
-        ijp = j_global * j_local * p
-        matmul_gflops = 2 * ijp / matmul_t / 1e9
-        for name, (fn, flops) in kernels.items():
+            kernels[f"nafi_cost ({variance} variance)"] = lambda a=prec, b=sums, c=precisions: (
+                matching.nafi_cost(local, a, b, c, counts, n_clients=10)
+            )
+        if j_global * j_local * p <= 100 * 100 * 800:
+            prec, sums, precisions = cases["per-coordinate"]
+            kernels["pfnm_cost (numpy reference)"] = lambda: reference.pfnm_cost(
+                local, prec, sums, precisions, counts, n_clients=10
+            )
+        flops = 2 * j_global * j_local * p
+        matmul_gflops = flops / matmul_t / 1e9
+        for name, fn in kernels.items():
             t = median_time(fn, max_reps=5)
-            gflops = flops * ijp / t / 1e9
             rows.append(
                 {
                     "kernel": name,
                     "shape": f"{j_global}x{j_local}x{p}",
                     "seconds": t,
-                    "gflops": gflops,
+                    "gflops": flops / t / 1e9,
                     "matmul_gflops": matmul_gflops,
-                    "ratio": gflops / matmul_gflops,
+                    "ratio": matmul_t / t,
                 }
             )
     return rows
@@ -283,14 +321,14 @@ def format_tables(results) -> str:
             if key != "problem":
                 lines.append(f"- {row['problem']}, {key}: {_ms(value)}")
     lines.append("")
-    lines.append("Cost kernels (all threads); GFLOP/s counts 4 flops per (i, j, p) for PFNM/NAFI")
-    lines.append("(two multiply-adds), 3 for sqeuclidean, 2 for numpy's matmul of the same shape")
+    lines.append("Cost kernels; GFLOP/s counts 2 J_g J_l P flops for every kernel, the GEMM-shaped")
+    lines.append("useful work, as for numpy's matmul of the same shape; ratio = kernel / matmul")
     lines.append("")
-    lines.append("| kernel | J_g x J_l x P | ms | GFLOP/s | matmul GFLOP/s | ratio |")
-    lines.append("|---|---|---|---|---|---|")
+    lines.append("| threads | kernel | J_g x J_l x P | ms | GFLOP/s | matmul GFLOP/s | ratio |")
+    lines.append("|---|---|---|---|---|---|---|")
     for row in results["kernels"]:
         lines.append(
-            f"| {row['kernel']} | {row['shape']} | {row['seconds'] * 1e3:.2f} | "
+            f"| {row['threads']} | {row['kernel']} | {row['shape']} | {row['seconds'] * 1e3:.2f} | "
             f"{row['gflops']:.1f} | {row['matmul_gflops']:.1f} | {row['ratio']:.2f} |"
         )
     lines.append("")

@@ -1,0 +1,638 @@
+#include "candidates.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "simd.hpp"
+
+namespace fusekit {
+
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// Candidates when agents are rows: the pairs within a typical gap of their row's smallest
+// (reduced) cost, the gap from a row's minimum to its 8th smallest value. Measured on
+// uniform 1000x1000, cold and warm: 4 leaves violations (an extra pass and re-solve),
+// 16 slows the collection and the solve.
+constexpr std::size_t kGapRank = 8;
+// Candidates when agents are columns (tall problems such as PFNM's): each column's 16
+// cheapest rows, enough for the local neurons that take new-neuron slots.
+constexpr std::size_t kColumnCandidates = 16;
+// When the candidates cannot assign every agent (e.g. many local neurons wanting the same
+// few new-neuron slots) the gap grows this much (k doubles), at most kMaxGrowths times.
+constexpr double kGapGrowth = 4.0;
+constexpr int kMaxGrowths = 2;
+// Row reduction passes before the shortest-path phase: cheap on short lists, and on
+// uniform 1000x1000 8 passes leave ~80 of 1000 agents free against ~190 after JV's 2.
+constexpr int kReductionPasses = 8;
+// Re-solves before falling back to the dense solver (each adds violated pairs).
+constexpr int kMaxRounds = 12;
+
+struct Edge {
+    std::int64_t object;
+    double cost;
+};
+
+// The matrix seen from the agents: agent a's line holds its costs to every object.
+template <class T>
+struct View {
+    const T* cost;
+    std::size_t nr, nc;
+    bool agents_are_rows;
+    std::size_t agents() const { return agents_are_rows ? nr : nc; }
+    std::size_t objects() const { return agents_are_rows ? nc : nr; }
+    double at(std::size_t a, std::size_t o) const {
+        return static_cast<double>(agents_are_rows ? cost[a * nc + o] : cost[o * nc + a]);
+    }
+};
+
+// The k cheapest (cost, object) pairs of each agent, sorted, fed one pair at a time.
+class CheapestLists {
+   public:
+    CheapestLists(std::size_t agents, std::size_t k)
+        : k_(k), count_(agents, 0), cost_(agents * k), object_(agents * k), bound_(agents, kInf) {}
+
+    // Pairs at or above the bound cannot enter agent a's list; once the list is full it is
+    // the k-th smallest value, a lower bound on every pair left out.
+    const double* bounds() const { return bound_.data(); }
+
+    void offer(std::size_t a, double c, std::int64_t o) {
+        double* cs = cost_.data() + a * k_;
+        std::int64_t* os = object_.data() + a * k_;
+        std::size_t n = count_[a];
+        std::size_t pos = n < k_ ? n : k_ - 1;  // a full list drops its last pair
+        while (pos > 0 && cs[pos - 1] > c) {
+            cs[pos] = cs[pos - 1];
+            os[pos] = os[pos - 1];
+            --pos;
+        }
+        cs[pos] = c;
+        os[pos] = o;
+        if (n < k_) count_[a] = ++n;
+        if (n == k_) bound_[a] = cs[k_ - 1];
+    }
+
+    // Agent a's candidates with their true costs (the lists may rank reduced costs).
+    template <class T>
+    std::vector<Edge> edges(const View<T>& view, std::size_t a) const {
+        std::vector<Edge> out(count_[a]);
+        for (std::size_t t = 0; t < count_[a]; ++t) {
+            const std::int64_t o = object_[a * k_ + t];
+            out[t] = {o, view.at(a, static_cast<std::size_t>(o))};
+        }
+        return out;
+    }
+
+   private:
+    std::size_t k_;
+    std::vector<std::size_t> count_;
+    std::vector<double> cost_;
+    std::vector<std::int64_t> object_;
+    std::vector<double> bound_;
+};
+
+constexpr std::size_t kChunk = 8;
+
+// Whether some x[l] <= bound[l] in one chunk, as a min-reduction (which vectorises
+// reliably), so that scalar work happens only on the rare chunks holding a candidate.
+template <class T>
+inline bool chunk_at_most(const T* __restrict x, const double* __restrict bound) {
+    double gap = kInf;
+#pragma omp simd reduction(min : gap)
+    for (std::size_t l = 0; l < kChunk; ++l) {
+        const double g = static_cast<double>(x[l]) - bound[l];
+        gap = g < gap ? g : gap;
+    }
+    return !(gap > 0.0);
+}
+
+// Offers row i's entries at or below their column's bound to the columns' lists.
+template <class T>
+FUSEKIT_CLONES void offer_row(const T* row, std::size_t i, std::size_t n, const double* bounds,
+                              CheapestLists& lists) {
+    for (std::size_t j0 = 0; j0 < n; j0 += kChunk) {
+        const std::size_t j1 = std::min(n, j0 + kChunk);
+        if (j1 - j0 == kChunk && !chunk_at_most(row + j0, bounds + j0)) continue;
+        for (std::size_t j = j0; j < j1; ++j) {
+            const double c = static_cast<double>(row[j]);
+            if (c <= bounds[j] && c < lists.bounds()[j]) {
+                lists.offer(j, c, static_cast<std::int64_t>(i));
+            }
+        }
+    }
+}
+
+// Elementwise minimum into acc (the running minima of a block of rows).
+// Column minima so far and their rows, updated with row i.
+template <class T>
+FUSEKIT_CLONES void argmin_into(const T* __restrict row, std::int64_t i, double* __restrict acc,
+                                std::int64_t* __restrict at, std::size_t n) {
+#pragma omp simd
+    for (std::size_t j = 0; j < n; ++j) {
+        const double c = static_cast<double>(row[j]);
+        const bool smaller = c < acc[j];
+        acc[j] = smaller ? c : acc[j];
+        at[j] = smaller ? i : at[j];
+    }
+}
+
+// Whether the column minima's rows are all different: then that assignment is optimal
+// (u = 0, v = column minima is dual feasible and tight on it), as on near-permutation
+// problems, which need nothing more than this one pass.
+bool minima_form_assignment(const std::vector<std::int64_t>& row_of_min,
+                            std::int64_t* col_of_row) {
+    const std::size_t n = row_of_min.size();
+    std::vector<std::int64_t> col(n, -1);
+    for (std::size_t j = 0; j < n; ++j) {
+        const std::int64_t i = row_of_min[j];
+        if (i < 0 || col[static_cast<std::size_t>(i)] >= 0) return false;
+        col[static_cast<std::size_t>(i)] = static_cast<std::int64_t>(j);
+    }
+    std::copy(col.begin(), col.end(), col_of_row);
+    return true;
+}
+
+FUSEKIT_CLONES void max_into(const double* __restrict row, double* __restrict acc, std::size_t n) {
+#pragma omp simd
+    for (std::size_t j = 0; j < n; ++j) acc[j] = row[j] > acc[j] ? row[j] : acc[j];
+}
+
+template <class T>
+FUSEKIT_CLONES void min_into(const T* __restrict row, double* __restrict acc, std::size_t n) {
+#pragma omp simd
+    for (std::size_t j = 0; j < n; ++j) {
+        const double c = static_cast<double>(row[j]);
+        acc[j] = c < acc[j] ? c : acc[j];
+    }
+}
+
+
+// buffer = row - shift, or row converted to double when shift is null.
+template <class T>
+FUSEKIT_CLONES void subtract(const T* __restrict row, const double* __restrict shift,
+                             std::size_t n, double* __restrict buffer) {
+    if (shift == nullptr) {
+        for (std::size_t j = 0; j < n; ++j) buffer[j] = static_cast<double>(row[j]);
+        return;
+    }
+#pragma omp simd
+    for (std::size_t j = 0; j < n; ++j) buffer[j] = static_cast<double>(row[j]) - shift[j];
+}
+
+// Row i as doubles (a view when possible): costs, or reduced costs c_ij - s_j when column
+// potentials s are given (square problems).
+template <class T>
+const double* ranked_row(const View<T>& view, std::size_t i, const double* shift,
+                         std::vector<double>& buffer) {
+    const T* row = view.cost + i * view.nc;
+    if constexpr (std::is_same_v<T, double>) {
+        if (shift == nullptr) return row;
+    }
+    buffer.resize(view.nc);
+    subtract(row, shift, view.nc, buffer.data());
+    return buffer.data();
+}
+
+// k-th smallest of x[0..n), n >= k (reorders x).
+double kth_smallest(double* x, std::size_t n, std::size_t k) {
+    std::nth_element(x, x + (k - 1), x + n);
+    return x[k - 1];
+}
+
+// An upper bound on the k-th smallest of line[0..n), close to it: the k-th smallest of the
+// minima of 4k strided blocks (elementwise minima of consecutive 4k-wide segments, fully
+// vectorised); k block minima are k distinct entries, so they bound it from above.
+double kth_smallest_bound(const double* line, std::size_t n, std::size_t k,
+                          std::vector<double>& block_min) {
+    const std::size_t blocks = std::min(n, 4 * k);
+    block_min.assign(line, line + blocks);
+    for (std::size_t j0 = blocks; j0 < n; j0 += blocks) {
+        min_into(line + j0, block_min.data(), std::min(blocks, n - j0));
+    }
+    return kth_smallest(block_min.data(), blocks, k);
+}
+
+template <class T>
+FUSEKIT_CLONES double min_of(const T* __restrict x, std::size_t n) {
+    double best = kInf;
+#pragma omp simd reduction(min : best)
+    for (std::size_t j = 0; j < n; ++j) {
+        const double c = static_cast<double>(x[j]);
+        best = c < best ? c : best;
+    }
+    return best;
+}
+
+// Agents are rows: the typical gap between a row's smallest value and its k-th smallest,
+// the median over a sample of rows. Values are reduced costs c_ij - s_j when column
+// potentials s are given (square problems), else costs. NaN when no gap is finite.
+template <class T>
+double typical_gap(const View<T>& view, const double* shift, std::size_t k) {
+    constexpr std::size_t kSample = 16;
+    const std::size_t step = std::max<std::size_t>(1, view.nr / kSample);
+    std::vector<double> gaps, buffer, block_min;
+    for (std::size_t i = 0; i < view.nr; i += step) {
+        const double* row = ranked_row(view, i, shift, buffer);
+        gaps.push_back(kth_smallest_bound(row, view.nc, k, block_min) - min_of(row, view.nc));
+    }
+    const double gap = kth_smallest(gaps.data(), gaps.size(), gaps.size() / 2 + 1);
+    return gap < kInf ? std::max(gap, 0.0) : std::numeric_limits<double>::quiet_NaN();
+}
+
+// Appends (object, value) for every entry of x at or below bound to found: chunks are
+// tested vectorised, and only the set bits of those that hit are visited.
+template <class T>
+FUSEKIT_CLONES void collect_at_most(const T* __restrict x, std::size_t n, double bound,
+                                    std::vector<Edge>& found) {
+    double chunk_bound[kChunk];
+    std::fill(chunk_bound, chunk_bound + kChunk, bound);
+    const auto take = [&](std::size_t j) {
+        found.push_back({static_cast<std::int64_t>(j), static_cast<double>(x[j])});
+    };
+    std::size_t j0 = 0;
+    for (; j0 + kChunk <= n; j0 += kChunk) {
+        if (!chunk_at_most(x + j0, chunk_bound)) continue;
+        unsigned mask = 0;
+        for (unsigned l = 0; l < kChunk; ++l) {
+            mask |= static_cast<unsigned>(static_cast<double>(x[j0 + l]) <= bound) << l;
+        }
+        for (; mask != 0; mask &= mask - 1) {
+            take(j0 + static_cast<std::size_t>(__builtin_ctz(mask)));
+        }
+    }
+    for (std::size_t j = j0; j < n; ++j) {
+        if (static_cast<double>(x[j]) <= bound) take(j);
+    }
+}
+
+// Wide or square problems (agents are rows): every pair whose value is within gap of its
+// row's smallest, in one pass with no per-row selection. rho[i] receives row i's threshold,
+// a lower bound on the value of every pair left out. Edges keep the true costs.
+template <class T>
+std::vector<std::vector<Edge>> within_gap(const View<T>& view, const double* shift, double gap,
+                                          std::vector<double>& rho) {
+    std::vector<std::vector<Edge>> graph(view.nr);
+    std::vector<double> buffer;
+    rho.resize(view.nr);
+    for (std::size_t i = 0; i < view.nr; ++i) {
+        const double* row = ranked_row(view, i, shift, buffer);
+        rho[i] = min_of(row, view.nc) + gap;
+        collect_at_most(row, view.nc, rho[i], graph[i]);
+        for (Edge& e : graph[i]) e.cost = view.at(i, static_cast<std::size_t>(e.object));
+    }
+    return graph;
+}
+
+// Tall problems (agents are columns): each column's k cheapest rows, in two row-major
+// passes. Rows fall into k strided blocks; the largest of a column's k block minima is a
+// bound on its k-th smallest cost (k distinct entries lie at or below it), found with
+// vectorised minima and maxima only, and the second pass offers only the entries below
+// it. A per-agent count suits PFNM's columns, whose spreads differ wildly (a matched
+// neuron vs. one that takes a new-neuron slot).
+template <class T>
+CheapestLists cheapest_per_column(const View<T>& view, std::size_t k) {
+    CheapestLists lists(view.nc, k);
+    const std::size_t blocks = std::min(view.nr, k);
+    std::vector<double> block_min(blocks * view.nc, kInf), bound(view.nc, -kInf);
+    std::vector<double> buffer;  // float rows as doubles: the chunk tests vectorise on those
+    for (std::size_t i = 0; i < view.nr; ++i) {
+        const double* row = ranked_row(view, i, nullptr, buffer);
+        min_into(row, block_min.data() + (i % blocks) * view.nc, view.nc);
+    }
+    for (std::size_t b = 0; b < blocks; ++b) {
+        max_into(block_min.data() + b * view.nc, bound.data(), view.nc);
+    }
+    for (std::size_t i = 0; i < view.nr; ++i) {
+        offer_row(ranked_row(view, i, nullptr, buffer), i, view.nc, bound.data(), lists);
+    }
+    return lists;
+}
+
+// Jonker-Volgenant shortest augmenting paths on the candidate graph, agents <= objects.
+// Object potentials v start at 0 and only decrease, and an object keeps v = 0 until it
+// is assigned: the conditions that make a rectangular solution optimal (lap.hpp).
+class SparseSolver {
+   public:
+    explicit SparseSolver(std::size_t objects)
+        : v_(objects, 0.0), d_(objects, kInf), pred_cost_(objects, 0.0), y_(objects, -1),
+          pred_(objects, -1), state_(objects, 0) {}
+
+    // False when some agent cannot be assigned within the graph (its lists are too short).
+    // start_v: initial object potentials (square problems only), or empty for zeros.
+    bool solve(const std::vector<std::vector<Edge>>& graph, const std::vector<double>& start_v) {
+        const std::size_t na = graph.size();
+        if (start_v.empty()) {
+            std::fill(v_.begin(), v_.end(), 0.0);
+        } else {
+            v_ = start_v;
+        }
+        std::fill(y_.begin(), y_.end(), -1);
+        x_.assign(na, -1);
+        x_cost_.assign(na, 0.0);
+        std::vector<std::size_t> free_agents(na);
+        for (std::size_t a = 0; a < na; ++a) free_agents[a] = a;
+        for (int pass = 0; pass < kReductionPasses; ++pass) row_reduction(graph, free_agents);
+        for (std::size_t a : free_agents) {
+            if (!augment(graph, a)) return false;
+        }
+        return true;
+    }
+
+    const std::vector<double>& object_potentials() const { return v_; }
+    const std::vector<std::int64_t>& object_of_agent() const { return x_; }
+    // u_a = c(a, x_a) - v(x_a): the agent potentials, tight on assigned pairs.
+    double agent_potential(std::size_t a) const {
+        return x_cost_[a] - v_[static_cast<std::size_t>(x_[a])];
+    }
+
+   private:
+    struct Entry {
+        double d;
+        int assigned;  // on ties prefer free objects: the search ends sooner
+        std::int64_t object;
+        bool operator>(const Entry& o) const {
+            return d > o.d || (d == o.d && assigned > o.assigned);
+        }
+    };
+
+    void relax(const std::vector<Edge>& edges, std::int64_t agent, double h) {
+        for (const Edge& e : edges) {
+            const auto o = static_cast<std::size_t>(e.object);
+            if (state_[o] == 2) continue;
+            const double nd = e.cost - v_[o] - h;
+            if (!(nd < d_[o])) continue;
+            d_[o] = nd;
+            pred_[o] = agent;
+            pred_cost_[o] = e.cost;
+            if (state_[o] == 0) {
+                state_[o] = 1;
+                touched_.push_back(o);
+            }
+            heap_.push_back({nd, y_[o] >= 0, e.object});
+            std::push_heap(heap_.begin(), heap_.end(), std::greater<>());
+        }
+    }
+
+    // Jonker-Volgenant augmenting row reduction: each free agent takes its cheapest object
+    // (by reduced cost c - v), lowering that object's potential to its second cheapest so
+    // the agent stays tight; a displaced agent waits for the next pass. Potentials only
+    // decrease and objects stay assigned, so the rectangular conditions hold throughout.
+    void row_reduction(const std::vector<std::vector<Edge>>& graph,
+                       std::vector<std::size_t>& free_agents) {
+        std::size_t kept = 0;
+        for (std::size_t a : free_agents) {
+            double best = kInf, second = kInf;
+            const Edge* first = nullptr;
+            const Edge* runner_up = nullptr;
+            for (const Edge& e : graph[a]) {
+                const double h = e.cost - v_[static_cast<std::size_t>(e.object)];
+                if (h < best) {
+                    second = best;
+                    runner_up = first;
+                    best = h;
+                    first = &e;
+                } else if (h < second) {
+                    second = h;
+                    runner_up = &e;
+                }
+            }
+            if (first == nullptr) {
+                free_agents[kept++] = a;
+                continue;
+            }
+            auto o = static_cast<std::size_t>(first->object);
+            if (best < second) {
+                if (second < kInf) v_[o] -= second - best;
+            } else if (y_[o] >= 0) {
+                first = runner_up;  // a tie: take the other one, free if possible
+                o = static_cast<std::size_t>(first->object);
+            }
+            const std::int64_t previous = y_[o];
+            y_[o] = static_cast<std::int64_t>(a);
+            x_[a] = first->object;
+            x_cost_[a] = first->cost;
+            if (previous >= 0) {
+                x_[static_cast<std::size_t>(previous)] = -1;
+                free_agents[kept++] = static_cast<std::size_t>(previous);
+            }
+        }
+        free_agents.resize(kept);
+    }
+
+    void reset_search() {
+        for (std::size_t o : touched_) {
+            d_[o] = kInf;
+            state_[o] = 0;
+        }
+        touched_.clear();
+        heap_.clear();
+        finished_.clear();
+    }
+
+    bool augment(const std::vector<std::vector<Edge>>& graph, std::size_t f) {
+        relax(graph[f], static_cast<std::int64_t>(f), 0.0);
+        std::size_t sink = 0;
+        double dmin = 0.0;
+        for (;;) {
+            if (heap_.empty()) {
+                reset_search();
+                return false;
+            }
+            std::pop_heap(heap_.begin(), heap_.end(), std::greater<>());
+            const Entry top = heap_.back();
+            heap_.pop_back();
+            const auto o = static_cast<std::size_t>(top.object);
+            if (state_[o] == 2 || top.d != d_[o]) continue;  // stale entry
+            dmin = top.d;
+            state_[o] = 2;
+            finished_.push_back(o);
+            if (y_[o] < 0) {
+                sink = o;
+                break;
+            }
+            const auto i = static_cast<std::size_t>(y_[o]);
+            relax(graph[i], y_[o], x_cost_[i] - v_[o] - dmin);
+        }
+        for (std::size_t o : finished_) v_[o] += d_[o] - dmin;
+        for (std::size_t o = sink;;) {
+            const auto i = static_cast<std::size_t>(pred_[o]);
+            const std::int64_t previous = x_[i];
+            y_[o] = static_cast<std::int64_t>(i);
+            x_[i] = static_cast<std::int64_t>(o);
+            x_cost_[i] = pred_cost_[o];
+            if (i == f) break;
+            o = static_cast<std::size_t>(previous);
+        }
+        reset_search();
+        return true;
+    }
+
+    std::vector<double> v_, d_, pred_cost_, x_cost_;
+    std::vector<std::int64_t> y_, pred_, x_;
+    std::vector<unsigned char> state_;  // 0 untouched, 1 reached, 2 final
+    std::vector<std::size_t> touched_, finished_;
+    std::vector<Entry> heap_;
+};
+
+// Reduced costs of one matrix row, c_ij - r - col[j]; true when some is negative.
+template <class T>
+FUSEKIT_CLONES bool row_violates(const T* __restrict row, double r, const double* __restrict col,
+                                 std::size_t n) {
+    int bad = 0;
+#pragma omp simd reduction(| : bad)
+    for (std::size_t j = 0; j < n; ++j) bad |= static_cast<double>(row[j]) - r - col[j] < 0.0;
+    return bad != 0;
+}
+
+bool has_edge(const std::vector<Edge>& edges, std::int64_t object) {
+    for (const Edge& e : edges) {
+        if (e.object == object) return true;
+    }
+    return false;
+}
+
+// Adds every pair of the full matrix whose reduced cost is negative under the sparse
+// solution's potentials (and not yet a candidate); none added proves optimality.
+template <class T>
+std::size_t add_violations(const View<T>& view, const SparseSolver& solver,
+                           std::vector<std::vector<Edge>>& graph) {
+    const std::size_t na = view.agents();
+    std::vector<double> agent_u(na);
+    for (std::size_t a = 0; a < na; ++a) agent_u[a] = solver.agent_potential(a);
+    const std::vector<double>& object_v = solver.object_potentials();
+    const std::vector<double>& row_pot = view.agents_are_rows ? agent_u : object_v;
+    const std::vector<double>& col_pot = view.agents_are_rows ? object_v : agent_u;
+    std::size_t added = 0;
+    for (std::size_t i = 0; i < view.nr; ++i) {
+        const T* row = view.cost + i * view.nc;
+        if (!row_violates(row, row_pot[i], col_pot.data(), view.nc)) continue;
+        for (std::size_t j = 0; j < view.nc; ++j) {
+            const double c = static_cast<double>(row[j]);
+            if (!(c - row_pot[i] - col_pot[j] < 0.0)) continue;
+            const std::size_t a = view.agents_are_rows ? i : j;
+            const auto o = static_cast<std::int64_t>(view.agents_are_rows ? j : i);
+            if (has_edge(graph[a], o)) continue;  // rounding on a pair already solved
+            graph[a].push_back({o, c});
+            ++added;
+        }
+    }
+    return added;
+}
+
+// Whether the lists alone prove optimality, sparing a pass over the matrix. A pair left out
+// of agent a's full list has value c - s_o >= rho_a (the list's k-th value, s the ranking
+// potentials), so under the final potentials its reduced cost is at least
+// rho_a - u_a - max_o (v_o - s_o); the solver only lowers potentials, so this often holds.
+bool certified_by_bounds(const double* rho, const SparseSolver& solver, const double* shift) {
+    const std::vector<double>& v = solver.object_potentials();
+    double rise = -kInf;
+    for (std::size_t o = 0; o < v.size(); ++o) {
+        rise = std::max(rise, v[o] - (shift ? shift[o] : 0.0));
+    }
+    for (std::size_t a = 0; a < solver.object_of_agent().size(); ++a) {
+        if (rho[a] < kInf && rho[a] - solver.agent_potential(a) < rise) return false;
+    }
+    return true;
+}
+
+}  // namespace
+
+template <class T>
+bool solve_by_candidates(const T* cost, std::size_t nr, std::size_t nc,
+                         const double* warm_columns, std::int64_t* col_of_row, double* u,
+                         double* v) {
+    const View<T> view{cost, nr, nc, nr <= nc};
+    const std::size_t na = view.agents(), no = view.objects();
+    // Square problems rank candidates by reduced cost against column potentials, the warm
+    // start's or the column minima (Jonker-Volgenant's column reduction), which also start
+    // the solver. Rectangular ones rank raw costs and start from zero potentials, the value
+    // objects left unassigned must keep.
+    std::vector<double> start;
+    if (nr == nc) {
+        if (warm_columns != nullptr) {
+            start.assign(warm_columns, warm_columns + nc);
+        } else {
+            start.assign(nc, kInf);
+            std::vector<std::int64_t> row_of_min(nc, -1);
+            for (std::size_t i = 0; i < nr; ++i) {
+                argmin_into(cost + i * nc, static_cast<std::int64_t>(i), start.data(),
+                            row_of_min.data(), nc);
+            }
+            if (minima_form_assignment(row_of_min, col_of_row)) {
+                if (u) std::fill(u, u + nr, 0.0);
+                if (v) std::copy(start.begin(), start.end(), v);
+                return true;
+            }
+        }
+        // A fully forbidden column (+inf) gives no usable reference: rank raw costs.
+        if (!std::all_of(start.begin(), start.end(), [](double x) { return std::isfinite(x); })) {
+            start.clear();
+        }
+    }
+    const double* ranking = start.empty() ? nullptr : start.data();
+    // Rows: pairs within a gap of the row's smallest value; columns: the k cheapest pairs.
+    // Each widening (growth) multiplies the gap, or doubles k.
+    double gap = 0.0;
+    std::size_t k = std::min(no, kColumnCandidates);
+    std::vector<double> rho;
+    std::vector<std::vector<Edge>> graph;
+    const auto build = [&] {
+        if (view.agents_are_rows) {
+            graph = within_gap(view, ranking, gap, rho);
+            return;
+        }
+        const CheapestLists lists = cheapest_per_column(view, k);
+        graph.resize(na);
+        for (std::size_t a = 0; a < na; ++a) graph[a] = lists.edges(view, a);
+        rho.assign(lists.bounds(), lists.bounds() + na);
+    };
+    if (view.agents_are_rows) {
+        gap = typical_gap(view, ranking, std::min(no, kGapRank));
+        if (std::isnan(gap)) return false;
+    }
+    build();
+
+    SparseSolver solver(no);
+    bool solved = false;
+    int growths = 0;
+    for (int round = 0; round < kMaxRounds && !solved; ++round) {
+        if (!solver.solve(graph, start)) {
+            const bool can_grow = view.agents_are_rows ? gap > 0.0 : k < no;
+            if (!can_grow || ++growths > kMaxGrowths) return false;
+            gap *= kGapGrowth;
+            k = std::min(no, 2 * k);
+            build();
+            continue;
+        }
+        solved = certified_by_bounds(rho.data(), solver, ranking) ||
+                 add_violations(view, solver, graph) == 0;
+    }
+    if (!solved) return false;
+
+    const auto& x = solver.object_of_agent();
+    const auto& object_v = solver.object_potentials();
+    std::fill(col_of_row, col_of_row + nr, -1);
+    for (std::size_t a = 0; a < na; ++a) {
+        const auto o = static_cast<std::size_t>(x[a]);
+        const std::size_t i = view.agents_are_rows ? a : o;
+        col_of_row[i] = static_cast<std::int64_t>(view.agents_are_rows ? o : a);
+    }
+    double* agent_pot = view.agents_are_rows ? u : v;
+    double* object_pot = view.agents_are_rows ? v : u;
+    if (agent_pot) {
+        for (std::size_t a = 0; a < na; ++a) agent_pot[a] = solver.agent_potential(a);
+    }
+    if (object_pot) std::copy(object_v.begin(), object_v.end(), object_pot);
+    return true;
+}
+
+template bool solve_by_candidates<float>(const float*, std::size_t, std::size_t, const double*,
+                                         std::int64_t*, double*, double*);
+template bool solve_by_candidates<double>(const double*, std::size_t, std::size_t,
+                                          const double*, std::int64_t*, double*, double*);
+
+}  // namespace fusekit
