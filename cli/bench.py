@@ -60,3 +60,19 @@ def fusion(
     if json:
         argv += ["--json", str(json)]
     raise typer.Exit(main(argv))
+
+
+@app.command("ot-ams")
+def ot_ams(
+    clients: Annotated[
+        list[int] | None, typer.Option(help="Client counts of the OT MLP case [default: 10 30].")
+    ] = None,
+    json: Annotated[Path | None, typer.Option(help="Write the results as JSON here.")] = None,
+) -> None:
+    """OT fusion against a POT-only alignment, and AMS inference throughput."""
+    from fusekit.bench.ot_ams import main
+
+    argv = ["--clients", *map(str, clients)] if clients else []
+    if json:
+        argv += ["--json", str(json)]
+    raise typer.Exit(main(argv))
