@@ -15,120 +15,233 @@ from fusekit.errors import OutputError
 from fusekit.methods import METHODS
 
 _METHODS_HELP = "; ".join(f"{name}: {cls.summary}" for name, cls in sorted(METHODS.items()))
+_AVG, _PFNM, _OT, _AMS = "avg options", "pfnm / nafi options", "ot options", "ams options"
 
 
 def fuse(
-    checkpoints: Annotated[list[Path], typer.Argument(help="Client checkpoints (.safetensors).",
-                                                      show_default=False)],
+    checkpoints: Annotated[
+        list[Path], typer.Argument(help="Client checkpoints (.safetensors).", show_default=False)
+    ],
     method: Annotated[
         str, typer.Option("--method", "-m", help=f"Fusion method. {_METHODS_HELP}.")
     ] = "avg",
     output: Annotated[
-        Path | None, typer.Option("--output", "-o", help="Where to write the fused model "
-                                  "[default: fused-METHOD.safetensors].")
+        Path | None,
+        typer.Option(
+            "--output",
+            "-o",
+            help="Where to write the fused model [default: fused-METHOD.safetensors].",
+        ),
     ] = None,
     force: Annotated[
         bool, typer.Option("--force", help="Replace an existing output file.")
     ] = False,
     spec: Annotated[
-        Path | None, typer.Option("--spec", help="JSON permutation spec for models whose "
-                                  "structure cannot be inferred from names and shapes.")
+        Path | None,
+        typer.Option(
+            "--spec",
+            help="JSON permutation spec for models whose "
+            "structure cannot be inferred from names and shapes.",
+        ),
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
     class_weighted: Annotated[
-        bool | None, typer.Option("--class-weighted/--no-class-weighted",
-                                  help="avg: average output rows with per-class sample shares.")
+        bool | None,
+        typer.Option(
+            "--class-weighted/--no-class-weighted",
+            rich_help_panel=_AVG,
+            help="avg: average output rows with per-class sample shares.",
+        ),
     ] = None,
     sigma: Annotated[
-        list[float] | None, typer.Option(
-            "--sigma", help="pfnm/nafi: client noise variance sigma^2, in multiples of the "
+        list[float] | None,
+        typer.Option(
+            "--sigma",
+            rich_help_panel=_PFNM,
+            help="pfnm/nafi: client noise variance sigma^2, in multiples of the "
             "layer's per-coordinate weight variance (see --variance-units); repeat once per "
             "client for per-client values, in the canonical client order (widest first, "
-            "then content hash) [default: 1.0].", show_default=False)
+            "then content hash) [default: 1.0].",
+            show_default=False,
+        ),
     ] = None,
     sigma0: Annotated[
-        float | None, typer.Option("--sigma0", help="pfnm/nafi: prior variance sigma0^2 of "
-                                   "global neurons, same units [default: 1.0].",
-                                   show_default=False)
+        float | None,
+        typer.Option(
+            "--sigma0",
+            rich_help_panel=_PFNM,
+            help="pfnm/nafi: prior variance sigma0^2 of global neurons, same units [default: 1.0].",
+            show_default=False,
+        ),
     ] = None,
     gamma: Annotated[
-        float | None, typer.Option("--gamma", help="pfnm/nafi: Beta-process mass gamma0 "
-                                   "[default: 1.0].", show_default=False)
+        float | None,
+        typer.Option(
+            "--gamma",
+            rich_help_panel=_PFNM,
+            help="pfnm/nafi: Beta-process mass gamma0 [default: 1.0].",
+            show_default=False,
+        ),
     ] = None,
     mu0: Annotated[
-        float | None, typer.Option("--mu0", help="pfnm/nafi: prior mean of global neurons "
-                                   "[default: 0.0].", show_default=False)
+        float | None,
+        typer.Option(
+            "--mu0",
+            rich_help_panel=_PFNM,
+            help="pfnm/nafi: prior mean of global neurons [default: 0.0].",
+            show_default=False,
+        ),
     ] = None,
     sweeps: Annotated[
-        int | None, typer.Option("--sweeps", help="pfnm/nafi: refinement sweeps after the "
-                                 "greedy pass [default: 5].", show_default=False)
+        int | None,
+        typer.Option(
+            "--sweeps",
+            rich_help_panel=_PFNM,
+            help="pfnm/nafi: refinement sweeps after the greedy pass [default: 5].",
+            show_default=False,
+        ),
     ] = None,
     seed: Annotated[
-        int | None, typer.Option("--seed", help="pfnm/nafi: seed of the sweep order; ot: "
-                                 "seed of the --activations subset [default: 0].",
-                                 show_default=False)
+        int | None,
+        typer.Option(
+            "--seed",
+            rich_help_panel=_PFNM,
+            help="pfnm/nafi: seed of the sweep order; ot: "
+            "seed of the --activations subset [default: 0].",
+            show_default=False,
+        ),
     ] = None,
     lam: Annotated[
-        float | None, typer.Option("--lam", "--lambda", help="nafi: weight of the KL penalty "
-                                   "[default: 0.01].", show_default=False)
+        float | None,
+        typer.Option(
+            "--lam",
+            "--lambda",
+            rich_help_panel=_PFNM,
+            help="nafi: weight of the KL penalty [default: 0.01].",
+            show_default=False,
+        ),
     ] = None,
     max_width: Annotated[
-        int | None, typer.Option("--max-width", help="pfnm/nafi: cap on every fused hidden "
-                                 "width [default: none].", show_default=False)
+        int | None,
+        typer.Option(
+            "--max-width",
+            rich_help_panel=_PFNM,
+            help="pfnm/nafi: cap on every fused hidden width [default: none].",
+            show_default=False,
+        ),
     ] = None,
     class_share: Annotated[
-        bool | None, typer.Option("--class-share/--no-class-share",
-                                  help="pfnm/nafi: class-share precision of outgoing weights "
-                                  "[default: on when every client has class counts].",
-                                  show_default=False)
+        bool | None,
+        typer.Option(
+            "--class-share/--no-class-share",
+            rich_help_panel=_PFNM,
+            help="pfnm/nafi: class-share precision of outgoing weights "
+            "[default: on when every client has class counts].",
+            show_default=False,
+        ),
     ] = None,
     unobserved: Annotated[
-        str | None, typer.Option("--unobserved", help="pfnm/nafi: 'mask' (weights a client "
-                                 "lacks are unobserved) or 'zeros' (observed zeros, as the "
-                                 "authors' code) [default: mask].", show_default=False)
+        str | None,
+        typer.Option(
+            "--unobserved",
+            rich_help_panel=_PFNM,
+            help="pfnm/nafi: 'mask' (weights a client "
+            "lacks are unobserved) or 'zeros' (observed zeros, as the "
+            "authors' code) [default: mask].",
+            show_default=False,
+        ),
     ] = None,
     variance_units: Annotated[
-        str | None, typer.Option("--variance-units", help="pfnm/nafi: 'relative' (sigma, "
-                                 "sigma0 in multiples of the weight variance) or 'absolute' "
-                                 "[default: relative].", show_default=False)
+        str | None,
+        typer.Option(
+            "--variance-units",
+            rich_help_panel=_PFNM,
+            help="pfnm/nafi: 'relative' (sigma, "
+            "sigma0 in multiples of the weight variance) or 'absolute' "
+            "[default: relative].",
+            show_default=False,
+        ),
     ] = None,
     backend: Annotated[
-        str | None, typer.Option("--backend", help="pfnm/nafi: 'core' (C++) or 'numpy' "
-                                 "(reference kernels + SciPy) [default: core].",
-                                 show_default=False)
+        str | None,
+        typer.Option(
+            "--backend",
+            rich_help_panel=_PFNM,
+            help="pfnm/nafi: 'core' (C++) or 'numpy' (reference kernels + SciPy) [default: core].",
+            show_default=False,
+        ),
     ] = None,
     anchor: Annotated[
-        str | None, typer.Option("--anchor", help="ot: the client to align to (its path, file "
-                                 "name or content-hash prefix) [default: most samples].")
+        str | None,
+        typer.Option(
+            "--anchor",
+            rich_help_panel=_OT,
+            help="ot: the client to align to (its path, file "
+            "name or content-hash prefix) [default: most samples].",
+        ),
     ] = None,
     activations: Annotated[
-        str | None, typer.Option("--activations", help="ot: compare neurons by their "
-                                 "pre-activations on these inputs instead of by weights: a "
-                                 ".npy (N, ...), a .npz with x or x_train, or a data set name.")
+        str | None,
+        typer.Option(
+            "--activations",
+            rich_help_panel=_OT,
+            help="ot: compare neurons by their "
+            "pre-activations on these inputs instead of by weights: a "
+            ".npy (N, ...), a .npz with x or x_train, or a data set name.",
+        ),
     ] = None,
     activation_samples: Annotated[
-        int | None, typer.Option("--activation-samples", help="ot: at most this many inputs "
-                                 "for --activations [default: 256].")
+        int | None,
+        typer.Option(
+            "--activation-samples",
+            rich_help_panel=_OT,
+            help="ot: at most this many inputs for --activations [default: 256].",
+        ),
     ] = None,
     data_dir: Annotated[
-        Path | None, typer.Option("--data-dir", help="ot: folder of the data set named by "
-                                  "--activations (mnist, fashion-mnist, cifar10).")
+        Path | None,
+        typer.Option(
+            "--data-dir",
+            rich_help_panel=_OT,
+            help="ot: folder of the data set named by "
+            "--activations (mnist, fashion-mnist, cifar10).",
+        ),
     ] = None,
     mode: Annotated[
-        str | None, typer.Option("--mode", help="ams: top1 (most confident model), topk (sum "
-                                 "of the k most confident) or full (sum of all) [default: top1].")
+        str | None,
+        typer.Option(
+            "--mode",
+            rich_help_panel=_AMS,
+            help="ams: top1 (most confident model), topk (sum "
+            "of the k most confident) or full (sum of all) [default: top1].",
+        ),
     ] = None,
-    k: Annotated[int | None, typer.Option("--k", help="ams: models summed by --mode topk.")] = None,
+    k: Annotated[
+        int | None,
+        typer.Option("--k", rich_help_panel=_AMS, help="ams: models summed by --mode topk."),
+    ] = None,
 ) -> None:
     """Fuse client checkpoints into one model, in one shot and without data."""
     params = _given(
         class_weighted=class_weighted,
         sigma=(sigma[0] if len(sigma) == 1 else sigma) if sigma else None,
-        sigma0=sigma0, gamma=gamma, mu0=mu0, sweeps=sweeps, seed=seed, lam=lam,
-        max_width=max_width, class_share=class_share, unobserved=unobserved,
-        variance_units=variance_units, backend=backend,
-        anchor=anchor, activations=activations, activation_samples=activation_samples,
-        data_dir=data_dir, mode=mode, k=k,
+        sigma0=sigma0,
+        gamma=gamma,
+        mu0=mu0,
+        sweeps=sweeps,
+        seed=seed,
+        lam=lam,
+        max_width=max_width,
+        class_share=class_share,
+        unobserved=unobserved,
+        variance_units=variance_units,
+        backend=backend,
+        anchor=anchor,
+        activations=activations,
+        activation_samples=activation_samples,
+        data_dir=data_dir,
+        mode=mode,
+        k=k,
     )
     output = output or Path(f"fused-{method}.safetensors")
     if output.exists() and not force:
@@ -163,6 +276,7 @@ def _print_summary(summary: dict[str, Any]) -> None:
     table.add_row("time", f"{summary['time_s']:.3f} s")
     for layer in summary["report"].get("layers", []):
         new = [c["new"] for c in layer["clients"]]
-        table.add_row(f"layer {layer['layer']}",
-                      f"width {layer['width']}, new neurons per client {new}")
+        table.add_row(
+            f"layer {layer['layer']}", f"width {layer['width']}, new neurons per client {new}"
+        )
     stdout.print(table)
