@@ -27,10 +27,11 @@ import scipy
 
 from fusekit import neurons
 from fusekit._version import __version__
+from fusekit.bench.models import permuted_copies, random_cnn
 from fusekit.checkpoint import Checkpoint
 from fusekit.methods import get_method
 from fusekit.methods.bayesian import match_neurons, matching_purity
-from fusekit.spec import infer_spec, permute
+from fusekit.spec import infer_spec
 
 POOL, TAKE, INPUTS, CLASSES = 150, 100, 784, 10
 WEIGHT_STD, NOISE_STD = 0.1, 0.02
@@ -59,30 +60,7 @@ def generative_mlp_clients(n_clients: int, seed: int = 0) -> tuple[list[Checkpoi
 
 def cnn_clients(n_clients: int = 16, channels=(64, 96, 128), seed: int = 0) -> list[Checkpoint]:
     """Noisy permuted copies of one random 3-conv CNN with BatchNorm on 3x32x32 inputs."""
-    rng = np.random.default_rng(seed)
-    state: dict[str, np.ndarray] = {}
-    prev, size = 3, 32
-    for i, width in enumerate(channels):
-        conv, norm = f"net.{5 * i}", f"net.{5 * i + 1}"
-        state[f"{conv}.weight"] = rng.normal(0, (prev * 9) ** -0.5, (width, prev, 3, 3))
-        state[f"{conv}.bias"] = rng.normal(0, 0.05, width)
-        state[f"{norm}.weight"] = rng.uniform(0.5, 1.5, width)
-        state[f"{norm}.bias"] = rng.normal(0, 0.1, width)
-        state[f"{norm}.running_mean"] = rng.normal(0, 0.1, width)
-        state[f"{norm}.running_var"] = rng.uniform(0.5, 2.0, width)
-        prev, size = width, size // 2
-    head = f"net.{5 * len(channels) + 1}"
-    state[f"{head}.weight"] = rng.normal(0, (prev * size * size) ** -0.5, (10, prev * size * size))
-    state[f"{head}.bias"] = rng.normal(0, 0.05, 10)
-    spec = infer_spec(state)
-    clients = []
-    for _ in range(n_clients):
-        perms = [rng.permutation(w) for w in spec.hidden_widths]
-        copy = permute(state, spec, perms)
-        copy = {k: v + 0.05 * v.std() * rng.standard_normal(v.shape) if "running" not in k
-                else v for k, v in copy.items()}
-        clients.append(Checkpoint.from_state_dict(copy, {"fusekit.num_samples": "100"}))
-    return clients
+    return permuted_copies(random_cnn(channels, seed), n_clients, 0.05, seed)
 
 
 def _time_method(method: str, clients: Sequence[Checkpoint], **params: Any) -> dict[str, Any]:

@@ -33,57 +33,11 @@ import numpy as np
 
 from fusekit import neurons
 from fusekit._version import __version__
+from fusekit.bench.models import permuted_copies, random_cnn, random_mlp
 from fusekit.checkpoint import Checkpoint
 from fusekit.methods.base import sample_weights
 from fusekit.methods.ot import align_to_anchor, average_layers
-from fusekit.spec import infer_spec, permute
-
-
-def permuted_copies(state: dict[str, np.ndarray], n_clients: int, noise: float, seed: int,
-                    widths: Sequence[int] | None = None) -> list[Checkpoint]:
-    """Noisy, permuted copies of one network; with ``widths`` the first hidden layer of
-    client s keeps only ``widths[s]`` of its neurons (or duplicates some, when wider)."""
-    rng = np.random.default_rng(seed)
-    spec = infer_spec(state)
-    clients = []
-    for s in range(n_clients):
-        copy = permute(state, spec, [rng.permutation(w) for w in spec.hidden_widths])
-        if widths is not None:
-            keep = rng.choice(spec.hidden_widths[0], widths[s],
-                              replace=widths[s] > spec.hidden_widths[0])
-            for ref in spec.group(0):
-                copy[ref.tensor] = np.take(copy[ref.tensor], keep, axis=ref.axis)
-        copy = {k: v if "running" in k else v + noise * v.std() * rng.standard_normal(v.shape)
-                for k, v in copy.items()}
-        clients.append(Checkpoint.from_state_dict(copy, {"fusekit.num_samples": "100"}))
-    return clients
-
-
-def random_mlp(width: int = 100, seed: int = 0) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return {"net.0.weight": rng.normal(0, 784 ** -0.5, (width, 784)),
-            "net.0.bias": rng.normal(0, 0.1, width),
-            "net.2.weight": rng.normal(0, width ** -0.5, (10, width)),
-            "net.2.bias": rng.normal(0, 0.1, 10)}
-
-
-def random_cnn(channels: Sequence[int] = (64, 96, 128), seed: int = 0) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    state: dict[str, np.ndarray] = {}
-    prev, size = 3, 32
-    for i, width in enumerate(channels):
-        conv, norm = f"net.{4 * i}", f"net.{4 * i + 1}"
-        state[f"{conv}.weight"] = rng.normal(0, (prev * 9) ** -0.5, (width, prev, 3, 3))
-        state[f"{conv}.bias"] = rng.normal(0, 0.05, width)
-        state[f"{norm}.weight"] = rng.uniform(0.5, 1.5, width)
-        state[f"{norm}.bias"] = rng.normal(0, 0.1, width)
-        state[f"{norm}.running_mean"] = rng.normal(0, 0.1, width)
-        state[f"{norm}.running_var"] = rng.uniform(0.5, 2.0, width)
-        prev, size = width, size // 2
-    head = f"net.{4 * len(channels) + 1}"
-    state[f"{head}.weight"] = rng.normal(0, (prev * size * size) ** -0.5, (10, prev * size**2))
-    state[f"{head}.bias"] = rng.normal(0, 0.05, 10)
-    return state
+from fusekit.spec import infer_spec
 
 
 def _fuse_ot(clients: Sequence[Checkpoint], solver: str, inputs: np.ndarray | None):
