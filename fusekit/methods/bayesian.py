@@ -30,6 +30,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -75,8 +76,14 @@ def get_backend(backend: str | MatchingBackend = "core") -> MatchingBackend:
     if backend == "core":
         from fusekit import matching
 
+        # The engine validates its inputs once (match_neurons) and owns the global state
+        # it passes, so the kernels skip re-validating arrays on every call.
         return MatchingBackend(
-            "core", matching.pfnm_cost, matching.nafi_cost, matching.solve_assignment, True
+            "core",
+            partial(matching.pfnm_cost, check_finite=False),
+            partial(matching.nafi_cost, check_finite=False),
+            matching.solve_assignment,
+            True,
         )
     if backend == "numpy":
         from scipy.optimize import linear_sum_assignment
@@ -148,16 +155,15 @@ class _GlobalState:
             self.precisions[fresh] = self.prior_precision
             self.counts[fresh] = 0
             self.size = new_size
-        # rows are unique within one client, so fancy-index += is safe.
-        self.sums[rows] += weighted
-        self.precisions[rows] += precision
+        _add_rows(self.sums, rows, weighted, 1.0)
+        _add_rows(self.precisions, rows, precision, 1.0)
         self.counts[rows] += 1
 
     def remove(self, rows: np.ndarray, weighted: np.ndarray, precision: np.ndarray) -> np.ndarray:
         """Remove a client's neurons; drop globals left empty. Returns old -> new index
         (-1 for dropped globals)."""
-        self.sums[rows] -= weighted
-        self.precisions[rows] -= precision
+        _add_rows(self.sums, rows, weighted, -1.0)
+        _add_rows(self.precisions, rows, precision, -1.0)
         self.counts[rows] -= 1
         keep = np.flatnonzero(self.counts[: self.size] > 0)
         remap = np.full(self.size, -1, dtype=np.int64)
@@ -168,6 +174,15 @@ class _GlobalState:
                 array[: keep.size] = array[keep]
             self.size = keep.size
         return remap
+
+
+def _add_rows(target: np.ndarray, rows: np.ndarray, values: np.ndarray, sign: float) -> None:
+    """``target[rows] += sign * values`` in place (rows unique within one client); values
+    (n, P), or (P,) added to every row. The C++ core does it in one pass over the rows,
+    where fancy-index += gathers, adds and scatters (bit-identical results)."""
+    from fusekit._native import core
+
+    core().add_rows(target, rows, values, sign)
 
 
 def _as_coordinate_vector(value: Any, n_coords: int, name: str) -> np.ndarray:
@@ -200,6 +215,9 @@ def _validate_inputs(
             raise ParameterError(
                 f"vectors[{s}]: expected a non-empty (J_s, {n_coords}) matrix, found {v.shape}"
             )
+        if not np.isfinite(v).all():
+            # Checked once here: the core kernels then skip re-checking (check_finite=False).
+            raise ParameterError(f"vectors[{s}]: expected finite values, found NaN or inf")
     precs = []
     for s, p in enumerate(precisions):
         vec = _as_coordinate_vector(p, n_coords, f"precisions[{s}]")
@@ -402,8 +420,8 @@ def _final_posterior(
     precisions = np.tile(state.prior_precision, (n_global, 1))
     counts = np.zeros(n_global, dtype=np.int64)
     for rows, w, p in zip(assignments, weighted, precs, strict=True):
-        sums[rows] += w
-        precisions[rows] += p
+        _add_rows(sums, rows, w, 1.0)
+        _add_rows(precisions, rows, p, 1.0)
         counts[rows] += 1
     return sums / precisions, precisions, counts
 
