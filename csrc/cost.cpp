@@ -274,6 +274,43 @@ void global_row(const PosteriorCostInput& in, const Coordinates& c, std::size_t 
     t.offset[i] = 2.0 * std::log((S - n_i) / n_i) + in.lam * kl;
 }
 
+// out[k] = w[coordinate k of list] (and squares[k] = its square unless null), for the
+// right operand of the product; returns the sum of squares.
+template <bool kContiguous>
+FUSEKIT_CLONES double gather(const double* __restrict w, const std::size_t* list, std::size_t n,
+                             double* __restrict out, double* __restrict squares) {
+    double acc = 0.0;
+    if (squares == nullptr) {
+#pragma omp simd reduction(+ : acc)
+        for (std::size_t k = 0; k < n; ++k) {
+            const double x = w[coordinate<kContiguous>(list, k)];
+            out[k] = x;
+            acc += x * x;
+        }
+    } else {
+#pragma omp simd reduction(+ : acc)
+        for (std::size_t k = 0; k < n; ++k) {
+            const double x = w[coordinate<kContiguous>(list, k)];
+            out[k] = x;
+            squares[k] = x * x;
+            acc += x * x;
+        }
+    }
+    return acc;
+}
+
+// sum_q weight_q (w_q - mu0_q)^2.
+FUSEKIT_CLONES double weighted_distance(const double* __restrict w, const double* __restrict mu0,
+                                        const double* __restrict weight, std::size_t p) {
+    double acc = 0.0;
+#pragma omp simd reduction(+ : acc)
+    for (std::size_t q = 0; q < p; ++q) {
+        const double e = w[q] - mu0[q];
+        acc += weight[q] * e * e;
+    }
+    return acc;
+}
+
 // The exact cost sum_p a_ip (w_jp - m_ip)^2 of one pair, for entries the expansion cancels.
 double exact_posterior_entry(const PosteriorCostInput& in, std::size_t i, std::size_t j) {
     const double* w = in.local + j * in.p;
@@ -300,13 +337,7 @@ void new_neuron_rows(const PosteriorCostInput& in, double* out) {
     }
     std::vector<double> to_prior(nl);
     for (std::size_t j = 0; j < nl; ++j) {
-        double acc = 0.0;
-        const double* w = in.local + j * p;
-        for (std::size_t q = 0; q < p; ++q) {
-            const double e = w[q] - in.mu0[q];
-            acc += weight[q] * e * e;
-        }
-        to_prior[j] = acc + new_offset;
+        to_prior[j] = weighted_distance(in.local + j * p, in.mu0, weight.data(), p) + new_offset;
     }
     for (std::size_t k = 0; k < nl; ++k) {
         const double penalty =
@@ -377,6 +408,10 @@ Status posterior_cost(const Blas& blas, const PosteriorCostInput& in, double* ou
     thread_local std::vector<double> right_buffer, left_buffer;
     double* right = direct ? nullptr : scratch(right_buffer, nl * k);
     std::vector<double> shared_norm(nl), full_norm(nl);
+    // "own" coordinates follow the shared ones when both lists are contiguous runs.
+    const bool shared_contiguous = is_contiguous(c.shared);
+    const bool own_contiguous =
+        shared_contiguous && !c.own.empty() && c.own.front() == ns && c.own.back() + 1 == ns + no;
     for (std::size_t j = 0; j < nl; ++j) {
         const double* w = in.local + j * p;
         if (direct) {
@@ -384,17 +419,11 @@ Status posterior_cost(const Blas& blas, const PosteriorCostInput& in, double* ou
             continue;
         }
         double* r = right + j * k;
-        double shared = 0.0, own = 0.0;
-        for (std::size_t t = 0; t < ns; ++t) {
-            r[t] = w[c.shared[t]];
-            shared += r[t] * r[t];
-        }
-        for (std::size_t t = 0; t < no; ++t) {
-            const double x = w[c.own[t]];
-            r[ns + t] = x;
-            r[ns + no + t] = x * x;
-            own += x * x;
-        }
+        const double shared =
+            shared_contiguous ? gather<true>(w, nullptr, ns, r, nullptr)
+                              : gather<false>(w, c.shared.data(), ns, r, nullptr);
+        const double own = own_contiguous ? gather<true>(w + ns, nullptr, no, r + ns, r + ns + no)
+                                          : gather<false>(w, c.own.data(), no, r + ns, r + ns + no);
         shared_norm[j] = shared;
         full_norm[j] = shared + own;
     }
