@@ -202,6 +202,8 @@ def _as_coordinate_vector(value: Any, n_coords: int, name: str) -> np.ndarray:
 def _validate_inputs(
     vectors: Sequence[np.ndarray], precisions: Sequence[Any]
 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    from fusekit._native import core
+
     if len(vectors) < 1:
         raise ParameterError("vectors: expected at least one client, found none")
     if len(precisions) != len(vectors):
@@ -215,7 +217,7 @@ def _validate_inputs(
             raise ParameterError(
                 f"vectors[{s}]: expected a non-empty (J_s, {n_coords}) matrix, found {v.shape}"
             )
-        if not np.isfinite(v).all():
+        if np.isnan(core().finite_min(v)):
             # Checked once here: the core kernels then skip re-checking (check_finite=False).
             raise ParameterError(f"vectors[{s}]: expected finite values, found NaN or inf")
     precs = []
