@@ -223,10 +223,12 @@ Array posterior_cost(const Array& local, const Array& precision, const Array& su
     return out;
 }
 
-// target[rows[k]] += sign * values[k] for every k, in place: one pass over the rows,
-// where numpy's fancy-index += gathers, adds and scatters. rows must be unique; values is
-// (n, p), or (p,) for the same vector added to every row.
-void add_rows(py::array_t<double> target, const Index& rows, const Array& values, double sign) {
+// target[rows[k]] += sign * values[k] (* scale) for every k, in place: one pass over the
+// rows, where numpy's fancy-index += gathers, adds and scatters, and with scale the product
+// values * scale is never stored. rows must be unique; values is (n, p), or (p,) for the
+// same vector added to every row; scale is None or (p,).
+void add_rows(py::array_t<double> target, const Index& rows, const Array& values, double sign,
+              const py::object& scale_in) {
     if (!(target.flags() & py::array::c_style) || !target.writeable() || target.ndim() != 2) {
         throw py::value_error("target: expected a writeable C-contiguous 2-D float64 array");
     }
@@ -237,16 +239,24 @@ void add_rows(py::array_t<double> target, const Index& rows, const Array& values
         throw py::value_error("rows / values: expected shapes (n,) and (n, " +
                               std::to_string(p) + ") or (" + std::to_string(p) + ",)");
     }
+    Array scale;
+    const bool scaled = !scale_in.is_none();
+    if (scaled) {
+        scale = Array::ensure(scale_in);
+        if (!scale) throw py::value_error("scale: expected a float64 vector");
+        require_length(scale, p, "scale");
+    }
     if (sign != 1.0 && sign != -1.0) throw py::value_error("sign: expected 1 or -1");
     const std::int64_t* r = rows.data();
     for (py::ssize_t k = 0; k < n; ++k) {
         if (r[k] < 0 || r[k] >= capacity) throw py::index_error("rows: index out of range");
     }
     double* t = target.mutable_data();
+    const double* scale_data = scaled ? scale.data() : nullptr;
     py::gil_scoped_release release;
     fusekit::add_rows(t, static_cast<std::size_t>(p), r, values.data(),
-                      one_vector ? 0 : static_cast<std::size_t>(p), static_cast<std::size_t>(n),
-                      sign);
+                      one_vector ? 0 : static_cast<std::size_t>(p), scale_data,
+                      static_cast<std::size_t>(n), sign);
 }
 
 double finite_min(const Array& x) {
@@ -279,8 +289,8 @@ PYBIND11_MODULE(_core, m) {
           py::arg("lam"),
           "PFNM (lam = 0) / NAFI matching cost of one client against the global posterior.");
     m.def("add_rows", &add_rows, py::arg("target"), py::arg("rows"), py::arg("values"),
-          py::arg("sign") = 1.0,
-          "In place: target[rows[k]] += sign * values[k] (rows unique), one pass.");
+          py::arg("sign") = 1.0, py::arg("scale") = py::none(),
+          "In place: target[rows[k]] += sign * values[k] (* scale) (rows unique), one pass.");
     m.def("finite_min", &finite_min, py::arg("x"),
           "Smallest value of a float64 array, NaN when some value is NaN or infinite.");
     m.def("has_openmp", &has_openmp, "Whether the extension was built with OpenMP.");

@@ -362,14 +362,20 @@ FUSEKIT_CLONES double finite_min(const double* x, std::size_t n) {
 }
 
 FUSEKIT_CLONES void add_rows(double* target, std::size_t p, const std::int64_t* rows,
-                             const double* values, std::size_t stride, std::size_t n,
-                             double sign) {
+                             const double* values, std::size_t stride, const double* scale,
+                             std::size_t n, double sign) {
     for (std::size_t k = 0; k < n; ++k) {
         double* __restrict row = target + static_cast<std::size_t>(rows[k]) * p;
         const double* __restrict v = values + k * stride;
-        // sign is +1 or -1, so sign * v is exact and the result equals += / -=.
+        // sign is +1 or -1, so sign * x is exact: the result equals numpy's
+        // target += x / target -= x, with x = v (or the rounded product v * scale).
+        if (scale == nullptr) {
 #pragma omp simd
-        for (std::size_t q = 0; q < p; ++q) row[q] += sign * v[q];
+            for (std::size_t q = 0; q < p; ++q) row[q] += sign * v[q];
+        } else {
+#pragma omp simd
+            for (std::size_t q = 0; q < p; ++q) row[q] += sign * (v[q] * scale[q]);
+        }
     }
 }
 

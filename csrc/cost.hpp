@@ -26,10 +26,11 @@ struct Blas {
 // input validation of the kernels in one vectorised pass.
 double finite_min(const double* x, std::size_t n);
 
-// target[rows[k]] += sign * values[k * stride] (rows of p doubles; rows unique and in
-// range; sign +1 or -1; stride p, or 0 to add one vector to every row).
+// target[rows[k]] += sign * values[k * stride] (times scale elementwise unless null; rows
+// of p doubles; rows unique and in range; sign +1 or -1; stride p, or 0 to add one vector
+// to every row).
 void add_rows(double* target, std::size_t p, const std::int64_t* rows, const double* values,
-              std::size_t stride, std::size_t n, double sign);
+              std::size_t stride, const double* scale, std::size_t n, double sign);
 
 // out[i, j] = sum_p (a[i, p] - b[j, p])^2 for a (n x p), b (m x p); out is n x m.
 Status sqeuclidean_cost(const Blas& blas, const double* a, std::size_t n, const double* b,

@@ -21,6 +21,10 @@ def test_add_rows_matches_fancy_index_bit_for_bit():
     expected[rows] -= values[0]
     core().add_rows(target, rows, values[0], -1.0)
     assert np.array_equal(target, expected)
+    scale = rng.random(13)
+    expected[rows] -= values * scale
+    core().add_rows(target, rows, values, -1.0, scale)
+    assert np.array_equal(target, expected)
 
 
 @pytest.mark.parametrize(
@@ -37,6 +41,8 @@ def test_add_rows_rejects_bad_arguments(rows, values, sign):
     target = np.zeros((40, 13))
     with pytest.raises((ValueError, IndexError)):
         core().add_rows(target, rows, values, sign)
+    with pytest.raises(ValueError, match="scale"):
+        core().add_rows(target, np.array([0]), np.ones((1, 13)), 1.0, np.ones(12))
     assert not target.any()
 
 
