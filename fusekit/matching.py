@@ -243,9 +243,7 @@ def _posterior_cost(
     checked = {"check_finite": check_finite}
     return core().posterior_cost(
         local,
-        _per_coordinate(
-            client_precision, p, "client_precision", bound="non-negative", **checked
-        ),
+        _per_coordinate(client_precision, p, "client_precision", bound="non-negative", **checked),
         sums,
         precisions,
         counts,
