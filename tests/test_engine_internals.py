@@ -79,3 +79,17 @@ def test_engine_rejects_non_finite_vectors_once():
     vecs[1][2, 3] = np.inf
     with pytest.raises(ParameterError, match=r"vectors\[1\]"):
         match_neurons(vecs, [1.0] * 3)
+
+
+def test_kernels_restore_the_blas_thread_count():
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    args = _cost_inputs(np.random.default_rng(4))
+
+    def scipy_blas_threads():
+        info = threadpoolctl.threadpool_info()
+        return [i["num_threads"] for i in info if "scipy_openblas" in i["filepath"]]
+
+    before = scipy_blas_threads()
+    matching.pfnm_cost(**args, n_clients=6)
+    matching.sqeuclidean_cost(args["local"], args["global_sums"])
+    assert scipy_blas_threads() == before
