@@ -4,6 +4,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <dlfcn.h>
+
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -57,15 +59,36 @@ void require_length(const Array& x, py::ssize_t n, const char* name) {
 
 // SciPy's OpenBLAS dgemm, looked up once through the capsules of scipy.linalg.cython_blas
 // (the documented way to call SciPy's BLAS from compiled code), so the core links no BLAS.
-fusekit::Dgemm blas_dgemm() {
-    static const fusekit::Dgemm gemm = [] {
+// The thread-count controls come from the same library (found from dgemm's address), under
+// SciPy's prefixed names or OpenBLAS's own; absent (another BLAS) they stay null.
+const fusekit::Blas& blas() {
+    static const fusekit::Blas instance = [] {
         py::object capi = py::module_::import("scipy.linalg.cython_blas").attr("__pyx_capi__");
         py::object capsule = capi["dgemm"];
         void* pointer = PyCapsule_GetPointer(capsule.ptr(), PyCapsule_GetName(capsule.ptr()));
         if (pointer == nullptr) throw py::error_already_set();
-        return reinterpret_cast<fusekit::Dgemm>(pointer);
+        fusekit::Blas b;
+        b.gemm = reinterpret_cast<fusekit::Dgemm>(pointer);
+        Dl_info info{};
+        void* library = nullptr;
+        if (dladdr(pointer, &info) != 0 && info.dli_fname != nullptr) {
+            library = dlopen(info.dli_fname, RTLD_LAZY | RTLD_NOLOAD);
+        }
+        if (library != nullptr) {
+            for (const char* prefix : {"scipy_openblas", "openblas"}) {
+                const std::string p(prefix);
+                void* get = dlsym(library, (p + "_get_num_threads").c_str());
+                void* set = dlsym(library, (p + "_set_num_threads").c_str());
+                if (get != nullptr && set != nullptr) {
+                    b.get_threads = reinterpret_cast<int (*)()>(get);
+                    b.set_threads = reinterpret_cast<void (*)(int)>(set);
+                    break;
+                }
+            }
+        }
+        return b;
     }();
-    return gemm;
+    return instance;
 }
 
 bool is_float32(const py::array& x) { return x.dtype().is(py::dtype::of<float>()); }
@@ -157,11 +180,11 @@ Array sqeuclidean_cost(const Array& a, const Array& b) {
     const auto m = static_cast<std::size_t>(b.shape(0));
     const auto p = static_cast<std::size_t>(a.shape(1));
     Array out({n, m});
-    const fusekit::Dgemm gemm = blas_dgemm();
+    const fusekit::Blas& library = blas();
     Status status;
     {
         py::gil_scoped_release release;
-        status = fusekit::sqeuclidean_cost(gemm, a.data(), n, b.data(), m, p, out.mutable_data());
+        status = fusekit::sqeuclidean_cost(library, a.data(), n, b.data(), m, p, out.mutable_data());
     }
     raise_for(status, "sqeuclidean_cost");
     return out;
@@ -190,14 +213,50 @@ Array posterior_cost(const Array& local, const Array& precision, const Array& su
                                    static_cast<std::size_t>(ng), static_cast<std::size_t>(p),
                                    n_clients, gamma0, lam};
     Array out({ng + nl, nl});
-    const fusekit::Dgemm gemm = blas_dgemm();
+    const fusekit::Blas& library = blas();
     Status status;
     {
         py::gil_scoped_release release;
-        status = fusekit::posterior_cost(gemm, in, out.mutable_data());
+        status = fusekit::posterior_cost(library, in, out.mutable_data());
     }
     raise_for(status, "posterior_cost");
     return out;
+}
+
+// target[rows[k]] += sign * values[k] (* scale) for every k, in place: one pass over the
+// rows, where numpy's fancy-index += gathers, adds and scatters, and with scale the product
+// values * scale is never stored. rows must be unique; values is (n, p), or (p,) for the
+// same vector added to every row; scale is None or (p,).
+void add_rows(py::array_t<double> target, const Index& rows, const Array& values, double sign,
+              const py::object& scale_in) {
+    if (!(target.flags() & py::array::c_style) || !target.writeable() || target.ndim() != 2) {
+        throw py::value_error("target: expected a writeable C-contiguous 2-D float64 array");
+    }
+    const py::ssize_t n = rows.size(), p = target.shape(1), capacity = target.shape(0);
+    const bool one_vector = values.ndim() == 1 && values.shape(0) == p;
+    if (rows.ndim() != 1 ||
+        !(one_vector || (values.ndim() == 2 && values.shape(0) == n && values.shape(1) == p))) {
+        throw py::value_error("rows / values: expected shapes (n,) and (n, " +
+                              std::to_string(p) + ") or (" + std::to_string(p) + ",)");
+    }
+    Array scale;
+    const bool scaled = !scale_in.is_none();
+    if (scaled) {
+        scale = Array::ensure(scale_in);
+        if (!scale) throw py::value_error("scale: expected a float64 vector");
+        require_length(scale, p, "scale");
+    }
+    if (sign != 1.0 && sign != -1.0) throw py::value_error("sign: expected 1 or -1");
+    const std::int64_t* r = rows.data();
+    for (py::ssize_t k = 0; k < n; ++k) {
+        if (r[k] < 0 || r[k] >= capacity) throw py::index_error("rows: index out of range");
+    }
+    double* t = target.mutable_data();
+    const double* scale_data = scaled ? scale.data() : nullptr;
+    py::gil_scoped_release release;
+    fusekit::add_rows(t, static_cast<std::size_t>(p), r, values.data(),
+                      one_vector ? 0 : static_cast<std::size_t>(p), scale_data,
+                      static_cast<std::size_t>(n), sign);
 }
 
 double finite_min(const Array& x) {
@@ -229,6 +288,9 @@ PYBIND11_MODULE(_core, m) {
           py::arg("mu0"), py::arg("sigma0_2"), py::arg("n_clients"), py::arg("gamma0"),
           py::arg("lam"),
           "PFNM (lam = 0) / NAFI matching cost of one client against the global posterior.");
+    m.def("add_rows", &add_rows, py::arg("target"), py::arg("rows"), py::arg("values"),
+          py::arg("sign") = 1.0, py::arg("scale") = py::none(),
+          "In place: target[rows[k]] += sign * values[k] (* scale) (rows unique), one pass.");
     m.def("finite_min", &finite_min, py::arg("x"),
           "Smallest value of a float64 array, NaN when some value is NaN or infinite.");
     m.def("has_openmp", &has_openmp, "Whether the extension was built with OpenMP.");

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <mutex>
 #include <vector>
 
 #include "simd.hpp"
@@ -27,18 +28,52 @@ double* scratch(std::vector<double>& buffer, std::size_t size) {
 // local neuron that matches.
 constexpr double kCancellation = 1.0 / 64;
 
-// Threads: the products run on OpenBLAS's own thread pool; everything else here is serial
-// and vectorised. An OpenMP team spinning between the products took the cores from
-// OpenBLAS's threads: measured 10-60x slower on 2 shared cores.
+// Threads: the products run on OpenBLAS's thread pool only when they are large; everything
+// else here is serial and vectorised. An OpenMP team spinning between the products took the
+// cores from OpenBLAS's threads: measured 10-60x slower on 2 shared cores.
 
 // Bounds the left operand of one product call (rows x k doubles) at 32 MB: fewer, larger
 // calls, because each call wakes OpenBLAS's threads again (on 2 busy cores, 4 MB tiles
 // ran 4x slower multi-threaded than single-threaded).
 constexpr std::size_t kTileElements = std::size_t{1} << 22;
 
+// Products below this many flops run on one BLAS thread. A PFNM matrix of a 784-100-10
+// layer (150 x 100 x 800, 24 MFLOP) took 0.63 ms on one thread and 0.59 ms on two of an
+// idle 2-core machine, but 3-5x longer on two when another process held one core (the
+// second thread waits for a core the scheduler gives elsewhere).
+constexpr double kSerialFlops = 256e6;
+
+// OpenBLAS's pthreads build keeps one process-wide thread count (its "_local" setter
+// included), so concurrent kernels share the change: the first one in sets one thread,
+// the last one out restores the count it found.
+class SerialBlas {
+public:
+    explicit SerialBlas(const Blas& blas) : blas_(blas.set_threads ? &blas : nullptr) {
+        if (blas_ == nullptr) return;
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (active_++ == 0) {
+            saved_ = blas_->get_threads();
+            if (saved_ > 1) blas_->set_threads(1);
+        }
+    }
+    ~SerialBlas() {
+        if (blas_ == nullptr) return;
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (--active_ == 0 && saved_ > 1) blas_->set_threads(saved_);
+    }
+    SerialBlas(const SerialBlas&) = delete;
+    SerialBlas& operator=(const SerialBlas&) = delete;
+
+private:
+    const Blas* blas_;
+    static inline std::mutex mutex_;
+    static inline int active_ = 0;
+    static inline int saved_ = 1;
+};
+
 // Row-major out (rows x m, row stride ld) = alpha * left (rows x k) * right (m x k)^T: the
 // column-major product out^T = alpha * right^T' * left^T, with both operands read in place.
-void product(Dgemm gemm, const double* left, std::size_t rows, const double* right,
+void product(const Blas& blas, const double* left, std::size_t rows, const double* right,
              std::size_t m, std::size_t k, double alpha, double* out, std::size_t ld) {
     if (k == 0) {
         for (std::size_t i = 0; i < rows; ++i) std::fill(out + i * ld, out + i * ld + m, 0.0);
@@ -47,7 +82,14 @@ void product(Dgemm gemm, const double* left, std::size_t rows, const double* rig
     const int mm = static_cast<int>(m), nn = static_cast<int>(rows), kk = static_cast<int>(k);
     const int ldk = kk, ldc = static_cast<int>(ld);
     const double beta = 0.0;
-    gemm("T", "N", &mm, &nn, &kk, &alpha, right, &ldk, left, &ldk, &beta, out, &ldc);
+    const double flops = 2.0 * static_cast<double>(rows) * static_cast<double>(m) *
+                         static_cast<double>(k);
+    if (flops < kSerialFlops) {
+        const SerialBlas serial(blas);
+        blas.gemm("T", "N", &mm, &nn, &kk, &alpha, right, &ldk, left, &ldk, &beta, out, &ldc);
+    } else {
+        blas.gemm("T", "N", &mm, &nn, &kk, &alpha, right, &ldk, left, &ldk, &beta, out, &ldc);
+    }
 }
 
 // The epilogue of a product row: row[j] = scale * row[j] + a * column[j] + c. Returns
@@ -232,6 +274,43 @@ void global_row(const PosteriorCostInput& in, const Coordinates& c, std::size_t 
     t.offset[i] = 2.0 * std::log((S - n_i) / n_i) + in.lam * kl;
 }
 
+// out[k] = w[coordinate k of list] (and squares[k] = its square unless null), for the
+// right operand of the product; returns the sum of squares.
+template <bool kContiguous>
+FUSEKIT_CLONES double gather(const double* __restrict w, const std::size_t* list, std::size_t n,
+                             double* __restrict out, double* __restrict squares) {
+    double acc = 0.0;
+    if (squares == nullptr) {
+#pragma omp simd reduction(+ : acc)
+        for (std::size_t k = 0; k < n; ++k) {
+            const double x = w[coordinate<kContiguous>(list, k)];
+            out[k] = x;
+            acc += x * x;
+        }
+    } else {
+#pragma omp simd reduction(+ : acc)
+        for (std::size_t k = 0; k < n; ++k) {
+            const double x = w[coordinate<kContiguous>(list, k)];
+            out[k] = x;
+            squares[k] = x * x;
+            acc += x * x;
+        }
+    }
+    return acc;
+}
+
+// sum_q weight_q (w_q - mu0_q)^2.
+FUSEKIT_CLONES double weighted_distance(const double* __restrict w, const double* __restrict mu0,
+                                        const double* __restrict weight, std::size_t p) {
+    double acc = 0.0;
+#pragma omp simd reduction(+ : acc)
+    for (std::size_t q = 0; q < p; ++q) {
+        const double e = w[q] - mu0[q];
+        acc += weight[q] * e * e;
+    }
+    return acc;
+}
+
 // The exact cost sum_p a_ip (w_jp - m_ip)^2 of one pair, for entries the expansion cancels.
 double exact_posterior_entry(const PosteriorCostInput& in, std::size_t i, std::size_t j) {
     const double* w = in.local + j * in.p;
@@ -258,13 +337,7 @@ void new_neuron_rows(const PosteriorCostInput& in, double* out) {
     }
     std::vector<double> to_prior(nl);
     for (std::size_t j = 0; j < nl; ++j) {
-        double acc = 0.0;
-        const double* w = in.local + j * p;
-        for (std::size_t q = 0; q < p; ++q) {
-            const double e = w[q] - in.mu0[q];
-            acc += weight[q] * e * e;
-        }
-        to_prior[j] = acc + new_offset;
+        to_prior[j] = weighted_distance(in.local + j * p, in.mu0, weight.data(), p) + new_offset;
     }
     for (std::size_t k = 0; k < nl; ++k) {
         const double penalty =
@@ -288,13 +361,31 @@ FUSEKIT_CLONES double finite_min(const double* x, std::size_t n) {
     return bad ? std::numeric_limits<double>::quiet_NaN() : smallest;
 }
 
-Status sqeuclidean_cost(Dgemm gemm, const double* a, std::size_t n, const double* b,
+FUSEKIT_CLONES void add_rows(double* target, std::size_t p, const std::int64_t* rows,
+                             const double* values, std::size_t stride, const double* scale,
+                             std::size_t n, double sign) {
+    for (std::size_t k = 0; k < n; ++k) {
+        double* __restrict row = target + static_cast<std::size_t>(rows[k]) * p;
+        const double* __restrict v = values + k * stride;
+        // sign is +1 or -1, so sign * x is exact: the result equals numpy's
+        // target += x / target -= x, with x = v (or the rounded product v * scale).
+        if (scale == nullptr) {
+#pragma omp simd
+            for (std::size_t q = 0; q < p; ++q) row[q] += sign * v[q];
+        } else {
+#pragma omp simd
+            for (std::size_t q = 0; q < p; ++q) row[q] += sign * (v[q] * scale[q]);
+        }
+    }
+}
+
+Status sqeuclidean_cost(const Blas& blas, const double* a, std::size_t n, const double* b,
                         std::size_t m, std::size_t p, double* out) {
     if (n == 0 || m == 0) return Status::ok;
     std::vector<double> norm_a(n), norm_b(m);
     for (std::size_t i = 0; i < n; ++i) norm_a[i] = squared_norm(a + i * p, p);
     for (std::size_t j = 0; j < m; ++j) norm_b[j] = squared_norm(b + j * p, p);
-    product(gemm, a, n, b, m, p, -2.0, out, m);
+    product(blas, a, n, b, m, p, -2.0, out, m);
     for (std::size_t i = 0; i < n; ++i) {
         double* row = out + i * m;
         if (!finish_row(row, m, 1.0, 1.0, norm_b.data(), norm_a[i], norm_a[i], 1.0,
@@ -310,7 +401,7 @@ Status sqeuclidean_cost(Dgemm gemm, const double* a, std::size_t n, const double
     return Status::ok;
 }
 
-Status posterior_cost(Dgemm gemm, const PosteriorCostInput& in, double* out) {
+Status posterior_cost(const Blas& blas, const PosteriorCostInput& in, double* out) {
     const std::size_t p = in.p, nl = in.n_local, ng = in.n_global;
     if (nl == 0) return Status::ok;
     const Coordinates c = classify(in);
@@ -323,6 +414,10 @@ Status posterior_cost(Dgemm gemm, const PosteriorCostInput& in, double* out) {
     thread_local std::vector<double> right_buffer, left_buffer;
     double* right = direct ? nullptr : scratch(right_buffer, nl * k);
     std::vector<double> shared_norm(nl), full_norm(nl);
+    // "own" coordinates follow the shared ones when both lists are contiguous runs.
+    const bool shared_contiguous = is_contiguous(c.shared);
+    const bool own_contiguous =
+        shared_contiguous && !c.own.empty() && c.own.front() == ns && c.own.back() + 1 == ns + no;
     for (std::size_t j = 0; j < nl; ++j) {
         const double* w = in.local + j * p;
         if (direct) {
@@ -330,17 +425,11 @@ Status posterior_cost(Dgemm gemm, const PosteriorCostInput& in, double* out) {
             continue;
         }
         double* r = right + j * k;
-        double shared = 0.0, own = 0.0;
-        for (std::size_t t = 0; t < ns; ++t) {
-            r[t] = w[c.shared[t]];
-            shared += r[t] * r[t];
-        }
-        for (std::size_t t = 0; t < no; ++t) {
-            const double x = w[c.own[t]];
-            r[ns + t] = x;
-            r[ns + no + t] = x * x;
-            own += x * x;
-        }
+        const double shared =
+            shared_contiguous ? gather<true>(w, nullptr, ns, r, nullptr)
+                              : gather<false>(w, c.shared.data(), ns, r, nullptr);
+        const double own = own_contiguous ? gather<true>(w + ns, nullptr, no, r + ns, r + ns + no)
+                                          : gather<false>(w, c.own.data(), no, r + ns, r + ns + no);
         shared_norm[j] = shared;
         full_norm[j] = shared + own;
     }
@@ -356,9 +445,9 @@ Status posterior_cost(Dgemm gemm, const PosteriorCostInput& in, double* out) {
             global_row(in, c, i0 + r, direct ? nullptr : left + r * k, terms);
         }
         if (direct) {
-            product(gemm, in.sums + i0 * p, rows, in.local, nl, p, 1.0, out + i0 * nl, nl);
+            product(blas, in.sums + i0 * p, rows, in.local, nl, p, 1.0, out + i0 * nl, nl);
         } else {
-            product(gemm, left, rows, right, nl, k, 1.0, out + i0 * nl, nl);
+            product(blas, left, rows, right, nl, k, 1.0, out + i0 * nl, nl);
         }
         for (std::size_t i = i0; i < i0 + rows; ++i) {
             const double a = terms.shared_weight[i], row_term = terms.row_term[i];

@@ -1,6 +1,7 @@
 // Cost kernels: dense matrices between neuron vectors, row-major, no Python types.
 #pragma once
 #include <cstddef>
+#include <cstdint>
 
 #include "status.hpp"
 
@@ -13,12 +14,26 @@ using Dgemm = void (*)(const char* transa, const char* transb, const int* m, con
                        const double* b, const int* ldb, const double* beta, double* c,
                        const int* ldc);
 
+// The BLAS the kernels call: dgemm, plus OpenBLAS's thread-count controls when the library
+// exports them (null otherwise; the products then run with the library's own setting).
+struct Blas {
+    Dgemm gemm = nullptr;
+    int (*get_threads)() = nullptr;
+    void (*set_threads)(int) = nullptr;
+};
+
 // Smallest of x[0..n) (+inf when n == 0), or NaN when some value is NaN or infinite: the
 // input validation of the kernels in one vectorised pass.
 double finite_min(const double* x, std::size_t n);
 
+// target[rows[k]] += sign * values[k * stride] (times scale elementwise unless null; rows
+// of p doubles; rows unique and in range; sign +1 or -1; stride p, or 0 to add one vector
+// to every row).
+void add_rows(double* target, std::size_t p, const std::int64_t* rows, const double* values,
+              std::size_t stride, const double* scale, std::size_t n, double sign);
+
 // out[i, j] = sum_p (a[i, p] - b[j, p])^2 for a (n x p), b (m x p); out is n x m.
-Status sqeuclidean_cost(Dgemm gemm, const double* a, std::size_t n, const double* b,
+Status sqeuclidean_cost(const Blas& blas, const double* a, std::size_t n, const double* b,
                         std::size_t m, std::size_t p, double* out);
 
 // Inputs of the PFNM / NAFI matching cost of one client against the global posterior
@@ -39,6 +54,6 @@ struct PosteriorCostInput {
 
 // Fills out ((n_global + n_local) x n_local) with the cost to minimise: rows < n_global
 // are existing global neurons, row n_global + k - 1 is the k-th new-neuron slot.
-Status posterior_cost(Dgemm gemm, const PosteriorCostInput& in, double* out);
+Status posterior_cost(const Blas& blas, const PosteriorCostInput& in, double* out);
 
 }  // namespace fusekit

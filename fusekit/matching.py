@@ -171,22 +171,26 @@ def sqeuclidean_cost(a, b) -> np.ndarray:
     return core().sqeuclidean_cost(a, b)
 
 
-def _finite_matrix(x, name: str) -> np.ndarray:
+def _finite_matrix(x, name: str, check_finite: bool = True) -> np.ndarray:
     array = np.ascontiguousarray(np.asarray(x, dtype=np.float64))
     if array.ndim != 2:
         raise ValueError(f"{name}: expected a 2-D array, got shape {array.shape}")
-    if np.isnan(core().finite_min(array)):
+    if check_finite and np.isnan(core().finite_min(array)):
         raise ValueError(f"{name}: expected finite values, found NaN or inf")
     return array
 
 
-def _per_coordinate(x, p: int, name: str, *, bound: str | None) -> np.ndarray:
+def _per_coordinate(
+    x, p: int, name: str, *, bound: str | None, check_finite: bool = True
+) -> np.ndarray:
     """Broadcast a scalar or (p,) argument to a contiguous (p,) float64 vector."""
     array = np.asarray(x, dtype=np.float64)
     if array.ndim == 0:
         array = np.full(p, float(array))
     elif array.shape != (p,):
         raise ParameterError(f"{name}: expected a scalar or shape ({p},), got {array.shape}")
+    if not check_finite:
+        return np.ascontiguousarray(array)
     if not np.isfinite(array).all():
         raise ParameterError(f"{name}: expected finite values")
     if bound == "positive" and not (array > 0).all():
@@ -207,17 +211,18 @@ def _posterior_cost(
     sigma0_2,
     gamma0,
     lam,
+    check_finite,
 ) -> np.ndarray:
-    local = _finite_matrix(local, "local")
+    local = _finite_matrix(local, "local", check_finite)
     p = local.shape[1]
-    sums = _finite_matrix(global_sums, "global_sums")
-    precisions = _finite_matrix(global_precisions, "global_precisions")
+    sums = _finite_matrix(global_sums, "global_sums", check_finite)
+    precisions = _finite_matrix(global_precisions, "global_precisions", check_finite)
     if sums.shape[1:] != (p,) or precisions.shape != sums.shape:
         raise ValueError(
             f"global_sums {sums.shape} and global_precisions {precisions.shape}: expected "
             f"the same shape (J_global, {p})"
         )
-    if not core().finite_min(precisions) > 0:
+    if check_finite and not core().finite_min(precisions) > 0:
         raise ParameterError(
             "global_precisions: expected values > 0 (they include the prior 1/sigma0^2)"
         )
@@ -226,7 +231,7 @@ def _posterior_cost(
         raise ValueError(f"global_counts: expected shape ({sums.shape[0]},), got {counts.shape}")
     if isinstance(n_clients, bool) or not isinstance(n_clients, (int, np.integer)) or n_clients < 2:
         raise ParameterError(f"n_clients: expected an integer >= 2, got {n_clients!r}")
-    if counts.size and not ((counts >= 1).all() and (counts < n_clients).all()):
+    if check_finite and counts.size and not ((counts >= 1).all() and (counts < n_clients).all()):
         raise ParameterError(
             f"global_counts: expected 1 <= n_i < n_clients={n_clients} (clients other than "
             f"this one), found range [{counts.min()}, {counts.max()}]"
@@ -235,14 +240,15 @@ def _posterior_cost(
         raise ParameterError(f"gamma0: expected a finite value > 0, got {gamma0!r}")
     if not (np.isfinite(lam) and lam >= 0):
         raise ParameterError(f"lam: expected a finite value >= 0, got {lam!r}")
+    checked = {"check_finite": check_finite}
     return core().posterior_cost(
         local,
-        _per_coordinate(client_precision, p, "client_precision", bound="non-negative"),
+        _per_coordinate(client_precision, p, "client_precision", bound="non-negative", **checked),
         sums,
         precisions,
         counts,
-        _per_coordinate(mu0, p, "mu0", bound=None),
-        _per_coordinate(sigma0_2, p, "sigma0_2", bound="positive"),
+        _per_coordinate(mu0, p, "mu0", bound=None, **checked),
+        _per_coordinate(sigma0_2, p, "sigma0_2", bound="positive", **checked),
         float(n_clients),
         float(gamma0),
         float(lam),
@@ -260,6 +266,7 @@ def pfnm_cost(
     mu0=0.0,
     sigma0_2=1.0,
     gamma0: float = 1.0,
+    check_finite: bool = True,
 ) -> np.ndarray:
     """PFNM matching cost of one client against the global posterior (NAFI paper Eq. 5).
 
@@ -282,6 +289,12 @@ def pfnm_cost(
         Prior mean and variance of global neurons.
     gamma0 : float
         Mass of the Beta-Bernoulli process.
+    check_finite : bool
+        Check that the arrays are finite and in range (precisions > 0, counts in
+        [1, n_clients), client_precision >= 0, sigma0_2 > 0), as SciPy's ``check_finite``.
+        ``False`` skips these value checks (shapes are still checked) for callers that own
+        validated state, such as the PFNM / NAFI engine re-building a matrix every step;
+        invalid values then give meaningless costs, never an out-of-bounds access.
 
     Returns
     -------
@@ -307,6 +320,7 @@ def pfnm_cost(
         sigma0_2,
         gamma0,
         0.0,
+        check_finite,
     )
 
 
@@ -322,10 +336,12 @@ def nafi_cost(
     sigma0_2=1.0,
     gamma0: float = 1.0,
     lam: float = 1e-2,
+    check_finite: bool = True,
 ) -> np.ndarray:
     """NAFI matching cost: PFNM's cost plus ``lam`` times a KL term (NAFI paper Eq. 14).
 
-    Parameters are those of :func:`pfnm_cost`, plus ``lam`` (>= 0), the KL weight.
+    Parameters are those of :func:`pfnm_cost` (``check_finite`` included), plus ``lam``
+    (>= 0), the KL weight.
     The KL between the global neuron's posterior before and after adding w_j is
     ``1/2 sum_p [r - 1 - ln r + s^2 (w_jp - m_ip)^2 / (P_ip + s_p)]`` with
     ``r = (P_ip + s_p) / P_ip``; new slots use P = 1/sigma0^2 and m = mu0 (Lemma 5.1).
@@ -350,4 +366,5 @@ def nafi_cost(
         sigma0_2,
         gamma0,
         lam,
+        check_finite,
     )

@@ -30,6 +30,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -75,8 +76,14 @@ def get_backend(backend: str | MatchingBackend = "core") -> MatchingBackend:
     if backend == "core":
         from fusekit import matching
 
+        # The engine validates its inputs once (match_neurons) and owns the global state
+        # it passes, so the kernels skip re-validating arrays on every call.
         return MatchingBackend(
-            "core", matching.pfnm_cost, matching.nafi_cost, matching.solve_assignment, True
+            "core",
+            partial(matching.pfnm_cost, check_finite=False),
+            partial(matching.nafi_cost, check_finite=False),
+            matching.solve_assignment,
+            True,
         )
     if backend == "numpy":
         from scipy.optimize import linear_sum_assignment
@@ -138,8 +145,9 @@ class _GlobalState:
         """Contiguous (J, P), (J, P), (J,) views of the live globals (no copy)."""
         return self.sums[: self.size], self.precisions[: self.size], self.counts[: self.size]
 
-    def add(self, rows: np.ndarray, weighted: np.ndarray, precision: np.ndarray) -> None:
-        """Add a client's neurons to globals ``rows`` (``rows == size + k`` opens new ones)."""
+    def add(self, rows: np.ndarray, vectors: np.ndarray, precision: np.ndarray) -> None:
+        """Add a client's neurons (J_s, P) with precision (P,) to globals ``rows``
+        (``rows == size + k`` opens new ones)."""
         new_size = max(self.size, int(rows.max()) + 1) if rows.size else self.size
         self._reserve(new_size)
         if new_size > self.size:
@@ -148,16 +156,15 @@ class _GlobalState:
             self.precisions[fresh] = self.prior_precision
             self.counts[fresh] = 0
             self.size = new_size
-        # rows are unique within one client, so fancy-index += is safe.
-        self.sums[rows] += weighted
-        self.precisions[rows] += precision
+        _add_rows(self.sums, rows, vectors, 1.0, precision)
+        _add_rows(self.precisions, rows, precision, 1.0)
         self.counts[rows] += 1
 
-    def remove(self, rows: np.ndarray, weighted: np.ndarray, precision: np.ndarray) -> np.ndarray:
+    def remove(self, rows: np.ndarray, vectors: np.ndarray, precision: np.ndarray) -> np.ndarray:
         """Remove a client's neurons; drop globals left empty. Returns old -> new index
         (-1 for dropped globals)."""
-        self.sums[rows] -= weighted
-        self.precisions[rows] -= precision
+        _add_rows(self.sums, rows, vectors, -1.0, precision)
+        _add_rows(self.precisions, rows, precision, -1.0)
         self.counts[rows] -= 1
         keep = np.flatnonzero(self.counts[: self.size] > 0)
         remap = np.full(self.size, -1, dtype=np.int64)
@@ -168,6 +175,22 @@ class _GlobalState:
                 array[: keep.size] = array[keep]
             self.size = keep.size
         return remap
+
+
+def _add_rows(
+    target: np.ndarray,
+    rows: np.ndarray,
+    values: np.ndarray,
+    sign: float,
+    scale: np.ndarray | None = None,
+) -> None:
+    """``target[rows] += sign * values`` (``values * scale`` when scale is given) in place;
+    rows are unique within one client; values (n, P), or (P,) added to every row. The C++
+    core does it in one pass over the rows, where fancy-index += gathers, adds and scatters,
+    and never stores ``values * scale`` (bit-identical to numpy's results)."""
+    from fusekit._native import core
+
+    core().add_rows(target, rows, values, sign, scale)
 
 
 def _as_coordinate_vector(value: Any, n_coords: int, name: str) -> np.ndarray:
@@ -187,6 +210,8 @@ def _as_coordinate_vector(value: Any, n_coords: int, name: str) -> np.ndarray:
 def _validate_inputs(
     vectors: Sequence[np.ndarray], precisions: Sequence[Any]
 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    from fusekit._native import core
+
     if len(vectors) < 1:
         raise ParameterError("vectors: expected at least one client, found none")
     if len(precisions) != len(vectors):
@@ -200,6 +225,9 @@ def _validate_inputs(
             raise ParameterError(
                 f"vectors[{s}]: expected a non-empty (J_s, {n_coords}) matrix, found {v.shape}"
             )
+        if np.isnan(core().finite_min(v)):
+            # Checked once here: the core kernels then skip re-checking (check_finite=False).
+            raise ParameterError(f"vectors[{s}]: expected finite values, found NaN or inf")
     precs = []
     for s, p in enumerate(precisions):
         vec = _as_coordinate_vector(p, n_coords, f"precisions[{s}]")
@@ -286,7 +314,6 @@ def match_neurons(
 
     prior_precision = 1.0 / sigma0_vec
     state = _GlobalState(n_coords, mu0_vec * prior_precision, prior_precision)
-    weighted = [v * p for v, p in zip(vecs, precs, strict=True)]
     assignments: list[np.ndarray] = [np.empty(0, dtype=np.int64)] * n_clients
     timing = {"cost": 0.0, "assignment": 0.0, "n": 0}
     column_duals: dict[int, np.ndarray] = {}
@@ -323,15 +350,16 @@ def match_neurons(
         is_new = local_rows >= n_global
         local_rows[is_new] = n_global + np.arange(int(is_new.sum()))
         assignments[s] = local_rows
-        state.add(local_rows, weighted[s], precs[s])
+        state.add(local_rows, vecs[s], precs[s])
         return float(cost[rows, cols].sum())
 
     order = sorted(range(n_clients), key=lambda s: -vecs[s].shape[0])
     first = order[0]
     assignments[first] = np.arange(vecs[first].shape[0], dtype=np.int64)
-    state.add(assignments[first], weighted[first], precs[first])
+    state.add(assignments[first], vecs[first], precs[first])
     objective, lap_totals = [], []
-    data_term = sum(float(np.sum(w * v)) for w, v in zip(weighted, vecs, strict=True))
+    # sum_p s_p w_p^2 as (w * s) * w, the order of the posterior sums (same rounding).
+    data_term = sum(float(np.sum(v * p * v)) for v, p in zip(vecs, precs, strict=True))
     moves: list[int] = []
     total = sum(assign(s) for s in order[1:])
     objective.append(_objective(state, data_term, n_clients, gamma0))
@@ -341,7 +369,7 @@ def match_neurons(
     for _ in range(int(sweeps) if n_clients > 1 else 0):
         total, moved = 0.0, 0
         for s in rng.permutation(n_clients):
-            remap = state.remove(assignments[s], weighted[s], precs[s])
+            remap = state.remove(assignments[s], vecs[s], precs[s])
             before = remap[assignments[s]]  # -1: was alone in its global (now dropped)
             for other in range(n_clients):
                 if other != s:
@@ -359,7 +387,7 @@ def match_neurons(
             # further sweeps would re-solve the same problems (Algorithm 1 has converged).
             break
 
-    means, final_precisions, counts = _final_posterior(state, weighted, precs, assignments)
+    means, final_precisions, counts = _final_posterior(state, vecs, precs, assignments)
     report = _report(
         assignments, counts, objective, lap_totals, timing, kernels.name, true_labels
     )
@@ -392,7 +420,7 @@ def _solve(
 
 def _final_posterior(
     state: _GlobalState,
-    weighted: list[np.ndarray],
+    vecs: list[np.ndarray],
     precs: list[np.ndarray],
     assignments: list[np.ndarray],
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -401,9 +429,9 @@ def _final_posterior(
     sums = np.tile(state.prior_sum, (n_global, 1))
     precisions = np.tile(state.prior_precision, (n_global, 1))
     counts = np.zeros(n_global, dtype=np.int64)
-    for rows, w, p in zip(assignments, weighted, precs, strict=True):
-        sums[rows] += w
-        precisions[rows] += p
+    for rows, v, p in zip(assignments, vecs, precs, strict=True):
+        _add_rows(sums, rows, v, 1.0, p)
+        _add_rows(precisions, rows, p, 1.0)
         counts[rows] += 1
     return sums / precisions, precisions, counts
 

@@ -1,0 +1,95 @@
+"""The engine's internal fast paths: in-place row updates and unchecked cost kernels."""
+
+import numpy as np
+import pytest
+
+from fusekit import matching
+from fusekit._native import core
+from fusekit.errors import ParameterError
+from fusekit.methods.bayesian import match_neurons
+
+
+def test_add_rows_matches_fancy_index_bit_for_bit():
+    rng = np.random.default_rng(0)
+    target = rng.standard_normal((40, 13))
+    rows = rng.permutation(40)[:17]
+    values = rng.standard_normal((17, 13))
+    expected = target.copy()
+    expected[rows] += values
+    core().add_rows(target, rows, values, 1.0)
+    assert np.array_equal(target, expected)
+    expected[rows] -= values[0]
+    core().add_rows(target, rows, values[0], -1.0)
+    assert np.array_equal(target, expected)
+    scale = rng.random(13)
+    expected[rows] -= values * scale
+    core().add_rows(target, rows, values, -1.0, scale)
+    assert np.array_equal(target, expected)
+
+
+@pytest.mark.parametrize(
+    "rows, values, sign",
+    [
+        (np.array([40]), np.zeros((1, 13)), 1.0),
+        (np.array([-1]), np.zeros((1, 13)), 1.0),
+        (np.array([0, 1]), np.zeros((3, 13)), 1.0),
+        (np.array([0]), np.zeros((1, 12)), 1.0),
+        (np.array([0]), np.zeros((1, 13)), 2.0),
+    ],
+)
+def test_add_rows_rejects_bad_arguments(rows, values, sign):
+    target = np.zeros((40, 13))
+    with pytest.raises((ValueError, IndexError)):
+        core().add_rows(target, rows, values, sign)
+    with pytest.raises(ValueError, match="scale"):
+        core().add_rows(target, np.array([0]), np.ones((1, 13)), 1.0, np.ones(12))
+    assert not target.any()
+
+
+def _cost_inputs(rng, nl=7, ng=9, p=12):
+    s = np.r_[np.full(p - 3, 2.0), [0.5, 0.0, 3.0]]
+    return dict(
+        local=rng.standard_normal((nl, p)),
+        client_precision=s,
+        global_sums=rng.standard_normal((ng, p)),
+        global_precisions=1.0 + rng.integers(1, 4, size=(ng, 1)) * s,
+        global_counts=rng.integers(1, 5, size=ng),
+    )
+
+
+@pytest.mark.parametrize("kernel", ["pfnm_cost", "nafi_cost"])
+def test_unchecked_kernels_give_the_same_costs(kernel):
+    args = _cost_inputs(np.random.default_rng(1))
+    fn = getattr(matching, kernel)
+    checked = fn(**args, n_clients=6, sigma0_2=0.7)
+    unchecked = fn(**args, n_clients=6, sigma0_2=0.7, check_finite=False)
+    assert np.array_equal(checked, unchecked)
+
+
+def test_checked_kernels_still_reject_non_finite_input():
+    args = _cost_inputs(np.random.default_rng(2))
+    args["local"][0, 0] = np.nan
+    with pytest.raises(ValueError, match="local"):
+        matching.pfnm_cost(**args, n_clients=6)
+
+
+def test_engine_rejects_non_finite_vectors_once():
+    rng = np.random.default_rng(3)
+    vecs = [rng.standard_normal((5, 4)) for _ in range(3)]
+    vecs[1][2, 3] = np.inf
+    with pytest.raises(ParameterError, match=r"vectors\[1\]"):
+        match_neurons(vecs, [1.0] * 3)
+
+
+def test_kernels_restore_the_blas_thread_count():
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    args = _cost_inputs(np.random.default_rng(4))
+
+    def scipy_blas_threads():
+        info = threadpoolctl.threadpool_info()
+        return [i["num_threads"] for i in info if "scipy_openblas" in i["filepath"]]
+
+    before = scipy_blas_threads()
+    matching.pfnm_cost(**args, n_clients=6)
+    matching.sqeuclidean_cost(args["local"], args["global_sums"])
+    assert scipy_blas_threads() == before
