@@ -2,6 +2,9 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
+# The CPU build of PyTorch; on a GPU machine: make install TORCH=torch (keeps a CUDA build
+# already installed in .venv).
+TORCH  ?= torch==2.13.0
 
 .PHONY: install demo test bench clean
 
@@ -9,10 +12,9 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 
-# torch is pinned to the CPU build first; the package's own range then installs nothing
-# more. On a GPU machine install a CUDA build of torch into .venv before `make install`.
+# torch is pinned first, so the package's own range (torch>=2.2) installs nothing more.
 install: $(PY)
-	$(PY) -m pip install --quiet "torch==2.13.0" -e ".[test,bench]"
+	$(PY) -m pip install --quiet "$(TORCH)" -e ".[test,bench]"
 
 demo: install
 	$(PY) -m fusekit demo
