@@ -25,7 +25,6 @@ import argparse
 import json
 import logging
 import math
-import platform
 import sys
 import tempfile
 import time
@@ -38,6 +37,7 @@ import numpy as np
 import torch
 
 import fusekit
+from fusekit.bench import machine_info
 from fusekit.data import Dataset, load_dataset
 from fusekit.errors import DataError
 from fusekit.evaluate import Evaluator
@@ -408,19 +408,9 @@ def write_results_md(section: str, path: Path) -> None:
 
 
 def machine() -> dict[str, Any]:
-    from fusekit._native import core_status
-
-    return {
-        "python": sys.version.split()[0],
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "numpy": np.__version__,
-        "fusekit": fusekit.__version__,
-        "core": core_status(),
-        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-    }
+    cuda = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return machine_info(torch=torch.__version__, torch_threads=torch.get_num_threads(),
+                        cuda=cuda)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,9 +15,6 @@ a table and writes JSON with the machine, versions and backend.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -26,7 +23,7 @@ import numpy as np
 import scipy
 
 from fusekit import neurons
-from fusekit._version import __version__
+from fusekit.bench import machine_info, write_json
 from fusekit.bench.models import permuted_copies, random_cnn
 from fusekit.checkpoint import Checkpoint
 from fusekit.methods import get_method
@@ -133,17 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", default="benchmarks/results/bench_fusion.json")
     args = parser.parse_args(argv)
     rows = run(args.clients, args.numpy_clients, not args.no_cnn, args.lam)
-    payload = {
-        "machine": {"platform": platform.platform(), "processor": platform.processor(),
-                    "cpus": os.cpu_count()},
-        "versions": {"fusekit": __version__, "numpy": np.__version__, "scipy": scipy.__version__,
-                     "python": platform.python_version()},
-        "rows": rows,
-    }
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(payload, f, indent=2)
-    print(f"wrote {args.json}")
+    write_json(args.json, {"machine": machine_info(scipy=scipy.__version__), "rows": rows})
     return 0
 
 

@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import logging
 import os
-import platform
 import statistics
 import sys
 import time
@@ -26,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from fusekit import matching
+from fusekit.bench import machine_info, write_json
 
 logger = logging.getLogger(__name__)
 
@@ -341,13 +340,7 @@ def run(quick: bool = False, lapx_path: str | None = None, lap_path: str | None 
     peers, notes = load_peers(lapx_path, lap_path)
     rng = np.random.default_rng(20240601)
     return {
-        "machine": {
-            "platform": platform.platform(),
-            "processor": platform.processor(),
-            "cpus": os.cpu_count(),
-            "python": sys.version.split()[0],
-            "numpy": np.__version__,
-        },
+        "machine": machine_info(),
         "peers": notes,
         "assignment": bench_assignment(peers, rng, quick),
         "warm": bench_warm(rng),
@@ -367,5 +360,5 @@ def main(argv: list[str] | None = None) -> int:
     table = format_tables(results)
     sys.stdout.write(table + "\n")
     if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
+        write_json(args.json, results)
     return 0

@@ -22,9 +22,6 @@ default: vmap on CUDA only); CPU, and GPU when torch sees one.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -32,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from fusekit import neurons
-from fusekit._version import __version__
+from fusekit.bench import machine_info, write_json
 from fusekit.bench.models import permuted_copies, random_cnn, random_mlp
 from fusekit.checkpoint import Checkpoint
 from fusekit.methods.base import sample_weights
@@ -187,18 +184,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     rows = run_ot(args.clients, args.repeats) + run_ams(args.ams_models, args.batch,
                                                        args.repeats)
-    payload = {
-        "machine": {"platform": platform.platform(), "processor": platform.processor(),
-                    "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                    "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None},
-        "versions": {"fusekit": __version__, "numpy": np.__version__, "torch": torch.__version__,
-                     "python": platform.python_version()},
-        "rows": rows,
-    }
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(payload, f, indent=2)
-    print(f"wrote {args.json}")
+    cuda = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    machine = machine_info(torch=torch.__version__, torch_threads=torch.get_num_threads(),
+                           cuda=cuda)
+    write_json(args.json, {"machine": machine, "rows": rows})
     return 0
 
 
