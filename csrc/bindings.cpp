@@ -23,10 +23,20 @@ using Array = py::array_t<double, py::array::c_style | py::array::forcecast>;
 using Array32 = py::array_t<float, py::array::c_style | py::array::forcecast>;
 using Index = py::array_t<std::int64_t, py::array::c_style>;
 
-[[noreturn]] void raise_infeasible(const std::string& message) {
-    py::object cls = py::module_::import("fusekit.errors").attr("InfeasibleAssignmentError");
+// Errors are fusekit's own classes (both are ValueError subclasses), so the front doors
+// report bad input as bad input.
+[[noreturn]] void raise_error(const char* cls_name, const std::string& message) {
+    py::object cls = py::module_::import("fusekit.errors").attr(cls_name);
     PyErr_SetString(cls.ptr(), message.c_str());
     throw py::error_already_set();
+}
+
+[[noreturn]] void raise_parameter(const std::string& message) {
+    raise_error("ParameterError", message);
+}
+
+[[noreturn]] void raise_infeasible(const std::string& message) {
+    raise_error("InfeasibleAssignmentError", message);
 }
 
 void raise_for(Status status, const std::string& what) {
@@ -34,9 +44,9 @@ void raise_for(Status status, const std::string& what) {
         case Status::ok:
             return;
         case Status::invalid_shape:
-            throw py::value_error(what + ": invalid shape");
+            raise_parameter(what + ": invalid shape");
         case Status::non_finite:
-            throw py::value_error(what + ": expected finite values or +inf, found NaN or -inf");
+            raise_parameter(what + ": expected finite values or +inf, found NaN or -inf");
         case Status::infeasible:
             raise_infeasible(what +
                              ": no complete assignment avoids the forbidden (+inf) pairs");
@@ -45,14 +55,14 @@ void raise_for(Status status, const std::string& what) {
 
 void require_2d(const py::array& x, const char* name) {
     if (x.ndim() != 2) {
-        throw py::value_error(std::string(name) + ": expected a 2-D array, got " +
+        raise_parameter(std::string(name) + ": expected a 2-D array, got " +
                               std::to_string(x.ndim()) + "-D");
     }
 }
 
 void require_length(const Array& x, py::ssize_t n, const char* name) {
     if (x.ndim() != 1 || x.shape(0) != n) {
-        throw py::value_error(std::string(name) + ": expected a 1-D array of length " +
+        raise_parameter(std::string(name) + ": expected a 1-D array of length " +
                               std::to_string(n));
     }
 }
@@ -104,7 +114,7 @@ py::tuple solve_typed(const py::array& cost_in, const py::object& warm_u_in,
     if (warm) {
         warm_u = Array::ensure(warm_u_in);
         warm_v = Array::ensure(warm_v_in);
-        if (!warm_u || !warm_v) throw py::value_error("warm_start: expected two 1-D arrays");
+        if (!warm_u || !warm_v) raise_parameter("warm_start: expected two 1-D arrays");
         require_length(warm_u, cost.shape(0), "warm_start[0] (row potentials u)");
         require_length(warm_v, cost.shape(1), "warm_start[1] (column potentials v)");
     }
@@ -140,7 +150,7 @@ py::list solve_batch_typed(const py::list& costs, int n_threads) {
     std::vector<std::int64_t*> outs;
     for (py::ssize_t k = 0; k < static_cast<py::ssize_t>(costs.size()); ++k) {
         py::array item = costs[static_cast<std::size_t>(k)].cast<py::array>();
-        require_2d(item, "costs[k]");
+        require_2d(item, ("costs[" + std::to_string(k) + "]").c_str());
         arrays.push_back(TArray::ensure(item));
         nr.push_back(static_cast<std::size_t>(item.shape(0)));
         nc.push_back(static_cast<std::size_t>(item.shape(1)));
@@ -173,7 +183,7 @@ Array sqeuclidean_cost(const Array& a, const Array& b) {
     require_2d(a, "a");
     require_2d(b, "b");
     if (a.shape(1) != b.shape(1)) {
-        throw py::value_error("a and b: expected the same number of columns, got " +
+        raise_parameter("a and b: expected the same number of columns, got " +
                               std::to_string(a.shape(1)) + " and " + std::to_string(b.shape(1)));
     }
     const auto n = static_cast<std::size_t>(a.shape(0));
@@ -200,7 +210,7 @@ Array posterior_cost(const Array& local, const Array& precision, const Array& su
     require_2d(precisions, "global_precisions");
     const py::ssize_t nl = local.shape(0), p = local.shape(1), ng = sums.shape(0);
     if (sums.shape(1) != p || precisions.shape(0) != ng || precisions.shape(1) != p) {
-        throw py::value_error("global_sums / global_precisions: expected shape (J_global, " +
+        raise_parameter("global_sums / global_precisions: expected shape (J_global, " +
                               std::to_string(p) + ")");
     }
     require_length(precision, p, "client_precision");
@@ -227,31 +237,33 @@ Array posterior_cost(const Array& local, const Array& precision, const Array& su
 // rows, where numpy's fancy-index += gathers, adds and scatters, and with scale the product
 // values * scale is never stored. rows must be unique; values is (n, p), or (p,) for the
 // same vector added to every row; scale is None or (p,).
-void add_rows(py::array_t<double> target, const Index& rows, const Array& values, double sign,
+void add_rows(py::array target, const Index& rows, const Array& values, double sign,
               const py::object& scale_in) {
-    if (!(target.flags() & py::array::c_style) || !target.writeable() || target.ndim() != 2) {
-        throw py::value_error("target: expected a writeable C-contiguous 2-D float64 array");
+    // Written in place: a converted copy would silently drop the update.
+    if (!target.dtype().is(py::dtype::of<double>()) || !(target.flags() & py::array::c_style) ||
+        !target.writeable() || target.ndim() != 2) {
+        raise_parameter("target: expected a writeable C-contiguous 2-D float64 array");
     }
     const py::ssize_t n = rows.size(), p = target.shape(1), capacity = target.shape(0);
     const bool one_vector = values.ndim() == 1 && values.shape(0) == p;
     if (rows.ndim() != 1 ||
         !(one_vector || (values.ndim() == 2 && values.shape(0) == n && values.shape(1) == p))) {
-        throw py::value_error("rows / values: expected shapes (n,) and (n, " +
+        raise_parameter("rows / values: expected shapes (n,) and (n, " +
                               std::to_string(p) + ") or (" + std::to_string(p) + ",)");
     }
     Array scale;
     const bool scaled = !scale_in.is_none();
     if (scaled) {
         scale = Array::ensure(scale_in);
-        if (!scale) throw py::value_error("scale: expected a float64 vector");
+        if (!scale) raise_parameter("scale: expected a float64 vector");
         require_length(scale, p, "scale");
     }
-    if (sign != 1.0 && sign != -1.0) throw py::value_error("sign: expected 1 or -1");
+    if (sign != 1.0 && sign != -1.0) raise_parameter("sign: expected 1 or -1");
     const std::int64_t* r = rows.data();
     for (py::ssize_t k = 0; k < n; ++k) {
         if (r[k] < 0 || r[k] >= capacity) throw py::index_error("rows: index out of range");
     }
-    double* t = target.mutable_data();
+    double* t = static_cast<double*>(target.mutable_data());
     const double* scale_data = scaled ? scale.data() : nullptr;
     py::gil_scoped_release release;
     fusekit::add_rows(t, static_cast<std::size_t>(p), r, values.data(),

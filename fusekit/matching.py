@@ -31,15 +31,18 @@ def _as_cost_matrix(cost, maximize: bool, name: str = "cost") -> np.ndarray:
     """A C-contiguous float32/float64 copy-or-view of ``cost``, negated when maximising."""
     array = np.asarray(cost)
     if array.ndim != 2:
-        raise ValueError(f"{name}: expected a 2-D cost matrix, got shape {array.shape}")
+        raise ParameterError(f"{name}: expected a 2-D cost matrix, got shape {array.shape}")
     if array.dtype == np.bool_ or not (
         np.issubdtype(array.dtype, np.number) and not np.issubdtype(array.dtype, np.complexfloating)
     ):
-        raise ValueError(f"{name}: expected a real numeric matrix, got dtype {array.dtype}")
+        raise ParameterError(f"{name}: expected a real numeric matrix, got dtype {array.dtype}")
     if array.dtype != np.float32:
         array = array.astype(np.float64, copy=False)
     if maximize:
-        # SciPy's convention: negate first, so +inf becomes an invalid -inf when maximising.
+        if np.isposinf(array).any():
+            raise ParameterError(f"{name}: expected finite values or -inf when maximising, "
+                                 "found +inf")
+        # SciPy's convention: negate, so -inf (forbidden when maximising) becomes +inf.
         array = -array
     return np.ascontiguousarray(array)
 
@@ -83,7 +86,7 @@ def solve_assignment(
 
     Raises
     ------
-    ValueError
+    ParameterError (a ValueError)
         ``cost`` is not a real 2-D matrix, holds NaN or ``-inf`` (``+inf`` when
         maximising), or ``warm_start`` has the wrong shapes or non-finite values.
     InfeasibleAssignmentError
@@ -95,9 +98,11 @@ def solve_assignment(
         try:
             warm_u, warm_v = warm_start
         except (TypeError, ValueError):
-            raise ValueError("warm_start: expected a pair (u, v) of 1-D arrays") from None
+            raise ParameterError("warm_start: expected a pair (u, v) of 1-D arrays") from None
         warm_u = np.asarray(warm_u, dtype=np.float64)
         warm_v = np.asarray(warm_v, dtype=np.float64)
+        if not (np.isfinite(warm_u).all() and np.isfinite(warm_v).all()):
+            raise ParameterError("warm_start: expected finite potentials, found NaN or inf")
         if maximize:
             warm_u, warm_v = -warm_u, -warm_v
     col_of_row, u, v = core().solve_assignment(matrix, warm_u, warm_v, return_duals)
@@ -130,7 +135,7 @@ def solve_assignments(
 
     Raises
     ------
-    ValueError, InfeasibleAssignmentError
+    ParameterError (a ValueError), InfeasibleAssignmentError
         As :func:`solve_assignment`, naming the index of the offending problem.
     """
     if n_threads is not None and (not isinstance(n_threads, int) or n_threads < 1):
@@ -159,13 +164,13 @@ def sqeuclidean_cost(a, b) -> np.ndarray:
 
     Raises
     ------
-    ValueError
+    ParameterError (a ValueError)
         Not 2-D, different numbers of columns, or non-finite values.
     """
     a = _finite_matrix(a, "a")
     b = _finite_matrix(b, "b")
     if a.shape[1] != b.shape[1]:
-        raise ValueError(
+        raise ParameterError(
             f"a and b: expected the same number of columns, got {a.shape[1]} and {b.shape[1]}"
         )
     return core().sqeuclidean_cost(a, b)
@@ -174,9 +179,9 @@ def sqeuclidean_cost(a, b) -> np.ndarray:
 def _finite_matrix(x, name: str, check_finite: bool = True) -> np.ndarray:
     array = np.ascontiguousarray(np.asarray(x, dtype=np.float64))
     if array.ndim != 2:
-        raise ValueError(f"{name}: expected a 2-D array, got shape {array.shape}")
+        raise ParameterError(f"{name}: expected a 2-D array, got shape {array.shape}")
     if check_finite and np.isnan(core().finite_min(array)):
-        raise ValueError(f"{name}: expected finite values, found NaN or inf")
+        raise ParameterError(f"{name}: expected finite values, found NaN or inf")
     return array
 
 
@@ -218,7 +223,7 @@ def _posterior_cost(
     sums = _finite_matrix(global_sums, "global_sums", check_finite)
     precisions = _finite_matrix(global_precisions, "global_precisions", check_finite)
     if sums.shape[1:] != (p,) or precisions.shape != sums.shape:
-        raise ValueError(
+        raise ParameterError(
             f"global_sums {sums.shape} and global_precisions {precisions.shape}: expected "
             f"the same shape (J_global, {p})"
         )
@@ -228,7 +233,9 @@ def _posterior_cost(
         )
     counts = np.ascontiguousarray(np.asarray(global_counts, dtype=np.float64))
     if counts.shape != (sums.shape[0],):
-        raise ValueError(f"global_counts: expected shape ({sums.shape[0]},), got {counts.shape}")
+        raise ParameterError(
+            f"global_counts: expected shape ({sums.shape[0]},), got {counts.shape}"
+        )
     if isinstance(n_clients, bool) or not isinstance(n_clients, (int, np.integer)) or n_clients < 2:
         raise ParameterError(f"n_clients: expected an integer >= 2, got {n_clients!r}")
     if check_finite and counts.size and not ((counts >= 1).all() and (counts < n_clients).all()):
@@ -306,7 +313,7 @@ def pfnm_cost(
 
     Raises
     ------
-    ValueError, ParameterError
+    ParameterError (a ValueError)
         Shapes disagree, values are non-finite or out of range.
     """
     return _posterior_cost(
@@ -352,7 +359,7 @@ def nafi_cost(
 
     Raises
     ------
-    ValueError, ParameterError
+    ParameterError (a ValueError)
         As :func:`pfnm_cost`, or ``lam`` negative.
     """
     return _posterior_cost(

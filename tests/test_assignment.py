@@ -167,7 +167,8 @@ def test_nan_and_negative_infinity_are_rejected(bad):
 def test_positive_infinity_is_invalid_when_maximising():
     cost = np.ones((3, 3))
     cost[0, 0] = np.inf
-    with pytest.raises(ValueError, match="NaN or -inf"):
+    with pytest.raises(ValueError,
+                       match=r"expected finite values or -inf when maximising, found \+inf"):
         solve_assignment(cost, maximize=True)
     cost[0, 0] = -np.inf  # forbidden when maximising
     _, cols = solve_assignment(cost, maximize=True)
@@ -286,3 +287,14 @@ def test_gil_is_released_during_solves():
     assert count_while_running(lambda: solve_assignment(big)) > 1000
     batch = [rng.random((700, 700)) for _ in range(4)]
     assert count_while_running(lambda: solve_assignments(batch, n_threads=1)) > 1000
+
+
+def test_non_finite_warm_start_is_named():
+    cost = np.arange(9.0).reshape(3, 3)
+    with pytest.raises(ParameterError, match="warm_start: expected finite potentials"):
+        solve_assignment(cost, warm_start=(np.array([np.nan, 0, 0]), np.zeros(3)))
+
+
+def test_bad_input_is_a_fusekit_parameter_error():
+    with pytest.raises(ParameterError, match=r"costs\[1\]: expected a 2-D cost matrix"):
+        solve_assignments([np.ones((2, 2)), np.ones((2, 2, 2))])

@@ -93,3 +93,13 @@ def test_kernels_restore_the_blas_thread_count():
     matching.pfnm_cost(**args, n_clients=6)
     matching.sqeuclidean_cost(args["local"], args["global_sums"])
     assert scipy_blas_threads() == before
+
+
+def test_add_rows_refuses_a_target_it_would_have_to_copy():
+    from fusekit.errors import ParameterError
+
+    target = np.zeros((4, 3), dtype=np.float32)
+    with pytest.raises(ParameterError, match="writeable C-contiguous 2-D float64"):
+        core().add_rows(target, np.array([0]), np.ones((1, 3)), 1.0)
+    with pytest.raises(ParameterError, match="writeable C-contiguous 2-D float64"):
+        core().add_rows(np.zeros((3, 4)).T, np.array([0]), np.ones((1, 3)), 1.0)
