@@ -60,8 +60,7 @@ def fuse(
             rich_help_panel=_PFNM,
             help="pfnm/nafi: client noise variance sigma^2, in multiples of the "
             "layer's per-coordinate weight variance (see --variance-units); repeat once per "
-            "client for per-client values, in the canonical client order (widest first, "
-            "then content hash) [default: 1.0].",
+            "client for per-client values, in the order of the checkpoints [default: 1.0].",
             show_default=False,
         ),
     ] = None,

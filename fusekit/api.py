@@ -60,6 +60,7 @@ def fuse(
     order = sorted(range(len(checkpoints)), key=lambda i: canonical_key(checkpoints[i], specs[i]))
     checkpoints = [checkpoints[i] for i in order]
     specs = [specs[i] for i in order]
+    params = _in_canonical_order(params, fusion.per_client_params, order)
     start = time.perf_counter()
     result = fusion.fuse(checkpoints, specs, **params)
     result.report.setdefault("time_s", time.perf_counter() - start)
@@ -79,6 +80,18 @@ def _check_params(fusion, params: Mapping[str, Any]) -> None:
             f"method {fusion.name!r} does not take parameter(s) {', '.join(unknown)}; "
             f"it takes: {', '.join(accepted) or 'none'}"
         )
+
+
+def _in_canonical_order(params: dict[str, Any], names: Sequence[str],
+                        order: Sequence[int]) -> dict[str, Any]:
+    """Per-client values come in the order of the inputs; methods see clients reordered."""
+    out = dict(params)
+    for name in names:
+        value = out.get(name)
+        if isinstance(value, Sequence) and not isinstance(value, str) and len(value) == len(order):
+            out[name] = type(value)(value[i] for i in order) if isinstance(value, tuple) else [
+                value[i] for i in order]
+    return out
 
 
 def client_spec(checkpoint: Checkpoint, spec: SpecLike | None) -> PermutationSpec:

@@ -87,7 +87,7 @@ class Checkpoint:
 
     @property
     def label(self) -> str:
-        """How messages name this checkpoint: its path, or '<memory>'."""
+        """How messages name this checkpoint: its path, or '<in-memory checkpoint>'."""
         return str(self.path) if self.path is not None else "<in-memory checkpoint>"
 
     def __len__(self) -> int:
@@ -111,8 +111,9 @@ class Checkpoint:
                 f"{self.label}: tensor {name!r} has {bad} non-finite value(s) (NaN or Inf); "
                 "expected finite weights"
             )
-        array.flags.writeable = False
-        return array
+        view = array.view()  # read-only for the caller, without freezing an array it passed in
+        view.flags.writeable = False
+        return view
 
     def state_dict(self) -> dict[str, np.ndarray]:
         return {name: self.tensor(name) for name in self.tensors}
@@ -178,7 +179,8 @@ class Checkpoint:
         return digest.hexdigest()
 
     def _read(self, name: str) -> np.ndarray:
-        assert self.path is not None
+        if self.path is None:
+            raise CheckpointError(f"{self.label}: tensor {name!r} was never loaded")
         try:
             with safetensors.safe_open(self.path, framework="numpy") as f:
                 return f.get_tensor(name)
@@ -249,9 +251,12 @@ def load_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
 
 
 def _check_header_length(path: Path) -> None:
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        prefix = f.read(8)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            prefix = f.read(8)
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read the checkpoint ({exc.strerror})") from None
     if len(prefix) < 8:
         raise CheckpointError(
             f"{path}: not a valid safetensors file (expected an 8-byte header length, found "
@@ -285,6 +290,8 @@ def save_checkpoint(
     directory = path.parent if str(path.parent) else Path(".")
     if not directory.is_dir():
         raise OutputError(f"{path}: output directory {directory} does not exist")
+    if path.is_dir():
+        raise OutputError(f"{path}: is a directory; expected a file name for the output")
     if path.exists() and not force:
         raise OutputError(f"{path}: output file exists; pass --force (force=True) to replace it")
     # np.require keeps 0-d tensors 0-d (np.ascontiguousarray would make them 1-d).
@@ -295,6 +302,7 @@ def save_checkpoint(
         with os.fdopen(fd, "wb") as f:
             f.write(payload)
             f.flush()
+            os.fchmod(f.fileno(), 0o666 & ~_umask())  # mkstemp's 0600 is not what users expect
             os.fsync(f.fileno())
         if force:
             os.replace(tmp, path)
@@ -310,6 +318,12 @@ def save_checkpoint(
         raise
     _fsync_directory(directory)
     return path
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _fsync_directory(directory: Path) -> None:

@@ -323,8 +323,7 @@ def spec_from_json(data: Mapping[str, Any], state_dict: Mapping[str, Any], *,
     eps: dict[str, float] = {}
     names: dict[str, dict[str, str]] = {}
     for i, entry in enumerate(data["layers"]):
-        if not isinstance(entry, Mapping) or "weight" not in entry:
-            raise SpecError(f"{label}: layers[{i}] must be an object with a \"weight\" name")
+        _check_entry(entry, f"{label}: layers[{i}]")
         prefix = entry.get("name", entry["weight"].rpartition(".")[0])
         parts = {"weight": entry["weight"], "bias": entry.get("bias")}
         names[prefix] = {k: v for k, v in parts.items() if v is not None}
@@ -349,6 +348,19 @@ def spec_from_json(data: Mapping[str, Any], state_dict: Mapping[str, Any], *,
     return _build_spec(order, modules, shapes, label, eps, names)
 
 
+def _check_entry(entry: Any, where: str) -> None:
+    if not isinstance(entry, Mapping) or "weight" not in entry:
+        raise SpecError(f"{where}: expected an object with a \"weight\" tensor name")
+    for key in ("name", "weight", "bias", "norm"):
+        value = entry.get(key)
+        if value is not None and not isinstance(value, str):
+            raise SpecError(f"{where}.{key}: expected a tensor or module name (a string), "
+                            f"found {value!r}")
+    eps = entry.get("eps", BATCHNORM_EPS)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
+        raise SpecError(f"{where}.eps: expected a number in (0, 1), found {eps!r}")
+
+
 def load_spec_file(path: str | os.PathLike[str], state_dict: Mapping[str, Any]) -> PermutationSpec:
     """Read a JSON spec file and check it against a state_dict's shapes."""
     path = Path(path)
@@ -356,8 +368,10 @@ def load_spec_file(path: str | os.PathLike[str], state_dict: Mapping[str, Any]) 
         data = json.loads(path.read_text())
     except FileNotFoundError:
         raise SpecError(f"{path}: spec file does not exist") from None
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise SpecError(f"{path}: spec file is not valid JSON ({exc})") from None
+    except OSError as exc:
+        raise SpecError(f"{path}: cannot read the spec file ({exc.strerror})") from None
     if not isinstance(data, dict):
         raise SpecError(f"{path}: expected a JSON object, found {type(data).__name__}")
     return spec_from_json(data, state_dict, label=str(path))

@@ -179,3 +179,24 @@ def test_in_memory_checkpoint_has_same_interface():
 def test_scalar_tensors_keep_their_shape(tmp_path):
     path = save_checkpoint(tmp_path / "s.safetensors", {"n.num_batches_tracked": np.array(7)})
     assert load_checkpoint(path).tensor("n.num_batches_tracked").shape == ()
+
+
+def test_outputs_follow_the_umask(tmp_path):
+    old = os.umask(0o022)
+    try:
+        path = save_checkpoint(tmp_path / "f.safetensors", {"w": np.zeros(2)})
+    finally:
+        os.umask(old)
+    assert path.stat().st_mode & 0o777 == 0o644
+
+
+def test_output_path_that_is_a_directory(tmp_path):
+    with pytest.raises(OutputError, match="is a directory; expected a file name"):
+        save_checkpoint(tmp_path, {"w": np.zeros(2)}, force=True)
+
+
+def test_in_memory_checkpoint_leaves_the_callers_arrays_writeable():
+    weight = np.ones((5, 6), dtype=np.float32)
+    ckpt = Checkpoint.from_state_dict({"0.weight": weight, "1.weight": np.ones((3, 5))})
+    assert not ckpt.tensor("0.weight").flags.writeable
+    weight[0, 0] = 2.0  # still the caller's to change

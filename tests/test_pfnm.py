@@ -354,3 +354,14 @@ def test_fused_checkpoint_carries_its_widths_and_loads_into_the_module_class(met
     with torch.no_grad():
         out = model(torch.randn(2, 1, 8, 8)).numpy()
     assert out.shape == (2, 10) and np.isfinite(out).all()
+
+
+def test_per_client_sigma_follows_the_order_of_the_inputs():
+    clients = heterogeneous_clients()
+    sigmas = [0.5, 1.0, 2.0][: len(clients)]
+    forward = fusekit.fuse(clients, method="pfnm", sigma=sigmas)
+    backward = fusekit.fuse(clients[::-1], method="pfnm", sigma=sigmas[::-1])
+    for name, value in forward.state_dict.items():
+        np.testing.assert_array_equal(value, backward.state_dict[name])
+    with pytest.raises(ParameterError, match="sigma: expected a number or one number per client"):
+        fusekit.fuse(clients, method="pfnm", sigma="12")

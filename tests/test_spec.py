@@ -126,3 +126,21 @@ def test_with_hidden_widths():
     assert spec.layers[1].in_features == 12
     with pytest.raises(SpecError, match="expected 2 hidden widths, got 1"):
         spec.with_hidden_widths([4])
+
+
+@pytest.mark.parametrize(("entry", "message"), [
+    ({"weight": 3}, r"layers\[0\]\.weight: expected a tensor or module name"),
+    ({"weight": "w", "bias": ["b"]}, r"layers\[0\]\.bias: expected a tensor or module name"),
+    ({"weight": "w", "norm": "bn", "eps": "small"}, r"layers\[0\]\.eps: expected a number"),
+    ([1, 2], r"layers\[0\]: expected an object"),
+])
+def test_malformed_spec_entries(tmp_path, entry, message):
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps({"format": "fusekit.spec/1", "layers": [entry]}))
+    with pytest.raises(SpecError, match=message):
+        load_spec_file(path, {"w": np.zeros((2, 2))})
+
+
+def test_spec_path_that_is_a_directory(tmp_path):
+    with pytest.raises(SpecError, match="cannot read the spec file"):
+        load_spec_file(tmp_path, {})

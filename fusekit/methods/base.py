@@ -58,6 +58,8 @@ class FusionMethod(ABC):
     summary: ClassVar[str]
     #: True when the method permutes neurons (it must refuse position-aware neurons).
     permutes_neurons: ClassVar[bool] = False
+    #: Parameters that may hold one value per client, given in the order of the inputs.
+    per_client_params: ClassVar[tuple[str, ...]] = ()
     #: False for methods that keep every client's model as it is (AMS): fusekit.fuse then
     #: skips the same-layers check and the method checks what it needs itself.
     requires_same_architecture: ClassVar[bool] = True

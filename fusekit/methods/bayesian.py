@@ -538,6 +538,21 @@ class BayesianParams:
         return out
 
 
+def as_sigma(sigma: Any) -> float | tuple[float, ...]:
+    """``sigma`` as one variance or a tuple of per-client variances (never a string)."""
+    if isinstance(sigma, str):
+        raise ParameterError(f"sigma: expected a number or one number per client, found {sigma!r}")
+    try:
+        values = np.asarray(sigma, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise ParameterError(
+            f"sigma: expected a number or one number per client, found {sigma!r}"
+        ) from None
+    if values.ndim > 1:
+        raise ParameterError(f"sigma: expected a number or a 1-D list, found shape {values.shape}")
+    return float(values) if values.ndim == 0 else tuple(values.tolist())
+
+
 def _client_sigmas(sigma: float | Sequence[float], n_clients: int) -> np.ndarray:
     values = np.atleast_1d(np.asarray(sigma, dtype=np.float64))
     if values.ndim != 1 or values.size not in (1, n_clients):

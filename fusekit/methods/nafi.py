@@ -6,8 +6,8 @@ from collections.abc import Sequence
 
 from fusekit.checkpoint import Checkpoint
 from fusekit.methods.base import FusionMethod, FusionResult, register
-from fusekit.methods.bayesian import BayesianParams
-from fusekit.methods.pfnm import _as_sigma, run_bayesian
+from fusekit.methods.bayesian import BayesianParams, as_sigma
+from fusekit.methods.pfnm import run_bayesian
 from fusekit.spec import PermutationSpec
 
 DEFAULT_LAMBDA = 1e-2
@@ -18,6 +18,7 @@ class NAFI(FusionMethod):
     name = "nafi"
     summary = "PFNM with the KL penalty of NAFI (neural aggregation with full information)"
     permutes_neurons = True
+    per_client_params = ("sigma",)
 
     def fuse(
         self,
@@ -49,7 +50,7 @@ class NAFI(FusionMethod):
             ParameterError: out-of-range parameters.
         """
         params = BayesianParams(
-            sigma=_as_sigma(sigma), sigma0=sigma0, gamma=gamma, mu0=mu0, sweeps=sweeps,
+            sigma=as_sigma(sigma), sigma0=sigma0, gamma=gamma, mu0=mu0, sweeps=sweeps,
             seed=seed, lam=float(lam), max_width=max_width, class_share=class_share,
             unobserved=unobserved, variance_units=variance_units, backend=backend,
         )

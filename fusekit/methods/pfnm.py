@@ -6,12 +6,8 @@ from collections.abc import Sequence
 
 from fusekit.checkpoint import Checkpoint
 from fusekit.methods.base import FusionMethod, FusionResult, register
-from fusekit.methods.bayesian import BayesianParams, fuse_network
+from fusekit.methods.bayesian import BayesianParams, as_sigma, fuse_network
 from fusekit.spec import PermutationSpec
-
-
-def _as_sigma(sigma: float | Sequence[float]) -> float | tuple[float, ...]:
-    return sigma if isinstance(sigma, (int, float)) else tuple(float(s) for s in sigma)
 
 
 def run_bayesian(method: FusionMethod, checkpoints, specs, params: BayesianParams) -> FusionResult:
@@ -25,6 +21,7 @@ class PFNM(FusionMethod):
     name = "pfnm"
     summary = "Bayesian nonparametric neuron matching (PFNM); infers the fused width"
     permutes_neurons = True
+    per_client_params = ("sigma",)
 
     def fuse(
         self,
@@ -46,10 +43,10 @@ class PFNM(FusionMethod):
         """Match hidden neurons bottom-up with PFNM's cost and average matched neurons.
 
         Args:
-            sigma: client noise variance sigma_s^2: one value, or one per client in the
-                order the method receives them (``fusekit.fuse`` sorts clients canonically,
-                widest first then by content hash; ``report["clients"]`` lists that order);
-                in units of the layer's weight variance (see variance_units).
+            sigma: client noise variance sigma_s^2: one value, or one per client (given to
+                ``fusekit.fuse`` in the order of its inputs; this method receives them in
+                the canonical client order, as ``report["clients"]`` lists it); in units
+                of the layer's weight variance (see variance_units).
             sigma0: prior variance sigma0^2 of global neurons, same units.
             gamma: Beta-process mass gamma0 (> 0); larger opens new neurons more readily.
             mu0: prior mean of the global neurons (weight units).
@@ -69,7 +66,7 @@ class PFNM(FusionMethod):
             ParameterError: out-of-range parameters.
         """
         params = BayesianParams(
-            sigma=_as_sigma(sigma), sigma0=sigma0, gamma=gamma, mu0=mu0, sweeps=sweeps,
+            sigma=as_sigma(sigma), sigma0=sigma0, gamma=gamma, mu0=mu0, sweeps=sweeps,
             seed=seed, max_width=max_width, class_share=class_share, unobserved=unobserved,
             variance_units=variance_units, backend=backend,
         )
