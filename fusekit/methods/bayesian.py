@@ -2,7 +2,7 @@
 
 One call of :func:`match_neurons` matches the neurons of ONE layer across S clients
 (NAFI paper, Algorithm 1 with the cost of Proposition 1 / Eq. 5, and Eq. 14 for NAFI;
-shared/design/ALGORITHMS.md §3-4):
+docs/ALGORITHMS.md §3-4):
 
 1. Clients are visited by decreasing width (stable on the order given, which
    ``fusekit.fuse`` makes canonical). The first client's neurons seed the global set;
