@@ -22,6 +22,7 @@ Writes benchmarks/results/quality.json, benchmarks/results/quality_alpha.png and
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import logging
 import math
@@ -38,6 +39,7 @@ import torch
 
 import fusekit
 from fusekit.bench import machine_info
+from fusekit.checkpoint import write_atomic
 from fusekit.data import Dataset, load_dataset
 from fusekit.errors import DataError
 from fusekit.evaluate import Evaluator
@@ -390,8 +392,10 @@ def plot_alpha(rows: list[dict[str, Any]], path: Path) -> bool:
         ax.grid(alpha=0.3)
     axes[0][-1].legend(fontsize=8, loc="lower right")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    image = io.BytesIO()
+    fig.savefig(image, format="png", dpi=120)
     plt.close(fig)
+    write_atomic(path, image.getvalue())
     return True
 
 
@@ -404,7 +408,7 @@ def write_results_md(section: str, path: Path) -> None:
         text = before + block + ("\n" + after if after else "")
     else:
         text = text.rstrip("\n") + "\n\n" + block
-    path.write_text(text)
+    write_atomic(path, text.encode())
 
 
 def machine() -> dict[str, Any]:
@@ -488,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
         "studies": rows,
     }
     args.json_out.parent.mkdir(parents=True, exist_ok=True)
-    args.json_out.write_text(json.dumps(payload, indent=1))
+    write_atomic(args.json_out, json.dumps(payload, indent=1).encode())
     return publish(payload, args)
 
 

@@ -287,6 +287,15 @@ def save_checkpoint(
     Refuses to replace an existing file unless ``force``; never leaves a partial file.
     """
     path = Path(path)
+    check_output_path(path, force=force)
+    # np.require keeps 0-d tensors 0-d (np.ascontiguousarray would make them 1-d).
+    arrays = {k: np.require(_as_numpy(v), requirements="C") for k, v in tensors.items()}
+    return write_atomic(path, safetensors.numpy.save(arrays, metadata=dict(metadata or {})),
+                        force=force)
+
+
+def check_output_path(path: Path, *, force: bool) -> None:
+    """Fail before any work if ``path`` cannot be written (missing folder, existing file)."""
     directory = path.parent if str(path.parent) else Path(".")
     if not directory.is_dir():
         raise OutputError(f"{path}: output directory {directory} does not exist")
@@ -294,9 +303,13 @@ def save_checkpoint(
         raise OutputError(f"{path}: is a directory; expected a file name for the output")
     if path.exists() and not force:
         raise OutputError(f"{path}: output file exists; pass --force (force=True) to replace it")
-    # np.require keeps 0-d tensors 0-d (np.ascontiguousarray would make them 1-d).
-    arrays = {k: np.require(_as_numpy(v), requirements="C") for k, v in tensors.items()}
-    payload = safetensors.numpy.save(arrays, metadata=dict(metadata or {}))
+
+
+def write_atomic(path: str | os.PathLike[str], payload: bytes, *, force: bool = True) -> Path:
+    """Write ``payload`` to ``path`` through a temporary file in the same folder, fsync and
+    rename: readers see the old file or the new one, never a partial one."""
+    path = Path(path)
+    directory = path.parent if str(path.parent) else Path(".")
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:

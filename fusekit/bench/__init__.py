@@ -13,6 +13,7 @@ import numpy as np
 
 from fusekit._native import core_status
 from fusekit._version import __version__
+from fusekit.checkpoint import write_atomic
 
 
 def machine_info(**extra: Any) -> dict[str, Any]:
@@ -33,5 +34,5 @@ def write_json(path: str | os.PathLike[str], payload: dict[str, Any]) -> None:
     """Write a benchmark's results, creating the folder; says where on stdout."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2))
+    write_atomic(path, json.dumps(payload, indent=2).encode())
     print(f"wrote {path}")
