@@ -7,6 +7,10 @@ threaded batch API. The cost kernels compute the PFNM / NAFI matching costs of
 ALGORITHMS.md sections 3-4 and the squared-Euclidean ground cost of OT fusion.
 
 Numpy reference implementations with the same signatures live in ``fusekit.reference``.
+
+The cost kernels call the BLAS that SciPy ships. Products under about 256 MFLOP run on one
+BLAS thread (two threads on busy cores wait for each other); OpenBLAS's thread count is
+process-wide, so other threads' SciPy BLAS calls also run on one thread during such a call.
 """
 
 from __future__ import annotations
@@ -159,8 +163,9 @@ def sqeuclidean_cost(a, b) -> np.ndarray:
     Returns
     -------
     ndarray of float64, shape (n, m)
-        ``out[i, j] = sum_p (a[i, p] - b[j, p])**2``, computed as differences (never
-        negative, no cancellation), blocked and multithreaded.
+        ``out[i, j] = sum_p (a[i, p] - b[j, p])**2``, computed as one BLAS product plus
+        norms; entries that would lose digits to cancellation (near-equal rows) are
+        recomputed as differences, so the result is never negative.
 
     Raises
     ------
