@@ -9,7 +9,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from fusekit._cli.output import emit_json, stderr, stdout
+from fusekit._cli.output import JsonOption, emit_json, stderr, stdout
 from fusekit.demo import DemoConfig, DemoReport, run_demo
 
 
@@ -29,7 +29,7 @@ def demo(
         Path | None, typer.Option("--out", "-o", help="Keep client and fused checkpoints here.")
     ] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace files in --out.")] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    as_json: JsonOption = False,
 ) -> None:
     """Simulate clients on digits (Dirichlet split), fuse them with every method, evaluate."""
     config = DemoConfig(

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from fusekit._cli.output import emit_json, stdout
+from fusekit._cli.output import JsonOption, emit_json, stdout
 from fusekit._cli.simulate import (
     ClassesOption,
     DataDirOption,
@@ -35,7 +35,7 @@ def evaluate(
     seed: Annotated[int, typer.Option("--seed", help="synthetic: the data seed.")] = 0,
     device: DeviceOption = "auto",
     batch_size: Annotated[int, typer.Option("--batch-size", help="Inference batch size.")] = 4096,
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    as_json: JsonOption = False,
 ) -> None:
     """Test accuracy and loss of every model, plus the logit-average ensemble of the clients."""
     dataset = load_dataset(

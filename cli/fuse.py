@@ -10,7 +10,7 @@ import typer
 from rich.table import Table
 
 import fusekit
-from fusekit._cli.output import emit_json, stdout
+from fusekit._cli.output import JsonOption, emit_json, stdout
 from fusekit.errors import OutputError
 from fusekit.methods import METHODS
 
@@ -44,7 +44,7 @@ def fuse(
             "structure cannot be inferred from names and shapes.",
         ),
     ] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+    as_json: JsonOption = False,
     class_weighted: Annotated[
         bool | None,
         typer.Option(

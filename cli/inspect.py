@@ -9,7 +9,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from fusekit._cli.output import emit_json, stdout
+from fusekit._cli.output import JsonOption, emit_json, stdout
 from fusekit.api import check_compatible, client_spec, describe_checkpoint
 from fusekit.checkpoint import load_checkpoint
 from fusekit.errors import FusekitError
@@ -19,7 +19,7 @@ def inspect(
     files: Annotated[
         list[Path], typer.Argument(help="Checkpoints to inspect.", show_default=False)
     ],
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    as_json: JsonOption = False,
 ) -> None:
     """Show layers, widths, permutation groups and metadata; exit 2 if fusion is blocked."""
     reports, loaded = [], []

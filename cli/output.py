@@ -11,7 +11,7 @@ import functools
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -60,3 +60,8 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, Path):
         return str(value)
     raise TypeError(f"not JSON-serialisable: {type(value).__name__}")
+
+
+JsonOption = Annotated[
+    bool, typer.Option("--json", help="Print machine-readable JSON on stdout.")
+]

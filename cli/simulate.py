@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from fusekit._cli.output import emit_json, stderr, stdout
+from fusekit._cli.output import JsonOption, emit_json, stderr, stdout
 from fusekit.data import load_dataset
 from fusekit.nn.arch import describe_arch
 from fusekit.simulate import SimulationConfig, client_archs, simulate_clients
@@ -93,7 +93,7 @@ def simulate(
     classes: ClassesOption = 10,
     device: DeviceOption = "auto",
     force: Annotated[bool, typer.Option("--force", help="Replace existing client files.")] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print a JSON summary.")] = False,
+    as_json: JsonOption = False,
 ) -> None:
     """Split a data set across simulated clients, train one model each, write checkpoints."""
     dataset = load_dataset(
