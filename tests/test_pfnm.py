@@ -301,16 +301,6 @@ def test_cli_flags_reach_the_method_and_file_order_does_not_matter(mlp_clients, 
         np.testing.assert_array_equal(first.tensor(name), second.tensor(name))
 
 
-def test_warm_started_sweeps_reach_the_same_optimum():
-    vectors, labels = generative_clients(4, pool=40, take=25, dim=12, noise_std=0.03, seed=5)
-    kwargs = dict(sigma0_2=0.01, sweeps=3, seed=2, true_labels=labels)
-    cold = match_neurons(vectors, [100.0] * 4, **kwargs)
-    warm = match_neurons(vectors, [100.0] * 4, warm_start=True, **kwargs)
-    np.testing.assert_allclose(warm.report["assignment_cost"], cold.report["assignment_cost"],
-                               rtol=1e-9)
-    assert warm.width == cold.width and warm.report["purity"] == cold.report["purity"]
-
-
 def test_sweeps_stop_at_a_fixed_point():
     vectors, labels = generative_clients(5, pool=60, take=40, dim=15, noise_std=0.04, seed=6)
     kwargs = dict(sigma0_2=0.01, seed=3, true_labels=labels)

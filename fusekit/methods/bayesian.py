@@ -54,8 +54,6 @@ class MatchingBackend:
     pfnm_cost: Callable[..., np.ndarray]
     nafi_cost: Callable[..., np.ndarray]
     solve_assignment: Callable[..., tuple]
-    #: solve_assignment accepts ``warm_start=(u, v)`` and ``return_duals=True``.
-    warm_starts: bool = False
 
 
 def get_backend(backend: str | MatchingBackend = "core") -> MatchingBackend:
@@ -83,7 +81,6 @@ def get_backend(backend: str | MatchingBackend = "core") -> MatchingBackend:
             partial(matching.pfnm_cost, check_finite=False),
             partial(matching.nafi_cost, check_finite=False),
             matching.solve_assignment,
-            True,
         )
     if backend == "numpy":
         from scipy.optimize import linear_sum_assignment
@@ -250,7 +247,6 @@ def match_neurons(
     max_width: int | None = None,
     backend: str | MatchingBackend = "core",
     true_labels: Sequence[np.ndarray] | None = None,
-    warm_start: bool = False,
 ) -> LayerMatching:
     """Match the neurons of one layer across clients (PFNM, or NAFI when ``lam`` is given).
 
@@ -272,10 +268,6 @@ def match_neurons(
         backend: ``"core"`` (C++), ``"numpy"`` (reference + SciPy) or a MatchingBackend.
         true_labels: optional per-client (J_s,) ground-truth neuron identities (synthetic
             data): the report then gives the matching purity.
-        warm_start: warm-start each sweep's assignment from the client's previous duals
-            (backends that support it). Off by default: PFNM's problems are easy
-            near-permutations and the warm start measured slower (784-100-10, S=30: 0.08 s
-            vs 0.035 s of assignment time in total).
 
     Returns:
         LayerMatching. ``report`` holds ``width``, ``clients`` (per client in the order
@@ -316,7 +308,6 @@ def match_neurons(
     state = _GlobalState(n_coords, mu0_vec * prior_precision, prior_precision)
     assignments: list[np.ndarray] = [np.empty(0, dtype=np.int64)] * n_clients
     timing = {"cost": 0.0, "assignment": 0.0, "n": 0}
-    column_duals: dict[int, np.ndarray] = {}
     cost_kwargs = dict(n_clients=n_clients, mu0=mu0_vec, sigma0_2=sigma0_vec, gamma0=gamma0)
 
     def assign(s: int) -> float:
@@ -337,7 +328,7 @@ def match_neurons(
             open_slots = min(vecs[s].shape[0], max_width - n_global)
             cost = np.ascontiguousarray(cost[: n_global + open_slots])
         mid = time.perf_counter()
-        rows, cols = _solve(kernels, cost, column_duals if warm_start else None, s)
+        rows, cols = kernels.solve_assignment(cost)
         timing["cost"] += mid - start
         timing["assignment"] += time.perf_counter() - mid
         timing["n"] += 1
@@ -395,27 +386,6 @@ def match_neurons(
     report["sweeps_run"] = len(moves)
     logger.debug("matched layer: %d clients -> %d global neurons", n_clients, means.shape[0])
     return LayerMatching(means, final_precisions, counts, assignments, report)
-
-
-def _solve(
-    kernels: MatchingBackend,
-    cost: np.ndarray,
-    column_duals: dict[int, np.ndarray] | None,
-    client: int,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Solve one assignment, warm-started from the client's previous column duals.
-
-    Columns are the client's own neurons, the same in every sweep, so their potentials v
-    carry over; row potentials u_i = min_j (C_ij - v_j) make (u, v) dual-feasible for the
-    new matrix whatever rows were added or dropped. A warm start changes only the speed.
-    """
-    if column_duals is None or not kernels.warm_starts:
-        return kernels.solve_assignment(cost)
-    v = column_duals.get(client)
-    warm = None if v is None else ((cost - v[None, :]).min(axis=1), v)
-    rows, cols, (_, v) = kernels.solve_assignment(cost, warm_start=warm, return_duals=True)
-    column_duals[client] = np.asarray(v, dtype=np.float64)
-    return rows, cols
 
 
 def _final_posterior(
