@@ -4,6 +4,7 @@
 #include <cmath>
 #include <limits>
 #include <mutex>
+#include <optional>
 #include <vector>
 
 #include "simd.hpp"
@@ -84,12 +85,9 @@ void product(const Blas& blas, const double* left, std::size_t rows, const doubl
     const double beta = 0.0;
     const double flops = 2.0 * static_cast<double>(rows) * static_cast<double>(m) *
                          static_cast<double>(k);
-    if (flops < kSerialFlops) {
-        const SerialBlas serial(blas);
-        blas.gemm("T", "N", &mm, &nn, &kk, &alpha, right, &ldk, left, &ldk, &beta, out, &ldc);
-    } else {
-        blas.gemm("T", "N", &mm, &nn, &kk, &alpha, right, &ldk, left, &ldk, &beta, out, &ldc);
-    }
+    std::optional<SerialBlas> serial;
+    if (flops < kSerialFlops) serial.emplace(blas);
+    blas.gemm("T", "N", &mm, &nn, &kk, &alpha, right, &ldk, left, &ldk, &beta, out, &ldc);
 }
 
 // The epilogue of a product row: row[j] = scale * row[j] + a * column[j] + c. Returns
@@ -258,12 +256,10 @@ void global_row(const PosteriorCostInput& in, const Coordinates& c, std::size_t 
         // Identical terms of the KL constant: one evaluation for all shared coordinates.
         if (in.lam != 0.0) kl = static_cast<double>(ns) * kl_constant(s, P);
     }
-    if (no == 0) {
-        // nothing to add
-    } else if (is_contiguous(c.own)) {
+    if (no > 0 && is_contiguous(c.own)) {
         own_part<true>(in.precision, sums, prec, nullptr, no, in.lam, left + ns, row_term,
                        max_weight, kl);
-    } else {
+    } else if (no > 0) {
         own_part<false>(in.precision, sums, prec, c.own.data(), no, in.lam, left + ns,
                         row_term, max_weight, kl);
     }

@@ -431,10 +431,7 @@ Status solve_assignment(const T* cost, std::size_t nr, std::size_t nc, const dou
     const bool warm = warm_cols != nullptr;
     if (warm) {
         auto& pot = solver.potentials();
-        for (std::size_t j = 0; j < m; ++j) {
-            if (!std::isfinite(warm_cols[j])) return Status::non_finite;
-            pot[j] = warm_cols[j];
-        }
+        std::copy(warm_cols, warm_cols + m, pot.begin());  // checked finite above
     }
     const Status s = solver.run(warm, !has_inf);
     if (s != Status::ok) return s;
