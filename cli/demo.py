@@ -9,7 +9,8 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from fusekit._cli.output import JsonOption, emit_json, stderr, stdout
+from fusekit._cli.options import DeviceOption, JsonOption
+from fusekit._cli.output import emit_json, stderr, stdout
 from fusekit.demo import DemoConfig, DemoReport, run_demo
 
 
@@ -24,7 +25,7 @@ def demo(
         list[str] | None,
         typer.Option("--method", "-m", help="Only these methods [default: every registered one]."),
     ] = None,
-    device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")] = "auto",
+    device: DeviceOption = "auto",
     out: Annotated[
         Path | None, typer.Option("--out", "-o", help="Keep client and fused checkpoints here.")
     ] = None,

@@ -8,16 +8,17 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from fusekit._cli.output import JsonOption, emit_json, stdout
-from fusekit._cli.simulate import (
+from fusekit._cli.options import (
     ClassesOption,
     DataDirOption,
     DataOption,
     DataPathOption,
     DeviceOption,
     FeaturesOption,
+    JsonOption,
     SamplesOption,
 )
+from fusekit._cli.output import emit_json, stdout
 from fusekit.data import load_dataset
 from fusekit.evaluate import evaluate_checkpoints
 

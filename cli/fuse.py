@@ -10,7 +10,8 @@ import typer
 from rich.table import Table
 
 import fusekit
-from fusekit._cli.output import JsonOption, emit_json, stdout
+from fusekit._cli.options import JsonOption
+from fusekit._cli.output import emit_json, stdout
 from fusekit.errors import OutputError
 from fusekit.methods import METHODS
 

@@ -9,7 +9,8 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from fusekit._cli.output import JsonOption, emit_json, stdout
+from fusekit._cli.options import JsonOption
+from fusekit._cli.output import emit_json, stdout
 from fusekit.api import check_compatible, client_spec, describe_checkpoint
 from fusekit.checkpoint import load_checkpoint
 from fusekit.errors import FusekitError

@@ -11,7 +11,7 @@ import functools
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
 import typer
 from rich.console import Console
@@ -61,7 +61,3 @@ def _jsonable(value: Any) -> Any:
         return str(value)
     raise TypeError(f"not JSON-serialisable: {type(value).__name__}")
 
-
-JsonOption = Annotated[
-    bool, typer.Option("--json", help="Print machine-readable JSON on stdout.")
-]

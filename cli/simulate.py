@@ -8,29 +8,21 @@ from typing import Annotated
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from fusekit._cli.output import JsonOption, emit_json, stderr, stdout
+from fusekit._cli.options import (
+    ClassesOption,
+    DataDirOption,
+    DataOption,
+    DataPathOption,
+    DeviceOption,
+    FeaturesOption,
+    JsonOption,
+    SamplesOption,
+)
+from fusekit._cli.output import emit_json, stderr, stdout
 from fusekit.data import load_dataset
 from fusekit.nn.arch import describe_arch
 from fusekit.simulate import SimulationConfig, client_archs, simulate_clients
 from fusekit.train import FedNLRConfig, TrainConfig
-
-DataOption = Annotated[
-    str,
-    typer.Option(
-        "--data", help="digits (embedded), mnist, fashion-mnist, cifar10, npz or synthetic."
-    ),
-]
-DataDirOption = Annotated[
-    Path | None,
-    typer.Option("--data-dir", help="Folder with the mnist/fashion-mnist/cifar10 files."),
-]
-DataPathOption = Annotated[Path | None, typer.Option("--data-path", help="The .npz file for npz.")]
-SamplesOption = Annotated[int, typer.Option("--samples", help="synthetic: number of samples.")]
-FeaturesOption = Annotated[int, typer.Option("--features", help="synthetic: input dimension.")]
-ClassesOption = Annotated[int, typer.Option("--classes", help="synthetic: number of classes.")]
-DeviceOption = Annotated[
-    str, typer.Option("--device", help="auto (cuda when available), cpu or cuda.")
-]
 
 
 def simulate(

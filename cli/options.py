@@ -1,0 +1,29 @@
+"""Options shared by several commands, declared once so they read the same everywhere."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+JsonOption = Annotated[
+    bool, typer.Option("--json", help="Print machine-readable JSON on stdout.")
+]
+DataOption = Annotated[
+    str,
+    typer.Option(
+        "--data", help="digits (embedded), mnist, fashion-mnist, cifar10, npz or synthetic."
+    ),
+]
+DataDirOption = Annotated[
+    Path | None,
+    typer.Option("--data-dir", help="Folder with the mnist/fashion-mnist/cifar10 files."),
+]
+DataPathOption = Annotated[Path | None, typer.Option("--data-path", help="The .npz file for npz.")]
+SamplesOption = Annotated[int, typer.Option("--samples", help="synthetic: number of samples.")]
+FeaturesOption = Annotated[int, typer.Option("--features", help="synthetic: input dimension.")]
+ClassesOption = Annotated[int, typer.Option("--classes", help="synthetic: number of classes.")]
+DeviceOption = Annotated[
+    str, typer.Option("--device", help="auto (cuda when available), cpu or cuda.")
+]
