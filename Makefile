@@ -25,6 +25,7 @@ test:
 bench:
 	$(PY) benchmarks/bench_matching.py
 	$(PY) benchmarks/bench_fusion.py
+	$(PY) benchmarks/bench_ot_ams.py
 	$(PY) benchmarks/bench_quality.py
 
 clean:

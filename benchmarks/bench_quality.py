@@ -36,16 +36,16 @@ from typing import Any
 
 import numpy as np
 import torch
+from bench_support import machine_info
 
 import fusekit
-from fusekit.bench import machine_info
-from fusekit.checkpoint import write_atomic
-from fusekit.data import Dataset, load_dataset
-from fusekit.errors import DataError
-from fusekit.evaluate import Evaluator
+from fusekit.core.checkpoint import write_atomic
+from fusekit.core.errors import DataError
 from fusekit.methods import METHODS
-from fusekit.simulate import SimulationConfig, simulate_clients
-from fusekit.train import TrainConfig
+from fusekit.toolkit.data import Dataset, load_dataset
+from fusekit.toolkit.evaluate import Evaluator
+from fusekit.toolkit.simulate import SimulationConfig, simulate_clients
+from fusekit.toolkit.train import TrainConfig
 
 HERE = Path(__file__).resolve().parent
 BEGIN, END = "<!-- fusion-quality:begin -->", "<!-- fusion-quality:end -->"
@@ -79,7 +79,7 @@ class Cell:
 def variants() -> dict[str, tuple[str, dict[str, Any]]]:
     """Label -> (method, params): every registered method with its defaults (README order
     first), with avg-cw after avg and ams-full after ams."""
-    from fusekit.demo import registered_methods
+    from fusekit.toolkit.demo import registered_methods
 
     out: dict[str, tuple[str, dict[str, Any]]] = {}
     for name in registered_methods():

@@ -8,10 +8,10 @@ from typing import Annotated
 import typer
 from rich.logging import RichHandler
 
-from fusekit._cli import bench, demo, evaluate, fuse, inspect, simulate
+from fusekit._cli import demo, evaluate, fuse, inspect, simulate
 from fusekit._cli.output import handle_errors, state, stderr, stdout
-from fusekit._native import core_status
 from fusekit._version import __version__
+from fusekit.engine.native import core_status
 
 app = typer.Typer(
     name="fusekit",
@@ -52,7 +52,6 @@ app.command("inspect")(handle_errors(inspect.inspect))
 app.command("simulate")(handle_errors(simulate.simulate))
 app.command("evaluate")(handle_errors(evaluate.evaluate))
 app.command("demo")(handle_errors(demo.demo))
-app.add_typer(bench.app, name="bench")
 
 
 def main() -> None:

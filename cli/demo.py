@@ -11,7 +11,7 @@ from rich.table import Table
 
 from fusekit._cli.options import DeviceOption, JsonOption
 from fusekit._cli.output import emit_json, stderr, stdout
-from fusekit.demo import DemoConfig, DemoReport, run_demo
+from fusekit.toolkit.demo import DemoConfig, DemoReport, run_demo
 
 
 def demo(

@@ -19,8 +19,8 @@ from fusekit._cli.options import (
     SamplesOption,
 )
 from fusekit._cli.output import emit_json, stdout
-from fusekit.data import load_dataset
-from fusekit.evaluate import evaluate_checkpoints
+from fusekit.toolkit.data import load_dataset
+from fusekit.toolkit.evaluate import evaluate_checkpoints
 
 
 def evaluate(

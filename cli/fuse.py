@@ -12,7 +12,7 @@ from rich.table import Table
 import fusekit
 from fusekit._cli.options import JsonOption
 from fusekit._cli.output import emit_json, stdout
-from fusekit.errors import OutputError
+from fusekit.core.errors import OutputError
 from fusekit.methods import METHODS
 
 _METHODS_HELP = "; ".join(f"{name}: {cls.summary}" for name, cls in sorted(METHODS.items()))

@@ -12,8 +12,8 @@ from rich.table import Table
 from fusekit._cli.options import JsonOption
 from fusekit._cli.output import emit_json, stdout
 from fusekit.api import check_compatible, client_spec, describe_checkpoint
-from fusekit.checkpoint import load_checkpoint
-from fusekit.errors import FusekitError
+from fusekit.core.checkpoint import load_checkpoint
+from fusekit.core.errors import FusekitError
 
 
 def inspect(

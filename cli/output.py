@@ -17,7 +17,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from fusekit.errors import FusekitError
+from fusekit.core.errors import FusekitError
 
 stdout = Console()
 stderr = Console(stderr=True)

@@ -19,10 +19,10 @@ from fusekit._cli.options import (
     SamplesOption,
 )
 from fusekit._cli.output import emit_json, stderr, stdout
-from fusekit.data import load_dataset
-from fusekit.nn.arch import describe_arch
-from fusekit.simulate import SimulationConfig, client_archs, simulate_clients
-from fusekit.train import FedNLRConfig, TrainConfig
+from fusekit.core.arch import describe_arch
+from fusekit.toolkit.data import load_dataset
+from fusekit.toolkit.simulate import SimulationConfig, client_archs, simulate_clients
+from fusekit.toolkit.train import FedNLRConfig, TrainConfig
 
 
 def simulate(

@@ -26,7 +26,7 @@ using Index = py::array_t<std::int64_t, py::array::c_style>;
 // Errors are fusekit's own classes (both are ValueError subclasses), so the front doors
 // report bad input as bad input.
 [[noreturn]] void raise_error(const char* cls_name, const std::string& message) {
-    py::object cls = py::module_::import("fusekit.errors").attr(cls_name);
+    py::object cls = py::module_::import("fusekit.core.errors").attr(cls_name);
     PyErr_SetString(cls.ptr(), message.c_str());
     throw py::error_already_set();
 }

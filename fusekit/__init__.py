@@ -10,9 +10,9 @@ from typing import Any
 
 from fusekit._version import __version__
 from fusekit.api import fuse
-from fusekit.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from fusekit.core.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from fusekit.core.spec import PermutationSpec, infer_spec
 from fusekit.methods import METHODS, FusionResult
-from fusekit.spec import PermutationSpec, infer_spec
 
 __all__ = [
     "METHODS",
@@ -32,7 +32,7 @@ def __getattr__(name: str) -> Any:
     # load_fused needs torch; importing it lazily keeps `import fusekit` (and the fusion
     # path) free of torch's import time.
     if name == "load_fused":
-        from fusekit.nn.fused import load_fused
+        from fusekit.toolkit.nn.fused import load_fused
 
         return load_fused
     raise AttributeError(f"module 'fusekit' has no attribute {name!r}")

@@ -11,11 +11,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from fusekit.checkpoint import Checkpoint, load_checkpoint
-from fusekit.errors import IncompatibleModelsError, ParameterError
+from fusekit.core.checkpoint import Checkpoint, load_checkpoint
+from fusekit.core.errors import IncompatibleModelsError, ParameterError
+from fusekit.core.spec import PermutationSpec, infer_spec, load_spec_file, spec_from_json
 from fusekit.methods import get_method
 from fusekit.methods.base import FusionResult, provenance
-from fusekit.spec import PermutationSpec, infer_spec, load_spec_file, spec_from_json
 
 log = logging.getLogger(__name__)
 
@@ -179,8 +179,8 @@ def describe_checkpoint(checkpoint: Checkpoint) -> dict[str, Any]:
 
 def _permutation_limits(checkpoint: Checkpoint, spec: PermutationSpec) -> list[str]:
     """Why permutation-based methods would refuse this checkpoint (other methods may not)."""
+    from fusekit.core.neurons import refuse_position_aware
     from fusekit.methods import METHODS
-    from fusekit.neurons import refuse_position_aware
 
     permuting = sorted(name for name, cls in METHODS.items() if cls.permutes_neurons)
     try:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from fusekit.checkpoint import save_checkpoint
+from fusekit.core.checkpoint import save_checkpoint
 
 
 def mlp(widths=(6, 5, 3), batchnorm=False, seed=0) -> nn.Sequential:

@@ -10,10 +10,11 @@ import torch
 from torch import nn
 
 import fusekit
-from fusekit.checkpoint import Checkpoint, load_checkpoint
-from fusekit.errors import IncompatibleModelsError, ParameterError
-from fusekit.methods.ams import AMS_METADATA, read_ams_metadata, resolve_k
-from fusekit.nn.ams import AMSModel, select_logits
+from fusekit.core.checkpoint import Checkpoint, load_checkpoint
+from fusekit.core.errors import IncompatibleModelsError, ParameterError
+from fusekit.core.metadata import AMS as AMS_METADATA
+from fusekit.methods.ams import read_ams_metadata, resolve_k
+from fusekit.toolkit.nn.ams import AMSModel, select_logits
 
 
 def reference_selection(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -98,7 +99,7 @@ def test_resolve_k_rejects(mode, k, message):
         resolve_k(mode, k, 4)
 
 
-# ---- real sub-models (plain torch modules; no fusekit.nn architecture needed) ----
+# ---- real sub-models (plain torch modules; no fusekit.toolkit.nn architecture needed) ----
 
 def mlp(depth: int, seed: int, in_features: int = 12, classes: int = 4) -> nn.Module:
     torch.manual_seed(seed)
@@ -241,7 +242,7 @@ def test_fuse_rejects_bad_parameters():
 
 
 def test_read_ams_metadata_rejects_malformed():
-    from fusekit.errors import CheckpointError
+    from fusekit.core.errors import CheckpointError
 
     with pytest.raises(CheckpointError, match="not an AMS artefact"):
         read_ams_metadata({}, "x.safetensors")

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from scipy.optimize import linear_sum_assignment
 
-from fusekit.errors import InfeasibleAssignmentError, ParameterError
-from fusekit.matching import solve_assignment, solve_assignments
+from fusekit.core.errors import InfeasibleAssignmentError, ParameterError
+from fusekit.engine.matching import solve_assignment, solve_assignments
 
 
 def random_cost(rng: np.random.Generator, n: int, m: int, kind: str, dtype=np.float64):

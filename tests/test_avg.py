@@ -7,8 +7,8 @@ import torch
 
 import fusekit
 from conftest import cnn, mlp, write
-from fusekit.checkpoint import load_checkpoint
-from fusekit.errors import IncompatibleModelsError, ParameterError, UnknownMethodError
+from fusekit.core.checkpoint import load_checkpoint
+from fusekit.core.errors import IncompatibleModelsError, ParameterError, UnknownMethodError
 
 
 def reference_average(paths):

@@ -7,8 +7,8 @@ import pytest
 
 import fusekit
 from conftest import file_digest, mlp, write
-from fusekit.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
-from fusekit.errors import CheckpointError, CheckpointNotFoundError, OutputError
+from fusekit.core.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from fusekit.core.errors import CheckpointError, CheckpointNotFoundError, OutputError
 
 
 def test_round_trip_keeps_tensors_and_metadata(tmp_path):

@@ -6,7 +6,7 @@ from typer.testing import CliRunner
 
 from conftest import file_digest, mlp, write
 from fusekit._cli.app import app
-from fusekit.checkpoint import load_checkpoint
+from fusekit.core.checkpoint import load_checkpoint
 
 runner = CliRunner()
 

@@ -1,12 +1,12 @@
-"""The C++ cost kernels against the numpy references in fusekit.reference."""
+"""The C++ cost kernels against the numpy references in fusekit.engine.reference."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from fusekit import matching, reference
-from fusekit.errors import ParameterError
+from fusekit.core.errors import ParameterError
+from fusekit.engine import matching, reference
 
 
 def assert_close(actual, expected):

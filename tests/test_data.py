@@ -1,4 +1,4 @@
-"""fusekit.data: data sets and partitions (ALGORITHMS.md §8)."""
+"""fusekit.toolkit.data: data sets and partitions (ALGORITHMS.md §8)."""
 
 import gzip
 import pickle
@@ -7,7 +7,8 @@ import struct
 import numpy as np
 import pytest
 
-from fusekit.data import (
+from fusekit.core.errors import DataError, ParameterError
+from fusekit.toolkit.data import (
     class_counts,
     digits,
     dirichlet_partition,
@@ -17,7 +18,6 @@ from fusekit.data import (
     partition,
     synthetic,
 )
-from fusekit.errors import DataError, ParameterError
 
 LABELS = np.repeat(np.arange(10), 60)
 

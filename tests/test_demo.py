@@ -6,10 +6,10 @@ import pytest
 from typer.testing import CliRunner
 
 from fusekit._cli.app import app
-from fusekit.demo import DemoConfig, registered_methods, run_demo
-from fusekit.errors import UnknownMethodError
+from fusekit.core.errors import UnknownMethodError
 from fusekit.methods import METHODS
 from fusekit.methods.base import FusionMethod
+from fusekit.toolkit.demo import DemoConfig, registered_methods, run_demo
 
 TINY = {"clients": 3, "epochs": 1, "arch": "mlp:16", "device": "cpu"}
 

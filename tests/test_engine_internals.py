@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from fusekit import matching
-from fusekit._native import core
-from fusekit.errors import ParameterError
+from fusekit.core.errors import ParameterError
+from fusekit.engine import matching
+from fusekit.engine.native import core
 from fusekit.methods.bayesian import match_neurons
 
 
@@ -96,7 +96,7 @@ def test_kernels_restore_the_blas_thread_count():
 
 
 def test_add_rows_refuses_a_target_it_would_have_to_copy():
-    from fusekit.errors import ParameterError
+    from fusekit.core.errors import ParameterError
 
     target = np.zeros((4, 3), dtype=np.float32)
     with pytest.raises(ParameterError, match="writeable C-contiguous 2-D float64"):

@@ -1,4 +1,4 @@
-"""fusekit.evaluate and `fusekit evaluate`: agreement with a direct torch computation."""
+"""fusekit.toolkit.evaluate and `fusekit evaluate`: agreement with a direct torch computation."""
 
 import json
 
@@ -7,11 +7,12 @@ import torch
 from typer.testing import CliRunner
 
 from fusekit._cli.app import app
-from fusekit.checkpoint import ARCH, CLASS_COUNTS, METHOD, NUM_SAMPLES, save_checkpoint
-from fusekit.data import synthetic
-from fusekit.errors import CheckpointError, DataError
-from fusekit.evaluate import Evaluator, evaluate_checkpoints
-from fusekit.nn import build_model, convnet_arch, mlp_arch
+from fusekit.core.checkpoint import save_checkpoint
+from fusekit.core.errors import CheckpointError, DataError
+from fusekit.core.metadata import ARCH, CLASS_COUNTS, METHOD, NUM_SAMPLES
+from fusekit.toolkit.data import synthetic
+from fusekit.toolkit.evaluate import Evaluator, evaluate_checkpoints
+from fusekit.toolkit.nn import build_model, convnet_arch, mlp_arch
 
 DATA = synthetic(samples=300, features=5, classes=3, seed=1)
 

@@ -13,11 +13,11 @@ from test_ams import reference_selection
 
 import fusekit
 from conftest import mlp, write
-from fusekit.checkpoint import load_checkpoint, save_checkpoint
-from fusekit.errors import CheckpointError
+from fusekit.core.checkpoint import load_checkpoint, save_checkpoint
+from fusekit.core.errors import CheckpointError
 from fusekit.methods import METHODS
-from fusekit.nn import build_model, convnet_arch, load_model, mlp_arch
-from fusekit.nn.ams import AMSModel
+from fusekit.toolkit.nn import build_model, convnet_arch, load_model, mlp_arch
+from fusekit.toolkit.nn.ams import AMSModel
 
 CLASSES = 4
 IMAGE = (1, 4, 4)

@@ -1,14 +1,14 @@
-"""fusekit.neurons: BatchNorm folding, unit form, incoming-weight mapping, write-back."""
+"""fusekit.core.neurons: BatchNorm folding, unit form, incoming-weight mapping, write-back."""
 
 import numpy as np
 import pytest
 import torch
 from torch import nn
 
-from fusekit import neurons
-from fusekit.checkpoint import Checkpoint
-from fusekit.errors import IncompatibleModelsError
-from fusekit.spec import infer_spec, permute
+from fusekit.core import neurons
+from fusekit.core.checkpoint import Checkpoint
+from fusekit.core.errors import IncompatibleModelsError
+from fusekit.core.spec import infer_spec, permute
 
 
 class Net(nn.Module):

@@ -1,4 +1,4 @@
-"""fusekit.nn: architecture JSON, module layout, PAN encodings, checkpoint loading."""
+"""fusekit.toolkit.nn: architecture JSON, module layout, PAN encodings, checkpoint loading."""
 
 import json
 import math
@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from fusekit.checkpoint import ARCH, Checkpoint, save_checkpoint
-from fusekit.errors import CheckpointError, SpecError
-from fusekit.nn import (
+from fusekit.core.checkpoint import Checkpoint, save_checkpoint
+from fusekit.core.errors import CheckpointError, SpecError
+from fusekit.core.metadata import ARCH
+from fusekit.toolkit.nn import (
     build_model,
     convnet_arch,
     hidden_widths,
@@ -46,7 +47,7 @@ CONV = {
 
 
 def test_arch_module_does_not_import_torch():
-    code = "import sys, fusekit.nn.arch; print('torch' in sys.modules)"
+    code = "import sys, fusekit.core.arch; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

@@ -12,11 +12,11 @@ from torch import nn
 
 import fusekit
 from conftest import _with_random_stats, mlp, numpy_state
-from fusekit.checkpoint import Checkpoint, load_checkpoint
-from fusekit.errors import DataError, IncompatibleModelsError, ParameterError
+from fusekit.core.checkpoint import Checkpoint, load_checkpoint
+from fusekit.core.errors import DataError, IncompatibleModelsError, ParameterError
+from fusekit.core.spec import infer_spec, permute
 from fusekit.methods.ot import load_activation_inputs, transport_plan
-from fusekit.nn import build_model, convnet_arch
-from fusekit.spec import infer_spec, permute
+from fusekit.toolkit.nn import build_model, convnet_arch
 
 
 def cnn(channels=(4, 6), hidden=8, seed=0) -> nn.Module:
@@ -238,7 +238,7 @@ def test_identical_clients_are_the_identity(tmp_path):
 
 
 def test_refuses_position_aware_neurons(tmp_path):
-    from fusekit.nn import build_model, mlp_arch
+    from fusekit.toolkit.nn import build_model, mlp_arch
 
     arch = mlp_arch(6, [5], 3, pan={"mode": "multiplicative", "amplitude": 0.1, "period": 1})
     sd = build_model(arch, seed=0).state_dict()

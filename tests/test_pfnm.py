@@ -9,12 +9,12 @@ from test_neurons import Net, cnn, outputs, randomize_batchnorm
 from torch import nn
 
 import fusekit
-from fusekit import matching, reference
-from fusekit.checkpoint import Checkpoint
-from fusekit.errors import IncompatibleModelsError, ParameterError
+from fusekit.core.checkpoint import Checkpoint
+from fusekit.core.errors import IncompatibleModelsError, ParameterError
+from fusekit.core.spec import infer_spec, permute
+from fusekit.engine import matching, reference
 from fusekit.methods import bayesian
 from fusekit.methods.bayesian import MatchingBackend, match_neurons
-from fusekit.spec import infer_spec, permute
 
 NUMPY = bayesian.get_backend("numpy")
 
@@ -279,7 +279,7 @@ def test_cli_flags_reach_the_method_and_file_order_does_not_matter(mlp_clients, 
     from typer.testing import CliRunner
 
     from fusekit._cli.app import app
-    from fusekit.checkpoint import load_checkpoint
+    from fusekit.core.checkpoint import load_checkpoint
 
     runner = CliRunner()
     outs = []
@@ -311,7 +311,7 @@ def test_sweeps_stop_at_a_fixed_point():
 
 
 def test_fusion_benchmark_runs_end_to_end_on_a_tiny_case(tmp_path):
-    from fusekit.bench.fusion import main
+    from bench_fusion import main
 
     out = tmp_path / "bench.json"
     assert main(["--clients", "2", "--numpy-clients", "2", "--no-cnn", "--json", str(out)]) == 0
@@ -325,8 +325,8 @@ def test_fusion_benchmark_runs_end_to_end_on_a_tiny_case(tmp_path):
 
 @pytest.mark.parametrize("method", ["pfnm", "nafi"])
 def test_fused_checkpoint_carries_its_widths_and_loads_into_the_module_class(method, tmp_path):
-    from fusekit.nn.arch import convnet_arch
-    from fusekit.nn.modules import build_model, load_model
+    from fusekit.core.arch import convnet_arch
+    from fusekit.toolkit.nn.modules import build_model, load_model
 
     clients = []
     for seed, channels in enumerate(((4, 6), (5, 6), (4, 7))):

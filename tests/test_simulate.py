@@ -1,4 +1,4 @@
-"""fusekit.simulate and `fusekit simulate`: checkpoints, metadata, determinism, PANs."""
+"""fusekit.toolkit.simulate and `fusekit simulate`: checkpoints, metadata, determinism, PANs."""
 
 import json
 
@@ -9,13 +9,14 @@ from typer.testing import CliRunner
 
 import fusekit
 from fusekit._cli.app import app
-from fusekit.checkpoint import load_checkpoint
-from fusekit.data import synthetic
-from fusekit.errors import OutputError, ParameterError, SpecError
-from fusekit.evaluate import evaluate_checkpoints
-from fusekit.nn import load_model, pan_buffer_names
-from fusekit.simulate import SIMULATION, SimulationConfig, simulate_clients
-from fusekit.train import FedNLRConfig, TrainConfig
+from fusekit.core.checkpoint import load_checkpoint
+from fusekit.core.errors import OutputError, ParameterError, SpecError
+from fusekit.core.metadata import SIMULATION
+from fusekit.toolkit.data import synthetic
+from fusekit.toolkit.evaluate import evaluate_checkpoints
+from fusekit.toolkit.nn import load_model, pan_buffer_names
+from fusekit.toolkit.simulate import SimulationConfig, simulate_clients
+from fusekit.toolkit.train import FedNLRConfig, TrainConfig
 
 DATA = synthetic(samples=400, features=8, classes=4, seed=0)
 FAST = TrainConfig(epochs=2, batch_size=32, lr=1e-2)
@@ -156,7 +157,7 @@ def test_cli_fednlr_needs_sgd(tmp_path):
 
 
 def test_convnet_clients_fuse_and_evaluate(tmp_path):
-    from fusekit.data import digits
+    from fusekit.toolkit.data import digits
 
     images = digits()
     config = SimulationConfig(

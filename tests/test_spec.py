@@ -6,8 +6,8 @@ import torch
 from torch import nn
 
 from conftest import cnn, mlp, numpy_state
-from fusekit.errors import SpecError
-from fusekit.spec import infer_spec, load_spec_file, permute
+from fusekit.core.errors import SpecError
+from fusekit.core.spec import infer_spec, load_spec_file, permute
 
 
 def test_mlp_spec():

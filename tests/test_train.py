@@ -1,4 +1,4 @@
-"""fusekit.train: local training, determinism, FedNLR learning rates (paper Eq. 14-17)."""
+"""fusekit.toolkit.train: local training, determinism, FedNLR learning rates (paper Eq. 14-17)."""
 
 import math
 
@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from fusekit.data import synthetic
-from fusekit.errors import ParameterError
-from fusekit.nn import build_model, convnet_arch, mlp_arch
-from fusekit.train import (
+from fusekit.core.errors import ParameterError
+from fusekit.toolkit.data import synthetic
+from fusekit.toolkit.nn import build_model, convnet_arch, mlp_arch
+from fusekit.toolkit.train import (
     FedNLRConfig,
     TrainConfig,
     mean_activations,

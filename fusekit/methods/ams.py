@@ -11,7 +11,7 @@ fusekit's canonical order) and the metadata key ``fusekit.ams``::
 
 ``arch`` is the client's ``fusekit.arch`` (how :func:`fusekit.load_fused` rebuilds it) and
 ``spec`` its permutation spec JSON (the fallback for clients without ``arch``). The
-selection itself runs in torch (:mod:`fusekit.nn.ams`).
+selection itself runs in torch (:mod:`fusekit.toolkit.nn.ams`).
 """
 
 from __future__ import annotations
@@ -22,13 +22,12 @@ from typing import Any
 
 import numpy as np
 
-from fusekit.checkpoint import Checkpoint
-from fusekit.errors import CheckpointError, IncompatibleModelsError, ParameterError
+from fusekit.core import metadata as meta
+from fusekit.core.checkpoint import Checkpoint
+from fusekit.core.errors import CheckpointError, IncompatibleModelsError, ParameterError
+from fusekit.core.spec import PermutationSpec
 from fusekit.methods.base import FusionMethod, FusionResult, register
-from fusekit.spec import PermutationSpec
 
-AMS_METADATA = "fusekit.ams"
-AMS_FORMAT = "fusekit.ams/1"
 MODES = ("top1", "topk", "full")
 
 
@@ -84,7 +83,7 @@ class AdaptiveModelSelection(FusionMethod):
                 state_dict[prefix + name] = checkpoint.tensor(name)
             models.append({"prefix": prefix, "arch": checkpoint.arch, "spec": spec.to_json(),
                            "num_samples": checkpoint.num_samples})
-        description = {"format": AMS_FORMAT, "mode": mode, "k": k, "models": models}
+        description = {"format": meta.AMS_FORMAT, "mode": mode, "k": k, "models": models}
         report = {
             "models": len(models),
             "hidden_widths": [spec.hidden_widths for spec in specs],
@@ -96,7 +95,7 @@ class AdaptiveModelSelection(FusionMethod):
             params={"mode": mode, "k": k},
             widths=[],
             report=report,
-            metadata={AMS_METADATA: json.dumps(description)},
+            metadata={meta.AMS: json.dumps(description)},
         )
 
 
@@ -140,26 +139,10 @@ def check_same_outputs(checkpoints: Sequence[Checkpoint],
 
 
 def read_ams_metadata(metadata: Mapping[str, str], label: str) -> dict[str, Any]:
-    """Parse and check the ``fusekit.ams`` metadata of an AMS artefact.
-
-    Raises:
-        CheckpointError: the key is missing, not JSON, of another format, or lacks models.
-    """
-    raw = metadata.get(AMS_METADATA)
-    if raw is None:
-        raise CheckpointError(f"{label}: no {AMS_METADATA} metadata; not an AMS artefact")
-    try:
-        description = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{label}: metadata {AMS_METADATA} is not JSON ({exc})") from None
-    if (not isinstance(description, dict) or description.get("format") != AMS_FORMAT
-            or not isinstance(description.get("models"), list) or not description["models"]):
-        raise CheckpointError(
-            f"{label}: metadata {AMS_METADATA} must be an object with \"format\": "
-            f"\"{AMS_FORMAT}\" and a non-empty \"models\" list, found {raw[:120]!r}"
-        )
+    """The ``fusekit.ams`` description of an AMS artefact, with its mode and k checked."""
+    description = meta.read_ams(metadata, label)
     try:
         resolve_k(description.get("mode"), description.get("k"), len(description["models"]))
     except ParameterError as exc:
-        raise CheckpointError(f"{label}: metadata {AMS_METADATA}: {exc}") from None
+        raise CheckpointError(f"{label}: metadata {meta.AMS}: {exc}") from None
     return description

@@ -6,10 +6,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from fusekit.checkpoint import CLASS_COUNTS, Checkpoint, is_integer_buffer
-from fusekit.errors import IncompatibleModelsError, ParameterError
+from fusekit.core.checkpoint import Checkpoint, is_integer_buffer
+from fusekit.core.errors import IncompatibleModelsError, ParameterError
+from fusekit.core.metadata import CLASS_COUNTS
+from fusekit.core.spec import PermutationSpec
 from fusekit.methods.base import FusionMethod, FusionResult, register, sample_weights
-from fusekit.spec import PermutationSpec
 
 
 @register

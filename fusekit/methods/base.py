@@ -12,15 +12,14 @@ from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 
-from fusekit import checkpoint as ckpt_meta
 from fusekit._version import __version__
-from fusekit.checkpoint import Checkpoint, save_checkpoint
-from fusekit.errors import UnknownMethodError
-from fusekit.spec import PermutationSpec
+from fusekit.core import metadata as meta
+from fusekit.core.checkpoint import Checkpoint, save_checkpoint
+from fusekit.core.errors import UnknownMethodError
+from fusekit.core.spec import PermutationSpec
 
 log = logging.getLogger(__name__)
 
-SPEC = "fusekit.spec"
 
 @dataclass
 class FusionResult:
@@ -79,10 +78,10 @@ class FusionMethod(ABC):
         report: dict[str, Any] | None = None,
     ) -> FusionResult:
         """Package a fused state_dict with its metadata (fused spec and architecture)."""
-        metadata = {SPEC: json.dumps(spec.to_json())}
+        metadata = {meta.SPEC: json.dumps(spec.to_json())}
         arch = checkpoints[0].arch
         if arch is not None:
-            metadata[ckpt_meta.ARCH] = json.dumps(_arch_with_widths(arch, spec.hidden_widths))
+            metadata[meta.ARCH] = json.dumps(_arch_with_widths(arch, spec.hidden_widths))
         return FusionResult(
             state_dict=state_dict,
             method=self.name,
@@ -93,17 +92,17 @@ class FusionMethod(ABC):
         )
 
 def _arch_with_widths(arch: dict[str, Any], widths: list[int]) -> dict[str, Any]:
-    from fusekit.nn.arch import hidden_widths, with_hidden_widths
+    from fusekit.core.arch import hidden_widths, with_hidden_widths
 
     return arch if hidden_widths(arch) == widths else with_hidden_widths(arch, widths)
 
 def provenance(result: FusionResult, checkpoints: Sequence[Checkpoint]) -> None:
     """Add method, parameters, input hashes and version to the result's metadata."""
     result.metadata.update({
-        ckpt_meta.METHOD: result.method,
-        ckpt_meta.PARAMS: json.dumps(result.params, sort_keys=True),
-        ckpt_meta.INPUTS: json.dumps([c.content_hash for c in checkpoints]),
-        ckpt_meta.VERSION: __version__,
+        meta.METHOD: result.method,
+        meta.PARAMS: json.dumps(result.params, sort_keys=True),
+        meta.INPUTS: json.dumps([c.content_hash for c in checkpoints]),
+        meta.VERSION: __version__,
     })
 
 def sample_weights(checkpoints: Sequence[Checkpoint]) -> np.ndarray:
@@ -112,7 +111,7 @@ def sample_weights(checkpoints: Sequence[Checkpoint]) -> np.ndarray:
     if any(n is None for n in counts):
         missing = [c.label for c, n in zip(checkpoints, counts, strict=True) if n is None]
         log.warning("no %s metadata in %s: weighting clients uniformly",
-                    ckpt_meta.NUM_SAMPLES, ", ".join(missing))
+                    meta.NUM_SAMPLES, ", ".join(missing))
         return np.full(len(checkpoints), 1.0 / len(checkpoints))
     weights = np.asarray(counts, dtype=np.float64)
     return weights / weights.sum()

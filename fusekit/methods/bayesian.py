@@ -19,7 +19,7 @@ coordinate, so unobserved coordinates neither cost nor pull the estimate.
 The posterior of global neuron i is kept as two running arrays that include the prior:
 ``sums[i] = mu0/sigma0^2 + sum_{(s,j) in Z_i} s_s * w_sj`` and
 ``precisions[i] = 1/sigma0^2 + sum s_s``; its mean is ``sums / precisions``. These are
-exactly the ``global_sums`` / ``global_precisions`` arguments of ``fusekit.matching``'s
+exactly the ``global_sums`` / ``global_precisions`` arguments of ``fusekit.engine.matching``'s
 cost kernels, so a cost matrix is built without any copy of the global state.
 """
 
@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from fusekit.errors import ParameterError
+from fusekit.core.errors import ParameterError
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ BACKENDS = ("core", "numpy")
 class MatchingBackend:
     """The kernels one matching run uses (chosen explicitly, never as a fallback).
 
-    ``pfnm_cost`` / ``nafi_cost`` follow the signatures of ``fusekit.matching``;
+    ``pfnm_cost`` / ``nafi_cost`` follow the signatures of ``fusekit.engine.matching``;
     ``solve_assignment(cost) -> (row_ind, col_ind)`` follows SciPy's contract.
     """
 
@@ -61,7 +61,7 @@ def get_backend(backend: str | MatchingBackend = "core") -> MatchingBackend:
 
     Args:
         backend: ``"core"`` (fusekit's C++ cost kernels and assignment solver, the default),
-            ``"numpy"`` (the vectorised numpy references of ``fusekit.reference`` plus
+            ``"numpy"`` (the vectorised numpy references of ``fusekit.engine.reference`` plus
             ``scipy.optimize.linear_sum_assignment``; for benchmarks and cross-checks), or a
             :class:`MatchingBackend` instance.
 
@@ -72,7 +72,7 @@ def get_backend(backend: str | MatchingBackend = "core") -> MatchingBackend:
     if isinstance(backend, MatchingBackend):
         return backend
     if backend == "core":
-        from fusekit import matching
+        from fusekit.engine import matching
 
         # The engine validates its inputs once (match_neurons) and owns the global state
         # it passes, so the kernels skip re-validating arrays on every call.
@@ -85,7 +85,7 @@ def get_backend(backend: str | MatchingBackend = "core") -> MatchingBackend:
     if backend == "numpy":
         from scipy.optimize import linear_sum_assignment
 
-        from fusekit import reference
+        from fusekit.engine import reference
 
         return MatchingBackend(
             "numpy", reference.pfnm_cost, reference.nafi_cost, linear_sum_assignment
@@ -185,7 +185,7 @@ def _add_rows(
     rows are unique within one client; values (n, P), or (P,) added to every row. The C++
     core does it in one pass over the rows, where fancy-index += gathers, adds and scatters,
     and never stores ``values * scale`` (bit-identical to numpy's results)."""
-    from fusekit._native import core
+    from fusekit.engine.native import core
 
     core().add_rows(target, rows, values, sign, scale)
 
@@ -207,7 +207,7 @@ def _as_coordinate_vector(value: Any, n_coords: int, name: str) -> np.ndarray:
 def _validate_inputs(
     vectors: Sequence[np.ndarray], precisions: Sequence[Any]
 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    from fusekit._native import core
+    from fusekit.engine.native import core
 
     if len(vectors) < 1:
         raise ParameterError("vectors: expected at least one client, found none")
@@ -564,7 +564,7 @@ def fuse_network(checkpoints, specs, params: BayesianParams, method: str):
     """Fuse sequential MLP/CNN clients with PFNM (``params.lam is None``) or NAFI.
 
     Hidden layers are matched bottom-up: each client's incoming weights are first mapped
-    into the global index space of the layer below (``fusekit.neurons``), BatchNorm folded.
+    into the global index space of the layer below (``fusekit.core.neurons``), BatchNorm folded.
     The last hidden layer's vectors also carry the outgoing weights (NAFI paper, Problem
     Formulation). Output layer: with one hidden layer, the outgoing part of the matched
     vectors; deeper, the output weights mapped to global indices and averaged over the
@@ -575,7 +575,7 @@ def fuse_network(checkpoints, specs, params: BayesianParams, method: str):
     Units: with ``variance_units="relative"`` (default), sigma^2 = ``sigma`` x v and
     sigma0^2 = ``sigma0`` x v, where v (per coordinate, constant within the incoming, bias
     and outgoing blocks) is the per-coordinate variance of all clients' neuron vectors of
-    the layer averaged over the block (:func:`fusekit.neurons.block_variances`). With
+    the layer averaged over the block (:func:`fusekit.core.neurons.block_variances`). With
     ``"absolute"`` they are variances in weight units. ``mu0`` is in weight units.
     Class-share precision: an outgoing weight to class k gets precision f_sk / sigma_s^2.
 
@@ -592,7 +592,7 @@ def fuse_network(checkpoints, specs, params: BayesianParams, method: str):
         IncompatibleModelsError: PAN checkpoints, or tensors outside the layers that differ.
         ParameterError: out-of-range parameters.
     """
-    from fusekit import neurons
+    from fusekit.core import neurons
     from fusekit.methods.base import sample_weights
 
     neurons.refuse_position_aware(checkpoints, specs, method)
@@ -654,7 +654,7 @@ def fuse_network(checkpoints, specs, params: BayesianParams, method: str):
 
 def _output_layer(head, below, n_below, matched_outgoing, shares, alphas):
     """The fused output layer in unit form (see :func:`fuse_network`)."""
-    from fusekit import neurons
+    from fusekit.core import neurons
 
     n_clients = len(head)
     weights = shares if shares is not None else np.repeat(alphas[:, None], head[0].bias.size, 1)
@@ -682,7 +682,7 @@ def _output_layer(head, below, n_below, matched_outgoing, shares, alphas):
 
 def _other_tensors(checkpoints, spec, alphas) -> dict[str, np.ndarray]:
     """Tensors outside the layers (never width-dependent here): sample-weighted average."""
-    from fusekit.errors import IncompatibleModelsError
+    from fusekit.core.errors import IncompatibleModelsError
     from fusekit.methods.avg import average_tensor
 
     out = {}

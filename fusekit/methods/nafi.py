@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from fusekit.checkpoint import Checkpoint
+from fusekit.core.checkpoint import Checkpoint
+from fusekit.core.spec import PermutationSpec
 from fusekit.methods.base import FusionMethod, FusionResult, register
 from fusekit.methods.bayesian import BayesianParams, as_sigma
 from fusekit.methods.pfnm import run_bayesian
-from fusekit.spec import PermutationSpec
 
 DEFAULT_LAMBDA = 1e-2
 

@@ -4,7 +4,7 @@ ALGORITHMS.md §5.
 Every client is aligned to an anchor model A, layer by layer, bottom-up, and the aligned
 clients are averaged with sample-count weights; the fused widths are the anchor's.
 
-For hidden layer l of client s (unit form, BatchNorm folded, see :mod:`fusekit.neurons`):
+For hidden layer l of client s (unit form, BatchNorm folded, see :mod:`fusekit.core.neurons`):
 
 1. incoming weights are mapped into the anchor's index space of layer l-1 with the
    previous transport map, per kernel position / per spatial block:
@@ -33,12 +33,12 @@ from typing import Any
 
 import numpy as np
 
-from fusekit import neurons
-from fusekit.checkpoint import Checkpoint
-from fusekit.errors import DataError, ParameterError
-from fusekit.matching import solve_assignment, sqeuclidean_cost
+from fusekit.core import neurons
+from fusekit.core.checkpoint import Checkpoint
+from fusekit.core.errors import DataError, ParameterError
+from fusekit.core.spec import PermutationSpec
+from fusekit.engine.matching import solve_assignment, sqeuclidean_cost
 from fusekit.methods.base import FusionMethod, FusionResult, register, sample_weights
-from fusekit.spec import PermutationSpec
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class OptimalTransport(FusionMethod):
             activations: None for the data-free weight cost (default); otherwise inputs
                 for the activation cost — an (N, ...) array, a ``.npy`` file of inputs
                 (N, ...), a ``.npz`` file holding ``x`` or ``x_train``, or a data set name
-                of :mod:`fusekit.data` (its training inputs). See
+                of :mod:`fusekit.toolkit.data` (its training inputs). See
                 :func:`load_activation_inputs`.
             activation_samples: at most this many inputs (a seeded random subset) are run.
             data_dir: folder holding the files of a local data set named by ``activations``
@@ -103,7 +103,7 @@ class OptimalTransport(FusionMethod):
         preactivations = None
         if activations is not None:
             inputs = load_activation_inputs(activations, activation_samples, seed, data_dir)
-            from fusekit.nn.fused import hidden_preactivations  # torch: only in this mode
+            from fusekit.toolkit.nn.fused import hidden_preactivations  # torch: only in this mode
 
             preactivations = [hidden_preactivations(c, s, inputs)
                               for c, s in zip(checkpoints, specs, strict=True)]
@@ -268,7 +268,7 @@ def load_activation_inputs(source: ActivationSource, samples: int, seed: int = 0
     Args:
         source: an array (N, ...); a ``.npy`` file holding such an array; a ``.npz`` file
             holding ``x`` (or ``x_train``, fusekit's data-set format) of shape (N, ...); or
-            the name of a :mod:`fusekit.data` data set (its training inputs; mnist,
+            the name of a :mod:`fusekit.toolkit.data` data set (its training inputs; mnist,
             fashion-mnist and cifar10 read their files from ``data_dir``).
         samples: at most this many rows are kept (a seeded random subset, in index order).
         seed: seeds the subset.
@@ -286,14 +286,14 @@ def load_activation_inputs(source: ActivationSource, samples: int, seed: int = 0
         if path.suffix in (".npy", ".npz"):
             inputs = _read_array_file(path)
         else:
-            from fusekit.data import load_dataset
+            from fusekit.toolkit.data import load_dataset
 
             try:
                 inputs = load_dataset(text, data_dir=data_dir).x_train
             except ParameterError:
                 raise DataError(
                     f"activations: {text!r} is neither a .npy/.npz file nor a data set name "
-                    "of fusekit.data"
+                    "of fusekit.toolkit.data"
                 ) from None
     inputs = np.asarray(inputs)
     if inputs.ndim < 2 or len(inputs) == 0 or inputs.dtype.kind not in "fiu":

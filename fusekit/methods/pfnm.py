@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from fusekit.checkpoint import Checkpoint
+from fusekit.core.checkpoint import Checkpoint
+from fusekit.core.spec import PermutationSpec
 from fusekit.methods.base import FusionMethod, FusionResult, register
 from fusekit.methods.bayesian import BayesianParams, as_sigma, fuse_network
-from fusekit.spec import PermutationSpec
 
 
 def run_bayesian(method: FusionMethod, checkpoints, specs, params: BayesianParams) -> FusionResult:

@@ -7,7 +7,7 @@ failed or interrupted fusion never leaves a partial output and inputs are never 
 Metadata (string -> string):
     fusekit.num_samples   number of training samples of the client (int)
     fusekit.class_counts  JSON list of per-class sample counts
-    fusekit.arch          JSON architecture description (see fusekit.nn.arch)
+    fusekit.arch          JSON architecture description (see fusekit.core.arch)
 Fused outputs add fusekit.method, fusekit.params (JSON), fusekit.inputs (JSON list of
 content hashes) and fusekit.version.
 """
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import os
 import struct
 import tempfile
@@ -30,15 +29,8 @@ import numpy as np
 import safetensors
 import safetensors.numpy
 
-from fusekit.errors import CheckpointError, CheckpointNotFoundError, OutputError
-
-NUM_SAMPLES = "fusekit.num_samples"
-CLASS_COUNTS = "fusekit.class_counts"
-ARCH = "fusekit.arch"
-METHOD = "fusekit.method"
-PARAMS = "fusekit.params"
-INPUTS = "fusekit.inputs"
-VERSION = "fusekit.version"
+from fusekit.core import metadata as meta
+from fusekit.core.errors import CheckpointError, CheckpointNotFoundError, OutputError
 
 # A safetensors header is a few KB per hundred tensors; anything near this is an attack or
 # a corrupt length field, and reading it would allocate that much memory.
@@ -120,51 +112,18 @@ class Checkpoint:
 
     @cached_property
     def num_samples(self) -> int | None:
-        raw = self.metadata.get(NUM_SAMPLES)
-        if raw is None:
-            return None
-        try:
-            value = int(raw)
-        except ValueError:
-            value = -1
-        if value <= 0:
-            raise CheckpointError(
-                f"{self.label}: metadata {NUM_SAMPLES} must be a positive integer, found {raw!r}"
-            )
-        return value
+        raw = self.metadata.get(meta.NUM_SAMPLES)
+        return None if raw is None else meta.parse_num_samples(raw, self.label)
 
     @cached_property
     def class_counts(self) -> np.ndarray | None:
-        raw = self.metadata.get(CLASS_COUNTS)
-        if raw is None:
-            return None
-        try:
-            counts = np.asarray(json.loads(raw), dtype=np.float64)
-        except (json.JSONDecodeError, TypeError, ValueError):
-            counts = np.array([-1.0])
-        if counts.ndim != 1 or counts.size == 0 or (counts < 0).any():
-            raise CheckpointError(
-                f"{self.label}: metadata {CLASS_COUNTS} must be a JSON list of non-negative "
-                f"counts, found {raw!r}"
-            )
-        return counts
+        raw = self.metadata.get(meta.CLASS_COUNTS)
+        return None if raw is None else meta.parse_class_counts(raw, self.label)
 
     @cached_property
     def arch(self) -> dict[str, Any] | None:
-        raw = self.metadata.get(ARCH)
-        if raw is None:
-            return None
-        try:
-            value = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            raise CheckpointError(
-                f"{self.label}: metadata {ARCH} must be JSON, found {raw[:80]!r} ({exc})"
-            ) from None
-        if not isinstance(value, dict):
-            raise CheckpointError(
-                f"{self.label}: metadata {ARCH} must be a JSON object, found {type(value).__name__}"
-            )
-        return value
+        raw = self.metadata.get(meta.ARCH)
+        return None if raw is None else meta.parse_json_object(raw, meta.ARCH, self.label)
 
     @cached_property
     def content_hash(self) -> str:

@@ -1,12 +1,12 @@
 """``load_fused``: any fusekit checkpoint (a client, or any method's fused output) as a torch
 module ready for inference.
 
-- AMS artefacts (``fusekit.ams`` metadata) load as :class:`~fusekit.nn.ams.AMSModel`, each
+- AMS artefacts (``fusekit.ams`` metadata) load as :class:`~fusekit.toolkit.nn.ams.AMSModel`, each
   sub-model rebuilt from its own description.
 - Plain checkpoints with ``fusekit.arch`` (written with the fused widths by every method,
-  since PFNM/NAFI change widths) are built by :func:`fusekit.nn.build_model`.
+  since PFNM/NAFI change widths) are built by :func:`fusekit.toolkit.nn.build_model`.
 - Checkpoints without ``fusekit.arch`` (clients that came from outside fusekit) are read
-  from their permutation spec (``fusekit.spec`` metadata, else inferred from names and
+  from their permutation spec (``fusekit.core.spec`` metadata, else inferred from names and
   shapes) as a ReLU MLP: Linear, optional BatchNorm, ReLU, ..., Linear. Convolutional
   models need ``fusekit.arch`` (padding and pooling are not in the tensors).
 """
@@ -23,14 +23,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from fusekit.checkpoint import Checkpoint, load_checkpoint
-from fusekit.errors import CheckpointError, DataError, SpecError
-from fusekit.methods.ams import AMS_METADATA, read_ams_metadata
-from fusekit.methods.base import SPEC
-from fusekit.nn.ams import AMSModel
-from fusekit.nn.modules import build_model, load_state_into, state_dict_to_torch
-from fusekit.spec import PermutationSpec, infer_spec, shapes_of, spec_from_json
-from fusekit.train import resolve_device
+from fusekit.core import metadata as meta
+from fusekit.core.checkpoint import Checkpoint, load_checkpoint
+from fusekit.core.errors import CheckpointError, DataError, SpecError
+from fusekit.core.spec import PermutationSpec, infer_spec, shapes_of, spec_from_json
+from fusekit.methods.ams import read_ams_metadata
+from fusekit.toolkit.nn.ams import AMSModel
+from fusekit.toolkit.nn.modules import build_model, load_state_into, state_dict_to_torch
+from fusekit.toolkit.train import resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -59,10 +59,10 @@ def load_fused(
     checkpoint = (path_or_checkpoint if isinstance(path_or_checkpoint, Checkpoint)
                   else load_checkpoint(path_or_checkpoint))
     target = resolve_device(device)
-    if AMS_METADATA in checkpoint.metadata:
+    if meta.AMS in checkpoint.metadata:
         model = _load_ams(checkpoint)
     else:
-        spec = checkpoint.metadata.get(SPEC)
+        spec = checkpoint.metadata.get(meta.SPEC)
         model = build_plain_model(checkpoint.state_dict(), checkpoint.arch,
                                   json.loads(spec) if spec else None, checkpoint.label)
     return model.to(target).eval()
@@ -76,7 +76,7 @@ def _load_ams(checkpoint: Checkpoint) -> AMSModel:
         prefix = entry.get("prefix") if isinstance(entry, Mapping) else None
         if not isinstance(prefix, str):
             raise CheckpointError(
-                f"{checkpoint.label}: {AMS_METADATA} models[{index}] has no \"prefix\""
+                f"{checkpoint.label}: {meta.AMS} models[{index}] has no \"prefix\""
             )
         own = {name[len(prefix):]: value for name, value in tensors.items()
                if name.startswith(prefix)}

@@ -1,4 +1,4 @@
-"""torch modules built from an architecture description (see :mod:`fusekit.nn.arch`).
+"""torch modules built from an architecture description (see :mod:`fusekit.core.arch`).
 
 Every model holds ONE ``nn.Sequential`` named ``net`` so its tensor names are
 ``net.<i>.weight`` etc. and their natural order is the layer order:
@@ -24,9 +24,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from fusekit.checkpoint import Checkpoint, is_integer_buffer, load_checkpoint
-from fusekit.errors import CheckpointError, SpecError
-from fusekit.nn.arch import convnet_feature_size, pan_encoding, validate_arch
+from fusekit.core.arch import convnet_feature_size, pan_encoding, validate_arch
+from fusekit.core.checkpoint import Checkpoint, is_integer_buffer, load_checkpoint
+from fusekit.core.errors import CheckpointError, SpecError
 
 
 class PositionEncoding(nn.Module):
@@ -178,7 +178,7 @@ def load_model(
     """Build the module of a plain client or fused checkpoint and load its weights.
 
     Args:
-        checkpoint_or_path: a :class:`~fusekit.checkpoint.Checkpoint` or a path to one.
+        checkpoint_or_path: a :class:`~fusekit.core.checkpoint.Checkpoint` or a path to one.
         device: where to put the model; it is returned in eval mode.
 
     Returns:

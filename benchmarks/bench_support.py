@@ -1,13 +1,43 @@
-"""Random networks and noisy, permuted copies of them: the clients of the fusion benchmarks."""
+"""What the benchmark scripts share: machine info, JSON output, random networks."""
 
 from __future__ import annotations
 
+import json
+import os
+import platform
+import sys
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from fusekit.checkpoint import Checkpoint
-from fusekit.spec import infer_spec, permute
+from fusekit._version import __version__
+from fusekit.core.checkpoint import Checkpoint, write_atomic
+from fusekit.core.spec import infer_spec, permute
+from fusekit.engine.native import core_status
+
+
+def machine_info(**extra: Any) -> dict[str, Any]:
+    """What every benchmark's JSON records about the machine, versions and backend."""
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "python": sys.version.split()[0],
+        "numpy": np.__version__,
+        "fusekit": __version__,
+        "core": core_status(),
+        **extra,
+    }
+
+
+def write_json(path: str | os.PathLike[str], payload: dict[str, Any]) -> None:
+    """Write a benchmark's results, creating the folder; says where on stdout."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, json.dumps(payload, indent=2).encode())
+    print(f"wrote {path}")
 
 
 def random_mlp(width: int = 100, seed: int = 0) -> dict[str, np.ndarray]:

@@ -17,11 +17,11 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from fusekit.data import load_dataset
-from fusekit.errors import UnknownMethodError
-from fusekit.evaluate import Evaluator, Score
-from fusekit.simulate import SimulationConfig, simulate_clients
-from fusekit.train import TrainConfig
+from fusekit.core.errors import UnknownMethodError
+from fusekit.toolkit.data import load_dataset
+from fusekit.toolkit.evaluate import Evaluator, Score
+from fusekit.toolkit.simulate import SimulationConfig, simulate_clients
+from fusekit.toolkit.train import TrainConfig
 
 logger = logging.getLogger(__name__)
 

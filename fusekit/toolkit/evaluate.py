@@ -17,11 +17,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from fusekit.checkpoint import METHOD, Checkpoint, load_checkpoint
-from fusekit.data import Dataset
-from fusekit.errors import DataError
-from fusekit.nn.modules import load_model
-from fusekit.train import resolve_device
+from fusekit.core.checkpoint import Checkpoint, load_checkpoint
+from fusekit.core.errors import DataError
+from fusekit.core.metadata import METHOD
+from fusekit.toolkit.data import Dataset
+from fusekit.toolkit.nn.modules import load_model
+from fusekit.toolkit.train import resolve_device
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ def load_for_evaluation(
 
     Uses ``fusekit.load_fused`` when the package provides it (it rebuilds every method's
     output, AMS artefacts included, and clients without ``fusekit.arch``); otherwise
-    :func:`fusekit.nn.load_model`, which needs ``fusekit.arch``.
+    :func:`fusekit.toolkit.nn.load_model`, which needs ``fusekit.arch``.
 
     Raises:
         CheckpointError: the file cannot be turned into a model.

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from fusekit.errors import SpecError
+from fusekit.core.errors import SpecError
 
 ARCH_TYPES = ("mlp", "convnet")
 PAN_MODES = ("multiplicative", "additive")

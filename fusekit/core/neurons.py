@@ -31,9 +31,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fusekit.checkpoint import Checkpoint
-from fusekit.errors import IncompatibleModelsError, SpecError
-from fusekit.spec import Layer, PermutationSpec
+from fusekit.core.checkpoint import Checkpoint
+from fusekit.core.errors import IncompatibleModelsError, SpecError
+from fusekit.core.spec import Layer, PermutationSpec
 
 PAN_SUFFIX = ".encoding"
 

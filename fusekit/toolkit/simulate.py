@@ -19,21 +19,18 @@ from typing import Any
 
 import numpy as np
 
-from fusekit.checkpoint import (
-    ARCH,
-    CLASS_COUNTS,
-    NUM_SAMPLES,
+from fusekit.core import metadata as meta
+from fusekit.core.arch import parse_arch_string, validate_arch, validate_pan
+from fusekit.core.checkpoint import (
     Checkpoint,
     save_checkpoint,
 )
-from fusekit.data import Dataset, class_counts, partition
-from fusekit.errors import OutputError, ParameterError
-from fusekit.nn.arch import parse_arch_string, validate_arch, validate_pan
-from fusekit.train import TrainConfig, TrainResult
+from fusekit.core.errors import OutputError, ParameterError
+from fusekit.toolkit.data import Dataset, class_counts, partition
+from fusekit.toolkit.train import TrainConfig, TrainResult
 
 logger = logging.getLogger(__name__)
 
-SIMULATION = "fusekit.simulation"
 
 
 @dataclass(frozen=True)
@@ -158,8 +155,8 @@ def simulate_clients(
     Raises:
         ParameterError, SpecError: invalid settings; OutputError: files exist without force.
     """
-    from fusekit.nn.modules import build_model
-    from fusekit.train import resolve_device, train_model
+    from fusekit.toolkit.nn.modules import build_model
+    from fusekit.toolkit.train import resolve_device, train_model
 
     torch_device = resolve_device(device)
     archs = client_archs(config, dataset)
@@ -188,10 +185,10 @@ def simulate_clients(
         )
         counts = class_counts(dataset.y_train, indices, dataset.num_classes)
         metadata = {
-            NUM_SAMPLES: str(len(indices)),
-            CLASS_COUNTS: json.dumps(counts),
-            ARCH: json.dumps(arch),
-            SIMULATION: json.dumps(_provenance(dataset, config, i)),
+            meta.NUM_SAMPLES: str(len(indices)),
+            meta.CLASS_COUNTS: json.dumps(counts),
+            meta.ARCH: json.dumps(arch),
+            meta.SIMULATION: json.dumps(_provenance(dataset, config, i)),
         }
         state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
         checkpoint = Checkpoint.from_state_dict(state, metadata)

@@ -27,14 +27,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+from bench_support import machine_info, permuted_copies, random_cnn, random_mlp, write_json
 
-from fusekit import neurons
-from fusekit.bench import machine_info, write_json
-from fusekit.bench.models import permuted_copies, random_cnn, random_mlp
-from fusekit.checkpoint import Checkpoint
+from fusekit.core import neurons
+from fusekit.core.checkpoint import Checkpoint
+from fusekit.core.spec import infer_spec
 from fusekit.methods.base import sample_weights
 from fusekit.methods.ot import align_to_anchor, average_layers
-from fusekit.spec import infer_spec
 
 
 def _fuse_ot(clients: Sequence[Checkpoint], solver: str, inputs: np.ndarray | None):
@@ -42,7 +41,7 @@ def _fuse_ot(clients: Sequence[Checkpoint], solver: str, inputs: np.ndarray | No
     specs = [infer_spec({n: i.shape for n, i in c.tensors.items()}) for c in clients]
     pre = None
     if inputs is not None:
-        from fusekit.nn.fused import hidden_preactivations
+        from fusekit.toolkit.nn.fused import hidden_preactivations
 
         pre = [hidden_preactivations(c, s, inputs) for c, s in zip(clients, specs, strict=True)]
     layers = [neurons.client_layers(c, s) for c, s in zip(clients, specs, strict=True)]
@@ -63,7 +62,7 @@ def _median_time(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
 
 def _logit_error(state: dict[str, np.ndarray], reference: dict[str, np.ndarray],
                  input_shape: tuple[int, ...]) -> float:
-    from fusekit.nn.fused import build_plain_model
+    from fusekit.toolkit.nn.fused import build_plain_model
 
     if len(input_shape) > 1:
         return float("nan")  # conv models need fusekit.arch to be rebuilt; timing only
@@ -129,8 +128,8 @@ def run_ot(sizes: Sequence[int], repeats: int) -> list[dict[str, Any]]:
 def run_ams(n_models: int, batch: int, repeats: int) -> list[dict[str, Any]]:
     import torch
 
-    from fusekit.nn import build_model, convnet_arch, mlp_arch
-    from fusekit.nn.ams import AMSModel
+    from fusekit.toolkit.nn import build_model, convnet_arch, mlp_arch
+    from fusekit.toolkit.nn.ams import AMSModel
 
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     sets = {

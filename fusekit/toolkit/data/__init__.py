@@ -1,6 +1,6 @@
 """Data sets and client partitions for simulation and evaluation (numpy only, no torch)."""
 
-from fusekit.data.datasets import (
+from fusekit.toolkit.data.datasets import (
     DATASETS,
     Dataset,
     cifar10,
@@ -10,7 +10,7 @@ from fusekit.data.datasets import (
     npz_dataset,
     synthetic,
 )
-from fusekit.data.partitions import (
+from fusekit.toolkit.data.partitions import (
     PARTITIONS,
     class_counts,
     dirichlet_partition,

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from fusekit.errors import SpecError
+from fusekit.core.errors import SpecError
 
 SPEC_FORMAT = "fusekit.spec/1"
 BATCHNORM_EPS = 1e-5

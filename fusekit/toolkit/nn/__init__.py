@@ -1,7 +1,7 @@
 """Neural-network modules for fusekit models (MLP, ConvNet, PANs).
 
-``fusekit.nn.arch`` (architecture JSON: validation, hidden widths) is torch-free; the torch
-modules in ``fusekit.nn.modules`` are imported lazily so that ``import fusekit.nn.arch``
+``fusekit.core.arch`` (architecture JSON: validation, hidden widths) is torch-free; the torch
+modules in ``fusekit.toolkit.nn.modules`` are imported lazily so that ``import fusekit.core.arch``
 does not import torch.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fusekit.nn.arch import (
+from fusekit.core.arch import (
     convnet_arch,
     describe_arch,
     hidden_widths,
@@ -46,7 +46,7 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name in _TORCH_NAMES:
-        from fusekit.nn import modules
+        from fusekit.toolkit.nn import modules
 
         return getattr(modules, name)
-    raise AttributeError(f"module 'fusekit.nn' has no attribute {name!r}")
+    raise AttributeError(f"module 'fusekit.toolkit.nn' has no attribute {name!r}")

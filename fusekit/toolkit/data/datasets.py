@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fusekit.errors import DataError, ParameterError
+from fusekit.core.errors import DataError, ParameterError
 
 DATASETS = ("digits", "mnist", "fashion-mnist", "cifar10", "npz", "synthetic")
 

@@ -6,7 +6,7 @@ problem (PFNM / NAFI sweeps re-solve nearly the same problem again and again) an
 threaded batch API. The cost kernels compute the PFNM / NAFI matching costs of
 ALGORITHMS.md sections 3-4 and the squared-Euclidean ground cost of OT fusion.
 
-Numpy reference implementations with the same signatures live in ``fusekit.reference``.
+Numpy reference implementations with the same signatures live in ``fusekit.engine.reference``.
 
 The cost kernels call the BLAS that SciPy ships. Products under about 256 MFLOP run on one
 BLAS thread (two threads on busy cores wait for each other); OpenBLAS's thread count is
@@ -19,8 +19,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from fusekit._native import core
-from fusekit.errors import ParameterError
+from fusekit.core.errors import ParameterError
+from fusekit.engine.native import core
 
 __all__ = [
     "nafi_cost",

@@ -1,4 +1,4 @@
-"""Local client training: plain, with PANs (a property of the model, see fusekit.nn), and
+"""Local client training: plain, with PANs (a property of the model, see fusekit.toolkit.nn), and
 with FedNLR neuron-wise learning rates.
 
 Training is deterministic for a seed: the data order comes from a seeded torch.Generator
@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from fusekit.errors import DataError, ParameterError
+from fusekit.core.errors import DataError, ParameterError
 
 logger = logging.getLogger(__name__)
 

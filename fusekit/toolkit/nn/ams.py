@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, stack_module_state, vmap
 
-from fusekit.errors import ParameterError
+from fusekit.core.errors import ParameterError
 from fusekit.methods.ams import MODES, resolve_k
 
 

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from fusekit.errors import ParameterError
+from fusekit.core.errors import ParameterError
 
 logger = logging.getLogger(__name__)
 

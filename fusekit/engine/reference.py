@@ -1,6 +1,6 @@
 """Plain numpy reference implementations of the matching cost kernels.
 
-Same signatures and results as ``fusekit.matching``; written for clarity, not speed (they
+Same signatures and results as ``fusekit.engine.matching``; written for clarity, not speed (they
 form (J_global, J_local, P) temporaries). Used by the tests and by an explicit
 ``backend="numpy"`` switch in benchmarks, never as a silent fallback for the C++ core.
 """
@@ -62,7 +62,7 @@ def pfnm_cost(
     sigma0_2=1.0,
     gamma0: float = 1.0,
 ) -> np.ndarray:
-    """Reference of :func:`fusekit.matching.pfnm_cost` (ALGORITHMS.md §3)."""
+    """Reference of :func:`fusekit.engine.matching.pfnm_cost` (ALGORITHMS.md §3)."""
     return _posterior_cost(
         local,
         client_precision,
@@ -90,7 +90,7 @@ def nafi_cost(
     gamma0: float = 1.0,
     lam: float = 1e-2,
 ) -> np.ndarray:
-    """Reference of :func:`fusekit.matching.nafi_cost` (ALGORITHMS.md §4)."""
+    """Reference of :func:`fusekit.engine.matching.nafi_cost` (ALGORITHMS.md §4)."""
     return _posterior_cost(
         local,
         client_precision,
