@@ -19,6 +19,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -187,27 +188,13 @@ def bench_assignment(peers, rng, quick):
     return rows
 
 
-def bench_warm(rng):
-    rows = []
-    cases = [
-        ("PFNM 600x100", pfnm_problem(rng, 500), 0.01),
-        ("PFNM 2100x100", pfnm_problem(rng, 2000), 0.01),
-        ("uniform 1000x1000", rng.random((1000, 1000)), 1e-4),
-        ("uniform 1000x1000", rng.random((1000, 1000)), 1e-3),
-    ]
-    for name, cost, scale in cases:
-        _, _, duals = matching.solve_assignment(cost, return_duals=True)
-        perturbed = cost + scale * np.abs(cost).mean() * rng.standard_normal(cost.shape)
-        cold = median_time(lambda c=perturbed: matching.solve_assignment(c))
-        warm = median_time(lambda c=perturbed, d=duals: matching.solve_assignment(c, warm_start=d))
-        rows.append({"problem": f"{name}, perturbation {scale:g}", "cold": cold, "warm": warm})
-    return rows
-
-
 def bench_batch(peers, rng):
     costs = [pfnm_problem(rng, 500) for _ in range(64)]
     result = {"problem": "64 x PFNM 600x100"}
-    result["fusekit batch (threads)"] = median_time(lambda: matching.solve_assignments(costs))
+    with ThreadPoolExecutor() as pool:  # the solver releases the GIL
+        result["fusekit thread pool"] = median_time(
+            lambda: list(pool.map(matching.solve_assignment, costs))
+        )
     for peer, solve in peers.items():
         if peer in {"POT emd", "lapjv"}:
             continue
@@ -303,16 +290,6 @@ def format_tables(results) -> str:
             f"| {row['problem']} | " + " | ".join(_ms(row[p]) for p in peers) + f" | {ratio} |"
         )
     lines.append("")
-    lines.append("Warm-started re-solve (fusekit), median ms")
-    lines.append("")
-    lines.append("| problem | cold | warm | speed-up |")
-    lines.append("|---|---|---|---|")
-    for row in results["warm"]:
-        lines.append(
-            f"| {row['problem']} | {_ms(row['cold'])} | {_ms(row['warm'])} | "
-            f"{row['cold'] / row['warm']:.1f}x |"
-        )
-    lines.append("")
     lines.append("Batch, median ms")
     lines.append("")
     for row in results["batch"]:
@@ -343,7 +320,6 @@ def run(quick: bool = False, lapx_path: str | None = None, lap_path: str | None 
         "machine": machine_info(),
         "peers": notes,
         "assignment": bench_assignment(peers, rng, quick),
-        "warm": bench_warm(rng),
         "batch": bench_batch(peers, rng),
         "kernels": bench_kernels(rng, quick),
     }

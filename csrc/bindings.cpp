@@ -103,80 +103,59 @@ const fusekit::Blas& blas() {
 
 bool is_float32(const py::array& x) { return x.dtype().is(py::dtype::of<float>()); }
 
+// A float32 / float64 view or converted copy of a real numeric matrix. Anything else
+// (object, string, complex arrays, ...) is refused here, before any buffer is read.
+py::array cost_matrix(const py::object& cost_in) {
+    if (!py::isinstance<py::array>(cost_in)) raise_parameter("cost: expected a numpy array");
+    py::array cost = py::reinterpret_borrow<py::array>(cost_in);
+    const char kind = cost.dtype().kind();
+    if (kind != 'f' && kind != 'i' && kind != 'u' && kind != 'b') {
+        raise_parameter(std::string("cost: expected a real numeric matrix, got dtype ") +
+                        std::string(py::str(cost.dtype())));
+    }
+    require_2d(cost, "cost");
+    py::array converted;
+    if (is_float32(cost)) {
+        converted = Array32::ensure(cost);
+    } else {
+        converted = Array::ensure(cost);
+    }
+    if (!converted) raise_parameter("cost: could not be read as a float matrix");
+    return converted;
+}
+
 template <class T>
-py::tuple solve_typed(const py::array& cost_in, const py::object& warm_u_in,
-                      const py::object& warm_v_in, bool return_duals) {
-    auto cost = py::array_t<T, py::array::c_style | py::array::forcecast>::ensure(cost_in);
+py::tuple solve_typed(const py::array& cost_in, bool return_duals) {
+    const auto cost = py::array_t<T, py::array::c_style>::ensure(cost_in);
+    if (!cost) raise_parameter("cost: could not be read as a float matrix");
     const auto nr = static_cast<std::size_t>(cost.shape(0));
     const auto nc = static_cast<std::size_t>(cost.shape(1));
-    Array warm_u, warm_v;
-    const bool warm = !warm_u_in.is_none();
-    if (warm) {
-        warm_u = Array::ensure(warm_u_in);
-        warm_v = Array::ensure(warm_v_in);
-        if (!warm_u || !warm_v) raise_parameter("warm_start: expected two 1-D arrays");
-        require_length(warm_u, cost.shape(0), "warm_start[0] (row potentials u)");
-        require_length(warm_v, cost.shape(1), "warm_start[1] (column potentials v)");
-    }
     Index col_of_row(static_cast<py::ssize_t>(nr));
     Array u(static_cast<py::ssize_t>(return_duals ? nr : 0));
     Array v(static_cast<py::ssize_t>(return_duals ? nc : 0));
     Status status;
     {
         py::gil_scoped_release release;
-        status = fusekit::solve_assignment<T>(
-            cost.data(), nr, nc, warm ? warm_u.data() : nullptr,
-            warm ? warm_v.data() : nullptr, col_of_row.mutable_data(),
-            return_duals ? u.mutable_data() : nullptr, return_duals ? v.mutable_data() : nullptr);
+        status = fusekit::solve_assignment<T>(cost.data(), nr, nc, col_of_row.mutable_data(),
+                                              return_duals ? u.mutable_data() : nullptr,
+                                              return_duals ? v.mutable_data() : nullptr);
+    }
+    // SciPy's messages (linear_sum_assignment), with what they mean here.
+    if (status == Status::non_finite) {
+        raise_parameter("cost matrix contains invalid numeric entries (NaN or -inf)");
+    }
+    if (status == Status::infeasible) {
+        raise_infeasible("cost matrix is infeasible: every complete assignment uses a "
+                         "forbidden (+inf) pair");
     }
     raise_for(status, "cost matrix");
     return py::make_tuple(col_of_row, u, v);
 }
 
-py::tuple solve_assignment(const py::array& cost, const py::object& warm_u,
-                           const py::object& warm_v, bool return_duals) {
-    require_2d(cost, "cost");
-    if (is_float32(cost)) return solve_typed<float>(cost, warm_u, warm_v, return_duals);
-    return solve_typed<double>(cost, warm_u, warm_v, return_duals);
-}
-
-template <class T>
-py::list solve_batch_typed(const py::list& costs, int n_threads) {
-    using TArray = py::array_t<T, py::array::c_style | py::array::forcecast>;
-    std::vector<TArray> arrays;
-    std::vector<Index> results;
-    std::vector<const T*> data;
-    std::vector<std::size_t> nr, nc;
-    std::vector<std::int64_t*> outs;
-    for (py::ssize_t k = 0; k < static_cast<py::ssize_t>(costs.size()); ++k) {
-        py::array item = costs[static_cast<std::size_t>(k)].cast<py::array>();
-        require_2d(item, ("costs[" + std::to_string(k) + "]").c_str());
-        arrays.push_back(TArray::ensure(item));
-        nr.push_back(static_cast<std::size_t>(item.shape(0)));
-        nc.push_back(static_cast<std::size_t>(item.shape(1)));
-        results.emplace_back(item.shape(0));
-    }
-    for (std::size_t k = 0; k < arrays.size(); ++k) {
-        data.push_back(arrays[k].data());
-        outs.push_back(results[k].mutable_data());
-    }
-    std::vector<Status> statuses(arrays.size(), Status::ok);
-    {
-        py::gil_scoped_release release;
-        fusekit::solve_assignments<T>(data.data(), nr.data(), nc.data(), arrays.size(),
-                                      outs.data(), statuses.data(), n_threads);
-    }
-    py::list out;
-    for (std::size_t k = 0; k < arrays.size(); ++k) {
-        raise_for(statuses[k], "costs[" + std::to_string(k) + "]");
-        out.append(results[k]);
-    }
-    return out;
-}
-
-py::list solve_assignments(const py::list& costs, bool float32, int n_threads) {
-    if (float32) return solve_batch_typed<float>(costs, n_threads);
-    return solve_batch_typed<double>(costs, n_threads);
+py::tuple solve_assignment(const py::object& cost_in, bool return_duals) {
+    const py::array cost = cost_matrix(cost_in);
+    if (is_float32(cost)) return solve_typed<float>(cost, return_duals);
+    return solve_typed<double>(cost, return_duals);
 }
 
 Array sqeuclidean_cost(const Array& a, const Array& b) {
@@ -288,11 +267,9 @@ bool has_openmp() {
 
 PYBIND11_MODULE(_core, m) {
     m.doc() = "fusekit's C++ core: neuron cost matrices and assignment solvers";
-    m.def("solve_assignment", &solve_assignment, py::arg("cost"), py::arg("warm_u") = py::none(),
-          py::arg("warm_v") = py::none(), py::arg("return_duals") = false,
-          "Minimum-cost assignment of a float32/float64 matrix; returns (col_of_row, u, v).");
-    m.def("solve_assignments", &solve_assignments, py::arg("costs"), py::arg("float32"),
-          py::arg("n_threads") = 0, "Independent assignment problems solved on a thread pool.");
+    m.def("solve_assignment", &solve_assignment, py::arg("cost"), py::arg("return_duals") = false,
+          "Minimum-cost assignment of a real matrix (solved in float32 storage when float32, "
+          "else float64); returns (col_of_row, u, v).");
     m.def("sqeuclidean_cost", &sqeuclidean_cost, py::arg("a"), py::arg("b"),
           "Pairwise squared Euclidean distances between the rows of a (n, p) and b (m, p).");
     m.def("posterior_cost", &posterior_cost, py::arg("local"), py::arg("client_precision"),

@@ -44,3 +44,7 @@ class InfeasibleAssignmentError(FusekitError, ValueError):
 
 class DataError(FusekitError, ValueError):
     """A data set is missing, malformed, or does not fit the model."""
+
+
+class ParameterTypeError(ParameterError, TypeError):
+    """An argument has a type fusekit cannot use (e.g. a non-numeric array)."""
