@@ -12,6 +12,7 @@ FUSEKIT_BENCH_LAP_PATH). A peer that is missing is reported as such, never fatal
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import logging
 import os
@@ -74,9 +75,8 @@ def load_peers(lapx_path: str | None, lap_path: str | None) -> tuple[dict[str, S
         else:
             gatagat = gatagat or candidate
     if lapx is not None:
-        peers["lapx lapjvh"] = lambda c: lapx.lapjvh(c, extend_cost=True, return_cost=False)
-        peers["lapx lapjvr"] = lambda c: lapx.lapjvr(c, extend_cost=True, return_cost=False)
-        notes["lapx"] = lapx.__file__
+        peers.update(lapx_peers(lapx))
+        notes["lapx"] = f"{getattr(lapx, '__version__', '?')} ({lapx.__file__})"
     else:
         notes["lapx"] = "not installed (pip install --target DIR lapx==0.11.*; --lapx-path DIR)"
     if gatagat is not None:
@@ -107,6 +107,31 @@ def load_peers(lapx_path: str | None, lap_path: str | None) -> tuple[dict[str, S
     return peers, notes
 
 
+# Every solver lapx offers, called so that it solves the problem as given: rectangular
+# matrices natively or extended (extend_cost), float64 kept float64 (prefer_float32 off).
+LAPX_CALLS = {
+    "lapjv": lambda f, c: f(c, extend_cost=True, return_cost=False),
+    "lapjvx": lambda f, c: f(c, extend_cost=True, return_cost=False),
+    "lapjvxa": lambda f, c: f(c, extend_cost=True, return_cost=False),
+    "lapjvc": lambda f, c: f(c, return_cost=False),
+    "lapjvs": lambda f, c: f(c, extend_cost=True, return_cost=False,
+                             prefer_float32=c.dtype == np.float32),
+    "lapjvsa": lambda f, c: f(c, extend_cost=True, return_cost=False,
+                              prefer_float32=c.dtype == np.float32),
+    "lapjvh": lambda f, c: f(c, extend_cost=True, return_cost=False),
+    "lapjvr": lambda f, c: f(c, extend_cost=True, return_cost=False),
+}
+
+
+def lapx_peers(lapx) -> dict[str, Solver]:
+    """Each lapx solver this version has, keyed "lapx <name>"."""
+    return {
+        f"lapx {name}": functools.partial(call, getattr(lapx, name))
+        for name, call in LAPX_CALLS.items()
+        if hasattr(lapx, name)
+    }
+
+
 def median_time(fn: Callable[[], object], budget: float = 0.4, max_reps: int = 15) -> float | None:
     """Median wall time of fn() in seconds after one warm-up; None if fn returns None."""
     start = time.perf_counter()
@@ -126,17 +151,16 @@ def pfnm_problem(
     rng, j_global: int, j_local: int = 100, p: int = 100, new_fraction: float = 0.1
 ) -> np.ndarray:
     """The PFNM cost (J_g + J_l) x J_l of one client against a global posterior, as PFNM
-    builds it (fusekit.engine.reference.pfnm_cost), from the generative model of ALGORITHMS.md §3.
+    builds it (the engine's pfnm_cost kernel), from the generative model of ALGORITHMS.md §3.
 
     A pool of neurons theta ~ N(0, 0.1^2 I); clients see noisy copies w = theta + N(0, 0.02^2 I)
     (the authors' synthetic setting). Global neuron i is the posterior of n_i ~ U{1..S-1}
     other clients' copies of one pool neuron; the client's neurons are copies of distinct
     global neurons except a fraction ``new_fraction`` drawn from fresh pool neurons
-    (1.0: every neuron new). sigma^2 = sigma0^2 = 0.1^2, the regime where a true match costs
-    far less than a new neuron, which costs far less than a wrong match.
+    (1.0: every neuron new; at least J_l - J_g are new). sigma^2 = sigma0^2 = 0.1^2, the
+    regime where a true match costs far less than a new neuron, which costs far less than a
+    wrong match.
     """
-    from fusekit.engine import reference
-
     n_clients, weight_std, noise_std = 10, 0.1, 0.02
     s, prior_precision = 1.0 / weight_std**2, 1.0 / weight_std**2
     pool = rng.normal(scale=weight_std, size=(j_global, p))
@@ -146,14 +170,66 @@ def pfnm_problem(
         copies = pool[i] + rng.normal(scale=noise_std, size=(n_i, p))
         sums[i] = s * copies.sum(axis=0)  # + mu0 / sigma0^2 = 0
     precisions = np.repeat((prior_precision + counts * s)[:, None], p, axis=1)
-    n_new = round(new_fraction * j_local)
+    n_new = max(round(new_fraction * j_local), j_local - j_global)
     seen = pool[rng.choice(j_global, j_local - n_new, replace=False)]
     fresh = rng.normal(scale=weight_std, size=(n_new, p))
     local = np.vstack([seen, fresh])[rng.permutation(j_local)]
     local = local + rng.normal(scale=noise_std, size=local.shape)
-    return reference.pfnm_cost(
+    return matching.pfnm_cost(
         local, s, sums, precisions, counts, n_clients=n_clients, sigma0_2=weight_std**2
     )
+
+
+def with_new_block(existing: np.ndarray, quantile: float, n_clients: int = 10) -> np.ndarray:
+    """``existing`` (J_g x J_l) over PFNM's new-neuron block (J_l x J_l): a cost per local
+    neuron plus a penalty growing with the slot, 2 log(k S / gamma0) as in ALGORITHMS.md §3;
+    the per-neuron costs sit at a low quantile of their column, so that some neurons match
+    and some are new."""
+    j_local = existing.shape[1]
+    per_neuron = np.quantile(existing, quantile, axis=0)
+    penalty = 2.0 * np.log(np.arange(1, j_local + 1) * n_clients)
+    penalty *= np.abs(per_neuron).mean() / penalty[-1] / 4
+    return np.vstack([existing, per_neuron[None, :] + penalty[:, None]])
+
+
+def random_vector_problem(rng, j_global: int, j_local: int, dim: int = 50) -> np.ndarray:
+    """Squared distances between random N(0, I) vectors over a new-neuron block."""
+    means, local = rng.normal(size=(j_global, dim)), rng.normal(size=(j_local, dim))
+    return with_new_block(matching.sqeuclidean_cost(means, local), 0.02)
+
+
+def uniform_top_problem(rng, j_global: int, j_local: int) -> np.ndarray:
+    """A uniform random top block over a new-neuron block."""
+    return with_new_block(rng.random((j_global, j_local)), 0.02)
+
+
+def integer_tie_problem(rng, j_global: int, j_local: int) -> np.ndarray:
+    """Integer costs with many ties: a top block in {0..19} and a new-neuron block of
+    integer per-neuron costs plus a penalty rising by one every ten slots."""
+    top = rng.integers(0, 20, (j_global, j_local)).astype(np.float64)
+    new = rng.integers(0, 4, j_local)[None, :] + (np.arange(j_local) // 10)[:, None]
+    return np.vstack([top, new.astype(np.float64)])
+
+
+PFNM_FAMILIES = {
+    "realistic": lambda rng, g, j: pfnm_problem(rng, g, j),
+    "realistic all new": lambda rng, g, j: pfnm_problem(rng, g, j, new_fraction=1.0),
+    "random vectors": random_vector_problem,
+    "uniform top": uniform_top_problem,
+    "integer ties": integer_tie_problem,
+}
+
+
+def pfnm_shaped_problems(rng, quick: bool):
+    """Every family x J_global x J_local, tall ((J_g + J_l) x J_l, PFNM's orientation) and
+    wide (its transpose)."""
+    for family, make in PFNM_FAMILIES.items():
+        for j_global in [100, 500] + ([] if quick else [2000]):
+            for j_local in [50, 100] + ([] if quick else [500]):
+                cost = make(rng, j_global, j_local)
+                shape = f"{cost.shape[0]}x{cost.shape[1]}"
+                yield f"PFNM {family} {shape}", cost
+                yield f"PFNM {family} {shape} wide", np.ascontiguousarray(cost.T)
 
 
 def near_permutation(rng, n: int) -> np.ndarray:
@@ -168,10 +244,8 @@ def assignment_problems(rng, quick: bool):
         yield f"uniform {n}x{n}", rng.random((n, n))
     for n in [1000] + ([] if quick else [4000]):
         yield f"uniform {n}x{n} f32", rng.random((n, n)).astype(np.float32)
-    for j_global in [100, 500, 2000]:
-        yield f"PFNM {j_global + 100}x100", pfnm_problem(rng, j_global)
-    yield "PFNM 600x100 f32", pfnm_problem(rng, 500).astype(np.float32)
-    yield "PFNM 600x100 all new", pfnm_problem(rng, 500, new_fraction=1.0)
+    yield "PFNM realistic 600x100 f32", pfnm_problem(rng, 500).astype(np.float32)
+    yield from pfnm_shaped_problems(rng, quick)
     for n in [1000] + ([] if quick else [4000]):
         yield f"near-permutation {n}x{n}", near_permutation(rng, n)
     yield "near-permutation 1000x1000 f32", near_permutation(rng, 1000).astype(np.float32)

@@ -16,42 +16,70 @@ namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
+// The two smallest values offered and where they were (-1: none yet); ties keep the
+// earlier index.
+struct TwoSmallest {
+    double first = kInf, second = kInf;
+    std::int64_t at_first = -1, at_second = -1;
+    void offer(double x, std::int64_t at) {
+        if (at < 0) return;
+        if (x < first || (x == first && at < at_first)) {
+            second = first;
+            at_second = at_first;
+            first = x;
+            at_first = at;
+        } else if (x < second || (x == second && (at_second < 0 || at < at_second))) {
+            second = x;
+            at_second = at;
+        }
+    }
+};
+
 // Below this size the dense solver is faster than candidate lists (measured: uniform
 // 100x100 dense 0.05 ms vs 0.10 ms).
 constexpr std::size_t kMinCandidateSquare = 256;
 
-// Smallest and second smallest reduced cost row[j] - v[j] with their columns (m >= 2).
-// Three vectorisable passes beat one branchy scalar pass.
+// Smallest and second smallest reduced cost row[j] - v[j] with their columns (m >= 2), in
+// one pass: eight lanes each keep their two smallest and where they are, merged at the end.
 template <class T>
 FUSEKIT_CLONES void two_smallest(const T* __restrict row, const double* __restrict v,
                                  std::size_t m, double& min1, std::size_t& j1, double& min2,
                                  std::size_t& j2) {
-    double best = kInf;
-#pragma omp simd reduction(min : best)
-    for (std::size_t j = 0; j < m; ++j) {
-        const double h = static_cast<double>(row[j]) - v[j];
-        best = h < best ? h : best;
+    constexpr std::size_t kLanes = 8;
+    double a[kLanes], b[kLanes];
+    std::int64_t ia[kLanes], ib[kLanes];
+    for (std::size_t l = 0; l < kLanes; ++l) {
+        a[l] = b[l] = kInf;
+        ia[l] = ib[l] = -1;
     }
-    std::size_t first = 0;
-    while (first + 1 < m && !(static_cast<double>(row[first]) - v[first] == best)) ++first;
-    double second = kInf;
-#pragma omp simd reduction(min : second)
-    for (std::size_t j = 0; j < m; ++j) {
-        const double h = static_cast<double>(row[j]) - v[j];
-        const double candidate = j == first ? kInf : h;
-        second = candidate < second ? candidate : second;
-    }
-    std::size_t other = first == 0 ? 1 : 0;
-    for (std::size_t j = 0; j < m; ++j) {
-        if (j != first && static_cast<double>(row[j]) - v[j] == second) {
-            other = j;
-            break;
+    const std::size_t whole = m / kLanes * kLanes;
+    for (std::size_t j0 = 0; j0 < whole; j0 += kLanes) {
+#pragma omp simd
+        for (std::size_t l = 0; l < kLanes; ++l) {
+            const double h = static_cast<double>(row[j0 + l]) - v[j0 + l];
+            const auto j = static_cast<std::int64_t>(j0 + l);
+            const bool first = h < a[l], second = h < b[l];
+            b[l] = first ? a[l] : (second ? h : b[l]);
+            ib[l] = first ? ia[l] : (second ? j : ib[l]);
+            a[l] = first ? h : a[l];
+            ia[l] = first ? j : ia[l];
         }
     }
-    min1 = best;
-    j1 = first;
-    min2 = second;
-    j2 = other;
+    TwoSmallest best;
+    for (std::size_t j = whole; j < m; ++j) {
+        best.offer(static_cast<double>(row[j]) - v[j], static_cast<std::int64_t>(j));
+    }
+    for (std::size_t l = 0; l < kLanes; ++l) {
+        best.offer(a[l], ia[l]);
+        best.offer(b[l], ib[l]);
+    }
+    min1 = best.first;
+    min2 = best.second;
+    // Rows of +inf leave indices unset: any two distinct columns then do.
+    j1 = best.at_first >= 0 ? static_cast<std::size_t>(best.at_first) : 0;
+    j2 = best.at_second >= 0 && static_cast<std::size_t>(best.at_second) != j1
+             ? static_cast<std::size_t>(best.at_second)
+             : (j1 == 0 ? 1 : 0);
 }
 
 // Column minima so far, updated with row i (the column reduction, row by row).
@@ -81,28 +109,32 @@ FUSEKIT_CLONES double min_except(const T* __restrict row, const double* __restri
     return best;
 }
 
-// The dense solver for square problems. Keeps the column potentials v; row potentials are
-// implicit, u[i] = c[i, x[i]] - v[x[i]]. Between phases every assigned row is tight at its
-// smallest reduced cost.
+// The dense solver for square and wide (nr < nc) problems: rows are augmented one by one
+// over all columns, each search step reading one row of the matrix. Keeps the column
+// potentials v; row potentials are implicit, u[i] = c[i, x[i]] - v[x[i]]. Columns start at
+// v = 0 and v only decreases, so a wide problem's unassigned columns keep the largest
+// potential, 0: its optimality conditions hold without padding. Between phases every
+// assigned row is tight at its smallest reduced cost.
 template <class T>
 class Solver {
    public:
-    Solver(const T* cost, std::size_t n)
-        : c_(cost), n_(n), v_(n, 0.0), x_(n, -1), y_(n, -1), search_(n) {}
+    Solver(const T* cost, std::size_t nr, std::size_t nc)
+        : c_(cost), nr_(nr), nc_(nc), v_(nc, 0.0), x_(nr, -1), y_(nc, -1), search_(nc) {}
 
     const std::vector<double>& potentials() const { return v_; }
     const std::vector<std::int64_t>& row_solution() const { return x_; }
 
+    // may_reduce: finite matrix (the reductions assume finite second-best costs).
     Status run(bool may_reduce) {
         std::vector<std::int64_t> free_rows;
-        if (may_reduce) {
+        if (may_reduce && nr_ == nc_) {
             column_reduction(free_rows);
-            if (n_ >= 2) augmenting_row_reduction(free_rows);
         } else {
-            free_rows.resize(n_);
-            for (std::size_t i = 0; i < n_; ++i) free_rows[i] = static_cast<std::int64_t>(i);
+            free_rows.resize(nr_);
+            for (std::size_t i = 0; i < nr_; ++i) free_rows[i] = static_cast<std::int64_t>(i);
         }
-        for (std::size_t j = 0; j < n_; ++j) search_.penalty[j] = y_[j] < 0 ? 0.0 : kInf;
+        if (may_reduce && nc_ >= 2) augmenting_row_reduction(free_rows);
+        for (std::size_t j = 0; j < nc_; ++j) search_.penalty[j] = y_[j] < 0 ? 0.0 : kInf;
         for (std::int64_t f : free_rows) {
             if (x_[static_cast<std::size_t>(f)] >= 0) continue;
             const Status s = augment(f);
@@ -112,18 +144,18 @@ class Solver {
     }
 
    private:
-    const T* row(std::size_t i) const { return c_ + i * n_; }
-    double at(std::size_t i, std::size_t j) const { return static_cast<double>(c_[i * n_ + j]); }
+    const T* row(std::size_t i) const { return c_ + i * nc_; }
+    double at(std::size_t i, std::size_t j) const { return static_cast<double>(c_[i * nc_ + j]); }
 
-    // Jonker-Volgenant column reduction and reduction transfer.
+    // Jonker-Volgenant column reduction and reduction transfer (square problems).
     void column_reduction(std::vector<std::int64_t>& free_rows) {
-        std::vector<std::int64_t> argmin(n_, 0);
-        for (std::size_t j = 0; j < n_; ++j) v_[j] = at(0, j);
-        for (std::size_t i = 1; i < n_; ++i) {
-            column_min_update(row(i), static_cast<std::int64_t>(i), v_.data(), argmin.data(), n_);
+        std::vector<std::int64_t> argmin(nr_, 0);
+        for (std::size_t j = 0; j < nr_; ++j) v_[j] = at(0, j);
+        for (std::size_t i = 1; i < nr_; ++i) {
+            column_min_update(row(i), static_cast<std::int64_t>(i), v_.data(), argmin.data(), nr_);
         }
-        std::vector<int> matches(n_, 0);
-        for (std::size_t jj = n_; jj-- > 0;) {
+        std::vector<int> matches(nr_, 0);
+        for (std::size_t jj = nr_; jj-- > 0;) {
             const auto i = static_cast<std::size_t>(argmin[jj]);
             if (++matches[i] == 1) {
                 x_[i] = static_cast<std::int64_t>(jj);
@@ -134,13 +166,13 @@ class Solver {
                 y_[jj] = static_cast<std::int64_t>(i);
             }
         }
-        for (std::size_t i = 0; i < n_; ++i) {
+        for (std::size_t i = 0; i < nr_; ++i) {
             if (matches[i] == 0) {
                 free_rows.push_back(static_cast<std::int64_t>(i));
             } else if (matches[i] == 1) {
                 // Transfer the row's slack to its column so the row sits at its second best.
                 const auto j1 = static_cast<std::size_t>(x_[i]);
-                const double second = min_except(row(i), v_.data(), j1, n_);
+                const double second = min_except(row(i), v_.data(), j1, nr_);
                 if (second < kInf) v_[j1] -= second - (at(i, j1) - v_[j1]);
             }
         }
@@ -156,7 +188,7 @@ class Solver {
                 const auto i = static_cast<std::size_t>(free_rows[k++]);
                 double umin, usubmin;
                 std::size_t j1, j2;
-                two_smallest(row(i), v_.data(), n_, umin, j1, usubmin, j2);
+                two_smallest(row(i), v_.data(), nc_, umin, j1, usubmin, j2);
                 std::int64_t i0 = y_[j1];
                 if (umin < usubmin) {
                     v_[j1] -= usubmin - umin;
@@ -183,21 +215,21 @@ class Solver {
     Status augment(std::int64_t f) {
         AugmentSearch& s = search_;
         const T* first = row(static_cast<std::size_t>(f));
-        for (std::size_t j = 0; j < n_; ++j) s.d[j] = static_cast<double>(first[j]);
+        for (std::size_t j = 0; j < nc_; ++j) s.d[j] = static_cast<double>(first[j]);
         std::fill(s.pred.begin(), s.pred.end(), f);
         double best_free;
-        double dmin = s.start(0.0, v_.data(), n_, best_free);
+        double dmin = s.start(0.0, v_.data(), nc_, best_free);
         std::size_t sink;
         for (;;) {
             if (!(dmin < kInf)) return Status::infeasible;
-            const std::size_t j = s.pick(dmin, best_free == dmin, n_);
+            const std::size_t j = s.pick(dmin, best_free == dmin, nc_);
             if (y_[j] < 0) {
                 sink = j;
                 break;
             }
             const auto i = static_cast<std::size_t>(y_[j]);
             const double h = at(i, j) - v_[j] - dmin;
-            dmin = s.relax<T, true>(row(i), 1, h, y_[j], v_.data(), n_, best_free);
+            dmin = s.relax<T, true>(row(i), 1, h, y_[j], v_.data(), nc_, best_free);
         }
         for (std::size_t j : s.finished) v_[j] += s.d[j] - dmin;
         s.penalty[sink] = kInf;
@@ -214,7 +246,7 @@ class Solver {
     }
 
     const T* c_;
-    std::size_t n_;
+    std::size_t nr_, nc_;
     std::vector<double> v_;
     std::vector<std::int64_t> x_, y_;
     AugmentSearch search_;
@@ -247,20 +279,19 @@ Status solve_assignment(const T* cost, std::size_t nr, std::size_t nc, std::int6
     bool has_inf = false;
     const Status valid = check_values(cost, nr * nc, has_inf);
     if (valid != Status::ok) return valid;
-    if (nr != nc) return solve_rectangular(cost, nr, nc, col_of_row, u, v);
-    const std::size_t n = nr;
-    if (n >= kMinCandidateSquare && solve_by_candidates(cost, n, col_of_row, u, v)) {
+    if (nr > nc) return solve_rectangular(cost, nr, nc, col_of_row, u, v);
+    if (nr == nc && nr >= kMinCandidateSquare && solve_by_candidates(cost, nr, col_of_row, u, v)) {
         return Status::ok;
     }
-    Solver<T> solver(cost, n);
+    Solver<T> solver(cost, nr, nc);
     const Status s = solver.run(!has_inf);
     if (s != Status::ok) return s;
     const auto& x = solver.row_solution();
     const auto& pot = solver.potentials();
-    for (std::size_t i = 0; i < n; ++i) {
+    for (std::size_t i = 0; i < nr; ++i) {
         const auto j = static_cast<std::size_t>(x[i]);
         col_of_row[i] = static_cast<std::int64_t>(j);
-        if (u) u[i] = static_cast<double>(cost[i * n + j]) - pot[j];
+        if (u) u[i] = static_cast<double>(cost[i * nc + j]) - pot[j];
     }
     if (v) std::copy(pot.begin(), pot.end(), v);
     return Status::ok;
