@@ -20,7 +20,6 @@ using fusekit::Status;
 namespace {
 
 using Array = py::array_t<double, py::array::c_style | py::array::forcecast>;
-using Array32 = py::array_t<float, py::array::c_style | py::array::forcecast>;
 using Index = py::array_t<std::int64_t, py::array::c_style>;
 
 // Errors are fusekit's own classes (both are ValueError subclasses), so the front doors
@@ -103,31 +102,33 @@ const fusekit::Blas& blas() {
 
 bool is_float32(const py::array& x) { return x.dtype().is(py::dtype::of<float>()); }
 
-// A float32 / float64 view or converted copy of a real numeric matrix. Anything else
-// (object, string, complex arrays, ...) is refused here, before any buffer is read.
-py::array cost_matrix(const py::object& cost_in) {
-    if (!py::isinstance<py::array>(cost_in)) raise_parameter("cost: expected a numpy array");
-    py::array cost = py::reinterpret_borrow<py::array>(cost_in);
-    const char kind = cost.dtype().kind();
+// x as a C-contiguous array of T (a view, or a converted copy), refused before any buffer is
+// read unless it is a numpy array of real numbers or booleans: object, string, bytes,
+// complex, datetime and structured arrays raise ParameterTypeError (a TypeError).
+template <class T>
+py::array_t<T, py::array::c_style | py::array::forcecast> real_array(const py::object& x,
+                                                                       const std::string& name) {
+    if (!py::isinstance<py::array>(x)) {
+        raise_error("ParameterTypeError", name + ": expected a numpy array, got " +
+                                              std::string(py::str(py::type::of(x).attr("__name__"))));
+    }
+    const auto array = py::reinterpret_borrow<py::array>(x);
+    const char kind = array.dtype().kind();
     if (kind != 'f' && kind != 'i' && kind != 'u' && kind != 'b') {
-        raise_parameter(std::string("cost: expected a real numeric matrix, got dtype ") +
-                        std::string(py::str(cost.dtype())));
+        raise_error("ParameterTypeError", name + ": expected real numbers, got dtype " +
+                                              std::string(py::str(array.dtype())));
     }
-    require_2d(cost, "cost");
-    py::array converted;
-    if (is_float32(cost)) {
-        converted = Array32::ensure(cost);
-    } else {
-        converted = Array::ensure(cost);
-    }
-    if (!converted) raise_parameter("cost: could not be read as a float matrix");
+    auto converted = py::array_t<T, py::array::c_style | py::array::forcecast>::ensure(array);
+    if (!converted) throw py::error_already_set();
     return converted;
 }
 
+Array real(const py::object& x, const std::string& name) { return real_array<double>(x, name); }
+
 template <class T>
-py::tuple solve_typed(const py::array& cost_in, bool return_duals) {
-    const auto cost = py::array_t<T, py::array::c_style>::ensure(cost_in);
-    if (!cost) raise_parameter("cost: could not be read as a float matrix");
+py::tuple solve_typed(const py::array_t<T, py::array::c_style | py::array::forcecast>& cost,
+                      bool return_duals) {
+    require_2d(cost, "cost");
     const auto nr = static_cast<std::size_t>(cost.shape(0));
     const auto nc = static_cast<std::size_t>(cost.shape(1));
     Index col_of_row(static_cast<py::ssize_t>(nr));
@@ -152,13 +153,16 @@ py::tuple solve_typed(const py::array& cost_in, bool return_duals) {
     return py::make_tuple(col_of_row, u, v);
 }
 
-py::tuple solve_assignment(const py::object& cost_in, bool return_duals) {
-    const py::array cost = cost_matrix(cost_in);
-    if (is_float32(cost)) return solve_typed<float>(cost, return_duals);
-    return solve_typed<double>(cost, return_duals);
+// Solved in float32 storage when given float32, else in float64.
+py::tuple solve_assignment(const py::object& cost, bool return_duals) {
+    if (py::isinstance<py::array>(cost) && is_float32(py::reinterpret_borrow<py::array>(cost))) {
+        return solve_typed<float>(real_array<float>(cost, "cost"), return_duals);
+    }
+    return solve_typed<double>(real_array<double>(cost, "cost"), return_duals);
 }
 
-Array sqeuclidean_cost(const Array& a, const Array& b) {
+Array sqeuclidean_cost(const py::object& a_in, const py::object& b_in) {
+    const Array a = real(a_in, "a"), b = real(b_in, "b");
     require_2d(a, "a");
     require_2d(b, "b");
     if (a.shape(1) != b.shape(1)) {
@@ -181,9 +185,16 @@ Array sqeuclidean_cost(const Array& a, const Array& b) {
 
 // Arguments arrive validated and broadcast by fusekit.matching; shapes are rechecked here
 // because a wrong one would read out of bounds.
-Array posterior_cost(const Array& local, const Array& precision, const Array& sums,
-                     const Array& precisions, const Array& counts, const Array& mu0,
-                     const Array& sigma0_2, double n_clients, double gamma0, double lam) {
+Array posterior_cost(const py::object& local_in, const py::object& precision_in,
+                     const py::object& sums_in, const py::object& precisions_in,
+                     const py::object& counts_in, const py::object& mu0_in,
+                     const py::object& sigma0_2_in, double n_clients, double gamma0,
+                     double lam) {
+    const Array local = real(local_in, "local"), precision = real(precision_in, "client_precision"),
+                sums = real(sums_in, "global_sums"),
+                precisions = real(precisions_in, "global_precisions"),
+                counts = real(counts_in, "global_counts"), mu0 = real(mu0_in, "mu0"),
+                sigma0_2 = real(sigma0_2_in, "sigma0_2");
     require_2d(local, "local");
     require_2d(sums, "global_sums");
     require_2d(precisions, "global_precisions");
@@ -216,8 +227,9 @@ Array posterior_cost(const Array& local, const Array& precision, const Array& su
 // rows, where numpy's fancy-index += gathers, adds and scatters, and with scale the product
 // values * scale is never stored. rows must be unique; values is (n, p), or (p,) for the
 // same vector added to every row; scale is None or (p,).
-void add_rows(py::array target, const Index& rows, const Array& values, double sign,
+void add_rows(py::array target, const Index& rows, const py::object& values_in, double sign,
               const py::object& scale_in) {
+    const Array values = real(values_in, "values");
     // Written in place: a converted copy would silently drop the update.
     if (!target.dtype().is(py::dtype::of<double>()) || !(target.flags() & py::array::c_style) ||
         !target.writeable() || target.ndim() != 2) {
@@ -233,8 +245,7 @@ void add_rows(py::array target, const Index& rows, const Array& values, double s
     Array scale;
     const bool scaled = !scale_in.is_none();
     if (scaled) {
-        scale = Array::ensure(scale_in);
-        if (!scale) raise_parameter("scale: expected a float64 vector");
+        scale = real(scale_in, "scale");
         require_length(scale, p, "scale");
     }
     if (sign != 1.0 && sign != -1.0) raise_parameter("sign: expected 1 or -1");
@@ -250,7 +261,8 @@ void add_rows(py::array target, const Index& rows, const Array& values, double s
                       static_cast<std::size_t>(n), sign);
 }
 
-double finite_min(const Array& x) {
+double finite_min(const py::object& x_in) {
+    const Array x = real(x_in, "x");
     py::gil_scoped_release release;
     return fusekit::finite_min(x.data(), static_cast<std::size_t>(x.size()));
 }

@@ -279,7 +279,7 @@ Status solve_assignment(const T* cost, std::size_t nr, std::size_t nc, std::int6
     bool has_inf = false;
     const Status valid = check_values(cost, nr * nc, has_inf);
     if (valid != Status::ok) return valid;
-    if (nr > nc) return solve_rectangular(cost, nr, nc, col_of_row, u, v);
+    if (nr > nc) return solve_tall(cost, nr, nc, col_of_row, u, v);
     if (nr == nc && nr >= kMinCandidateSquare && solve_by_candidates(cost, nr, col_of_row, u, v)) {
         return Status::ok;
     }

@@ -1,6 +1,7 @@
-// Linear assignment: Jonker-Volgenant shortest augmenting paths. Square problems go through
-// candidate pairs with a dual certificate (candidates.hpp) when large, else the dense
-// matrix; rectangular ones augment over their short side (rectangular.hpp).
+// Linear assignment: Jonker-Volgenant shortest augmenting paths, never padded to a square.
+// Large square problems go through candidate pairs with a dual certificate
+// (candidates.hpp); small square and wide ones augment row by row over the dense matrix;
+// tall ones augment over their short side, the columns (rectangular.hpp).
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -17,9 +18,10 @@ namespace fusekit {
 // u[i] + v[j] <= cost[i, j], equality on assigned pairs, and v (resp. u) equal to its
 // maximum, 0, on unassigned columns (rows) of a rectangular problem.
 //
-// Extra memory: O(nr + nc) for rectangular and small square problems; large square ones
-// keep at most kMaxEdgesPerRow (candidates.cpp) candidate pairs per row, else fall back
-// to the dense solver.
+// Extra memory, whatever the values (ties included): O(nr + nc) for wide and small square
+// problems, O(nr + 8 nc) for tall ones (short lists per column), and at most
+// kMaxEdgesPerRow (64, candidates.cpp) candidate pairs of 16 bytes per row for large square
+// ones, which otherwise fall back to the dense solver.
 template <class T>
 Status solve_assignment(const T* cost, std::size_t nr, std::size_t nc, std::int64_t* col_of_row,
                         double* u, double* v);

@@ -24,17 +24,14 @@ constexpr std::size_t kMinRun = 4;
 constexpr std::size_t kMaxRuns = 4;
 constexpr std::size_t kChunk = 8;
 
-// The matrix seen as agents (the short side, n) x objects (the long side, m).
-template <class T, bool kTall>
+// The tall matrix seen as objects (its m rows) x agents (its n columns, n < m).
+template <class T>
 struct Layout {
     const T* cost;
     std::size_t n, m;
-    double at(std::size_t a, std::size_t o) const {
-        return static_cast<double>(kTall ? cost[o * n + a] : cost[a * m + o]);
-    }
-    // Object o's costs to every agent, agent a at offset a * object_step().
-    const T* object_line(std::size_t o) const { return kTall ? cost + o * n : cost + o; }
-    std::size_t object_step() const { return kTall ? 1 : m; }
+    double at(std::size_t a, std::size_t o) const { return static_cast<double>(cost[o * n + a]); }
+    // Object o's costs to every agent: one row of the matrix.
+    const T* object_line(std::size_t o) const { return cost + o * n; }
 };
 
 // Whether b >= a elementwise; chunks, so that unrelated lines are told apart at once.
@@ -53,28 +50,14 @@ FUSEKIT_CLONES bool dominates(const T* __restrict a, const T* __restrict b, std:
     return true;
 }
 
-// ascending[o] &= row[o] >= row[o - 1] for o >= 1; whether some flag is still set.
+// Entries of object o's line below the best so far replace it.
 template <class T>
-FUSEKIT_CLONES bool keep_ascending(const T* __restrict row, unsigned char* __restrict ascending,
-                                   std::size_t m) {
-    int any = 0;
-#pragma omp simd reduction(| : any)
-    for (std::size_t o = 1; o < m; ++o) {
-        const unsigned char keep = ascending[o] & static_cast<unsigned char>(row[o] >= row[o - 1]);
-        ascending[o] = keep;
-        any |= keep;
-    }
-    return any != 0;
-}
-
-// Entries of the line (agent a at a * step) below the best so far replace it.
-template <class T, bool kUnit>
-FUSEKIT_CLONES void min_with_line(const T* __restrict line, std::size_t step, std::int64_t o,
+FUSEKIT_CLONES void min_with_line(const T* __restrict line, std::int64_t o,
                                   double* __restrict best, std::int64_t* __restrict from,
                                   std::size_t n) {
 #pragma omp simd
     for (std::size_t a = 0; a < n; ++a) {
-        const double c = static_cast<double>(line[kUnit ? a : a * step]);
+        const double c = static_cast<double>(line[a]);
         const bool smaller = c < best[a];
         best[a] = smaller ? c : best[a];
         from[a] = smaller ? o : from[a];
@@ -180,21 +163,17 @@ struct Run {
     std::size_t head, end;  // first free member, last member
 };
 
-template <class T, bool kTall>
+template <class T>
 class ShortSideSolver {
    public:
-    explicit ShortSideSolver(Layout<T, kTall> layout)
+    explicit ShortSideSolver(Layout<T> layout)
         : lay_(layout), n_(layout.n), m_(layout.m), run_of_(layout.m, 0), lists_(layout.n),
           head_cost_(layout.n, kInf), head_object_(layout.n, -1), u_(layout.n, 0.0),
           v_(layout.m, 0.0), x_(layout.n, -1), y_(layout.m, -1), search_(layout.n) {}
 
     Status solve() {
         find_runs();
-        if (kTall) {
-            list_rows();
-        } else {
-            list_columns();
-        }
+        list_rows();
         for (std::size_t a = 0; a < n_; ++a) settle(a);
         if (!column_reduction()) return Status::infeasible;
         std::vector<std::size_t> free_agents;
@@ -210,21 +189,15 @@ class ShortSideSolver {
         return Status::ok;
     }
 
-    // Agents' objects and potentials in the caller's orientation.
+    // The column of each row (-1: unassigned) and the potentials of rows (u, objects) and
+    // columns (v, agents).
     void write(std::int64_t* col_of_row, double* u, double* v) const {
-        double* agent_pot = kTall ? v : u;
-        double* object_pot = kTall ? u : v;
         for (std::size_t a = 0; a < n_; ++a) {
-            const auto o = static_cast<std::size_t>(x_[a]);
-            if (kTall) {
-                col_of_row[o] = static_cast<std::int64_t>(a);
-            } else {
-                col_of_row[a] = static_cast<std::int64_t>(o);
-            }
-            if (agent_pot) agent_pot[a] = u_[a] + phi_;
+            col_of_row[static_cast<std::size_t>(x_[a])] = static_cast<std::int64_t>(a);
+            if (v) v[a] = u_[a] + phi_;
         }
-        if (object_pot) {
-            for (std::size_t o = 0; o < m_; ++o) object_pot[o] = y_[o] >= 0 ? v_[o] - phi_ : 0.0;
+        if (u) {
+            for (std::size_t o = 0; o < m_; ++o) u[o] = y_[o] >= 0 ? v_[o] - phi_ : 0.0;
         }
     }
 
@@ -236,14 +209,8 @@ class ShortSideSolver {
     void find_runs() {
         std::vector<unsigned char> ascending(m_, 1);  // object o >= object o - 1
         ascending[0] = 0;
-        if (kTall) {
-            for (std::size_t o = 1; o < m_; ++o) {
-                ascending[o] = dominates(lay_.object_line(o - 1), lay_.object_line(o), n_);
-            }
-        } else {
-            for (std::size_t a = 0; a < n_; ++a) {
-                if (!keep_ascending(lay_.cost + a * m_, ascending.data(), m_)) break;
-            }
+        for (std::size_t o = 1; o < m_; ++o) {
+            ascending[o] = dominates(lay_.object_line(o - 1), lay_.object_line(o), n_);
         }
         std::vector<Run> found;
         for (std::size_t o = 1; o < m_; ++o) {
@@ -289,22 +256,6 @@ class ShortSideSolver {
         std::vector<unsigned char> hit(n_ + 8, 0);
         for (std::size_t o : rows) {
             offer_row(lay_.object_line(o), static_cast<std::int64_t>(o), n_, lists_, hit.data());
-        }
-    }
-
-    // Wide: each agent (row) lists its cheapest columns outside runs, below a bound on its
-    // k-th smallest found from block minima.
-    void list_columns() {
-        std::vector<double> line(m_), block_min;
-        for (std::size_t a = 0; a < n_; ++a) {
-            const T* row = lay_.cost + a * m_;
-            for (std::size_t o = 0; o < m_; ++o) {
-                line[o] = run_of_[o] == 0 ? static_cast<double>(row[o]) : kInf;
-            }
-            lists_.gates()[a] = kth_smallest_bound(line.data(), m_, kListLength, block_min);
-            for (std::size_t o = 0; o < m_; ++o) {
-                if (lists_.admits(a, line[o])) lists_.offer(a, line[o], static_cast<std::int64_t>(o));
-            }
         }
     }
 
@@ -361,8 +312,8 @@ class ShortSideSolver {
         std::copy(head_object_.begin(), head_object_.end(), from);
         for (const Run& r : runs_) {
             if (r.head > r.end) continue;
-            min_with_line<T, kTall>(lay_.object_line(r.head), lay_.object_step(),
-                                    static_cast<std::int64_t>(r.head), best, from, n_);
+            min_with_line(lay_.object_line(r.head), static_cast<std::int64_t>(r.head), best,
+                          from, n_);
         }
     }
 
@@ -477,8 +428,8 @@ class ShortSideSolver {
                 break;
             }
             const auto o = static_cast<std::size_t>(x_[a]);
-            best = s.relax<T, kTall>(lay_.object_line(o), lay_.object_step(), v_[o] - s.d[a],
-                                     x_[a], u_.data(), n_, best_free);
+            best = s.relax<T, true>(lay_.object_line(o), 1, v_[o] - s.d[a], x_[a], u_.data(),
+                                    n_, best_free);
         }
         const double delta = best;
         for (std::size_t a : s.finished) {
@@ -501,7 +452,7 @@ class ShortSideSolver {
         return true;
     }
 
-    Layout<T, kTall> lay_;
+    Layout<T> lay_;
     std::size_t n_, m_;
     std::vector<Run> runs_;
     std::vector<std::size_t> run_of_;  // 1 + run index, 0 outside runs
@@ -518,23 +469,17 @@ class ShortSideSolver {
 }  // namespace
 
 template <class T>
-Status solve_rectangular(const T* cost, std::size_t nr, std::size_t nc, std::int64_t* col_of_row,
-                         double* u, double* v) {
-    if (nr > nc) {
-        ShortSideSolver<T, true> solver(Layout<T, true>{cost, nc, nr});
-        const Status s = solver.solve();
-        if (s == Status::ok) solver.write(col_of_row, u, v);
-        return s;
-    }
-    ShortSideSolver<T, false> solver(Layout<T, false>{cost, nr, nc});
+Status solve_tall(const T* cost, std::size_t nr, std::size_t nc, std::int64_t* col_of_row,
+                  double* u, double* v) {
+    ShortSideSolver<T> solver(Layout<T>{cost, nc, nr});
     const Status s = solver.solve();
     if (s == Status::ok) solver.write(col_of_row, u, v);
     return s;
 }
 
-template Status solve_rectangular<float>(const float*, std::size_t, std::size_t, std::int64_t*,
-                                         double*, double*);
-template Status solve_rectangular<double>(const double*, std::size_t, std::size_t,
-                                          std::int64_t*, double*, double*);
+template Status solve_tall<float>(const float*, std::size_t, std::size_t, std::int64_t*, double*,
+                                  double*);
+template Status solve_tall<double>(const double*, std::size_t, std::size_t, std::int64_t*,
+                                   double*, double*);
 
 }  // namespace fusekit

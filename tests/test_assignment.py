@@ -87,6 +87,39 @@ def test_matches_scipy_on_random_problems(kind):
         check_duals(cost, rows, cols, u, v, maximize)
 
 
+def pfnm_shaped(rng: np.random.Generator, j_global: int, j_local: int, variant: str):
+    """A (J_g + J_l) x J_l matrix with PFNM's structure: existing neurons over a new-neuron
+    block (a cost per local neuron plus a penalty growing with the slot, so that each slot's
+    row dominates the one before), in float, tied-integer or partly forbidden variants."""
+    if variant == "ties":
+        top = rng.integers(0, 6, (j_global, j_local)).astype(float)
+        per_neuron = rng.integers(0, 3, j_local).astype(float)
+        penalty = np.arange(j_local) // 3
+    else:
+        top = rng.random((j_global, j_local)) * 4
+        per_neuron = rng.random(j_local) * 2
+        penalty = np.log(np.arange(1, j_local + 1))
+    if variant == "forbidden":
+        top[rng.random(top.shape) < 0.3] = np.inf
+    return np.vstack([top, per_neuron[None, :] + penalty[:, None]])
+
+
+@pytest.mark.parametrize("variant", ["float", "ties", "forbidden"])
+def test_pfnm_shaped_problems_match_scipy_in_both_orientations(variant):
+    rng = np.random.default_rng(["float", "ties", "forbidden"].index(variant) + 100)
+    for trial in range(500):
+        j_global, j_local = int(rng.integers(0, 40)), int(rng.integers(1, 25))
+        cost = pfnm_shaped(rng, j_global, j_local, variant)
+        if trial % 2:
+            cost = np.ascontiguousarray(cost.T)
+        if trial % 5 == 0:
+            cost = cost.astype(np.float32)
+        maximize = trial % 7 == 3 and variant != "forbidden"
+        rows, cols, (u, v) = solve_assignment(cost, maximize, return_duals=True)
+        check_solution(cost, rows, cols, maximize)
+        check_duals(cost, rows, cols, u, v, maximize)
+
+
 def brute_force(cost: np.ndarray) -> float:
     n, m = cost.shape
     if n <= m:
@@ -253,7 +286,8 @@ def count_while_running(work) -> int:
 
 def test_gil_is_released_during_solves():
     rng = np.random.default_rng(0)
-    big = rng.random((1500, 1500))
-    assert count_while_running(lambda: solve_assignment(big)) > 1000
-    tall = rng.random((3000, 400))
+    # Problems that take tens of milliseconds, so that this thread surely gets a core.
+    square = rng.random((2000, 2000))
+    assert count_while_running(lambda: solve_assignment(square)) > 1000
+    tall = rng.integers(0, 4, (3000, 600)).astype(float)
     assert count_while_running(lambda: solve_assignment(tall)) > 1000
