@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import fusekit
-from conftest import file_digest, mlp, write
+from conftest import file_digest, mlp, write, write_raw
 from fusekit.core.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from fusekit.core.errors import CheckpointError, CheckpointNotFoundError, OutputError
 
@@ -77,7 +77,7 @@ def test_header_longer_than_file(tmp_path):
 def test_non_finite_tensor_is_named(tmp_path, bad):
     sd = {k: v.numpy().copy() for k, v in mlp().state_dict().items()}
     sd["2.weight"][1, 1] = bad
-    ckpt = load_checkpoint(write(tmp_path / "nan.safetensors", sd))
+    ckpt = load_checkpoint(write_raw(tmp_path / "nan.safetensors", sd))
     with pytest.raises(CheckpointError, match=r"nan\.safetensors: tensor '2\.weight' has 1 "
                                               r"non-finite value.*expected finite"):
         ckpt.state_dict()
@@ -92,11 +92,34 @@ def test_integer_weights_are_refused(tmp_path):
         load_checkpoint(path)
 
 
+_NUM = "must be a positive integer of 1 to 15 ASCII digits"
+_COUNTS = "must be a JSON list of 1 to 1000000 non-negative integer counts"
+
+
 @pytest.mark.parametrize(("key", "value", "message"), [
-    ("num_samples", "many", "must be a positive integer, found 'many'"),
-    ("num_samples", "0", "must be a positive integer, found '0'"),
-    ("class_counts", "[1, -2]", "JSON list of non-negative counts"),
-    ("arch", "{not json", "fusekit.arch must be JSON"),
+    ("num_samples", "many", f"{_NUM}, found 'many'"),
+    ("num_samples", "0", f"{_NUM}, found '0'"),
+    ("num_samples", "1" + "0" * 400, _NUM),  # once an OverflowError
+    ("num_samples", "1_000", _NUM),
+    ("num_samples", "+5", _NUM),
+    ("num_samples", " 7 ", _NUM),
+    ("num_samples", "\u0667", _NUM),  # an Arabic-Indic seven: int() would take it
+    ("num_samples", "1e3", _NUM),
+    ("class_counts", "[1, -2]", _COUNTS),
+    ("class_counts", "[1, NaN]", _COUNTS),
+    ("class_counts", "[1, Infinity]", _COUNTS),
+    ("class_counts", "[1, 1e400]", _COUNTS),
+    ("class_counts", "[1, 2.5]", _COUNTS),
+    ("class_counts", "[true, 1]", _COUNTS),
+    ("class_counts", '["3", 1]', _COUNTS),
+    ("class_counts", "[0, 0, 0]", _COUNTS),
+    ("class_counts", "[]", _COUNTS),
+    ("class_counts", "[1" + "0" * 20 + "]", _COUNTS),
+    ("class_counts", "[" + "9" * 5000 + "]", "fusekit.class_counts: not JSON"),
+    ("class_counts", "[" * 5000, "nested at most 64 levels deep, found 5000"),
+    ("arch", "{not json", "fusekit.arch: not JSON"),
+    ("arch", '{"a": ' * 3000 + "1" + "}" * 3000, "nested at most 64 levels deep, found 3000"),
+    ("arch", "[1, 2]", "fusekit.arch must be a JSON object, found list"),
 ])
 def test_malformed_metadata(tmp_path, key, value, message):
     path = write(tmp_path / "meta.safetensors", mlp(), **{key: value})
