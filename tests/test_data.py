@@ -152,10 +152,56 @@ def test_missing_files_say_which_are_needed(tmp_path):
         load_dataset("mnist")
 
 
-def test_cifar10_batches(tmp_path):
+@pytest.mark.parametrize(("protocol", "numpy1"), [(2, False), (2, True),
+                                                  (pickle.DEFAULT_PROTOCOL, False)])
+def test_cifar10_batches(tmp_path, protocol, numpy1):
     rng = np.random.default_rng(0)
     for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
-        batch = {b"data": rng.integers(0, 256, (3, 3072), dtype=np.uint8), b"labels": [0, 5, 9]}
-        (tmp_path / name).write_bytes(pickle.dumps(batch))
+        batch = {b"data": rng.integers(0, 256, (3, 3072), dtype=np.uint8), b"labels": [0, 5, 9],
+                 b"batch_label": b"training batch 1 of 5", b"filenames": [b"a.png"] * 3}
+        raw = pickle.dumps(batch, protocol=protocol)
+        if numpy1:  # as the data set's own files (protocol 2) name numpy's array rebuilder
+            raw = raw.replace(b"numpy._core.multiarray", b"numpy.core.multiarray")
+        (tmp_path / name).write_bytes(raw)
     ds = load_dataset("cifar10", data_dir=tmp_path)
     assert ds.input_shape == (3, 32, 32) and len(ds.y_train) == 15 and ds.num_classes == 10
+
+
+class _Hostile:
+    """Unpickling this creates a file: what a hostile batch in a data folder would do."""
+
+    def __init__(self, target):
+        self.target = str(target)
+
+    def __reduce__(self):
+        return (open, (self.target, "w"))
+
+
+@pytest.mark.parametrize("payload", [
+    lambda marker: _Hostile(marker),
+    lambda marker: {b"data": _Hostile(marker), b"labels": [0]},
+    lambda marker: {b"data": np.array([_Hostile(marker)], dtype=object), b"labels": [0]},
+])
+def test_cifar10_hostile_pickle_executes_nothing(tmp_path, payload):
+    marker = tmp_path / "pwned"
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        (data / name).write_bytes(pickle.dumps(payload(marker)))
+    with pytest.raises(DataError, match=r"data_batch_1: not a CIFAR-10 python batch \(refused "
+                                        r"global (builtins|io)\.open"):
+        load_dataset("cifar10", data_dir=data)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize(("batch", "found"), [
+    ({b"data": np.zeros((2, 3072), np.float64), b"labels": [0, 1]}, "float64"),
+    ({b"data": np.zeros((2, 10), np.uint8), b"labels": [0, 1]}, r"\(2, 10\)"),
+    ({b"data": np.zeros((2, 3072), np.uint8), b"labels": [0]}, r"\(1,\)"),
+    ({b"data": b"raw", b"labels": [0]}, "bytes"),
+])
+def test_cifar10_malformed_batch(tmp_path, batch, found):
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        (tmp_path / name).write_bytes(pickle.dumps(batch, protocol=2))
+    with pytest.raises(DataError, match=rf"data_batch_1: not a CIFAR-10 python batch.*{found}"):
+        load_dataset("cifar10", data_dir=tmp_path)
