@@ -442,12 +442,18 @@ def check_not_an_input(path: Path, inputs: Sequence[str | os.PathLike[str]]) -> 
     if not path.exists():  # every input exists, so a new name is none of them
         return
     for source in inputs:
-        with contextlib.suppress(OSError):
-            if os.path.samefile(path, source):
-                raise OutputError(
-                    f"{path}: the output is the input {source}; expected another path "
-                    "(inputs are never replaced, even with --force)"
-                )
+        if _same_file(path, source):
+            raise OutputError(
+                f"{path}: the output is the input {source}; expected another path "
+                "(inputs are never replaced, even with --force)"
+            )
+
+
+def _same_file(a: Path, b: str | os.PathLike[str]) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # b is missing or unreadable: not the file at a
+        return False
 
 
 def write_atomic(path: str | os.PathLike[str], payload: bytes, *, force: bool = True) -> Path:
