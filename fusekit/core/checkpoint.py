@@ -4,9 +4,9 @@ Loading is lazy (``safe_open``): headers are validated at once, tensors are read
 Writing is atomic: a temporary file in the target directory, fsync, then a rename, so a
 failed or interrupted fusion never leaves a partial output and inputs are never touched.
 
-Metadata (string -> string):
-    fusekit.num_samples   number of training samples of the client (int)
-    fusekit.class_counts  JSON list of per-class sample counts
+Metadata (string -> string; parsers and bounds in fusekit.core.metadata):
+    fusekit.num_samples   number of training samples of the client: 1 to 15 ASCII digits
+    fusekit.class_counts  JSON list of per-class sample counts (non-negative integers)
     fusekit.arch          JSON architecture description (see fusekit.core.arch)
 Fused outputs add fusekit.method, fusekit.params (JSON), fusekit.inputs (JSON list of
 content hashes) and fusekit.version.
