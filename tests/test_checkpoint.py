@@ -397,6 +397,32 @@ def _fifo(tmp_path):
     return tmp_path / "pipe"
 
 
+def test_a_failed_write_names_the_output_not_the_temporary_file(tmp_path, monkeypatch):
+    import tempfile
+
+    def refused(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(tmp_path / ".f.safetensors.x.tmp"))
+
+    monkeypatch.setattr(tempfile, "mkstemp", refused)
+    with pytest.raises(OutputError, match=r"f\.safetensors: cannot create the output in .* "
+                                          r"\(Permission denied\)$") as caught:
+        save_checkpoint(tmp_path / "f.safetensors", {"w": np.zeros(2)})
+    assert ".tmp" not in str(caught.value)
+
+
+def test_safetensors_panic_on_save_is_reported(tmp_path, monkeypatch):
+    class PanicException(BaseException):
+        pass
+
+    def panics(*args, **kwargs):
+        raise PanicException("memory allocation failed")
+
+    monkeypatch.setattr(safetensors.numpy, "save", panics)
+    with pytest.raises(OutputError, match=r"f\.safetensors: not enough memory to serialise"):
+        save_checkpoint(tmp_path / "f.safetensors", {"w": np.zeros(2)})
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
 def test_non_finite_outputs_are_never_written(tmp_path, bad):
     with pytest.raises(NonFiniteOutputError,

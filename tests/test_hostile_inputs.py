@@ -425,3 +425,20 @@ def test_evaluate_refuses(case: Case, workdir: Path) -> None:
         return _cli_error(CliRunner().invoke(app, args))
 
     _refused(case, workdir, run)
+
+
+def test_stdin_as_a_checkpoint_is_named(workdir: Path) -> None:
+    """``/dev/stdin`` given a pipe, through the installed command in its own process."""
+    import subprocess
+    import sys
+
+    inputs = clients(workdir)
+    before = snapshot(workdir)
+    done = subprocess.run(
+        [sys.executable, "-m", "fusekit", "fuse", *map(str, inputs), "/dev/stdin",
+         "-o", str(workdir / "out" / "f.st")],
+        input=b"not a checkpoint", capture_output=True, timeout=120, check=False)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.decode().strip() == (
+        "error: /dev/stdin: expected a regular checkpoint file, found a FIFO (named pipe)")
+    assert snapshot(workdir) == before

@@ -327,11 +327,17 @@ def safetensors_errors(path: Path) -> Iterator[None]:
     except (safetensors.SafetensorError, OSError, ValueError) as exc:
         raise CheckpointError(f"{path}: not a valid safetensors file ({exc})") from None
     except BaseException as exc:
-        if type(exc).__name__ != "PanicException":
+        if not _is_panic(exc):
             raise
         raise CheckpointError(
             f"{path}: safetensors failed on this file ({exc}); it may not fit in memory"
         ) from None
+
+
+def _is_panic(exc: BaseException) -> bool:
+    """pyo3's PanicException (a Rust panic inside safetensors) derives from BaseException
+    only, and its class is not importable: recognise it by name."""
+    return type(exc).__name__ == "PanicException"
 
 
 def _data_offsets(path: Path, header_len: int) -> dict[str, tuple[int, int]]:
@@ -402,8 +408,10 @@ def save_checkpoint(
             )
     try:
         payload = safetensors.numpy.save(arrays, metadata=dict(metadata or {}))
-    except MemoryError:
-        raise OutputError(f"{path}: not enough memory to serialise the output") from None
+    except BaseException as exc:
+        if not (isinstance(exc, MemoryError) or _is_panic(exc)):
+            raise
+        raise OutputError(f"{path}: not enough memory to serialise the output ({exc})") from None
     return write_atomic(path, payload, force=force)
 
 

@@ -102,7 +102,7 @@ def _arch_with_widths(arch: dict[str, Any], widths: list[int]) -> dict[str, Any]
 def provenance(result: FusionResult, checkpoints: Sequence[Checkpoint]) -> None:
     """Add method, parameters, input hashes and version to the result's metadata, and the
     input files to ``result.inputs``."""
-    result.inputs = [c.path for c in checkpoints if c.path is not None]
+    result.inputs = [c.path.absolute() for c in checkpoints if c.path is not None]
     result.metadata.update({
         meta.METHOD: result.method,
         meta.PARAMS: json.dumps(result.params, sort_keys=True),
