@@ -20,7 +20,6 @@ import json
 import math
 import os
 import signal
-import stat
 import struct
 import tempfile
 import threading
@@ -52,7 +51,7 @@ INTEGER_BUFFER_SUFFIXES = ("num_batches_tracked",)
 VARIANCE_SUFFIXES = ("running_var",)
 
 # How each safetensors dtype is stored on disk (little-endian). numpy has no bfloat16 or
-# float8: those are read as their raw bits and widened to float32 exactly (WIDENED).
+# float8: those are read as their raw bits and widened to float32 exactly (see widen).
 STORAGE_DTYPES = {
     "F16": "<f2", "F32": "<f4", "F64": "<f8", "BF16": "<u2", "F8_E4M3": "u1", "F8_E5M2": "u1",
     "I8": "i1", "I16": "<i2", "I32": "<i4", "I64": "<i8",
@@ -279,7 +278,7 @@ def load_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
             unsupported dtypes, zero-size or malformed tensors, or malformed fusekit metadata.
     """
     path = Path(path)
-    check_regular_file(path, "checkpoint file")
+    meta.check_regular_file(path, "checkpoint file", CheckpointNotFoundError)
     header_len = _check_header_length(path)
     with safetensors_errors(path):
         with safetensors.safe_open(path, framework="numpy") as f:
@@ -294,26 +293,6 @@ def load_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     for prop in ("num_samples", "class_counts", "arch"):
         getattr(ckpt, prop)  # validate metadata now, not halfway through a fusion
     return ckpt
-
-
-def check_regular_file(path: Path, what: str) -> None:
-    """Refuse a path that is missing or not a regular file, saying what it is instead.
-
-    Raises:
-        CheckpointNotFoundError: naming the path and what was found.
-    """
-    try:
-        mode = path.stat().st_mode
-    except OSError as exc:
-        found = "does not exist" if isinstance(exc, FileNotFoundError) else (
-            f"cannot be opened ({exc.strerror})")
-        raise CheckpointNotFoundError(f"{path}: {what} {found}") from None
-    if stat.S_ISDIR(mode):
-        raise CheckpointNotFoundError(f"{path}: {what} is a directory")
-    if not stat.S_ISREG(mode):
-        raise CheckpointNotFoundError(
-            f"{path}: expected a regular {what}, found {meta.describe_file_type(mode)}"
-        )
 
 
 @contextlib.contextmanager

@@ -3,11 +3,17 @@
 Client checkpoints carry ``fusekit.num_samples``, ``fusekit.class_counts`` and
 ``fusekit.arch``; fused files add provenance (method, parameters, input hashes, version),
 the fused permutation spec and, for AMS, the description of the packed models.
+
+Every JSON value is parsed through :func:`load_json`, which bounds its size and nesting
+first; spec files are read through :func:`read_json_file`, which also refuses FIFOs and
+devices.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import re
 import stat
 from collections.abc import Mapping
@@ -86,15 +92,7 @@ def read_json_file(path: Path, what: str, error: type[FusekitError]) -> Any:
         error: the path is missing or not a regular file (a FIFO or device would block or
             never end), too large, not UTF-8, or not bounded JSON.
     """
-    try:
-        info = path.stat()
-    except FileNotFoundError:
-        raise error(f"{path}: {what} does not exist") from None
-    except OSError as exc:
-        raise error(f"{path}: cannot read the {what} ({exc.strerror})") from None
-    if not stat.S_ISREG(info.st_mode):
-        raise error(f"{path}: cannot read the {what}: expected a regular file, found "
-                    f"{describe_file_type(info.st_mode)}")
+    info = check_regular_file(path, what, error)
     if info.st_size > MAX_JSON_CHARS:
         raise error(f"{path}: expected a {what} of at most {MAX_JSON_CHARS} bytes, found "
                     f"{info.st_size}")
@@ -106,6 +104,27 @@ def read_json_file(path: Path, what: str, error: type[FusekitError]) -> Any:
     except OSError as exc:
         raise error(f"{path}: cannot read the {what} ({exc.strerror})") from None
     return load_json(text, f"{path}: {what}", error)
+
+
+def check_regular_file(path: Path, what: str, error: type[FusekitError]) -> os.stat_result:
+    """Refuse a path that is missing or not a regular file (reading a FIFO or a device
+    would block or never end), saying what it is instead.
+
+    Raises:
+        error: naming the path, what was expected and what was found.
+    """
+    try:
+        info = path.stat()
+    except FileNotFoundError:
+        raise error(f"{path}: {what} does not exist") from None
+    except OSError as exc:
+        found = ("a symlink loop (too many levels of symbolic links)"
+                 if exc.errno == errno.ELOOP else f"unreadable ({exc.strerror})")
+        raise error(f"{path}: cannot read the {what}: found {found}") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise error(f"{path}: cannot read the {what}: expected a regular file, found "
+                    f"{describe_file_type(info.st_mode)}")
+    return info
 
 
 def describe_file_type(mode: int) -> str:
