@@ -1,8 +1,10 @@
 """fusekit.toolkit.data: data sets and partitions (ALGORITHMS.md §8)."""
 
 import gzip
+import io
 import pickle
 import struct
+import zipfile
 
 import numpy as np
 import pytest
@@ -205,3 +207,39 @@ def test_cifar10_malformed_batch(tmp_path, batch, found):
         (tmp_path / name).write_bytes(pickle.dumps(batch, protocol=2))
     with pytest.raises(DataError, match=rf"data_batch_1: not a CIFAR-10 python batch.*{found}"):
         load_dataset("cifar10", data_dir=tmp_path)
+
+
+def _npy(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, array)
+    return buffer.getvalue()
+
+
+def _archive_claiming(rows: int):
+    """A real .npz whose array headers claim ``rows`` x 3 float32 over 64 bytes of data."""
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        header, {"descr": "<f4", "fortran_order": False, "shape": (rows, 3)})
+
+    def write(path):
+        with zipfile.ZipFile(path, "w") as archive:
+            for name in ("x_train", "y_train", "x_test", "y_test"):
+                archive.writestr(f"{name}.npy", header.getvalue() + b"\0" * 64)
+
+    return write
+
+
+@pytest.mark.parametrize(("write", "message"), [
+    (lambda p: p.write_bytes(b"PK\x03\x04" + b"\0" * 60),
+     r"not a readable \.npz file \(File is not a zip"),
+    (lambda p: p.write_bytes(b"just text"), r"not a readable \.npz file"),
+    (_archive_claiming(10**12), r"an array does not fit in memory"),
+    (_archive_claiming(1000), r"not a readable \.npz file"),
+    (lambda p: p.write_bytes(_npy(np.zeros(3))),
+     r"not a readable \.npz file \(expected a \.npz archive, found one ndarray\)"),
+])
+def test_npz_hostile_files(tmp_path, write, message):
+    path = tmp_path / "bad.npz"
+    write(path)
+    with pytest.raises(DataError, match=rf"bad\.npz: {message}"):
+        load_dataset("npz", path=path)

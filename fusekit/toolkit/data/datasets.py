@@ -18,6 +18,7 @@ import gzip
 import os
 import pickle
 import struct
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -163,11 +164,17 @@ def npz_dataset(path: str | os.PathLike[str]) -> Dataset:
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: npz data file does not exist")
-    try:
-        with np.load(path, allow_pickle=False) as f:
-            arrays = {k: f[k] for k in ("x_train", "y_train", "x_test", "y_test") if k in f}
-    except (OSError, ValueError) as exc:
+    try:  # our own handle: np.load leaves its file open when the zip is corrupt
+        with open(path, "rb") as handle:
+            archive = np.load(handle, allow_pickle=False)
+            if not isinstance(archive, np.lib.npyio.NpzFile):
+                raise ValueError(f"expected a .npz archive, found one {type(archive).__name__}")
+            with archive as f:
+                arrays = {k: f[k] for k in ("x_train", "y_train", "x_test", "y_test") if k in f}
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
         raise DataError(f"{path}: not a readable .npz file ({exc})") from None
+    except MemoryError as exc:  # an array header claiming more than memory holds
+        raise DataError(f"{path}: an array does not fit in memory ({exc})") from None
     missing = sorted({"x_train", "y_train", "x_test", "y_test"} - set(arrays))
     if missing:
         raise DataError(
