@@ -447,3 +447,69 @@ def test_stdin_as_a_checkpoint_is_named(workdir: Path) -> None:
         "error: /dev/stdin: cannot read the checkpoint file: expected a regular file, found a "
         "FIFO (named pipe)")
     assert snapshot(workdir) == before
+
+
+# ---- data folders and files (``--data-dir``, ``--data-path``) ----
+
+class _Executes:
+    """Unpickling this would create the file ``target``."""
+
+    def __init__(self, target: Path) -> None:
+        self.target = str(target)
+
+    def __reduce__(self):
+        return (open, (self.target, "w"))
+
+
+def cifar_folder(folder: Path) -> dict[str, Any]:
+    import pickle
+
+    data = folder / "cifar"
+    data.mkdir()
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        (data / name).write_bytes(pickle.dumps({b"data": _Executes(folder / "pwned"),
+                                                b"labels": [0]}))
+    return {"name": "cifar10", "data_dir": data}
+
+
+def npz_file(content: bytes) -> Callable[[Path], dict[str, Any]]:
+    def build(folder: Path) -> dict[str, Any]:
+        (folder / "bad.npz").write_bytes(content)
+        return {"name": "npz", "path": folder / "bad.npz"}
+
+    return build
+
+
+DATA_CASES = [
+    pytest.param(cifar_folder, r"data_batch_1: not a CIFAR-10 python batch \(refused global "
+                               r"(builtins|io)\.open", id="cifar-code-execution"),
+    pytest.param(npz_file(b"PK\3\4" + b"\0" * 60), r"bad\.npz: not a readable \.npz file",
+                 id="npz-corrupt-zip"),
+    pytest.param(npz_file(b"\x93NUMPY garbage"), r"bad\.npz: not a readable \.npz file",
+                 id="npz-garbage"),
+]
+
+
+@pytest.mark.parametrize(("build", "culprit"), DATA_CASES)
+@pytest.mark.parametrize("front", ["api", "cli"])
+def test_data_refused(build, culprit: str, front: str, workdir: Path) -> None:
+    from fusekit.core.errors import DataError
+    from fusekit.toolkit.data import load_dataset
+
+    source = build(workdir)
+    before = snapshot(workdir)
+    if front == "api":
+        with pytest.raises(DataError) as caught:
+            load_dataset(source["name"], data_dir=source.get("data_dir"),
+                         path=source.get("path"))
+        message = str(caught.value)
+    else:
+        flags = (["--data-dir", str(source["data_dir"])] if "data_dir" in source
+                 else ["--data-path", str(source["path"])])
+        checkpoint = clients(workdir)[0]
+        before = snapshot(workdir)
+        message = _cli_error(CliRunner().invoke(
+            app, ["evaluate", str(checkpoint), "--data", source["name"], *flags]))
+    assert "\n" not in message and re.search(culprit, message), message
+    assert snapshot(workdir) == before
+    assert not (workdir / "pwned").exists()
