@@ -12,7 +12,7 @@ from rich.table import Table
 import fusekit
 from fusekit._cli.options import JsonOption
 from fusekit._cli.output import emit_json, stdout
-from fusekit.core.errors import OutputError
+from fusekit.core.checkpoint import check_output_path
 from fusekit.methods import METHODS
 
 _METHODS_HELP = "; ".join(f"{name}: {cls.summary}" for name, cls in sorted(METHODS.items()))
@@ -244,8 +244,7 @@ def fuse(
         k=k,
     )
     output = output or Path(f"fused-{method}.safetensors")
-    if output.exists() and not force:
-        raise OutputError(f"{output}: output file exists; pass --force to replace it")
+    check_output_path(output, force=force, inputs=checkpoints)
     start = time.perf_counter()
     result = fusekit.fuse(checkpoints, method=method, spec=spec, **params)
     path = result.save(output, force=force)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import inspect
-import json
 import logging
 import os
 import time
@@ -12,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from fusekit.core.checkpoint import Checkpoint, load_checkpoint
-from fusekit.core.errors import IncompatibleModelsError, ParameterError
+from fusekit.core.errors import CheckpointError, IncompatibleModelsError, ParameterError
+from fusekit.core.metadata import load_json
 from fusekit.core.spec import PermutationSpec, infer_spec, load_spec_file, spec_from_json
 from fusekit.methods import get_method
 from fusekit.methods.base import FusionResult, provenance
@@ -199,6 +199,6 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 def _maybe_json(value: str) -> Any:
     try:
-        return json.loads(value)
-    except json.JSONDecodeError:
+        return load_json(value, "metadata")
+    except CheckpointError:
         return value

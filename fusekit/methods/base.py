@@ -32,6 +32,7 @@ class FusionResult:
         widths: hidden widths of the fused model, input to output.
         report: per-method details (timings, per-layer matching statistics), JSON-able.
         metadata: safetensors metadata written by :meth:`save` (arch, provenance).
+        inputs: the input files, which :meth:`save` refuses to replace.
     """
 
     state_dict: dict[str, np.ndarray]
@@ -40,10 +41,12 @@ class FusionResult:
     widths: list[int]
     report: dict[str, Any] = field(default_factory=dict)
     metadata: dict[str, str] = field(default_factory=dict)
+    inputs: list[Path] = field(default_factory=list)
 
     def save(self, path: str | Path, *, force: bool = False) -> Path:
         """Write the fused model as safetensors, atomically; see :func:`save_checkpoint`."""
-        return save_checkpoint(path, self.state_dict, self.metadata, force=force)
+        return save_checkpoint(path, self.state_dict, self.metadata, force=force,
+                               inputs=self.inputs)
 
 class FusionMethod(ABC):
     """One fusion method. Subclasses set ``name``/``summary`` and implement :meth:`fuse`.
@@ -97,7 +100,9 @@ def _arch_with_widths(arch: dict[str, Any], widths: list[int]) -> dict[str, Any]
     return arch if hidden_widths(arch) == widths else with_hidden_widths(arch, widths)
 
 def provenance(result: FusionResult, checkpoints: Sequence[Checkpoint]) -> None:
-    """Add method, parameters, input hashes and version to the result's metadata."""
+    """Add method, parameters, input hashes and version to the result's metadata, and the
+    input files to ``result.inputs``."""
+    result.inputs = [c.path.absolute() for c in checkpoints if c.path is not None]
     result.metadata.update({
         meta.METHOD: result.method,
         meta.PARAMS: json.dumps(result.params, sort_keys=True),

@@ -13,7 +13,6 @@ module ready for inference.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Mapping
@@ -63,8 +62,9 @@ def load_fused(
         model = _load_ams(checkpoint)
     else:
         spec = checkpoint.metadata.get(meta.SPEC)
-        model = build_plain_model(checkpoint.state_dict(), checkpoint.arch,
-                                  json.loads(spec) if spec else None, checkpoint.label)
+        spec_json = meta.parse_json_object(spec, meta.SPEC, checkpoint.label) if spec else None
+        model = build_plain_model(checkpoint.state_dict(), checkpoint.arch, spec_json,
+                                  checkpoint.label)
     return model.to(target).eval()
 
 
