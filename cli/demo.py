@@ -11,7 +11,6 @@ from rich.table import Table
 
 from fusekit._cli.options import DeviceOption, JsonOption
 from fusekit._cli.output import emit_json, stderr, stdout
-from fusekit.toolkit.demo import DemoConfig, DemoReport, run_demo
 
 
 def demo(
@@ -33,6 +32,7 @@ def demo(
     as_json: JsonOption = False,
 ) -> None:
     """Simulate clients on digits (Dirichlet split), fuse them with every method, evaluate."""
+    from fusekit.toolkit.demo import DemoConfig, run_demo
     config = DemoConfig(
         clients=clients,
         alpha=alpha,
@@ -53,7 +53,7 @@ def demo(
         raise typer.Exit(1)
 
 
-def demo_table(report: DemoReport) -> Table:
+def demo_table(report) -> Table:
     c = report.config
     table = Table(
         "model",
