@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from fusekit.core import metadata as meta
 from fusekit.core.checkpoint import Checkpoint, load_checkpoint
 from fusekit.core.errors import IncompatibleModelsError, ParameterError
 from fusekit.core.spec import PermutationSpec, infer_spec, load_spec_file, spec_from_json
@@ -154,6 +155,8 @@ def describe_checkpoint(checkpoint: Checkpoint) -> dict[str, Any]:
         "problems": [],
     }
     try:
+        if meta.AMS in checkpoint.metadata:
+            return _describe_ams(checkpoint, info)
         spec = client_spec(checkpoint, None)
     except ValueError as exc:
         info["problems"].append(str(exc))
@@ -173,6 +176,25 @@ def describe_checkpoint(checkpoint: Checkpoint) -> dict[str, Any]:
     except ValueError as exc:
         info["problems"].append(str(exc))
     info["metadata"] = {k: _maybe_json(v) for k, v in checkpoint.metadata.items()}
+    return info
+
+
+def _describe_ams(checkpoint: Checkpoint, info: dict[str, Any]) -> dict[str, Any]:
+    """An AMS artefact: its selection rule and each sub-model's layers, from its metadata."""
+    from fusekit.methods.ams import read_ams_metadata
+
+    description = read_ams_metadata(checkpoint.metadata, checkpoint.label)
+    shapes = {name: t.shape for name, t in checkpoint.tensors.items()}
+    models = []
+    for entry in description["models"]:
+        prefix = entry["prefix"]
+        own = {n[len(prefix):]: s for n, s in shapes.items() if n.startswith(prefix)}
+        spec = spec_from_json(entry["spec"], own, label=f"{checkpoint.label} [{prefix}*]")
+        models.append({"prefix": prefix, "layers": spec.describe(),
+                       "hidden_widths": spec.hidden_widths})
+    info.update(ams={"mode": description["mode"], "k": description["k"], "models": models},
+                hidden_widths=[m["hidden_widths"] for m in models],
+                metadata={k: _maybe_json(v) for k, v in checkpoint.metadata.items()})
     return info
 
 

@@ -42,7 +42,7 @@ def save(path, model_or_state, num_samples, arch=None):
 
 def folded_layers(model: nn.Sequential) -> list[tuple[np.ndarray, np.ndarray]]:
     """(W (out, in_units, positions), b) per Linear/Conv2d, BatchNorm folded in."""
-    mods = list(getattr(model, "net", model))
+    mods = list(getattr(model, "steps", None) or getattr(model, "net", model))
     layers, channels_below = [], None
     for i, m in enumerate(mods):
         if not isinstance(m, (nn.Linear, nn.Conv2d)):

@@ -269,7 +269,7 @@ def parameter_reference(methods: dict[str, Any]) -> str:
         "# Fusion parameters",
         "",
         "Generated from the methods' declarations by "
-        "`python -m fusekit.methods.params > docs/PARAMETERS.md`; a test checks it is current.",
+        "`python -m fusekit.methods > docs/PARAMETERS.md`; a test checks it is current.",
         "The same names work as `fusekit fuse` options (`--max-width`) and as keyword",
         "arguments of `fusekit.fuse(..., max_width=...)`.",
     ]
@@ -296,8 +296,3 @@ def _type_name(spec: ParamSpec) -> str:
             "object": _object_name(spec.type).removeprefix("a ")}.get(spec.kind, spec.kind)
     return name + (" or None" if spec.optional and spec.default is None else "")
 
-
-if __name__ == "__main__":
-    from fusekit.methods import METHODS
-
-    print(parameter_reference(METHODS), end="")
