@@ -49,6 +49,10 @@ def demo(
         emit_json(report.as_dict())
     else:
         stdout.print(demo_table(report))
+        kept = (f"checkpoints kept in {out}/clients and {out}/fused-<method>.safetensors"
+                if out is not None else "checkpoints were written to a temporary folder and "
+                "deleted; --out DIR keeps them")
+        stderr.print(kept, highlight=False)
     if report.failed:
         raise typer.Exit(1)
 

@@ -117,7 +117,7 @@ def fuse(
     start = time.perf_counter()
     result = _run(recipe)
     summary: dict[str, Any] = {
-        "output": str(target.path),
+        "output": str(target.path) + ("/" if target.folder else ""),
         "method": result.method,
         "params": result.params,
         "widths": result.widths,
