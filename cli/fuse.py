@@ -19,7 +19,7 @@ from rich.table import Table
 from fusekit._cli.options import JsonOption
 from fusekit._cli.output import emit_json, stdout
 from fusekit._cli.recipe import Recipe, load_recipe, resolve_output, write_folder
-from fusekit.core.errors import ParameterError
+from fusekit.core.errors import FusekitError, OutputError, ParameterError
 from fusekit.methods import METHODS
 from fusekit.methods.params import ParamSpec, method_params
 
@@ -124,10 +124,16 @@ def fuse(
         "time_s": time.perf_counter() - start,
         "report": result.report,
     }
-    if target.folder:
-        write_folder(target.path, result, recipe, summary, force=force)
-    else:
-        result.save(target.path, force=force)
+    try:
+        if target.folder:
+            write_folder(target.path, result, recipe, summary, force=force)
+        else:
+            result.save(target.path, force=force)
+    except OSError as exc:
+        if isinstance(exc, FusekitError):
+            raise
+        raise OutputError(f"{summary['output']}: cannot write the output "
+                          f"({exc.strerror or exc})") from None
     if as_json:
         emit_json(summary)
     else:

@@ -174,7 +174,7 @@ def resolve_output(output: str | None, method: str, *, force: bool) -> OutputTar
     if path.exists() and not force:
         kind = "folder" if folder else "file"
         raise OutputError(f"{path}: output {kind} exists; pass --force to replace it")
-    if not folder and path.suffix != ".safetensors":
+    if not folder and path.suffix not in ("", ".safetensors"):
         log.warning("%s: written in safetensors format whatever the suffix; name it "
                     "%s.safetensors to say so", path, path.stem)
     return OutputTarget(path, folder)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -80,6 +82,20 @@ def test_simulate_text_and_json(tmp_path, as_json):
         assert len(json.loads(result.stdout)["clients"]) == 2
     else:
         assert "2 clients on digits" in text(result) and "mlp 64-8-10" in text(result)
+
+
+def test_help_and_version_import_no_torch_pot_or_sklearn():
+    code = (
+        "import sys\n"
+        "from typer.testing import CliRunner\n"
+        "from fusekit._cli.app import app\n"
+        "for args in (['--version'], ['--help'], ['fuse', '--help'], ['demo', '--help']):\n"
+        "    assert CliRunner().invoke(app, args).exit_code == 0, args\n"
+        "print(sorted(m for m in ('torch', 'ot', 'sklearn') if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, check=True)
+    assert done.stdout.strip() == "[]"
 
 
 def test_verbose_after_the_command(tmp_path):
@@ -249,6 +265,11 @@ def test_output_names_that_are_refused_or_warned(mlp_clients, tmp_path, monkeypa
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # no staging folder left
     pt = run("fuse", *mlp_clients, "-o", "out.pt")
     assert pt.exit_code == 0 and "written in safetensors format" in text(pt)
+    if Path("/proc/self").is_dir():  # a folder that refuses new files
+        for name in ("/proc/self/x", "/proc/self/x/"):
+            refused = run("fuse", *mlp_clients, "-o", name)
+            assert refused.exit_code == 2
+            assert f"error: {name}: cannot write the output" in text(refused)
 
 
 def test_load_fused_keeps_the_checkpoint_tensor_names(tmp_path):
