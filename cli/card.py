@@ -32,6 +32,9 @@ def forward(model, x):
             x = F.batch_norm(x, mean, var, weight, bias, training=False, eps=layer["eps"])
         if i < len(model["layers"]) - 1:
             x = F.relu(x)
+            if layer["encoding"]:  # position-aware neurons: a fixed per-neuron encoding
+                code = t[layer["encoding"]]
+                x = x + code if model["pan"] == "additive" else x * code
             if layer["pool"]:
                 x = F.max_pool2d(x, 2)
     return x
@@ -57,12 +60,6 @@ def model_card(result, recipe: dict[str, Any]) -> str:
     models, k = loader_models(result)
     widths = ", ".join(map(str, result.widths)) or "per sub-model: " + "; ".join(
         str(w) for w in result.report.get("hidden_widths", []))
-    notes = ""
-    if any(m.get("pan") for m in models):
-        notes = ("\nThe clients use position-aware neurons: the snippet leaves their fixed "
-                 "encodings out; load the model with `fusekit.load_fused` to apply them.\n")
-    for m in models:
-        m.pop("pan", None)
     return f"""# Fused model ({result.method})
 
 Made by fusekit from {len(hashes)} client checkpoint(s) in one shot, without data.
@@ -89,7 +86,7 @@ full report.
 ## Loading without fusekit
 
 Only `torch` and `safetensors` are needed:
-{notes}
+
 ```python
 {_FORWARD.format(models=pprint.pformat(models, width=88, sort_dicts=False), k=k)}
 logits = predict(torch.zeros(2, {_input_size(models[0])}))
@@ -109,17 +106,23 @@ def loader_models(result) -> tuple[list[dict[str, Any]], int]:
             own = {n[len(entry["prefix"]):]: s for n, s in shapes.items()
                    if n.startswith(entry["prefix"])}
             spec = spec_from_json(entry["spec"], own, label=entry["prefix"])
-            models.append(_layers(spec, entry.get("arch"), entry["prefix"]))
+            models.append(_layers(spec, entry.get("arch"), entry["prefix"], own))
         return models, int(description["k"])
     spec = spec_from_json(json.loads(result.metadata[meta.SPEC]), shapes, label="fused")
     arch = json.loads(result.metadata[meta.ARCH]) if meta.ARCH in result.metadata else None
-    return [_layers(spec, arch, "")], 1
+    return [_layers(spec, arch, "", shapes)], 1
 
 
-def _layers(spec: PermutationSpec, arch: dict[str, Any] | None, prefix: str) -> dict[str, Any]:
+def _layers(spec: PermutationSpec, arch: dict[str, Any] | None, prefix: str,
+            shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
     convnet = arch is not None and arch.get("type") == "convnet"
+    pan = (arch or {}).get("pan")
+    # fusekit's models hold one encoding buffer per hidden layer, in layer order.
+    encodings = sorted((n for n in shapes if n.endswith(".encoding")),
+                       key=lambda n: [(0, int(p), "") if p.isdigit() else (1, 0, p)
+                                      for p in n.split(".")])
     layers = []
-    for layer in spec.layers:
+    for index, layer in enumerate(spec.layers):
         norm = layer.norm
         layers.append({
             "kind": layer.kind,
@@ -130,9 +133,10 @@ def _layers(spec: PermutationSpec, arch: dict[str, Any] | None, prefix: str) -> 
             "eps": norm.eps if norm else None,
             "padding": layer.kernel_size[0] // 2 if layer.kind == "conv2d" else 0,
             "pool": bool(convnet and arch.get("pool", True) and layer.kind == "conv2d"),
+            "encoding": prefix + encodings[index] if pan and index < len(encodings) else None,
         })
     model_input = [arch["in_channels"], *arch["image_size"]] if convnet else None
-    return {"input": model_input, "layers": layers, "pan": bool(arch and arch.get("pan"))}
+    return {"input": model_input, "pan": pan["mode"] if pan else None, "layers": layers}
 
 
 def _input_size(model: dict[str, Any]) -> str:

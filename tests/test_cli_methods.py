@@ -234,17 +234,47 @@ def test_output_folder_and_a_loader_without_fusekit(mlp_clients, tmp_path, metho
     assert "fusekit" not in "\n".join(line for line in snippet.splitlines()
                                       if line.startswith(("import", "from")))
     x = torch.from_numpy(np.random.default_rng(0).normal(size=(7, 6)).astype(np.float32))
-    monkeypatch.chdir(folder)
-    namespace: dict = {}
-    exec(compile(snippet, "README.md", "exec"), namespace)  # imports torch and safetensors only
     expected = fusekit.load_fused(folder / "fused.safetensors", "cpu")(x)
-    torch.testing.assert_close(namespace["predict"](x), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(_run_card_loader(folder, x, monkeypatch), expected,
+                               rtol=1e-5, atol=1e-5)
     rerun = run("fuse", "--config", folder / "recipe.yaml", "-o", tmp_path / "again.safetensors")
     assert rerun.exit_code == 0, rerun.output
     again = load_checkpoint(tmp_path / "again.safetensors")
     for name in again.tensors:
         np.testing.assert_array_equal(again.tensor(name),
                                       load_checkpoint(folder / "fused.safetensors").tensor(name))
+
+
+def _run_card_loader(folder: Path, x: torch.Tensor, monkeypatch) -> torch.Tensor:
+    card = (folder / "README.md").read_text()
+    snippet = card.split("```python\n")[1].split("```")[0]
+    monkeypatch.chdir(folder)
+    namespace: dict = {}
+    exec(compile(snippet, "README.md", "exec"), namespace)
+    return namespace["predict"](x)
+
+
+@pytest.mark.parametrize("method", ["avg", "ams"])
+@pytest.mark.parametrize("kind", ["mlp", "convnet"])
+def test_card_loader_applies_position_aware_neurons(tmp_path, method, kind, monkeypatch):
+    from fusekit.toolkit.nn import build_model, convnet_arch, mlp_arch
+
+    pan = {"mode": "additive" if kind == "mlp" else "multiplicative", "amplitude": 0.5,
+           "period": 1.0}
+    arch = (mlp_arch(64, [7, 5], 3, pan=pan) if kind == "mlp"
+            else convnet_arch((1, 8, 8), [4, 3], 3, hidden=[5], pan=pan))
+    paths = [save_checkpoint(tmp_path / f"pan{i}.safetensors",
+                             {k: v.numpy() for k, v in build_model(arch, seed=i)
+                              .state_dict().items()},
+                             {"fusekit.arch": json.dumps(arch), "fusekit.num_samples": "5"})
+             for i in range(2)]
+    folder = tmp_path / "out"
+    result = run("fuse", *paths, "-m", method, "-o", f"{folder}/")
+    assert result.exit_code == 0, result.output
+    x = torch.from_numpy(np.random.default_rng(1).normal(size=(5, 64)).astype(np.float32))
+    expected = fusekit.load_fused(folder / "fused.safetensors", "cpu")(x)
+    torch.testing.assert_close(_run_card_loader(folder, x, monkeypatch), expected,
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_output_names_that_are_refused_or_warned(mlp_clients, tmp_path, monkeypatch):
