@@ -163,9 +163,10 @@ def _activation_provider(settings: dict[str, Any]):
 def method_options() -> list[inspect.Parameter]:
     """One CLI option per parameter declared by the registered methods.
 
-    A parameter several methods declare appears once, in the panel of all of them; its
-    default is only shown (the method's own default applies when the option is not given).
-    Parameters no text can spell (callables) are Python-only.
+    A parameter several methods declare appears once, in the panel of all of them, typed
+    by its first declaration (methods in name order); its default is only shown (the
+    method's own default applies when the option is not given). Parameters no text can
+    spell (callables) are Python-only.
     """
     declared: dict[str, list[tuple[str, ParamSpec]]] = {}
     for name in sorted(METHODS):

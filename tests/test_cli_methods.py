@@ -9,6 +9,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -168,8 +169,9 @@ class _Plain(FusionMethod):
     name = "plain-for-test"
     summary = "returns the first client, scaled"
 
-    def fuse(self, checkpoints, specs, *, scale: float = 1.0, rounds: int = 2,
-             mode: str = "a", flags: bool = False, per_client: float | Sequence[float] = 1.0):
+    def fuse(self, checkpoints, specs, *, scale: float = 1.0, rounds=2,
+             mode: str = "a", flags: bool = False, per_client: float | Sequence[float] = 1.0,
+             anything: Any = None):
         state = {k: checkpoints[0].tensor(k) * scale for k in checkpoints[0].tensors}
         return self.result(state, checkpoints, specs[0], {"scale": scale, "rounds": rounds,
                                                           "per_client": per_client})
@@ -199,6 +201,8 @@ def test_plain_parameters_get_options_and_validation(mlp_clients, tmp_path, plai
         fusekit.fuse(mlp_clients, method=_Plain.name, rounds=2.5)
     with pytest.raises(ParameterError, match="flags: expected a bool"):
         fusekit.fuse(mlp_clients, method=_Plain.name, flags=1)
+    assert "anything" not in names  # no text spells "any value": Python only
+    assert fusekit.fuse(mlp_clients, method=_Plain.name, anything=object()).method == _Plain.name
 
 
 def test_recipe_file_with_command_line_override(mlp_clients, tmp_path):

@@ -16,9 +16,10 @@ which the CLI builds its options, :func:`validate` checks values at the API edge
 ``Param``) is still a parameter: its type and default come from the signature.
 
 Types understood: ``int``, ``float``, ``bool``, ``str``, ``pathlib.Path``, each optionally
-``| None``; ``float | Sequence[float]`` (one value, or one per client, given in the order
-of the inputs); any other type (a callable such as an activation provider) is passed
-through the Python API only and checked with ``callable``/``isinstance``.
+``| None`` (an unannotated parameter takes its default's type); ``float | Sequence[float]``
+(one value, or one per client, given in the order of the inputs); any other type (a
+callable such as an activation provider, or ``Any``) is passed through the Python API only
+and checked with ``callable``/``isinstance``.
 """
 
 from __future__ import annotations
@@ -139,7 +140,8 @@ def method_params(method: Any) -> list[ParamSpec]:
         if p.kind is not inspect.Parameter.KEYWORD_ONLY:
             continue
         default = None if p.default is inspect.Parameter.empty else p.default
-        specs.append(_read(p.name, hints.get(p.name, Any), default))
+        annotation = hints.get(p.name, type(default) if default is not None else Any)
+        specs.append(_read(p.name, annotation, default))
     return specs
 
 
@@ -232,6 +234,8 @@ def _has_kind(value: Any, kind: str, cls: Any) -> bool:
         return isinstance(value, str)
     if kind == "path":
         return isinstance(value, (str, os.PathLike))
+    if cls is Any:
+        return True
     if isinstance(cls, type) and cls is not collections.abc.Callable:
         return isinstance(value, cls)
     return callable(value)
@@ -249,6 +253,8 @@ def _is_list(value: Any) -> bool:
 
 
 def _object_name(cls: Any) -> str:
+    if cls is Any:
+        return "any value"
     if typing.get_origin(cls) is collections.abc.Callable or cls is None:
         return "a callable"
     return f"a {getattr(cls, '__name__', cls)}"
