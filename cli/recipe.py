@@ -227,9 +227,15 @@ def _as_run(recipe: Recipe, result) -> dict[str, Any]:
     if recipe.spec is not None:
         as_run["spec"] = os.path.abspath(recipe.spec)
     if recipe.activations:
-        as_run["activations"] = {k: os.fspath(v) if isinstance(v, os.PathLike) else v
-                                 for k, v in recipe.activations.items()}
+        as_run["activations"] = {k: _absolute_if_path(v) for k, v in recipe.activations.items()}
     return as_run
+
+
+def _absolute_if_path(value: Any) -> Any:
+    """Files keep working from the recipe's folder; data-set names and numbers stay."""
+    if isinstance(value, (str, os.PathLike)) and os.path.exists(value):
+        return os.path.abspath(value)
+    return value
 
 
 def _umask() -> int:

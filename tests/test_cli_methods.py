@@ -327,3 +327,23 @@ def test_activation_options_need_activations(mlp_clients, tmp_path):
     assert result.exit_code == 2
     assert "need --activations" in text(result)
 
+
+
+def test_ot_activation_recipe_reruns_from_anywhere(mlp_clients, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    np.save("inputs.npy", np.random.default_rng(2).normal(size=(30, 6)))
+    result = run("fuse", *mlp_clients, "-m", "ot", "--activations", "inputs.npy",
+                 "--activation-samples", 20, "--activation-seed", 3, "-o", "ot/")
+    assert result.exit_code == 0, result.output
+    as_run = yaml.safe_load((tmp_path / "ot" / "recipe.yaml").read_text())
+    assert as_run["activations"] == {"source": str(tmp_path / "inputs.npy"), "samples": 20,
+                                     "seed": 3}
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    rerun = run("fuse", "--config", "../ot/recipe.yaml", "-o", "again.safetensors", "--json")
+    assert rerun.exit_code == 0, rerun.output
+    assert json.loads(rerun.stdout)["report"]["cost"] == "activations"
+    first = load_checkpoint(tmp_path / "ot" / "fused.safetensors")
+    again = load_checkpoint("again.safetensors")
+    for name in first.tensors:
+        np.testing.assert_array_equal(first.tensor(name), again.tensor(name))
