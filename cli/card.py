@@ -76,7 +76,7 @@ Made by fusekit from {len(hashes)} client checkpoint(s) in one shot, without dat
 
 ## Inputs
 
-| checkpoint | content hash (SHA-256 of the tensors) |
+| checkpoint | content hash (SHA-256 of the tensor names, dtypes, shapes and values) |
 |---|---|
 {inputs}
 

@@ -7,8 +7,9 @@ module ready for inference.
   since PFNM/NAFI change widths) are built by :func:`fusekit.toolkit.nn.build_model`.
 - Checkpoints without ``fusekit.arch`` (clients that came from outside fusekit) are read
   from their permutation spec (``fusekit.core.spec`` metadata, else inferred from names and
-  shapes) as a ReLU MLP: Linear, optional BatchNorm, ReLU, ..., Linear. Convolutional
-  models need ``fusekit.arch`` (padding and pooling are not in the tensors).
+  shapes) as a ReLU MLP: Linear, optional BatchNorm, ReLU, ..., Linear, whose modules keep
+  the checkpoint's own tensor names. Convolutional models need ``fusekit.arch`` (padding
+  and pooling are not in the tensors).
 """
 
 from __future__ import annotations
