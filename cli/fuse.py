@@ -16,6 +16,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
+import fusekit
 from fusekit._cli.options import JsonOption
 from fusekit._cli.output import emit_json, stdout
 from fusekit._cli.recipe import Recipe, load_recipe, resolve_output, write_folder
@@ -141,8 +142,6 @@ def fuse(
 
 
 def _run(recipe: Recipe):
-    import fusekit
-
     params = dict(recipe.parameters)
     if recipe.activations:
         params["activations"] = _activation_provider(recipe.activations)
