@@ -378,8 +378,8 @@ def _link(path):
 
 
 @pytest.mark.parametrize(("make", "message"), [
-    (lambda tmp: tmp, "output path is a directory; expected a file name"),
-    (lambda tmp: Path(""), "output path is a directory; expected a file name"),
+    (lambda tmp: tmp, "is a directory; expected a file name for the output"),
+    (lambda tmp: Path(""), "is a directory; expected a file name for the output"),
     (lambda tmp: Path("/proc/self/x.safetensors"), "x.safetensors: "),
     (lambda tmp: _fifo(tmp), "expected a regular file or a new name for the output, found a "
                              "FIFO"),

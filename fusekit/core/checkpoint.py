@@ -407,7 +407,7 @@ def check_output_path(path: Path, *, force: bool,
     if not directory.is_dir():
         raise OutputError(f"{path}: output directory {directory} does not exist")
     if path.is_dir():
-        raise OutputError(f"{path}: output path is a directory; expected a file name")
+        raise OutputError(f"{path}: is a directory; expected a file name for the output")
     check_not_an_input(path, inputs)
     if not os.access(directory, os.W_OK | os.X_OK):
         raise OutputError(f"{path}: output directory {directory} is not writable")

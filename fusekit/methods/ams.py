@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
 
@@ -27,6 +27,7 @@ from fusekit.core.checkpoint import Checkpoint
 from fusekit.core.errors import CheckpointError, IncompatibleModelsError, ParameterError
 from fusekit.core.spec import PermutationSpec
 from fusekit.methods.base import FusionMethod, FusionResult, register
+from fusekit.methods.params import Param
 
 MODES = ("top1", "topk", "full")
 
@@ -48,8 +49,15 @@ class AdaptiveModelSelection(FusionMethod):
         checkpoints: Sequence[Checkpoint],
         specs: Sequence[PermutationSpec],
         *,
-        mode: str = "top1",
-        k: int | None = None,
+        mode: Annotated[str, Param(
+            help="top1 (the most confident model answers), topk (sum of the k most "
+            "confident models' logits) or full (sum of all)",
+            paper="AMS paper §5, Eq. 7-9", choices=MODES,
+        )] = "top1",
+        k: Annotated[int | None, Param(
+            help="models summed by mode topk, at most the number of clients", minimum=1,
+            default_text="1 for top1, all for full",
+        )] = None,
     ) -> FusionResult:
         """Pack every client into one AMS artefact (AMS paper Algorithm 2).
 

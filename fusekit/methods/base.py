@@ -51,17 +51,16 @@ class FusionResult:
 class FusionMethod(ABC):
     """One fusion method. Subclasses set ``name``/``summary`` and implement :meth:`fuse`.
 
-    Keyword-only parameters of ``fuse`` (with defaults) are the method's parameters: the
-    Python API passes them through and reports any it does not know; the CLI exposes them
-    as flags of the same names.
+    The keyword-only parameters of ``fuse`` (with defaults, described with
+    ``Annotated[T, Param(...)]``, see :mod:`fusekit.methods.params`) are the method's
+    parameters, declared once: ``fusekit.fuse`` validates values against them, the CLI
+    builds its options from them and docs/PARAMETERS.md is generated from them.
     """
 
     name: ClassVar[str]
     summary: ClassVar[str]
     #: True when the method permutes neurons (it must refuse position-aware neurons).
     permutes_neurons: ClassVar[bool] = False
-    #: Parameters that may hold one value per client, given in the order of the inputs.
-    per_client_params: ClassVar[tuple[str, ...]] = ()
     #: False for methods that keep every client's model as it is (AMS): fusekit.fuse then
     #: skips the same-layers check and the method checks what it needs itself.
     requires_same_architecture: ClassVar[bool] = True
