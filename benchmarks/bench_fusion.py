@@ -70,7 +70,7 @@ def _time_method(method: str, clients: Sequence[Checkpoint], **params: Any) -> d
             "time_assignment_s": result.report["time_assignment_s"]}
 
 
-def _purity(clients: Sequence[Checkpoint], labels, lam: float | None, backend: str) -> float:
+def _purity(clients: Sequence[Checkpoint], labels, lam: float, backend: str) -> float:
     """Matching purity of the hidden layer, matched exactly as the method does."""
     spec = infer_spec({n: i.shape for n, i in clients[0].tensors.items()})
     layers = [neurons.client_layers(c, spec) for c in clients]
@@ -94,7 +94,7 @@ def run(sizes: Sequence[int], numpy_sizes: Sequence[int], cnn: bool, lam: float)
                 row = {"case": f"mlp784-100-10 S={n_clients}", "method": method,
                        "backend": backend, "sweeps": 5,
                        **_time_method(method, clients, sweeps=5, backend=backend, **extra)}
-                row["purity"] = _purity(clients, labels, extra.get("lam"), backend)
+                row["purity"] = _purity(clients, labels, extra.get("lam", 0.0), backend)
                 rows.append(row)
                 _print_row(row)
     if cnn:

@@ -61,7 +61,7 @@ def fuse(
             rich_help_panel=_PFNM,
             help="pfnm/nafi: client noise variance sigma^2, in multiples of the "
             "layer's per-coordinate weight variance (see --variance-units); repeat once per "
-            "client for per-client values, in the order of the checkpoints [default: 1.0].",
+            "client for per-client values, in the order of the checkpoints [default: estimated].",
             show_default=False,
         ),
     ] = None,
@@ -70,7 +70,8 @@ def fuse(
         typer.Option(
             "--sigma0",
             rich_help_panel=_PFNM,
-            help="pfnm/nafi: prior variance sigma0^2 of global neurons, same units [default: 1.0].",
+            help="pfnm/nafi: prior variance sigma0^2 of global neurons, same units "
+            "[default: estimated].",
             show_default=False,
         ),
     ] = None,
@@ -79,7 +80,7 @@ def fuse(
         typer.Option(
             "--gamma",
             rich_help_panel=_PFNM,
-            help="pfnm/nafi: Beta-process mass gamma0 [default: 1.0].",
+            help="pfnm/nafi: Beta-process mass gamma0 [default: estimated].",
             show_default=False,
         ),
     ] = None,
@@ -117,16 +118,26 @@ def fuse(
             "--lam",
             "--lambda",
             rich_help_panel=_PFNM,
-            help="nafi: weight of the KL penalty [default: 0.01].",
+            help="nafi: weight of the KL penalty [default: 1.0].",
             show_default=False,
         ),
     ] = None,
-    max_width: Annotated[
-        int | None,
+    width: Annotated[
+        str | None,
         typer.Option(
-            "--max-width",
+            "--width",
             rich_help_panel=_PFNM,
-            help="pfnm/nafi: cap on every fused hidden width [default: none].",
+            help="pfnm/nafi: fused width of every hidden layer (N), per hidden layer "
+            "(N1,N2,...), or 'unlimited' (inferred) [default: --width-ratio].",
+            show_default=False,
+        ),
+    ] = None,
+    width_ratio: Annotated[
+        float | None,
+        typer.Option(
+            "--width-ratio",
+            rich_help_panel=_PFNM,
+            help="pfnm/nafi: fused width relative to the widest client [default: 1.25].",
             show_default=False,
         ),
     ] = None,
@@ -231,7 +242,8 @@ def fuse(
         sweeps=sweeps,
         seed=seed,
         lam=lam,
-        max_width=max_width,
+        width=width,
+        width_ratio=width_ratio,
         class_share=class_share,
         unobserved=unobserved,
         variance_units=variance_units,
