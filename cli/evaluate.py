@@ -38,7 +38,7 @@ def evaluate(
     batch_size: Annotated[int, typer.Option("--batch-size", help="Inference batch size.")] = 4096,
     as_json: JsonOption = False,
 ) -> None:
-    """Test accuracy and loss of every model, plus the logit-average ensemble of the clients."""
+    """Test accuracy and loss of every model, plus the logit- and softmax-average ensembles."""
     dataset = load_dataset(
         data,
         data_dir=data_dir,

@@ -231,6 +231,15 @@ def fuse(
         int | None,
         typer.Option("--k", rich_help_panel=_AMS, help="ams: models summed by --mode topk."),
     ] = None,
+    confidence: Annotated[
+        str | None,
+        typer.Option(
+            "--confidence",
+            rich_help_panel=_AMS,
+            help="ams: choose models by their max logit ('logit') or max softmax "
+            "probability ('probability') [default: logit].",
+        ),
+    ] = None,
 ) -> None:
     """Fuse client checkpoints into one model, in one shot and without data."""
     params = _given(
@@ -254,6 +263,7 @@ def fuse(
         data_dir=data_dir,
         mode=mode,
         k=k,
+        confidence=confidence,
     )
     output = output or Path(f"fused-{method}.safetensors")
     if output.exists() and not force:
