@@ -51,6 +51,7 @@ import fusekit
 from fusekit.core.checkpoint import write_atomic
 from fusekit.core.errors import DataError
 from fusekit.methods import METHODS
+from fusekit.methods.bayesian import ratio_width
 from fusekit.toolkit.data import Dataset, load_dataset
 from fusekit.toolkit.evaluate import Evaluator
 from fusekit.toolkit.simulate import SimulationConfig, simulate_clients
@@ -466,8 +467,7 @@ def asked_width(label: str) -> int | None:
     """The hidden width a frontier variant asks for (None: inferred or a baseline)."""
     if "@" not in label or label.endswith("@unlimited"):
         return None
-    ratio = float(label.rsplit("@", 1)[1])
-    return max(CLIENT_WIDTH, round(ratio * CLIENT_WIDTH))
+    return ratio_width(float(label.rsplit("@", 1)[1]), CLIENT_WIDTH)
 
 
 def frontier_cells(datasets: list[str], partitions: list[str], clients: list[int],

@@ -137,7 +137,7 @@ def fuse(
         typer.Option(
             "--width-ratio",
             rich_help_panel=_PFNM,
-            help="pfnm/nafi: fused width relative to the widest client [default: 1.25].",
+            help="pfnm/nafi: fused width relative to the widest client [default: 1.5].",
             show_default=False,
         ),
     ] = None,

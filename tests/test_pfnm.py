@@ -207,7 +207,7 @@ def test_heterogeneous_widths_fuse_into_one_loadable_model():
     assert all(c["matched"] + c["new"] == c["width"] for c in layer["clients"])
     # Greedy pass, at most 2 sweeps, then at most 2 sweeps at the asked width.
     assert len(layer["objective"]) == 1 + layer["sweeps_run"] <= 1 + 2 + 2
-    assert width == round(bayesian.DEFAULT_WIDTH_RATIO * 150) == layer["width_asked"]
+    assert width == bayesian.ratio_width(bayesian.DEFAULT_WIDTH_RATIO, 150) == layer["width_asked"]
     assert layer["time_cost_s"] >= 0 and layer["time_assignment_s"] >= 0
     model = mlp(widths=(width,), n_in=20, n_out=4)
     out = outputs(model, result.state_dict, torch.randn(3, 20))
@@ -352,7 +352,7 @@ def two_layer_clients(widths=((9, 6), (12, 5), (10, 7))):
 
 @pytest.mark.parametrize("method", ["pfnm", "nafi"])
 @pytest.mark.parametrize(("params", "expected"), [
-    ({}, [15, 9]),                        # default ratio 1.25 of the widest (12, 7)
+    ({}, [18, 11]),                       # default ratio 1.5 of the widest (12, 7), half up
     ({"width_ratio": 1.0}, [12, 7]),
     ({"width_ratio": 2.0}, [24, 14]),
     ({"width": 20}, [20, 20]),
@@ -391,7 +391,7 @@ def test_cnn_gets_exactly_the_width_asked_and_loads(tmp_path):
         state = {k: v.detach().numpy().copy() for k, v in net.state_dict().items()}
         clients.append(Checkpoint.from_state_dict(
             state, {"fusekit.arch": json.dumps(arch), "fusekit.num_samples": "50"}))
-    for width, expected in ((None, [6, 9]), ([7, 8], [7, 8])):
+    for width, expected in ((None, [8, 11]), ([7, 8], [7, 8])):
         params = {} if width is None else {"width": width}
         result = fusekit.fuse(clients, method="nafi", sweeps=2, **params)
         assert result.widths == expected

@@ -28,6 +28,7 @@ from fusekit.methods.bayesian.network import (
     as_sigma,
     as_width,
     fuse_network,
+    ratio_width,
 )
 
 #: NAFI's default KL weight (ALGORITHMS.md §4 explains its scale).
@@ -43,6 +44,7 @@ __all__ = [
     "get_backend",
     "match_neurons",
     "matching_purity",
+    "ratio_width",
 ]
 
 
@@ -80,7 +82,7 @@ class BayesianMatching(FusionMethod):
                 the sum of the clients' widths). Each asked width must be at least the
                 widest client's width in that layer. Default: ``width_ratio``.
             width_ratio: fused width relative to the widest client, per hidden layer
-                (rounded, >= 1). Default 1.25 (:data:`DEFAULT_WIDTH_RATIO`) when neither
+                (rounded half up, >= 1). Default 1.5 (:data:`DEFAULT_WIDTH_RATIO`) when neither
                 width nor width_ratio is given; give at most one of the two.
             lam: weight lambda of NAFI's KL penalty (>= 0; 0 is PFNM's cost). Default: 0 for
                 ``pfnm``, 1.0 (:data:`DEFAULT_LAMBDA`) for ``nafi``.
@@ -122,7 +124,7 @@ class BayesianMatching(FusionMethod):
 @register
 class PFNM(BayesianMatching):
     name = "pfnm"
-    summary = "Bayesian nonparametric neuron matching (PFNM); fused width 1.25x by default"
+    summary = "Bayesian nonparametric neuron matching (PFNM); fused width 1.5x by default"
 
 
 @register

@@ -33,7 +33,7 @@ VARIANCE_UNITS = ("relative", "absolute")
 UNOBSERVED = ("mask", "zeros")
 UNLIMITED = "unlimited"
 #: Default fused width, relative to the widest client (see the README, "PFNM and NAFI").
-DEFAULT_WIDTH_RATIO = 1.25
+DEFAULT_WIDTH_RATIO = 1.5
 
 
 @dataclass(frozen=True)
@@ -106,6 +106,11 @@ def as_width(width: Any) -> int | tuple[int, ...] | str | None:
     return int(width)
 
 
+def ratio_width(ratio: float, widest: int) -> int:
+    """``ratio`` x ``widest`` rounded half up (1.5 x 7 = 11), never below ``widest``."""
+    return max(widest, math.floor(ratio * widest + 0.5))
+
+
 def layer_widths(
     params: BayesianParams, client_widths: Sequence[Sequence[int]]
 ) -> list[int | None]:
@@ -128,7 +133,7 @@ def layer_widths(
         ratio = DEFAULT_WIDTH_RATIO if params.width_ratio is None else params.width_ratio
         if not (math.isfinite(ratio) and ratio >= 1.0):
             raise ParameterError(f"width_ratio: expected a finite number >= 1, found {ratio}")
-        return [max(w, round(ratio * w)) for w in widest]
+        return [ratio_width(ratio, w) for w in widest]
     asked = (list(params.width) if isinstance(params.width, tuple)
              else [params.width] * len(widest))
     if len(asked) != len(widest):
