@@ -379,8 +379,8 @@ def width_table(rows: list[dict[str, Any]], key_names: tuple[str, ...]) -> str:
     return "\n".join(lines)
 
 
-def plot_alpha(rows: list[dict[str, Any]], path: Path) -> bool:
-    """Accuracy against the Dirichlet alpha, one line per method, one panel per data set."""
+def pyplot():
+    """matplotlib.pyplot on the Agg backend, or None (with a warning) without matplotlib."""
     try:
         import matplotlib
 
@@ -388,6 +388,33 @@ def plot_alpha(rows: list[dict[str, Any]], path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         log.warning("matplotlib missing: no plot")
+        return None
+    return plt
+
+
+def log_axis(ax, xlabel: str, title: str) -> None:
+    """A panel with a log x axis, accuracy on y, a title and a light grid."""
+    ax.set_xscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("test accuracy (%)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+
+
+def save_figure(plt, fig, axes, path: Path) -> None:
+    """Put the legend on the last panel, write the figure as PNG atomically, close it."""
+    axes[0][-1].legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    image = io.BytesIO()
+    fig.savefig(image, format="png", dpi=120)
+    plt.close(fig)
+    write_atomic(path, image.getvalue())
+
+
+def plot_alpha(rows: list[dict[str, Any]], path: Path) -> bool:
+    """Accuracy against the Dirichlet alpha, one line per method, one panel per data set."""
+    plt = pyplot()
+    if plt is None:
         return False
     dir_rows = [r for r in rows if r["cell"]["partition"].startswith("dir-")]
     summary = summarise(dir_rows, ("data", "partition"))
@@ -405,18 +432,9 @@ def plot_alpha(rows: list[dict[str, Any]], path: Path) -> bool:
             ax.errorbar(
                 alphas, means, yerr=stds, marker="o", capsize=3, label=label, linestyle=style
             )
-        ax.set_xscale("log")
+        log_axis(ax, "Dirichlet alpha (larger = closer to iid)", f"{data}, S = 10, 1 hidden layer")
         ax.set_xticks(alphas, [f"{a:g}" for a in alphas])
-        ax.set_xlabel("Dirichlet alpha (larger = closer to iid)")
-        ax.set_ylabel("test accuracy (%)")
-        ax.set_title(f"{data}, S = 10, 1 hidden layer")
-        ax.grid(alpha=0.3)
-    axes[0][-1].legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
-    image = io.BytesIO()
-    fig.savefig(image, format="png", dpi=120)
-    plt.close(fig)
-    write_atomic(path, image.getvalue())
+    save_figure(plt, fig, axes, path)
     return True
 
 
@@ -514,13 +532,8 @@ def frontier_checks(rows: list[dict[str, Any]]) -> list[str]:
 
 def plot_frontier(rows: list[dict[str, Any]], path: Path) -> bool:
     """Accuracy against the fused width, one panel per (data, partition), at the smallest S."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log.warning("matplotlib missing: no plot")
+    plt = pyplot()
+    if plt is None:
         return False
     fewest = min(r["cell"]["clients"] for r in rows)
     rows = [r for r in rows if r["cell"]["clients"] == fewest]
@@ -545,17 +558,8 @@ def plot_frontier(rows: list[dict[str, Any]], path: Path) -> bool:
                              ("local (mean)", (0, (1, 3)))):
             if label in cells:
                 ax.axhline(100 * cells[label][0], linestyle=style, color="grey", label=label)
-        ax.set_xscale("log")
-        ax.set_xlabel("fused hidden width (clients: 100)")
-        ax.set_ylabel("test accuracy (%)")
-        ax.set_title(f"{key[0]} {key[1]}, S = {fewest}")
-        ax.grid(alpha=0.3)
-    axes[0][-1].legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
-    image = io.BytesIO()
-    fig.savefig(image, format="png", dpi=110)
-    plt.close(fig)
-    write_atomic(path, image.getvalue())
+        log_axis(ax, "fused hidden width (clients: 100)", f"{key[0]} {key[1]}, S = {fewest}")
+    save_figure(plt, fig, axes, path)
     return True
 
 

@@ -305,10 +305,10 @@ def test_fusion_benchmark_runs_end_to_end_on_a_tiny_case(tmp_path):
     assert len({r["widths"][0] for r in rows}) == 1
 
 
-@pytest.mark.parametrize("method", ["pfnm", "nafi"])
-def test_fused_checkpoint_carries_its_widths_and_loads_into_the_module_class(method, tmp_path):
+def cnn_clients():
+    """Three ConvNet clients (BatchNorm, channels (4, 6), (5, 6), (4, 7)) with their arch."""
     from fusekit.core.arch import convnet_arch
-    from fusekit.toolkit.nn.modules import build_model, load_model
+    from fusekit.toolkit.nn.modules import build_model
 
     clients = []
     for seed, channels in enumerate(((4, 6), (5, 6), (4, 7))):
@@ -318,6 +318,14 @@ def test_fused_checkpoint_carries_its_widths_and_loads_into_the_module_class(met
         state = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
         clients.append(Checkpoint.from_state_dict(
             state, {"fusekit.arch": json.dumps(arch), "fusekit.num_samples": "50"}))
+    return clients
+
+
+@pytest.mark.parametrize("method", ["pfnm", "nafi"])
+def test_fused_checkpoint_carries_its_widths_and_loads_into_the_module_class(method, tmp_path):
+    from fusekit.toolkit.nn.modules import load_model
+
+    clients = cnn_clients()
     result = fusekit.fuse(clients, method=method, sweeps=2)
     arch = json.loads(result.metadata["fusekit.arch"])
     assert arch["channels"] == result.widths and min(result.widths) >= 5
@@ -380,17 +388,9 @@ def test_unlimited_width_keeps_the_inferred_width():
 
 
 def test_cnn_gets_exactly_the_width_asked_and_loads(tmp_path):
-    from fusekit.core.arch import convnet_arch
-    from fusekit.toolkit.nn.modules import build_model, load_model
+    from fusekit.toolkit.nn.modules import load_model
 
-    clients = []
-    for seed, channels in enumerate(((4, 6), (5, 6), (4, 7))):
-        arch = convnet_arch((1, 8, 8), channels, 10)
-        net = build_model(arch, seed=seed)
-        randomize_batchnorm(net)
-        state = {k: v.detach().numpy().copy() for k, v in net.state_dict().items()}
-        clients.append(Checkpoint.from_state_dict(
-            state, {"fusekit.arch": json.dumps(arch), "fusekit.num_samples": "50"}))
+    clients = cnn_clients()
     for width, expected in ((None, [8, 11]), ([7, 8], [7, 8])):
         params = {} if width is None else {"width": width}
         result = fusekit.fuse(clients, method="nafi", sweeps=2, **params)
@@ -552,3 +552,19 @@ def test_lambda_vanishes_when_every_neuron_opens_its_own_global():
                               backend=NUMPY)
         for a, b in zip(base.assignments, other.assignments, strict=True):
             np.testing.assert_array_equal(a, b)
+
+
+def test_bad_vectors_and_priors_are_reported_in_one_line():
+    vectors, _ = generative_clients(2, pool=10, take=5, dim=300)
+    bad_prior = np.zeros(300)
+    bad_prior[7] = np.nan
+    cases = [dict(mu0=bad_prior), dict(sigma0_2=np.full(300, -1e-9)), dict(sigma0_2=bad_prior)]
+    for kwargs in cases:
+        with pytest.raises(ParameterError) as caught:
+            match_neurons(vectors, [1.0, 1.0], backend=NUMPY, **kwargs)
+        assert "\n" not in str(caught.value) and len(str(caught.value)) < 200
+    with pytest.raises(ParameterError, match="found nan at coordinate 7"):
+        match_neurons(vectors, [1.0, 1.0], mu0=bad_prior, backend=NUMPY)
+    with pytest.raises(ParameterError, match="expected values >= 0, found minimum -1") as caught:
+        match_neurons(vectors, [1.0, np.full(300, -1.0)], backend=NUMPY)
+    assert "\n" not in str(caught.value)
