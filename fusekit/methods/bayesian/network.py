@@ -188,34 +188,32 @@ def _class_shares(checkpoints, n_classes: int, wanted: bool | None) -> np.ndarra
 
 
 def _hyperparameters(params, sigmas, vecs, observed, unit, index):
-    """Per-client sigma^2 (S, P), sigma0^2 (P,), gamma0 and the report entry of one layer."""
+    """Per-client sigma^2 (S, P), sigma0^2 (P,), gamma0 and the report entry of one layer:
+    given values as they are, the others estimated (:mod:`.empirical`, in units of v)."""
     scale = np.ones_like(unit) if params.variance_units == "relative" else 1.0 / unit
     given_sigma = None if sigmas is None else sigmas[:, None] * scale  # (S, P) in units of v
     given_sigma0 = None if params.sigma0 is None else params.sigma0 * scale
-    fixed = empirical.Hyperparameters(
-        sigma2=0.0, sigma0_2=0.0, gamma0=params.gamma or 0.0)
-    needs = params.sigma is None or params.sigma0 is None or params.gamma is None
-    if needs:
-        # The estimator works with scalars in units of v: a given per-coordinate value
-        # (absolute units) enters as its mean over the layer.
-        fixed = empirical.estimate(
-            vecs, observed, unit,
-            sigma2=None if given_sigma is None else float(given_sigma.mean()),
-            sigma0_2=None if given_sigma0 is None else float(np.mean(given_sigma0)),
-            gamma0=params.gamma, mu0=params.mu0, sweeps=params.sweeps, seed=params.seed + index,
-            backend=params.backend,
-        )
-    sigma2 = (np.full((len(vecs), unit.size), fixed.sigma2) if given_sigma is None
-              else np.broadcast_to(given_sigma, (len(vecs), unit.size))) * unit
-    sigma0_2 = (np.full(unit.size, fixed.sigma0_2) if given_sigma0 is None
-                else np.broadcast_to(given_sigma0, unit.shape)) * unit
+    # The estimator works with scalars in units of v: a given per-coordinate value
+    # (absolute units) enters as its mean over the layer.
+    found = empirical.estimate(
+        vecs, observed, unit,
+        sigma2=None if given_sigma is None else float(given_sigma.mean()),
+        sigma0_2=None if given_sigma0 is None else float(np.mean(given_sigma0)),
+        gamma0=params.gamma, mu0=params.mu0, sweeps=params.sweeps, seed=params.seed + index,
+        backend=params.backend,
+    )
+    shape = (len(vecs), unit.size)
+    sigma2 = unit * (np.full(shape, found.sigma2) if given_sigma is None
+                     else np.broadcast_to(given_sigma, shape))
+    sigma0_2 = unit * (np.full(unit.size, found.sigma0_2) if given_sigma0 is None
+                       else np.broadcast_to(given_sigma0, unit.shape))
     report = {
         "sigma2": float(np.mean(sigma2)), "sigma0_2": float(np.mean(sigma0_2)),
         "sigma2_relative": float(np.mean(sigma2 / unit)),
         "sigma0_2_relative": float(np.mean(sigma0_2 / unit)),
-        "gamma0": fixed.gamma0, "estimated": list(fixed.estimated), "em_rounds": fixed.rounds,
+        "gamma0": found.gamma0, "estimated": list(found.estimated), "em_rounds": found.rounds,
     }
-    return sigma2, sigma0_2, fixed.gamma0, report
+    return sigma2, sigma0_2, found.gamma0, report
 
 
 def fuse_network(checkpoints, specs, params: BayesianParams, method: str):
