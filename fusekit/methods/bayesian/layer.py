@@ -282,8 +282,8 @@ class _Matcher:
         if self.log_det:
             cost = cost + self._log_det_rows(s, global_precisions)[:, None]
         if cap is not None:
-            # Only the first (cap - J) "new" slots stay open; cap >= J_s + (globals this
-            # client cannot use twice) keeps every local neuron assignable.
+            # Only the first (cap - J) "new" slots stay open; since cap >= J_s, the rows
+            # kept (min(J + J_s, cap) >= J_s) still give every local neuron a global.
             open_slots = min(self.vecs[s].shape[0], cap - n_global)
             cost = np.ascontiguousarray(cost[: n_global + open_slots])
         mid = time.perf_counter()
