@@ -11,7 +11,6 @@ from fusekit.core.checkpoint import Checkpoint
 from fusekit.core.arch import validate_arch
 from fusekit.core.errors import CheckpointError, IncompatibleModelsError, SpecError
 from fusekit.core.fed2 import group_slices
-from fusekit.core.neurons import refuse_position_aware
 from fusekit.core.spec import PermutationSpec, permute
 from fusekit.methods.avg import average_tensor, check_equal_shapes
 from fusekit.methods.base import FusionMethod, FusionResult, register, sample_weights
@@ -50,8 +49,12 @@ class FeaturePairedAverage(FusionMethod):
         aligned = []
         for checkpoint, spec in zip(checkpoints, specs, strict=True):
             perms = group_pairing(reference, fed2_settings(checkpoint), widths, checkpoint.label)
-            if any(p is not None for p in perms):
-                refuse_position_aware([checkpoint], [spec], "fed2 with reordered groups")
+            if any(p is not None for p in perms) and (checkpoint.arch or {}).get("pan"):
+                raise IncompatibleModelsError(
+                    f"{checkpoint.label}: orders its Fed² groups differently from "
+                    f"{checkpoints[0].label} and has position-aware neurons, which pairing "
+                    "would move; expected one group order for PAN models"
+                )
             aligned.append(permute(checkpoint.state_dict(), spec, perms))
         weights = (np.full(len(checkpoints), 1.0 / len(checkpoints)) if uniform
                    else sample_weights(checkpoints))
