@@ -7,8 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from fusekit.core.checkpoint import Checkpoint
 from fusekit.core.arch import validate_arch
+from fusekit.core.checkpoint import Checkpoint
 from fusekit.core.errors import CheckpointError, IncompatibleModelsError, SpecError
 from fusekit.core.fed2 import group_slices
 from fusekit.core.spec import PermutationSpec, permute
