@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from bench_support import machine_info
+from bench_support import machine_info, write_section
 
 import fusekit
 from fusekit.core.checkpoint import write_atomic
@@ -400,15 +400,7 @@ def plot_alpha(rows: list[dict[str, Any]], path: Path) -> bool:
 
 
 def write_results_md(section: str, path: Path) -> None:
-    block = f"{BEGIN}\n{section.strip()}\n{END}\n"
-    text = path.read_text() if path.exists() else "# fusekit benchmark results\n\n"
-    if BEGIN in text and END in text:
-        before, rest = text.split(BEGIN, 1)
-        after = rest.split(END, 1)[1].lstrip("\n")
-        text = before + block + ("\n" + after if after else "")
-    else:
-        text = text.rstrip("\n") + "\n\n" + block
-    write_atomic(path, text.encode())
+    write_section(path, section, BEGIN, END)
 
 
 def machine() -> dict[str, Any]:
