@@ -2,7 +2,8 @@
 
 Digits, S = 10 clients, hetero-dir alpha in {0.1, 0.5}, every client every round, one
 shared initial model per seed (``fusekit.toolkit.rounds``). All four train the same MLP
-64-100-100-10 with the same local SGD (lr 0.05, momentum 0.9, batch 32, E local epochs)
+64-100-100-10 with the same local SGD (lr 0.1, no momentum as in the FedNLR paper's
+experiments, batch 32, E local epochs)
 and differ only in what their paper changes:
 
   fedavg   plain clients, avg (sample-weighted FedAvg)
@@ -54,9 +55,10 @@ ALPHAS = (0.1, 0.5)
 log = logging.getLogger("bench_rounds")
 
 
-def rounds_config(method: str, alpha: float, seed: int, rounds: int, epochs: int) -> RoundsConfig:
+def rounds_config(method: str, alpha: float, seed: int, args: argparse.Namespace) -> RoundsConfig:
     """The configuration of one run; only the method's own change differs between methods."""
-    train = TrainConfig(epochs=epochs, batch_size=32, lr=0.05, optimizer="sgd", momentum=0.9)
+    train = TrainConfig(epochs=args.epochs, batch_size=32, lr=args.lr, optimizer="sgd",
+                        momentum=args.momentum)
     sim = SimulationConfig(clients=10, partition="dirichlet", alpha=alpha, arch=ARCH,
                            shared_init=True, train=train, seed=seed)
     fusion = "avg"
@@ -66,7 +68,7 @@ def rounds_config(method: str, alpha: float, seed: int, rounds: int, epochs: int
         sim = replace(sim, train=replace(train, fednlr=FedNLRConfig()))
     elif method == "fed2":
         sim, fusion = replace(sim, fed2=FED2), "fed2"
-    return RoundsConfig(rounds=rounds, method=fusion, simulation=sim)
+    return RoundsConfig(rounds=args.rounds, method=fusion, simulation=sim)
 
 
 def run_grid(args: argparse.Namespace) -> dict[str, Any]:
@@ -76,7 +78,7 @@ def run_grid(args: argparse.Namespace) -> dict[str, Any]:
     for alpha in ALPHAS:
         for seed in range(args.seeds):
             for method in METHODS:
-                config = rounds_config(method, alpha, seed, args.rounds, args.epochs)
+                config = rounds_config(method, alpha, seed, args)
                 begin = time.perf_counter()
                 result = run_rounds(data, config, device=args.device)
                 runs.append({
@@ -95,8 +97,7 @@ def run_grid(args: argparse.Namespace) -> dict[str, Any]:
         "settings": {"rounds": args.rounds, "seeds": args.seeds, "epochs": args.epochs,
                      "arch": ARCH, "clients": 10, "pan": PAN, "fed2": FED2,
                      "fednlr": asdict(FedNLRConfig()), "device": args.device,
-                     "train": asdict(rounds_config("fedavg", 0.1, 0, 1, args.epochs)
-                                     .simulation.train)},
+                     "train": asdict(rounds_config("fedavg", 0.1, 0, args).simulation.train)},
         "total_time_s": time.perf_counter() - start,
         "runs": runs,
     }
@@ -161,7 +162,7 @@ def render(payload: dict[str, Any], plotted: bool, plot_path: Path) -> str:
         f"average at the end {payload['machine']['load_average'][0]:.1f} on "
         f"{payload['machine']['cpus']} cores shared with other jobs. Run: `python "
         f"benchmarks/bench_rounds.py --rounds {s['rounds']} --seeds {s['seeds']} --epochs "
-        f"{s['epochs']}`.",
+        f"{s['epochs']} --lr {s['train']['lr']} --momentum {s['train']['momentum']}`.",
         "",
         head + " | mean over rounds | drift (mean) |",
         "|---|---|" + "---|" * (len(show) + 2),
@@ -197,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=None, help="rounds R [20; quick 5]")
     parser.add_argument("--seeds", type=int, default=None, help="seeds [3; quick 2]")
     parser.add_argument("--epochs", type=int, default=2, help="local epochs E [2]")
+    parser.add_argument("--lr", type=float, default=0.1, help="local SGD learning rate [0.1]")
+    parser.add_argument("--momentum", type=float, default=0.0,
+                        help="local SGD momentum [0, as in the FedNLR paper]")
     parser.add_argument("--device", default="cpu", help="auto, cpu or cuda [cpu]")
     parser.add_argument("--json-out", type=Path, default=HERE / "results" / "rounds.json")
     parser.add_argument("--plot", type=Path, default=HERE / "results" / "rounds.png")

@@ -17,6 +17,7 @@ from fusekit.methods import METHODS
 
 _METHODS_HELP = "; ".join(f"{name}: {cls.summary}" for name, cls in sorted(METHODS.items()))
 _AVG, _PFNM, _OT, _AMS = "avg options", "pfnm / nafi options", "ot options", "ams options"
+_FED2 = "fed2 options"
 
 
 def fuse(
@@ -220,6 +221,16 @@ def fuse(
         int | None,
         typer.Option("--k", rich_help_panel=_AMS, help="ams: models summed by --mode topk."),
     ] = None,
+    uniform: Annotated[
+        bool | None,
+        typer.Option(
+            "--uniform/--sample-weighted",
+            rich_help_panel=_FED2,
+            help="fed2: weight clients equally instead of by sample count [default: by "
+            "sample count].",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Fuse client checkpoints into one model, in one shot and without data."""
     params = _given(
@@ -242,6 +253,7 @@ def fuse(
         data_dir=data_dir,
         mode=mode,
         k=k,
+        uniform=uniform,
     )
     output = output or Path(f"fused-{method}.safetensors")
     if output.exists() and not force:

@@ -163,3 +163,27 @@ def test_simulated_fed2_clients_round_trip_through_load_fused(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(model(x), rebuilt(x))
         assert (model.net[4].weight[model.net[4].mask == 0] == 0).all()
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_cli_fuse_fed2(tmp_path, as_json):
+    from typer.testing import CliRunner
+
+    from fusekit._cli.app import app
+    from fusekit.core.checkpoint import save_checkpoint
+
+    paths = []
+    for s in range(2):
+        client = random_client(fed2_mlp(hidden=(6, 6)), s, 10 + s)
+        paths.append(save_checkpoint(tmp_path / f"c{s}.safetensors", client.state_dict(),
+                                     client.metadata))
+    out = tmp_path / "fused.safetensors"
+    args = ["fuse", *map(str, paths), "--method", "fed2", "--uniform", "-o", str(out)]
+    result = CliRunner().invoke(app, args + (["--json"] if as_json else []))
+    assert result.exit_code == 0, result.output
+    if as_json:
+        assert json.loads(result.stdout)["params"] == {"uniform": True}
+    expected = [fusekit.load_checkpoint(p) for p in paths]
+    mean = (expected[0].tensor("net.0.bias") + expected[1].tensor("net.0.bias")) / 2
+    np.testing.assert_allclose(fusekit.load_checkpoint(out).tensor("net.0.bias"), mean,
+                               rtol=1e-6)
