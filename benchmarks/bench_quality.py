@@ -22,7 +22,6 @@ Writes benchmarks/results/quality.json, benchmarks/results/quality_alpha.png and
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import logging
 import math
@@ -36,7 +35,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from bench_support import machine_info, write_section
+from bench_support import machine_info, save_figure, write_section
 
 import fusekit
 from fusekit.core.checkpoint import write_atomic
@@ -391,11 +390,7 @@ def plot_alpha(rows: list[dict[str, Any]], path: Path) -> bool:
         ax.set_title(f"{data}, S = 10, 1 hidden layer")
         ax.grid(alpha=0.3)
     axes[0][-1].legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
-    image = io.BytesIO()
-    fig.savefig(image, format="png", dpi=120)
-    plt.close(fig)
-    write_atomic(path, image.getvalue())
+    save_figure(fig, path, dpi=120)
     return True
 
 

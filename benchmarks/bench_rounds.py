@@ -24,7 +24,6 @@ rounds" section of benchmarks/RESULTS.md (between marker comments).
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import logging
 import os
@@ -36,9 +35,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from bench_support import machine_info, write_json, write_section
+from bench_support import machine_info, save_figure, write_json, write_section
 
-from fusekit.core.checkpoint import write_atomic
 from fusekit.toolkit.data import load_dataset
 from fusekit.toolkit.rounds import RoundsConfig, run_rounds
 from fusekit.toolkit.simulate import SimulationConfig
@@ -139,11 +137,7 @@ def plot(payload: dict[str, Any], path: Path) -> bool:
             ax.set_xlabel("round")
             ax.grid(alpha=0.3)
     axes[0][-1].legend(loc="lower right")
-    fig.tight_layout()
-    image = io.BytesIO()
-    fig.savefig(image, format="png", dpi=110)
-    plt.close(fig)
-    write_atomic(path, image.getvalue())
+    save_figure(fig, path, dpi=110)
     return True
 
 

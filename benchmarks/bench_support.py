@@ -55,6 +55,19 @@ def write_section(path: str | os.PathLike[str], section: str, begin: str, end: s
     write_atomic(path, text.encode())
 
 
+def save_figure(fig: Any, path: str | os.PathLike[str], dpi: int = 120) -> None:
+    """Lay out a matplotlib figure, write it as PNG atomically, and close it."""
+    import io
+
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    image = io.BytesIO()
+    fig.savefig(image, format="png", dpi=dpi)
+    plt.close(fig)
+    write_atomic(path, image.getvalue())
+
+
 def random_mlp(width: int = 100, seed: int = 0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     return {"net.0.weight": rng.normal(0, 784 ** -0.5, (width, 784)),
