@@ -208,7 +208,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds < 1 or args.seeds < 1 or args.epochs < 1:
         print("error: --rounds, --seeds and --epochs: expected >= 1", file=sys.stderr)
         return 2
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.from_json is not None:
         payload = json.loads(args.from_json.read_text())
     else:
@@ -223,4 +222,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
     sys.exit(main())

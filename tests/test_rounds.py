@@ -131,3 +131,14 @@ def test_rounds_train_and_evaluate_on_cuda():
     on_cpu = run_rounds(DATA, config, device="cpu")
     assert [r.clients for r in on_gpu.rounds] == [r.clients for r in on_cpu.rounds]
     assert abs(on_gpu.rounds[-1].accuracy - on_cpu.rounds[-1].accuracy) < 0.05
+
+
+def test_benchmark_script_runs_a_tiny_grid(tmp_path):
+    from bench_rounds import main
+
+    json_out, plot = tmp_path / "rounds.json", tmp_path / "rounds.png"
+    assert main(["--rounds", "1", "--seeds", "1", "--epochs", "1", "--no-write",
+                 "--json-out", str(json_out), "--plot", str(plot)]) == 0
+    runs = json.loads(json_out.read_text())["runs"]
+    assert sorted({r["method"] for r in runs}) == ["fed2", "fedavg", "fednlr", "pans"]
+    assert all(len(r["accuracy"]) == 1 for r in runs) and plot.stat().st_size > 0
