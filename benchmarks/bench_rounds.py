@@ -12,8 +12,10 @@ and differ only in what their paper changes:
   fed2     Fed² structure (G = 10 groups, one class each; last hidden layer and logit layer
            decoupled), fed2 (feature-paired averaging)
 
-Each cell: mean ± std over seeds of the global model's test accuracy after each round, and
-the client drift (mean ||θ_s − θ̄|| / ||θ̄|| of the round's local models).
+Each cell: mean ± std over seeds of the global model's test accuracy after each round, the
+client drift (mean ||θ_s − θ̄|| / ||θ̄|| of the round's local models) and the share of
+hidden neurons that local training dislocated (matched to another neuron of the round's
+starting model; ``fusekit.toolkit.rounds.neuron_misalignment``).
 
     python benchmarks/bench_rounds.py               # 20 rounds, 3 seeds, E = 2
     python benchmarks/bench_rounds.py --quick       # 5 rounds, 2 seeds
@@ -83,6 +85,7 @@ def run_grid(args: argparse.Namespace) -> dict[str, Any]:
                     "method": method, "alpha": alpha, "seed": seed,
                     "accuracy": [r.accuracy for r in result.rounds],
                     "drift": [r.drift for r in result.rounds],
+                    "misaligned": [r.misaligned for r in result.rounds],
                     "train_loss": [r.train_loss for r in result.rounds],
                     "widths": result.rounds[-1].widths,
                     "time_s": time.perf_counter() - begin,
@@ -144,6 +147,7 @@ def plot(payload: dict[str, Any], path: Path) -> bool:
 def render(payload: dict[str, Any], plotted: bool, plot_path: Path) -> str:
     s = payload["settings"]
     accuracy, drift = curves(payload, "accuracy"), curves(payload, "drift")
+    misaligned = curves(payload, "misaligned")
     show = sorted({1, 2, 5, 10, s["rounds"]} & set(range(1, s["rounds"] + 1)))
     head = "| alpha | method | " + " | ".join(f"round {r}" for r in show)
     lines = [
@@ -158,8 +162,8 @@ def render(payload: dict[str, Any], plotted: bool, plot_path: Path) -> str:
         f"benchmarks/bench_rounds.py --rounds {s['rounds']} --seeds {s['seeds']} --epochs "
         f"{s['epochs']} --lr {s['train']['lr']} --momentum {s['train']['momentum']}`.",
         "",
-        head + " | mean over rounds | drift (mean) |",
-        "|---|---|" + "---|" * (len(show) + 2),
+        head + " | mean over rounds | drift (mean) | misaligned neurons (mean) |",
+        "|---|---|" + "---|" * (len(show) + 3),
     ]
     for alpha in ALPHAS:
         for method in METHODS:
@@ -167,7 +171,8 @@ def render(payload: dict[str, Any], plotted: bool, plot_path: Path) -> str:
             cells = [f"{acc[:, r - 1].mean():.1f} ± {acc[:, r - 1].std():.1f}" for r in show]
             area = acc.mean(axis=1)
             lines.append(f"| {alpha:g} | {method} | " + " | ".join(cells)
-                         + f" | {area.mean():.1f} ± {area.std():.1f} | {dr.mean():.4f} |")
+                         + f" | {area.mean():.1f} ± {area.std():.1f} | {dr.mean():.4f} | "
+                         f"{100 * misaligned[(alpha, method)].mean():.2f} % |")
     lines += ["", "Measured direction of effect (final round and mean over rounds, points; "
               "paired by seed):", ""]
     for alpha in ALPHAS:

@@ -142,3 +142,16 @@ def test_benchmark_script_runs_a_tiny_grid(tmp_path):
     runs = json.loads(json_out.read_text())["runs"]
     assert sorted({r["method"] for r in runs}) == ["fed2", "fedavg", "fednlr", "pans"]
     assert all(len(r["accuracy"]) == 1 for r in runs) and plot.stat().st_size > 0
+
+
+def test_neuron_misalignment_counts_dislocated_neurons():
+    from fusekit.core.checkpoint import Checkpoint
+    from fusekit.core.spec import infer_spec, permute
+    from fusekit.toolkit.rounds import neuron_misalignment
+
+    start = simulate_clients(DATA, sim(clients=2, arch="mlp:16,8"))[0].checkpoint
+    state = start.state_dict()
+    swapped = permute(state, infer_spec(state), [np.r_[1, 0, 2:16], None])
+    same, moved = Checkpoint.from_state_dict(state), Checkpoint.from_state_dict(swapped)
+    assert neuron_misalignment([same], start) == 0
+    assert neuron_misalignment([same, moved], start) == pytest.approx(2 / 48)

@@ -34,9 +34,10 @@ from typing import Any
 
 import numpy as np
 
-from fusekit.api import fuse
+from fusekit.api import client_spec, fuse
 from fusekit.core.checkpoint import Checkpoint, is_integer_buffer
 from fusekit.core.errors import ParameterError
+from fusekit.engine.matching import solve_assignment, sqeuclidean_cost
 from fusekit.methods import METHODS, get_method
 from fusekit.toolkit.data import Dataset, partition
 from fusekit.toolkit.simulate import (
@@ -102,6 +103,9 @@ class RoundLog:
         train_loss: mean final-epoch training loss of the sampled clients.
         drift: mean over sampled clients of ||θ_s − θ̄|| / ||θ̄|| (θ̄ the plain mean of the
             updates; weights and biases only): how far local training pulled clients apart.
+        misaligned: fraction of the clients' hidden neurons that local training moved
+            closer to another neuron of the round's starting model than to their own
+            (:func:`neuron_misalignment`): the dislocation PANs and Fed² guard against.
         widths: hidden widths of the global model.
         time_s: wall time of the round.
     """
@@ -113,6 +117,7 @@ class RoundLog:
     loss: float
     train_loss: float
     drift: float
+    misaligned: float
     widths: list[int]
     time_s: float
 
@@ -221,11 +226,13 @@ def run_rounds(
             updates.append(update)
             losses.append(loss)
         method = round_method(config.method, r)
+        misaligned = neuron_misalignment(updates, current)
         current = fuse_round(updates, method, config.params if method == config.method else {})
         _, logits = evaluator.logits(current)
         score = evaluator.score(logits, f"round {r}", "fused", method)
         log = RoundLog(r, method, chosen, score.accuracy, score.loss, float(np.mean(losses)),
-                       client_drift(updates), _widths(current), time.perf_counter() - start)
+                       client_drift(updates), misaligned, _widths(current),
+                       time.perf_counter() - start)
         logger.debug("round %d/%d (%s): accuracy %.4f, drift %.4f", r, config.rounds, method,
                     log.accuracy, log.drift)
         logs.append(log)
@@ -275,6 +282,31 @@ def client_drift(updates: Sequence[Checkpoint]) -> float:
     return float(np.linalg.norm(flat - mean, axis=1).mean() / max(np.linalg.norm(mean), 1e-12))
 
 
+def neuron_misalignment(updates: Sequence[Checkpoint], start: Checkpoint) -> float:
+    """Fraction of hidden neurons, over all clients and hidden layers, whose optimal
+    one-to-one match to the neurons of ``start`` (the model the clients trained from) is
+    not themselves; a neuron is its incoming weights and bias, matched by squared distance
+    with the assignment solver. 0 means coordinate averaging pairs every neuron with its
+    counterpart.
+    """
+    spec = client_spec(start, None)
+    moved = total = 0
+    for layer in spec.layers[:-1]:
+        before = _neuron_rows(start, layer.weight, layer.bias)
+        for update in updates:
+            _, match = solve_assignment(sqeuclidean_cost(
+                _neuron_rows(update, layer.weight, layer.bias), before))
+            moved += int((match != np.arange(len(match))).sum())
+            total += len(match)
+    return moved / max(total, 1)
+
+
+def _neuron_rows(checkpoint: Checkpoint, weight: str, bias: str | None) -> np.ndarray:
+    rows = checkpoint.tensor(weight).reshape(checkpoint.tensors[weight].shape[0], -1)
+    parts = [rows] if bias is None else [rows, checkpoint.tensor(bias)[:, None]]
+    return np.concatenate(parts, axis=1).astype(np.float64)
+
+
 def _widths(checkpoint: Checkpoint) -> list[int]:
     from fusekit.core.arch import hidden_widths
 
@@ -307,6 +339,7 @@ __all__ = [
     "client_drift",
     "fuse_round",
     "initial_global",
+    "neuron_misalignment",
     "round_method",
     "run_rounds",
     "train_local",
