@@ -216,15 +216,10 @@ def run_rounds(
     logs = []
     for r in range(1, config.rounds + 1):
         start = time.perf_counter()
-        rng = np.random.default_rng(derive_seed(sim.seed, "sample", r))
-        chosen = sorted(int(i) for i in rng.choice(sim.clients, size=per_round, replace=False))
-        updates, losses = [], []
-        for i in chosen:
-            update, loss = train_local(current, dataset, parts[i], sim,
-                                       seed=_order_seed(sim, r, i),
-                                       device=str(evaluator.device))
-            updates.append(update)
-            losses.append(loss)
+        chosen = sample_clients(sim, r, per_round)
+        trained = [train_local(current, dataset, parts[i], sim, seed=_order_seed(sim, r, i),
+                               device=str(evaluator.device)) for i in chosen]
+        updates, losses = [u for u, _ in trained], [loss for _, loss in trained]
         method = round_method(config.method, r)
         misaligned = neuron_misalignment(updates, current)
         current = fuse_round(updates, method, config.params if method == config.method else {})
@@ -239,6 +234,12 @@ def run_rounds(
         if on_round is not None:
             on_round(log)
     return RoundsResult(current, logs)
+
+
+def sample_clients(simulation: SimulationConfig, round_index: int, count: int) -> list[int]:
+    """The sorted indices of the ``count`` clients of round ``round_index`` (seeded)."""
+    rng = np.random.default_rng(derive_seed(simulation.seed, "sample", round_index))
+    return sorted(int(i) for i in rng.choice(simulation.clients, size=count, replace=False))
 
 
 def train_local(
@@ -342,5 +343,6 @@ __all__ = [
     "neuron_misalignment",
     "round_method",
     "run_rounds",
+    "sample_clients",
     "train_local",
 ]
