@@ -100,7 +100,7 @@ def test_simulate_fuse_evaluate_end_to_end(tmp_path):
     fused = fusekit.fuse(paths, method="avg").save(tmp_path / "avg.safetensors")
     report = evaluate_checkpoints([*paths, fused], DATA, device="cpu")
     kinds = [s.kind for s in report.scores]
-    assert kinds == ["client"] * 4 + ["fused", "ensemble"]
+    assert kinds == ["client"] * 4 + ["fused", "ensemble", "ensemble"]
     assert report.scores[4].method == "avg"
     assert all(0.0 <= s.accuracy <= 1.0 and np.isfinite(s.loss) for s in report.scores)
     assert report.scores[-1].accuracy > 1.5 / DATA.num_classes  # ensemble beats chance
@@ -168,7 +168,7 @@ def test_convnet_clients_fuse_and_evaluate(tmp_path):
     assert arch["type"] == "convnet" and arch["channels"] == [4, 6] and arch["hidden"] == [8]
     fused = fusekit.fuse([c.path for c in clients], method="avg").save(tmp_path / "f.safetensors")
     report = evaluate_checkpoints([c.path for c in clients] + [fused], images, device="cpu")
-    assert [s.kind for s in report.scores] == ["client", "client", "fused", "ensemble"]
+    assert [s.kind for s in report.scores] == ["client", "client", "fused", "ensemble", "ensemble"]
 
 
 def test_fednlr_clients_get_neuron_wise_rates():
@@ -184,3 +184,15 @@ def test_fednlr_clients_get_neuron_wise_rates():
         assert r.mean() == pytest.approx(0.05)
         mu = 2.0 + index / 3 + 0.5 * np.log(r.size)
         assert r.max() / r.min() == pytest.approx(mu)
+
+
+def test_cli_fed2_clients(tmp_path):
+    out = tmp_path / "ckpts"
+    args = ["simulate", "--clients", "2", "--arch", "conv:4,6/6", "--fed2", "--fed2-groups", "2",
+            "--fed2-depth", "3", "--epochs", "1", "--device", "cpu", "--out", str(out), "--json"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    arch = load_checkpoint(out / "client_00.safetensors").arch
+    assert arch["fed2"] == {"groups": 2, "depth": 3, "classes": [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]}
+    bad = CliRunner().invoke(app, [*args[:-3], "--fed2-groups", "11", "--out", str(tmp_path / "x")])
+    assert bad.exit_code == 2 and "fed2.groups" in bad.output

@@ -46,5 +46,9 @@ class DataError(FusekitError, ValueError):
     """A data set is missing, malformed, or does not fit the model."""
 
 
+class NonFiniteOutputError(FusekitError, ValueError):
+    """A computed tensor holds NaN or Inf; nothing is written."""
+
+
 class ParameterTypeError(ParameterError, TypeError):
     """An argument has a type fusekit cannot use (e.g. a non-numeric array)."""
