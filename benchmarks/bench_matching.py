@@ -1,9 +1,12 @@
 # ruff: noqa: B023  (benchmark closures are timed within the iteration that made them)
 """Benchmark of the matching engine against every assignment solver a Python user can reach.
 
-Peers are measured in the same run, median of several repetitions, on seeded problems:
-fusekit, SciPy ``linear_sum_assignment``, lapx 0.11 (``lapjvh``, ``lapjvr``), gatagat's
-``lap``, ``lapjv`` and POT's ``emd``. lapx and gatagat's lap both install a module named
+Peers are measured in the same run, one right after the other on the same seeded matrices,
+each the minimum of several repetitions (the machine is shared: the minimum is the least
+disturbed run), assignment solvers on one BLAS thread: fusekit, SciPy
+``linear_sum_assignment``, every solver lapx 0.11 has (``lapjv``, ``lapjvx``, ``lapjvxa``,
+``lapjvc``, ``lapjvs``, ``lapjvsa``, ``lapjvh``, ``lapjvr``), gatagat's ``lap``, ``lapjv``
+and POT's ``emd``. lapx and gatagat's lap both install a module named
 ``lap``: the one that is not importable normally is loaded from a ``pip install --target``
 directory given with ``--lapx-path`` / ``--lap-path`` (or FUSEKIT_BENCH_LAPX_PATH /
 FUSEKIT_BENCH_LAP_PATH). A peer that is missing is reported as such, never fatal.
@@ -16,7 +19,6 @@ import functools
 import importlib
 import logging
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -132,8 +134,8 @@ def lapx_peers(lapx) -> dict[str, Solver]:
     }
 
 
-def median_time(fn: Callable[[], object], budget: float = 0.4, max_reps: int = 15) -> float | None:
-    """Median wall time of fn() in seconds after one warm-up; None if fn returns None."""
+def best_time(fn: Callable[[], object], budget: float = 0.4, max_reps: int = 15) -> float | None:
+    """Smallest wall time of fn() in seconds after one warm-up; None if fn returns None."""
     start = time.perf_counter()
     if fn() is None:
         return None
@@ -144,7 +146,7 @@ def median_time(fn: Callable[[], object], budget: float = 0.4, max_reps: int = 1
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return min(times)
 
 
 def pfnm_problem(
@@ -252,13 +254,16 @@ def assignment_problems(rng, quick: bool):
 
 
 def bench_assignment(peers, rng, quick):
+    from threadpoolctl import threadpool_limits
+
     rows = []
-    for name, cost in assignment_problems(rng, quick):
-        result = {"problem": name}
-        for peer, solve in peers.items():
-            result[peer] = median_time(lambda s=solve, c=cost: s(c), max_reps=7)
-        rows.append(result)
-        logger.info("%s done", name)
+    with threadpool_limits(limits=1):
+        for name, cost in assignment_problems(rng, quick):
+            result = {"problem": name}
+            for peer, solve in peers.items():
+                result[peer] = best_time(lambda s=solve, c=cost: s(c), budget=0.2, max_reps=9)
+            rows.append(result)
+            logger.info("%s done", name)
     return rows
 
 
@@ -266,13 +271,13 @@ def bench_batch(peers, rng):
     costs = [pfnm_problem(rng, 500) for _ in range(64)]
     result = {"problem": "64 x PFNM 600x100"}
     with ThreadPoolExecutor() as pool:  # the solver releases the GIL
-        result["fusekit thread pool"] = median_time(
+        result["fusekit thread pool"] = best_time(
             lambda: list(pool.map(matching.solve_assignment, costs))
         )
     for peer, solve in peers.items():
         if peer in {"POT emd", "lapjv"}:
             continue
-        result[peer + " loop"] = median_time(lambda s=solve: [s(c) for c in costs], max_reps=5)
+        result[peer + " loop"] = best_time(lambda s=solve: [s(c) for c in costs], max_reps=5)
     return [result]
 
 
@@ -315,7 +320,7 @@ def _bench_kernels_once(rng, quick):
             "scalar": (4.0, means * scalar_precisions, scalar_precisions),
             "per-coordinate": (s, means * coordinate_precisions, coordinate_precisions),
         }
-        matmul_t = median_time(lambda: means @ local.T)
+        matmul_t = best_time(lambda: means @ local.T)
         kernels = {"sqeuclidean_cost": lambda: matching.sqeuclidean_cost(means, local)}
         for variance, (prec, sums, precisions) in cases.items():
             kernels[f"pfnm_cost ({variance} variance)"] = lambda a=prec, b=sums, c=precisions: (
@@ -332,7 +337,7 @@ def _bench_kernels_once(rng, quick):
         flops = 2 * j_global * j_local * p
         matmul_gflops = flops / matmul_t / 1e9
         for name, fn in kernels.items():
-            t = median_time(fn, max_reps=5)
+            t = best_time(fn, max_reps=5)
             rows.append(
                 {
                     "kernel": name,
@@ -353,18 +358,22 @@ def _ms(x):
 def format_tables(results) -> str:
     lines = []
     peers = [k for k in results["assignment"][0] if k != "problem"]
-    lines.append("Assignment, median ms (lower is better); ratio = fusekit / fastest lapx")
+    lines.append("Assignment, ms, minimum over repeats, one BLAS thread (lower is better); the")
+    lines.append("ratios divide fusekit's time by the fastest lapx solver's and the fastest peer's")
     lines.append("")
-    lines.append("| problem | " + " | ".join(peers) + " | fusekit / lapx |")
-    lines.append("|---" * (len(peers) + 2) + "|")
+    lines.append("| problem | " + " | ".join(peers) + " | / best lapx | / best peer | best peer |")
+    lines.append("|---" * (len(peers) + 4) + "|")
     for row in results["assignment"]:
-        lapx = [row[k] for k in row if k.startswith("lapx") and row[k] is not None]
-        ratio = f"{row['fusekit'] / min(lapx):.2f}" if lapx else "lapx missing"
+        others = {k: v for k, v in row.items() if k not in {"problem", "fusekit"} and v}
+        lapx = [v for k, v in others.items() if k.startswith("lapx")]
+        best = min(others, key=others.get)
+        to_lapx = f"{row['fusekit'] / min(lapx):.2f}" if lapx else "lapx missing"
         lines.append(
-            f"| {row['problem']} | " + " | ".join(_ms(row[p]) for p in peers) + f" | {ratio} |"
+            f"| {row['problem']} | " + " | ".join(_ms(row[p]) for p in peers)
+            + f" | {to_lapx} | {row['fusekit'] / others[best]:.2f} | {best} |"
         )
     lines.append("")
-    lines.append("Batch, median ms")
+    lines.append("Batch, ms (minimum over repeats)")
     lines.append("")
     for row in results["batch"]:
         for key, value in row.items():
