@@ -421,3 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         write_json(args.json, results)
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -61,19 +61,6 @@ inline bool chunk_at_most(const T* __restrict x, const double* __restrict bound)
     return !(gap > 0.0);
 }
 
-// Column minima so far and their rows, updated with row i.
-template <class T>
-FUSEKIT_CLONES void argmin_into(const T* __restrict row, std::int64_t i, double* __restrict acc,
-                                std::int64_t* __restrict at, std::size_t n) {
-#pragma omp simd
-    for (std::size_t j = 0; j < n; ++j) {
-        const double c = static_cast<double>(row[j]);
-        const bool smaller = c < acc[j];
-        acc[j] = smaller ? c : acc[j];
-        at[j] = smaller ? i : at[j];
-    }
-}
-
 // Whether the column minima's rows are all different: then that assignment is optimal
 // (u = 0, v = column minima is dual feasible and tight on it), as on near-permutation
 // problems, which need nothing more than this one pass.

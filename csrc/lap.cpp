@@ -7,6 +7,7 @@
 
 #include "augment.hpp"
 #include "candidates.hpp"
+#include "lines.hpp"
 #include "rectangular.hpp"
 #include "simd.hpp"
 
@@ -82,20 +83,6 @@ FUSEKIT_CLONES void two_smallest(const T* __restrict row, const double* __restri
              : (j1 == 0 ? 1 : 0);
 }
 
-// Column minima so far, updated with row i (the column reduction, row by row).
-template <class T>
-FUSEKIT_CLONES void column_min_update(const T* __restrict row, std::int64_t i,
-                                      double* __restrict v, std::int64_t* __restrict argmin,
-                                      std::size_t m) {
-#pragma omp simd
-    for (std::size_t j = 0; j < m; ++j) {
-        const double h = static_cast<double>(row[j]);
-        const bool smaller = h < v[j];
-        v[j] = smaller ? h : v[j];
-        argmin[j] = smaller ? i : argmin[j];
-    }
-}
-
 // min over j != skip of row[j] - v[j].
 template <class T>
 FUSEKIT_CLONES double min_except(const T* __restrict row, const double* __restrict v,
@@ -152,7 +139,7 @@ class Solver {
         std::vector<std::int64_t> argmin(nr_, 0);
         for (std::size_t j = 0; j < nr_; ++j) v_[j] = at(0, j);
         for (std::size_t i = 1; i < nr_; ++i) {
-            column_min_update(row(i), static_cast<std::int64_t>(i), v_.data(), argmin.data(), nr_);
+            argmin_into(row(i), static_cast<std::int64_t>(i), v_.data(), argmin.data(), nr_);
         }
         std::vector<int> matches(nr_, 0);
         for (std::size_t jj = nr_; jj-- > 0;) {

@@ -1,6 +1,7 @@
 // Vectorised helpers on matrix lines shared by the candidate and rectangular solvers.
 #pragma once
 #include <cstddef>
+#include <cstdint>
 #include <vector>
 
 namespace fusekit {
@@ -8,6 +9,11 @@ namespace fusekit {
 // acc[j] = min(acc[j], line[j]) for j < n.
 template <class T>
 void min_into(const T* line, double* acc, std::size_t n);
+
+// acc[j] = min(acc[j], line[j]) for j < n, and at[j] = index where line[j] is smaller: the
+// minima of a matrix's columns and their rows, updated one row (index) at a time.
+template <class T>
+void argmin_into(const T* line, std::int64_t index, double* acc, std::int64_t* at, std::size_t n);
 
 // k-th smallest of x[0..n), n >= k (reorders x).
 double kth_smallest(double* x, std::size_t n, std::size_t k);

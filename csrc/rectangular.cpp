@@ -15,9 +15,11 @@ namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-// Free objects kept per agent. Measured on PFNM-shaped 600x100 and 2100x100: 4 refills
-// often, 16 slows the list building.
-constexpr std::size_t kListLength = 8;
+// Free objects kept per agent: more agents compete for more objects, and an exhausted list
+// is refilled by a strided pass over the agent's column. Measured on PFNM-shaped problems:
+// 8 for 100 agents (4 refills often, 16 slows the list building), 16 for 500 (with 8,
+// tied integer costs refill 4x more and take 2-4x longer).
+std::size_t list_length(std::size_t agents) { return agents >= 256 ? 16 : 8; }
 // Runs of dominated objects shorter than this are listed object by object; at most
 // kMaxRuns runs (each costs a vector pass per search).
 constexpr std::size_t kMinRun = 4;
@@ -50,40 +52,28 @@ FUSEKIT_CLONES bool dominates(const T* __restrict a, const T* __restrict b, std:
     return true;
 }
 
-// Entries of object o's line below the best so far replace it.
-template <class T>
-FUSEKIT_CLONES void min_with_line(const T* __restrict line, std::int64_t o,
-                                  double* __restrict best, std::int64_t* __restrict from,
-                                  std::size_t n) {
-#pragma omp simd
-    for (std::size_t a = 0; a < n; ++a) {
-        const double c = static_cast<double>(line[a]);
-        const bool smaller = c < best[a];
-        best[a] = smaller ? c : best[a];
-        from[a] = smaller ? o : from[a];
-    }
-}
-
 // Each agent's cheapest free objects (outside runs), sorted, and a gate: every free object
 // outside runs and off the list costs at least the gate (+inf: none left).
 class Lists {
    public:
     explicit Lists(std::size_t agents)
-        : cost_(agents * kListLength), object_(agents * kListLength), count_(agents, 0),
-          next_(agents, 0), gate_(agents, kInf) {}
+        : length_(list_length(agents)), cost_(agents * length_), object_(agents * length_),
+          count_(agents, 0), next_(agents, 0), gate_(agents, kInf) {}
+
+    std::size_t length() const { return length_; }
 
     double* gates() { return gate_.data(); }
 
     // Whether c may enter agent a's list (it then improves the list or fills a free place).
     bool admits(std::size_t a, double c) const {
-        return c < gate_[a] || (count_[a] < kListLength && c <= gate_[a] && c < kInf);
+        return c < gate_[a] || (count_[a] < length_ && c <= gate_[a] && c < kInf);
     }
 
     void offer(std::size_t a, double c, std::int64_t o) {
-        double* cs = cost_.data() + a * kListLength;
-        std::int64_t* os = object_.data() + a * kListLength;
+        double* cs = cost_.data() + a * length_;
+        std::int64_t* os = object_.data() + a * length_;
         std::size_t n = count_[a];
-        std::size_t pos = n < kListLength ? n : kListLength - 1;  // a full list drops its last
+        std::size_t pos = n < length_ ? n : length_ - 1;  // a full list drops its last
         while (pos > 0 && cs[pos - 1] > c) {
             cs[pos] = cs[pos - 1];
             os[pos] = os[pos - 1];
@@ -91,8 +81,8 @@ class Lists {
         }
         cs[pos] = c;
         os[pos] = o;
-        if (n < kListLength) count_[a] = ++n;
-        if (n == kListLength) gate_[a] = cs[kListLength - 1];
+        if (n < length_) count_[a] = ++n;
+        if (n == length_) gate_[a] = cs[length_ - 1];
     }
 
     void clear(std::size_t a) {
@@ -105,11 +95,11 @@ class Lists {
     template <class Taken>
     bool first_free(std::size_t a, Taken taken, double& c, std::int64_t& o) {
         std::size_t t = next_[a];
-        while (t < count_[a] && taken(object_[a * kListLength + t])) ++t;
+        while (t < count_[a] && taken(object_[a * length_ + t])) ++t;
         next_[a] = t;
         if (t == count_[a]) return false;
-        c = cost_[a * kListLength + t];
-        o = object_[a * kListLength + t];
+        c = cost_[a * length_ + t];
+        o = object_[a * length_ + t];
         return true;
     }
 
@@ -120,14 +110,15 @@ class Lists {
     template <class Taken>
     double second_free(std::size_t a, Taken taken, std::int64_t& o) const {
         for (std::size_t t = next_[a] + 1; t < count_[a]; ++t) {
-            o = object_[a * kListLength + t];
-            if (!taken(o)) return cost_[a * kListLength + t];
+            o = object_[a * length_ + t];
+            if (!taken(o)) return cost_[a * length_ + t];
         }
         o = -1;
         return gate_[a];
     }
 
    private:
+    std::size_t length_;
     std::vector<double> cost_;
     std::vector<std::int64_t> object_;
     std::vector<std::size_t> count_, next_;
@@ -242,15 +233,16 @@ class ShortSideSolver {
         // The k-th smallest of a column's minima over 4k strided blocks of rows bounds its
         // k-th smallest entry (k block minima are k distinct entries) and stays close to it.
         double* gate = lists_.gates();
-        const std::size_t blocks = std::min(rows.size(), 2 * kListLength);
-        if (blocks > kListLength) {
+        const std::size_t k = lists_.length();
+        const std::size_t blocks = std::min(rows.size(), 2 * k);
+        if (blocks > k) {
             std::vector<double> block_min(blocks * n_, kInf), column(blocks);
             for (std::size_t t = 0; t < rows.size(); ++t) {
                 min_into(lay_.object_line(rows[t]), block_min.data() + (t % blocks) * n_, n_);
             }
             for (std::size_t a = 0; a < n_; ++a) {
                 for (std::size_t b = 0; b < blocks; ++b) column[b] = block_min[b * n_ + a];
-                gate[a] = kth_smallest(column.data(), blocks, kListLength);
+                gate[a] = kth_smallest(column.data(), blocks, k);
             }
         }
         std::vector<unsigned char> hit(n_ + 8, 0);
@@ -312,8 +304,8 @@ class ShortSideSolver {
         std::copy(head_object_.begin(), head_object_.end(), from);
         for (const Run& r : runs_) {
             if (r.head > r.end) continue;
-            min_with_line(lay_.object_line(r.head), static_cast<std::int64_t>(r.head), best,
-                          from, n_);
+            argmin_into(lay_.object_line(r.head), static_cast<std::int64_t>(r.head), best,
+                        from, n_);
         }
     }
 

@@ -291,3 +291,16 @@ def test_gil_is_released_during_solves():
     assert count_while_running(lambda: solve_assignment(square)) > 1000
     tall = rng.integers(0, 4, (3000, 600)).astype(float)
     assert count_while_running(lambda: solve_assignment(tall)) > 1000
+
+
+@pytest.mark.parametrize("potentials", ["huge", "negative", "nan"])
+def test_warm_potentials_are_refused_not_trusted(potentials):
+    """The solver takes no warm start (none could be trusted: huge potentials once gave a
+    non-optimal answer); passing one is a TypeError, never a silently different result."""
+    rng = np.random.default_rng(4)
+    cost = rng.random((30, 30))
+    u = {"huge": np.full(30, 1e300), "negative": -rng.random(30) * 1e6,
+         "nan": np.full(30, np.nan)}[potentials]
+    with pytest.raises(TypeError, match="warm_start"):
+        solve_assignment(cost, warm_start=(u, u))
+    check_solution(cost, *solve_assignment(cost))

@@ -95,10 +95,16 @@ def solve_assignment(cost, maximize: bool = False, *, return_duals: bool = False
 
     Notes
     -----
-    Memory: the matrix (a float64 copy unless it is C-contiguous float32/float64, negated
-    when maximising) plus O(n + m) for rectangular and square problems up to 256 x 256;
-    larger square problems keep at most 64 candidate pairs per row on average (16 bytes
-    each, about 1 KiB per row) and otherwise solve densely in O(n).
+    What a call needs, whatever the values (ties included): the matrix (a float64 copy
+    unless it is C-contiguous float32/float64; a negated copy when maximising) plus
+    O(n + m): a few vectors of n and m entries, and for tall matrices (n > m) 8 candidate
+    rows per column. Square problems from 256 x 256 keep at most 64 candidate pairs per row
+    on average (16 bytes each, about 1 KiB per row) and otherwise solve densely in O(n).
+
+    Rectangular matrices are never padded: a wide one (n < m) augments row by row, each
+    search step reading one row; a tall one augments over its m columns, each free row
+    entering through the columns' few cheapest free rows, and runs of rows that each
+    dominate the next (PFNM's new-neuron slots) enter as one row, their first free member.
     """
     matrix = _as_cost_matrix(cost, maximize)
     try:
