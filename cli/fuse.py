@@ -12,6 +12,7 @@ from rich.table import Table
 import fusekit
 from fusekit._cli.options import JsonOption
 from fusekit._cli.output import emit_json, stdout
+from fusekit.api import fusion_summary
 from fusekit.core.errors import OutputError
 from fusekit.methods import METHODS
 
@@ -249,14 +250,7 @@ def fuse(
     start = time.perf_counter()
     result = fusekit.fuse(checkpoints, method=method, spec=spec, **params)
     path = result.save(output, force=force)
-    summary: dict[str, Any] = {
-        "output": str(path),
-        "method": result.method,
-        "params": result.params,
-        "widths": result.widths,
-        "time_s": time.perf_counter() - start,
-        "report": result.report,
-    }
+    summary = fusion_summary(result, str(path), time.perf_counter() - start)
     if as_json:
         emit_json(summary)
     else:

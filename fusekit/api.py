@@ -15,7 +15,7 @@ from fusekit.core.checkpoint import Checkpoint, load_checkpoint
 from fusekit.core.errors import IncompatibleModelsError, ParameterError
 from fusekit.core.spec import PermutationSpec, infer_spec, load_spec_file, spec_from_json
 from fusekit.methods import get_method
-from fusekit.methods.base import FusionResult, provenance
+from fusekit.methods.base import FusionMethod, FusionResult, provenance
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +51,7 @@ def fuse(
     """
     if not inputs:
         raise ParameterError("inputs: expected at least one checkpoint, got none")
-    fusion = get_method(method)
-    _check_params(fusion, params)
+    fusion = validate_params(method, params)
     checkpoints = [c if isinstance(c, Checkpoint) else load_checkpoint(c) for c in inputs]
     specs = [client_spec(c, spec) for c in checkpoints]
     if fusion.requires_same_architecture:
@@ -67,6 +66,30 @@ def fuse(
     result.report.setdefault("clients", [c.label for c in checkpoints])
     provenance(result, checkpoints)
     return result
+
+
+def fusion_summary(result: FusionResult, output: str, time_s: float) -> dict[str, Any]:
+    """The report of one fusion: what ``fusekit fuse --json`` prints and the service serves."""
+    return {
+        "output": output,
+        "method": result.method,
+        "params": result.params,
+        "widths": result.widths,
+        "time_s": time_s,
+        "report": result.report,
+    }
+
+
+def validate_params(method: str, params: Mapping[str, Any]) -> FusionMethod:
+    """Check a method name and its parameters as :func:`fuse` does, before any checkpoint
+    is read (front doors call it to refuse a request early).
+
+    Raises:
+        UnknownMethodError, ParameterError: bad method name or parameters.
+    """
+    fusion = get_method(method)
+    _check_params(fusion, params)
+    return fusion
 
 
 def _check_params(fusion, params: Mapping[str, Any]) -> None:
