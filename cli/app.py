@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 from rich.logging import RichHandler
 
-from fusekit._cli import demo, evaluate, fuse, inspect, simulate
+from fusekit._cli import demo, evaluate, fuse, inspect, job, serve, simulate, submit
 from fusekit._cli.output import handle_errors, state, stderr, stdout
 from fusekit._version import __version__
 from fusekit.engine.native import core_status
@@ -45,6 +45,8 @@ def _main(
         handlers=[RichHandler(console=stderr, show_time=False, show_path=False)],
         force=True,
     )
+    # One line per HTTP request of the service client is debugging detail.
+    logging.getLogger("httpx").setLevel(logging.DEBUG if verbose else logging.WARNING)
 
 
 app.command("fuse")(handle_errors(fuse.fuse))
@@ -52,6 +54,10 @@ app.command("inspect")(handle_errors(inspect.inspect))
 app.command("simulate")(handle_errors(simulate.simulate))
 app.command("evaluate")(handle_errors(evaluate.evaluate))
 app.command("demo")(handle_errors(demo.demo))
+app.command("serve")(handle_errors(serve.serve))
+app.command("worker")(handle_errors(serve.worker))
+app.command("submit")(handle_errors(submit.submit))
+app.add_typer(job.app, name="job")
 
 
 def main() -> None:
