@@ -43,7 +43,7 @@ def _exit(signum: int, frame: object) -> None:
 
 def start_worker(settings: Settings) -> subprocess.Popen:
     env = {**os.environ, **settings.to_env(), "FUSEKIT_PARENT_PID": str(os.getpid())}
-    return subprocess.Popen([sys.executable, "-m", "fusekit", "worker"], env=env)
+    return subprocess.Popen([sys.executable, "-m", "fusekit.service.worker"], env=env)
 
 
 def stop_worker(process: subprocess.Popen, timeout: float = 10.0) -> None:

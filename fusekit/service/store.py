@@ -152,8 +152,11 @@ class JobStore:
         with self.locked(job_id) as job:
             if job["state"] not in FINISHED:
                 job.update(state="cancelled", finished_at=time.time())
-            grave = self.trash / f"{job_id}.{secrets.token_hex(4)}"
-            os.rename(self.root / job_id, grave)
+        grave = self.trash / f"{job_id}.{secrets.token_hex(4)}"
+        try:
+            os.rename(self.root / job_id, grave)  # gone at once for readers
+        except FileNotFoundError:
+            raise NotFound(f"job {job_id!r}: no such job") from None
         shutil.rmtree(grave, ignore_errors=True)
 
     # -- what workers do -----------------------------------------------------------------

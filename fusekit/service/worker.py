@@ -169,3 +169,17 @@ def _exit_with(parent: int) -> None:
     while os.getppid() == parent:
         time.sleep(0.5)
     os.kill(os.getpid(), signal.SIGTERM)
+
+
+def main() -> None:
+    """How ``fusekit serve`` starts its workers: settings from the environment."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    parent = os.environ.get("FUSEKIT_PARENT_PID")
+    work(Settings.from_env(), parent=int(parent) if parent else None)
+
+
+if __name__ == "__main__":
+    # Through the imported module, so huey names the task as the API server does.
+    from fusekit.service import worker
+
+    worker.main()
