@@ -27,7 +27,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -102,11 +101,16 @@ class ServiceProcess:
         while time.monotonic() < deadline and _group_alive(self.process.pid):
             time.sleep(0.05)
 
-    def peak_rss_mb(self) -> float:
-        """Peak resident memory of the API server process (VmHWM), in MB."""
+    def memory_mb(self, field: str = "VmHWM") -> float:
+        """The API server's peak (VmHWM) or current (VmRSS) resident memory, in MB."""
         status = Path(f"/proc/{self.process.pid}/status").read_text()
-        line = next(line for line in status.splitlines() if line.startswith("VmHWM"))
+        line = next(line for line in status.splitlines() if line.startswith(field))
         return int(line.split()[1]) / 1024
+
+    def reset_peak_memory(self) -> None:
+        """Start VmHWM again from the current RSS (Linux ``clear_refs``), so each round
+        reports its own peak."""
+        Path(f"/proc/{self.process.pid}/clear_refs").write_text("5")
 
 
 def _group_alive(pgid: int) -> bool:
@@ -158,6 +162,8 @@ def upload_round(service: ServiceProcess, admin: str, paths: list[Path], concurr
     names = [p.stem for p in paths]
     with Client(service.url, admin) as coordinator:
         job = coordinator.create_job("avg", names)
+    service.reset_peak_memory()
+    rss_before = service.memory_mb("VmRSS")
     latencies: list[float] = []
     busy = [0]
 
@@ -181,6 +187,7 @@ def upload_round(service: ServiceProcess, admin: str, paths: list[Path], concurr
     with ThreadPoolExecutor(concurrency) as pool:
         list(pool.map(send, paths))
     wall = time.perf_counter() - start
+    peak = service.memory_mb("VmHWM")
     with Client(service.url, admin) as coordinator:
         slots = coordinator.status(job["id"])["slots"]
         lost = sum(not slots[n]["filled"] for n in names)
@@ -199,7 +206,7 @@ def upload_round(service: ServiceProcess, admin: str, paths: list[Path], concurr
             "p99_ms": round(1e3 * float(np.percentile(latencies, 99)), 1),
             "retries_429": busy[0], "lost": lost, "corrupted": corrupted,
             "fusion_state": state["state"], "queue_and_fuse_s": round(fuse_s, 2),
-            "server_peak_rss_mb": round(service.peak_rss_mb(), 1)}
+            "server_rss_before_mb": round(rss_before, 1), "server_peak_rss_mb": round(peak, 1)}
 
 
 def _sha256(path: Path) -> str:
@@ -235,15 +242,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-uploads", type=int, default=16)
     parser.add_argument("--redis", default=shutil.which("redis-server") or "",
                         help="redis-server binary for the second run ('' to skip)")
-    parser.add_argument("--json-out", default="benchmarks/results/service.json")
+    parser.add_argument("--json-out", default="benchmarks/results/bench_service.json")
     args = parser.parse_args(argv)
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="fusekit-bench-service-") as tmp:
         workdir = Path(tmp)
         rows = run(args, "", workdir)
         if args.redis:
             with redis_server(args.redis, workdir) as url:
                 rows += run(args, url, workdir)
-    write_json(args.json_out, {"machine": machine_info(threads=threading.active_count()),
+    machine = machine_info(load_average_before=load_before, load_average_after=os.getloadavg())
+    write_json(args.json_out, {"machine": machine,
                                "clients": args.clients, "max_uploads": args.max_uploads,
                                "rows": rows})
 

@@ -19,9 +19,11 @@ import numpy as np
 import pytest
 import torch
 from bench_service import ServiceProcess
+from typer.testing import CliRunner
 
 import fusekit
 from conftest import mlp, write
+from fusekit._cli.app import app as cli_app
 from fusekit.client import Client, ServiceError
 from fusekit.service.auth import admin_token_hash
 
@@ -358,3 +360,44 @@ def test_kill9_during_uploads_and_during_a_job_then_restart(tmp_path):
         admin.close()
     finally:
         server.stop()
+
+
+def cli(*args):
+    return CliRunner().invoke(cli_app, [str(a) for a in args])
+
+
+def test_cli_coordinator_and_clients_end_to_end(service, models, tmp_path, monkeypatch):
+    """The README's commands: job create, submit (each client), job status/run/wait/result."""
+    monkeypatch.setenv("FUSEKIT_SERVER", service.url)
+    monkeypatch.setenv("FUSEKIT_ADMIN_TOKEN", ADMIN)
+    created = cli("job", "create", "--method", "pfnm", "--clients", ",".join(NAMES),
+                  "--param", "sigma=1.0", "--param", "sweeps=2", "--json")
+    assert created.exit_code == 0, created.output
+    job = json.loads(created.stdout)
+    for name, path in zip(NAMES, models, strict=True):
+        monkeypatch.setenv("FUSEKIT_TOKEN", job["tokens"][name])
+        submitted = cli("submit", service.url, path, "--job", job["id"], "--client", name)
+        assert submitted.exit_code == 0, submitted.output
+        assert f"{name}: accepted {path.stat().st_size} bytes" in submitted.stdout
+    status = cli("job", "status", job["id"])
+    assert status.exit_code == 0 and "collecting" in status.stdout
+    assert all(name in status.stdout for name in NAMES) and "waiting" not in status.stdout
+    assert cli("job", "run", job["id"]).exit_code == 0
+    waited = cli("job", "wait", job["id"], "--timeout", "60")
+    assert waited.exit_code == 0 and "succeeded" in waited.stdout
+    out = tmp_path / "fused.safetensors"
+    assert cli("job", "result", job["id"], "-o", out).exit_code == 0
+    expected = fusekit.fuse(models, "pfnm", sigma=1.0, sweeps=2)
+    for name, array in expected.state_dict.items():
+        np.testing.assert_array_equal(fusekit.load_checkpoint(out).tensor(name), array)
+
+    missing = cli("job", "result", "0" * 32, "-o", tmp_path / "none.safetensors")
+    assert missing.exit_code == 2 and "no such job" in missing.output
+    assert len(missing.output.strip().splitlines()) == 1
+    assert not (tmp_path / "none.safetensors").exists()
+    monkeypatch.delenv("FUSEKIT_ADMIN_TOKEN")
+    anonymous = cli("job", "status", job["id"])
+    assert anonymous.exit_code == 2 and "admin token" in anonymous.output
+    monkeypatch.setenv("FUSEKIT_TOKEN", "forged")
+    forged = cli("submit", service.url, models[0], "--job", job["id"], "--client", NAMES[0])
+    assert forged.exit_code == 2 and "token" in forged.output and "403" in forged.output
