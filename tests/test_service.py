@@ -109,12 +109,22 @@ def test_three_clients_pfnm_equals_fusekit_fuse(service, admin, models, tmp_path
     assert got.metadata["fusekit.method"] == "pfnm"  # the usual provenance
 
 
-def test_resubmitting_an_accepted_file_sends_nothing(service, admin, models):
+def test_resubmitting_sends_nothing_twice_and_a_new_file_replaces_the_old(service, admin,
+                                                                          models):
     job = admin.create_job("avg", ["a"])
+    clients = service.data_dir / "jobs" / job["id"] / "clients"
     with Client(service.url, job["tokens"]["a"]) as client:
         first = client.submit(job["id"], "a", models[0])
         again = client.submit(job["id"], "a", models[0])
-    assert again["uploaded_at"] == first["uploaded_at"]  # not uploaded a second time
+        assert again["uploaded_at"] == first["uploaded_at"]  # not uploaded a second time
+        replaced = client.submit(job["id"], "a", models[1])
+        assert replaced["sha256"] == sha256(models[1])
+        assert [p.name for p in clients.iterdir()] == [f"a.{sha256(models[1])}.safetensors"]
+        admin.run(job["id"])
+        with pytest.raises(ServiceError, match=r"uploads are accepted only while it is "
+                                               r"collecting \(HTTP 409\)"):
+            client.submit(job["id"], "a", models[2])
+    assert admin.wait(job["id"], timeout=60, every=0.1)["state"] == "succeeded"
 
 
 def test_auto_run_and_incompatible_checkpoints_fail_with_the_cli_message(
@@ -220,10 +230,14 @@ def assert_nothing_stored(service, admin, job_id):
     assert not admin.status(job_id)["slots"]["a"]["filled"]
     folder = service.data_dir / "jobs" / job_id
     deadline = time.monotonic() + 10
-    while any((folder / "uploads").iterdir()) and time.monotonic() < deadline:
+    while files_in(folder / "uploads") and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not any((folder / "uploads").iterdir())
-    assert not any((folder / "clients").iterdir())
+    assert not files_in(folder / "uploads")
+    assert not files_in(folder / "clients")
+
+
+def files_in(folder: Path) -> list[Path]:
+    return [p for p in folder.rglob("*") if p.is_file()]
 
 
 def test_torch_pt_file_is_refused_unread(service, admin, tmp_path):
@@ -325,7 +339,7 @@ def test_kill9_during_uploads_and_during_a_job_then_restart(tmp_path):
         token_file = server.data_dir / "admin.token"
         assert f"admin token: {token_file}" in server.log.read_text()
         admin = Client(server.url, token_file.read_text().strip())
-        params = {"sweeps": 10}
+        params = {"sweeps": 30}  # long enough (~1 s) to be killed while it runs
         job = admin.create_job("pfnm", list(NAMES), params=params)
         for name, path in zip(NAMES[:2], paths[:2], strict=True):
             admin.submit(job["id"], name, path)
@@ -356,7 +370,11 @@ def test_kill9_during_uploads_and_during_a_job_then_restart(tmp_path):
         got = fusekit.load_checkpoint(fused)
         for name, array in expected.state_dict.items():
             np.testing.assert_array_equal(got.tensor(name), array)
-        assert not list((server.data_dir / "jobs" / job["id"]).glob(".*.tmp"))
+        folder = server.data_dir / "jobs" / job["id"]
+        assert not list(folder.glob(".*.tmp")) and not files_in(folder / "uploads")
+        assert sorted(p.name for p in folder.iterdir()) == [
+            "clients", "heartbeat", "job.json", "lock", "report.json", "result.safetensors",
+            "uploads"]
         admin.close()
     finally:
         server.stop()

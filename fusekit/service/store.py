@@ -2,7 +2,7 @@
 
     <data-dir>/jobs/<id>/job.json                  state, slots, token hashes (the commit point)
     <data-dir>/jobs/<id>/clients/<name>.<sha256>.safetensors   accepted checkpoints
-    <data-dir>/jobs/<id>/uploads/                  uploads in flight (never read as checkpoints)
+    <data-dir>/jobs/<id>/uploads/<host>-<pid>/     uploads in flight, per server process
     <data-dir>/jobs/<id>/result.safetensors, report.json       written atomically by the worker
     <data-dir>/jobs/<id>/heartbeat                 touched by the worker running the job
 
@@ -21,6 +21,7 @@ import os
 import re
 import secrets
 import shutil
+import socket
 import time
 import uuid
 from collections.abc import Iterator
@@ -37,6 +38,7 @@ _JOB_ID = re.compile(r"[0-9a-f]{32}")
 # Letters, digits, '.', '_' and '-', not starting with '.' or '-': no separators, no
 # traversal, no control or look-alike characters, safe as a file name everywhere.
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+_HOST = socket.gethostname()
 
 
 def check_name(name: str, what: str = "client") -> str:
@@ -81,12 +83,41 @@ class JobStore:
     @contextlib.contextmanager
     def locked(self, job_id: str) -> Iterator[dict[str, Any]]:
         """The job, locked against every other process; saved when the block succeeds."""
-        folder = self.folder(job_id)
-        with open(folder / "lock", "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+        with self._flock(job_id) as folder:
             job = self.read(job_id)
             yield job
             write_atomic(folder / "job.json", json.dumps(job, indent=1).encode())
+
+    @contextlib.contextmanager
+    def _flock(self, job_id: str) -> Iterator[Path]:
+        folder = self.folder(job_id)
+        with open(folder / "lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            yield folder
+
+    def upload_folder(self, job_id: str) -> Path:
+        """Where this process receives uploads for the job: one folder per server process,
+        so that what a killed one leaves behind is recognised (:meth:`sweep`)."""
+        folder = self.root / job_id / "uploads" / f"{_HOST}-{os.getpid()}"
+        folder.mkdir(exist_ok=True)
+        return folder
+
+    def sweep(self, job_id: str) -> None:
+        """Remove what killed processes left in the job's folder: temporary copies of
+        ``job.json`` (written only under the lock held here), of the result and report when
+        no worker runs the job, and uploads of this machine's dead server processes."""
+        with self._flock(job_id) as folder:
+            running = self.read(job_id)["state"] == "running"
+            for tmp in folder.glob(".*.tmp"):
+                if not running or tmp.name.startswith(".job.json."):
+                    tmp.unlink(missing_ok=True)
+            if not running:
+                shutil.rmtree(folder / "run", ignore_errors=True)
+        with contextlib.suppress(FileNotFoundError):  # the job deleted meanwhile
+            for owner in (folder / "uploads").iterdir():
+                host, _, pid = owner.name.rpartition("-")
+                if host == _HOST and pid.isdigit() and not _alive(int(pid)):
+                    shutil.rmtree(owner, ignore_errors=True)
 
     def create(self, *, method: str, params: dict[str, Any], spec: dict[str, Any] | None,
                clients: list[str], max_checkpoint_bytes: int, auto_run: bool,
@@ -231,6 +262,16 @@ def authorize(job: dict[str, Any], token: str, admin: bool, client: str | None =
     if client is not None and owner != client:
         raise Forbidden(f"client {owner!r}: its token cannot act for client {client!r}")
     return owner
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
 
 
 def _fsync_dir(folder: Path) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import threading
 import time
@@ -90,6 +91,8 @@ def _fuse(store: JobStore, job: dict[str, Any], attempt: int) -> dict[str, Any]:
         log.exception("job %s failed", job["id"])
         return {"state": "failed",
                 "error": _without(run, f"internal error: {type(exc).__name__}: {exc}")}
+    finally:
+        shutil.rmtree(run, ignore_errors=True)
 
 
 def _link_inputs(store: JobStore, job: dict[str, Any], run: Path) -> list[Path]:
@@ -127,6 +130,7 @@ def recover(settings: Settings, huey: Huey, run_job_task: Any) -> None:
     for job_id in store.ids():
         try:
             job = store.read(job_id)
+            store.sweep(job_id)
             if job["state"] == "queued" and job_id not in pending and (
                     now - job["queued_at"] > settings.lease_s):
                 log.warning("job %s: queued but not in the queue; queueing it again", job_id)
