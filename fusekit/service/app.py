@@ -23,6 +23,7 @@ from starlette.requests import ClientDisconnect
 from fusekit._version import __version__
 from fusekit.api import validate_params
 from fusekit.core.errors import FusekitError, ParameterError, SpecError, UnknownMethodError
+from fusekit.methods.params import TEXT_KINDS
 from fusekit.service.auth import admin_token_hash, bearer, matches
 from fusekit.service.errors import Busy, Conflict, Forbidden, NotFound, ServiceError, TooLarge
 from fusekit.service.settings import Settings
@@ -32,9 +33,9 @@ from fusekit.service.worker import REPORT, RESULT, make_queue, recover
 
 log = logging.getLogger(__name__)
 
-# Parameters that would make the server read a file or data set of its own choosing; a
-# request never names server-side paths.
-SERVER_PATH_PARAMS = ("data_dir", "activations")
+# What a request may set: values, never a path on the server or a Python object (such as
+# OT's activation provider, which would read data of the server's choosing).
+REQUEST_KINDS = tuple(kind for kind in TEXT_KINDS if kind != "path")
 
 Auth = Annotated[str | None, Header(alias="Authorization", include_in_schema=False)]
 
@@ -87,11 +88,7 @@ def create_app(settings: Settings) -> FastAPI:
     @app.post("/v1/jobs", status_code=201)
     async def create_job(body: JobRequest, authorization: Auth = None) -> dict[str, Any]:
         admin_only(authorization)
-        for name in SERVER_PATH_PARAMS:
-            if name in body.params:
-                raise ParameterError(f"parameter {name}: names data on the server; a service "
-                                     "job takes no server-side paths")
-        validate_params(body.method, body.params)
+        _check_params(body.method, body.params)
         limit = body.max_checkpoint_bytes or settings.max_checkpoint_bytes
         if limit > settings.max_checkpoint_bytes:
             raise ParameterError(f"max_checkpoint_bytes: expected at most "
@@ -172,6 +169,16 @@ def create_app(settings: Settings) -> FastAPI:
         return {"id": job_id, "deleted": True}
 
     return app
+
+
+def _check_params(method: str, params: dict[str, Any]) -> None:
+    """As ``fusekit.fuse`` checks them, and only parameters a request can spell as values."""
+    _, declared = validate_params(method, params)
+    for spec in declared:
+        if spec.name in params and spec.kind not in REQUEST_KINDS:
+            raise ParameterError(
+                f"parameter {spec.name}: takes {spec.expected()}, which a service job cannot "
+                "be given (no server-side paths or Python objects)")
 
 
 def _queue(store: JobStore, job_id: str, run_job_task: Any) -> dict[str, Any]:
