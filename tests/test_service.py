@@ -360,9 +360,11 @@ def test_kill9_during_uploads_and_during_a_job_then_restart(tmp_path):
 
         admin.submit(job["id"], NAMES[2], paths[2])
         admin.run(job["id"])
-        deadline = time.monotonic() + 60
-        while admin.status(job["id"])["state"] != "running" and time.monotonic() < deadline:
-            time.sleep(0.02)
+        deadline = time.monotonic() + 60  # killed between its two hidden layers
+        while (admin.status(job["id"])["progress"] != "fusing: layer 1 of 2 matched"
+               and time.monotonic() < deadline):
+            time.sleep(0.01)
+        assert admin.status(job["id"])["state"] == "running"
         server.kill()
         server.start()
         state = admin.wait(job["id"], timeout=120, every=0.2)

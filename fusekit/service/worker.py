@@ -9,6 +9,7 @@ lives in the job store, so a message lost with a killed worker is found again by
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -16,6 +17,7 @@ import shutil
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -77,7 +79,8 @@ def _fuse(store: JobStore, job: dict[str, Any], attempt: int) -> dict[str, Any]:
         paths = _link_inputs(store, job, run)
         store.update(job["id"], attempt, progress="fusing")
         start = time.perf_counter()
-        result = fusekit.fuse(paths, method=job["method"], spec=job["spec"], **job["params"])
+        with _layer_progress(store, job["id"], attempt):
+            result = fusekit.fuse(paths, method=job["method"], spec=job["spec"], **job["params"])
         seconds = time.perf_counter() - start
         if not store.update(job["id"], attempt, progress="writing the result"):
             return {"state": "cancelled"}
@@ -93,6 +96,32 @@ def _fuse(store: JobStore, job: dict[str, Any], attempt: int) -> dict[str, Any]:
                 "error": _without(run, f"internal error: {type(exc).__name__}: {exc}")}
     finally:
         shutil.rmtree(run, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _layer_progress(store: JobStore, job_id: str, attempt: int) -> Iterator[None]:
+    """The job's progress follows the layers a method logs as fused (log records with a
+    ``layer`` attribute: (i, L))."""
+    handler = _LayerProgress(store, job_id, attempt)
+    logger = logging.getLogger("fusekit")
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+
+
+class _LayerProgress(logging.Handler):
+    def __init__(self, store: JobStore, job_id: str, attempt: int) -> None:
+        super().__init__(logging.INFO)
+        self.store, self.job_id, self.attempt = store, job_id, attempt
+
+    def emit(self, record: logging.LogRecord) -> None:
+        layer = getattr(record, "layer", None)
+        if layer is not None:
+            done, total = layer
+            self.store.update(self.job_id, self.attempt,
+                              progress=f"fusing: layer {done} of {total} matched")
 
 
 def _link_inputs(store: JobStore, job: dict[str, Any], run: Path) -> list[Path]:
