@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import secrets
+import signal
 import socket
 import stat
 import struct
@@ -360,12 +361,8 @@ def test_kill9_during_uploads_and_during_a_job_then_restart(tmp_path):
 
         admin.submit(job["id"], NAMES[2], paths[2])
         admin.run(job["id"])
-        deadline = time.monotonic() + 60  # killed between its two hidden layers
-        while (admin.status(job["id"])["progress"] != "fusing: layer 1 of 2 matched"
-               and time.monotonic() < deadline):
-            time.sleep(0.01)
-        assert admin.status(job["id"])["state"] == "running"
-        server.kill()
+        wait_for_progress(admin, job["id"], "fusing: layer 1 of 2 matched")
+        server.kill()  # between the job's two hidden layers
         server.start()
         state = admin.wait(job["id"], timeout=120, every=0.2)
         assert state["state"] == "succeeded", state
@@ -380,6 +377,17 @@ def test_kill9_during_uploads_and_during_a_job_then_restart(tmp_path):
         assert sorted(p.name for p in folder.iterdir()) == [
             "clients", "heartbeat", "job.json", "lock", "report.json", "result.safetensors",
             "uploads"]
+
+        # kill -9 of the worker alone: the server starts another, which runs the job again.
+        again = admin.create_job("pfnm", list(NAMES), params=params, auto_run=True)
+        for name, path in zip(NAMES, paths, strict=True):
+            admin.submit(again["id"], name, path)
+        wait_for_progress(admin, again["id"], "fusing: layer 1 of 2 matched")
+        (worker,) = children(server.process.pid)
+        os.kill(worker, signal.SIGKILL)
+        state = admin.wait(again["id"], timeout=120, every=0.2)
+        assert state["state"] == "succeeded" and state["attempts"] == 2, state
+        assert children(server.process.pid) != [worker]
         admin.close()
     finally:
         server.stop()
@@ -424,3 +432,16 @@ def test_cli_coordinator_and_clients_end_to_end(service, models, tmp_path, monke
     monkeypatch.setenv("FUSEKIT_TOKEN", "forged")
     forged = cli("submit", service.url, models[0], "--job", job["id"], "--client", NAMES[0])
     assert forged.exit_code == 2 and "token" in forged.output and "403" in forged.output
+
+
+def wait_for_progress(admin: Client, job_id: str, progress: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while admin.status(job_id)["progress"] != progress:
+        assert time.monotonic() < deadline, admin.status(job_id)
+        time.sleep(0.01)
+
+
+def children(pid: int) -> list[int]:
+    """The live child processes of ``pid`` (Linux /proc)."""
+    text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    return [int(child) for child in text.split()]

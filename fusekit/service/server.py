@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 
 import uvicorn
@@ -29,12 +30,30 @@ def serve(settings: Settings, host: str = "127.0.0.1", port: int = 8420, workers
     # be stopped below instead of killing this process on the spot.
     signal.signal(signal.SIGTERM, _exit)
     started = [start_worker(settings) for _ in range(workers)]
+    stop = threading.Event()
+    supervisor = threading.Thread(target=_supervise, args=(settings, started, stop),
+                                  daemon=True)
+    supervisor.start()
     try:
         # No access log: paths are harmless, but a service log should hold only its own lines.
         uvicorn.run(app, host=host, port=port, log_level="info", access_log=False)
     finally:
+        stop.set()
+        supervisor.join()
         for process in started:
             stop_worker(process)
+
+
+def _supervise(settings: Settings, workers: list[subprocess.Popen], stop: threading.Event
+               ) -> None:
+    """Replace a worker that died (killed, out of memory); its job is run again once its
+    lease runs out (:func:`fusekit.service.worker.recover`)."""
+    while not stop.wait(1.0):
+        for i, process in enumerate(workers):
+            if process.poll() is not None:
+                log.warning("worker %d exited (%s); starting another", process.pid,
+                            process.returncode)
+                workers[i] = start_worker(settings)
 
 
 def _exit(signum: int, frame: object) -> None:
