@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+import safetensors.numpy
 import torch
 from bench_service import ServiceProcess
 from typer.testing import CliRunner
@@ -128,11 +129,24 @@ def test_resubmitting_sends_nothing_twice_and_a_new_file_replaces_the_old(servic
     assert admin.wait(job["id"], timeout=60, every=0.1)["state"] == "succeeded"
 
 
-def test_auto_run_and_incompatible_checkpoints_fail_with_the_cli_message(
-        service, admin, tmp_path):
+def with_nan(path: Path, model: torch.nn.Module) -> Path:
+    """A checkpoint with one NaN weight (fusekit never writes one; safetensors does)."""
+    state = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+    state["0.weight"][0, 0] = np.nan
+    safetensors.numpy.save_file(state, str(path))
+    return path
+
+
+@pytest.mark.parametrize(("make_b", "named"), [
+    (lambda path: write(path, mlp((6, 5, 4, 3), seed=1)),  # another architecture
+     ["a.safetensors", "b.safetensors"]),
+    (lambda path: with_nan(path, mlp((6, 5, 3), seed=1)), ["b.safetensors", "'0.weight'"]),
+], ids=["incompatible", "nan"])
+def test_auto_run_and_unfusable_checkpoints_fail_with_the_cli_message(
+        service, admin, tmp_path, make_b, named):
     a = write(tmp_path / "a.safetensors", mlp((6, 5, 3), seed=0))
-    b = write(tmp_path / "b.safetensors", mlp((6, 5, 4, 3), seed=1))
-    with pytest.raises(fusekit.core.errors.IncompatibleModelsError) as expected:
+    b = make_b(tmp_path / "b.safetensors")
+    with pytest.raises(fusekit.core.errors.FusekitError) as expected:
         fusekit.fuse([a, b], "avg")
     job = admin.create_job("avg", ["a", "b"], auto_run=True)
     for name, path in (("a", a), ("b", b)):
@@ -140,7 +154,7 @@ def test_auto_run_and_incompatible_checkpoints_fail_with_the_cli_message(
     state = admin.wait(job["id"], timeout=60, every=0.1)
     assert state["state"] == "failed"
     assert state["error"] == str(expected.value).replace(f"{tmp_path}{os.sep}", "")
-    assert "a.safetensors" in state["error"] and "b.safetensors" in state["error"]
+    assert all(name in state["error"] for name in named), state["error"]
     with pytest.raises(ServiceError, match=r"is failed.*\(HTTP 409\)"):
         admin.result(job["id"], tmp_path / "none.safetensors")
 
