@@ -175,10 +175,16 @@ def test_auto_run_and_unfusable_checkpoints_fail_with_the_cli_message(
     ({"method": "avg", "clients": ["a"], "max_checkpoint_bytes": 2**21}, 422,
      ["max_checkpoint_bytes", str(2**20)]),
     ({"method": "avg", "clients": ["a"], "extra": 1}, 422, ["extra"]),
+    ({"method": "avg", "clients": "a"}, 422, ["clients", "list"]),
+    ('{"method": "avg", "clients": ["a"], "spec": ' + "[" * 10000 + "]" * 10000 + "}", 422,
+     ["request body", "nested"]),
+    ("{not json", 422, ["request body", "not JSON"]),
+    (b"\xff\xfe", 422, ["request body", "UTF-8"]),
+    ('{"method": "avg", "clients": ["' + "a" * 2**20 + '"]}', 413, ["request body", "1048576"]),
 ])
 def test_job_creation_refuses_bad_requests(service, body, status, words):
-    response = httpx.post(f"{service.url}/v1/jobs", json=body,
-                          headers={"Authorization": f"Bearer {ADMIN}"})
+    response = httpx.post(f"{service.url}/v1/jobs", headers={"Authorization": f"Bearer {ADMIN}"},
+                          **({"json": body} if isinstance(body, dict) else {"content": body}))
     one_line_error(response, status, *words)
 
 
@@ -334,6 +340,8 @@ def test_healthz_and_openapi(service):
     assert {"/v1/jobs", "/v1/jobs/{job_id}", "/v1/jobs/{job_id}/run", "/v1/jobs/{job_id}/result",
             "/v1/jobs/{job_id}/report", "/v1/jobs/{job_id}/clients/{client}/checkpoint",
             "/healthz"} <= set(paths)
+    schema = paths["/v1/jobs"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert {"method", "params", "clients", "max_checkpoint_bytes"} <= set(schema["properties"])
 
 
 def test_admin_token_file_is_generated_once_owner_only(tmp_path, monkeypatch):

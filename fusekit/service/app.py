@@ -15,7 +15,7 @@ from typing import Annotated, Any
 from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -23,6 +23,7 @@ from starlette.requests import ClientDisconnect
 from fusekit._version import __version__
 from fusekit.api import validate_params
 from fusekit.core.errors import FusekitError, ParameterError, SpecError, UnknownMethodError
+from fusekit.core.metadata import load_json
 from fusekit.methods.params import TEXT_KINDS
 from fusekit.service.auth import admin_token_hash, bearer, matches
 from fusekit.service.errors import Busy, Conflict, Forbidden, NotFound, ServiceError, TooLarge
@@ -36,6 +37,8 @@ log = logging.getLogger(__name__)
 # What a request may set: values, never a path on the server or a Python object (such as
 # OT's activation provider, which would read data of the server's choosing).
 REQUEST_KINDS = tuple(kind for kind in TEXT_KINDS if kind != "path")
+
+MAX_REQUEST_BYTES = 1024 * 1024  # a job request: names of up to 1000 clients, parameters
 
 Auth = Annotated[str | None, Header(alias="Authorization", include_in_schema=False)]
 
@@ -85,9 +88,12 @@ def create_app(settings: Settings) -> FastAPI:
         return {"status": "ok", "version": __version__, "queue": huey.storage.__class__.__name__,
                 "queued": queued}
 
-    @app.post("/v1/jobs", status_code=201)
-    async def create_job(body: JobRequest, authorization: Auth = None) -> dict[str, Any]:
-        admin_only(authorization)
+    @app.post("/v1/jobs", status_code=201, openapi_extra={"requestBody": {
+        "required": True, "content": {"application/json": {
+            "schema": JobRequest.model_json_schema()}}}})
+    async def create_job(request: Request, authorization: Auth = None) -> dict[str, Any]:
+        admin_only(authorization)  # before reading a byte of the body
+        body = await _job_request(request)
         _check_params(body.method, body.params)
         limit = body.max_checkpoint_bytes or settings.max_checkpoint_bytes
         if limit > settings.max_checkpoint_bytes:
@@ -169,6 +175,26 @@ def create_app(settings: Settings) -> FastAPI:
         return {"id": job_id, "deleted": True}
 
     return app
+
+
+async def _job_request(request: Request) -> JobRequest:
+    """The body of POST /v1/jobs, read up to MAX_REQUEST_BYTES and parsed with bounded
+    nesting (a framework's body parsing would read any size before the handler runs)."""
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_REQUEST_BYTES:
+            raise TooLarge(f"request body: expected at most {MAX_REQUEST_BYTES} bytes of JSON, "
+                           "found more")
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ParameterError(f"request body: expected UTF-8 JSON ({exc})") from None
+    data = load_json(text, "request body", ParameterError)
+    try:
+        return JobRequest.model_validate(data)
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors()) from None
 
 
 def _check_params(method: str, params: dict[str, Any]) -> None:
