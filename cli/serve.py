@@ -40,6 +40,9 @@ def serve(
     max_jobs: Annotated[int, typer.Option(
         "--max-jobs", min=1, help="Jobs kept by the service; more get HTTP 429.")] = 1000,
     lease: Lease = 30.0,
+    upload_idle: Annotated[float, typer.Option(
+        "--upload-idle-timeout", min=0.001,
+        help="Seconds an upload may send nothing before it is abandoned.")] = 60.0,
 ) -> None:
     """Run the fusion service: the HTTP API and its worker processes, until Ctrl-C."""
     from fusekit.service.server import serve as run_server
@@ -47,7 +50,7 @@ def serve(
 
     settings = Settings(data_dir=data_dir.resolve(), broker=broker,
                         max_checkpoint_bytes=max_checkpoint_bytes, max_uploads=max_uploads,
-                        max_jobs=max_jobs, lease_s=lease)
+                        max_jobs=max_jobs, lease_s=lease, upload_idle_s=upload_idle)
     run_server(settings, host=host, port=port, workers=workers,
                announce=lambda line: stderr.print(line, highlight=False, soft_wrap=True))
 

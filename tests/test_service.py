@@ -31,13 +31,15 @@ from fusekit.service.auth import admin_token_hash
 
 ADMIN = secrets.token_urlsafe(32)
 NAMES = ("hospital-a", "hospital-b", "hospital-c")
+IDLE_S = 3  # seconds a test server lets an upload send nothing
 
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
     data = tmp_path_factory.mktemp("service") / "data"
     server = ServiceProcess(data, options=("--max-uploads", "2", "--max-jobs", "40",
-                                           "--max-checkpoint-bytes", str(2**20)),
+                                           "--max-checkpoint-bytes", str(2**20),
+                                           "--upload-idle-timeout", str(IDLE_S)),
                             env={"FUSEKIT_ADMIN_TOKEN": ADMIN})
     server.start()
     yield server
@@ -287,6 +289,22 @@ def test_body_size_is_enforced_while_streaming(service, admin, models):
 def test_client_disconnect_mid_upload_stores_nothing(service, admin, models):
     job = admin.create_job("avg", ["a"])
     send_partial(service, job["id"], "a", job["tokens"]["a"], models[0].read_bytes())
+    assert_nothing_stored(service, admin, job["id"])
+
+
+def test_a_stalled_upload_is_abandoned_and_stores_nothing(service, admin, models):
+    job = admin.create_job("avg", ["a"])
+    sock = send_partial(service, job["id"], "a", job["tokens"]["a"], models[0].read_bytes(),
+                        keep_open=True)
+    answer, deadline = b"", time.monotonic() + IDLE_S + 20
+    with sock:
+        while not answer.endswith(b"}") and time.monotonic() < deadline:
+            chunk = sock.recv(65536)  # the server answers once the upload has idled
+            if not chunk:
+                break
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 400"), answer
+    assert f"client 'a': no data for {IDLE_S} s".encode() in answer
     assert_nothing_stored(service, admin, job["id"])
 
 

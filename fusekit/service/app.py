@@ -126,7 +126,7 @@ def create_app(settings: Settings) -> FastAPI:
             raise Busy(f"uploads: {settings.max_uploads} in progress, the server's limit; "
                        "retry later")
         uploads["in_flight"] += 1
-        receiving = Upload(store.upload_folder(job_id), client, limit)
+        receiving = Upload(store.upload_folder(job_id), client, limit, settings.upload_idle_s)
         try:
             await receiving.receive(request.stream())
             job, full = await run_in_threadpool(

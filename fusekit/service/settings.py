@@ -31,6 +31,7 @@ class Settings:
         max_jobs: jobs the service keeps (deleted ones do not count); more get 429.
         lease_s: a running job whose worker has not signalled for this long is taken to be
             dead and is run again (at most ``max_attempts`` runs in all).
+        upload_idle_s: an upload that sends nothing for this long is abandoned.
     """
 
     data_dir: Path
@@ -40,14 +41,17 @@ class Settings:
     max_jobs: int = 1000
     lease_s: float = 30.0
     max_attempts: int = 3
+    upload_idle_s: float = 60.0
 
     def __post_init__(self) -> None:
         for name in ("max_checkpoint_bytes", "max_uploads", "max_jobs", "max_attempts"):
             if getattr(self, name) < 1:
                 raise ParameterError(f"{name}: expected a positive integer, found "
                                      f"{getattr(self, name)}")
-        if not self.lease_s > 0:
-            raise ParameterError(f"lease_s: expected seconds > 0, found {self.lease_s}")
+        for name in ("lease_s", "upload_idle_s"):
+            if not getattr(self, name) > 0:
+                raise ParameterError(f"{name}: expected seconds > 0, found "
+                                     f"{getattr(self, name)}")
         if self.broker and not self.broker.startswith(("redis://", "rediss://", "unix://")):
             raise ParameterError(
                 f"broker: expected a Redis URL (redis://host:port/db) or nothing for SQLite, "
@@ -65,7 +69,8 @@ class Settings:
             raw = environ.get(_env_name(f.name))
             if raw is None:
                 continue
-            kind = {"data_dir": Path, "broker": str, "lease_s": float}.get(f.name, int)
+            kind = {"data_dir": Path, "broker": str, "lease_s": float,
+                    "upload_idle_s": float}.get(f.name, int)
             try:
                 values[f.name] = kind(raw)
             except ValueError:

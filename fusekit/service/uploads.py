@@ -9,6 +9,7 @@ refused before its tensors are sent; the whole file is then validated as
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 import secrets
@@ -28,8 +29,8 @@ _PICKLE, _ZIP = b"\x80", b"PK\x03\x04"
 class Upload:
     """One checkpoint being received for ``client``, at most ``limit`` bytes."""
 
-    def __init__(self, folder: Path, client: str, limit: int) -> None:
-        self.client, self.limit = client, limit
+    def __init__(self, folder: Path, client: str, limit: int, idle_s: float) -> None:
+        self.client, self.limit, self.idle_s = client, limit, idle_s
         self.label = f"client {client!r}"
         self.part = folder / f"{client}.{secrets.token_hex(8)}.part"
         self.size, self.expected = 0, None
@@ -40,7 +41,7 @@ class Upload:
         """Write the body to ``self.part``; on any failure, nothing is left behind."""
         try:
             with open(self.part, "xb") as f:
-                async for chunk in chunks:
+                async for chunk in self._until_idle(chunks):
                     self._take(chunk)
                     f.write(chunk)
                 await run_in_threadpool(_sync, f)
@@ -49,6 +50,20 @@ class Upload:
         except BaseException:
             self.discard()
             raise
+
+    async def _until_idle(self, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        """The chunks, until the client sends nothing for ``idle_s`` seconds: a stalled
+        upload must not hold one of the server's upload slots for ever."""
+        iterator = aiter(chunks)
+        while True:
+            try:
+                yield await asyncio.wait_for(anext(iterator), self.idle_s)
+            except StopAsyncIteration:
+                return
+            except asyncio.TimeoutError:
+                raise ServiceError(f"{self.label}: no data for {self.idle_s:g} s after "
+                                   f"{self.size} bytes; upload abandoned, nothing stored"
+                                   ) from None
 
     def discard(self) -> None:
         self.part.unlink(missing_ok=True)
