@@ -40,6 +40,14 @@ class ServiceError(FusekitError):
         self.status = status
 
 
+class Unreachable(ServiceError):
+    """The service did not answer (refused, reset, timed out); ``status`` is 0."""
+
+    def __init__(self, url: str, exc: httpx.TransportError) -> None:
+        super().__init__(0, f"{url}: cannot reach the fusekit service "
+                         f"({type(exc).__name__}: {exc or 'no answer'})")
+
+
 class Client:
     """One service, one token (the admin's or a client's)."""
 
@@ -76,7 +84,7 @@ class Client:
     def result(self, job: str, output: str | os.PathLike[str]) -> Path:
         """Download the fused checkpoint to ``output`` (atomically; validated on arrival)."""
         output = Path(output)
-        with self._http.stream("GET", f"/v1/jobs/{job}/result") as response:
+        with self._reaching(), self._http.stream("GET", f"/v1/jobs/{job}/result") as response:
             _raise_for(response)
             with _atomic_file(output) as f:
                 for chunk in response.iter_bytes(CHUNK):
@@ -116,18 +124,18 @@ class Client:
         load_checkpoint(path)  # refuse locally what the server would refuse
         size, digest = path.stat().st_size, _sha256(path)
         for attempt in range(self.retries + 1):
-            slot = self._slot(job, client)
-            if slot.get("sha256") == digest:
-                if progress:
-                    progress(size, size)
-                return slot
             try:
+                slot = self._slot(job, client)
+                if slot.get("sha256") == digest:
+                    if progress:
+                        progress(size, size)
+                    return slot
                 return self._json(
                     "PUT", f"/v1/jobs/{job}/clients/{client}/checkpoint",
                     content=_chunks(path, size, progress),
                     headers={"Content-Length": str(size),
                              "Content-Type": "application/octet-stream"})
-            except httpx.TransportError:
+            except Unreachable:
                 if attempt == self.retries:
                     raise
                 time.sleep(min(2.0**attempt, 10.0))
@@ -138,9 +146,17 @@ class Client:
         return state["slot"] if "slot" in state else state["slots"][client]
 
     def _json(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
-        response = self._http.request(method, path, **kwargs)
+        with self._reaching():
+            response = self._http.request(method, path, **kwargs)
         _raise_for(response)
         return response.json()
+
+    @contextlib.contextmanager
+    def _reaching(self) -> Iterator[None]:
+        try:
+            yield
+        except httpx.TransportError as exc:
+            raise Unreachable(self.url, exc) from None
 
 
 def _raise_for(response: httpx.Response) -> None:

@@ -13,6 +13,7 @@ import socket
 import stat
 import struct
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -391,15 +392,19 @@ def test_kill9_during_uploads_and_during_a_job_then_restart(tmp_path):
                                paths[2].read_bytes(), keep_open=True)
         server.kill()
         partial.close()
-        server.start()
+        # The third client submits while the server is down: its client retries until the
+        # restarted server answers.
+        with (Client(server.url, job["tokens"][NAMES[2]], retries=6) as late,
+              ThreadPoolExecutor(1) as pool):
+            resumed = pool.submit(late.submit, job["id"], NAMES[2], paths[2])
+            server.start()
+            assert resumed.result(timeout=90)["sha256"] == sha256(paths[2])
         slots = admin.status(job["id"])["slots"]
-        for name, path in zip(NAMES[:2], paths[:2], strict=True):
+        for name, path in zip(NAMES, paths, strict=True):
             assert slots[name]["sha256"] == sha256(path)
             stored = next((server.data_dir / "jobs" / job["id"] / "clients").glob(f"{name}.*"))
             assert sha256(stored) == sha256(path)
-        assert not slots[NAMES[2]]["filled"]
 
-        admin.submit(job["id"], NAMES[2], paths[2])
         admin.run(job["id"])
         wait_for_progress(admin, job["id"], "fusing: layer 1 of 2 matched")
         server.kill()  # between the job's two hidden layers
@@ -466,6 +471,8 @@ def test_cli_coordinator_and_clients_end_to_end(service, models, tmp_path, monke
     assert missing.exit_code == 2 and "no such job" in missing.output
     assert len(missing.output.strip().splitlines()) == 1
     assert not (tmp_path / "none.safetensors").exists()
+    unreachable = cli("job", "status", job["id"], "--server", "http://127.0.0.1:9")
+    assert unreachable.exit_code == 2 and "http://127.0.0.1:9: cannot reach" in unreachable.output
     monkeypatch.delenv("FUSEKIT_ADMIN_TOKEN")
     anonymous = cli("job", "status", job["id"])
     assert anonymous.exit_code == 2 and "admin token" in anonymous.output
