@@ -125,11 +125,11 @@ def create_app(settings: Settings) -> FastAPI:
         if uploads["in_flight"] >= settings.max_uploads:
             raise Busy(f"uploads: {settings.max_uploads} in progress, the server's limit; "
                        "retry later")
-        uploads["in_flight"] += 1
         receiving = Upload(store.upload_folder(job_id), client, limit, settings.upload_idle_s)
+        uploads["in_flight"] += 1
         try:
             await receiving.receive(request.stream())
-            job, full = await run_in_threadpool(
+            job = await run_in_threadpool(
                 store.accept, job_id, client, receiving.part, receiving.size,
                 receiving.sha256.hexdigest())
         except ClientDisconnect:
@@ -139,8 +139,8 @@ def create_app(settings: Settings) -> FastAPI:
             uploads["in_flight"] -= 1
             receiving.discard()
         log.info("job %s: checkpoint of %s accepted (%d bytes)", job_id, client, receiving.size)
-        if full and job["auto_run"]:
-            await run_in_threadpool(_queue, store, job_id, run_job_task)
+        if job["state"] == "queued":  # auto_run, and this upload filled the last slot
+            await run_in_threadpool(run_job_task, job_id)
         return view(job, client)["slot"]
 
     @app.post("/v1/jobs/{job_id}/run", status_code=202)

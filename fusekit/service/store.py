@@ -98,8 +98,11 @@ class JobStore:
     def upload_folder(self, job_id: str) -> Path:
         """Where this process receives uploads for the job: one folder per server process,
         so that what a killed one leaves behind is recognised (:meth:`sweep`)."""
-        folder = self.root / job_id / "uploads" / f"{_HOST}-{os.getpid()}"
-        folder.mkdir(exist_ok=True)
+        folder = self.folder(job_id) / "uploads" / f"{_HOST}-{os.getpid()}"
+        try:
+            folder.mkdir(exist_ok=True)
+        except FileNotFoundError:  # deleted meanwhile
+            raise NotFound(f"job {job_id!r}: no such job") from None
         return folder
 
     def sweep(self, job_id: str) -> None:
@@ -150,9 +153,9 @@ class JobStore:
         return job, tokens
 
     def accept(self, job_id: str, client: str, part: Path, size: int, sha256: str
-               ) -> tuple[dict[str, Any], bool]:
-        """Move a complete, validated, fsynced upload into the client's slot. Returns the
-        job and whether the upload filled its last empty slot."""
+               ) -> dict[str, Any]:
+        """Move a complete, validated, fsynced upload into the client's slot; an
+        ``auto_run`` job whose last slot this fills is queued in the same step."""
         with self.locked(job_id) as job:
             if job["state"] != "collecting":
                 raise Conflict(f"job {job_id}: is {job['state']}; uploads are accepted only "
@@ -163,9 +166,11 @@ class JobStore:
             _fsync_dir(self.root / job_id / "clients")
             job["slots"][client] = {"file": name, "size": size, "sha256": sha256,
                                     "uploaded_at": time.time()}
+            if job["auto_run"] and len(job["slots"]) == len(job["clients"]):
+                job.update(state="queued", queued_at=time.time())
         if old and old["file"] != name:  # only once job.json no longer names it
             (self.root / job_id / "clients" / old["file"]).unlink(missing_ok=True)
-        return job, len(job["slots"]) == len(job["clients"])
+        return job
 
     def queue(self, job_id: str) -> dict[str, Any]:
         """collecting -> queued, once every slot is filled."""
