@@ -10,13 +10,13 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from fusekit._cli.options import JsonOption
+from fusekit._cli.options import Command, Group, JsonOption
 from fusekit._cli.output import emit_json, handle_errors, stdout
 from fusekit.core.checkpoint import check_output_path
 from fusekit.core.errors import ParameterError
 
-app = typer.Typer(help="Create, follow and collect fusion jobs on a fusekit service.",
-                  no_args_is_help=True)
+app = typer.Typer(cls=Group, no_args_is_help=True,
+                  help="Create, follow and collect fusion jobs on a fusekit service.")
 
 Server = Annotated[str, typer.Option("--server", envvar="FUSEKIT_SERVER",
                                      help="The service's URL.")]
@@ -30,7 +30,7 @@ DEFAULT_SERVER = "http://127.0.0.1:8420"
 
 def command(name: str):
     """A ``fusekit job`` subcommand under the CLI's error policy."""
-    return lambda function: app.command(name)(handle_errors(function))
+    return lambda function: app.command(name, cls=Command)(handle_errors(function))
 
 
 def admin(server: str, token_file: Path | None):

@@ -28,8 +28,10 @@ def submit(
         help="Your upload token (better: the FUSEKIT_TOKEN variable, which ps does not "
         "show).")],
 ) -> None:
-    """Upload a checkpoint into your slot of a job. Resumable: run it again after an
-    interruption; a file the slot already holds (same SHA-256) is not sent again."""
+    """Upload a checkpoint into your slot of a job (resumable).
+
+    Run it again after an interruption: a file the slot already holds (same SHA-256) is
+    not sent again, and a service that does not answer is tried again a few times."""
     from fusekit.client import Client
 
     columns = ("{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
