@@ -57,13 +57,14 @@ class Upload:
         iterator = aiter(chunks)
         while True:
             try:
-                yield await asyncio.wait_for(anext(iterator), self.idle_s)
+                chunk = await asyncio.wait_for(anext(iterator), self.idle_s)
             except StopAsyncIteration:
                 return
             except asyncio.TimeoutError:
                 raise ServiceError(f"{self.label}: no data for {self.idle_s:g} s after "
                                    f"{self.size} bytes; upload abandoned, nothing stored"
                                    ) from None
+            yield chunk
 
     def discard(self) -> None:
         self.part.unlink(missing_ok=True)
