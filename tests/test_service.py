@@ -28,7 +28,7 @@ import fusekit
 from conftest import mlp, write
 from fusekit._cli.app import app as cli_app
 from fusekit.client import Client, ServiceError
-from fusekit.service.auth import admin_token_hash
+from fusekit.service.auth import admin_token_hash, token_hash
 
 ADMIN = secrets.token_urlsafe(32)
 NAMES = ("hospital-a", "hospital-b", "hospital-c")
@@ -209,8 +209,11 @@ def test_tokens(service, admin, models):
     one_line_error(put(service, "../../etc", "a", ADMIN, body), 404)
     one_line_error(put(service, job["id"], "zz", ADMIN, body), 404, "'zz'")
     assert not admin.status(job["id"])["slots"]["b"]["filled"]
-    stored = json.dumps(admin.status(job["id"]))
-    assert not any(token in stored for token in tokens.values())
+    shown = json.dumps(admin.status(job["id"]))
+    assert not any(token in shown for token in tokens.values())
+    on_disk = (service.data_dir / "jobs" / job["id"] / "job.json").read_text()
+    assert not any(token in on_disk for token in tokens.values())  # only their hashes
+    assert all(token_hash(token) in on_disk for token in tokens.values())
     log = service.log.read_text()
     assert not any(token in log for token in [*tokens.values(), ADMIN])
 
