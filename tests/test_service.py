@@ -354,6 +354,7 @@ def test_upload_and_job_limits_answer_429(service, admin, models):
     one_line_error(httpx.get(f"{service.url}/v1/jobs/{created[0]}",
                              headers={"Authorization": f"Bearer {ADMIN}"}), 404)
     assert not (service.data_dir / "jobs" / created[0]).exists()
+    assert not any((service.data_dir / "trash").iterdir())
 
 
 def test_healthz_and_openapi(service):

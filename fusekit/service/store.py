@@ -5,6 +5,7 @@
     <data-dir>/jobs/<id>/uploads/<host>-<pid>/     uploads in flight, per server process
     <data-dir>/jobs/<id>/result.safetensors, report.json       written atomically by the worker
     <data-dir>/jobs/<id>/heartbeat                 touched by the worker running the job
+    <data-dir>/trash/                              deleted jobs, while their files are removed
 
 Every file is written to a temporary name, fsynced and renamed, and ``job.json`` is replaced
 last: whatever a crash interrupts, ``job.json`` names only complete files. The lock is
@@ -194,6 +195,11 @@ class JobStore:
         except FileNotFoundError:
             raise NotFound(f"job {job_id!r}: no such job") from None
         shutil.rmtree(grave, ignore_errors=True)
+
+    def empty_trash(self) -> None:
+        """Finish removing what a process killed during :meth:`delete` left."""
+        for grave in self.trash.iterdir():
+            shutil.rmtree(grave, ignore_errors=True)
 
     # -- what workers do -----------------------------------------------------------------
 

@@ -152,8 +152,10 @@ def _heartbeat(store: JobStore, job_id: str, every: float, stop: threading.Event
 
 def recover(settings: Settings, huey: Huey, run_job_task: Any) -> None:
     """Queue again what a crash lost: a queued job whose message is not in the queue, a
-    running job whose worker stopped signalling (failed after ``max_attempts`` runs)."""
+    running job whose worker stopped signalling (failed after ``max_attempts`` runs); and
+    remove what killed processes left behind (:meth:`JobStore.sweep`, deleted jobs)."""
     store = JobStore(settings.data_dir)
+    store.empty_trash()
     pending = {task.args[0] for task in huey.pending() if task.args}
     now = time.time()
     for job_id in store.ids():
