@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -100,6 +101,12 @@ def status(job: JobId, server: Server = DEFAULT_SERVER, token_file: TokenFile = 
     table.add_row("method", f"{state['method']} {state['params'] or ''}")
     if state["progress"]:
         table.add_row("progress", state["progress"])
+    for moment in ("created", "queued", "started", "finished"):
+        if state[f"{moment}_at"]:
+            table.add_row(moment, time.strftime("%Y-%m-%d %H:%M:%S",
+                                                time.localtime(state[f"{moment}_at"])))
+    if state["attempts"] > 1:
+        table.add_row("attempts", str(state["attempts"]))
     if state["error"]:
         table.add_row("error", state["error"])
     for client, slot in state["slots"].items():

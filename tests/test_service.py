@@ -460,7 +460,7 @@ def test_cli_coordinator_and_clients_end_to_end(service, models, tmp_path, monke
         assert submitted.exit_code == 0, submitted.output
         assert f"{name}: accepted {path.stat().st_size} bytes" in submitted.stdout
     status = cli("job", "status", job["id"])
-    assert status.exit_code == 0 and "collecting" in status.stdout
+    assert status.exit_code == 0 and "collecting" in status.stdout and "created" in status.stdout
     assert all(name in status.stdout for name in NAMES) and "waiting" not in status.stdout
     assert cli("job", "run", job["id"]).exit_code == 0
     waited = cli("job", "wait", job["id"], "--timeout", "60")
