@@ -14,7 +14,7 @@ $(PY):
 
 # torch is pinned first, so the package's own range (torch>=2.2) installs nothing more.
 install: $(PY)
-	$(PY) -m pip install --quiet "$(TORCH)" -e ".[test,bench]"
+	$(PY) -m pip install --quiet "$(TORCH)" -e ".[test,bench,flower]"
 
 demo: install
 	$(PY) -m fusekit demo

@@ -1,0 +1,222 @@
+"""``FusekitStrategy``: Flower's FedAvg whose aggregation is ``fusekit.fuse``.
+
+Node sampling, configuration records, client-metric aggregation and the round loop
+(``strategy.start``) are FedAvg's; only the step that turns the clients' models into the
+global model changes. Each round is one call to :func:`fusekit.fuse` on the round's replies,
+so a Flower round and a ``fusekit fuse`` run on the same models give the same model.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import FedAvg
+
+import fusekit
+from fusekit.api import SpecLike, check_compatible, client_spec
+from fusekit.core import metadata as meta
+from fusekit.core.checkpoint import Checkpoint
+from fusekit.core.errors import FusekitError, IncompatibleModelsError
+from fusekit.methods import FusionResult
+from fusekit.methods.base import get_method
+
+from .records import (
+    CLASS_COUNTS,
+    architecture_config,
+    arrays_to_state_dict,
+    reply_checkpoint,
+    state_dict_to_arrays,
+)
+
+log = logging.getLogger(__name__)
+
+
+class FusekitStrategy(FedAvg):
+    """One-shot model fusion (PFNM, NAFI, OT, AMS, averaging) as a Flower strategy.
+
+    Args:
+        method: a name from ``fusekit.METHODS``.
+        params: the method's parameters (those of ``fusekit fuse --help``), e.g.
+            ``{"sigma": 1.0, "gamma": 1.0}`` for PFNM.
+        spec: a permutation spec for models whose structure fusekit cannot infer.
+        arch: the ``fusekit.arch`` of the initial model, for server-side evaluation before
+            the first round (later rounds use the fused architecture).
+        min_fused_replies: the fewest usable replies a round fuses; with fewer the round
+            fails and the global model stays as it was.
+        **fedavg: FedAvg's own arguments (``fraction_train``, ``min_train_nodes``,
+            ``min_available_nodes``, ``weighted_by_key``, ...).
+
+    Raises:
+        UnknownMethodError: ``method`` is not registered.
+    """
+
+    def __init__(
+        self,
+        method: str = "pfnm",
+        params: Mapping[str, Any] | None = None,
+        *,
+        spec: SpecLike | None = None,
+        arch: Mapping[str, Any] | None = None,
+        min_fused_replies: int = 2,
+        **fedavg: Any,
+    ) -> None:
+        super().__init__(**fedavg)
+        self.fusion = get_method(method)  # an unknown name fails now, not after training
+        self.params = dict(params or {})
+        self.spec = spec
+        self.min_fused_replies = min_fused_replies
+        #: The global model's fusekit metadata (architecture, spec): rebuilds it anywhere.
+        self.global_metadata: dict[str, str] = {meta.ARCH: json.dumps(dict(arch))} if arch else {}
+        #: The last round's fusion, and why replies were left out of it.
+        self.last_fusion: FusionResult | None = None
+        self.left_out: list[str] = []
+
+    @property
+    def method(self) -> str:
+        return self.fusion.name
+
+    def summary(self) -> None:
+        super().summary()
+        log.info("fusekit: method %s, parameters %s, at least %d replies per round",
+                 self.method, self.params, self.min_fused_replies)
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        return super().configure_train(server_round, arrays, self._with_widths(config), grid)
+
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                           grid: Grid) -> Iterable[Message]:
+        return super().configure_evaluate(server_round, arrays, self._with_widths(config), grid)
+
+    def _with_widths(self, config: ConfigRecord) -> ConfigRecord:
+        if self.last_fusion is None:
+            return config
+        return ConfigRecord({**config, **architecture_config(self.global_metadata,
+                                                             self.last_fusion.widths)})
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Fuse the replies' models with ``fusekit.fuse``.
+
+        Replies that carry an error or models fusekit cannot fuse are logged and left out
+        (``self.left_out`` keeps the reasons). With fewer than ``min_fused_replies`` left
+        the round fails: ``(None, None)``, and the global model stays as it was.
+
+        Returns:
+            The fused ArrayRecord (tensor names kept) and a MetricRecord with FedAvg's
+            aggregate of the clients' metrics plus ``<method>.fused-widths`` (hidden widths,
+            input to output), ``<method>.fuse-time-s``, ``<method>.fused-replies`` and
+            ``<method>.left-out-replies``.
+
+        Raises:
+            FusekitError: the configured parameters do not suit the method or the models.
+        """
+        replies = list(replies)
+        usable, self.left_out = self.usable_replies(replies)
+        for reason in self.left_out:
+            log.warning("round %d: reply left out: %s", server_round, reason)
+        if len(usable) < self.min_fused_replies:
+            log.error("round %d: %d usable replies of %d, fewer than %d; round failed, the "
+                      "global model is unchanged", server_round, len(usable), len(replies),
+                      self.min_fused_replies)
+            return None, None
+        start = time.perf_counter()
+        result = fusekit.fuse([checkpoint for checkpoint, _ in usable], method=self.method,
+                              spec=self.spec, **self.params)
+        elapsed = time.perf_counter() - start
+        self.last_fusion, self.global_metadata = result, dict(result.metadata)
+        log.info("round %d: %s fused %d models in %.2f s, hidden widths %s", server_round,
+                 self.method, len(usable), elapsed, result.widths)
+        metrics = self.train_metrics_aggr_fn([content for _, content in usable],
+                                             self.weighted_by_key)
+        metrics.pop(CLASS_COUNTS, None)  # an average of class counts means nothing
+        metrics.update({
+            f"{self.method}.fused-widths": [int(w) for w in result.widths],
+            f"{self.method}.fuse-time-s": elapsed,
+            f"{self.method}.fused-replies": len(usable),
+            f"{self.method}.left-out-replies": len(self.left_out),
+        })
+        return state_dict_to_arrays(result.state_dict), metrics
+
+    def usable_replies(
+        self, replies: Iterable[Message]
+    ) -> tuple[list[tuple[Checkpoint, RecordDict]], list[str]]:
+        """Split replies into (checkpoint, content) pairs fusekit can fuse together, and
+        one-line reasons for the others (the reason ``fusekit fuse`` gives)."""
+        usable, reasons = [], []
+        for reply in replies:
+            source = f"node {reply.metadata.src_node_id}"
+            if reply.has_error():
+                reasons.append(f"{source}: the ClientApp failed (error {reply.error.code}: "
+                               f"{reply.error.reason})")
+                continue
+            try:
+                usable.append((reply_checkpoint(reply.content, source, self.weighted_by_key),
+                               reply.content))
+            except FusekitError as exc:
+                reasons.append(str(exc))
+        if self.fusion.requires_same_architecture:
+            usable, mismatched = self._same_architecture(usable)
+            reasons += mismatched
+        return usable, reasons
+
+    def _same_architecture(
+        self, usable: list[tuple[Checkpoint, RecordDict]]
+    ) -> tuple[list[tuple[Checkpoint, RecordDict]], list[str]]:
+        """Keep the replies that share the most common architecture."""
+        specs, kept, reasons = [], [], []
+        for checkpoint, content in usable:
+            try:
+                specs.append(client_spec(checkpoint, self.spec))
+                kept.append((checkpoint, content))
+            except FusekitError as exc:
+                reasons.append(str(exc))
+        if not kept:
+            return kept, reasons
+        shapes = [(tuple(spec.structure()), tuple(sorted(c.tensors)))
+                  for spec, (c, _) in zip(specs, kept, strict=True)]
+        reference = shapes.index(Counter(shapes).most_common(1)[0][0])
+        same = []
+        for pair, spec in zip(kept, specs, strict=True):
+            try:
+                check_compatible([kept[reference][0], pair[0]], [specs[reference], spec])
+                same.append(pair)
+            except IncompatibleModelsError as exc:
+                reasons.append(str(exc))
+        return same, reasons
+
+    def global_checkpoint(self, arrays: ArrayRecord) -> Checkpoint:
+        """The global model as a fusekit checkpoint, with its (fused) architecture."""
+        return Checkpoint.from_state_dict(arrays_to_state_dict(arrays), self.global_metadata,
+                                          source="global model")
+
+    def evaluate_fn(self, dataset: Any, device: str = "cpu"
+                    ) -> Callable[[int, ArrayRecord], MetricRecord]:
+        """Server-side evaluation for ``strategy.start(evaluate_fn=...)``: the global model,
+        rebuilt with its fused widths as ``fusekit.load_fused`` does, scored on
+        ``dataset``'s test split (a :class:`fusekit.toolkit.data.Dataset`).
+
+        The MetricRecord holds ``accuracy``, ``loss`` and ``hidden-widths``.
+        """
+        from fusekit.toolkit.evaluate import Evaluator
+
+        evaluator = Evaluator(dataset, device)
+
+        def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+            checkpoint, logits = evaluator.logits(self.global_checkpoint(arrays))
+            score = evaluator.score(logits, f"round {server_round}", "fused", self.method)
+            widths = [int(w) for w in client_spec(checkpoint, self.spec).hidden_widths]
+            log.info("round %d: global model accuracy %.4f (hidden widths %s)",
+                     server_round, score.accuracy, widths)
+            return MetricRecord({"accuracy": score.accuracy, "loss": score.loss,
+                                 "hidden-widths": widths})
+
+        return evaluate
