@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 # already installed in .venv).
 TORCH  ?= torch==2.13.0
 
-.PHONY: install demo test bench clean
+.PHONY: install demo flower-demo test bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +18,11 @@ install: $(PY)
 
 demo: install
 	$(PY) -m fusekit demo
+
+# A Flower federation on this machine: a SuperLink and three SuperNodes on 127.0.0.1, one
+# round of examples/flower per method; every process it starts is stopped at the end.
+flower-demo: install
+	$(PY) examples/flower/demo.py
 
 test:
 	$(PY) -m pytest

@@ -62,17 +62,22 @@ def train_reply(
     return content
 
 
-def global_model(content: RecordDict, arrays_key: str = "arrays",
-                 config_key: str = "config") -> nn.Module:
-    """The global model a train or evaluate message carries, as a torch module in eval mode,
-    with the fused widths (``fusekit-arch`` in its ConfigRecord; without it the model is
-    read as a ReLU MLP from its tensors, as ``fusekit.load_fused`` does).
+def global_model(content: RecordDict, arch: Mapping[str, Any] | None = None, *,
+                 arrays_key: str = "arrays", config_key: str = "config") -> nn.Module:
+    """The global model a train or evaluate message carries, as a torch module in eval mode.
+
+    Its architecture is the one the server sent (``fusekit-arch`` in the ConfigRecord: the
+    fused widths) or else ``arch``; without either the model is read as a ReLU MLP from its
+    tensors, as ``fusekit.load_fused`` does.
 
     Raises:
         CheckpointError: the arrays do not match the architecture.
     """
     config = content.config_records.get(config_key, ConfigRecord())
-    metadata = {meta.ARCH: str(config[ARCH])} if ARCH in config else {}
+    if ARCH in config:
+        metadata = {meta.ARCH: str(config[ARCH])}
+    else:
+        metadata = {meta.ARCH: json.dumps(dict(arch))} if arch is not None else {}
     checkpoint = Checkpoint.from_state_dict(
         arrays_to_state_dict(content.array_records[arrays_key]), metadata, source="global model")
     return load_fused(checkpoint, "cpu")

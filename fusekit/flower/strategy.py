@@ -74,9 +74,9 @@ class FusekitStrategy(FedAvg):
         self.min_fused_replies = min_fused_replies
         #: The global model's fusekit metadata (architecture, spec): rebuilds it anywhere.
         self.global_metadata: dict[str, str] = {meta.ARCH: json.dumps(dict(arch))} if arch else {}
-        #: The last round's fusion, and why replies were left out of it.
+        #: The last round's fusion, and why replies were left out of it (node id -> reason).
         self.last_fusion: FusionResult | None = None
-        self.left_out: list[str] = []
+        self.left_out: dict[int, str] = {}
 
     @property
     def method(self) -> str:
@@ -121,8 +121,8 @@ class FusekitStrategy(FedAvg):
         """
         replies = list(replies)
         usable, self.left_out = self.usable_replies(replies)
-        for reason in self.left_out:
-            log.warning("round %d: reply left out: %s", server_round, reason)
+        for node, reason in self.left_out.items():
+            log.warning("round %d: reply of node %d left out: %s", server_round, node, reason)
         if len(usable) < self.min_fused_replies:
             log.error("round %d: %d usable replies of %d, fewer than %d; round failed, the "
                       "global model is unchanged", server_round, len(usable), len(replies),
@@ -148,50 +148,48 @@ class FusekitStrategy(FedAvg):
 
     def usable_replies(
         self, replies: Iterable[Message]
-    ) -> tuple[list[tuple[Checkpoint, RecordDict]], list[str]]:
+    ) -> tuple[list[tuple[Checkpoint, RecordDict]], dict[int, str]]:
         """Split replies into (checkpoint, content) pairs fusekit can fuse together, and
-        one-line reasons for the others (the reason ``fusekit fuse`` gives)."""
-        usable, reasons = [], []
+        the others' one-line reasons (those ``fusekit fuse`` gives), by node id."""
+        usable, reasons = {}, {}
         for reply in replies:
-            source = f"node {reply.metadata.src_node_id}"
+            node = reply.metadata.src_node_id
             if reply.has_error():
-                reasons.append(f"{source}: the ClientApp failed (error {reply.error.code}: "
-                               f"{reply.error.reason})")
+                reasons[node] = (f"the ClientApp failed (error {reply.error.code}: "
+                                 f"{reply.error.reason})")
                 continue
             try:
-                usable.append((reply_checkpoint(reply.content, source, self.weighted_by_key),
-                               reply.content))
+                usable[node] = (reply_checkpoint(reply.content, f"node {node}",
+                                                 self.weighted_by_key), reply.content)
             except FusekitError as exc:
-                reasons.append(str(exc))
+                reasons[node] = str(exc)
         if self.fusion.requires_same_architecture:
-            usable, mismatched = self._same_architecture(usable)
-            reasons += mismatched
-        return usable, reasons
+            reasons.update(self._other_architectures(usable))
+        return [pair for node, pair in usable.items() if node not in reasons], reasons
 
-    def _same_architecture(
-        self, usable: list[tuple[Checkpoint, RecordDict]]
-    ) -> tuple[list[tuple[Checkpoint, RecordDict]], list[str]]:
-        """Keep the replies that share the most common architecture."""
-        specs, kept, reasons = [], [], []
-        for checkpoint, content in usable:
+    def _other_architectures(
+        self, usable: dict[int, tuple[Checkpoint, RecordDict]]
+    ) -> dict[int, str]:
+        """Why replies outside the most common architecture cannot join it, by node id."""
+        specs, reasons = {}, {}
+        for node, (checkpoint, _) in usable.items():
             try:
-                specs.append(client_spec(checkpoint, self.spec))
-                kept.append((checkpoint, content))
+                specs[node] = client_spec(checkpoint, self.spec)
             except FusekitError as exc:
-                reasons.append(str(exc))
-        if not kept:
-            return kept, reasons
-        shapes = [(tuple(spec.structure()), tuple(sorted(c.tensors)))
-                  for spec, (c, _) in zip(specs, kept, strict=True)]
-        reference = shapes.index(Counter(shapes).most_common(1)[0][0])
-        same = []
-        for pair, spec in zip(kept, specs, strict=True):
+                reasons[node] = str(exc)
+        if not specs:
+            return reasons
+        shapes = {node: (tuple(spec.structure()), tuple(sorted(usable[node][0].tensors)))
+                  for node, spec in specs.items()}
+        common = Counter(shapes.values()).most_common(1)[0][0]
+        reference = next(node for node, shape in shapes.items() if shape == common)
+        for node, spec in specs.items():
             try:
-                check_compatible([kept[reference][0], pair[0]], [specs[reference], spec])
-                same.append(pair)
+                check_compatible([usable[reference][0], usable[node][0]],
+                                 [specs[reference], spec])
             except IncompatibleModelsError as exc:
-                reasons.append(str(exc))
-        return same, reasons
+                reasons[node] = str(exc)
+        return reasons
 
     def global_checkpoint(self, arrays: ArrayRecord) -> Checkpoint:
         """The global model as a fusekit checkpoint, with its (fused) architecture."""

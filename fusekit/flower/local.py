@@ -1,0 +1,198 @@
+"""A Flower deployment on this machine: one SuperLink and N SuperNodes on 127.0.0.1.
+
+The processes are Flower's own (``flower-superlink``, ``flower-supernode``), started
+``--insecure`` with a private ``FLWR_HOME``, each in its own process group, and apps run on
+them with ``flwr run``. Every wait is bounded; leaving the ``with`` block ends every process
+group it started. Nothing here is needed on a real multi-host deployment, where each
+organisation starts its own SuperNode (see examples/flower/README.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+CONNECTION = "fusekit-local"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def toml_value(value: Any) -> str:
+    """A run-config value as TOML (what ``flwr run --run-config`` parses)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return repr(value)
+
+
+class LocalFederation:
+    """``with LocalFederation(nodes=3) as federation: federation.run(app, {...})``.
+
+    Args:
+        nodes: how many SuperNodes; node i gets ``partition-id=i num-partitions=nodes``.
+        workdir: FLWR_HOME and process logs (a temporary folder, removed on exit, if None).
+        start_timeout: seconds to wait for the SuperLink's /health.
+    """
+
+    def __init__(self, nodes: int = 3, workdir: str | os.PathLike[str] | None = None,
+                 start_timeout: float = 60.0):
+        self.nodes = nodes
+        self.start_timeout = start_timeout
+        self._given_workdir = Path(workdir) if workdir is not None else None
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        self.processes: list[subprocess.Popen[bytes]] = []
+        self.port = 0
+
+    def __enter__(self) -> LocalFederation:
+        if self._given_workdir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="fusekit-flower-")
+        self.workdir = self._given_workdir or Path(self._tmp.name)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The environment of every Flower process: private FLWR_HOME, no telemetry, and
+        this interpreter's scripts first on PATH (the SuperLink and SuperNodes start
+        ``flwr-serverapp`` and ``flwr-clientapp`` from it)."""
+        bin_dir = str(Path(sys.executable).parent)
+        return {**os.environ, "FLWR_HOME": str(self.workdir / "flwr-home"),
+                "FLWR_TELEMETRY_ENABLED": "0",
+                "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
+
+    def _start(self) -> None:
+        self.port = free_port()
+        self._spawn("superlink", ["flower-superlink", "--insecure", "--host", "127.0.0.1",
+                                  "--port", str(self.port),
+                                  "--disable-runtime-dependency-installation"])
+        self._wait_healthy()
+        for node in range(self.nodes):
+            self._spawn(f"supernode-{node}", [
+                "flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{self.port}",
+                "--host", "127.0.0.1", "--port", str(free_port()),
+                "--node-config", f"partition-id={node} num-partitions={self.nodes}",
+                "--max-wait-time", str(self.start_timeout),
+            ])
+        self._write_connection()
+
+    def _spawn(self, name: str, command: list[str]) -> None:
+        logfile = (self.workdir / f"{name}.log").open("wb")
+        with logfile:
+            # A new session: the process and every app process it starts form one group,
+            # ended together by stop().
+            self.processes.append(subprocess.Popen(
+                command, stdout=logfile, stderr=subprocess.STDOUT, env=self.env,
+                cwd=self.workdir, start_new_session=True))
+        log.debug("started %s (pid %d): %s", name, self.processes[-1].pid, " ".join(command))
+
+    def _wait_healthy(self) -> None:
+        url = f"http://127.0.0.1:{self.port}/health"
+        deadline = time.monotonic() + self.start_timeout
+        while time.monotonic() < deadline:
+            if self.processes[0].poll() is not None:
+                raise RuntimeError(f"flower-superlink exited with code "
+                                   f"{self.processes[0].returncode}; see {self.log('superlink')}")
+            with (contextlib.suppress(urllib.error.URLError, OSError),
+                  urllib.request.urlopen(url, timeout=2) as response):
+                if response.status == 200:
+                    return
+            time.sleep(0.25)
+        raise TimeoutError(f"flower-superlink not healthy at {url} after {self.start_timeout} s; "
+                           f"see {self.log('superlink')}")
+
+    def _write_connection(self) -> None:
+        home = self.workdir / "flwr-home"
+        home.mkdir(exist_ok=True)
+        (home / "config.toml").write_text(
+            f'[superlink]\ndefault = "{CONNECTION}"\n\n'
+            f'[superlink.{CONNECTION}]\naddress = "127.0.0.1:{self.port}"\ninsecure = true\n'
+        )
+
+    def log(self, name: str) -> Path:
+        """The log file of ``superlink`` or ``supernode-<i>``."""
+        return self.workdir / f"{name}.log"
+
+    def run(self, app: str | os.PathLike[str], run_config: Mapping[str, Any] | None = None,
+            timeout: float = 600.0) -> subprocess.CompletedProcess[str]:
+        """``flwr run <app> --stream`` on this federation; its output is returned.
+
+        Raises:
+            subprocess.TimeoutExpired: the run took longer than ``timeout`` (the ``flwr``
+                process group is ended first).
+            RuntimeError: ``flwr run`` failed (its output is in the message).
+        """
+        command = ["flwr", "run", str(app), CONNECTION, "--stream"]
+        for key, value in (run_config or {}).items():
+            command += ["--run-config", f"{key}={toml_value(value)}"]
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                   text=True, env=self.env, start_new_session=True)
+        try:
+            output, _ = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            end_groups([process])
+            raise
+        if process.returncode != 0:
+            raise RuntimeError(f"flwr run exited with code {process.returncode}:\n{output}")
+        return subprocess.CompletedProcess(command, process.returncode, output, None)
+
+    def stop(self) -> None:
+        """End every process group this federation started (SIGTERM, then SIGKILL)."""
+        end_groups(self.processes)
+        self.processes.clear()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+
+def end_groups(processes: list[subprocess.Popen], grace: float = 10.0) -> None:
+    """End the process groups ``processes`` lead: SIGTERM to all, SIGKILL after ``grace`` s
+    to whatever is left of them (app processes outlive their SuperNode), then wait, bounded,
+    until no member is left."""
+    deadline = time.monotonic() + grace
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for process in processes:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, sig)
+        for process in processes:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        deadline = time.monotonic() + grace
+    while any(group_alive(p.pid) for p in processes) and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any process of group ``pgid`` is left (zombies included)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True

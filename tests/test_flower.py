@@ -1,0 +1,208 @@
+"""FusekitStrategy and the ClientApp helpers on real Flower Messages (no network)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("flwr", reason="needs the [flower] extra")
+
+from flwr.app import ConfigRecord, Error, Message, MessageType, MetricRecord, RecordDict
+from flwr.supercore.task_identity import TaskIdentity
+
+import fusekit
+from conftest import mlp, write
+from fusekit.core.errors import CheckpointError, ParameterError, UnknownMethodError
+from fusekit.flower import (
+    ARCH,
+    WIDTHS,
+    FusekitStrategy,
+    arrays_to_state_dict,
+    global_model,
+    train_reply,
+)
+from fusekit.toolkit.data import load_dataset
+from fusekit.toolkit.nn import build_model, load_state_into
+from fusekit.toolkit.simulate import SimulationConfig, simulate_clients
+from fusekit.toolkit.train import TrainConfig
+
+
+@pytest.fixture(autouse=True)
+def serverapp_identity(monkeypatch):
+    """Messages are stamped with the run and node of the process, as in a ServerApp."""
+    monkeypatch.setattr(TaskIdentity, "_run_id", 1)
+    monkeypatch.setattr(TaskIdentity, "_node_id", 0)
+    monkeypatch.setattr(TaskIdentity, "_task_id", 1)
+
+
+def reply(node_id: int, content: RecordDict | Error) -> Message:
+    """What the SuperLink hands the ServerApp: node ``node_id``'s reply to a train message."""
+    instruction = Message(RecordDict({"config": ConfigRecord()}), dst_node_id=node_id,
+                          message_type=MessageType.TRAIN)
+    return Message(content, reply_to=instruction)
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return load_dataset("digits")
+
+
+@pytest.fixture(scope="module")
+def trained(digits):
+    """Three MLP clients trained from their own initial weights on non-iid digits."""
+    config = SimulationConfig(clients=3, partition="dirichlet", alpha=0.5, arch="mlp:32",
+                              train=TrainConfig(epochs=5))
+    clients = simulate_clients(digits, config)
+    models = []
+    for client in clients:
+        model = build_model(client.checkpoint.arch)
+        load_state_into(model, client.checkpoint.state_dict(), "client")
+        models.append(model)
+    return clients, models
+
+
+def trained_replies(trained) -> list[Message]:
+    clients, models = trained
+    return [reply(10 + c.index, train_reply(model, len(c.indices),
+                                            c.checkpoint.class_counts.astype(int).tolist()))
+            for c, model in zip(clients, models, strict=True)]
+
+
+def test_avg_keeps_tensor_names_and_weights_by_num_examples():
+    models = [mlp(batchnorm=True, seed=s) for s in range(2)]
+    replies = [reply(1, train_reply(models[0], 30)), reply(2, train_reply(models[1], 10))]
+    arrays, metrics = FusekitStrategy("avg").aggregate_train(1, replies)
+    assert list(arrays) == list(models[0].state_dict())
+    fused = arrays_to_state_dict(arrays)
+    expected = (0.75 * models[0][0].weight + 0.25 * models[1][0].weight).detach().numpy()
+    np.testing.assert_allclose(fused["0.weight"], expected, rtol=1e-6)
+    assert fused["1.num_batches_tracked"].dtype == np.int64
+    assert metrics["avg.fused-widths"] == [5]
+    assert metrics["avg.fused-replies"] == 2 and metrics["avg.left-out-replies"] == 0
+
+
+def test_class_counts_reach_the_fusion():
+    """avg --class-weighted reads the per-class counts the replies carry."""
+    models = [mlp(seed=s) for s in range(2)]
+    replies = [reply(1, train_reply(models[0], 10, [10, 0, 0])),
+               reply(2, train_reply(models[1], 10, [0, 4, 6]))]
+    arrays, _ = FusekitStrategy("avg", {"class_weighted": True}).aggregate_train(1, replies)
+    head = arrays_to_state_dict(arrays)["2.weight"]
+    np.testing.assert_allclose(head[0], models[0][2].weight[0].detach().numpy(), rtol=1e-6)
+    np.testing.assert_allclose(head[2], models[1][2].weight[2].detach().numpy(), rtol=1e-6)
+
+
+def test_bad_replies_are_left_out_with_the_reason_fusekit_fuse_gives(tmp_path, caplog):
+    good = [mlp(seed=s) for s in range(2)]
+    nan_model = mlp(seed=3)
+    with torch.no_grad():
+        nan_model[0].weight[0, 0] = float("nan")
+    missing_count = train_reply(mlp(seed=4), 5)
+    del missing_count["metrics"]["num-examples"]
+    replies = [
+        reply(1, train_reply(good[0], 10)),
+        reply(2, Error(code=1, reason="out of memory")),
+        reply(3, train_reply(nan_model, 10)),
+        reply(4, train_reply(mlp(widths=(6, 5, 4, 3), seed=5), 10)),
+        reply(5, missing_count),
+        reply(6, train_reply(good[1], 10)),
+    ]
+    strategy = FusekitStrategy("pfnm")
+    arrays, metrics = strategy.aggregate_train(3, replies)
+    assert arrays is not None and metrics["pfnm.fused-replies"] == 2
+    assert metrics["pfnm.left-out-replies"] == 4
+    reasons = strategy.left_out
+    assert sorted(reasons) == [2, 3, 4, 5]
+    assert "out of memory" in reasons[2]
+    assert "num-examples" in reasons[5]
+    # The reason is the one `fusekit fuse` gives for the same model in a file.
+    path = write(tmp_path / "nan.safetensors", nan_model)
+    with pytest.raises(CheckpointError) as file_error:
+        fusekit.fuse([path, write(tmp_path / "good.safetensors", good[0])], method="pfnm")
+    assert reasons[3] == str(file_error.value).replace(str(path), "node 3")
+    assert reasons[4] == "architectures cannot be fused: node 1 has 2 layers, node 4 has 3"
+    assert all(f"node {n} left out: {r}" in caplog.text for n, r in reasons.items())
+    assert all("\n" not in r for r in reasons.values())
+
+
+def test_the_round_fails_only_when_too_few_replies_remain(caplog):
+    replies = [reply(1, train_reply(mlp(seed=1), 10)), reply(2, Error(code=1, reason="x"))]
+    strategy = FusekitStrategy("avg", min_fused_replies=2)
+    assert strategy.aggregate_train(1, replies) == (None, None)
+    assert "round failed" in caplog.text
+    assert FusekitStrategy("avg", min_fused_replies=1).aggregate_train(1, replies)[0] is not None
+
+
+def test_configuration_errors_are_not_blamed_on_clients():
+    with pytest.raises(UnknownMethodError):
+        FusekitStrategy("fedprox")
+    replies = [reply(i, train_reply(mlp(seed=i), 10)) for i in (1, 2)]
+    with pytest.raises(ParameterError, match="sigma"):
+        FusekitStrategy("avg", {"sigma": 1.0}).aggregate_train(1, replies)
+
+
+def test_pfnm_round_reports_widths_and_sends_them_to_clients(trained, digits):
+    clients, _ = trained
+    strategy = FusekitStrategy("pfnm", arch=clients[0].checkpoint.arch)
+    arrays, metrics = strategy.aggregate_train(1, trained_replies(trained))
+    expected = fusekit.fuse([c.checkpoint for c in clients], method="pfnm")
+    widths = metrics["pfnm.fused-widths"]
+    assert widths == expected.widths and widths[0] > 32  # PFNM grew the layer
+    assert arrays_to_state_dict(arrays)["net.0.weight"].shape == (widths[0], 64)
+    np.testing.assert_array_equal(arrays_to_state_dict(arrays)["net.2.weight"],
+                                  expected.state_dict["net.2.weight"])
+    assert metrics["pfnm.fuse-time-s"] > 0
+
+    class OneRoundGrid:  # the node ids a Grid reports; no messages are sent
+        def get_node_ids(self):
+            return [10, 11, 12]
+
+    for message in strategy.configure_train(2, arrays, ConfigRecord({"lr": 0.1}),
+                                            OneRoundGrid()):
+        config = message.content["config"]
+        assert config[WIDTHS] == widths and config["lr"] == 0.1
+        assert json.loads(config[ARCH])["hidden"] == widths
+        model = global_model(message.content)  # what a ClientApp rebuilds
+        assert model.net[0].out_features == widths[0]
+
+    scores = strategy.evaluate_fn(digits)(1, arrays)
+    assert scores["hidden-widths"] == widths
+    assert scores["accuracy"] > 0.8
+
+
+def test_server_evaluation_before_the_first_round_uses_the_initial_architecture(trained,
+                                                                                 digits):
+    clients, models = trained
+    strategy = FusekitStrategy("pfnm", arch=clients[0].checkpoint.arch)
+    scores = strategy.evaluate_fn(digits)(0, train_reply(models[0], 1)["arrays"])
+    assert scores["hidden-widths"] == [32]
+    assert 0 < scores["accuracy"] < 1
+
+
+def test_train_reply_packs_counts_and_architecture():
+    model = build_model(json.loads(json.dumps(
+        {"type": "mlp", "in_features": 4, "hidden": [3], "out_features": 2})))
+    content = train_reply(model, 7, [3, 4], metrics={"train-loss": 0.5})
+    assert list(content["arrays"]) == list(model.state_dict())
+    metrics = content["metrics"]
+    assert isinstance(metrics, MetricRecord)
+    assert dict(metrics) == {"train-loss": 0.5, "num-examples": 7, "class-counts": [3, 4]}
+    assert json.loads(content["fusekit"][ARCH])["hidden"] == [3]
+    assert "fusekit" not in train_reply(mlp(), 7)  # a plain torch model has no fusekit.arch
+    for bad in ([3, 3], [8, -1], [3.5, 3.5]):
+        with pytest.raises(ParameterError, match="class_counts"):
+            train_reply(model, 7, bad)
+    with pytest.raises(ParameterError, match="num_examples"):
+        train_reply(model, 0)
+
+
+def test_global_model_without_architecture_is_read_from_its_tensors():
+    model = mlp(widths=(6, 9, 3))
+    content = RecordDict({"arrays": train_reply(model, 1)["arrays"],
+                          "config": ConfigRecord()})
+    rebuilt = global_model(content)
+    x = torch.randn(4, 6)
+    torch.testing.assert_close(rebuilt(x), model(x))

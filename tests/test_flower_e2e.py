@@ -1,0 +1,41 @@
+"""A real Flower federation on 127.0.0.1: a SuperLink and three SuperNodes (Flower's own
+processes, deployment engine), the example app run with ``flwr run`` once fused by FedAvg
+(fusekit's avg) and once by PFNM. About a minute on two cores; deselect with
+``-m "not flower_e2e"``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("flwr", reason="needs the [flower] extra")
+
+from fusekit.flower.local import LocalFederation, group_alive
+
+APP = Path(__file__).resolve().parents[1] / "examples" / "flower"
+
+pytestmark = pytest.mark.flower_e2e
+
+
+def test_one_round_pfnm_federation_beats_fedavg_of_the_same_federation(tmp_path):
+    results = {}
+    with LocalFederation(nodes=3, workdir=tmp_path / "federation") as federation:
+        pids = [p.pid for p in federation.processes]
+        for method, evaluate in (("avg", 0.0), ("pfnm", 1.0)):
+            result_file = tmp_path / f"{method}.json"
+            federation.run(APP, {"method": method, "epochs": 10, "fraction-evaluate": evaluate,
+                                 "result-file": str(result_file)}, timeout=420)
+            results[method] = json.loads(result_file.read_text())
+    assert not any(group_alive(pid) for pid in pids)  # every process group it started ended
+    avg, pfnm = results["avg"], results["pfnm"]
+    assert avg["hidden_widths"] == [100]
+    assert pfnm["hidden_widths"][0] > 100  # PFNM grew the hidden layer
+    assert pfnm["accuracy"] > avg["accuracy"] + 0.05
+    assert pfnm["left_out"] == {} and avg["left_out"] == {}
+    round_one = pfnm["train_metrics"]["1"]
+    assert round_one["pfnm.fused-replies"] == 3
+    assert round_one["pfnm.fused-widths"] == pfnm["hidden_widths"]
+    # The nodes rebuilt the fused model from the widths in the ConfigRecord and scored it.
+    assert pfnm["client_evaluation"]["1"]["accuracy"] > 0.8
