@@ -206,3 +206,16 @@ def test_global_model_without_architecture_is_read_from_its_tensors():
     rebuilt = global_model(content)
     x = torch.randn(4, 6)
     torch.testing.assert_close(rebuilt(x), model(x))
+
+
+@pytest.mark.parametrize("method", sorted(fusekit.METHODS))
+def test_every_method_fuses_a_round_that_the_server_scores(trained, digits, method):
+    clients, _ = trained
+    strategy = FusekitStrategy(method, arch=clients[0].checkpoint.arch)
+    arrays, metrics = strategy.aggregate_train(1, trained_replies(trained))
+    expected = fusekit.fuse([c.checkpoint for c in clients], method=method)
+    assert list(arrays) == list(expected.state_dict)
+    assert metrics[f"{method}.fused-widths"] == expected.widths
+    scores = strategy.evaluate_fn(digits)(1, arrays)
+    assert scores["hidden-widths"] == expected.widths
+    assert scores["accuracy"] > 0.5

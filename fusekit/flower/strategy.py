@@ -96,7 +96,7 @@ class FusekitStrategy(FedAvg):
         return super().configure_evaluate(server_round, arrays, self._with_widths(config), grid)
 
     def _with_widths(self, config: ConfigRecord) -> ConfigRecord:
-        if self.last_fusion is None:
+        if self.last_fusion is None or not self.last_fusion.widths:  # none yet, or AMS
             return config
         return ConfigRecord({**config, **architecture_config(self.global_metadata,
                                                              self.last_fusion.widths)})
@@ -211,7 +211,8 @@ class FusekitStrategy(FedAvg):
         def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
             checkpoint, logits = evaluator.logits(self.global_checkpoint(arrays))
             score = evaluator.score(logits, f"round {server_round}", "fused", self.method)
-            widths = [int(w) for w in client_spec(checkpoint, self.spec).hidden_widths]
+            widths = [int(w) for w in (self.last_fusion.widths if self.last_fusion else
+                                       client_spec(checkpoint, self.spec).hidden_widths)]
             log.info("round %d: global model accuracy %.4f (hidden widths %s)",
                      server_round, score.accuracy, widths)
             return MetricRecord({"accuracy": score.accuracy, "loss": score.loss,
