@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("flwr", reason="needs the [flower] extra")
 
-from fusekit.flower.local import LocalFederation, group_alive
+from fusekit.flower.local import LocalFederation, descendant_groups, group_alive
 
 APP = Path(__file__).resolve().parents[1] / "examples" / "flower"
 
@@ -22,13 +22,15 @@ pytestmark = pytest.mark.flower_e2e
 def test_one_round_pfnm_federation_beats_fedavg_of_the_same_federation(tmp_path):
     results = {}
     with LocalFederation(nodes=3, workdir=tmp_path / "federation") as federation:
-        pids = [p.pid for p in federation.processes]
+        leaders = [p.pid for p in federation.processes]
         for method, evaluate in (("avg", 0.0), ("pfnm", 1.0)):
             result_file = tmp_path / f"{method}.json"
             federation.run(APP, {"method": method, "epochs": 10, "fraction-evaluate": evaluate,
                                  "result-file": str(result_file)}, timeout=420)
             results[method] = json.loads(result_file.read_text())
-    assert not any(group_alive(pid) for pid in pids)  # every process group it started ended
+        groups = set(leaders) | descendant_groups(leaders)
+        assert len(groups) > len(leaders)  # the SuperLink's SuperExec has a session of its own
+    assert not any(group_alive(group) for group in groups)  # every process it started ended
     avg, pfnm = results["avg"], results["pfnm"]
     assert avg["hidden_widths"] == [100]
     assert pfnm["hidden_widths"][0] > 100  # PFNM grew the hidden layer

@@ -20,7 +20,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -173,20 +173,39 @@ class LocalFederation:
 
 
 def end_groups(processes: list[subprocess.Popen], grace: float = 10.0) -> None:
-    """End the process groups ``processes`` lead: SIGTERM to all, SIGKILL after ``grace`` s
-    to whatever is left of them (app processes outlive their SuperNode), then wait, bounded,
-    until no member is left."""
-    deadline = time.monotonic() + grace
+    """End the process groups ``processes`` lead and those of all their descendants (the
+    SuperLink starts its SuperExec in a session of its own): SIGTERM, then SIGKILL for
+    what is left after ``grace`` s, each followed by a bounded wait until no member is left.
+    """
+    groups = {p.pid for p in processes} | descendant_groups(p.pid for p in processes)
+    groups.discard(os.getpgrp())  # never the caller's own group
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        for process in processes:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, sig)
+        for group in groups:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(group, sig)
+        deadline = time.monotonic() + grace
         for process in processes:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(timeout=max(0.0, deadline - time.monotonic()))
-        deadline = time.monotonic() + grace
-    while any(group_alive(p.pid) for p in processes) and time.monotonic() < deadline:
-        time.sleep(0.1)
+        while any(group_alive(g) for g in groups) and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+
+def descendant_groups(roots: Iterable[int]) -> set[int]:
+    """The process groups of every descendant of ``roots``, read from /proc (Linux; an
+    empty set elsewhere)."""
+    parent_and_group = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)"
+            parent_and_group[int(stat.parent.name)] = (int(fields[1]), int(fields[2]))
+    found: set[int] = set()
+    frontier = set(roots)
+    while frontier:
+        frontier = {pid for pid, (parent, _) in parent_and_group.items()
+                    if parent in frontier} - found
+        found |= frontier
+    return {parent_and_group[pid][1] for pid in found}
 
 
 def group_alive(pgid: int) -> bool:
