@@ -6,6 +6,7 @@ processes, deployment engine), the example app run with ``flwr run`` once fused 
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -41,3 +42,15 @@ def test_one_round_pfnm_federation_beats_fedavg_of_the_same_federation(tmp_path)
     assert round_one["pfnm.fused-widths"] == pfnm["hidden_widths"]
     # The nodes rebuilt the fused model from the widths in the ConfigRecord and scored it.
     assert pfnm["client_evaluation"]["1"]["accuracy"] > 0.8
+
+
+def test_a_run_that_cannot_finish_is_stopped_at_its_timeout(tmp_path):
+    """Two nodes required, one started: the ServerApp would wait for ever; the run is
+    stopped on the SuperLink at its timeout and leaving the block ends every process."""
+    with LocalFederation(nodes=1, workdir=tmp_path / "federation") as federation:
+        leaders = [p.pid for p in federation.processes]
+        with pytest.raises(subprocess.TimeoutExpired):
+            federation.run(APP, {"min-nodes": 2}, timeout=20)
+        assert [run["status"] for run in federation.runs()] == ["finished:stopped"]
+        groups = set(leaders) | descendant_groups(leaders)
+    assert not any(group_alive(group) for group in groups)

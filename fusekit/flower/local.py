@@ -10,8 +10,10 @@ organisation starts its own SuperNode (see examples/flower/README.md).
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -145,23 +147,46 @@ class LocalFederation:
         """``flwr run <app> --stream`` on this federation; its output is returned.
 
         Raises:
-            subprocess.TimeoutExpired: the run took longer than ``timeout`` (the ``flwr``
-                process group is ended first).
+            subprocess.TimeoutExpired: the run took longer than ``timeout`` (the run is
+                stopped on the SuperLink and the ``flwr`` process group ended first).
             RuntimeError: ``flwr run`` failed (its output is in the message).
         """
         command = ["flwr", "run", str(app), CONNECTION, "--stream"]
         for key, value in (run_config or {}).items():
             command += ["--run-config", f"{key}={toml_value(value)}"]
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                   text=True, env=self.env, start_new_session=True)
-        try:
-            output, _ = process.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            end_groups([process])
-            raise
+        with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, env=self.env, start_new_session=True) as process:
+            try:
+                output, _ = process.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired as exc:
+                self._stop_run(exc.output)
+                end_groups([process])
+                raise
         if process.returncode != 0:
             raise RuntimeError(f"flwr run exited with code {process.returncode}:\n{output}")
         return subprocess.CompletedProcess(command, process.returncode, output, None)
+
+    def runs(self) -> list[dict[str, Any]]:
+        """The SuperLink's runs as ``flwr ls --format json`` lists them (``run-id``,
+        ``status`` such as ``finished:completed`` or ``finished:stopped``, ...)."""
+        return json.loads(self._flwr("ls", CONNECTION, "--format", "json").stdout)["runs"]
+
+    def _stop_run(self, partial_output: bytes | str | None) -> None:
+        """Stop on the SuperLink the run whose start ``flwr run`` printed: ending ``flwr
+        run`` alone would leave its ServerApp waiting on the SuperLink."""
+        if isinstance(partial_output, bytes):
+            partial_output = partial_output.decode(errors="replace")
+        started = re.search(r"Successfully started run (\d+)", partial_output or "")
+        if started is None:
+            return
+        try:
+            self._flwr("stop", started.group(1), CONNECTION)
+        except (subprocess.SubprocessError, OSError) as exc:
+            log.warning("could not stop run %s: %s", started.group(1), exc)
+
+    def _flwr(self, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["flwr", *args], capture_output=True, text=True, env=self.env,
+                              timeout=timeout, check=True)
 
     def stop(self) -> None:
         """End every process group this federation started (SIGTERM, then SIGKILL)."""
