@@ -1,4 +1,4 @@
-"""PFNM / NAFI fusion benchmark (benchmarks/bench_fusion.py, python -m fusekit.bench.fusion).
+"""PFNM / NAFI fusion benchmark (``python benchmarks/bench_fusion.py``).
 
 1. Generative MLP clients (ALGORITHMS.md §3, the authors' synthetic setting): a pool of
    150 global neurons of a 784-100-10 MLP (weights N(0, 0.1^2)); each of S clients takes 100

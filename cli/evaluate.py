@@ -19,8 +19,6 @@ from fusekit._cli.options import (
     SamplesOption,
 )
 from fusekit._cli.output import emit_json, stdout
-from fusekit.toolkit.data import load_dataset
-from fusekit.toolkit.evaluate import evaluate_checkpoints
 
 
 def evaluate(
@@ -39,6 +37,9 @@ def evaluate(
     as_json: JsonOption = False,
 ) -> None:
     """Test accuracy and loss of every model, plus the logit-average ensemble of the clients."""
+    from fusekit.toolkit.data import load_dataset
+    from fusekit.toolkit.evaluate import evaluate_checkpoints
+
     dataset = load_dataset(
         data,
         data_dir=data_dir,

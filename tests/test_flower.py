@@ -14,7 +14,7 @@ from flwr.app import ConfigRecord, Error, Message, MessageType, MetricRecord, Re
 from flwr.supercore.task_identity import TaskIdentity
 
 import fusekit
-from conftest import mlp, write
+from conftest import mlp, write, write_raw
 from fusekit.core.errors import CheckpointError, ParameterError, UnknownMethodError
 from fusekit.flower import (
     ARCH,
@@ -119,7 +119,7 @@ def test_bad_replies_are_left_out_with_the_reason_fusekit_fuse_gives(tmp_path, c
     assert "out of memory" in reasons[2]
     assert "num-examples" in reasons[5]
     # The reason is the one `fusekit fuse` gives for the same model in a file.
-    path = write(tmp_path / "nan.safetensors", nan_model)
+    path = write_raw(tmp_path / "nan.safetensors", nan_model)
     with pytest.raises(CheckpointError) as file_error:
         fusekit.fuse([path, write(tmp_path / "good.safetensors", good[0])], method="pfnm")
     assert reasons[3] == str(file_error.value).replace(str(path), "node 3")
@@ -136,12 +136,19 @@ def test_the_round_fails_only_when_too_few_replies_remain(caplog):
     assert FusekitStrategy("avg", min_fused_replies=1).aggregate_train(1, replies)[0] is not None
 
 
-def test_configuration_errors_are_not_blamed_on_clients():
+def test_bad_method_or_parameters_fail_before_any_node_trains():
+    """Checked against the method's declaration, as ``fusekit.fuse`` checks them."""
     with pytest.raises(UnknownMethodError):
         FusekitStrategy("fedprox")
-    replies = [reply(i, train_reply(mlp(seed=i), 10)) for i in (1, 2)]
-    with pytest.raises(ParameterError, match="sigma"):
-        FusekitStrategy("avg", {"sigma": 1.0}).aggregate_train(1, replies)
+    with pytest.raises(ParameterError, match=r"'avg' does not take parameter.* sigma"):
+        FusekitStrategy("avg", {"sigma": 1.0})
+    with pytest.raises(ParameterError, match="sweeps"):
+        FusekitStrategy("pfnm", {"sweeps": 2.5})
+    with pytest.raises(ParameterError, match="unobserved"):
+        FusekitStrategy("nafi", {"unobserved": "drop-them"})
+    with pytest.raises(ParameterError, match="sigma: expected one value for every node"):
+        FusekitStrategy("pfnm", {"sigma": [1.0, 2.0, 3.0]})
+    assert FusekitStrategy("pfnm", {"sigma": 2, "sweeps": 3}).params == {"sigma": 2, "sweeps": 3}
 
 
 def test_pfnm_round_reports_widths_and_sends_them_to_clients(trained, digits):

@@ -353,5 +353,6 @@ def test_per_client_sigma_follows_the_order_of_the_inputs():
     backward = fusekit.fuse(clients[::-1], method="pfnm", sigma=sigmas[::-1])
     for name, value in forward.state_dict.items():
         np.testing.assert_array_equal(value, backward.state_dict[name])
-    with pytest.raises(ParameterError, match="sigma: expected a number or one number per client"):
+    wanted = "sigma: expected a finite number > 0, or one such number per client"
+    with pytest.raises(ParameterError, match=wanted):
         fusekit.fuse(clients, method="pfnm", sigma="12")

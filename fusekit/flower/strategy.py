@@ -12,7 +12,7 @@ import json
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
@@ -23,9 +23,10 @@ import fusekit
 from fusekit.api import SpecLike, check_compatible, client_spec
 from fusekit.core import metadata as meta
 from fusekit.core.checkpoint import Checkpoint
-from fusekit.core.errors import FusekitError, IncompatibleModelsError
+from fusekit.core.errors import FusekitError, IncompatibleModelsError, ParameterError
 from fusekit.methods import FusionResult
-from fusekit.methods.base import get_method
+from fusekit.methods.base import FusionMethod, get_method
+from fusekit.methods.params import method_params, validate
 
 from .records import (
     CLASS_COUNTS,
@@ -55,6 +56,8 @@ class FusekitStrategy(FedAvg):
 
     Raises:
         UnknownMethodError: ``method`` is not registered.
+        ParameterError: ``params`` do not match the method's declaration (names, types,
+            choices, bounds), or give a per-client parameter one value per client.
     """
 
     def __init__(
@@ -68,8 +71,10 @@ class FusekitStrategy(FedAvg):
         **fedavg: Any,
     ) -> None:
         super().__init__(**fedavg)
-        self.fusion = get_method(method)  # an unknown name fails now, not after training
+        # A bad method or parameter fails now, not after the nodes have trained.
+        self.fusion = get_method(method)
         self.params = dict(params or {})
+        check_params(self.fusion, self.params)
         self.spec = spec
         self.min_fused_replies = min_fused_replies
         #: The global model's fusekit metadata (architecture, spec): rebuilds it anywhere.
@@ -117,7 +122,7 @@ class FusekitStrategy(FedAvg):
             ``<method>.left-out-replies``.
 
         Raises:
-            FusekitError: the configured parameters do not suit the method or the models.
+            FusekitError: the configured parameters do not suit the models.
         """
         replies = list(replies)
         usable, self.left_out = self.usable_replies(replies)
@@ -219,3 +224,18 @@ class FusekitStrategy(FedAvg):
                                  "hidden-widths": widths})
 
         return evaluate
+
+
+def check_params(fusion: FusionMethod, params: Mapping[str, Any]) -> None:
+    """``params`` against the method's declaration, as ``fusekit.fuse`` checks them; a
+    per-client parameter takes one value here, since which nodes reply, and in what order,
+    changes from round to round."""
+    declared = method_params(fusion)
+    validate(fusion.name, declared, dict(params))
+    for spec in declared:
+        value = params.get(spec.name)
+        if spec.per_client and isinstance(value, Sequence) and not isinstance(value, str):
+            raise ParameterError(
+                f"{spec.name}: expected one value for every node of a federation, found "
+                f"{len(value)} values {list(value)!r:.80}"
+            )

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
 
@@ -27,6 +27,7 @@ from fusekit.core.checkpoint import Checkpoint
 from fusekit.core.errors import CheckpointError, IncompatibleModelsError, ParameterError
 from fusekit.core.spec import PermutationSpec
 from fusekit.methods.base import FusionMethod, FusionResult, register
+from fusekit.methods.params import Param
 
 MODES = ("top1", "topk", "full")
 
@@ -48,8 +49,15 @@ class AdaptiveModelSelection(FusionMethod):
         checkpoints: Sequence[Checkpoint],
         specs: Sequence[PermutationSpec],
         *,
-        mode: str = "top1",
-        k: int | None = None,
+        mode: Annotated[str, Param(
+            help="top1 (the most confident model answers), topk (sum of the k most "
+            "confident models' logits) or full (sum of all)",
+            paper="AMS paper §5, Eq. 7-9", choices=MODES,
+        )] = "top1",
+        k: Annotated[int | None, Param(
+            help="models summed by mode topk, at most the number of clients", minimum=1,
+            default_text="1 for top1, all for full",
+        )] = None,
     ) -> FusionResult:
         """Pack every client into one AMS artefact (AMS paper Algorithm 2).
 
@@ -71,10 +79,12 @@ class AdaptiveModelSelection(FusionMethod):
 
         Raises:
             ParameterError: unknown mode, or k missing/out of range/contradicting the mode.
-            IncompatibleModelsError: the models do not all have the same number of outputs.
+            IncompatibleModelsError: the models do not all have the same number of outputs,
+                or do not all take the same inputs.
         """
         k = resolve_k(mode, k, len(checkpoints))
         check_same_outputs(checkpoints, specs)
+        check_same_inputs(checkpoints, specs)
         state_dict: dict[str, np.ndarray] = {}
         models = []
         for index, (checkpoint, spec) in enumerate(zip(checkpoints, specs, strict=True)):
@@ -136,6 +146,34 @@ def check_same_outputs(checkpoints: Sequence[Checkpoint],
                 f"{checkpoints[0].label} has {first}; AMS needs every model to have the same "
                 "number of outputs (classes)"
             )
+
+
+def check_same_inputs(checkpoints: Sequence[Checkpoint],
+                      specs: Sequence[PermutationSpec]) -> None:
+    """Every model must answer the same inputs: the same number of input values per sample
+    where it is known (an MLP's features; a convnet's C*H*W when its ``fusekit.arch`` gives
+    the image size), and the same input channels between convnets."""
+    sizes = [(c, _input_values(c, s)) for c, s in zip(checkpoints, specs, strict=True)]
+    channels = [(c, s.in_features) for c, s in zip(checkpoints, specs, strict=True)
+                if s.layers[0].kind == "conv2d"]
+    for unit, known in (("input values per sample", [p for p in sizes if p[1] is not None]),
+                        ("input channels", channels)):
+        for checkpoint, value in known[1:]:
+            if value != known[0][1]:
+                raise IncompatibleModelsError(
+                    f"{checkpoint.label} takes {value} {unit} but {known[0][0].label} takes "
+                    f"{known[0][1]}; AMS needs every model to answer the same inputs"
+                )
+
+
+def _input_values(checkpoint: Checkpoint, spec: PermutationSpec) -> int | None:
+    first = spec.layers[0]
+    if first.kind == "linear":
+        return first.in_features
+    size = (checkpoint.arch or {}).get("image_size")
+    if isinstance(size, list) and len(size) == 2 and all(type(v) is int for v in size):
+        return first.in_features * size[0] * size[1]
+    return None
 
 
 def read_ams_metadata(metadata: Mapping[str, str], label: str) -> dict[str, Any]:
