@@ -26,6 +26,7 @@ from fusekit.flower import (
 )
 from fusekit.toolkit.data import load_dataset
 from fusekit.toolkit.nn import build_model, load_state_into
+from fusekit.toolkit.nn.fused import load_fused
 from fusekit.toolkit.simulate import SimulationConfig, simulate_clients
 from fusekit.toolkit.train import TrainConfig
 
@@ -43,6 +44,13 @@ def reply(node_id: int, content: RecordDict | Error) -> Message:
     instruction = Message(RecordDict({"config": ConfigRecord()}), dst_node_id=node_id,
                           message_type=MessageType.TRAIN)
     return Message(content, reply_to=instruction)
+
+
+class NodeIds:
+    """The part of a Grid that configure_train/evaluate use: the connected node ids."""
+
+    def get_node_ids(self):
+        return [10, 11, 12]
 
 
 @pytest.fixture(scope="module")
@@ -163,12 +171,8 @@ def test_pfnm_round_reports_widths_and_sends_them_to_clients(trained, digits):
                                   expected.state_dict["net.2.weight"])
     assert metrics["pfnm.fuse-time-s"] > 0
 
-    class OneRoundGrid:  # the node ids a Grid reports; no messages are sent
-        def get_node_ids(self):
-            return [10, 11, 12]
-
     for message in strategy.configure_train(2, arrays, ConfigRecord({"lr": 0.1}),
-                                            OneRoundGrid()):
+                                            NodeIds()):
         config = message.content["config"]
         assert config[WIDTHS] == widths and config["lr"] == 0.1
         assert json.loads(config[ARCH])["hidden"] == widths
@@ -226,3 +230,8 @@ def test_every_method_fuses_a_round_that_the_server_scores(trained, digits, meth
     scores = strategy.evaluate_fn(digits)(1, arrays)
     assert scores["hidden-widths"] == expected.widths
     assert scores["accuracy"] > 0.5
+    # Each node rebuilds the same global model from the evaluate message alone.
+    x = torch.as_tensor(digits.x_test[:20])
+    server_model = load_fused(strategy.global_checkpoint(arrays), "cpu")
+    for message in strategy.configure_evaluate(1, arrays, ConfigRecord(), NodeIds()):
+        torch.testing.assert_close(global_model(message.content)(x), server_model(x))

@@ -15,7 +15,14 @@ from fusekit.core.checkpoint import Checkpoint
 from fusekit.core.errors import ParameterError
 from fusekit.toolkit.nn.fused import load_fused
 
-from .records import ARCH, ARCH_RECORD, CLASS_COUNTS, NUM_EXAMPLES, arrays_to_state_dict
+from .records import (
+    ARCH,
+    ARCH_RECORD,
+    CLASS_COUNTS,
+    NUM_EXAMPLES,
+    arrays_to_state_dict,
+    model_metadata,
+)
 
 
 def train_reply(
@@ -66,18 +73,16 @@ def global_model(content: RecordDict, arch: Mapping[str, Any] | None = None, *,
                  arrays_key: str = "arrays", config_key: str = "config") -> nn.Module:
     """The global model a train or evaluate message carries, as a torch module in eval mode.
 
-    Its architecture is the one the server sent (``fusekit-arch`` in the ConfigRecord: the
-    fused widths) or else ``arch``; without either the model is read as a ReLU MLP from its
-    tensors, as ``fusekit.load_fused`` does.
+    Its architecture is the one the server sent (``fusekit-arch``, ``fusekit-spec`` or
+    ``fusekit-ams`` in the ConfigRecord: the fused model) or else ``arch``; without either
+    the model is read as a ReLU MLP from its tensors, as ``fusekit.load_fused`` does.
 
     Raises:
         CheckpointError: the arrays do not match the architecture.
     """
-    config = content.config_records.get(config_key, ConfigRecord())
-    if ARCH in config:
-        metadata = {meta.ARCH: str(config[ARCH])}
-    else:
-        metadata = {meta.ARCH: json.dumps(dict(arch))} if arch is not None else {}
+    metadata = model_metadata(content.config_records.get(config_key, ConfigRecord()))
+    if not metadata and arch is not None:
+        metadata = {meta.ARCH: json.dumps(dict(arch))}
     checkpoint = Checkpoint.from_state_dict(
         arrays_to_state_dict(content.array_records[arrays_key]), metadata, source="global model")
     return load_fused(checkpoint, "cpu")

@@ -3,9 +3,10 @@
 A ClientApp's train reply holds one ``ArrayRecord`` (the model's state_dict, tensor names
 kept), one ``MetricRecord`` with ``num-examples`` (and, optionally, ``class-counts``: one
 count per class) and, for fusekit models, a ``ConfigRecord`` with the architecture
-(``fusekit-arch``, the ``fusekit.arch`` JSON). After a fusion the server sends
-``fusekit-arch`` and ``fusekit-widths`` (the fused hidden widths) in the train and evaluate
-``ConfigRecord``, so clients can rebuild the global model whose widths PFNM/NAFI changed.
+(``fusekit-arch``, the ``fusekit.arch`` JSON). After a fusion the server sends, in the train
+and evaluate ``ConfigRecord``, what ``fusekit.load_fused`` rebuilds the global model from:
+``fusekit-arch``, ``fusekit-spec`` and ``fusekit-ams`` where the fused model has them, and
+``fusekit-widths`` (the fused hidden widths, which PFNM/NAFI change).
 """
 
 from __future__ import annotations
@@ -23,8 +24,12 @@ from fusekit.core.errors import CheckpointError
 NUM_EXAMPLES = "num-examples"  # Flower's FedAvg weights replies by this key
 CLASS_COUNTS = "class-counts"
 ARCH = "fusekit-arch"
+SPEC = "fusekit-spec"
+AMS = "fusekit-ams"
 WIDTHS = "fusekit-widths"
 ARCH_RECORD = "fusekit"  # the reply's ConfigRecord carrying ARCH
+#: The fused model's metadata that rebuilds it, and the ConfigRecord keys it travels under.
+MODEL_KEYS = {meta.ARCH: ARCH, meta.SPEC: SPEC, meta.AMS: AMS}
 
 
 def arrays_to_state_dict(arrays: ArrayRecord) -> dict[str, np.ndarray]:
@@ -68,13 +73,19 @@ def reply_checkpoint(content: RecordDict, source: str,
     return checkpoint
 
 
-def architecture_config(fused_metadata: Mapping[str, str], widths: list[int]) -> ConfigRecord:
-    """What clients need to rebuild the global model: its hidden widths and, when known,
-    its ``fusekit.arch`` JSON."""
-    config = ConfigRecord({WIDTHS: [int(w) for w in widths]})
-    if meta.ARCH in fused_metadata:
-        config[ARCH] = fused_metadata[meta.ARCH]
+def model_config(fused_metadata: Mapping[str, str], widths: list[int]) -> ConfigRecord:
+    """What clients need to rebuild the global model: its hidden widths (none for AMS) and
+    the metadata ``fusekit.load_fused`` reads (architecture, spec, AMS description)."""
+    config = ConfigRecord({key: fused_metadata[name] for name, key in MODEL_KEYS.items()
+                           if name in fused_metadata})
+    if widths:
+        config[WIDTHS] = [int(w) for w in widths]
     return config
+
+
+def model_metadata(config: ConfigRecord) -> dict[str, str]:
+    """The fusekit metadata a :func:`model_config` record carries."""
+    return {name: str(config[key]) for name, key in MODEL_KEYS.items() if key in config}
 
 
 def _only(records: Mapping, kind: str, source: str):

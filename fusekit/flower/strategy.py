@@ -30,8 +30,8 @@ from fusekit.methods.params import method_params, validate
 
 from .records import (
     CLASS_COUNTS,
-    architecture_config,
     arrays_to_state_dict,
+    model_config,
     reply_checkpoint,
     state_dict_to_arrays,
 )
@@ -94,17 +94,20 @@ class FusekitStrategy(FedAvg):
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
-        return super().configure_train(server_round, arrays, self._with_widths(config), grid)
+        return super().configure_train(server_round, arrays, self._with_global_model(config),
+                                       grid)
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                            grid: Grid) -> Iterable[Message]:
-        return super().configure_evaluate(server_round, arrays, self._with_widths(config), grid)
+        return super().configure_evaluate(server_round, arrays,
+                                          self._with_global_model(config), grid)
 
-    def _with_widths(self, config: ConfigRecord) -> ConfigRecord:
-        if self.last_fusion is None or not self.last_fusion.widths:  # none yet, or AMS
+    def _with_global_model(self, config: ConfigRecord) -> ConfigRecord:
+        """``config`` plus what rebuilds the fused global model (nothing before a fusion)."""
+        if self.last_fusion is None:
             return config
-        return ConfigRecord({**config, **architecture_config(self.global_metadata,
-                                                             self.last_fusion.widths)})
+        return ConfigRecord({**config, **model_config(self.global_metadata,
+                                                      self.last_fusion.widths)})
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
