@@ -36,7 +36,7 @@ def evaluate(
     batch_size: Annotated[int, typer.Option("--batch-size", help="Inference batch size.")] = 4096,
     as_json: JsonOption = False,
 ) -> None:
-    """Test accuracy and loss of every model, plus the logit-average ensemble of the clients."""
+    """Test accuracy and loss of every model, plus the logit- and softmax-average ensembles."""
     from fusekit.toolkit.data import load_dataset
     from fusekit.toolkit.evaluate import evaluate_checkpoints
 

@@ -22,7 +22,7 @@ from fusekit._cli.output import emit_json, stdout
 from fusekit._cli.recipe import Recipe, load_recipe, resolve_output, write_folder
 from fusekit.core.errors import FusekitError, OutputError, ParameterError
 from fusekit.methods import METHODS
-from fusekit.methods.params import ParamSpec, method_params
+from fusekit.methods.params import ParamSpec, from_text, method_params
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +34,7 @@ _TEXT_TYPES: dict[str, tuple[Any, str]] = {
     "str": (str | None, "TEXT"),
     "path": (Path | None, "PATH"),
     "floats": (list[float] | None, "FLOAT"),
+    "ints": (str | None, "N|N1,N2,..."),
     "bool": (bool | None, ""),
 }
 
@@ -150,6 +151,9 @@ def _warn_about_suffix(path: Path) -> None:
 
 def _run(recipe: Recipe):
     params = dict(recipe.parameters)
+    for spec in method_params(METHODS[recipe.method]) if recipe.method in METHODS else ():
+        if spec.kind == "ints" and isinstance(params.get(spec.name), str):  # N or N1,N2
+            params[spec.name] = from_text(spec, params[spec.name])
     if recipe.activations:
         params["activations"] = _activation_provider(recipe.activations)
     return fusekit.fuse(recipe.inputs, method=recipe.method, spec=recipe.spec, **params)
@@ -194,7 +198,7 @@ def _option(name: str, entries: list[tuple[str, ParamSpec]]) -> inspect.Paramete
         flags = [f"{spec.flag}/--no-{spec.flag[2:]}"]
     help_text = spec.param.help[:1].upper() + spec.param.help[1:]
     if spec.param.choices:
-        metavar = "|".join(spec.param.choices)
+        metavar = "|".join([metavar] * (spec.kind == "ints") + list(spec.param.choices))
     bounds = spec.describe_bounds()
     if bounds:
         help_text += f"; {bounds}"

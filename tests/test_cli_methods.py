@@ -125,14 +125,17 @@ def test_help_shows_every_declared_parameter_plainly():
 
 
 @pytest.mark.parametrize(("method", "params", "culprit"), [
-    ("nafi", {"lam": "0.1"}, r"lam: expected a finite number >= 0, found '0\.1' \(str\)"),
+    ("nafi", {"lam": "0.1"}, r"lam: expected a finite number >= 0, or None, found '0\.1' \(str\)"),
     ("avg", {"class_weighted": "no"}, r"class_weighted: expected a bool .*found 'no' \(str\)"),
-    ("pfnm", {"max_width": 3.5}, r"max_width: expected an integer >= 1, or None, found 3\.5"),
+    ("pfnm", {"width": 3.5}, r"width: expected an integer >= 1, a list of them \(one per layer\), "
+                             r"or 'unlimited', or None, found 3\.5"),
+    ("pfnm", {"width": "14,9"}, r"width: .* found '14,9' \(str\)"),
+    ("pfnm", {"width": [14, 0]}, r"width: .* found \[14, 0\]"),
     ("pfnm", {"seed": "1"}, r"seed: expected an integer >= 0, found '1' \(str\)"),
     ("pfnm", {"seed": -1}, r"seed: expected an integer >= 0, found -1 \(int\)"),
     ("pfnm", {"seed": True}, r"seed: expected an integer >= 0, found True \(bool\)"),
     ("nafi", {"sweeps": 1001}, r"sweeps: expected an integer >= 0, <= 1000, found 1001"),
-    ("pfnm", {"gamma": 0}, r"gamma: expected a finite number > 0, found 0"),
+    ("pfnm", {"gamma": 0}, r"gamma: expected a finite number > 0, or None, found 0"),
     ("pfnm", {"mu0": float("nan")}, r"mu0: expected a finite number, found nan"),
     ("pfnm", {"unobserved": "zero"}, r"unobserved: expected one of 'mask', 'zeros'"),
     ("pfnm", {"sigma": [1.0, "2"]}, r"sigma: expected a finite number > 0, or one such"),
@@ -358,3 +361,15 @@ def test_ot_activation_recipe_reruns_from_anywhere(mlp_clients, tmp_path, monkey
     again = load_checkpoint("again.safetensors")
     for name in first.tensors:
         np.testing.assert_array_equal(first.tensor(name), again.tensor(name))
+
+
+@pytest.mark.parametrize(("given", "widths"), [("6", [6]), ("7,", None), ("unlimited", None)])
+def test_width_as_the_command_line_spells_it(mlp_clients, tmp_path, given, widths):
+    result = run("fuse", *mlp_clients, "--method", "pfnm", "--width", given,
+                 "-o", tmp_path / "f.safetensors", "--json")
+    if given == "7,":
+        assert result.exit_code == 2 and "width: expected an integer" in text(result)
+        return
+    assert result.exit_code == 0, result.output
+    fused = json.loads(result.stdout)["widths"]
+    assert fused == widths if widths else fused[0] >= 5

@@ -27,10 +27,11 @@ def test_demo_runs_every_registered_method(tmp_path):
         assert (tmp_path / f"fused-{run.method}.safetensors").is_file()
         assert run.fuse_time_s > 0
     # Matching fuses skewed clients into a better model than the clients are on average
-    # (measured: mean client 44%, pfnm and nafi 77% at fused widths 39 and 38).
+    # (measured: mean client 44%, pfnm 54% and nafi 46% at the default fused width
+    # 24 = 1.5 x 16, after 3 epochs; the full demo's 20 epochs give 95% at width 150).
     for method in ("pfnm", "nafi"):
-        assert by_name[method].score.accuracy > report.mean_client_accuracy + 0.15, method
-        assert by_name[method].widths[0] > 16  # wider than any client: it kept new neurons
+        assert by_name[method].score.accuracy > report.mean_client_accuracy, method
+        assert by_name[method].widths == [24]
     assert by_name["ot"].widths == by_name["avg"].widths == [16]
     assert json.loads(json.dumps(report.as_dict()))["config"]["clients"] == 3
 

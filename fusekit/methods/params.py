@@ -17,7 +17,9 @@ which the CLI builds its options, :func:`validate` checks values at the API edge
 
 Types understood: ``int``, ``float``, ``bool``, ``str``, ``pathlib.Path``, each optionally
 ``| None`` (an unannotated parameter takes its default's type); ``float | Sequence[float]``
-(one value, or one per client, given in the order of the inputs); any other type (a
+(one value, or one per client, given in the order of the inputs); ``int | Sequence[int] |
+str`` (one value, one per layer, or one of the ``choices`` words; on the command line
+``N``, ``N1,N2`` or the word); any other type (a
 callable such as an activation provider, or ``Any``) is passed through the Python API only
 and checked with ``callable``/``isinstance``.
 """
@@ -38,7 +40,7 @@ from typing import Any
 from fusekit.core.errors import ParameterError
 
 #: Kinds a front door can spell as text (the CLI builds options for these).
-TEXT_KINDS = ("int", "float", "bool", "str", "path", "floats")
+TEXT_KINDS = ("int", "float", "bool", "str", "path", "floats", "ints")
 
 
 @dataclass(frozen=True)
@@ -71,7 +73,8 @@ class ParamSpec:
     """One parameter of one method, read from its ``fuse`` signature.
 
     ``kind`` is one of int, float, bool, str, path, floats (one value or one per client),
-    or object (anything else; ``type`` is then the class or callable type to check).
+    ints (one integer, one per layer, or a word from ``choices``), or object (anything
+    else; ``type`` is then the class or callable type to check).
     """
 
     name: str
@@ -117,15 +120,19 @@ class ParamSpec:
             "str": "a string",
             "path": "a path",
             "floats": "a finite number",
+            "ints": "an integer",
             "object": _object_name(self.type),
         }[self.kind]
-        if self.param.choices:
+        if self.param.choices and self.kind != "ints":
             what = "one of " + ", ".join(repr(c) for c in self.param.choices)
         bounds = self.describe_bounds()
         if bounds:
             what += f" {bounds}"
         if self.per_client:
             what += ", or one such number per client"
+        if self.kind == "ints":
+            what += ", a list of them (one per layer)"
+            what += "".join(f", or {c!r}" for c in self.param.choices or ())
         if self.optional:
             what += ", or None"
         return what
@@ -168,18 +175,20 @@ def _kind(members: list[Any]) -> tuple[str, Any]:
     simple = {int: "int", float: "float", bool: "bool", str: "str", Path: "path"}
     if len(members) == 1 and members[0] in simple:
         return simple[members[0]], members[0]
-    if float in members and any(_is_sequence_of_float(m) for m in members):
+    if float in members and any(_is_sequence_of(m, float) for m in members):
         return "floats", float
+    if int in members and str in members and any(_is_sequence_of(m, int) for m in members):
+        return "ints", int
     origins = {typing.get_origin(m) or m for m in members}
     if str in origins and (os.PathLike in origins or Path in origins):
         return "path", Path
     return "object", members[0] if len(members) == 1 else None
 
 
-def _is_sequence_of_float(annotation: Any) -> bool:
+def _is_sequence_of(annotation: Any, item: type) -> bool:
     origin = typing.get_origin(annotation)
     return (origin in (collections.abc.Sequence, list, tuple)
-            and typing.get_args(annotation)[:1] == (float,))
+            and typing.get_args(annotation)[:1] == (item,))
 
 
 def validate(method_name: str, specs: list[ParamSpec], values: dict[str, Any]) -> None:
@@ -203,19 +212,39 @@ def check_value(spec: ParamSpec, value: Any) -> None:
     """One value against its declaration (see :func:`validate`)."""
     if value is None and spec.optional:
         return
-    if spec.kind == "floats" and _is_list(value):
+    scalar = {"floats": "float", "ints": "int"}.get(spec.kind, spec.kind)
+    if spec.kind == "ints" and isinstance(value, str):
+        if value not in (spec.param.choices or ()):
+            _refuse(spec, value)
+        return
+    if spec.kind in ("floats", "ints") and _is_list(value):
         if len(value) == 0:
             _refuse(spec, value)
         for entry in value:
-            _check_scalar(spec, entry, "float", value)
+            _check_scalar(spec, entry, scalar, value)
         return
-    _check_scalar(spec, value, "float" if spec.kind == "floats" else spec.kind, value)
+    _check_scalar(spec, value, scalar, value)
+
+
+def from_text(spec: ParamSpec, text: str) -> Any:
+    """An ``ints`` value as a command line or a recipe spells it: ``N``, ``N1,N2`` or a word.
+
+    Raises:
+        ParameterError: anything else.
+    """
+    if text in (spec.param.choices or ()):
+        return text
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        _refuse(spec, text)
+    return values[0] if len(values) == 1 else values
 
 
 def _check_scalar(spec: ParamSpec, value: Any, kind: str, whole: Any) -> None:
     if not _has_kind(value, kind, spec.type):
         _refuse(spec, whole)
-    if spec.param.choices is not None and value not in spec.param.choices:
+    if kind == "str" and spec.param.choices is not None and value not in spec.param.choices:
         _refuse(spec, whole)
     if kind in ("int", "float") and not _in_bounds(spec.param, value):
         _refuse(spec, whole)
@@ -276,8 +305,8 @@ def parameter_reference(methods: dict[str, Any]) -> str:
         "",
         "Generated from the methods' declarations by "
         "`python -m fusekit.methods > docs/PARAMETERS.md`; a test checks it is current.",
-        "The same names work as `fusekit fuse` options (`--max-width`) and as keyword",
-        "arguments of `fusekit.fuse(..., max_width=...)`.",
+        "The same names work as `fusekit fuse` options (`--width-ratio`) and as keyword",
+        "arguments of `fusekit.fuse(..., width_ratio=...)`.",
     ]
     for name in sorted(methods):
         cls = methods[name]
@@ -290,7 +319,7 @@ def parameter_reference(methods: dict[str, Any]) -> str:
                   "|---|---|---|---|---|---|---|"]
         for s in specs:
             option = " ".join([s.flag, *s.param.flags]) if s.kind in TEXT_KINDS else "Python only"
-            accepted = ", ".join(s.param.choices) if s.param.choices else s.describe_bounds()
+            accepted = ", ".join(filter(None, [*(s.param.choices or ()), s.describe_bounds()]))
             cells = [f"`{s.name}`", f"`{option}`", _type_name(s), s.describe_default(),
                      accepted or "", s.param.help, s.param.paper or ""]
             lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
@@ -299,6 +328,7 @@ def parameter_reference(methods: dict[str, Any]) -> str:
 
 def _type_name(spec: ParamSpec) -> str:
     name = {"floats": "float, or one float per client",
+            "ints": "int, one int per layer, or " + " or ".join(spec.param.choices or ()),
             "object": _object_name(spec.type).removeprefix("a ")}.get(spec.kind, spec.kind)
     return name + (" or None" if spec.optional and spec.default is None else "")
 

@@ -94,7 +94,8 @@ def _load_ams(checkpoint: Checkpoint) -> AMSModel:
             f"{checkpoint.label}: tensor(s) {stray[:4]} belong to no AMS sub-model; expected "
             "every tensor under a models.<i>. prefix listed in the metadata"
         )
-    return AMSModel(models, mode=description["mode"], k=description["k"])
+    return AMSModel(models, mode=description["mode"], k=description["k"],
+                    confidence=description["confidence"])
 
 
 def build_plain_model(
