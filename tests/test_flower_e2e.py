@@ -34,7 +34,7 @@ def test_one_round_pfnm_federation_beats_fedavg_of_the_same_federation(tmp_path)
     assert not any(group_alive(group) for group in groups)  # every process it started ended
     avg, pfnm = results["avg"], results["pfnm"]
     assert avg["hidden_widths"] == [100]
-    assert pfnm["hidden_widths"][0] > 100  # PFNM grew the hidden layer
+    assert pfnm["hidden_widths"] == [150]  # the default fused width: 1.5 × the widest node
     assert pfnm["accuracy"] > avg["accuracy"] + 0.05
     assert pfnm["left_out"] == {} and avg["left_out"] == {}
     round_one = pfnm["train_metrics"]["1"]

@@ -3,7 +3,7 @@
 Server side, in a ServerApp::
 
     from fusekit.flower import FusekitStrategy
-    strategy = FusekitStrategy("pfnm", {"sigma": 1.0}, min_available_nodes=3)
+    strategy = FusekitStrategy("pfnm", {"width": 150}, min_available_nodes=3)
     result = strategy.start(grid=grid, initial_arrays=arrays, num_rounds=1,
                             evaluate_fn=strategy.evaluate_fn(dataset))
 

@@ -45,7 +45,8 @@ class FusekitStrategy(FedAvg):
     Args:
         method: a name from ``fusekit.METHODS``.
         params: the method's parameters (those of ``fusekit fuse --help``), e.g.
-            ``{"sigma": 1.0, "gamma": 1.0}`` for PFNM.
+            ``{"width": 150}`` for PFNM; checked against the method's
+            declaration when the strategy is built.
         spec: a permutation spec for models whose structure fusekit cannot infer.
         arch: the ``fusekit.arch`` of the initial model, for server-side evaluation before
             the first round (later rounds use the fused architecture).

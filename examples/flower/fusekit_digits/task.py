@@ -33,7 +33,7 @@ def node_indices(run_config: dict[str, Any], node_config: dict[str, Any],
 
 
 def method_params(run_config: dict[str, Any], method: str) -> dict[str, Any]:
-    """The method's parameters: the run config's ``[<method>]`` table (``pfnm.sigma`` ...)."""
+    """The method's parameters: the run config's ``[<method>]`` table (``pfnm.width_ratio`` ...)."""
     prefix = f"{method}."
     return {key[len(prefix):]: value for key, value in run_config.items()
             if key.startswith(prefix)}
