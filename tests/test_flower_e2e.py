@@ -1,7 +1,7 @@
 """A real Flower federation on 127.0.0.1: a SuperLink and three SuperNodes (Flower's own
 processes, deployment engine), the example app run with ``flwr run`` once fused by FedAvg
-(fusekit's avg) and once by PFNM. About a minute on two cores; deselect with
-``-m "not flower_e2e"``."""
+(fusekit's avg) and once by PFNM; and a run that cannot finish, stopped at its timeout.
+About 100 s on two cores for both; deselect with ``-m "not flower_e2e"``."""
 
 from __future__ import annotations
 
