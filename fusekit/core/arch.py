@@ -8,7 +8,8 @@ An architecture is a JSON object::
      "kernel_size": 3, "pool": true, "hidden": [], "out_features": 10, "pan": null}
 
 ``pan`` is null or ``{"mode": "multiplicative"|"additive", "amplitude": A, "period": T}``
-(position-aware neurons, PANs paper Eq. 4-5).
+(position-aware neurons, PANs paper Eq. 4-5). An optional ``fed2`` entry describes a Fed²
+grouped structure (:mod:`fusekit.core.fed2`).
 
 Fusion methods import this module to read and rewrite hidden widths; it must stay free of
 torch so the fusion path does not pay torch's import time.
@@ -25,12 +26,13 @@ from typing import Any
 import numpy as np
 
 from fusekit.core.errors import SpecError
+from fusekit.core.fed2 import validate_fed2
 
 ARCH_TYPES = ("mlp", "convnet")
 PAN_MODES = ("multiplicative", "additive")
 DEFAULT_PAN = {"mode": "multiplicative", "amplitude": 0.1, "period": 1.0}
 
-_MLP_KEYS = {"type", "in_features", "hidden", "out_features", "batchnorm", "pan"}
+_MLP_KEYS = {"type", "in_features", "hidden", "out_features", "batchnorm", "pan", "fed2"}
 _CONVNET_KEYS = {
     "type",
     "in_channels",
@@ -41,6 +43,7 @@ _CONVNET_KEYS = {
     "hidden",
     "out_features",
     "pan",
+    "fed2",
 }
 
 
@@ -97,6 +100,9 @@ def validate_arch(arch: Mapping[str, Any]) -> dict[str, Any]:
                 f"{out['image_size']} image to nothing; use fewer channels blocks or pool=false"
             )
     out["pan"] = validate_pan(arch.get("pan"))
+    if arch.get("fed2") is not None:  # Fed² structure (fusekit.core.fed2); absent otherwise
+        widths = out["hidden"] if kind == "mlp" else out["channels"] + out["hidden"]
+        out["fed2"] = validate_fed2(arch["fed2"], num_classes=out["out_features"], widths=widths)
     return out
 
 
@@ -290,6 +296,8 @@ def describe_arch(arch: Mapping[str, Any]) -> str:
     """Short human-readable form, e.g. ``mlp 64-100-10`` or ``convnet 1x8x8-c32-c64-10``."""
     arch = validate_arch(arch)
     pan = f" +PAN({arch['pan']['mode'][:4]})" if arch["pan"] else ""
+    if arch.get("fed2"):
+        pan += f" +Fed2(G={arch['fed2']['groups']}, d={arch['fed2']['depth']})"
     if arch["type"] == "mlp":
         dims = [arch["in_features"], *arch["hidden"], arch["out_features"]]
         return "mlp " + "-".join(map(str, dims)) + pan

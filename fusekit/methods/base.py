@@ -64,6 +64,9 @@ class FusionMethod(ABC):
     #: False for methods that keep every client's model as it is (AMS): fusekit.fuse then
     #: skips the same-layers check and the method checks what it needs itself.
     requires_same_architecture: ClassVar[bool] = True
+    #: The ``fusekit.arch`` entry every client must have (``"fed2"`` for Fed² models), or
+    #: None for methods that fuse any model; front doors that train plain clients skip it.
+    client_structure: ClassVar[str | None] = None
 
     @abstractmethod
     def fuse(
