@@ -15,7 +15,13 @@ from flwr.supercore.task_identity import TaskIdentity
 
 import fusekit
 from conftest import mlp, write, write_raw
-from fusekit.core.errors import CheckpointError, ParameterError, UnknownMethodError
+from fusekit.core.checkpoint import Checkpoint
+from fusekit.core.errors import (
+    CheckpointError,
+    IncompatibleModelsError,
+    ParameterError,
+    UnknownMethodError,
+)
 from fusekit.flower import (
     ARCH,
     WIDTHS,
@@ -63,7 +69,18 @@ def trained(digits):
     """Three MLP clients trained from their own initial weights on non-iid digits."""
     config = SimulationConfig(clients=3, partition="dirichlet", alpha=0.5, arch="mlp:32",
                               train=TrainConfig(epochs=5))
-    clients = simulate_clients(digits, config)
+    return with_modules(simulate_clients(digits, config))
+
+
+@pytest.fixture(scope="module")
+def trained_fed2(digits):
+    """Three Fed² clients: their last two layers split into 5 groups of two classes."""
+    config = SimulationConfig(clients=3, arch="mlp:20,20", fed2={"groups": 5, "depth": 2},
+                              shared_init=True, train=TrainConfig(epochs=1))
+    return with_modules(simulate_clients(digits, config))
+
+
+def with_modules(clients):
     models = []
     for client in clients:
         model = build_model(client.checkpoint.arch)
@@ -72,10 +89,11 @@ def trained(digits):
     return clients, models
 
 
-def trained_replies(trained) -> list[Message]:
+def trained_replies(trained, first_node: int = 10) -> list[Message]:
     clients, models = trained
-    return [reply(10 + c.index, train_reply(model, len(c.indices),
-                                            c.checkpoint.class_counts.astype(int).tolist()))
+    return [reply(first_node + c.index,
+                  train_reply(model, len(c.indices),
+                              c.checkpoint.class_counts.astype(int).tolist()))
             for c, model in zip(clients, models, strict=True)]
 
 
@@ -219,7 +237,30 @@ def test_global_model_without_architecture_is_read_from_its_tensors():
     torch.testing.assert_close(rebuilt(x), model(x))
 
 
-@pytest.mark.parametrize("method", sorted(fusekit.METHODS))
+def test_each_reply_is_screened_as_the_method_screens_a_client(trained, trained_fed2, digits):
+    """fed2 leaves plain models out, PFNM leaves Fed² models out, with fusekit's reasons."""
+    plain, grouped = trained_replies(trained), trained_replies(trained_fed2, first_node=20)
+    strategy = FusekitStrategy("fed2")
+    arrays, metrics = strategy.aggregate_train(1, plain[:1] + grouped)
+    assert metrics["fed2.fused-replies"] == 3 and sorted(strategy.left_out) == [10]
+    expected = fusekit.fuse([c.checkpoint for c in trained_fed2[0]], method="fed2")
+    for name, value in arrays_to_state_dict(arrays).items():
+        np.testing.assert_array_equal(value, expected.state_dict[name])
+    first = trained[0][0].checkpoint
+    with pytest.raises(IncompatibleModelsError) as refusal:
+        fusekit.fuse([Checkpoint.from_state_dict(first.state_dict(), first.metadata,
+                                                 source="node 10")], method="fed2")
+    assert strategy.left_out[10] == str(refusal.value)
+    assert_nodes_rebuild_the_global_model(strategy, arrays, digits)
+
+    strategy = FusekitStrategy("pfnm")
+    _, metrics = strategy.aggregate_train(1, grouped[:1] + plain)
+    assert metrics["pfnm.fused-replies"] == 3 and sorted(strategy.left_out) == [20]
+    assert strategy.left_out[20].startswith("node 20: a Fed² model")
+
+
+@pytest.mark.parametrize("method", sorted(name for name, cls in fusekit.METHODS.items()
+                                          if cls.client_structure is None))
 def test_every_method_fuses_a_round_that_the_server_scores(trained, digits, method):
     clients, _ = trained
     strategy = FusekitStrategy(method, arch=clients[0].checkpoint.arch)
@@ -230,7 +271,11 @@ def test_every_method_fuses_a_round_that_the_server_scores(trained, digits, meth
     scores = strategy.evaluate_fn(digits)(1, arrays)
     assert scores["hidden-widths"] == expected.widths
     assert scores["accuracy"] > 0.5
-    # Each node rebuilds the same global model from the evaluate message alone.
+    assert_nodes_rebuild_the_global_model(strategy, arrays, digits)
+
+
+def assert_nodes_rebuild_the_global_model(strategy, arrays, digits):
+    """Each node rebuilds, from the evaluate message alone, the model the server scores."""
     x = torch.as_tensor(digits.x_test[:20])
     server_model = load_fused(strategy.global_checkpoint(arrays), "cpu")
     for message in strategy.configure_evaluate(1, arrays, ConfigRecord(), NodeIds()):

@@ -24,6 +24,7 @@ from fusekit.api import SpecLike, check_compatible, client_spec
 from fusekit.core import metadata as meta
 from fusekit.core.checkpoint import Checkpoint
 from fusekit.core.errors import FusekitError, IncompatibleModelsError, ParameterError
+from fusekit.core.spec import PermutationSpec
 from fusekit.methods import FusionResult
 from fusekit.methods.base import FusionMethod, get_method
 from fusekit.methods.params import method_params, validate
@@ -168,34 +169,34 @@ class FusekitStrategy(FedAvg):
                                  f"{reply.error.reason})")
                 continue
             try:
-                usable[node] = (reply_checkpoint(reply.content, f"node {node}",
-                                                 self.weighted_by_key), reply.content)
+                checkpoint = reply_checkpoint(reply.content, f"node {node}",
+                                              self.weighted_by_key)
+                spec = client_spec(checkpoint, self.spec)
+                self.fusion.check_client(checkpoint, spec)
             except FusekitError as exc:
                 reasons[node] = str(exc)
+                continue
+            usable[node] = (checkpoint, spec, reply.content)
         if self.fusion.requires_same_architecture:
             reasons.update(self._other_architectures(usable))
-        return [pair for node, pair in usable.items() if node not in reasons], reasons
+        return ([(checkpoint, content) for node, (checkpoint, _, content) in usable.items()
+                 if node not in reasons], reasons)
 
+    @staticmethod
     def _other_architectures(
-        self, usable: dict[int, tuple[Checkpoint, RecordDict]]
+        usable: dict[int, tuple[Checkpoint, PermutationSpec, RecordDict]]
     ) -> dict[int, str]:
         """Why replies outside the most common architecture cannot join it, by node id."""
-        specs, reasons = {}, {}
-        for node, (checkpoint, _) in usable.items():
-            try:
-                specs[node] = client_spec(checkpoint, self.spec)
-            except FusekitError as exc:
-                reasons[node] = str(exc)
-        if not specs:
-            return reasons
-        shapes = {node: (tuple(spec.structure()), tuple(sorted(usable[node][0].tensors)))
-                  for node, spec in specs.items()}
+        if not usable:
+            return {}
+        shapes = {node: (tuple(spec.structure()), tuple(sorted(checkpoint.tensors)))
+                  for node, (checkpoint, spec, _) in usable.items()}
         common = Counter(shapes.values()).most_common(1)[0][0]
-        reference = next(node for node, shape in shapes.items() if shape == common)
-        for node, spec in specs.items():
+        first, first_spec, _ = usable[next(n for n, shape in shapes.items() if shape == common)]
+        reasons = {}
+        for node, (checkpoint, spec, _) in usable.items():
             try:
-                check_compatible([usable[reference][0], usable[node][0]],
-                                 [specs[reference], spec])
+                check_compatible([first, checkpoint], [first_spec, spec])
             except IncompatibleModelsError as exc:
                 reasons[node] = str(exc)
         return reasons
