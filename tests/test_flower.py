@@ -174,6 +174,8 @@ def test_bad_method_or_parameters_fail_before_any_node_trains():
         FusekitStrategy("nafi", {"unobserved": "drop-them"})
     with pytest.raises(ParameterError, match="sigma: expected one value for every node"):
         FusekitStrategy("pfnm", {"sigma": [1.0, 2.0, 3.0]})
+    with pytest.raises(ParameterError, match="min_fused_replies"):
+        FusekitStrategy("avg", min_fused_replies=0)
     assert FusekitStrategy("pfnm", {"sigma": 2, "sweeps": 3}).params == {"sigma": 2, "sweeps": 3}
 
 

@@ -59,7 +59,8 @@ class FusekitStrategy(FedAvg):
     Raises:
         UnknownMethodError: ``method`` is not registered.
         ParameterError: ``params`` do not match the method's declaration (names, types,
-            choices, bounds), or give a per-client parameter one value per client.
+            choices, bounds), or give a per-client parameter one value per client; or
+            ``min_fused_replies`` is not a positive integer.
     """
 
     def __init__(
@@ -77,6 +78,10 @@ class FusekitStrategy(FedAvg):
         self.fusion = get_method(method)
         self.params = dict(params or {})
         check_params(self.fusion, self.params)
+        if isinstance(min_fused_replies, bool) or not (
+                isinstance(min_fused_replies, int) and min_fused_replies >= 1):
+            raise ParameterError(f"min_fused_replies: expected an integer >= 1, found "
+                                 f"{min_fused_replies!r}")
         self.spec = spec
         self.min_fused_replies = min_fused_replies
         #: The global model's fusekit metadata (architecture, spec): rebuilds it anywhere.
