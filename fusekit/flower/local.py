@@ -13,7 +13,6 @@ import contextlib
 import json
 import logging
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -148,7 +147,7 @@ class LocalFederation:
 
         Raises:
             subprocess.TimeoutExpired: the run took longer than ``timeout`` (the run is
-                stopped on the SuperLink and the ``flwr`` process group ended first).
+                stopped on the SuperLink after the ``flwr`` process group is ended).
             RuntimeError: ``flwr run`` failed (its output is in the message).
         """
         command = ["flwr", "run", str(app), CONNECTION, "--stream"]
@@ -158,9 +157,9 @@ class LocalFederation:
                               text=True, env=self.env, start_new_session=True) as process:
             try:
                 output, _ = process.communicate(timeout=timeout)
-            except subprocess.TimeoutExpired as exc:
-                self._stop_run(exc.output)
-                end_groups([process])
+            except subprocess.TimeoutExpired:
+                end_groups([process])  # first, so that it submits nothing more
+                self._stop_unfinished_runs()
                 raise
         if process.returncode != 0:
             raise RuntimeError(f"flwr run exited with code {process.returncode}:\n{output}")
@@ -171,18 +170,15 @@ class LocalFederation:
         ``status`` such as ``finished:completed`` or ``finished:stopped``, ...)."""
         return json.loads(self._flwr("ls", CONNECTION, "--format", "json").stdout)["runs"]
 
-    def _stop_run(self, partial_output: bytes | str | None) -> None:
-        """Stop on the SuperLink the run whose start ``flwr run`` printed: ending ``flwr
-        run`` alone would leave its ServerApp waiting on the SuperLink."""
-        if isinstance(partial_output, bytes):
-            partial_output = partial_output.decode(errors="replace")
-        started = re.search(r"Successfully started run (\d+)", partial_output or "")
-        if started is None:
-            return
+    def _stop_unfinished_runs(self) -> None:
+        """Stop on the SuperLink every run that has not finished: ending ``flwr run`` alone
+        would leave its ServerApp waiting there (this federation runs one app at a time)."""
         try:
-            self._flwr("stop", started.group(1), CONNECTION)
-        except (subprocess.SubprocessError, OSError) as exc:
-            log.warning("could not stop run %s: %s", started.group(1), exc)
+            for run in self.runs():
+                if not str(run["status"]).startswith("finished"):
+                    self._flwr("stop", str(run["run-id"]), CONNECTION)
+        except (subprocess.SubprocessError, OSError, ValueError, KeyError) as exc:
+            log.warning("could not stop the unfinished runs: %s", exc)
 
     def _flwr(self, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
         return subprocess.run(["flwr", *args], capture_output=True, text=True, env=self.env,
