@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 
 
 class FusekitStrategy(FedAvg):
-    """One-shot model fusion (PFNM, NAFI, OT, AMS, averaging) as a Flower strategy.
+    """One-shot model fusion (PFNM, NAFI, OT, AMS, Fed², averaging) as a Flower strategy.
 
     Args:
         method: a name from ``fusekit.METHODS``.
