@@ -86,27 +86,36 @@ class Checkpoint:
     metadata: dict[str, str]
     tensors: dict[str, TensorInfo]
     _arrays: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
+    source: str | None = None
     #: Absolute byte range of each tensor in the file.
     _offsets: dict[str, tuple[int, int]] = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_state_dict(
-        cls, state_dict: Mapping[str, Any], metadata: Mapping[str, str] | None = None
+        cls,
+        state_dict: Mapping[str, Any],
+        metadata: Mapping[str, str] | None = None,
+        *,
+        source: str | None = None,
     ) -> Checkpoint:
+        """Wrap arrays in memory; ``source`` names them in messages (e.g. ``node 7``)."""
         arrays = {k: _as_numpy(v) for k, v in state_dict.items()}
         ckpt = cls(
             path=None,
             metadata=dict(metadata or {}),
             tensors={k: TensorInfo(_dtype_name(a.dtype), a.shape) for k, a in arrays.items()},
             _arrays=arrays,
+            source=source,
         )
         ckpt._validate_header()
         return ckpt
 
     @property
     def label(self) -> str:
-        """How messages name this checkpoint: its path, or '<in-memory checkpoint>'."""
-        return str(self.path) if self.path is not None else "<in-memory checkpoint>"
+        """How messages name this checkpoint: its path, its source, or '<in-memory checkpoint>'."""
+        if self.path is not None:
+            return str(self.path)
+        return self.source or "<in-memory checkpoint>"
 
     def __len__(self) -> int:
         return len(self.tensors)
