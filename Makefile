@@ -17,7 +17,7 @@ $(PY):
 # pip's own lines show progress: the C++ core takes about two minutes to build.
 install: $(PY)
 	@echo "==> installing $(TORCH) and fusekit with its C++ core into $(VENV) (about 2 minutes)"
-	$(PY) -m pip install --progress-bar on "$(TORCH)" -e ".[test,bench,flower]"
+	$(PY) -m pip install --progress-bar on "$(TORCH)" -e ".[test,bench,serve,flower]"
 	@echo "==> installed: $$($(PY) -m fusekit --version | tr '\n' ' ')"
 
 demo: install
