@@ -16,6 +16,7 @@ from fusekit._version import __version__
 from fusekit.core import metadata as meta
 from fusekit.core.checkpoint import Checkpoint, save_checkpoint
 from fusekit.core.errors import UnknownMethodError
+from fusekit.core.neurons import refuse_position_aware
 from fusekit.core.spec import PermutationSpec
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,18 @@ class FusionMethod(ABC):
         self, checkpoints: Sequence[Checkpoint], specs: Sequence[PermutationSpec], **params: Any
     ) -> FusionResult:
         """Fuse clients given in canonical order, each with its permutation spec."""
+
+    def check_client(self, checkpoint: Checkpoint, spec: PermutationSpec) -> None:
+        """Refuse, with the reason :meth:`fuse` gives, a client this method cannot fuse
+        whatever the other clients are; for front doors that screen clients one by one
+        (a Flower round leaves such a reply out). :meth:`fuse` checks again.
+
+        Raises:
+            IncompatibleModelsError: position-aware or Fed² neurons, for a method that
+                permutes neurons.
+        """
+        if self.permutes_neurons:
+            refuse_position_aware([checkpoint], [spec], self.name)
 
     def result(
         self,

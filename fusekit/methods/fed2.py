@@ -67,6 +67,10 @@ class FeaturePairedAverage(FusionMethod):
                   "classes": reference["classes"]}
         return self.result(fused, checkpoints, specs[0], {"uniform": uniform}, report)
 
+    def check_client(self, checkpoint: Checkpoint, spec: PermutationSpec) -> None:
+        """Refuse a client without a valid Fed² structure (see :func:`fed2_settings`)."""
+        fed2_settings(checkpoint)
+
 
 def fed2_settings(checkpoint: Checkpoint) -> Mapping[str, Any]:
     """The ``fed2`` entry of a checkpoint's architecture.

@@ -293,7 +293,8 @@ def fuse_network(checkpoints, specs, params: BayesianParams, method: str):
                     "sigma0^2/v=%.3g, gamma0=%.3g, %.2f s", method, index + 1, n_hidden,
                     spec.layers[index].name, result.width, result.report["inferred_width"],
                     hyper["sigma2_relative"], hyper["sigma0_2_relative"], gamma0,
-                    time.perf_counter() - start)
+                    time.perf_counter() - start,
+                    extra={"layer": (index + 1, n_hidden)})  # progress, for front doors
         below, n_below = result.assignments, result.width
     head = [c[-1] for c in clients]
     fused.append(_output_layer(head, below, n_below, outgoing if n_hidden == 1 else None,
