@@ -28,17 +28,17 @@ FUSEKIT_CLONES double start_nodes(double* __restrict d, const double* __restrict
     return best;
 }
 
-template <class T, bool kUnit>
-FUSEKIT_CLONES double relax_line(const T* __restrict line, std::size_t step, double shift,
-                                 std::int64_t from, const double* __restrict pot,
-                                 double* __restrict d, std::int64_t* __restrict pred,
+template <class T>
+FUSEKIT_CLONES double relax_line(const T* __restrict line, double shift, std::int64_t from,
+                                 const double* __restrict pot, double* __restrict d,
+                                 std::int64_t* __restrict pred,
                                  const std::int64_t* __restrict done,
                                  const double* __restrict penalty, std::size_t n,
                                  double& best_free) {
     double best = kInf, best_end = kInf;
 #pragma omp simd reduction(min : best, best_end)
     for (std::size_t k = 0; k < n; ++k) {
-        const double nd = static_cast<double>(line[kUnit ? k : k * step]) - shift - pot[k];
+        const double nd = static_cast<double>(line[k]) - shift - pot[k];
         const bool update = (done[k] == 0) & (nd < d[k]);
         const double dk = update ? nd : d[k];
         d[k] = dk;
@@ -93,24 +93,16 @@ std::size_t AugmentSearch::pick(double dmin, bool free_tied, std::size_t n) {
     return k;
 }
 
-template <class T, bool kUnit>
-double AugmentSearch::relax(const T* line, std::size_t step, double shift, std::int64_t from,
-                            const double* pot, std::size_t n, double& best_free) {
-    return relax_line<T, kUnit>(line, step, shift, from, pot, d.data(), pred.data(),
-                                done.data(), penalty.data(), n, best_free);
+template <class T>
+double AugmentSearch::relax(const T* line, double shift, std::int64_t from, const double* pot,
+                            std::size_t n, double& best_free) {
+    return relax_line(line, shift, from, pot, d.data(), pred.data(), done.data(),
+                      penalty.data(), n, best_free);
 }
 
-template double AugmentSearch::relax<float, true>(const float*, std::size_t, double,
-                                                  std::int64_t, const double*, std::size_t,
-                                                  double&);
-template double AugmentSearch::relax<float, false>(const float*, std::size_t, double,
-                                                   std::int64_t, const double*, std::size_t,
-                                                   double&);
-template double AugmentSearch::relax<double, true>(const double*, std::size_t, double,
-                                                   std::int64_t, const double*, std::size_t,
-                                                   double&);
-template double AugmentSearch::relax<double, false>(const double*, std::size_t, double,
-                                                    std::int64_t, const double*, std::size_t,
-                                                    double&);
+template double AugmentSearch::relax<float>(const float*, double, std::int64_t, const double*,
+                                            std::size_t, double&);
+template double AugmentSearch::relax<double>(const double*, double, std::int64_t,
+                                             const double*, std::size_t, double&);
 
 }  // namespace fusekit

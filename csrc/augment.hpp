@@ -1,5 +1,5 @@
 // The shortest-path step of Jonker-Volgenant augmentation on a dense matrix, shared by the
-// square solver (lap.cpp) and the rectangular one (rectangular.cpp).
+// square and wide solver (lap.cpp) and the tall one (rectangular.cpp).
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -7,9 +7,10 @@
 
 namespace fusekit {
 
-// Dijkstra over the n nodes of one side (columns of a square problem, agents of a
-// rectangular one) with dense relaxations: each step reads one whole line of the matrix,
-// which on these problems beats index lists with gathers (few lines per search).
+// Dijkstra over the n nodes of one side (the columns of a square or wide problem, the
+// columns of a tall one searched from its free rows) with dense relaxations: each step
+// reads one whole row of the matrix, which on these problems beats index lists with
+// gathers (few rows per search).
 // Reduced distances live in d; penalty is 0 on nodes that end a search (free), +inf on the
 // others, so that ties prefer an end and the search stops early on degenerate problems.
 struct AugmentSearch {
@@ -22,11 +23,11 @@ struct AugmentSearch {
     // Closes an open node at distance dmin, a free one when tied (free_tied), and returns it.
     std::size_t pick(double dmin, bool free_tied, std::size_t n);
 
-    // Relaxes every open node k through the line (node k at line[k * step]): distance
+    // Relaxes every open node k through a row of the matrix (node k at line[k]): distance
     // line[k] - shift - pot[k], reached from `from`. Returns the new smallest open distance.
-    template <class T, bool kUnit>
-    double relax(const T* line, std::size_t step, double shift, std::int64_t from,
-                 const double* pot, std::size_t n, double& best_free);
+    template <class T>
+    double relax(const T* line, double shift, std::int64_t from, const double* pot,
+                 std::size_t n, double& best_free);
 
     std::vector<double> d, penalty;
     std::vector<std::int64_t> pred, done;

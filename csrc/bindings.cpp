@@ -109,8 +109,8 @@ template <class T>
 py::array_t<T, py::array::c_style | py::array::forcecast> real_array(const py::object& x,
                                                                        const std::string& name) {
     if (!py::isinstance<py::array>(x)) {
-        raise_error("ParameterTypeError", name + ": expected a numpy array, got " +
-                                              std::string(py::str(py::type::of(x).attr("__name__"))));
+        const std::string type = py::str(py::type::of(x).attr("__name__"));
+        raise_error("ParameterTypeError", name + ": expected a numpy array, got " + type);
     }
     const auto array = py::reinterpret_borrow<py::array>(x);
     const char kind = array.dtype().kind();

@@ -16,9 +16,9 @@ namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-// Candidates: the pairs within a typical gap of their row's smallest (reduced) cost, the gap from a row's minimum to its 8th smallest value. Measured on
-// uniform 1000x1000, cold and warm: 4 leaves violations (an extra pass and re-solve),
-// 16 slows the collection and the solve.
+// Candidates: the pairs within a typical gap of their row's smallest (reduced) cost, the
+// gap from a row's minimum to its 8th smallest value. Measured on uniform 1000x1000: 4
+// leaves violations (an extra pass and re-solve), 16 slows the collection and the solve.
 constexpr std::size_t kGapRank = 8;
 // When the candidates cannot assign every row the gap grows this much, at most kMaxGrowths
 // times.

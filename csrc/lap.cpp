@@ -216,7 +216,7 @@ class Solver {
             }
             const auto i = static_cast<std::size_t>(y_[j]);
             const double h = at(i, j) - v_[j] - dmin;
-            dmin = s.relax<T, true>(row(i), 1, h, y_[j], v_.data(), nc_, best_free);
+            dmin = s.relax(row(i), h, y_[j], v_.data(), nc_, best_free);
         }
         for (std::size_t j : s.finished) v_[j] += s.d[j] - dmin;
         s.penalty[sink] = kInf;

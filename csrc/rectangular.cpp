@@ -420,8 +420,8 @@ class ShortSideSolver {
                 break;
             }
             const auto o = static_cast<std::size_t>(x_[a]);
-            best = s.relax<T, true>(lay_.object_line(o), 1, v_[o] - s.d[a], x_[a], u_.data(),
-                                    n_, best_free);
+            best = s.relax(lay_.object_line(o), v_[o] - s.d[a], x_[a], u_.data(), n_,
+                           best_free);
         }
         const double delta = best;
         for (std::size_t a : s.finished) {
