@@ -115,6 +115,41 @@ def run(sizes: Sequence[int], numpy_sizes: Sequence[int], cnn: bool, lam: float)
     return rows
 
 
+def from_files_vs_engine(n_clients: int = 30, reps: int = 15) -> dict[str, Any]:
+    """``fusekit.fuse`` of S clients saved as safetensors files against the method alone on
+    the same clients in memory (the engine: neuron vectors, matching, write-back), PFNM with
+    the engine parameters and 5 sweeps. The two alternate, each timed ``reps`` times; the
+    minimum of each is kept (the machine is shared, so the minimum is the least disturbed).
+    """
+    import tempfile
+    from pathlib import Path
+
+    import fusekit
+    from fusekit.core.checkpoint import save_checkpoint
+
+    clients, _ = generative_mlp_clients(n_clients)
+    specs = [infer_spec({n: i.shape for n, i in c.tensors.items()}) for c in clients]
+    params = {**ENGINE_PARAMS, "sweeps": 5}
+    fusion = get_method("pfnm")
+    with tempfile.TemporaryDirectory() as folder:
+        paths = [Path(folder) / f"client_{k:02d}.safetensors" for k in range(n_clients)]
+        for path, client in zip(paths, clients, strict=True):
+            save_checkpoint(path, client.state_dict(), client.metadata)
+        times = {"engine_s": [], "from_files_s": []}
+        for _ in range(reps):
+            start = time.perf_counter()
+            fusion.fuse(clients, specs, **params)
+            times["engine_s"].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            fusekit.fuse(paths, "pfnm", **params)
+            times["from_files_s"].append(time.perf_counter() - start)
+    row = {"case": f"mlp784-100-10 S={n_clients}", **{k: min(v) for k, v in times.items()}}
+    row["ratio"] = row["from_files_s"] / row["engine_s"]
+    print(f"{row['case']}: engine {row['engine_s']:.4f} s, fusekit.fuse from files "
+          f"{row['from_files_s']:.4f} s, ratio {row['ratio']:.2f}", flush=True)
+    return row
+
+
 def _print_row(row: dict[str, Any]) -> None:
     purity = f"{row['purity']:.3f}" if "purity" in row else "-"
     print(f"{row['case']:<24} {row['method']:<5} {row['backend']:<6} "
@@ -132,9 +167,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--no-cnn", action="store_true", help="skip the 16-client CNN")
     parser.add_argument("--lam", type=float, default=1e-2)
     parser.add_argument("--json", default="benchmarks/results/bench_fusion.json")
+    parser.add_argument("--end-to-end-clients", type=int, default=30,
+                        help="S for fusekit.fuse from files against the engine alone (0: skip)")
+    parser.add_argument("--end-to-end-only", action="store_true",
+                        help="only compare fusekit.fuse from files with the engine")
     args = parser.parse_args(argv)
-    rows = run(args.clients, args.numpy_clients, not args.no_cnn, args.lam)
-    write_json(args.json, {"machine": machine_info(scipy=scipy.__version__), "rows": rows})
+    end_to_end = from_files_vs_engine(args.end_to_end_clients) if args.end_to_end_clients else {}
+    rows = [] if args.end_to_end_only else run(
+        args.clients, args.numpy_clients, not args.no_cnn, args.lam
+    )
+    write_json(args.json, {"machine": machine_info(scipy=scipy.__version__), "rows": rows,
+                           "from_files": end_to_end})
     return 0
 
 

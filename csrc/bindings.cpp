@@ -20,7 +20,6 @@ using fusekit::Status;
 namespace {
 
 using Array = py::array_t<double, py::array::c_style | py::array::forcecast>;
-using Array32 = py::array_t<float, py::array::c_style | py::array::forcecast>;
 using Index = py::array_t<std::int64_t, py::array::c_style>;
 
 // Errors are fusekit's own classes (both are ValueError subclasses), so the front doors
@@ -103,83 +102,67 @@ const fusekit::Blas& blas() {
 
 bool is_float32(const py::array& x) { return x.dtype().is(py::dtype::of<float>()); }
 
+// x as a C-contiguous array of T (a view, or a converted copy), refused before any buffer is
+// read unless it is a numpy array of real numbers or booleans: object, string, bytes,
+// complex, datetime and structured arrays raise ParameterTypeError (a TypeError).
 template <class T>
-py::tuple solve_typed(const py::array& cost_in, const py::object& warm_u_in,
-                      const py::object& warm_v_in, bool return_duals) {
-    auto cost = py::array_t<T, py::array::c_style | py::array::forcecast>::ensure(cost_in);
+py::array_t<T, py::array::c_style | py::array::forcecast> real_array(const py::object& x,
+                                                                       const std::string& name) {
+    if (!py::isinstance<py::array>(x)) {
+        const std::string type = py::str(py::type::of(x).attr("__name__"));
+        raise_error("ParameterTypeError", name + ": expected a numpy array, got " + type);
+    }
+    const auto array = py::reinterpret_borrow<py::array>(x);
+    const char kind = array.dtype().kind();
+    if (kind != 'f' && kind != 'i' && kind != 'u' && kind != 'b') {
+        raise_error("ParameterTypeError", name + ": expected real numbers, got dtype " +
+                                              std::string(py::str(array.dtype())));
+    }
+    auto converted = py::array_t<T, py::array::c_style | py::array::forcecast>::ensure(array);
+    if (!converted) throw py::error_already_set();
+    return converted;
+}
+
+Array real(const py::object& x, const std::string& name) { return real_array<double>(x, name); }
+
+template <class T>
+py::tuple solve_typed(const py::array_t<T, py::array::c_style | py::array::forcecast>& cost,
+                      bool return_duals) {
+    require_2d(cost, "cost");
     const auto nr = static_cast<std::size_t>(cost.shape(0));
     const auto nc = static_cast<std::size_t>(cost.shape(1));
-    Array warm_u, warm_v;
-    const bool warm = !warm_u_in.is_none();
-    if (warm) {
-        warm_u = Array::ensure(warm_u_in);
-        warm_v = Array::ensure(warm_v_in);
-        if (!warm_u || !warm_v) raise_parameter("warm_start: expected two 1-D arrays");
-        require_length(warm_u, cost.shape(0), "warm_start[0] (row potentials u)");
-        require_length(warm_v, cost.shape(1), "warm_start[1] (column potentials v)");
-    }
     Index col_of_row(static_cast<py::ssize_t>(nr));
     Array u(static_cast<py::ssize_t>(return_duals ? nr : 0));
     Array v(static_cast<py::ssize_t>(return_duals ? nc : 0));
     Status status;
     {
         py::gil_scoped_release release;
-        status = fusekit::solve_assignment<T>(
-            cost.data(), nr, nc, warm ? warm_u.data() : nullptr,
-            warm ? warm_v.data() : nullptr, col_of_row.mutable_data(),
-            return_duals ? u.mutable_data() : nullptr, return_duals ? v.mutable_data() : nullptr);
+        status = fusekit::solve_assignment<T>(cost.data(), nr, nc, col_of_row.mutable_data(),
+                                              return_duals ? u.mutable_data() : nullptr,
+                                              return_duals ? v.mutable_data() : nullptr);
+    }
+    // SciPy's messages (linear_sum_assignment), with what they mean here.
+    if (status == Status::non_finite) {
+        raise_parameter("cost matrix contains invalid numeric entries (NaN or -inf)");
+    }
+    if (status == Status::infeasible) {
+        raise_infeasible("cost matrix is infeasible: every complete assignment uses a "
+                         "forbidden (+inf) pair");
     }
     raise_for(status, "cost matrix");
     return py::make_tuple(col_of_row, u, v);
 }
 
-py::tuple solve_assignment(const py::array& cost, const py::object& warm_u,
-                           const py::object& warm_v, bool return_duals) {
-    require_2d(cost, "cost");
-    if (is_float32(cost)) return solve_typed<float>(cost, warm_u, warm_v, return_duals);
-    return solve_typed<double>(cost, warm_u, warm_v, return_duals);
+// Solved in float32 storage when given float32, else in float64.
+py::tuple solve_assignment(const py::object& cost, bool return_duals) {
+    if (py::isinstance<py::array>(cost) && is_float32(py::reinterpret_borrow<py::array>(cost))) {
+        return solve_typed<float>(real_array<float>(cost, "cost"), return_duals);
+    }
+    return solve_typed<double>(real_array<double>(cost, "cost"), return_duals);
 }
 
-template <class T>
-py::list solve_batch_typed(const py::list& costs, int n_threads) {
-    using TArray = py::array_t<T, py::array::c_style | py::array::forcecast>;
-    std::vector<TArray> arrays;
-    std::vector<Index> results;
-    std::vector<const T*> data;
-    std::vector<std::size_t> nr, nc;
-    std::vector<std::int64_t*> outs;
-    for (py::ssize_t k = 0; k < static_cast<py::ssize_t>(costs.size()); ++k) {
-        py::array item = costs[static_cast<std::size_t>(k)].cast<py::array>();
-        require_2d(item, ("costs[" + std::to_string(k) + "]").c_str());
-        arrays.push_back(TArray::ensure(item));
-        nr.push_back(static_cast<std::size_t>(item.shape(0)));
-        nc.push_back(static_cast<std::size_t>(item.shape(1)));
-        results.emplace_back(item.shape(0));
-    }
-    for (std::size_t k = 0; k < arrays.size(); ++k) {
-        data.push_back(arrays[k].data());
-        outs.push_back(results[k].mutable_data());
-    }
-    std::vector<Status> statuses(arrays.size(), Status::ok);
-    {
-        py::gil_scoped_release release;
-        fusekit::solve_assignments<T>(data.data(), nr.data(), nc.data(), arrays.size(),
-                                      outs.data(), statuses.data(), n_threads);
-    }
-    py::list out;
-    for (std::size_t k = 0; k < arrays.size(); ++k) {
-        raise_for(statuses[k], "costs[" + std::to_string(k) + "]");
-        out.append(results[k]);
-    }
-    return out;
-}
-
-py::list solve_assignments(const py::list& costs, bool float32, int n_threads) {
-    if (float32) return solve_batch_typed<float>(costs, n_threads);
-    return solve_batch_typed<double>(costs, n_threads);
-}
-
-Array sqeuclidean_cost(const Array& a, const Array& b) {
+Array sqeuclidean_cost(const py::object& a_in, const py::object& b_in) {
+    const Array a = real(a_in, "a"), b = real(b_in, "b");
     require_2d(a, "a");
     require_2d(b, "b");
     if (a.shape(1) != b.shape(1)) {
@@ -202,9 +185,16 @@ Array sqeuclidean_cost(const Array& a, const Array& b) {
 
 // Arguments arrive validated and broadcast by fusekit.matching; shapes are rechecked here
 // because a wrong one would read out of bounds.
-Array posterior_cost(const Array& local, const Array& precision, const Array& sums,
-                     const Array& precisions, const Array& counts, const Array& mu0,
-                     const Array& sigma0_2, double n_clients, double gamma0, double lam) {
+Array posterior_cost(const py::object& local_in, const py::object& precision_in,
+                     const py::object& sums_in, const py::object& precisions_in,
+                     const py::object& counts_in, const py::object& mu0_in,
+                     const py::object& sigma0_2_in, double n_clients, double gamma0,
+                     double lam) {
+    const Array local = real(local_in, "local"), precision = real(precision_in, "client_precision"),
+                sums = real(sums_in, "global_sums"),
+                precisions = real(precisions_in, "global_precisions"),
+                counts = real(counts_in, "global_counts"), mu0 = real(mu0_in, "mu0"),
+                sigma0_2 = real(sigma0_2_in, "sigma0_2");
     require_2d(local, "local");
     require_2d(sums, "global_sums");
     require_2d(precisions, "global_precisions");
@@ -237,8 +227,9 @@ Array posterior_cost(const Array& local, const Array& precision, const Array& su
 // rows, where numpy's fancy-index += gathers, adds and scatters, and with scale the product
 // values * scale is never stored. rows must be unique; values is (n, p), or (p,) for the
 // same vector added to every row; scale is None or (p,).
-void add_rows(py::array target, const Index& rows, const Array& values, double sign,
+void add_rows(py::array target, const Index& rows, const py::object& values_in, double sign,
               const py::object& scale_in) {
+    const Array values = real(values_in, "values");
     // Written in place: a converted copy would silently drop the update.
     if (!target.dtype().is(py::dtype::of<double>()) || !(target.flags() & py::array::c_style) ||
         !target.writeable() || target.ndim() != 2) {
@@ -254,8 +245,7 @@ void add_rows(py::array target, const Index& rows, const Array& values, double s
     Array scale;
     const bool scaled = !scale_in.is_none();
     if (scaled) {
-        scale = Array::ensure(scale_in);
-        if (!scale) raise_parameter("scale: expected a float64 vector");
+        scale = real(scale_in, "scale");
         require_length(scale, p, "scale");
     }
     if (sign != 1.0 && sign != -1.0) raise_parameter("sign: expected 1 or -1");
@@ -271,7 +261,8 @@ void add_rows(py::array target, const Index& rows, const Array& values, double s
                       static_cast<std::size_t>(n), sign);
 }
 
-double finite_min(const Array& x) {
+double finite_min(const py::object& x_in) {
+    const Array x = real(x_in, "x");
     py::gil_scoped_release release;
     return fusekit::finite_min(x.data(), static_cast<std::size_t>(x.size()));
 }
@@ -288,11 +279,9 @@ bool has_openmp() {
 
 PYBIND11_MODULE(_core, m) {
     m.doc() = "fusekit's C++ core: neuron cost matrices and assignment solvers";
-    m.def("solve_assignment", &solve_assignment, py::arg("cost"), py::arg("warm_u") = py::none(),
-          py::arg("warm_v") = py::none(), py::arg("return_duals") = false,
-          "Minimum-cost assignment of a float32/float64 matrix; returns (col_of_row, u, v).");
-    m.def("solve_assignments", &solve_assignments, py::arg("costs"), py::arg("float32"),
-          py::arg("n_threads") = 0, "Independent assignment problems solved on a thread pool.");
+    m.def("solve_assignment", &solve_assignment, py::arg("cost"), py::arg("return_duals") = false,
+          "Minimum-cost assignment of a real matrix (solved in float32 storage when float32, "
+          "else float64); returns (col_of_row, u, v).");
     m.def("sqeuclidean_cost", &sqeuclidean_cost, py::arg("a"), py::arg("b"),
           "Pairwise squared Euclidean distances between the rows of a (n, p) and b (m, p).");
     m.def("posterior_cost", &posterior_cost, py::arg("local"), py::arg("client_precision"),

@@ -2,10 +2,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <type_traits>
 #include <vector>
 
+#include "lines.hpp"
 #include "simd.hpp"
 
 namespace fusekit {
@@ -14,16 +16,12 @@ namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-// Candidates when agents are rows: the pairs within a typical gap of their row's smallest
-// (reduced) cost, the gap from a row's minimum to its 8th smallest value. Measured on
-// uniform 1000x1000, cold and warm: 4 leaves violations (an extra pass and re-solve),
-// 16 slows the collection and the solve.
+// Candidates: the pairs within a typical gap of their row's smallest (reduced) cost, the
+// gap from a row's minimum to its 8th smallest value. Measured on uniform 1000x1000: 4
+// leaves violations (an extra pass and re-solve), 16 slows the collection and the solve.
 constexpr std::size_t kGapRank = 8;
-// Candidates when agents are columns (tall problems such as PFNM's): each column's 16
-// cheapest rows, enough for the local neurons that take new-neuron slots.
-constexpr std::size_t kColumnCandidates = 16;
-// When the candidates cannot assign every agent (e.g. many local neurons wanting the same
-// few new-neuron slots) the gap grows this much (k doubles), at most kMaxGrowths times.
+// When the candidates cannot assign every row the gap grows this much, at most kMaxGrowths
+// times.
 constexpr double kGapGrowth = 4.0;
 constexpr int kMaxGrowths = 2;
 // Row reduction passes before the shortest-path phase: cheap on short lists, and on
@@ -31,68 +29,21 @@ constexpr int kMaxGrowths = 2;
 constexpr int kReductionPasses = 8;
 // Re-solves before falling back to the dense solver (each adds violated pairs).
 constexpr int kMaxRounds = 12;
+// Candidate pairs per row, on average, beyond which the dense solver (O(n) extra memory)
+// takes over: on tie-heavy matrices whole rows lie within the gap (16 bytes per pair).
+constexpr std::size_t kMaxEdgesPerRow = 64;
 
 struct Edge {
     std::int64_t object;
     double cost;
 };
 
-// The matrix seen from the agents: agent a's line holds its costs to every object.
+// The n x n matrix; rows are the agents, columns the objects.
 template <class T>
 struct View {
     const T* cost;
-    std::size_t nr, nc;
-    bool agents_are_rows;
-    std::size_t agents() const { return agents_are_rows ? nr : nc; }
-    std::size_t objects() const { return agents_are_rows ? nc : nr; }
-    double at(std::size_t a, std::size_t o) const {
-        return static_cast<double>(agents_are_rows ? cost[a * nc + o] : cost[o * nc + a]);
-    }
-};
-
-// The k cheapest (cost, object) pairs of each agent, sorted, fed one pair at a time.
-class CheapestLists {
-   public:
-    CheapestLists(std::size_t agents, std::size_t k)
-        : k_(k), count_(agents, 0), cost_(agents * k), object_(agents * k), bound_(agents, kInf) {}
-
-    // Pairs at or above the bound cannot enter agent a's list; once the list is full it is
-    // the k-th smallest value, a lower bound on every pair left out.
-    const double* bounds() const { return bound_.data(); }
-
-    void offer(std::size_t a, double c, std::int64_t o) {
-        double* cs = cost_.data() + a * k_;
-        std::int64_t* os = object_.data() + a * k_;
-        std::size_t n = count_[a];
-        std::size_t pos = n < k_ ? n : k_ - 1;  // a full list drops its last pair
-        while (pos > 0 && cs[pos - 1] > c) {
-            cs[pos] = cs[pos - 1];
-            os[pos] = os[pos - 1];
-            --pos;
-        }
-        cs[pos] = c;
-        os[pos] = o;
-        if (n < k_) count_[a] = ++n;
-        if (n == k_) bound_[a] = cs[k_ - 1];
-    }
-
-    // Agent a's candidates with their true costs (the lists may rank reduced costs).
-    template <class T>
-    std::vector<Edge> edges(const View<T>& view, std::size_t a) const {
-        std::vector<Edge> out(count_[a]);
-        for (std::size_t t = 0; t < count_[a]; ++t) {
-            const std::int64_t o = object_[a * k_ + t];
-            out[t] = {o, view.at(a, static_cast<std::size_t>(o))};
-        }
-        return out;
-    }
-
-   private:
-    std::size_t k_;
-    std::vector<std::size_t> count_;
-    std::vector<double> cost_;
-    std::vector<std::int64_t> object_;
-    std::vector<double> bound_;
+    std::size_t n;
+    double at(std::size_t a, std::size_t o) const { return static_cast<double>(cost[a * n + o]); }
 };
 
 constexpr std::size_t kChunk = 8;
@@ -108,36 +59,6 @@ inline bool chunk_at_most(const T* __restrict x, const double* __restrict bound)
         gap = g < gap ? g : gap;
     }
     return !(gap > 0.0);
-}
-
-// Offers row i's entries at or below their column's bound to the columns' lists.
-template <class T>
-FUSEKIT_CLONES void offer_row(const T* row, std::size_t i, std::size_t n, const double* bounds,
-                              CheapestLists& lists) {
-    for (std::size_t j0 = 0; j0 < n; j0 += kChunk) {
-        const std::size_t j1 = std::min(n, j0 + kChunk);
-        if (j1 - j0 == kChunk && !chunk_at_most(row + j0, bounds + j0)) continue;
-        for (std::size_t j = j0; j < j1; ++j) {
-            const double c = static_cast<double>(row[j]);
-            if (c <= bounds[j] && c < lists.bounds()[j]) {
-                lists.offer(j, c, static_cast<std::int64_t>(i));
-            }
-        }
-    }
-}
-
-// Elementwise minimum into acc (the running minima of a block of rows).
-// Column minima so far and their rows, updated with row i.
-template <class T>
-FUSEKIT_CLONES void argmin_into(const T* __restrict row, std::int64_t i, double* __restrict acc,
-                                std::int64_t* __restrict at, std::size_t n) {
-#pragma omp simd
-    for (std::size_t j = 0; j < n; ++j) {
-        const double c = static_cast<double>(row[j]);
-        const bool smaller = c < acc[j];
-        acc[j] = smaller ? c : acc[j];
-        at[j] = smaller ? i : at[j];
-    }
 }
 
 // Whether the column minima's rows are all different: then that assignment is optimal
@@ -156,21 +77,6 @@ bool minima_form_assignment(const std::vector<std::int64_t>& row_of_min,
     return true;
 }
 
-FUSEKIT_CLONES void max_into(const double* __restrict row, double* __restrict acc, std::size_t n) {
-#pragma omp simd
-    for (std::size_t j = 0; j < n; ++j) acc[j] = row[j] > acc[j] ? row[j] : acc[j];
-}
-
-template <class T>
-FUSEKIT_CLONES void min_into(const T* __restrict row, double* __restrict acc, std::size_t n) {
-#pragma omp simd
-    for (std::size_t j = 0; j < n; ++j) {
-        const double c = static_cast<double>(row[j]);
-        acc[j] = c < acc[j] ? c : acc[j];
-    }
-}
-
-
 // buffer = row - shift, or row converted to double when shift is null.
 template <class T>
 FUSEKIT_CLONES void subtract(const T* __restrict row, const double* __restrict shift,
@@ -184,36 +90,17 @@ FUSEKIT_CLONES void subtract(const T* __restrict row, const double* __restrict s
 }
 
 // Row i as doubles (a view when possible): costs, or reduced costs c_ij - s_j when column
-// potentials s are given (square problems).
+// potentials s are given.
 template <class T>
 const double* ranked_row(const View<T>& view, std::size_t i, const double* shift,
                          std::vector<double>& buffer) {
-    const T* row = view.cost + i * view.nc;
+    const T* row = view.cost + i * view.n;
     if constexpr (std::is_same_v<T, double>) {
         if (shift == nullptr) return row;
     }
-    buffer.resize(view.nc);
-    subtract(row, shift, view.nc, buffer.data());
+    buffer.resize(view.n);
+    subtract(row, shift, view.n, buffer.data());
     return buffer.data();
-}
-
-// k-th smallest of x[0..n), n >= k (reorders x).
-double kth_smallest(double* x, std::size_t n, std::size_t k) {
-    std::nth_element(x, x + (k - 1), x + n);
-    return x[k - 1];
-}
-
-// An upper bound on the k-th smallest of line[0..n), close to it: the k-th smallest of the
-// minima of 4k strided blocks (elementwise minima of consecutive 4k-wide segments, fully
-// vectorised); k block minima are k distinct entries, so they bound it from above.
-double kth_smallest_bound(const double* line, std::size_t n, std::size_t k,
-                          std::vector<double>& block_min) {
-    const std::size_t blocks = std::min(n, 4 * k);
-    block_min.assign(line, line + blocks);
-    for (std::size_t j0 = blocks; j0 < n; j0 += blocks) {
-        min_into(line + j0, block_min.data(), std::min(blocks, n - j0));
-    }
-    return kth_smallest(block_min.data(), blocks, k);
 }
 
 template <class T>
@@ -227,17 +114,17 @@ FUSEKIT_CLONES double min_of(const T* __restrict x, std::size_t n) {
     return best;
 }
 
-// Agents are rows: the typical gap between a row's smallest value and its k-th smallest,
-// the median over a sample of rows. Values are reduced costs c_ij - s_j when column
-// potentials s are given (square problems), else costs. NaN when no gap is finite.
+// The typical gap between a row's smallest value and its k-th smallest, the median over a
+// sample of rows. Values are reduced costs c_ij - s_j when column potentials s are given,
+// else costs. NaN when no gap is finite.
 template <class T>
 double typical_gap(const View<T>& view, const double* shift, std::size_t k) {
     constexpr std::size_t kSample = 16;
-    const std::size_t step = std::max<std::size_t>(1, view.nr / kSample);
+    const std::size_t step = std::max<std::size_t>(1, view.n / kSample);
     std::vector<double> gaps, buffer, block_min;
-    for (std::size_t i = 0; i < view.nr; i += step) {
+    for (std::size_t i = 0; i < view.n; i += step) {
         const double* row = ranked_row(view, i, shift, buffer);
-        gaps.push_back(kth_smallest_bound(row, view.nc, k, block_min) - min_of(row, view.nc));
+        gaps.push_back(kth_smallest_bound(row, view.n, k, block_min) - min_of(row, view.n));
     }
     const double gap = kth_smallest(gaps.data(), gaps.size(), gaps.size() / 2 + 1);
     return gap < kInf ? std::max(gap, 0.0) : std::numeric_limits<double>::quiet_NaN();
@@ -269,47 +156,25 @@ FUSEKIT_CLONES void collect_at_most(const T* __restrict x, std::size_t n, double
     }
 }
 
-// Wide or square problems (agents are rows): every pair whose value is within gap of its
-// row's smallest, in one pass with no per-row selection. rho[i] receives row i's threshold,
-// a lower bound on the value of every pair left out. Edges keep the true costs.
+// Every pair whose value is within gap of its row's smallest, in one pass with no per-row
+// selection. rho[i] receives row i's threshold, a lower bound on the value of every pair
+// left out. Edges keep the true costs. False (graph incomplete) past the edge budget.
 template <class T>
-std::vector<std::vector<Edge>> within_gap(const View<T>& view, const double* shift, double gap,
-                                          std::vector<double>& rho) {
-    std::vector<std::vector<Edge>> graph(view.nr);
+bool within_gap(const View<T>& view, const double* shift, double gap,
+                std::vector<std::vector<Edge>>& graph, std::vector<double>& rho) {
+    graph.assign(view.n, {});
     std::vector<double> buffer;
-    rho.resize(view.nr);
-    for (std::size_t i = 0; i < view.nr; ++i) {
+    rho.resize(view.n);
+    std::size_t edges = 0;
+    for (std::size_t i = 0; i < view.n; ++i) {
         const double* row = ranked_row(view, i, shift, buffer);
-        rho[i] = min_of(row, view.nc) + gap;
-        collect_at_most(row, view.nc, rho[i], graph[i]);
+        rho[i] = min_of(row, view.n) + gap;
+        collect_at_most(row, view.n, rho[i], graph[i]);
         for (Edge& e : graph[i]) e.cost = view.at(i, static_cast<std::size_t>(e.object));
+        edges += graph[i].size();
+        if (edges > kMaxEdgesPerRow * view.n) return false;
     }
-    return graph;
-}
-
-// Tall problems (agents are columns): each column's k cheapest rows, in two row-major
-// passes. Rows fall into k strided blocks; the largest of a column's k block minima is a
-// bound on its k-th smallest cost (k distinct entries lie at or below it), found with
-// vectorised minima and maxima only, and the second pass offers only the entries below
-// it. A per-agent count suits PFNM's columns, whose spreads differ wildly (a matched
-// neuron vs. one that takes a new-neuron slot).
-template <class T>
-CheapestLists cheapest_per_column(const View<T>& view, std::size_t k) {
-    CheapestLists lists(view.nc, k);
-    const std::size_t blocks = std::min(view.nr, k);
-    std::vector<double> block_min(blocks * view.nc, kInf), bound(view.nc, -kInf);
-    std::vector<double> buffer;  // float rows as doubles: the chunk tests vectorise on those
-    for (std::size_t i = 0; i < view.nr; ++i) {
-        const double* row = ranked_row(view, i, nullptr, buffer);
-        min_into(row, block_min.data() + (i % blocks) * view.nc, view.nc);
-    }
-    for (std::size_t b = 0; b < blocks; ++b) {
-        max_into(block_min.data() + b * view.nc, bound.data(), view.nc);
-    }
-    for (std::size_t i = 0; i < view.nr; ++i) {
-        offer_row(ranked_row(view, i, nullptr, buffer), i, view.nc, bound.data(), lists);
-    }
-    return lists;
+    return true;
 }
 
 // Jonker-Volgenant shortest augmenting paths on the candidate graph, agents <= objects.
@@ -496,28 +361,29 @@ bool has_edge(const std::vector<Edge>& edges, std::int64_t object) {
 }
 
 // Adds every pair of the full matrix whose reduced cost is negative under the sparse
-// solution's potentials (and not yet a candidate); none added proves optimality.
+// solution's potentials (and not yet a candidate); none added proves optimality. Returns
+// the count, or SIZE_MAX past the edge budget (graph then incomplete).
 template <class T>
 std::size_t add_violations(const View<T>& view, const SparseSolver& solver,
                            std::vector<std::vector<Edge>>& graph) {
-    const std::size_t na = view.agents();
-    std::vector<double> agent_u(na);
-    for (std::size_t a = 0; a < na; ++a) agent_u[a] = solver.agent_potential(a);
-    const std::vector<double>& object_v = solver.object_potentials();
-    const std::vector<double>& row_pot = view.agents_are_rows ? agent_u : object_v;
-    const std::vector<double>& col_pot = view.agents_are_rows ? object_v : agent_u;
+    std::vector<double> row_pot(view.n);
+    std::size_t edges = 0;
+    for (std::size_t i = 0; i < view.n; ++i) {
+        row_pot[i] = solver.agent_potential(i);
+        edges += graph[i].size();
+    }
+    const std::vector<double>& col_pot = solver.object_potentials();
     std::size_t added = 0;
-    for (std::size_t i = 0; i < view.nr; ++i) {
-        const T* row = view.cost + i * view.nc;
-        if (!row_violates(row, row_pot[i], col_pot.data(), view.nc)) continue;
-        for (std::size_t j = 0; j < view.nc; ++j) {
+    for (std::size_t i = 0; i < view.n; ++i) {
+        const T* row = view.cost + i * view.n;
+        if (!row_violates(row, row_pot[i], col_pot.data(), view.n)) continue;
+        for (std::size_t j = 0; j < view.n; ++j) {
             const double c = static_cast<double>(row[j]);
             if (!(c - row_pot[i] - col_pot[j] < 0.0)) continue;
-            const std::size_t a = view.agents_are_rows ? i : j;
-            const auto o = static_cast<std::int64_t>(view.agents_are_rows ? j : i);
-            if (has_edge(graph[a], o)) continue;  // rounding on a pair already solved
-            graph[a].push_back({o, c});
-            ++added;
+            const auto o = static_cast<std::int64_t>(j);
+            if (has_edge(graph[i], o)) continue;  // rounding on a pair already solved
+            graph[i].push_back({o, c});
+            if (++added + edges > kMaxEdgesPerRow * view.n) return SIZE_MAX;
         }
     }
     return added;
@@ -542,97 +408,65 @@ bool certified_by_bounds(const double* rho, const SparseSolver& solver, const do
 }  // namespace
 
 template <class T>
-bool solve_by_candidates(const T* cost, std::size_t nr, std::size_t nc,
-                         const double* warm_columns, std::int64_t* col_of_row, double* u,
+bool solve_by_candidates(const T* cost, std::size_t n, std::int64_t* col_of_row, double* u,
                          double* v) {
-    const View<T> view{cost, nr, nc, nr <= nc};
-    const std::size_t na = view.agents(), no = view.objects();
-    // Square problems rank candidates by reduced cost against column potentials, the warm
-    // start's or the column minima (Jonker-Volgenant's column reduction), which also start
-    // the solver. Rectangular ones rank raw costs and start from zero potentials, the value
-    // objects left unassigned must keep.
-    std::vector<double> start;
-    if (nr == nc) {
-        if (warm_columns != nullptr) {
-            start.assign(warm_columns, warm_columns + nc);
-        } else {
-            start.assign(nc, kInf);
-            std::vector<std::int64_t> row_of_min(nc, -1);
-            for (std::size_t i = 0; i < nr; ++i) {
-                argmin_into(cost + i * nc, static_cast<std::int64_t>(i), start.data(),
-                            row_of_min.data(), nc);
-            }
-            if (minima_form_assignment(row_of_min, col_of_row)) {
-                if (u) std::fill(u, u + nr, 0.0);
-                if (v) std::copy(start.begin(), start.end(), v);
-                return true;
-            }
-        }
-        // A fully forbidden column (+inf) gives no usable reference: rank raw costs.
-        if (!std::all_of(start.begin(), start.end(), [](double x) { return std::isfinite(x); })) {
-            start.clear();
-        }
+    const View<T> view{cost, n};
+    // Candidates are ranked by reduced cost against the column minima (Jonker-Volgenant's
+    // column reduction), which also start the solver.
+    std::vector<double> start(n, kInf);
+    std::vector<std::int64_t> row_of_min(n, -1);
+    for (std::size_t i = 0; i < n; ++i) {
+        argmin_into(cost + i * n, static_cast<std::int64_t>(i), start.data(), row_of_min.data(), n);
+    }
+    if (minima_form_assignment(row_of_min, col_of_row)) {
+        if (u) std::fill(u, u + n, 0.0);
+        if (v) std::copy(start.begin(), start.end(), v);
+        return true;
+    }
+    // A fully forbidden column (+inf) gives no usable reference: rank raw costs.
+    if (!std::all_of(start.begin(), start.end(), [](double x) { return std::isfinite(x); })) {
+        start.clear();
     }
     const double* ranking = start.empty() ? nullptr : start.data();
-    // Rows: pairs within a gap of the row's smallest value; columns: the k cheapest pairs.
-    // Each widening (growth) multiplies the gap, or doubles k.
-    double gap = 0.0;
-    std::size_t k = std::min(no, kColumnCandidates);
+    // Pairs within a gap of the row's smallest value; each widening multiplies the gap.
+    double gap = typical_gap(view, ranking, std::min(n, kGapRank));
+    if (std::isnan(gap)) return false;
     std::vector<double> rho;
     std::vector<std::vector<Edge>> graph;
-    const auto build = [&] {
-        if (view.agents_are_rows) {
-            graph = within_gap(view, ranking, gap, rho);
-            return;
-        }
-        const CheapestLists lists = cheapest_per_column(view, k);
-        graph.resize(na);
-        for (std::size_t a = 0; a < na; ++a) graph[a] = lists.edges(view, a);
-        rho.assign(lists.bounds(), lists.bounds() + na);
-    };
-    if (view.agents_are_rows) {
-        gap = typical_gap(view, ranking, std::min(no, kGapRank));
-        if (std::isnan(gap)) return false;
-    }
-    build();
+    if (!within_gap(view, ranking, gap, graph, rho)) return false;
 
-    SparseSolver solver(no);
+    SparseSolver solver(n);
     bool solved = false;
     int growths = 0;
     for (int round = 0; round < kMaxRounds && !solved; ++round) {
         if (!solver.solve(graph, start)) {
-            const bool can_grow = view.agents_are_rows ? gap > 0.0 : k < no;
-            if (!can_grow || ++growths > kMaxGrowths) return false;
+            if (!(gap > 0.0) || ++growths > kMaxGrowths) return false;
             gap *= kGapGrowth;
-            k = std::min(no, 2 * k);
-            build();
+            if (!within_gap(view, ranking, gap, graph, rho)) return false;
             continue;
         }
-        solved = certified_by_bounds(rho.data(), solver, ranking) ||
-                 add_violations(view, solver, graph) == 0;
+        if (certified_by_bounds(rho.data(), solver, ranking)) {
+            solved = true;
+        } else {
+            const std::size_t added = add_violations(view, solver, graph);
+            if (added == SIZE_MAX) return false;  // past the edge budget
+            solved = added == 0;
+        }
     }
     if (!solved) return false;
 
     const auto& x = solver.object_of_agent();
-    const auto& object_v = solver.object_potentials();
-    std::fill(col_of_row, col_of_row + nr, -1);
-    for (std::size_t a = 0; a < na; ++a) {
-        const auto o = static_cast<std::size_t>(x[a]);
-        const std::size_t i = view.agents_are_rows ? a : o;
-        col_of_row[i] = static_cast<std::int64_t>(view.agents_are_rows ? o : a);
+    std::copy(x.begin(), x.end(), col_of_row);
+    if (u) {
+        for (std::size_t a = 0; a < n; ++a) u[a] = solver.agent_potential(a);
     }
-    double* agent_pot = view.agents_are_rows ? u : v;
-    double* object_pot = view.agents_are_rows ? v : u;
-    if (agent_pot) {
-        for (std::size_t a = 0; a < na; ++a) agent_pot[a] = solver.agent_potential(a);
-    }
-    if (object_pot) std::copy(object_v.begin(), object_v.end(), object_pot);
+    if (v) std::copy(solver.object_potentials().begin(), solver.object_potentials().end(), v);
     return true;
 }
 
-template bool solve_by_candidates<float>(const float*, std::size_t, std::size_t, const double*,
-                                         std::int64_t*, double*, double*);
-template bool solve_by_candidates<double>(const double*, std::size_t, std::size_t,
-                                          const double*, std::int64_t*, double*, double*);
+template bool solve_by_candidates<float>(const float*, std::size_t, std::int64_t*, double*,
+                                         double*);
+template bool solve_by_candidates<double>(const double*, std::size_t, std::int64_t*, double*,
+                                          double*);
 
 }  // namespace fusekit

@@ -1,13 +1,14 @@
 #include "lap.hpp"
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <limits>
-#include <thread>
 #include <vector>
 
+#include "augment.hpp"
 #include "candidates.hpp"
+#include "lines.hpp"
+#include "rectangular.hpp"
 #include "simd.hpp"
 
 namespace fusekit {
@@ -16,130 +17,70 @@ namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-// Below these sizes (the longer side) the dense solver is faster than candidate lists
-// (measured: uniform 100x100 dense 0.05 ms vs 0.10 ms; PFNM-shaped 200x100 0.08 vs 0.05).
-constexpr std::size_t kMinCandidateObjects = 64;
+// The two smallest values offered and where they were (-1: none yet); ties keep the
+// earlier index.
+struct TwoSmallest {
+    double first = kInf, second = kInf;
+    std::int64_t at_first = -1, at_second = -1;
+    void offer(double x, std::int64_t at) {
+        if (at < 0) return;
+        if (x < first || (x == first && at < at_first)) {
+            second = first;
+            at_second = at_first;
+            first = x;
+            at_first = at;
+        } else if (x < second || (x == second && (at_second < 0 || at < at_second))) {
+            second = x;
+            at_second = at;
+        }
+    }
+};
+
+// Below this size the dense solver is faster than candidate lists (measured: uniform
+// 100x100 dense 0.05 ms vs 0.10 ms).
 constexpr std::size_t kMinCandidateSquare = 256;
 
-// Relaxes every column not yet finalised through row `row` (reached at offset h, so the
-// new distance of column j is row[j] - v[j] - h) and returns the smallest distance among
-// the columns not yet finalised. Dense and branch-free so that it vectorises: the
-// shortest-path step visits few rows, so touching all columns of those rows is cheaper
-// than maintaining index lists with gathers.
-template <class T>
-FUSEKIT_CLONES double relax_row(const T* __restrict row, const double* __restrict v, double h,
-                                std::int64_t i, double* __restrict d,
-                                std::int64_t* __restrict pred,
-                                const std::int64_t* __restrict done,
-                                const double* __restrict assigned_penalty, std::size_t m,
-                                double& best_free) {
-    double best = kInf, best_unassigned = kInf;
-#pragma omp simd reduction(min : best, best_unassigned)
-    for (std::size_t j = 0; j < m; ++j) {
-        const double nd = static_cast<double>(row[j]) - v[j] - h;
-        const bool update = (done[j] == 0) & (nd < d[j]);
-        const double dj = update ? nd : d[j];
-        d[j] = dj;
-        pred[j] = update ? i : pred[j];
-        const double candidate = done[j] != 0 ? kInf : dj;
-        best = candidate < best ? candidate : best;
-        const double unassigned = candidate + assigned_penalty[j];
-        best_unassigned = unassigned < best_unassigned ? unassigned : best_unassigned;
-    }
-    best_free = best_unassigned;
-    return best;
-}
-
-// Reduced costs row[j] - v[j] of a fresh row; returns their minimum.
-template <class T>
-FUSEKIT_CLONES double start_row(const T* __restrict row, const double* __restrict v,
-                                std::int64_t i, double* __restrict d,
-                                std::int64_t* __restrict pred, std::int64_t* __restrict done,
-                                const double* __restrict assigned_penalty, std::size_t m,
-                                double& best_free) {
-    double best = kInf, best_unassigned = kInf;
-#pragma omp simd reduction(min : best, best_unassigned)
-    for (std::size_t j = 0; j < m; ++j) {
-        const double dj = static_cast<double>(row[j]) - v[j];
-        d[j] = dj;
-        pred[j] = i;
-        done[j] = 0;
-        best = dj < best ? dj : best;
-        const double unassigned = dj + assigned_penalty[j];
-        best_unassigned = unassigned < best_unassigned ? unassigned : best_unassigned;
-    }
-    best_free = best_unassigned;
-    return best;
-}
-
-// Smallest and second smallest reduced cost row[j] - v[j] with their columns (m >= 2).
-// Three vectorisable passes beat one branchy scalar pass.
+// Smallest and second smallest reduced cost row[j] - v[j] with their columns (m >= 2), in
+// one pass: eight lanes each keep their two smallest and where they are, merged at the end.
 template <class T>
 FUSEKIT_CLONES void two_smallest(const T* __restrict row, const double* __restrict v,
                                  std::size_t m, double& min1, std::size_t& j1, double& min2,
                                  std::size_t& j2) {
-    double best = kInf;
-#pragma omp simd reduction(min : best)
-    for (std::size_t j = 0; j < m; ++j) {
-        const double h = static_cast<double>(row[j]) - v[j];
-        best = h < best ? h : best;
+    constexpr std::size_t kLanes = 8;
+    double a[kLanes], b[kLanes];
+    std::int64_t ia[kLanes], ib[kLanes];
+    for (std::size_t l = 0; l < kLanes; ++l) {
+        a[l] = b[l] = kInf;
+        ia[l] = ib[l] = -1;
     }
-    std::size_t first = 0;
-    while (first + 1 < m && !(static_cast<double>(row[first]) - v[first] == best)) ++first;
-    double second = kInf;
-#pragma omp simd reduction(min : second)
-    for (std::size_t j = 0; j < m; ++j) {
-        const double h = static_cast<double>(row[j]) - v[j];
-        const double candidate = j == first ? kInf : h;
-        second = candidate < second ? candidate : second;
-    }
-    std::size_t other = first == 0 ? 1 : 0;
-    for (std::size_t j = 0; j < m; ++j) {
-        if (j != first && static_cast<double>(row[j]) - v[j] == second) {
-            other = j;
-            break;
-        }
-    }
-    min1 = best;
-    j1 = first;
-    min2 = second;
-    j2 = other;
-}
-
-// First column j, not finalised (and unassigned when kUnassigned) with d[j] == dmin; such a
-// column exists. Tested eight at a time so that the scan is mostly vector compares.
-template <bool kUnassigned>
-FUSEKIT_CLONES std::size_t find_tied(const double* __restrict d, const std::int64_t* __restrict done,
-                      const double* __restrict penalty, double dmin, std::size_t m) {
-    constexpr std::size_t kChunk = 8;
-    std::size_t j0 = 0;
-    for (; j0 + kChunk <= m; j0 += kChunk) {
-        int hit = 0;
-#pragma omp simd reduction(| : hit)
-        for (std::size_t l = 0; l < kChunk; ++l) {
-            const double key = kUnassigned ? d[j0 + l] + penalty[j0 + l] : d[j0 + l];
-            hit |= (key == dmin) & (done[j0 + l] == 0);
-        }
-        if (hit) break;
-    }
-    for (std::size_t j = j0;; ++j) {
-        const double key = kUnassigned ? d[j] + penalty[j] : d[j];
-        if (key == dmin && done[j] == 0) return j;
-    }
-}
-
-// Column minima so far, updated with row i (the column reduction, row by row).
-template <class T>
-FUSEKIT_CLONES void column_min_update(const T* __restrict row, std::int64_t i,
-                                      double* __restrict v, std::int64_t* __restrict argmin,
-                                      std::size_t m) {
+    const std::size_t whole = m / kLanes * kLanes;
+    for (std::size_t j0 = 0; j0 < whole; j0 += kLanes) {
 #pragma omp simd
-    for (std::size_t j = 0; j < m; ++j) {
-        const double h = static_cast<double>(row[j]);
-        const bool smaller = h < v[j];
-        v[j] = smaller ? h : v[j];
-        argmin[j] = smaller ? i : argmin[j];
+        for (std::size_t l = 0; l < kLanes; ++l) {
+            const double h = static_cast<double>(row[j0 + l]) - v[j0 + l];
+            const auto j = static_cast<std::int64_t>(j0 + l);
+            const bool first = h < a[l], second = h < b[l];
+            b[l] = first ? a[l] : (second ? h : b[l]);
+            ib[l] = first ? ia[l] : (second ? j : ib[l]);
+            a[l] = first ? h : a[l];
+            ia[l] = first ? j : ia[l];
+        }
     }
+    TwoSmallest best;
+    for (std::size_t j = whole; j < m; ++j) {
+        best.offer(static_cast<double>(row[j]) - v[j], static_cast<std::int64_t>(j));
+    }
+    for (std::size_t l = 0; l < kLanes; ++l) {
+        best.offer(a[l], ia[l]);
+        best.offer(b[l], ib[l]);
+    }
+    min1 = best.first;
+    min2 = best.second;
+    // Rows of +inf leave indices unset: any two distinct columns then do.
+    j1 = best.at_first >= 0 ? static_cast<std::size_t>(best.at_first) : 0;
+    j2 = best.at_second >= 0 && static_cast<std::size_t>(best.at_second) != j1
+             ? static_cast<std::size_t>(best.at_second)
+             : (j1 == 0 ? 1 : 0);
 }
 
 // min over j != skip of row[j] - v[j].
@@ -155,43 +96,32 @@ FUSEKIT_CLONES double min_except(const T* __restrict row, const double* __restri
     return best;
 }
 
-// The solver proper, for n <= m (every row gets a column). Keeps the column potentials v;
-// row potentials are implicit, u[i] = c[i, x[i]] - v[x[i]]. Invariants between phases:
-// every assigned row is tight at its smallest reduced cost, and (when n < m) v <= 0 with
-// v = 0 on every unassigned column, which is what makes a rectangular solution optimal.
+// The dense solver for square and wide (nr < nc) problems: rows are augmented one by one
+// over all columns, each search step reading one row of the matrix. Keeps the column
+// potentials v; row potentials are implicit, u[i] = c[i, x[i]] - v[x[i]]. Columns start at
+// v = 0 and v only decreases, so a wide problem's unassigned columns keep the largest
+// potential, 0: its optimality conditions hold without padding. Between phases every
+// assigned row is tight at its smallest reduced cost.
 template <class T>
 class Solver {
    public:
-    Solver(const T* cost, std::size_t n, std::size_t m)
-        : c_(cost), n_(n), m_(m), v_(m, 0.0), x_(n, -1), y_(m, -1) {}
+    Solver(const T* cost, std::size_t nr, std::size_t nc)
+        : c_(cost), nr_(nr), nc_(nc), v_(nc, 0.0), x_(nr, -1), y_(nc, -1), search_(nc) {}
 
-    std::vector<double>& potentials() { return v_; }
+    const std::vector<double>& potentials() const { return v_; }
     const std::vector<std::int64_t>& row_solution() const { return x_; }
 
-    Status run(bool warm, bool may_reduce) {
+    // may_reduce: finite matrix (the reductions assume finite second-best costs).
+    Status run(bool may_reduce) {
         std::vector<std::int64_t> free_rows;
-        if (!warm && n_ == m_ && may_reduce) {
+        if (may_reduce && nr_ == nc_) {
             column_reduction(free_rows);
         } else {
-            if (warm) shift_potentials();
-            free_rows.resize(n_);
-            for (std::size_t i = 0; i < n_; ++i) free_rows[i] = static_cast<std::int64_t>(i);
+            free_rows.resize(nr_);
+            for (std::size_t i = 0; i < nr_; ++i) free_rows[i] = static_cast<std::int64_t>(i);
         }
-        if (may_reduce && m_ >= 2) {
-            augmenting_row_reduction(free_rows);
-            if (warm && n_ < m_) {
-                release_unassigned_columns(free_rows);
-                augmenting_row_reduction(free_rows);
-            }
-        } else if (warm && n_ < m_) {
-            // Without the reduction every column is still free: potentials must start at 0.
-            std::fill(v_.begin(), v_.end(), 0.0);
-        }
-        d_.assign(m_, 0.0);
-        pred_.assign(m_, 0);
-        done_.assign(m_, 0);
-        penalty_.resize(m_);
-        for (std::size_t j = 0; j < m_; ++j) penalty_[j] = y_[j] < 0 ? 0.0 : kInf;
+        if (may_reduce && nc_ >= 2) augmenting_row_reduction(free_rows);
+        for (std::size_t j = 0; j < nc_; ++j) search_.penalty[j] = y_[j] < 0 ? 0.0 : kInf;
         for (std::int64_t f : free_rows) {
             if (x_[static_cast<std::size_t>(f)] >= 0) continue;
             const Status s = augment(f);
@@ -201,25 +131,18 @@ class Solver {
     }
 
    private:
-    const T* row(std::size_t i) const { return c_ + i * m_; }
-    double at(std::size_t i, std::size_t j) const { return static_cast<double>(c_[i * m_ + j]); }
+    const T* row(std::size_t i) const { return c_ + i * nc_; }
+    double at(std::size_t i, std::size_t j) const { return static_cast<double>(c_[i * nc_ + j]); }
 
-    // Warm potentials of a rectangular problem must be <= 0 (only differences matter).
-    void shift_potentials() {
-        if (n_ == m_ || m_ == 0) return;
-        const double top = *std::max_element(v_.begin(), v_.end());
-        for (double& vj : v_) vj -= top;
-    }
-
-    // Jonker-Volgenant column reduction and reduction transfer (square, cold start only).
+    // Jonker-Volgenant column reduction and reduction transfer (square problems).
     void column_reduction(std::vector<std::int64_t>& free_rows) {
-        std::vector<std::int64_t> argmin(m_, 0);
-        for (std::size_t j = 0; j < m_; ++j) v_[j] = at(0, j);
-        for (std::size_t i = 1; i < n_; ++i) {
-            column_min_update(row(i), static_cast<std::int64_t>(i), v_.data(), argmin.data(), m_);
+        std::vector<std::int64_t> argmin(nr_, 0);
+        for (std::size_t j = 0; j < nr_; ++j) v_[j] = at(0, j);
+        for (std::size_t i = 1; i < nr_; ++i) {
+            argmin_into(row(i), static_cast<std::int64_t>(i), v_.data(), argmin.data(), nr_);
         }
-        std::vector<int> matches(n_, 0);
-        for (std::size_t jj = m_; jj-- > 0;) {
+        std::vector<int> matches(nr_, 0);
+        for (std::size_t jj = nr_; jj-- > 0;) {
             const auto i = static_cast<std::size_t>(argmin[jj]);
             if (++matches[i] == 1) {
                 x_[i] = static_cast<std::int64_t>(jj);
@@ -230,13 +153,13 @@ class Solver {
                 y_[jj] = static_cast<std::int64_t>(i);
             }
         }
-        for (std::size_t i = 0; i < n_; ++i) {
+        for (std::size_t i = 0; i < nr_; ++i) {
             if (matches[i] == 0) {
                 free_rows.push_back(static_cast<std::int64_t>(i));
             } else if (matches[i] == 1) {
                 // Transfer the row's slack to its column so the row sits at its second best.
                 const auto j1 = static_cast<std::size_t>(x_[i]);
-                const double second = min_except(row(i), v_.data(), j1, m_);
+                const double second = min_except(row(i), v_.data(), j1, nr_);
                 if (second < kInf) v_[j1] -= second - (at(i, j1) - v_[j1]);
             }
         }
@@ -252,18 +175,10 @@ class Solver {
                 const auto i = static_cast<std::size_t>(free_rows[k++]);
                 double umin, usubmin;
                 std::size_t j1, j2;
-                two_smallest(row(i), v_.data(), m_, umin, j1, usubmin, j2);
-                if (!(umin < kInf)) {  // nothing reachable: leave it to the augmentation
-                    free_rows[kept++] = static_cast<std::int64_t>(i);
-                    continue;
-                }
+                two_smallest(row(i), v_.data(), nc_, umin, j1, usubmin, j2);
                 std::int64_t i0 = y_[j1];
-                const bool strict = umin < usubmin;
-                if (strict) {
-                    // usubmin may be +inf when only one column is allowed: then any decrease
-                    // keeps the row tight, so use a finite one.
-                    const double drop = usubmin < kInf ? usubmin - umin : 0.0;
-                    v_[j1] -= drop;
+                if (umin < usubmin) {
+                    v_[j1] -= usubmin - umin;
                 } else if (i0 >= 0) {
                     j1 = j2;
                     i0 = y_[j1];
@@ -282,65 +197,32 @@ class Solver {
         }
     }
 
-    // A warm start may leave unassigned columns with v < 0; raising them to 0 keeps dual
-    // feasibility only if rows now preferring them give up their column (which may cascade).
-    void release_unassigned_columns(std::vector<std::int64_t>& free_rows) {
-        std::vector<std::size_t> pending;
-        for (std::size_t j = 0; j < m_; ++j) {
-            if (y_[j] < 0 && v_[j] < 0.0) pending.push_back(j);
-        }
-        while (!pending.empty()) {
-            const std::size_t k = pending.back();
-            pending.pop_back();
-            if (y_[k] >= 0 || v_[k] >= 0.0) continue;
-            v_[k] = 0.0;
-            for (std::size_t i = 0; i < n_; ++i) {
-                const std::int64_t xi = x_[i];
-                if (xi < 0) continue;
-                const auto j = static_cast<std::size_t>(xi);
-                if (at(i, k) < at(i, j) - v_[j]) {
-                    x_[i] = -1;
-                    y_[j] = -1;
-                    free_rows.push_back(static_cast<std::int64_t>(i));
-                    if (v_[j] < 0.0) pending.push_back(j);
-                }
-            }
-        }
-    }
-
-    // Index of a not-yet-final column at distance dmin, an unassigned one when one ties
-    // (then the search ends early, which matters on degenerate problems).
-    std::size_t pick(double dmin, bool unassigned) const {
-        return unassigned ? find_tied<true>(d_.data(), done_.data(), penalty_.data(), dmin, m_)
-                          : find_tied<false>(d_.data(), done_.data(), penalty_.data(), dmin, m_);
-    }
-
-    // Dijkstra from free row f over reduced costs, then potential update and augmentation.
+    // Shortest augmenting path from free row f over reduced costs (augment.hpp), then the
+    // potential update and the augmentation.
     Status augment(std::int64_t f) {
-        finished_.clear();
-        double dmin_free;
-        double dmin = start_row(row(static_cast<std::size_t>(f)), v_.data(), f, d_.data(),
-                                pred_.data(), done_.data(), penalty_.data(), m_, dmin_free);
+        AugmentSearch& s = search_;
+        const T* first = row(static_cast<std::size_t>(f));
+        for (std::size_t j = 0; j < nc_; ++j) s.d[j] = static_cast<double>(first[j]);
+        std::fill(s.pred.begin(), s.pred.end(), f);
+        double best_free;
+        double dmin = s.start(0.0, v_.data(), nc_, best_free);
         std::size_t sink;
         for (;;) {
             if (!(dmin < kInf)) return Status::infeasible;
-            const std::size_t j = pick(dmin, dmin_free == dmin);
-            done_[j] = 1;
-            finished_.push_back(j);
+            const std::size_t j = s.pick(dmin, best_free == dmin, nc_);
             if (y_[j] < 0) {
                 sink = j;
                 break;
             }
             const auto i = static_cast<std::size_t>(y_[j]);
             const double h = at(i, j) - v_[j] - dmin;
-            dmin = relax_row(row(i), v_.data(), h, static_cast<std::int64_t>(i), d_.data(),
-                             pred_.data(), done_.data(), penalty_.data(), m_, dmin_free);
+            dmin = s.relax(row(i), h, y_[j], v_.data(), nc_, best_free);
         }
-        for (std::size_t j : finished_) v_[j] += d_[j] - dmin;
-        penalty_[sink] = kInf;
+        for (std::size_t j : s.finished) v_[j] += s.d[j] - dmin;
+        s.penalty[sink] = kInf;
         std::size_t j = sink;
         for (;;) {
-            const auto i = static_cast<std::size_t>(pred_[j]);
+            const auto i = static_cast<std::size_t>(s.pred[j]);
             y_[j] = static_cast<std::int64_t>(i);
             const std::int64_t previous = x_[i];
             x_[i] = static_cast<std::int64_t>(j);
@@ -351,11 +233,10 @@ class Solver {
     }
 
     const T* c_;
-    std::size_t n_, m_;
-    std::vector<double> v_, d_;
-    std::vector<double> penalty_;  // 0 on unassigned columns, +inf on assigned ones
-    std::vector<std::int64_t> x_, y_, pred_, done_;
-    std::vector<std::size_t> finished_;
+    std::size_t nr_, nc_;
+    std::vector<double> v_;
+    std::vector<std::int64_t> x_, y_;
+    AugmentSearch search_;
 };
 
 // NaN and -inf are invalid; +inf (forbidden) disables the reductions, whose bookkeeping
@@ -373,24 +254,11 @@ FUSEKIT_CLONES Status check_values(const T* cost, std::size_t size, bool& has_in
     return bad > 0 ? Status::non_finite : Status::ok;
 }
 
-template <class T>
-void transpose(const T* src, std::size_t nr, std::size_t nc, T* dst) {
-    constexpr std::size_t kBlock = 32;
-    for (std::size_t i0 = 0; i0 < nr; i0 += kBlock) {
-        for (std::size_t j0 = 0; j0 < nc; j0 += kBlock) {
-            const std::size_t i1 = std::min(nr, i0 + kBlock), j1 = std::min(nc, j0 + kBlock);
-            for (std::size_t i = i0; i < i1; ++i) {
-                for (std::size_t j = j0; j < j1; ++j) dst[j * nr + i] = src[i * nc + j];
-            }
-        }
-    }
-}
-
 }  // namespace
 
 template <class T>
-Status solve_assignment(const T* cost, std::size_t nr, std::size_t nc, const double* warm_u,
-                        const double* warm_v, std::int64_t* col_of_row, double* u, double* v) {
+Status solve_assignment(const T* cost, std::size_t nr, std::size_t nc, std::int64_t* col_of_row,
+                        double* u, double* v) {
     std::fill(col_of_row, col_of_row + nr, -1);
     if (u) std::fill(u, u + nr, 0.0);
     if (v) std::fill(v, v + nc, 0.0);
@@ -398,94 +266,27 @@ Status solve_assignment(const T* cost, std::size_t nr, std::size_t nc, const dou
     bool has_inf = false;
     const Status valid = check_values(cost, nr * nc, has_inf);
     if (valid != Status::ok) return valid;
-    if (warm_u != nullptr) {
-        for (std::size_t i = 0; i < nr; ++i) {
-            if (!std::isfinite(warm_u[i])) return Status::non_finite;
-        }
-        for (std::size_t j = 0; j < nc; ++j) {
-            if (!std::isfinite(warm_v[j])) return Status::non_finite;
-        }
+    if (nr > nc) return solve_tall(cost, nr, nc, col_of_row, u, v);
+    if (nr == nc && nr >= kMinCandidateSquare && solve_by_candidates(cost, nr, col_of_row, u, v)) {
+        return Status::ok;
     }
-    if (std::max(nr, nc) >= (nr == nc ? kMinCandidateSquare : kMinCandidateObjects)) {
-        // Warm starts pay on square problems. On rectangular ones every object a warm start
-        // priced but the new solution leaves unassigned must return to potential 0, which
-        // takes re-solves and a full certificate pass: measured slower than a cold solve
-        // (PFNM-shaped 600x100), so those are solved cold.
-        const double* warm_columns = nr == nc ? warm_v : nullptr;
-        if (solve_by_candidates(cost, nr, nc, warm_columns, col_of_row, u, v)) return Status::ok;
-    }
-
-    // Work on the orientation with no more rows than columns.
-    const bool flip = nr > nc;
-    std::vector<T> flipped;
-    const T* c = cost;
-    std::size_t n = nr, m = nc;
-    if (flip) {
-        flipped.resize(nr * nc);
-        transpose(cost, nr, nc, flipped.data());
-        c = flipped.data();
-        std::swap(n, m);
-    }
-    Solver<T> solver(c, n, m);
-    const double* warm_cols = flip ? warm_u : warm_v;
-    const bool warm = warm_cols != nullptr;
-    if (warm) {
-        auto& pot = solver.potentials();
-        std::copy(warm_cols, warm_cols + m, pot.begin());  // checked finite above
-    }
-    const Status s = solver.run(warm, !has_inf);
+    Solver<T> solver(cost, nr, nc);
+    const Status s = solver.run(!has_inf);
     if (s != Status::ok) return s;
-
     const auto& x = solver.row_solution();
     const auto& pot = solver.potentials();
-    for (std::size_t i = 0; i < n; ++i) {
+    for (std::size_t i = 0; i < nr; ++i) {
         const auto j = static_cast<std::size_t>(x[i]);
-        if (flip) {
-            col_of_row[j] = static_cast<std::int64_t>(i);
-        } else {
-            col_of_row[i] = static_cast<std::int64_t>(j);
-        }
-        const double ui = static_cast<double>(c[i * m + j]) - pot[j];
-        if (flip) {
-            if (v) v[i] = ui;
-        } else {
-            if (u) u[i] = ui;
-        }
+        col_of_row[i] = static_cast<std::int64_t>(j);
+        if (u) u[i] = static_cast<double>(cost[i * nc + j]) - pot[j];
     }
-    double* col_pot = flip ? u : v;
-    if (col_pot) std::copy(pot.begin(), pot.end(), col_pot);
+    if (v) std::copy(pot.begin(), pot.end(), v);
     return Status::ok;
 }
 
-template <class T>
-void solve_assignments(const T* const* costs, const std::size_t* nr, const std::size_t* nc,
-                       std::size_t count, std::int64_t* const* col_of_row, Status* statuses,
-                       int n_threads) {
-    std::size_t workers = n_threads > 0 ? static_cast<std::size_t>(n_threads)
-                                        : std::max(1u, std::thread::hardware_concurrency());
-    workers = std::min(workers, count);
-    std::atomic<std::size_t> next{0};
-    auto work = [&] {
-        for (std::size_t k = next++; k < count; k = next++) {
-            statuses[k] = solve_assignment(costs[k], nr[k], nc[k], nullptr, nullptr,
-                                           col_of_row[k], nullptr, nullptr);
-        }
-    };
-    std::vector<std::thread> pool;
-    for (std::size_t t = 1; t < workers; ++t) pool.emplace_back(work);
-    work();
-    for (auto& t : pool) t.join();
-}
-
-template Status solve_assignment<float>(const float*, std::size_t, std::size_t, const double*,
-                                        const double*, std::int64_t*, double*, double*);
-template Status solve_assignment<double>(const double*, std::size_t, std::size_t, const double*,
-                                         const double*, std::int64_t*, double*, double*);
-template void solve_assignments<float>(const float* const*, const std::size_t*,
-                                       const std::size_t*, std::size_t, std::int64_t* const*,
-                                       Status*, int);
-template void solve_assignments<double>(const double* const*, const std::size_t*,
-                                        const std::size_t*, std::size_t, std::int64_t* const*,
-                                        Status*, int);
+template Status solve_assignment<float>(const float*, std::size_t, std::size_t, std::int64_t*,
+                                        double*, double*);
+template Status solve_assignment<double>(const double*, std::size_t, std::size_t, std::int64_t*,
+                                         double*, double*);
 
 }  // namespace fusekit

@@ -1,5 +1,7 @@
-// Linear assignment: Jonker-Volgenant shortest augmenting paths, on candidate pairs with a
-// dual certificate (candidates.hpp) for all but small problems, else on the dense matrix.
+// Linear assignment: Jonker-Volgenant shortest augmenting paths, never padded to a square.
+// Large square problems go through candidate pairs with a dual certificate
+// (candidates.hpp); small square and wide ones augment row by row over the dense matrix;
+// tall ones augment over their short side, the columns (rectangular.hpp).
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -14,20 +16,14 @@ namespace fusekit {
 // col_of_row (length nr) receives the column of each row, or -1 for rows left unassigned
 // (only when nr > nc). u (nr) and v (nc), when not null, receive dual potentials with
 // u[i] + v[j] <= cost[i, j], equality on assigned pairs, and v (resp. u) equal to its
-// maximum on unassigned columns (rows) of a rectangular problem.
+// maximum, 0, on unassigned columns (rows) of a rectangular problem.
 //
-// warm_u / warm_v (lengths nr / nc, both null or both set) are the duals of a previous,
-// similar problem; they change how fast, never what, the solver finds. They speed up
-// square problems; rectangular ones of candidate size are solved cold (faster, measured).
+// Extra memory, whatever the values (ties included): O(nr + nc) for wide and small square
+// problems, O(nr + 8 nc) for tall ones (short lists per column), and at most
+// kMaxEdgesPerRow (64, candidates.cpp) candidate pairs of 16 bytes per row for large square
+// ones, which otherwise fall back to the dense solver.
 template <class T>
-Status solve_assignment(const T* cost, std::size_t nr, std::size_t nc, const double* warm_u,
-                        const double* warm_v, std::int64_t* col_of_row, double* u, double* v);
-
-// Solves `count` independent problems (same contract as above, no warm start or duals)
-// on up to n_threads threads (0: hardware concurrency). statuses receives each result.
-template <class T>
-void solve_assignments(const T* const* costs, const std::size_t* nr, const std::size_t* nc,
-                       std::size_t count, std::int64_t* const* col_of_row, Status* statuses,
-                       int n_threads);
+Status solve_assignment(const T* cost, std::size_t nr, std::size_t nc, std::int64_t* col_of_row,
+                        double* u, double* v);
 
 }  // namespace fusekit

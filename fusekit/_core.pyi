@@ -4,14 +4,8 @@ import numpy as np
 import numpy.typing as npt
 
 def solve_assignment(
-    cost: npt.NDArray[np.float32] | npt.NDArray[np.float64],
-    warm_u: npt.ArrayLike | None = None,
-    warm_v: npt.ArrayLike | None = None,
-    return_duals: bool = False,
+    cost: np.ndarray, return_duals: bool = False
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float64], npt.NDArray[np.float64]]: ...
-def solve_assignments(
-    costs: list[np.ndarray], float32: bool, n_threads: int = 0
-) -> list[npt.NDArray[np.int64]]: ...
 def sqeuclidean_cost(
     a: npt.NDArray[np.float64], b: npt.NDArray[np.float64]
 ) -> npt.NDArray[np.float64]: ...

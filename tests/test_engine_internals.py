@@ -103,3 +103,65 @@ def test_add_rows_refuses_a_target_it_would_have_to_copy():
         core().add_rows(target, np.array([0]), np.ones((1, 3)), 1.0)
     with pytest.raises(ParameterError, match="writeable C-contiguous 2-D float64"):
         core().add_rows(np.zeros((3, 4)).T, np.array([0]), np.ones((1, 3)), 1.0)
+
+
+HOSTILE_CORE_INPUTS = """
+import numpy as np
+from fusekit.engine.native import core
+
+c = core()
+hostile = [
+    np.array([[object(), 1.0], [2.0, 3.0]], dtype=object),
+    np.array([[None, None], [None, None]], dtype=object),
+    np.array([["a", "b"], ["c", "d"]]),
+    np.array([["1", "2"], ["3", "4"]]),
+    np.array([[b"a", b"b"], [b"c", b"d"]]),
+    np.ones((2, 2), complex),
+    np.zeros((2, 2), dtype=[("a", "f8"), ("b", "i4")]),
+    np.zeros((2, 2), dtype="M8[D]"),
+    np.zeros((2, 2), dtype="V8"),
+    [[1.0, "x"], [2.0, 3.0]],
+    None,
+]
+ones, vector = np.ones((2, 2)), np.ones(2)
+calls = [
+    lambda x: c.solve_assignment(x, False),
+    lambda x: c.solve_assignment(x, True),
+    lambda x: c.sqeuclidean_cost(x, ones),
+    lambda x: c.sqeuclidean_cost(ones, x),
+    lambda x: c.finite_min(x),
+    lambda x: c.add_rows(np.zeros((3, 2)), np.array([0, 1]), x),
+    lambda x: c.add_rows(np.zeros((3, 2)), x, ones),
+    lambda x: c.add_rows(x, np.array([0, 1]), ones),
+    # scale=None means "no scale": a string stands in for it.
+    lambda x: c.add_rows(np.zeros((3, 2)), np.array([0, 1]), ones, 1.0, "x" if x is None else x),
+]
+for k in range(7):  # each array argument of posterior_cost in turn
+    def posterior(x, k=k):
+        args = [ones, vector, np.ones((3, 2)), np.ones((3, 2)), np.ones(3), np.zeros(2), vector]
+        args[k] = x
+        return c.posterior_cost(*args, 5.0, 1.0, 0.0)
+    calls.append(posterior)
+for i, call in enumerate(calls):
+    for j, x in enumerate(hostile):
+        try:
+            call(x)
+        except (TypeError, ValueError):
+            continue
+        raise SystemExit(f"call {i} accepted hostile input {j}")
+print("all refused")
+"""
+
+
+def test_core_functions_refuse_non_numeric_arrays_without_crashing():
+    """Object, string, bytes, complex, structured, datetime and void arrays, lists and None
+    given to every _core function raise (a TypeError or ValueError); a crash of the
+    interpreter would show as a signal exit of the subprocess."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", HOSTILE_CORE_INPUTS], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "all refused" in done.stdout

@@ -296,8 +296,11 @@ def test_fusion_benchmark_runs_end_to_end_on_a_tiny_case(tmp_path):
     from bench_fusion import main
 
     out = tmp_path / "bench.json"
-    assert main(["--clients", "2", "--numpy-clients", "2", "--no-cnn", "--json", str(out)]) == 0
-    rows = json.loads(out.read_text())["rows"]
+    argv = ["--clients", "2", "--numpy-clients", "2", "--no-cnn", "--end-to-end-clients", "2"]
+    assert main([*argv, "--json", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert results["from_files"]["from_files_s"] > 0 and results["from_files"]["engine_s"] > 0
+    rows = results["rows"]
     assert {(r["method"], r["backend"]) for r in rows} == {
         ("pfnm", "core"), ("pfnm", "numpy"), ("nafi", "core"), ("nafi", "numpy")}
     # Two clients of 100 pool neurons each cover between 100 and 150 of them.

@@ -129,9 +129,17 @@ class Checkpoint:
             raise CheckpointError(
                 f"{self.label}: tensor {name!r} not found; it has {sorted(self.tensors)}"
             )
-        if name not in self._arrays:
-            self._arrays[name] = self._read(name)
-        array = self._arrays[name]
+        array = self._arrays.get(name)
+        if array is None:  # read from the file once, so checked once
+            array = self._arrays[name] = self._checked(name, self._read(name))
+        elif self.path is None:  # the caller's array, which may have changed since
+            self._checked(name, array)
+        view = array.view()  # read-only for the caller, without freezing an array it passed in
+        view.flags.writeable = False
+        return view
+
+    def _checked(self, name: str, array: np.ndarray) -> np.ndarray:
+        """``array`` if its values are usable weights, else a CheckpointError naming it."""
         bad = count_non_finite(array)
         if bad:
             raise CheckpointError(
@@ -143,9 +151,7 @@ class Checkpoint:
                 f"{self.label}: tensor {name!r} has {int((array < 0).sum())} negative "
                 f"value(s) (smallest {float(array.min()):g}); expected variances >= 0"
             )
-        view = array.view()  # read-only for the caller, without freezing an array it passed in
-        view.flags.writeable = False
-        return view
+        return array
 
     def state_dict(self) -> dict[str, np.ndarray]:
         return {name: self.tensor(name) for name in self.tensors}

@@ -48,3 +48,7 @@ class DataError(FusekitError, ValueError):
 
 class NonFiniteOutputError(FusekitError, ValueError):
     """A computed tensor holds NaN or Inf; nothing is written."""
+
+
+class ParameterTypeError(ParameterError, TypeError):
+    """An argument has a type fusekit cannot use (e.g. a non-numeric array)."""

@@ -1,10 +1,10 @@
 """Matching engine: linear assignment and neuron cost matrices, computed in ``fusekit._core``.
 
 The assignment solver follows SciPy's ``linear_sum_assignment`` contract, so SciPy is a
-drop-in oracle; it adds warm starts from the dual potentials of a previous, similar
-problem (PFNM / NAFI sweeps re-solve nearly the same problem again and again) and a
-threaded batch API. The cost kernels compute the PFNM / NAFI matching costs of
-ALGORITHMS.md sections 3-4 and the squared-Euclidean ground cost of OT fusion.
+drop-in oracle, and can also return its dual potentials as a certificate. It releases the
+GIL, so independent problems solve in parallel from a thread pool. The cost kernels compute
+the PFNM / NAFI matching costs of ALGORITHMS.md sections 3-4 and the squared-Euclidean
+ground cost of OT fusion.
 
 Numpy reference implementations with the same signatures live in ``fusekit.engine.reference``.
 
@@ -15,11 +15,11 @@ process-wide, so other threads' SciPy BLAS calls also run on one thread during s
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import re
 
 import numpy as np
 
-from fusekit.core.errors import ParameterError
+from fusekit.core.errors import InfeasibleAssignmentError, ParameterError, ParameterTypeError
 from fusekit.engine.native import core
 
 __all__ = [
@@ -28,130 +28,102 @@ __all__ = [
     "nafi_cost",
     "pfnm_cost",
     "solve_assignment",
-    "solve_assignments",
     "sqeuclidean_cost",
 ]
 
 
-def _as_cost_matrix(cost, maximize: bool, name: str = "cost") -> np.ndarray:
+def _as_cost_matrix(cost, maximize: bool) -> np.ndarray:
     """A C-contiguous float32/float64 copy-or-view of ``cost``, negated when maximising."""
     array = np.asarray(cost)
     if array.ndim != 2:
-        raise ParameterError(f"{name}: expected a 2-D cost matrix, got shape {array.shape}")
-    if array.dtype == np.bool_ or not (
-        np.issubdtype(array.dtype, np.number) and not np.issubdtype(array.dtype, np.complexfloating)
-    ):
-        raise ParameterError(f"{name}: expected a real numeric matrix, got dtype {array.dtype}")
-    if array.dtype != np.float32:
-        array = array.astype(np.float64, copy=False)
+        # SciPy's wording, as the rest of linear_sum_assignment's contract.
+        raise ParameterError(f"cost: expected a matrix (2-D array), got a {array.ndim} array")
+    kind = array.dtype.kind
+    if kind not in "fiub":
+        raise ParameterTypeError(f"cost: expected a real numeric matrix, got dtype {array.dtype}")
+    if kind != "f" or array.dtype.itemsize not in (4, 8):
+        array = array.astype(np.float64)
     if maximize:
-        if np.isposinf(array).any():
-            raise ParameterError(f"{name}: expected finite values or -inf when maximising, "
-                                 "found +inf")
-        # SciPy's convention: negate, so -inf (forbidden when maximising) becomes +inf.
-        array = -array
+        array = -array  # -inf, forbidden when maximising, becomes +inf
     return np.ascontiguousarray(array)
 
 
-def _row_col(col_of_row: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    rows = np.flatnonzero(col_of_row >= 0)
-    return rows, col_of_row[rows]
+def _negate_infinities(message: str) -> str:
+    """The core's message about the negated matrix, in terms of the matrix as written."""
+    return re.sub(r"([+-])inf", lambda m: ("-" if m.group(1) == "+" else "+") + "inf", message)
 
 
-def solve_assignment(
-    cost,
-    *,
-    maximize: bool = False,
-    warm_start: tuple[np.ndarray, np.ndarray] | None = None,
-    return_duals: bool = False,
-):
+def solve_assignment(cost, maximize: bool = False, *, return_duals: bool = False):
     """Solve the linear assignment problem (Jonker-Volgenant shortest augmenting paths).
+
+    A drop-in for SciPy's ``linear_sum_assignment(cost, maximize=False)``: the same
+    arguments (``maximize`` also positionally), inputs (any real or boolean array_like,
+    any strides), outputs, error classes and messages. Among several optimal assignments
+    the columns may differ from SciPy's (ties are broken differently); the total is the
+    same optimum.
 
     Parameters
     ----------
     cost : array_like, shape (n, m)
-        Real matrix (float32 is solved in float32 storage, anything else as float64; any
-        strides). ``+inf`` marks a forbidden pair. Rectangular matrices assign
-        ``min(n, m)`` pairs.
+        Real or boolean matrix (float32 is solved in float32 storage, anything else as
+        float64). ``+inf`` (``-inf`` when maximising) marks a forbidden pair. Rectangular
+        matrices assign ``min(n, m)`` pairs.
     maximize : bool
-        Maximise the total instead of minimising it (then ``-inf`` is the forbidden value).
-    warm_start : (u, v), optional
-        Dual potentials, shapes (n,) and (m,), of a previous problem of the same shape and
-        orientation, as returned with ``return_duals=True``. They only change how fast the
-        solution is found, never which optimum is returned in cost.
+        Maximise the total instead of minimising it.
     return_duals : bool
-        Also return the dual potentials ``(u, v)``: ``u[i] + v[j] <= cost[i, j]`` (``>=``
-        when maximising) with equality on assigned pairs.
+        Also return dual potentials ``(u, v)``: ``u[i] + v[j] <= cost[i, j]`` (``>=``
+        when maximising) with equality on assigned pairs, and 0 on the rows (columns) a
+        rectangular problem leaves unassigned: a certificate of optimality.
 
     Returns
     -------
     row_ind, col_ind : ndarray of int64, shape (min(n, m),)
-        Assigned pairs, rows sorted increasingly (SciPy's ``linear_sum_assignment``
-        contract; the total cost equals SciPy's optimum).
+        Assigned pairs, rows sorted increasingly.
     (u, v) : tuple of ndarray of float64, only with ``return_duals=True``.
 
     Raises
     ------
     ParameterError (a ValueError)
-        ``cost`` is not a real 2-D matrix, holds NaN or ``-inf`` (``+inf`` when
-        maximising), or ``warm_start`` has the wrong shapes or non-finite values.
-    InfeasibleAssignmentError
-        Every complete assignment uses a forbidden pair.
+        ``cost`` is not 2-D, or holds NaN or the non-forbidding infinity (``-inf`` when
+        minimising, ``+inf`` when maximising): SciPy's "expected a matrix" and "matrix
+        contains invalid numeric entries".
+    ParameterTypeError (a ParameterError and a TypeError)
+        ``cost`` is not numeric (strings, objects, complex numbers).
+    InfeasibleAssignmentError (a ValueError)
+        Every complete assignment uses a forbidden pair (SciPy's "cost matrix is
+        infeasible").
+
+    Notes
+    -----
+    What a call needs, whatever the values (ties included): the matrix (a float64 copy
+    unless it is C-contiguous float32/float64; a negated copy when maximising) plus
+    O(n + m): a few vectors of n and m entries, and for tall matrices (n > m) 8 candidate
+    rows per column. Square problems from 256 x 256 keep at most 64 candidate pairs per row
+    on average (16 bytes each, about 1 KiB per row) and otherwise solve densely in O(n).
+
+    Rectangular matrices are never padded: a wide one (n < m) augments row by row, each
+    search step reading one row; a tall one augments over its m columns, each free row
+    entering through the columns' few cheapest free rows, and runs of rows that each
+    dominate the next (PFNM's new-neuron slots) enter as one row, their first free member.
     """
     matrix = _as_cost_matrix(cost, maximize)
-    warm_u = warm_v = None
-    if warm_start is not None:
-        try:
-            warm_u, warm_v = warm_start
-        except (TypeError, ValueError):
-            raise ParameterError("warm_start: expected a pair (u, v) of 1-D arrays") from None
-        warm_u = np.asarray(warm_u, dtype=np.float64)
-        warm_v = np.asarray(warm_v, dtype=np.float64)
-        if not (np.isfinite(warm_u).all() and np.isfinite(warm_v).all()):
-            raise ParameterError("warm_start: expected finite potentials, found NaN or inf")
-        if maximize:
-            warm_u, warm_v = -warm_u, -warm_v
-    col_of_row, u, v = core().solve_assignment(matrix, warm_u, warm_v, return_duals)
-    rows, cols = _row_col(col_of_row)
+    try:
+        col_of_row, u, v = core().solve_assignment(matrix, return_duals)
+    except (InfeasibleAssignmentError, ParameterError) as error:
+        if not maximize:
+            raise
+        raise type(error)(_negate_infinities(str(error))) from None
+    if matrix.shape[0] <= matrix.shape[1]:
+        rows = np.arange(matrix.shape[0], dtype=np.int64)
+        cols = col_of_row
+    else:
+        rows = np.flatnonzero(col_of_row >= 0)
+        cols = col_of_row[rows]
     if not return_duals:
         return rows, cols
     if maximize:
         u, v = -u, -v
     return rows, cols, (u, v)
-
-
-def solve_assignments(
-    costs: Sequence, *, maximize: bool = False, n_threads: int | None = None
-) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Solve independent assignment problems in parallel threads (GIL released).
-
-    Parameters
-    ----------
-    costs : sequence of array_like, each shape (n_k, m_k)
-        As for :func:`solve_assignment`; shapes may differ. The batch is solved in float32
-        storage only when every matrix is float32.
-    maximize : bool
-        Maximise every total instead of minimising it.
-    n_threads : int, optional
-        Worker threads; default: one per available core.
-
-    Returns
-    -------
-    list of (row_ind, col_ind), one per problem, as :func:`solve_assignment`.
-
-    Raises
-    ------
-    ParameterError (a ValueError), InfeasibleAssignmentError
-        As :func:`solve_assignment`, naming the index of the offending problem.
-    """
-    if n_threads is not None and (not isinstance(n_threads, int) or n_threads < 1):
-        raise ParameterError(f"n_threads: expected a positive integer, got {n_threads!r}")
-    matrices = [_as_cost_matrix(c, maximize, name=f"costs[{k}]") for k, c in enumerate(costs)]
-    float32 = bool(matrices) and all(m.dtype == np.float32 for m in matrices)
-    if not float32:
-        matrices = [m.astype(np.float64, copy=False) for m in matrices]
-    results = core().solve_assignments(matrices, float32, n_threads or 0)
-    return [_row_col(col_of_row) for col_of_row in results]
 
 
 def add_rows(

@@ -1,0 +1,28 @@
+// Vectorised helpers on matrix lines shared by the candidate and rectangular solvers.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+namespace fusekit {
+
+// acc[j] = min(acc[j], line[j]) for j < n.
+template <class T>
+void min_into(const T* line, double* acc, std::size_t n);
+
+// acc[j] = min(acc[j], line[j]) for j < n, and at[j] = index where line[j] is smaller: the
+// minima of a matrix's columns and their rows, updated one row (index) at a time.
+template <class T>
+void argmin_into(const T* line, std::int64_t index, double* acc, std::int64_t* at, std::size_t n);
+
+// k-th smallest of x[0..n), n >= k (reorders x).
+double kth_smallest(double* x, std::size_t n, std::size_t k);
+
+// An upper bound on the k-th smallest of line[0..n), close to it: the k-th smallest of the
+// minima of 4k strided blocks (elementwise minima of consecutive 4k-wide segments, fully
+// vectorised); k block minima are k distinct entries, so they bound it from above. +inf
+// when n <= k.
+double kth_smallest_bound(const double* line, std::size_t n, std::size_t k,
+                          std::vector<double>& block_min);
+
+}  // namespace fusekit

@@ -1,0 +1,477 @@
+#include "rectangular.hpp"
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "augment.hpp"
+#include "lines.hpp"
+#include "simd.hpp"
+
+namespace fusekit {
+
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// Free objects kept per agent: more agents compete for more objects, and an exhausted list
+// is refilled by a strided pass over the agent's column. Measured on PFNM-shaped problems:
+// 8 for 100 agents (4 refills often, 16 slows the list building), 16 for 500 (with 8,
+// tied integer costs refill 4x more and take 2-4x longer).
+std::size_t list_length(std::size_t agents) { return agents >= 256 ? 16 : 8; }
+// Runs of dominated objects shorter than this are listed object by object; at most
+// kMaxRuns runs (each costs a vector pass per search).
+constexpr std::size_t kMinRun = 4;
+constexpr std::size_t kMaxRuns = 4;
+constexpr std::size_t kChunk = 8;
+
+// The tall matrix seen as objects (its m rows) x agents (its n columns, n < m).
+template <class T>
+struct Layout {
+    const T* cost;
+    std::size_t n, m;
+    double at(std::size_t a, std::size_t o) const { return static_cast<double>(cost[o * n + a]); }
+    // Object o's costs to every agent: one row of the matrix.
+    const T* object_line(std::size_t o) const { return cost + o * n; }
+};
+
+// Whether b >= a elementwise; chunks, so that unrelated lines are told apart at once.
+template <class T>
+FUSEKIT_CLONES bool dominates(const T* __restrict a, const T* __restrict b, std::size_t n) {
+    std::size_t j0 = 0;
+    for (; j0 + kChunk <= n; j0 += kChunk) {
+        int below = 0;
+#pragma omp simd reduction(| : below)
+        for (std::size_t l = 0; l < kChunk; ++l) below |= b[j0 + l] < a[j0 + l];
+        if (below) return false;
+    }
+    for (; j0 < n; ++j0) {
+        if (b[j0] < a[j0]) return false;
+    }
+    return true;
+}
+
+// Each agent's cheapest free objects (outside runs), sorted, and a gate: every free object
+// outside runs and off the list costs at least the gate (+inf: none left).
+class Lists {
+   public:
+    explicit Lists(std::size_t agents)
+        : length_(list_length(agents)), cost_(agents * length_), object_(agents * length_),
+          count_(agents, 0), next_(agents, 0), gate_(agents, kInf) {}
+
+    std::size_t length() const { return length_; }
+
+    double* gates() { return gate_.data(); }
+
+    // Whether c may enter agent a's list (it then improves the list or fills a free place).
+    bool admits(std::size_t a, double c) const {
+        return c < gate_[a] || (count_[a] < length_ && c <= gate_[a] && c < kInf);
+    }
+
+    void offer(std::size_t a, double c, std::int64_t o) {
+        double* cs = cost_.data() + a * length_;
+        std::int64_t* os = object_.data() + a * length_;
+        std::size_t n = count_[a];
+        std::size_t pos = n < length_ ? n : length_ - 1;  // a full list drops its last
+        while (pos > 0 && cs[pos - 1] > c) {
+            cs[pos] = cs[pos - 1];
+            os[pos] = os[pos - 1];
+            --pos;
+        }
+        cs[pos] = c;
+        os[pos] = o;
+        if (n < length_) count_[a] = ++n;
+        if (n == length_) gate_[a] = cs[length_ - 1];
+    }
+
+    void clear(std::size_t a) {
+        count_[a] = 0;
+        next_[a] = 0;
+        gate_[a] = kInf;
+    }
+
+    // Skips listed objects for which `taken` holds; false when the list is used up.
+    template <class Taken>
+    bool first_free(std::size_t a, Taken taken, double& c, std::int64_t& o) {
+        std::size_t t = next_[a];
+        while (t < count_[a] && taken(object_[a * length_ + t])) ++t;
+        next_[a] = t;
+        if (t == count_[a]) return false;
+        c = cost_[a * length_ + t];
+        o = object_[a * length_ + t];
+        return true;
+    }
+
+    bool exhausted_for_good(std::size_t a) const { return !(gate_[a] < kInf); }
+
+    // The cost of the free listed object after the first (which first_free just returned),
+    // or the gate (a bound on it, object -1) when the list holds no other.
+    template <class Taken>
+    double second_free(std::size_t a, Taken taken, std::int64_t& o) const {
+        for (std::size_t t = next_[a] + 1; t < count_[a]; ++t) {
+            o = object_[a * length_ + t];
+            if (!taken(o)) return cost_[a * length_ + t];
+        }
+        o = -1;
+        return gate_[a];
+    }
+
+   private:
+    std::size_t length_;
+    std::vector<double> cost_;
+    std::vector<std::int64_t> object_;
+    std::vector<std::size_t> count_, next_;
+    std::vector<double> gate_;
+};
+
+// hit[j] = row[j] <= gate[j]: a full-width compare, no horizontal reductions.
+template <class T>
+FUSEKIT_CLONES void mark_at_most(const T* __restrict row, const double* __restrict gate,
+                                 unsigned char* __restrict hit, std::size_t n) {
+#pragma omp simd
+    for (std::size_t j = 0; j < n; ++j) hit[j] = static_cast<double>(row[j]) <= gate[j];
+}
+
+// Offers row o's entries at or below their agent's gate (tall matrices: one object's
+// costs to every agent); hit is scratch of n + 8 bytes, read eight at a time.
+template <class T>
+void offer_row(const T* row, std::int64_t o, std::size_t n, Lists& lists, unsigned char* hit) {
+    mark_at_most(row, lists.gates(), hit, n);
+    for (std::size_t j0 = 0; j0 < n; j0 += 8) {
+        std::uint64_t bits;
+        std::memcpy(&bits, hit + j0, 8);
+        if (j0 + 8 > n) bits &= (std::uint64_t{1} << (8 * (n - j0))) - 1;
+        for (; bits != 0; bits &= bits - 1) {
+            const std::size_t j = j0 + static_cast<std::size_t>(__builtin_ctzll(bits)) / 8;
+            const double c = static_cast<double>(row[j]);
+            if (lists.admits(j, c)) lists.offer(j, c, o);
+        }
+    }
+}
+
+struct Run {
+    std::size_t head, end;  // first free member, last member
+};
+
+template <class T>
+class ShortSideSolver {
+   public:
+    explicit ShortSideSolver(Layout<T> layout)
+        : lay_(layout), n_(layout.n), m_(layout.m), run_of_(layout.m, 0), lists_(layout.n),
+          head_cost_(layout.n, kInf), head_object_(layout.n, -1), u_(layout.n, 0.0),
+          v_(layout.m, 0.0), x_(layout.n, -1), y_(layout.m, -1), search_(layout.n) {}
+
+    Status solve() {
+        find_runs();
+        list_rows();
+        for (std::size_t a = 0; a < n_; ++a) settle(a);
+        if (!column_reduction()) return Status::infeasible;
+        std::vector<std::size_t> free_agents;
+        for (std::size_t a = 0; a < n_; ++a) {
+            if (x_[a] < 0) free_agents.push_back(a);
+        }
+        row_reduction(free_agents);
+        for (std::size_t a = 0; a < n_; ++a) search_.penalty[a] = x_[a] < 0 ? 0.0 : kInf;
+        // Each search ends at the free agent nearest to the free objects, whichever it is.
+        for (std::size_t k = 0; k < free_agents.size(); ++k) {
+            if (!augment()) return Status::infeasible;
+        }
+        return Status::ok;
+    }
+
+    // The column of each row (-1: unassigned) and the potentials of rows (u, objects) and
+    // columns (v, agents).
+    void write(std::int64_t* col_of_row, double* u, double* v) const {
+        for (std::size_t a = 0; a < n_; ++a) {
+            col_of_row[static_cast<std::size_t>(x_[a])] = static_cast<std::int64_t>(a);
+            if (v) v[a] = u_[a] + phi_;
+        }
+        if (u) {
+            for (std::size_t o = 0; o < m_; ++o) u[o] = y_[o] >= 0 ? v_[o] - phi_ : 0.0;
+        }
+    }
+
+   private:
+    bool taken(std::int64_t o) const { return y_[static_cast<std::size_t>(o)] >= 0; }
+
+    // Runs of objects each dominating the next; the longest kMaxRuns of at least kMinRun
+    // objects enter the searches through their first free member only.
+    void find_runs() {
+        std::vector<unsigned char> ascending(m_, 1);  // object o >= object o - 1
+        ascending[0] = 0;
+        for (std::size_t o = 1; o < m_; ++o) {
+            ascending[o] = dominates(lay_.object_line(o - 1), lay_.object_line(o), n_);
+        }
+        std::vector<Run> found;
+        for (std::size_t o = 1; o < m_; ++o) {
+            if (!ascending[o]) continue;
+            std::size_t end = o;
+            while (end + 1 < m_ && ascending[end + 1]) ++end;
+            if (end - o + 2 >= kMinRun) found.push_back({o - 1, end});
+            o = end;
+        }
+        std::stable_sort(found.begin(), found.end(), [](const Run& p, const Run& q) {
+            return p.end - p.head > q.end - q.head;
+        });
+        if (found.size() > kMaxRuns) found.resize(kMaxRuns);
+        runs_ = found;
+        for (std::size_t r = 0; r < runs_.size(); ++r) {
+            for (std::size_t o = runs_[r].head; o <= runs_[r].end; ++o) run_of_[o] = r + 1;
+        }
+    }
+
+    // Tall: each agent (column) lists its cheapest rows outside runs, in two row-major
+    // passes: the first bounds each column's k-th smallest, the second offers only entries
+    // below that bound.
+    void list_rows() {
+        std::vector<std::size_t> rows;
+        for (std::size_t o = 0; o < m_; ++o) {
+            if (run_of_[o] == 0) rows.push_back(o);
+        }
+        if (rows.empty()) return;
+        // The k-th smallest of a column's minima over 4k strided blocks of rows bounds its
+        // k-th smallest entry (k block minima are k distinct entries) and stays close to it.
+        double* gate = lists_.gates();
+        const std::size_t k = lists_.length();
+        const std::size_t blocks = std::min(rows.size(), 2 * k);
+        if (blocks > k) {
+            std::vector<double> block_min(blocks * n_, kInf), column(blocks);
+            for (std::size_t t = 0; t < rows.size(); ++t) {
+                min_into(lay_.object_line(rows[t]), block_min.data() + (t % blocks) * n_, n_);
+            }
+            for (std::size_t a = 0; a < n_; ++a) {
+                for (std::size_t b = 0; b < blocks; ++b) column[b] = block_min[b * n_ + a];
+                gate[a] = kth_smallest(column.data(), blocks, k);
+            }
+        }
+        std::vector<unsigned char> hit(n_ + 8, 0);
+        for (std::size_t o : rows) {
+            offer_row(lay_.object_line(o), static_cast<std::int64_t>(o), n_, lists_, hit.data());
+        }
+    }
+
+    // Agent a's whole line, free objects outside runs: the list anew.
+    void refill(std::size_t a) {
+        lists_.clear(a);
+        for (std::size_t o = 0; o < m_; ++o) {
+            if (run_of_[o] != 0 || y_[o] >= 0) continue;
+            const double c = lay_.at(a, o);
+            if (lists_.admits(a, c)) lists_.offer(a, c, static_cast<std::int64_t>(o));
+        }
+    }
+
+    // head_cost_ / head_object_: agent a's cheapest free object outside runs.
+    void settle(std::size_t a) {
+        const auto is_taken = [this](std::int64_t o) { return taken(o); };
+        double c;
+        std::int64_t o;
+        if (!lists_.first_free(a, is_taken, c, o)) {
+            if (lists_.exhausted_for_good(a)) {
+                head_cost_[a] = kInf;
+                head_object_[a] = -1;
+                return;
+            }
+            refill(a);
+            if (!lists_.first_free(a, is_taken, c, o)) {
+                head_cost_[a] = kInf;
+                head_object_[a] = -1;
+                return;
+            }
+        }
+        head_cost_[a] = c;
+        head_object_[a] = o;
+    }
+
+    // Object o was free and is now matched: later searches no longer start from it.
+    void matched(std::size_t o, std::size_t agent) {
+        y_[o] = static_cast<std::int64_t>(agent);
+        v_[o] = phi_;
+        matched_objects_.push_back(o);
+        if (run_of_[o] != 0) {
+            ++runs_[run_of_[o] - 1].head;  // o was the run's first free member
+            return;
+        }
+        const auto object = static_cast<std::int64_t>(o);
+        for (std::size_t a = 0; a < n_; ++a) {
+            if (head_object_[a] == object) settle(a);
+        }
+    }
+
+    // best[a] / from[a]: agent a's cheapest free object, through its list or a run.
+    void cheapest_free(double* best, std::int64_t* from) const {
+        std::copy(head_cost_.begin(), head_cost_.end(), best);
+        std::copy(head_object_.begin(), head_object_.end(), from);
+        for (const Run& r : runs_) {
+            if (r.head > r.end) continue;
+            argmin_into(lay_.object_line(r.head), static_cast<std::int64_t>(r.head), best,
+                        from, n_);
+        }
+    }
+
+    // Each agent's potential is its cheapest cost; agents whose cheapest object no earlier
+    // agent took are matched to it (tight, and free objects keep potential 0).
+    bool column_reduction() {
+        std::vector<double> best(n_);
+        std::vector<std::int64_t> from(n_);
+        cheapest_free(best.data(), from.data());
+        std::vector<std::size_t> claimed;
+        for (std::size_t a = 0; a < n_; ++a) {
+            if (!(best[a] < kInf)) return false;  // no allowed pair at all
+            u_[a] = best[a];
+            const auto o = static_cast<std::size_t>(from[a]);
+            if (y_[o] >= 0) continue;
+            x_[a] = from[a];
+            y_[o] = static_cast<std::int64_t>(a);
+            claimed.push_back(o);
+        }
+        for (std::size_t o : claimed) matched(o, static_cast<std::size_t>(y_[o]));
+        return true;
+    }
+
+    struct TwoCheapest {
+        double first = kInf, second = kInf;  // reduced costs c - v (second may be a bound)
+        std::int64_t at_first = -1, at_second = -1;  // objects; -1 for a bound
+        void offer(double r, std::int64_t o) {
+            if (r < first) {
+                second = first;
+                at_second = at_first;
+                first = r;
+                at_first = o;
+            } else if (r < second) {
+                second = r;
+                at_second = o;
+            }
+        }
+    };
+
+    // Agent a's two cheapest objects by reduced cost: over the matched objects, its list
+    // (the second free entry or the gate) and the runs (their second member as a bound).
+    TwoCheapest two_cheapest(std::size_t a) const {
+        TwoCheapest best;
+        for (std::size_t o : matched_objects_) {
+            best.offer(lay_.at(a, o) - v_[o], static_cast<std::int64_t>(o));
+        }
+        if (head_object_[a] >= 0) {
+            best.offer(head_cost_[a] - phi_, head_object_[a]);
+            std::int64_t o;
+            const double c = lists_.second_free(a, [this](std::int64_t q) { return taken(q); }, o);
+            best.offer(c - phi_, o);
+        }
+        for (const Run& r : runs_) {
+            if (r.head > r.end) continue;
+            best.offer(lay_.at(a, r.head) - phi_, static_cast<std::int64_t>(r.head));
+            if (r.head < r.end) best.offer(lay_.at(a, r.head + 1) - phi_, -1);
+        }
+        return best;
+    }
+
+    // Jonker-Volgenant's augmenting row reduction, two passes over the free agents: each
+    // takes its cheapest object, whose potential drops so that the agent is tight there at
+    // its second cheapest; a displaced agent waits for the next pass. Potentials only drop
+    // and the free objects keep theirs, so the rectangular conditions hold throughout.
+    void row_reduction(std::vector<std::size_t>& free_agents) {
+        for (int pass = 0; pass < 2; ++pass) {
+            std::size_t kept = 0;
+            for (std::size_t k = 0; k < free_agents.size(); ++k) {
+                const std::size_t a = free_agents[k];
+                const TwoCheapest best = two_cheapest(a);
+                if (!(best.first < kInf)) {
+                    free_agents[kept++] = a;
+                    continue;
+                }
+                std::int64_t o = best.at_first;
+                double ua = best.first;
+                if (best.first < best.second) {
+                    if (best.second < kInf) ua = best.second;
+                } else if (y_[static_cast<std::size_t>(o)] >= 0 && best.at_second >= 0) {
+                    o = best.at_second;  // a tie: take the other one, free if possible
+                }
+                const auto obj = static_cast<std::size_t>(o);
+                const std::int64_t holder = y_[obj];
+                x_[a] = o;
+                u_[a] = ua;
+                if (holder >= 0) {
+                    y_[obj] = static_cast<std::int64_t>(a);
+                    x_[static_cast<std::size_t>(holder)] = -1;
+                    free_agents[kept++] = static_cast<std::size_t>(holder);
+                } else {
+                    matched(obj, a);
+                }
+                v_[obj] = lay_.at(a, obj) - ua;
+            }
+            free_agents.resize(kept);
+        }
+    }
+
+    // One shortest augmenting path, from all free objects at once (their common potential
+    // phi_) to the nearest free agent, over agents only (see rectangular.hpp).
+    bool augment() {
+        AugmentSearch& s = search_;
+        cheapest_free(s.d.data(), s.pred.data());
+        double best_free;
+        double best = s.start(phi_, u_.data(), n_, best_free);
+        std::size_t sink;
+        for (;;) {
+            if (!(best < kInf)) return false;
+            const std::size_t a = s.pick(best, best_free == best, n_);
+            if (x_[a] < 0) {
+                sink = a;
+                break;
+            }
+            const auto o = static_cast<std::size_t>(x_[a]);
+            best = s.relax(lay_.object_line(o), v_[o] - s.d[a], x_[a], u_.data(), n_,
+                           best_free);
+        }
+        const double delta = best;
+        for (std::size_t a : s.finished) {
+            u_[a] += s.d[a] - delta;
+            if (x_[a] >= 0) v_[static_cast<std::size_t>(x_[a])] += delta - s.d[a];
+        }
+        phi_ += delta;
+        s.penalty[sink] = kInf;
+        for (std::size_t a = sink;;) {
+            const auto o = static_cast<std::size_t>(s.pred[a]);
+            const std::int64_t holder = y_[o];
+            x_[a] = static_cast<std::int64_t>(o);
+            if (holder < 0) {
+                matched(o, a);
+                break;
+            }
+            y_[o] = static_cast<std::int64_t>(a);
+            a = static_cast<std::size_t>(holder);
+        }
+        return true;
+    }
+
+    Layout<T> lay_;
+    std::size_t n_, m_;
+    std::vector<Run> runs_;
+    std::vector<std::size_t> run_of_;  // 1 + run index, 0 outside runs
+    Lists lists_;
+    std::vector<double> head_cost_;
+    std::vector<std::int64_t> head_object_;
+    std::vector<double> u_, v_;  // agents; objects (v_ meaningful once matched)
+    double phi_ = 0.0;           // the potential every free object shares
+    std::vector<std::int64_t> x_, y_;
+    std::vector<std::size_t> matched_objects_;  // in the order they were first matched
+    AugmentSearch search_;
+};
+
+}  // namespace
+
+template <class T>
+Status solve_tall(const T* cost, std::size_t nr, std::size_t nc, std::int64_t* col_of_row,
+                  double* u, double* v) {
+    ShortSideSolver<T> solver(Layout<T>{cost, nc, nr});
+    const Status s = solver.solve();
+    if (s == Status::ok) solver.write(col_of_row, u, v);
+    return s;
+}
+
+template Status solve_tall<float>(const float*, std::size_t, std::size_t, std::int64_t*, double*,
+                                  double*);
+template Status solve_tall<double>(const double*, std::size_t, std::size_t, std::int64_t*,
+                                   double*, double*);
+
+}  // namespace fusekit

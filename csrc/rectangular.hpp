@@ -1,0 +1,23 @@
+// Tall assignment (more rows than columns), augmenting over the short side: the solver
+// behind lap.hpp for every nr > nc (wide problems augment row by row in lap.cpp).
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include "status.hpp"
+
+namespace fusekit {
+
+// Same contract and outputs as solve_assignment (lap.hpp) for nr > nc > 0, on a matrix
+// already checked for NaN and -inf. Agents (the columns, the short side) are all assigned, one
+// shortest augmenting path each, searched over the agents only: the free objects (the long
+// side) enter a search through each agent's few cheapest free objects, kept in short sorted
+// lists built in one or two passes over the matrix and refilled from the agent's own line
+// when exhausted; objects that are matched are read one line at a time. Runs of consecutive
+// objects each dominating the next (elementwise <=, as PFNM's new-neuron slots with their
+// growing penalty) enter as one object, their first free member. Extra memory O(m + n k).
+template <class T>
+Status solve_tall(const T* cost, std::size_t nr, std::size_t nc, std::int64_t* col_of_row,
+                  double* u, double* v);
+
+}  // namespace fusekit
