@@ -16,7 +16,8 @@ from fusekit.core.errors import OutputError
 from fusekit.methods import METHODS
 
 _METHODS_HELP = "; ".join(f"{name}: {cls.summary}" for name, cls in sorted(METHODS.items()))
-_AVG, _PFNM, _OT, _AMS = "avg options", "pfnm / nafi options", "ot options", "ams options"
+_AVG, _PFNM, _OT, _AMS = ("avg options", "pfnm / nafi options", "ot / rebasin options",
+                          "ams options")
 
 
 def fuse(
@@ -106,7 +107,7 @@ def fuse(
         typer.Option(
             "--seed",
             rich_help_panel=_PFNM,
-            help="pfnm/nafi: seed of the sweep order; ot: "
+            help="pfnm/nafi: seed of the sweep order; rebasin: of the group order; ot: "
             "seed of the --activations subset [default: 0].",
             show_default=False,
         ),
@@ -167,7 +168,8 @@ def fuse(
         typer.Option(
             "--backend",
             rich_help_panel=_PFNM,
-            help="pfnm/nafi: 'core' (C++) or 'numpy' (reference kernels + SciPy) [default: core].",
+            help="pfnm/nafi/rebasin: 'core' (C++) or 'numpy' (reference kernels + SciPy) "
+            "[default: core].",
             show_default=False,
         ),
     ] = None,
@@ -176,8 +178,17 @@ def fuse(
         typer.Option(
             "--anchor",
             rich_help_panel=_OT,
-            help="ot: the client to align to (its path, file "
+            help="ot/rebasin: the client to align to (its path, file "
             "name or content-hash prefix) [default: most samples].",
+        ),
+    ] = None,
+    max_sweeps: Annotated[
+        int | None,
+        typer.Option(
+            "--max-sweeps",
+            rich_help_panel=_OT,
+            help="rebasin: sweeps of weight matching over the groups at most [default: 100].",
+            show_default=False,
         ),
     ] = None,
     activations: Annotated[
@@ -237,6 +248,7 @@ def fuse(
         variance_units=variance_units,
         backend=backend,
         anchor=anchor,
+        max_sweeps=max_sweeps,
         activations=activations,
         activation_samples=activation_samples,
         data_dir=data_dir,
@@ -274,6 +286,7 @@ def _print_summary(summary: dict[str, Any]) -> None:
     table.add_row("hidden widths", ", ".join(map(str, summary["widths"])) or "-")
     table.add_row("parameters", ", ".join(f"{k}={v}" for k, v in summary["params"].items()) or "-")
     table.add_row("time", f"{summary['time_s']:.3f} s")
+    table.add_row("peak memory", f"{summary['report'].get('peak_memory_mb', 0):.1f} MB")
     for layer in summary["report"].get("layers", []):
         new = [c["new"] for c in layer["clients"]]
         table.add_row(

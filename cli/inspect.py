@@ -69,8 +69,8 @@ def _print_report(report: dict[str, Any]) -> None:
     stdout.print(table)
     stdout.print(f"hidden widths: {report['hidden_widths']}  ·  {report['tensors']} tensors, "
                  f"{report['parameters']:,} values")
-    for i, group in enumerate(report["permutation_groups"]):
-        stdout.print(f"permutation group {i}: " + ", ".join(group), highlight=False)
+    for name, group in zip(report["group_names"], report["permutation_groups"], strict=True):
+        stdout.print(f"permutation group {name}: " + ", ".join(group), highlight=False)
     for limit in report["limits"]:
         stdout.print(f"[bold yellow]limit:[/] {escape(limit)}", highlight=False)
     if report["other_tensors"]:

@@ -197,6 +197,7 @@ def describe_checkpoint(checkpoint: Checkpoint) -> dict[str, Any]:
         return info
     info["layers"] = spec.describe()
     info["hidden_widths"] = spec.hidden_widths
+    info["group_names"] = list(spec.group_names)
     info["permutation_groups"] = [
         [f"{a.tensor}[axis {a.axis}{', block ' + str(a.block) if a.block > 1 else ''}]"
          for a in spec.group(i)]

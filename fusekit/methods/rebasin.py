@@ -14,7 +14,7 @@ sample-count weights; widths must be equal (a permutation cannot change them).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -44,6 +44,7 @@ class ReBasin(FusionMethod):
         anchor: str | None = None,
         max_sweeps: int = 100,
         seed: int = 0,
+        backend: str = "core",
     ) -> FusionResult:
         """Permute every client onto the anchor by weight matching and average them.
 
@@ -55,6 +56,8 @@ class ReBasin(FusionMethod):
             max_sweeps: at most this many sweeps over the groups per client (>= 1); the
                 descent stops earlier at a sweep that changes no permutation.
             seed: seeds the order in which groups are visited.
+            backend: assignment solver, "core" (fusekit's C++ solver) or "numpy" (SciPy's
+                ``linear_sum_assignment``; for benchmarks and cross-checks).
 
         Returns:
             FusionResult at the anchor's widths; report per client: sweeps run and the
@@ -76,15 +79,17 @@ class ReBasin(FusionMethod):
                     f"{checkpoints[anchor_index].label} has {widths}; weight matching "
                     "permutes neurons and needs equal widths (use ot for unequal ones)"
                 )
+        solver = assignment_solver(backend)
         rng = np.random.default_rng(seed)
         start = time.perf_counter()
 
         def align(anchor_layers, layers, spec):
-            return weight_matching(anchor_layers, layers, spec, max_sweeps=max_sweeps, rng=rng)
+            return weight_matching(anchor_layers, layers, spec, max_sweeps=max_sweeps, rng=rng,
+                                   solver=solver)
 
         state_dict, reports = fuse_aligned(checkpoints, specs, anchor_index, align)
         params = {"anchor": checkpoints[anchor_index].label if anchor is not None else None,
-                  "max_sweeps": max_sweeps, "seed": seed}
+                  "max_sweeps": max_sweeps, "seed": seed, "backend": backend}
         report = {"anchor": checkpoints[anchor_index].label, "clients": reports,
                   "align_time_s": time.perf_counter() - start}
         return self.result(state_dict, checkpoints, specs[anchor_index], params, report)
@@ -97,6 +102,7 @@ def weight_matching(
     *,
     max_sweeps: int = 100,
     rng: np.random.Generator | None = None,
+    solver: Callable[..., tuple] = solve_assignment,
 ) -> tuple[list[neurons.UnitLayer], dict[str, Any]]:
     """Permute one client's groups onto the anchor's (Git Re-Basin weight matching).
 
@@ -106,6 +112,7 @@ def weight_matching(
         spec: the client's spec (``reads`` / ``writes`` / ``group_names``).
         max_sweeps: sweeps over the groups at most.
         rng: orders the groups in each sweep (default: seed 0).
+        solver: ``solver(matrix, maximize=True) -> (rows, cols)`` (SciPy's contract).
 
     Returns:
         (the permuted layers, {"sweeps", "similarity_before", "similarity_after"}).
@@ -120,7 +127,7 @@ def weight_matching(
         for group in map(int, rng.permutation(n_groups)):
             similarity = group_similarity(anchor, layers, spec, group)
             current = float(np.trace(similarity))
-            _, cols = solve_assignment(similarity, maximize=True)
+            _, cols = solver(similarity, maximize=True)
             best = float(similarity[np.arange(cols.size), cols].sum())
             if best > current + 1e-12 * max(abs(current), 1.0):
                 layers = neurons.move_group(layers, spec, group, cols)
@@ -129,6 +136,17 @@ def weight_matching(
             break
     return layers, {"sweeps": sweeps, "similarity_before": before,
                     "similarity_after": total_similarity(anchor, layers, spec)}
+
+
+def assignment_solver(backend: str) -> Callable[..., tuple]:
+    """The assignment solver named by ``backend`` ("core" or "numpy"), never a fallback."""
+    if backend == "core":
+        return solve_assignment
+    if backend == "numpy":
+        from scipy.optimize import linear_sum_assignment
+
+        return linear_sum_assignment
+    raise ParameterError(f"backend: expected 'core' or 'numpy', got {backend!r}")
 
 
 def total_similarity(anchor, layers, spec) -> float:

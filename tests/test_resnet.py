@@ -1,0 +1,377 @@
+"""Residual networks and torchvision's families: groups, function preservation, every
+method, architectures that travel with the file.
+
+Tolerances: fused logits equal the original network's to 1e-4 absolute (float32 weights,
+BatchNorm folded in float64 and written back in float32; the logits are O(1)).
+"""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from threadpoolctl import threadpool_limits
+from torch import nn
+
+import fusekit
+from conftest import numpy_state, write
+from fusekit.core.arch import hidden_widths, infer_arch, named_arch, with_hidden_widths
+from fusekit.core.checkpoint import Checkpoint, load_checkpoint
+from fusekit.core.errors import IncompatibleModelsError, SpecError
+from fusekit.core.spec import GraphSpec, infer_spec, permute, spec_from_json
+from fusekit.toolkit.nn import build_model
+from fusekit.toolkit.nn.zoo import resnet18, resnet20, resnet50, vgg
+
+ATOL = 1e-4
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Small convolutions and products on a busy 2-core machine run several times faster
+    on one torch and one BLAS thread."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with threadpool_limits(1):
+        yield
+    torch.set_num_threads(previous)
+
+
+def _random_statistics(model: nn.Module, seed: int = 0) -> nn.Module:
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.BatchNorm2d):
+                width = module.num_features
+                module.weight.copy_(torch.rand(width, generator=generator) + 0.5)
+                module.bias.copy_(torch.randn(width, generator=generator) * 0.3)
+                module.running_mean.copy_(torch.randn(width, generator=generator) * 0.3)
+                module.running_var.copy_(torch.rand(width, generator=generator) * 1.5 + 0.5)
+    return model.eval()
+
+
+def _scaled(name: str, divisor: int) -> list[int]:
+    return [max(w // divisor, 2) for w in hidden_widths(named_arch(name, 10))]
+
+
+def small_resnet50() -> nn.Module:
+    """resnet50's layout (names, groups, Bottlenecks) at 1/16 of its widths: fast."""
+    return resnet50(10, widths=_scaled("resnet50", 16))
+
+
+def small_vgg11_bn() -> nn.Module:
+    """vgg11_bn's layout at 1/16 of its conv widths and a 64-wide classifier."""
+    return vgg("vgg11_bn", 10, widths=[*_scaled("vgg11_bn", 16)[:8], 64, 64])
+
+
+def small_resnet18() -> nn.Module:
+    """resnet18's layout at half its widths."""
+    return resnet18(10, widths=_scaled("resnet18", 2))
+
+
+MODELS = {
+    "resnet18": small_resnet18,
+    "resnet50": small_resnet50,
+    "vgg11_bn": small_vgg11_bn,
+    "resnet20": lambda: resnet20(10),
+}
+
+
+def _model(name: str, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return _random_statistics(MODELS[name](), seed)
+
+
+def _logits(model: nn.Module, state: dict, x: torch.Tensor) -> torch.Tensor:
+    model.load_state_dict({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in state.items()},
+                          strict=True)
+    with torch.no_grad():
+        return model(x)
+
+
+def _inputs() -> torch.Tensor:
+    return torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+
+
+def _random_perms(spec, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.permutation(width) for width in spec.hidden_widths]
+
+
+# --- the groups -------------------------------------------------------------------------
+
+def test_torchvision_parameter_counts():
+    # torchvision's documented sizes (1000 classes): resnet18 11,689,512; resnet50 25,557,032;
+    # vgg11_bn 132,868,840; He et al.'s ResNet-20 has 0.27M.
+    def count(model):
+        return sum(p.numel() for p in model.parameters())
+
+    assert count(resnet18()) == 11_689_512
+    assert count(resnet50()) == 25_557_032
+    assert count(vgg("vgg11_bn")) == 132_868_840
+    assert count(resnet20()) == 272_474
+
+
+def test_resnet18_groups_follow_the_residual_streams():
+    spec = infer_spec(resnet18(10).state_dict())
+    assert isinstance(spec, GraphSpec)
+    assert spec.group_names == (
+        "conv1", "layer1.0.conv1", "layer1.1.conv1", "layer2.0.conv1", "layer2.0",
+        "layer2.1.conv1", "layer3.0.conv1", "layer3.0", "layer3.1.conv1", "layer4.0.conv1",
+        "layer4.0", "layer4.1.conv1")
+    stream = {a.tensor for a in spec.group(spec.group_names.index("conv1"))}
+    assert {"conv1.weight", "bn1.running_var", "layer1.0.conv2.weight", "layer1.1.bn2.bias",
+            "layer2.0.downsample.0.weight"} <= stream
+    layer2 = [(a.tensor, a.axis) for a in spec.group(spec.group_names.index("layer2.0"))]
+    assert ("layer2.0.downsample.0.weight", 0) in layer2
+    assert ("layer2.0.downsample.1.weight", 0) in layer2
+    assert ("layer2.1.conv2.weight", 0) in layer2
+    assert ("layer2.1.conv1.weight", 1) in layer2
+    assert ("layer3.0.downsample.0.weight", 1) in layer2
+    last = spec.group(spec.group_names.index("layer4.0"))
+    assert ("fc.weight", 1) in [(a.tensor, a.axis) for a in last]
+
+
+@pytest.mark.parametrize("name", ["resnet18", "resnet34", "resnet50", "resnet20", "resnet56"])
+def test_every_tensor_axis_is_in_exactly_the_right_groups(name):
+    arch = named_arch(name, 10)
+    shapes = {k: tuple(v.shape) for k, v in build_model(arch).state_dict().items()}
+    spec = infer_spec(shapes)
+    assert spec.other == ()
+    assert spec.hidden_widths == hidden_widths(arch)
+    moved: dict[tuple[str, int], int] = {}
+    for g, width in enumerate(spec.hidden_widths):
+        members = spec.group(g)
+        assert members, f"group {spec.group_names[g]} is empty"
+        for ref in members:
+            assert shapes[ref.tensor][ref.axis] == width * ref.block
+            moved[ref.tensor, ref.axis] = moved.get((ref.tensor, ref.axis), 0) + 1
+    assert max(moved.values()) == 1  # no axis moves with two groups
+    for tensor, shape in shapes.items():
+        if tensor.endswith("num_batches_tracked"):
+            continue
+        expected = {0} if tensor != "fc.weight" and tensor != "fc.bias" else set()
+        if len(shape) > 1 and tensor != "conv1.weight":
+            expected.add(1)  # every weight reads a group, except the stem's from the image
+        assert {axis for (t, axis) in moved if t == tensor} == expected, tensor
+
+
+def test_each_group_alone_keeps_the_function():
+    """A member missing from a group would change the function when only it is permuted."""
+    model = _model("resnet20")
+    state = numpy_state(model)
+    spec = infer_spec(state)
+    x = _inputs()
+    expected = _logits(model, state, x)
+    for g, width in enumerate(spec.hidden_widths):
+        perms = [None] * len(spec.hidden_widths)
+        perms[g] = np.random.default_rng(g).permutation(width)
+        got = _logits(model, permute(state, spec, perms), x)
+        torch.testing.assert_close(got, expected, rtol=0, atol=ATOL,
+                                   msg=f"group {spec.group_names[g]}")
+
+
+def test_a_group_missing_a_member_is_caught():
+    model = _model("resnet20")
+    state = numpy_state(model)
+    spec = infer_spec(state)
+    shortcut = next(i for i, layer in enumerate(spec.layers) if "downsample" in layer.name)
+    broken = GraphSpec(spec.layers, spec.reads,
+                       tuple(None if i == shortcut else w for i, w in enumerate(spec.writes)),
+                       spec.group_names)
+    group = spec.writes[shortcut]
+    perms = [None] * len(spec.hidden_widths)
+    perms[group] = np.random.default_rng(0).permutation(spec.hidden_widths[group])
+    x = _inputs()
+    got = _logits(model, permute(state, broken, perms), x)
+    assert not torch.allclose(got, _logits(model, state, x), atol=ATOL)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_permuting_every_group_keeps_the_function(name):
+    model = _model(name)
+    state = numpy_state(model)
+    spec = infer_spec(state)
+    x = _inputs()
+    expected = _logits(model, state, x)
+    permuted = permute(state, spec, _random_perms(spec, 3))
+    assert not np.allclose(permuted["features.0.weight" if name.startswith("vgg")
+                                    else "conv1.weight"], state[next(iter(state))])
+    torch.testing.assert_close(_logits(model, permuted, x), expected, rtol=0, atol=ATOL)
+
+
+# --- every method -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("method", ["ot", "rebasin", "ams", "avg"])
+def test_fusing_permuted_copies_gives_back_the_function(tmp_path, name, method):
+    model = _model(name)
+    state = numpy_state(model)
+    spec = infer_spec(state)
+    x = _inputs()
+    expected = _logits(model, state, x)
+    clients = []
+    for s in range(3):
+        # avg cannot undo permutations: it gets the copies as they are
+        copy = state if method == "avg" else permute(state, spec, _random_perms(spec, 10 + s))
+        clients.append(write(tmp_path / f"c{s}.safetensors", copy, num_samples=10 + s))
+    result = fusekit.fuse(clients, method)
+    assert result.report["peak_memory_mb"] > 0
+    path = result.save(tmp_path / "fused.safetensors")
+    fused = fusekit.load_fused(path, device="cpu")
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), expected, rtol=0, atol=ATOL)
+    if method != "ams":
+        loaded = load_checkpoint(path)
+        assert loaded.arch == infer_arch({k: v.shape for k, v in state.items()})
+        fresh = MODELS[name]()
+        fresh.load_state_dict({k: torch.from_numpy(np.array(v))
+                               for k, v in loaded.state_dict().items()}, strict=True)
+        with torch.no_grad():
+            torch.testing.assert_close(fresh.eval()(x), expected, rtol=0, atol=ATOL)
+
+
+def test_full_resnet18_fused_file_loads_into_resnet18_strictly(tmp_path):
+    torch.manual_seed(0)
+    model = _random_statistics(resnet18(10))
+    state = numpy_state(model)
+    spec = infer_spec(state)
+    clients = [write(tmp_path / f"c{s}.safetensors", permute(state, spec, _random_perms(spec, s)))
+               for s in range(2)]
+    path = fusekit.fuse(clients, "ot").save(tmp_path / "fused.safetensors")
+    fresh = resnet18(num_classes=10)
+    fresh.load_state_dict({k: torch.from_numpy(np.array(v))
+                           for k, v in load_checkpoint(path).state_dict().items()}, strict=True)
+    x = _inputs()
+    with torch.no_grad():
+        torch.testing.assert_close(fresh.eval()(x), model(x), rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("method", ["pfnm", "nafi"])
+def test_methods_without_groups_refuse_residual_networks(tmp_path, method):
+    state = numpy_state(_model("resnet20"))
+    clients = [write(tmp_path / f"c{s}.safetensors", state) for s in range(2)]
+    with pytest.raises(IncompatibleModelsError, match=r"residual network.*rebasin"):
+        fusekit.fuse(clients, method)
+
+
+def test_rebasin_backends_agree_and_sequential_networks_work(tmp_path):
+    from conftest import mlp
+
+    state = numpy_state(mlp(widths=(6, 9, 7, 3), batchnorm=True))
+    spec = infer_spec(state)
+    clients = [Checkpoint.from_state_dict(permute(state, spec, _random_perms(spec, s)))
+               for s in range(3)]
+    core = fusekit.fuse(clients, "rebasin")
+    numpy = fusekit.fuse(clients, "rebasin", backend="numpy")
+    for name in core.state_dict:
+        np.testing.assert_array_equal(core.state_dict[name], numpy.state_dict[name])
+    model = mlp(widths=(6, 9, 7, 3), batchnorm=True)
+    x = torch.randn(4, 6)
+    torch.testing.assert_close(_logits(model, core.state_dict, x), _logits(model, state, x),
+                               rtol=0, atol=ATOL)
+
+
+def test_rebasin_refuses_unequal_widths():
+    a = Checkpoint.from_state_dict(numpy_state(resnet20(10)))
+    b = Checkpoint.from_state_dict(numpy_state(resnet20(10, widths=_scaled("resnet20", 2))))
+    with pytest.raises(IncompatibleModelsError, match="needs equal widths"):
+        fusekit.fuse([a, b], "rebasin")
+
+
+def test_ot_fuses_residual_networks_of_different_widths():
+    torch.manual_seed(0)
+    wide = _random_statistics(resnet20(10))
+    narrow = _random_statistics(resnet20(10, widths=[w - 2 for w in _scaled("resnet20", 1)]))
+    clients = [Checkpoint.from_state_dict(numpy_state(m), {"fusekit.num_samples": n})
+               for m, n in ((wide, "20"), (narrow, "10"))]
+    result = fusekit.fuse(clients, "ot")
+    assert result.widths == hidden_widths(named_arch("resnet20", 10))
+    assert "emd" in result.report["clients"][0]["transport"]
+    fused = fusekit.load_fused(Checkpoint.from_state_dict(result.state_dict, result.metadata),
+                               device="cpu")
+    assert torch.isfinite(fused(_inputs())).all()
+
+
+# --- spec files, architectures, memory --------------------------------------------------
+
+class TinyResidual(nn.Module):
+    """A residual network torchvision does not know: described by a fusekit.spec/2 file."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Linear(5, 8)
+        self.inner = nn.Linear(8, 6)
+        self.outer = nn.Linear(6, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.stem(x))
+        h = torch.relu(h + self.outer(torch.relu(self.inner(h))))
+        return self.head(h)
+
+
+TINY_SPEC = {"format": "fusekit.spec/2", "groups": ["stream", "inner"], "layers": [
+    {"name": "stem", "weight": "stem.weight", "bias": "stem.bias", "reads": None,
+     "writes": "stream"},
+    {"name": "inner", "weight": "inner.weight", "bias": "inner.bias", "reads": "stream",
+     "writes": "inner"},
+    {"name": "outer", "weight": "outer.weight", "bias": "outer.bias", "reads": "inner",
+     "writes": "stream"},
+    {"name": "head", "weight": "head.weight", "bias": "head.bias", "reads": "stream",
+     "writes": None}]}
+
+
+def test_spec_file_version_2_describes_any_residual_network(tmp_path):
+    torch.manual_seed(0)
+    model = TinyResidual()
+    state = numpy_state(model)
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(TINY_SPEC))
+    spec = spec_from_json(TINY_SPEC, state)
+    assert spec.hidden_widths == [8, 6]
+    assert spec_from_json(spec.to_json(), state) == spec
+    x = torch.randn(4, 5)
+    clients = [Checkpoint.from_state_dict(permute(state, spec, _random_perms(spec, s)))
+               for s in range(3)]
+    for method in ("ot", "rebasin"):
+        result = fusekit.fuse(clients, method, spec=path)
+        torch.testing.assert_close(_logits(model, result.state_dict, x), _logits(model, state, x),
+                                   rtol=0, atol=ATOL)
+        assert json.loads(result.metadata["fusekit.spec"])["format"] == "fusekit.spec/2"
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda s: s["layers"][1].update(reads="nowhere"), r"layers\[1\]\.reads: expected null"),
+    (lambda s: s["layers"][1].update(reads="inner"), r"reads group 'inner' before any layer"),
+    (lambda s: s["layers"][2].update(writes="inner"), r"group 'inner': layer outer writes 8"),
+    (lambda s: s.update(groups=["stream", "inner", "spare"]), r"\['spare'\] are written by no"),
+    (lambda s: s.update(groups="stream"), r"\"groups\": expected a list"),
+])
+def test_spec_file_version_2_errors(change, message):
+    spec = json.loads(json.dumps(TINY_SPEC))
+    change(spec)
+    with pytest.raises(SpecError, match=message):
+        spec_from_json(spec, numpy_state(TinyResidual()))
+
+
+@pytest.mark.parametrize("name", ["resnet18", "resnet50", "resnet20", "vgg11_bn", "vgg16"])
+def test_architectures_are_recognised_and_rebuilt_at_any_width(name):
+    arch = named_arch(name, 7)
+    shapes = {k: tuple(v.shape) for k, v in build_model(arch).state_dict().items()}
+    assert infer_arch(shapes) == arch
+    assert infer_spec(shapes).hidden_widths == hidden_widths(arch)
+    # every group its own width, small enough to build quickly
+    widths = [max(w // 16, 2) + i % 3 for i, w in enumerate(hidden_widths(arch))]
+    changed = with_hidden_widths(arch, widths)
+    rebuilt = {k: tuple(v.shape) for k, v in build_model(changed).state_dict().items()}
+    assert infer_spec(rebuilt).hidden_widths == widths
+    assert infer_arch(rebuilt) == changed
+
+
+def test_checkpoints_release_what_they_read(tmp_path):
+    path = write(tmp_path / "m.safetensors", _model("resnet20"))
+    checkpoint = load_checkpoint(path)
+    assert checkpoint.content_hash and not checkpoint._arrays  # hashing streams the file
+    checkpoint.tensor("fc.weight")
+    checkpoint.release("fc.weight")
+    assert not checkpoint._arrays
