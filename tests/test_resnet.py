@@ -375,3 +375,14 @@ def test_checkpoints_release_what_they_read(tmp_path):
     checkpoint.tensor("fc.weight")
     checkpoint.release("fc.weight")
     assert not checkpoint._arrays
+
+
+def test_trained_resnets_on_digits_fuse_with_every_method():
+    """The benchmark's trained case, tiny: accuracies are reported, not asserted."""
+    from bench_resnet import trained_case
+
+    rows = trained_case(n_clients=3, epochs=1, methods=("avg", "ot", "rebasin", "ams"))
+    assert [row["model"] for row in rows] == ["client 0", "client 1", "client 2", "avg", "ot",
+                                              "rebasin", "ams"]
+    assert all(0.0 <= row["accuracy"] <= 1.0 for row in rows)
+    assert rows[4]["widths"] == rows[0]["widths"]  # ot: the anchor's widths
