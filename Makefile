@@ -9,12 +9,16 @@ TORCH  ?= torch==2.13.0
 .PHONY: install demo test bench clean
 
 $(PY):
+	@echo "==> creating $(VENV)"
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 
 # torch is pinned first, so the package's own range (torch>=2.2) installs nothing more.
+# pip's own lines show progress: the C++ core takes about two minutes to build.
 install: $(PY)
-	$(PY) -m pip install --quiet "$(TORCH)" -e ".[test,bench]"
+	@echo "==> installing $(TORCH) and fusekit with its C++ core into $(VENV) (about 2 minutes)"
+	$(PY) -m pip install --progress-bar on "$(TORCH)" -e ".[test,bench]"
+	@echo "==> installed: $$($(PY) -m fusekit --version | tr '\n' ' ')"
 
 demo: install
 	$(PY) -m fusekit demo

@@ -1,4 +1,4 @@
-"""OT fusion and AMS inference benchmark (``python -m fusekit.bench.ot_ams``; the OT/AMS rows
+"""OT fusion and AMS inference benchmark (``python benchmarks/bench_ot_ams.py``; the OT/AMS rows
 of ``benchmarks/bench_fusion.py``).
 
 OT fusion (ALGORITHMS.md §5), clients = noisy, permuted copies of one random network:

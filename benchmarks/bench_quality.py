@@ -9,14 +9,23 @@ Studies (each cell: mean ± std over seeds):
   lambda   NAFI's lambda from 1e-8 to 1 on the main digits cells
   mnist    (only with --data-dir holding the MNIST files) hetero-dir 0.5 and hetero-label
   full     (only with --full) data x partition x S in {5, 10, 20} x {1, 2} hidden layers
+  frontier (only with --frontier, which runs it alone) accuracy against the fused width:
+           pfnm and nafi at width ratio 1.0, 1.25, 1.5, 2 and unlimited, ot and avg (the
+           clients' width), next to the softmax and logit ensembles, AMS (max logit and max
+           probability) and the mean client; data digits / synthetic / npz (--data-path),
+           Dirichlet alpha 0.1 / 0.5 / 1.0 and label skew, S = 10 and 20; NAFI's lambda
+           at ratio 1.0 on digits, alpha 0.5, S = 10
 
 Every method in fusekit.METHODS at run time is included with its default parameters, plus
 variants: avg with the class-weighted output layer, and AMS-full next to AMS's default.
 
     python benchmarks/bench_quality.py            # default grid (< 10 min on 2 cores)
     python benchmarks/bench_quality.py --quick    # smaller grid, 2 seeds
+    python benchmarks/bench_quality.py --frontier --data digits   # accuracy against width
 Writes benchmarks/results/quality.json, benchmarks/results/quality_alpha.png and the
-"Fusion quality" section of benchmarks/RESULTS.md (between marker comments).
+"Fusion quality" section of benchmarks/RESULTS.md (between marker comments); with
+--frontier, benchmarks/results/frontier-<data>.json, benchmarks/results/frontier-<data>.png
+and the "Accuracy against fused width (<data>)" section.
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ import fusekit
 from fusekit.core.checkpoint import write_atomic
 from fusekit.core.errors import DataError
 from fusekit.methods import METHODS
+from fusekit.methods.bayesian import ratio_width
 from fusekit.toolkit.data import Dataset, load_dataset
 from fusekit.toolkit.evaluate import Evaluator
 from fusekit.toolkit.simulate import SimulationConfig, simulate_clients
@@ -49,6 +59,9 @@ from fusekit.toolkit.train import TrainConfig
 
 HERE = Path(__file__).resolve().parent
 BEGIN, END = "<!-- fusion-quality:begin -->", "<!-- fusion-quality:end -->"
+RATIOS = (1.0, 1.25, 1.5, 2.0, "unlimited")
+FRONTIER_LAMBDAS = (0.0, 0.01, 0.1, 1.0, 10.0)
+CLIENT_WIDTH = 100  # the frontier's clients: one hidden layer of 100
 PAN = {"mode": "multiplicative", "amplitude": 0.1, "period": 1.0}
 LAMBDAS = (1e-8, 1e-6, 1e-4, 1e-2, 1.0)
 PARTITIONS = {
@@ -57,7 +70,7 @@ PARTITIONS = {
     "dir-1.0": {"partition": "dirichlet", "alpha": 1.0},
     "labels": {"partition": "labels", "min_classes": 3, "max_classes": 6},
 }
-EPOCHS = {"digits": 20, "synthetic": 10, "mnist": 3}
+EPOCHS = {"digits": 20, "synthetic": 10, "mnist": 3, "npz": 3}
 LR = 3e-3  # Adam; brings digits clients close to zero training loss in 20 epochs
 
 log = logging.getLogger("bench_quality")
@@ -100,9 +113,11 @@ def methods_for(
     return {k: v for k, v in methods.items() if not METHODS[v[0]].permutes_neurons}
 
 
-def load(name: str, data_dir: Path | None) -> Dataset:
+def load(name: str, data_dir: Path | None, data_path: Path | None = None) -> Dataset:
     if name == "synthetic":
         return load_dataset("synthetic", samples=5000, features=20, classes=10, seed=0)
+    if name == "npz":
+        return load_dataset("npz", path=data_path)
     return load_dataset(name, data_dir=data_dir)
 
 
@@ -159,6 +174,7 @@ class Runner:
                 np.mean([evaluator.score(z, "", "client").accuracy for z in logits])
             ),
             "ensemble": evaluator.ensemble(logits).accuracy,
+            "ensemble_softmax": evaluator.softmax_ensemble(logits).accuracy,
         }
         self.clients[cell] = (paths, base)
         return paths, base
@@ -179,7 +195,10 @@ class Runner:
             fused = result.save(paths[0].parent / f"fused-{label}.safetensors")
             accuracy = evaluator.score(evaluator.logits(fused)[1], label, "fused").accuracy
             fused.unlink()
-            return {"accuracy": accuracy, "time_s": seconds, "widths": list(result.widths)}
+            layers = result.report.get("layers", [])
+            return {"accuracy": accuracy, "time_s": seconds, "widths": list(result.widths),
+                    "inferred": [layer["inferred_width"] for layer in layers
+                                 if "inferred_width" in layer]}
         except Exception as exc:  # a failing method is reported, not hidden
             log.error("%s on %s: %s: %s", label, cell, type(exc).__name__, exc)
             return {"error": f"{type(exc).__name__}: {exc}"}
@@ -244,6 +263,8 @@ def summarise(rows: list[dict[str, Any]], key_fields: tuple[str, ...]) -> dict[t
         key = tuple(row["cell"][f] for f in key_fields)
         groups[key]["local (mean)"].append(row["local_mean"])
         groups[key]["ensemble"].append(row["ensemble"])
+        if "ensemble_softmax" in row:
+            groups[key]["ensemble-softmax"].append(row["ensemble_softmax"])
         for label, res in row["methods"].items():
             if "accuracy" in res:
                 groups[key][label].append(res["accuracy"])
@@ -358,8 +379,8 @@ def width_table(rows: list[dict[str, Any]], key_names: tuple[str, ...]) -> str:
     return "\n".join(lines)
 
 
-def plot_alpha(rows: list[dict[str, Any]], path: Path) -> bool:
-    """Accuracy against the Dirichlet alpha, one line per method, one panel per data set."""
+def pyplot():
+    """matplotlib.pyplot on the Agg backend, or None (with a warning) without matplotlib."""
     try:
         import matplotlib
 
@@ -367,6 +388,33 @@ def plot_alpha(rows: list[dict[str, Any]], path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         log.warning("matplotlib missing: no plot")
+        return None
+    return plt
+
+
+def log_axis(ax, xlabel: str, title: str) -> None:
+    """A panel with a log x axis, accuracy on y, a title and a light grid."""
+    ax.set_xscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("test accuracy (%)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+
+
+def save_figure(plt, fig, axes, path: Path) -> None:
+    """Put the legend on the last panel, write the figure as PNG atomically, close it."""
+    axes[0][-1].legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    image = io.BytesIO()
+    fig.savefig(image, format="png", dpi=120)
+    plt.close(fig)
+    write_atomic(path, image.getvalue())
+
+
+def plot_alpha(rows: list[dict[str, Any]], path: Path) -> bool:
+    """Accuracy against the Dirichlet alpha, one line per method, one panel per data set."""
+    plt = pyplot()
+    if plt is None:
         return False
     dir_rows = [r for r in rows if r["cell"]["partition"].startswith("dir-")]
     summary = summarise(dir_rows, ("data", "partition"))
@@ -384,31 +432,249 @@ def plot_alpha(rows: list[dict[str, Any]], path: Path) -> bool:
             ax.errorbar(
                 alphas, means, yerr=stds, marker="o", capsize=3, label=label, linestyle=style
             )
-        ax.set_xscale("log")
+        log_axis(ax, "Dirichlet alpha (larger = closer to iid)", f"{data}, S = 10, 1 hidden layer")
         ax.set_xticks(alphas, [f"{a:g}" for a in alphas])
-        ax.set_xlabel("Dirichlet alpha (larger = closer to iid)")
-        ax.set_ylabel("test accuracy (%)")
-        ax.set_title(f"{data}, S = 10, 1 hidden layer")
-        ax.grid(alpha=0.3)
-    axes[0][-1].legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
-    image = io.BytesIO()
-    fig.savefig(image, format="png", dpi=120)
-    plt.close(fig)
-    write_atomic(path, image.getvalue())
+    save_figure(plt, fig, axes, path)
     return True
 
 
-def write_results_md(section: str, path: Path) -> None:
-    block = f"{BEGIN}\n{section.strip()}\n{END}\n"
+def write_results_md(section: str, path: Path,
+                     markers: tuple[str, str] = (BEGIN, END)) -> None:
+    begin, end = markers
+    block = f"{begin}\n{section.strip()}\n{end}\n"
     text = path.read_text() if path.exists() else "# fusekit benchmark results\n\n"
-    if BEGIN in text and END in text:
-        before, rest = text.split(BEGIN, 1)
-        after = rest.split(END, 1)[1].lstrip("\n")
+    if begin in text and end in text:
+        before, rest = text.split(begin, 1)
+        after = rest.split(end, 1)[1].lstrip("\n")
         text = before + block + ("\n" + after if after else "")
     else:
         text = text.rstrip("\n") + "\n\n" + block
     write_atomic(path, text.encode())
+
+# --------------------------------------------------------------------------------------
+# Frontier: accuracy against the fused width
+# --------------------------------------------------------------------------------------
+
+
+def ratio_label(method: str, ratio: float | str) -> str:
+    return f"{method}@{ratio:g}" if isinstance(ratio, float) else f"{method}@{ratio}"
+
+
+def frontier_variants() -> dict[str, tuple[str, dict[str, Any]]]:
+    """pfnm / nafi at every width ratio, ot / avg (the clients' width, ratio 1), and the
+    data-free baselines that keep every client (AMS by max logit and by max probability)."""
+    out: dict[str, tuple[str, dict[str, Any]]] = {}
+    for method in ("pfnm", "nafi"):
+        for ratio in RATIOS:
+            width = {"width_ratio": ratio} if isinstance(ratio, float) else {"width": ratio}
+            out[ratio_label(method, ratio)] = (method, width)
+    out["ot@1"] = ("ot", {})
+    out["avg@1"] = ("avg", {})
+    out["ams"] = ("ams", {})
+    out["ams-prob"] = ("ams", {"confidence": "probability"})
+    return out
+
+
+def frontier_lambda_variants() -> dict[str, tuple[str, dict[str, Any]]]:
+    """NAFI's lambda at width ratio 1.0 (lambda 0 is PFNM's cost)."""
+    return {f"nafi-λ{lam:g}@1": ("nafi", {"lam": lam, "width_ratio": 1.0})
+            for lam in FRONTIER_LAMBDAS}
+
+
+def asked_width(label: str) -> int | None:
+    """The hidden width a frontier variant asks for (None: inferred or a baseline)."""
+    if "@" not in label or label.endswith("@unlimited"):
+        return None
+    return ratio_width(float(label.rsplit("@", 1)[1]), CLIENT_WIDTH)
+
+
+def frontier_cells(datasets: list[str], partitions: list[str], clients: list[int],
+                   seeds: int) -> list[Cell]:
+    return [Cell(d, p, n, f"mlp:{CLIENT_WIDTH}", s)
+            for d in datasets for p in partitions for n in clients for s in range(seeds)]
+
+
+def frontier_checks(rows: list[dict[str, Any]]) -> list[str]:
+    """The three targets, cell by cell (met or not, with the gap)."""
+    summary = summarise(rows, ("data", "partition", "clients"))
+    lines = []
+    for key, cells in summary.items():
+        name = f"{key[0]} {key[1]} S={key[2]}"
+        bayes = max(cells[m][0] for m in ("pfnm@1", "nafi@1") if m in cells)
+        rivals = max(cells[m][0] for m in ("ot@1", "avg@1") if m in cells)
+        gap = 100 * (bayes - rivals)
+        lines.append(f"- width ratio 1.0, {name}: best of pfnm/nafi - best of ot/avg = "
+                     f"{gap:+.1f} points ({'met' if gap > 0 else 'NOT met'})")
+    for key, cells in summary.items():
+        fused = {m: v[0] for m, v in cells.items()
+                 if (asked_width(m) or 10**9) <= 1.5 * CLIENT_WIDTH or m in ("ot@1", "avg@1")}
+        if not fused or "ensemble-softmax" not in cells:
+            continue
+        best = max(fused, key=fused.get)
+        gap = 100 * (cells["ensemble-softmax"][0] - fused[best])
+        target = key[1] == "dir-0.5" and key[2] == 10
+        verdict = (" (target: within 3 points: " + ("met" if gap <= 3 else "NOT met") + ")"
+                   if target else "")
+        lines.append(f"- ratio <= 1.5, {key[0]} {key[1]} S={key[2]}: softmax ensemble - best "
+                     f"fused ({best}) = {gap:+.1f} points{verdict}")
+    mismatches = [
+        (row["cell"], label, res["widths"])
+        for row in rows for label, res in row["methods"].items()
+        if asked_width(label) is not None and "widths" in res
+        and res["widths"] != [asked_width(label)]
+    ]
+    checked = sum(1 for row in rows for label, res in row["methods"].items()
+                  if asked_width(label) is not None and "widths" in res)
+    lines.append(f"- width asked = width delivered: {checked - len(mismatches)} of {checked} "
+                 f"fused models ({'met' if not mismatches else 'NOT met: ' + str(mismatches)})")
+    return lines
+
+
+def plot_frontier(rows: list[dict[str, Any]], path: Path) -> bool:
+    """Accuracy against the fused width, one panel per (data, partition), at the smallest S."""
+    plt = pyplot()
+    if plt is None:
+        return False
+    fewest = min(r["cell"]["clients"] for r in rows)
+    rows = [r for r in rows if r["cell"]["clients"] == fewest]
+    summary = summarise(rows, ("data", "partition"))
+    widths = frontier_mean_widths(rows)
+    keys = sorted(summary)
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 4), squeeze=False)
+    for ax, key in zip(axes[0], keys, strict=True):
+        cells = summary[key]
+        for method, marker in (("pfnm", "o"), ("nafi", "s")):
+            labels = [ratio_label(method, r) for r in RATIOS if ratio_label(method, r) in cells]
+            xs = [widths[key][lab] for lab in labels]
+            ax.errorbar(xs, [100 * cells[lab][0] for lab in labels],
+                        yerr=[100 * cells[lab][1] for lab in labels], marker=marker,
+                        capsize=3, label=method)
+        for label, marker in (("ot@1", "^"), ("avg@1", "v")):
+            if label in cells:
+                ax.errorbar([CLIENT_WIDTH], [100 * cells[label][0]],
+                            yerr=[100 * cells[label][1]], marker=marker, capsize=3,
+                            linestyle="none", label=label.split("@")[0])
+        for label, style in (("ensemble-softmax", "--"), ("ensemble", ":"), ("ams-prob", "-."),
+                             ("local (mean)", (0, (1, 3)))):
+            if label in cells:
+                ax.axhline(100 * cells[label][0], linestyle=style, color="grey", label=label)
+        log_axis(ax, "fused hidden width (clients: 100)", f"{key[0]} {key[1]}, S = {fewest}")
+    save_figure(plt, fig, axes, path)
+    return True
+
+
+def frontier_mean_widths(rows: list[dict[str, Any]]) -> dict[tuple, dict[str, float]]:
+    """(data, partition) -> label -> mean delivered width."""
+    found: dict[tuple, dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
+    for row in rows:
+        key = (row["cell"]["data"], row["cell"]["partition"])
+        for label, res in row["methods"].items():
+            if res.get("widths"):
+                found[key][label].append(res["widths"][0])
+    return {k: {lab: float(np.mean(v)) for lab, v in cells.items()} for k, cells in found.items()}
+
+
+def run_frontier(args: argparse.Namespace) -> int:
+    names = args.data or ["digits"]
+    datasets = {name: load(name, args.data_dir, args.data_path) for name in names}
+    seeds = args.seeds or 3
+    cells = frontier_cells(names, args.partitions, args.clients, seeds)
+    lam_cells = [c for c in cells if c.data == names[0] and c.partition == "dir-0.5"
+                 and c.clients == 10]
+    start = time.perf_counter()
+    rows: dict[str, list[dict[str, Any]]] = {"frontier": [], "lambda": []}
+    with tempfile.TemporaryDirectory(prefix="fusekit-frontier-") as tmp:
+        runner = Runner(datasets, args.device, Path(tmp))
+        for index, cell in enumerate(cells):
+            rows["frontier"].append(runner.row(cell, frontier_variants()))
+            log.info("[%d/%d] %s  %.0fs", index + 1, len(cells), cell,
+                     time.perf_counter() - start)
+        rows["lambda"] = [runner.row(c, frontier_lambda_variants()) for c in lam_cells]
+    payload = {"machine": machine(), "seeds": seeds, "epochs": EPOCHS, "frontier": True,
+               "elapsed_s": time.perf_counter() - start, "studies": rows,
+               "grid": {"data": names, "partitions": args.partitions, "clients": args.clients}}
+    out = args.json_out.with_name(f"frontier-{'-'.join(names)}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(out, json.dumps(payload, indent=1).encode())
+    return publish_frontier(payload, args)
+
+
+def publish_frontier(payload: dict[str, Any], args: argparse.Namespace) -> int:
+    rows = payload["studies"]
+    tag = "-".join(payload["grid"]["data"])
+    plot = args.plot.with_name(f"frontier-{tag}.png")
+    plotted = plot_frontier(rows["frontier"], plot)
+    section = render_frontier(rows, payload, plot if plotted else None, args.note)
+    print(section)
+    if not args.no_write:
+        markers = (f"<!-- fusion-frontier-{tag}:begin -->", f"<!-- fusion-frontier-{tag}:end -->")
+        write_results_md(section, args.results_md, markers)
+    return 0
+
+
+def render_frontier(rows: dict[str, list], payload: dict[str, Any], plot: Path | None,
+                    note: str) -> str:
+    m = payload["machine"]
+    grid = payload["grid"]
+    keys = ("data", "partition", "clients")
+    summary = summarise(rows["frontier"], keys)
+    parts = [
+        f"## Accuracy against fused width ({', '.join(grid['data'])})",
+        "",
+        f"`python benchmarks/bench_quality.py --frontier --data {' '.join(grid['data'])} "
+        f"--partitions {' '.join(grid['partitions'])} --clients "
+        f"{' '.join(map(str, grid['clients']))} --seeds {payload['seeds']}` — test accuracy (%) "
+        f"mean ± std over {payload['seeds']} seeds; clients: one hidden layer of "
+        f"{CLIENT_WIDTH}, independent initialisations, Adam as in the quality study. A label "
+        "`method@r` is the method at fused width r x the widest client (`@1.25` = 125 "
+        "neurons, `@unlimited` = the width the posterior infers; ot and avg keep the "
+        "clients' 100). ensemble-softmax / ensemble = mean of the clients' probabilities / "
+        "logits; ams = AMS-top1 by max logit, ams-prob by max softmax probability; these "
+        "keep all S client models (S x 100 hidden neurons). "
+        f"{m['platform']}, torch {m['torch']}, {m['core']}; total {payload['elapsed_s']:.0f} s."
+        + (f" {note}" if note else ""),
+        "",
+        markdown_table(summary, ("data", "partition", "S")),
+        "",
+        "Fused hidden widths delivered (mean over seeds; `@unlimited` rows show what the "
+        "posterior infers, the other rows the width asked):",
+        "",
+        width_table(rows["frontier"], keys),
+        "",
+        "Targets, cell by cell:",
+        "",
+        *frontier_checks(rows["frontier"]),
+    ]
+    if plot is not None:
+        parts += ["", f"![accuracy against fused width](results/{plot.name})"]
+    if rows.get("lambda"):
+        parts += [
+            "",
+            "NAFI's λ at width ratio 1.0 (fused width 100; λ 0 = PFNM's cost), "
+            f"{rows['lambda'][0]['cell']['data']} dir-0.5 S = 10; second table: the width the "
+            "posterior infers before the width is imposed (λ changes the assignments):",
+            "",
+            markdown_table(summarise(rows["lambda"], ("partition",)), ("partition",)),
+            "",
+            inferred_table(rows["lambda"]),
+        ]
+    return "\n".join(parts) + "\n"
+
+
+def inferred_table(rows: list[dict[str, Any]]) -> str:
+    """Mean inferred width per variant (before the asked width is imposed)."""
+    inferred: dict[str, list[int]] = defaultdict(list)
+    for row in rows:
+        for label, res in row["methods"].items():
+            if res.get("inferred"):
+                inferred[label].append(res["inferred"][0])
+    labels = list(inferred)
+    return "\n".join([
+        "| " + " | ".join(["inferred width", *labels]) + " |",
+        "|" + "---|" * (len(labels) + 1),
+        "| mean | " + " | ".join(f"{np.mean(inferred[lab]):.0f}" for lab in labels) + " |",
+    ])
+
 
 
 def machine() -> dict[str, Any]:
@@ -438,12 +704,29 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="re-render the tables and plot from a saved JSON, no runs",
     )
+    parser.add_argument("--frontier", action="store_true",
+                        help="run only the accuracy-against-width study")
+    parser.add_argument("--data", nargs="+", choices=("digits", "synthetic", "npz", "mnist"),
+                        help="frontier: data sets [digits]")
+    parser.add_argument("--data-path", type=Path, default=None,
+                        help="frontier: the MNIST-format .npz for --data npz")
+    parser.add_argument("--partitions", nargs="+", default=list(PARTITIONS),
+                        choices=list(PARTITIONS), help="frontier: partitions [all]")
+    parser.add_argument("--clients", nargs="+", type=int, default=[10, 20],
+                        help="frontier: numbers of clients [10 20]")
+    parser.add_argument("--note", default="", help="frontier: a sentence added to RESULTS.md "
+                        "(for instance the machine's load)")
     args = parser.parse_args(argv)
     if args.from_json is not None:
         payload = json.loads(args.from_json.read_text())
+        if payload.get("frontier"):
+            return publish_frontier(payload, args)
         args.quick = payload["quick"]
         return publish(payload, args)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    logging.getLogger("fusekit").setLevel(logging.WARNING)  # per-layer progress lines
+    if args.frontier:
+        return run_frontier(args)
     seeds = args.seeds or (2 if args.quick else 3)
 
     datasets = {"digits": load("digits", None), "synthetic": load("synthetic", None)}

@@ -1,19 +1,45 @@
-"""The ``fusekit`` command: a thin front door over the Python API (no fusion logic here)."""
+"""The ``fusekit`` command: a thin front door over the Python API (no fusion logic here).
+
+Only what a command needs is imported when it runs: ``fusekit --help`` and ``--version``
+never import torch, POT or scikit-learn.
+"""
 
 from __future__ import annotations
 
 import logging
-from typing import Annotated
+import types
 
 import typer
 from rich.logging import RichHandler
+from typer.core import TyperCommand, TyperGroup
 
 from fusekit._cli import demo, evaluate, fuse, inspect, simulate
-from fusekit._cli.output import handle_errors, state, stderr, stdout
+from fusekit._cli.output import VerboseOption, handle_errors, set_verbose, stderr, stdout
 from fusekit._version import __version__
-from fusekit.engine.native import core_status
+
+
+def _plain_help(params):
+    """No type placeholders in --help: flags show none, arguments only their name."""
+    for param in params:
+        if getattr(param, "is_flag", False) and param.metavar is None:
+            param.metavar = ""
+        elif param.param_type_name == "argument":
+            param.display_type_rich = types.MethodType(lambda _self, ctx: None, param)
+    return params
+
+
+class Command(TyperCommand):
+    def get_params(self, ctx):
+        return _plain_help(super().get_params(ctx))
+
+
+class Group(TyperGroup):
+    def get_params(self, ctx):
+        return _plain_help(super().get_params(ctx))
+
 
 app = typer.Typer(
+    cls=Group,
     name="fusekit",
     help="One-shot, data-free fusion of neural networks (PFNM, NAFI, OT, AMS, averaging).",
     no_args_is_help=True,
@@ -24,34 +50,31 @@ app = typer.Typer(
 
 def _version(value: bool) -> None:
     if value:
+        from fusekit.engine.native import core_status
+
         stdout.print(f"fusekit {__version__}\n{core_status()}", highlight=False)
         raise typer.Exit()
 
 
 @app.callback()
 def _main(
-    verbose: Annotated[
-        bool, typer.Option("--verbose", "-v", help="Debug logs and tracebacks.")
-    ] = False,
-    version: Annotated[
-        bool, typer.Option("--version", callback=_version, is_eager=True,
-                           help="Show the version and whether the C++ core is loaded.")
-    ] = False,
+    verbose: VerboseOption = False,
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                 help="Show the version and whether the C++ core is loaded."),
 ) -> None:
-    state["verbose"] = verbose
     logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO,
         format="%(message)s",
         handlers=[RichHandler(console=stderr, show_time=False, show_path=False)],
         force=True,
     )
+    set_verbose(verbose)
 
 
-app.command("fuse")(handle_errors(fuse.fuse))
-app.command("inspect")(handle_errors(inspect.inspect))
-app.command("simulate")(handle_errors(simulate.simulate))
-app.command("evaluate")(handle_errors(evaluate.evaluate))
-app.command("demo")(handle_errors(demo.demo))
+app.command("fuse", cls=Command)(handle_errors(fuse.fuse_command()))
+app.command("inspect", cls=Command)(handle_errors(inspect.inspect))
+app.command("simulate", cls=Command)(handle_errors(simulate.simulate))
+app.command("evaluate", cls=Command)(handle_errors(evaluate.evaluate))
+app.command("demo", cls=Command)(handle_errors(demo.demo))
 
 
 def main() -> None:

@@ -11,7 +11,6 @@ from rich.table import Table
 
 from fusekit._cli.options import DeviceOption, JsonOption
 from fusekit._cli.output import emit_json, stderr, stdout
-from fusekit.toolkit.demo import DemoConfig, DemoReport, run_demo
 
 
 def demo(
@@ -33,6 +32,7 @@ def demo(
     as_json: JsonOption = False,
 ) -> None:
     """Simulate clients on digits (Dirichlet split), fuse them with every method, evaluate."""
+    from fusekit.toolkit.demo import DemoConfig, run_demo
     config = DemoConfig(
         clients=clients,
         alpha=alpha,
@@ -49,11 +49,15 @@ def demo(
         emit_json(report.as_dict())
     else:
         stdout.print(demo_table(report))
+        kept = (f"checkpoints kept in {out}/clients and {out}/fused-<method>.safetensors"
+                if out is not None else "checkpoints were written to a temporary folder and "
+                "deleted; --out DIR keeps them")
+        stderr.print(kept, highlight=False)
     if report.failed:
         raise typer.Exit(1)
 
 
-def demo_table(report: DemoReport) -> Table:
+def demo_table(report) -> Table:
     c = report.config
     table = Table(
         "model",

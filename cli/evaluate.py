@@ -19,8 +19,6 @@ from fusekit._cli.options import (
     SamplesOption,
 )
 from fusekit._cli.output import emit_json, stdout
-from fusekit.toolkit.data import load_dataset
-from fusekit.toolkit.evaluate import evaluate_checkpoints
 
 
 def evaluate(
@@ -38,7 +36,10 @@ def evaluate(
     batch_size: Annotated[int, typer.Option("--batch-size", help="Inference batch size.")] = 4096,
     as_json: JsonOption = False,
 ) -> None:
-    """Test accuracy and loss of every model, plus the logit-average ensemble of the clients."""
+    """Test accuracy and loss of every model, plus the logit- and softmax-average ensembles."""
+    from fusekit.toolkit.data import load_dataset
+    from fusekit.toolkit.evaluate import evaluate_checkpoints
+
     dataset = load_dataset(
         data,
         data_dir=data_dir,

@@ -1,7 +1,14 @@
-"""``fusekit fuse``: checkpoints in, one fused checkpoint out."""
+"""``fusekit fuse``: checkpoints in, one fused checkpoint (or an output folder) out.
+
+The method options are not written here: :func:`method_options` builds one option per
+parameter that the registered methods declare (``fusekit.methods.params``), grouped by
+method in ``--help``.
+"""
 
 from __future__ import annotations
 
+import inspect
+import logging
 import time
 from pathlib import Path
 from typing import Annotated, Any
@@ -12,284 +19,237 @@ from rich.table import Table
 import fusekit
 from fusekit._cli.options import JsonOption
 from fusekit._cli.output import emit_json, stdout
-from fusekit.core.errors import OutputError
+from fusekit._cli.recipe import Recipe, load_recipe, resolve_output, write_folder
+from fusekit.core.errors import FusekitError, OutputError, ParameterError
 from fusekit.methods import METHODS
+from fusekit.methods.params import ParamSpec, from_text, method_params
 
-_METHODS_HELP = "; ".join(f"{name}: {cls.summary}" for name, cls in sorted(METHODS.items()))
-_AVG, _PFNM, _OT, _AMS = ("avg options", "pfnm / nafi options", "ot / rebasin options",
-                          "ams options")
+log = logging.getLogger(__name__)
+
+_OT_INPUTS = "ot options"
+# How the CLI spells each kind of parameter: (annotation, metavar).
+_TEXT_TYPES: dict[str, tuple[Any, str]] = {
+    "int": (int | None, "INT"),
+    "float": (float | None, "FLOAT"),
+    "str": (str | None, "TEXT"),
+    "path": (Path | None, "PATH"),
+    "floats": (list[float] | None, "FLOAT"),
+    "ints": (str | None, "N|N1,N2,..."),
+    "bool": (bool | None, ""),
+}
 
 
 def fuse(
     checkpoints: Annotated[
-        list[Path], typer.Argument(help="Client checkpoints (.safetensors).", show_default=False)
-    ],
+        list[Path] | None,
+        typer.Argument(help="Client checkpoints (.safetensors); or give them in --config.",
+                       metavar="CHECKPOINT", show_default=False),
+    ] = None,
     method: Annotated[
-        str, typer.Option("--method", "-m", help=f"Fusion method. {_METHODS_HELP}.")
-    ] = "avg",
+        str | None,
+        typer.Option("--method", "-m", metavar="|".join(sorted(METHODS)),
+                     help="Fusion method \\[default: avg]: " + "; ".join(
+                         f"{name}: {cls.summary}" for name, cls in sorted(METHODS.items())) + ".",
+                     show_default=False),
+    ] = None,
     output: Annotated[
+        str | None,
+        typer.Option("--output", "-o", metavar="FILE|DIR/",
+                     help="A .safetensors file, or a folder when the name ends with a slash "
+                     "(fused.safetensors, recipe.yaml, report.json and a README.md model card) "
+                     "\\[default: ./fused-<method>.safetensors].", show_default=False),
+    ] = None,
+    config: Annotated[
         Path | None,
-        typer.Option(
-            "--output",
-            "-o",
-            help="Where to write the fused model [default: fused-METHOD.safetensors].",
-        ),
+        typer.Option("--config", "-c", metavar="RECIPE.yaml",
+                     help="A recipe: inputs, method, parameters, output; options given on the "
+                     "command line override it.", show_default=False),
     ] = None,
     force: Annotated[
-        bool, typer.Option("--force", help="Replace an existing output file.")
+        bool, typer.Option("--force", help="Replace an existing output file or folder.")
     ] = False,
     spec: Annotated[
         Path | None,
-        typer.Option(
-            "--spec",
-            help="JSON permutation spec for models whose "
-            "structure cannot be inferred from names and shapes.",
-        ),
+        typer.Option("--spec", metavar="PATH", show_default=False,
+                     help="JSON permutation spec for models whose structure cannot be inferred "
+                     "from names and shapes."),
     ] = None,
     as_json: JsonOption = False,
-    class_weighted: Annotated[
-        bool | None,
-        typer.Option(
-            "--class-weighted/--no-class-weighted",
-            rich_help_panel=_AVG,
-            help="avg: average output rows with per-class sample shares.",
-        ),
-    ] = None,
-    sigma: Annotated[
-        list[float] | None,
-        typer.Option(
-            "--sigma",
-            rich_help_panel=_PFNM,
-            help="pfnm/nafi: client noise variance sigma^2, in multiples of the "
-            "layer's per-coordinate weight variance (see --variance-units); repeat once per "
-            "client for per-client values, in the order of the checkpoints [default: 1.0].",
-            show_default=False,
-        ),
-    ] = None,
-    sigma0: Annotated[
-        float | None,
-        typer.Option(
-            "--sigma0",
-            rich_help_panel=_PFNM,
-            help="pfnm/nafi: prior variance sigma0^2 of global neurons, same units [default: 1.0].",
-            show_default=False,
-        ),
-    ] = None,
-    gamma: Annotated[
-        float | None,
-        typer.Option(
-            "--gamma",
-            rich_help_panel=_PFNM,
-            help="pfnm/nafi: Beta-process mass gamma0 [default: 1.0].",
-            show_default=False,
-        ),
-    ] = None,
-    mu0: Annotated[
-        float | None,
-        typer.Option(
-            "--mu0",
-            rich_help_panel=_PFNM,
-            help="pfnm/nafi: prior mean of global neurons [default: 0.0].",
-            show_default=False,
-        ),
-    ] = None,
-    sweeps: Annotated[
-        int | None,
-        typer.Option(
-            "--sweeps",
-            rich_help_panel=_PFNM,
-            help="pfnm/nafi: refinement sweeps after the greedy pass [default: 5].",
-            show_default=False,
-        ),
-    ] = None,
-    seed: Annotated[
-        int | None,
-        typer.Option(
-            "--seed",
-            rich_help_panel=_PFNM,
-            help="pfnm/nafi: seed of the sweep order; rebasin: of the group order; ot: "
-            "seed of the --activations subset [default: 0].",
-            show_default=False,
-        ),
-    ] = None,
-    lam: Annotated[
-        float | None,
-        typer.Option(
-            "--lam",
-            "--lambda",
-            rich_help_panel=_PFNM,
-            help="nafi: weight of the KL penalty [default: 0.01].",
-            show_default=False,
-        ),
-    ] = None,
-    max_width: Annotated[
-        int | None,
-        typer.Option(
-            "--max-width",
-            rich_help_panel=_PFNM,
-            help="pfnm/nafi: cap on every fused hidden width [default: none].",
-            show_default=False,
-        ),
-    ] = None,
-    class_share: Annotated[
-        bool | None,
-        typer.Option(
-            "--class-share/--no-class-share",
-            rich_help_panel=_PFNM,
-            help="pfnm/nafi: class-share precision of outgoing weights "
-            "[default: on when every client has class counts].",
-            show_default=False,
-        ),
-    ] = None,
-    unobserved: Annotated[
-        str | None,
-        typer.Option(
-            "--unobserved",
-            rich_help_panel=_PFNM,
-            help="pfnm/nafi: 'mask' (weights a client "
-            "lacks are unobserved) or 'zeros' (observed zeros, as the "
-            "authors' code) [default: mask].",
-            show_default=False,
-        ),
-    ] = None,
-    variance_units: Annotated[
-        str | None,
-        typer.Option(
-            "--variance-units",
-            rich_help_panel=_PFNM,
-            help="pfnm/nafi: 'relative' (sigma, "
-            "sigma0 in multiples of the weight variance) or 'absolute' "
-            "[default: relative].",
-            show_default=False,
-        ),
-    ] = None,
-    backend: Annotated[
-        str | None,
-        typer.Option(
-            "--backend",
-            rich_help_panel=_PFNM,
-            help="pfnm/nafi/rebasin: 'core' (C++) or 'numpy' (reference kernels + SciPy) "
-            "[default: core].",
-            show_default=False,
-        ),
-    ] = None,
-    anchor: Annotated[
-        str | None,
-        typer.Option(
-            "--anchor",
-            rich_help_panel=_OT,
-            help="ot/rebasin: the client to align to (its path, file "
-            "name or content-hash prefix) [default: most samples].",
-        ),
-    ] = None,
-    max_sweeps: Annotated[
-        int | None,
-        typer.Option(
-            "--max-sweeps",
-            rich_help_panel=_OT,
-            help="rebasin: sweeps of weight matching over the groups at most [default: 100].",
-            show_default=False,
-        ),
-    ] = None,
     activations: Annotated[
         str | None,
-        typer.Option(
-            "--activations",
-            rich_help_panel=_OT,
-            help="ot: compare neurons by their "
-            "pre-activations on these inputs instead of by weights: a "
-            ".npy (N, ...), a .npz with x or x_train, or a data set name.",
-        ),
+        typer.Option("--activations", metavar="FILE|NAME", rich_help_panel=_OT_INPUTS,
+                     show_default=False,
+                     help="Compare neurons by their pre-activations on these inputs instead of "
+                     "by weights: a .npy (N, ...), a .npz with x or x_train, or a data set name "
+                     "\\[default: weights]."),
     ] = None,
     activation_samples: Annotated[
         int | None,
-        typer.Option(
-            "--activation-samples",
-            rich_help_panel=_OT,
-            help="ot: at most this many inputs for --activations [default: 256].",
-        ),
+        typer.Option("--activation-samples", metavar="INT", rich_help_panel=_OT_INPUTS,
+                     show_default=False,
+                     help="At most this many inputs for --activations \\[default: 256]."),
+    ] = None,
+    activation_seed: Annotated[
+        int | None,
+        typer.Option("--activation-seed", metavar="INT", rich_help_panel=_OT_INPUTS,
+                     show_default=False, help="Seed of the --activations subset \\[default: 0]."),
     ] = None,
     data_dir: Annotated[
         Path | None,
-        typer.Option(
-            "--data-dir",
-            rich_help_panel=_OT,
-            help="ot: folder of the data set named by "
-            "--activations (mnist, fashion-mnist, cifar10).",
-        ),
+        typer.Option("--data-dir", metavar="PATH", rich_help_panel=_OT_INPUTS,
+                     show_default=False,
+                     help="Folder of the data set named by --activations (mnist, "
+                     "fashion-mnist, cifar10)."),
     ] = None,
-    mode: Annotated[
-        str | None,
-        typer.Option(
-            "--mode",
-            rich_help_panel=_AMS,
-            help="ams: top1 (most confident model), topk (sum "
-            "of the k most confident) or full (sum of all) [default: top1].",
-        ),
-    ] = None,
-    k: Annotated[
-        int | None,
-        typer.Option("--k", rich_help_panel=_AMS, help="ams: models summed by --mode topk."),
-    ] = None,
+    **method_values: Any,
 ) -> None:
     """Fuse client checkpoints into one model, in one shot and without data."""
-    params = _given(
-        class_weighted=class_weighted,
-        sigma=(sigma[0] if len(sigma) == 1 else sigma) if sigma else None,
-        sigma0=sigma0,
-        gamma=gamma,
-        mu0=mu0,
-        sweeps=sweeps,
-        seed=seed,
-        lam=lam,
-        max_width=max_width,
-        class_share=class_share,
-        unobserved=unobserved,
-        variance_units=variance_units,
-        backend=backend,
-        anchor=anchor,
-        max_sweeps=max_sweeps,
-        activations=activations,
-        activation_samples=activation_samples,
-        data_dir=data_dir,
-        mode=mode,
-        k=k,
+    recipe = load_recipe(config) if config is not None else Recipe()
+    recipe = recipe.override(
+        inputs=checkpoints or None, method=method, output=output, spec=spec,
+        parameters={k: v for k, v in method_values.items() if v is not None},
+        activations={k: v for k, v in {"source": activations, "samples": activation_samples,
+                                       "seed": activation_seed, "data_dir": data_dir}.items()
+                     if v is not None},
     )
-    output = output or Path(f"fused-{method}.safetensors")
-    if output.exists() and not force:
-        raise OutputError(f"{output}: output file exists; pass --force to replace it")
+    if not recipe.inputs:
+        raise ParameterError("CHECKPOINT: expected at least one checkpoint (on the command "
+                             "line or as inputs: in --config), found none")
+    target = resolve_output(recipe.output, recipe.method, force=force, inputs=recipe.inputs)
     start = time.perf_counter()
-    result = fusekit.fuse(checkpoints, method=method, spec=spec, **params)
-    path = result.save(output, force=force)
+    result = _run(recipe)
     summary: dict[str, Any] = {
-        "output": str(path),
+        "output": str(target.path) + ("/" if target.folder else ""),
         "method": result.method,
         "params": result.params,
         "widths": result.widths,
         "time_s": time.perf_counter() - start,
         "report": result.report,
     }
+    try:
+        if target.folder:
+            write_folder(target.path, result, recipe, summary, force=force)
+        else:
+            result.save(target.path, force=force)
+            _warn_about_suffix(target.path)
+    except OSError as exc:
+        if isinstance(exc, FusekitError):
+            raise
+        raise OutputError(f"{summary['output']}: cannot write the output "
+                          f"({exc.strerror or exc})") from None
     if as_json:
         emit_json(summary)
     else:
         _print_summary(summary)
 
 
-def _given(**options: Any) -> dict[str, Any]:
-    """Only the options the user set, so each method keeps its own defaults."""
-    return {k: v for k, v in options.items() if v is not None}
+def _warn_about_suffix(path: Path) -> None:
+    if path.suffix not in ("", ".safetensors"):
+        log.warning("%s: written in safetensors format whatever the suffix; name it "
+                    "%s.safetensors to say so", path, path.stem)
+
+
+def _run(recipe: Recipe):
+    params = dict(recipe.parameters)
+    for spec in method_params(METHODS[recipe.method]) if recipe.method in METHODS else ():
+        if spec.kind == "ints" and isinstance(params.get(spec.name), str):  # N or N1,N2
+            params[spec.name] = from_text(spec, params[spec.name])
+    if recipe.activations:
+        params["activations"] = _activation_provider(recipe.activations)
+    return fusekit.fuse(recipe.inputs, method=recipe.method, spec=recipe.spec, **params)
+
+
+def _activation_provider(settings: dict[str, Any]):
+    from fusekit.toolkit.activations import ActivationInputs  # torch: only in this mode
+
+    if "source" not in settings:
+        raise ParameterError(
+            f"--activation-samples/--activation-seed/--data-dir need --activations; found "
+            f"only {', '.join(sorted(settings))}"
+        )
+    return ActivationInputs(**settings)
+
+
+def method_options() -> list[inspect.Parameter]:
+    """One CLI option per parameter declared by the registered methods.
+
+    A parameter several methods declare appears once, in the panel of all of them, typed
+    by its first declaration (methods in name order); its default is only shown (the
+    method's own default applies when the option is not given). Parameters no text can
+    spell (callables) are Python-only.
+    """
+    declared: dict[str, list[tuple[str, ParamSpec]]] = {}
+    for name in sorted(METHODS):
+        for spec in method_params(METHODS[name]):
+            if spec.kind in _TEXT_TYPES:
+                declared.setdefault(spec.name, []).append((name, spec))
+    return [_option(name, entries) for name, entries in declared.items()]
+
+
+def _option(name: str, entries: list[tuple[str, ParamSpec]]) -> inspect.Parameter:
+    methods = [m for m, _ in entries]
+    spec = entries[0][1]
+    annotation, metavar = _TEXT_TYPES[spec.kind]
+    defaults = {s.describe_default() for _, s in entries}
+    shown = (defaults.pop() if len(defaults) == 1
+             else ", ".join(f"{m} {s.describe_default()}" for m, s in entries))
+    flags = [spec.flag, *spec.param.flags]
+    if spec.kind == "bool":
+        flags = [f"{spec.flag}/--no-{spec.flag[2:]}"]
+    help_text = spec.param.help[:1].upper() + spec.param.help[1:]
+    if spec.param.choices:
+        metavar = "|".join([metavar] * (spec.kind == "ints") + list(spec.param.choices))
+    bounds = spec.describe_bounds()
+    if bounds:
+        help_text += f"; {bounds}"
+    if spec.per_client:
+        help_text += "; repeat once per client"
+    # Rich markup would swallow an unescaped [default: ...]; click would put it in parentheses.
+    option = typer.Option(*flags, help=f"{help_text} \\[default: {shown}].", metavar=metavar,
+                          show_default=False, rich_help_panel=" / ".join(methods) + " options")
+    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY,
+                             annotation=Annotated[annotation, option], default=None)
+
+
+def fuse_command():
+    """:func:`fuse` with the method options added to its signature, for Typer."""
+    signature = inspect.signature(fuse, eval_str=True)
+    fixed = [p for p in signature.parameters.values() if p.kind is not p.VAR_KEYWORD]
+    params = fixed + method_options()
+
+    def command(**values: Any) -> None:
+        known = {p.name for p in fixed}
+        fuse(**{k: v for k, v in values.items() if k in known},
+             **{k: _one_or_list(v) for k, v in values.items() if k not in known})
+
+    command.__doc__ = fuse.__doc__
+    command.__signature__ = signature.replace(parameters=params)  # type: ignore[attr-defined]
+    command.__annotations__ = {p.name: p.annotation for p in params}
+    command.__name__ = "fuse"
+    return command
+
+
+def _one_or_list(value: Any) -> Any:
+    """A repeatable option given once is one value (``--sigma 2``), else a list."""
+    if isinstance(value, list | tuple):
+        return (value[0] if len(value) == 1 else list(value)) if value else None
+    return value
 
 
 def _print_summary(summary: dict[str, Any]) -> None:
     table = Table(title=f"fused with {summary['method']}", show_header=False)
     table.add_row("output", summary["output"])
     table.add_row("hidden widths", ", ".join(map(str, summary["widths"])) or "-")
-    table.add_row("parameters", ", ".join(f"{k}={v}" for k, v in summary["params"].items()) or "-")
+    params = ", ".join(f"{k}={v}" for k, v in summary["params"].items())
+    table.add_row("parameters", params or "-")
     table.add_row("time", f"{summary['time_s']:.3f} s")
     table.add_row("peak memory", f"{summary['report'].get('peak_memory_mb', 0):.1f} MB")
     for layer in summary["report"].get("layers", []):
-        new = [c["new"] for c in layer["clients"]]
-        table.add_row(
-            f"layer {layer['layer']}", f"width {layer['width']}, new neurons per client {new}"
-        )
+        details = [f"width {layer['width']}"]
+        if "clients" in layer:
+            details.append(f"new neurons per client {[c['new'] for c in layer['clients']]}")
+        if "transport" in layer:
+            details.append(f"transport {', '.join(layer['transport'])}")
+        table.add_row(f"layer {layer['layer']}", ", ".join(details))
     stdout.print(table)
+

@@ -58,22 +58,35 @@ def _print_report(report: dict[str, Any]) -> None:
     stdout.rule(report["path"])
     for problem in report["problems"]:
         stdout.print(f"[bold red]problem:[/] {problem}", highlight=False)
-    if "layers" not in report:
+    if "ams" in report:
+        ams = report["ams"]
+        stdout.print(f"AMS artefact: {len(ams['models'])} models, mode {ams['mode']}, "
+                     f"k {ams['k']}", highlight=False)
+        for model in ams["models"]:
+            stdout.print(_layer_table(model["layers"], title=f"model {model['prefix']}*"))
+    if "layers" in report:
+        stdout.print(_layer_table(report["layers"]))
+    if "hidden_widths" not in report:
         return
-    table = Table("layer", "kind", "in", "out", "kernel", "BatchNorm", "flatten block")
-    for layer in report["layers"]:
+    stdout.print(f"hidden widths: {report['hidden_widths']}  ·  {report['tensors']} tensors, "
+                 f"{report['parameters']:,} values")
+    names = report.get("group_names", [])
+    for name, group in zip(names, report.get("permutation_groups", []), strict=True):
+        stdout.print(f"permutation group {name}: " + ", ".join(group), highlight=False)
+    for limit in report.get("limits", []):
+        stdout.print(f"[bold yellow]limit:[/] {escape(limit)}", highlight=False)
+    if report.get("other_tensors"):
+        stdout.print("not permuted: " + ", ".join(report["other_tensors"]), highlight=False)
+    for key, value in report["metadata"].items():
+        stdout.print(f"[dim]{key}[/] = {escape(str(value))}", highlight=False)
+
+
+def _layer_table(layers: list[dict[str, Any]], title: str | None = None) -> Table:
+    table = Table("layer", "kind", "in", "out", "kernel", "BatchNorm", "flatten block",
+                  title=title)
+    for layer in layers:
         kernel = "x".join(map(str, layer["kernel_size"])) if layer["kind"] == "conv2d" else ""
         table.add_row(layer["name"], layer["kind"], str(layer["in_features"]),
                       str(layer["out_features"]), kernel, layer["norm"] or "",
                       str(layer["input_block"]) if layer["input_block"] > 1 else "")
-    stdout.print(table)
-    stdout.print(f"hidden widths: {report['hidden_widths']}  ·  {report['tensors']} tensors, "
-                 f"{report['parameters']:,} values")
-    for name, group in zip(report["group_names"], report["permutation_groups"], strict=True):
-        stdout.print(f"permutation group {name}: " + ", ".join(group), highlight=False)
-    for limit in report["limits"]:
-        stdout.print(f"[bold yellow]limit:[/] {escape(limit)}", highlight=False)
-    if report["other_tensors"]:
-        stdout.print("not permuted: " + ", ".join(report["other_tensors"]), highlight=False)
-    for key, value in report["metadata"].items():
-        stdout.print(f"[dim]{key}[/] = {value}", highlight=False)
+    return table

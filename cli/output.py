@@ -8,10 +8,12 @@ progress and logs always go to stderr.
 from __future__ import annotations
 
 import functools
+import inspect
 import json
+import logging
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -24,11 +26,31 @@ stderr = Console(stderr=True)
 state = {"verbose": False}
 
 
+VerboseOption = Annotated[
+    bool, typer.Option("--verbose", "-v", help="Debug logs and tracebacks.")
+]
+
+
+def set_verbose(verbose: bool) -> None:
+    state["verbose"] = verbose
+    logging.getLogger().setLevel(logging.DEBUG if verbose else logging.INFO)
+
+
 def handle_errors(command):
-    """Bad input -> one line and exit 2; any other failure -> exit 1 (traceback with -v)."""
+    """A command with the CLI's error policy and its own ``-v``/``--verbose``.
+
+    Bad input -> one line and exit 2; any other failure -> exit 1 (traceback with -v).
+    ``-v`` works before the command (``fusekit -v fuse``) and after it (``fusekit fuse -v``).
+    """
+    signature = inspect.signature(command, eval_str=True)
+    verbose = inspect.Parameter("verbose", inspect.Parameter.KEYWORD_ONLY,
+                                annotation=VerboseOption, default=False)
+    params = [*signature.parameters.values(), verbose]
 
     @functools.wraps(command)
-    def wrapper(*args, **kwargs):
+    def wrapper(*args, verbose: bool = False, **kwargs):
+        if verbose:
+            set_verbose(True)
         try:
             return command(*args, **kwargs)
         except FusekitError as exc:
@@ -38,6 +60,8 @@ def handle_errors(command):
         except Exception as exc:
             fail(exc, code=1)
 
+    wrapper.__signature__ = signature.replace(parameters=params)
+    wrapper.__annotations__ = {p.name: p.annotation for p in params}
     return wrapper
 
 

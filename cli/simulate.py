@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
 
 from fusekit._cli.options import (
     ClassesOption,
@@ -20,9 +21,6 @@ from fusekit._cli.options import (
 )
 from fusekit._cli.output import emit_json, stderr, stdout
 from fusekit.core.arch import describe_arch
-from fusekit.toolkit.data import load_dataset
-from fusekit.toolkit.simulate import SimulationConfig, client_archs, simulate_clients
-from fusekit.toolkit.train import FedNLRConfig, TrainConfig
 
 
 def simulate(
@@ -88,6 +86,10 @@ def simulate(
     as_json: JsonOption = False,
 ) -> None:
     """Split a data set across simulated clients, train one model each, write checkpoints."""
+    from fusekit.toolkit.data import load_dataset
+    from fusekit.toolkit.simulate import SimulationConfig, client_archs, simulate_clients
+    from fusekit.toolkit.train import FedNLRConfig, TrainConfig
+
     dataset = load_dataset(
         data,
         data_dir=data_dir,
@@ -150,8 +152,6 @@ def simulate(
     if as_json:
         emit_json({"data": dataset.name, "clients": rows})
         return
-    from rich.table import Table
-
     table = Table(
         "checkpoint",
         "samples",

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import inspect
-import json
 import logging
 import os
 import time
@@ -13,8 +11,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from fusekit.core import metadata as meta
 from fusekit.core.checkpoint import Checkpoint, load_checkpoint
-from fusekit.core.errors import IncompatibleModelsError, ParameterError
+from fusekit.core.errors import CheckpointError, IncompatibleModelsError, ParameterError
+from fusekit.core.metadata import load_json
 from fusekit.core.spec import (
     GraphSpec,
     PermutationSpec,
@@ -24,6 +24,7 @@ from fusekit.core.spec import (
 )
 from fusekit.methods import METHODS, get_method
 from fusekit.methods.base import FusionResult, provenance
+from fusekit.methods.params import method_params, validate
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,9 @@ def fuse(
         method: a name from ``fusekit.METHODS`` (avg, pfnm, nafi, ot, ams, ...).
         spec: a JSON spec file, its parsed dict, or a PermutationSpec, for models whose
             permutation structure cannot be inferred from names and shapes.
-        **params: the method's parameters (see ``fusekit fuse --help``).
+        **params: the method's parameters (docs/PARAMETERS.md, ``fusekit fuse --help``),
+            checked against the method's declaration: strict types (an int parameter
+            refuses 3.5 and "3"; a float one accepts 3), choices and bounds.
 
     Returns:
         FusionResult with the fused state_dict, widths, report and provenance metadata.
@@ -57,10 +60,19 @@ def fuse(
         IncompatibleModelsError: the inputs do not describe the same kind of network.
         UnknownMethodError, ParameterError: bad method name or parameters.
     """
+    if isinstance(inputs, (str, os.PathLike, Checkpoint)):
+        raise ParameterError(
+            f"inputs: expected a list of checkpoints, found one {type(inputs).__name__} "
+            f"({inputs!r:.80}); pass [path] to fuse a single file"
+        )
     if not inputs:
         raise ParameterError("inputs: expected at least one checkpoint, got none")
     fusion = get_method(method)
-    _check_params(fusion, params)
+    declared = method_params(fusion)
+    validate(fusion.name, declared, params)
+    if len(inputs) == 1:
+        log.warning("fusing a single checkpoint with %s: there is nothing to combine; the "
+                    "result is that client's model", fusion.name)
     checkpoints = [c if isinstance(c, Checkpoint) else load_checkpoint(c) for c in inputs]
     specs = [client_spec(c, spec) for c in checkpoints]
     if fusion.requires_same_architecture:
@@ -75,7 +87,8 @@ def fuse(
     order = sorted(range(len(checkpoints)), key=lambda i: canonical_key(checkpoints[i], specs[i]))
     checkpoints = [checkpoints[i] for i in order]
     specs = [specs[i] for i in order]
-    params = _in_canonical_order(params, fusion.per_client_params, order)
+    per_client = [p.name for p in declared if p.per_client]
+    params = _in_canonical_order(params, per_client, order)
     start = time.perf_counter()
     with _peak_memory() as peak:
         result = fusion.fuse(checkpoints, specs, **params)
@@ -103,19 +116,6 @@ def _peak_memory():
         out["mb"] = round(tracemalloc.get_traced_memory()[1] / 2**20, 1)
         if started:
             tracemalloc.stop()
-
-
-def _check_params(fusion, params: Mapping[str, Any]) -> None:
-    accepted = [
-        p.name for p in inspect.signature(fusion.fuse).parameters.values()
-        if p.kind is inspect.Parameter.KEYWORD_ONLY
-    ]
-    unknown = sorted(set(params) - set(accepted))
-    if unknown:
-        raise ParameterError(
-            f"method {fusion.name!r} does not take parameter(s) {', '.join(unknown)}; "
-            f"it takes: {', '.join(accepted) or 'none'}"
-        )
 
 
 def _in_canonical_order(params: dict[str, Any], names: Sequence[str],
@@ -191,6 +191,8 @@ def describe_checkpoint(checkpoint: Checkpoint) -> dict[str, Any]:
         "problems": [],
     }
     try:
+        if meta.AMS in checkpoint.metadata:
+            return _describe_ams(checkpoint, info)
         spec = client_spec(checkpoint, None)
     except ValueError as exc:
         info["problems"].append(str(exc))
@@ -211,6 +213,25 @@ def describe_checkpoint(checkpoint: Checkpoint) -> dict[str, Any]:
     except ValueError as exc:
         info["problems"].append(str(exc))
     info["metadata"] = {k: _maybe_json(v) for k, v in checkpoint.metadata.items()}
+    return info
+
+
+def _describe_ams(checkpoint: Checkpoint, info: dict[str, Any]) -> dict[str, Any]:
+    """An AMS artefact: its selection rule and each sub-model's layers, from its metadata."""
+    from fusekit.methods.ams import read_ams_metadata
+
+    description = read_ams_metadata(checkpoint.metadata, checkpoint.label)
+    shapes = {name: t.shape for name, t in checkpoint.tensors.items()}
+    models = []
+    for entry in description["models"]:
+        prefix = entry["prefix"]
+        own = {n[len(prefix):]: s for n, s in shapes.items() if n.startswith(prefix)}
+        spec = spec_from_json(entry["spec"], own, label=f"{checkpoint.label} [{prefix}*]")
+        models.append({"prefix": prefix, "layers": spec.describe(),
+                       "hidden_widths": spec.hidden_widths})
+    info.update(ams={"mode": description["mode"], "k": description["k"], "models": models},
+                hidden_widths=[m["hidden_widths"] for m in models],
+                metadata={k: _maybe_json(v) for k, v in checkpoint.metadata.items()})
     return info
 
 
@@ -236,6 +257,6 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 def _maybe_json(value: str) -> Any:
     try:
-        return json.loads(value)
-    except json.JSONDecodeError:
+        return load_json(value, "metadata")
+    except CheckpointError:
         return value

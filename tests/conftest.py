@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import safetensors.numpy
 import torch
 from torch import nn
 
@@ -55,6 +56,16 @@ def write(path: Path, model_or_sd, **metadata) -> Path:
     sd = model_or_sd.state_dict() if isinstance(model_or_sd, nn.Module) else model_or_sd
     meta = {f"fusekit.{k}": str(v) for k, v in metadata.items()}
     return save_checkpoint(path, sd, meta)
+
+
+def write_raw(path: Path, model_or_sd, **metadata) -> Path:
+    """Like :func:`write`, through safetensors alone: for hostile files that
+    ``save_checkpoint`` refuses to write (NaN weights, odd shapes)."""
+    sd = model_or_sd.state_dict() if isinstance(model_or_sd, nn.Module) else model_or_sd
+    arrays = {k: np.asarray(v.detach().numpy() if hasattr(v, "detach") else v)
+              for k, v in sd.items()}
+    safetensors.numpy.save_file(arrays, path, {f"fusekit.{k}": str(v) for k, v in metadata.items()})
+    return Path(path)
 
 
 def numpy_state(model: nn.Module) -> dict[str, np.ndarray]:

@@ -184,7 +184,8 @@ def test_fuse_packs_every_client_across_architectures(tmp_path):
     models = mixed_models()
     paths = [_write(tmp_path, f"c{i}.safetensors", m, 10 + i) for i, m in enumerate(models)]
     result = fusekit.fuse(paths, method="ams", mode="topk", k=2)
-    assert result.method == "ams" and result.params == {"mode": "topk", "k": 2}
+    assert result.method == "ams"
+    assert result.params == {"mode": "topk", "k": 2, "confidence": "logit"}
     assert result.widths == []
     description = read_ams_metadata(result.metadata, "result")
     assert [m["prefix"] for m in description["models"]] == [
@@ -204,7 +205,8 @@ def test_fuse_packs_every_client_across_architectures(tmp_path):
     # the saved artefact keeps its description
     saved = load_checkpoint(result.save(tmp_path / "ams.safetensors"))
     assert read_ams_metadata(saved.metadata, "saved") == description
-    assert json.loads(saved.metadata["fusekit.params"]) == {"k": 2, "mode": "topk"}
+    assert json.loads(saved.metadata["fusekit.params"]) == {
+        "k": 2, "mode": "topk", "confidence": "logit"}
 
 
 def test_fuse_is_independent_of_input_order(tmp_path):
@@ -265,8 +267,46 @@ def test_cli_fuse_ams(tmp_path):
     result = CliRunner().invoke(app, ["fuse", *map(str, paths), "--method", "ams", "--mode",
                                       "topk", "--k", "3", "-o", str(out), "--json"])
     assert result.exit_code == 0, result.output
-    assert json.loads(result.stdout)["params"] == {"mode": "topk", "k": 3}
+    assert json.loads(result.stdout)["params"] == {"mode": "topk", "k": 3, "confidence": "logit"}
     assert read_ams_metadata(load_checkpoint(out).metadata, "out")["k"] == 3
     bad = CliRunner().invoke(app, ["fuse", *map(str, paths), "--method", "ams", "--mode",
                                    "topk", "-o", str(tmp_path / "x.safetensors")])
     assert bad.exit_code == 2 and "needs k" in bad.output
+
+
+def test_probability_confidence_does_not_let_a_loud_model_win_every_input():
+    """A single-class client answers every input with large logits for its class; its max
+    logit beats every other model everywhere (AMS collapses to it), its max softmax
+    probability only where it is more certain than the others."""
+    batch, classes = 50, 4
+    rng = np.random.default_rng(0)
+    labels = rng.integers(0, classes, batch)
+    informed = np.full((2, batch, classes), -1.0)
+    informed[:, np.arange(batch), labels] = 2.0  # two good models: probability ~0.91
+    loud = np.zeros((1, batch, classes))
+    loud[0, :, 3] = 12.0
+    loud[0, :, :3] = 9.0  # larger logits, yet a flatter softmax (max ~0.87)
+    logits = torch.from_numpy(np.concatenate([informed, loud]).astype(np.float32))
+    _, by_logit = select_logits(logits, 1)
+    assert (by_logit == 2).all()  # the paper's rule: the loud model answers everything
+    fused, by_probability = select_logits(logits, 1, "probability")
+    assert (by_probability == 0).all()  # the informed models (ties: lower index) answer
+    np.testing.assert_array_equal(fused.argmax(1).numpy(), labels)
+    # The probability rule is max softmax, sample by sample, against numpy.
+    shifted = logits.numpy() - logits.numpy().max(axis=2, keepdims=True)
+    probability = np.exp(shifted) / np.exp(shifted).sum(axis=2, keepdims=True)
+    for k in (1, 2):
+        _, chosen = select_logits(logits, k, "probability")
+        expected = np.argsort(-probability.max(axis=2), axis=0, kind="stable")[:k]
+        np.testing.assert_array_equal(chosen.numpy(), expected)
+
+
+def test_confidence_rule_is_stored_in_the_artefact_and_validated(tmp_path):
+    paths = [_write(tmp_path, f"c{i}.safetensors", mlp(1, seed=i), 10) for i in range(2)]
+    result = fusekit.fuse(paths, method="ams", confidence="probability")
+    assert json.loads(result.metadata[AMS_METADATA])["confidence"] == "probability"
+    loaded = fusekit.load_fused(result.save(tmp_path / "ams.safetensors"))
+    assert loaded.confidence == "probability"
+    assert loaded.set_mode("top1", confidence="logit").confidence == "logit"
+    with pytest.raises(ParameterError, match="confidence: expected one of 'logit', 'probability'"):
+        fusekit.fuse(paths, method="ams", confidence="loudest")

@@ -1,14 +1,23 @@
 import json
 import os
+import re
 import struct
+from pathlib import Path
 
 import numpy as np
 import pytest
+import safetensors
+import safetensors.numpy
 
 import fusekit
-from conftest import file_digest, mlp, write
+from conftest import file_digest, mlp, write, write_raw
 from fusekit.core.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
-from fusekit.core.errors import CheckpointError, CheckpointNotFoundError, OutputError
+from fusekit.core.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    NonFiniteOutputError,
+    OutputError,
+)
 
 
 def test_round_trip_keeps_tensors_and_metadata(tmp_path):
@@ -77,7 +86,7 @@ def test_header_longer_than_file(tmp_path):
 def test_non_finite_tensor_is_named(tmp_path, bad):
     sd = {k: v.numpy().copy() for k, v in mlp().state_dict().items()}
     sd["2.weight"][1, 1] = bad
-    ckpt = load_checkpoint(write(tmp_path / "nan.safetensors", sd))
+    ckpt = load_checkpoint(write_raw(tmp_path / "nan.safetensors", sd))
     with pytest.raises(CheckpointError, match=r"nan\.safetensors: tensor '2\.weight' has 1 "
                                               r"non-finite value.*expected finite"):
         ckpt.state_dict()
@@ -92,11 +101,34 @@ def test_integer_weights_are_refused(tmp_path):
         load_checkpoint(path)
 
 
+_NUM = "must be a positive integer of 1 to 15 ASCII digits"
+_COUNTS = "must be a JSON list of 1 to 1000000 non-negative integer counts"
+
+
 @pytest.mark.parametrize(("key", "value", "message"), [
-    ("num_samples", "many", "must be a positive integer, found 'many'"),
-    ("num_samples", "0", "must be a positive integer, found '0'"),
-    ("class_counts", "[1, -2]", "JSON list of non-negative counts"),
-    ("arch", "{not json", "fusekit.arch must be JSON"),
+    ("num_samples", "many", f"{_NUM}, found 'many'"),
+    ("num_samples", "0", f"{_NUM}, found '0'"),
+    ("num_samples", "1" + "0" * 400, _NUM),  # once an OverflowError
+    ("num_samples", "1_000", _NUM),
+    ("num_samples", "+5", _NUM),
+    ("num_samples", " 7 ", _NUM),
+    ("num_samples", "\u0667", _NUM),  # an Arabic-Indic seven: int() would take it
+    ("num_samples", "1e3", _NUM),
+    ("class_counts", "[1, -2]", _COUNTS),
+    ("class_counts", "[1, NaN]", _COUNTS),
+    ("class_counts", "[1, Infinity]", _COUNTS),
+    ("class_counts", "[1, 1e400]", _COUNTS),
+    ("class_counts", "[1, 2.5]", _COUNTS),
+    ("class_counts", "[true, 1]", _COUNTS),
+    ("class_counts", '["3", 1]', _COUNTS),
+    ("class_counts", "[0, 0, 0]", _COUNTS),
+    ("class_counts", "[]", _COUNTS),
+    ("class_counts", "[1" + "0" * 20 + "]", _COUNTS),
+    ("class_counts", "[" + "9" * 5000 + "]", "fusekit.class_counts: not JSON"),
+    ("class_counts", "[" * 5000, "nested at most 64 levels deep, found 5000"),
+    ("arch", "{not json", "fusekit.arch: not JSON"),
+    ("arch", '{"a": ' * 3000 + "1" + "}" * 3000, "nested at most 64 levels deep, found 3000"),
+    ("arch", "[1, 2]", "fusekit.arch must be a JSON object, found list"),
 ])
 def test_malformed_metadata(tmp_path, key, value, message):
     path = write(tmp_path / "meta.safetensors", mlp(), **{key: value})
@@ -200,3 +232,223 @@ def test_in_memory_checkpoint_leaves_the_callers_arrays_writeable():
     ckpt = Checkpoint.from_state_dict({"0.weight": weight, "1.weight": np.ones((3, 5))})
     assert not ckpt.tensor("0.weight").flags.writeable
     weight[0, 0] = 2.0  # still the caller's to change
+
+
+# ---- dtypes and shapes ----
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2", "bfloat16"])
+def test_narrow_floats_are_widened_exactly_to_float32(tmp_path, dtype):
+    import safetensors.torch
+    import torch
+
+    bits = torch.arange(256, dtype=torch.uint8) if dtype != "bfloat16" else torch.arange(
+        0, 65536, 97, dtype=torch.int32).to(torch.int16)
+    narrow = bits.view(getattr(torch, dtype))
+    path = tmp_path / "narrow.safetensors"
+    safetensors.torch.save_file({"w": narrow}, path)
+    ckpt = load_checkpoint(path)
+    ckpt._arrays["w"] = ckpt._read("w")  # every bit pattern, NaN included, unchecked
+    np.testing.assert_array_equal(ckpt._arrays["w"], narrow.float().numpy())
+    assert ckpt._arrays["w"].dtype == np.float32
+
+
+def test_float8_checkpoint_fuses(tmp_path):
+    import safetensors.torch
+    import torch
+
+    paths = []
+    for seed in range(2):
+        path = tmp_path / f"f8_{seed}.safetensors"
+        state = {k: v.to(torch.float8_e4m3fn) for k, v in mlp(seed=seed).state_dict().items()}
+        safetensors.torch.save_file(state, path)
+        paths.append(path)
+    fused = fusekit.fuse(paths, method="pfnm")
+    assert all(np.isfinite(a).all() for a in fused.state_dict.values())
+
+
+def _raw_file(path, header: dict, data: bytes = b"") -> None:
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+
+
+@pytest.mark.parametrize(("name", "dtype", "shape", "message"), [
+    ("w", "F8_E8M0", [2], r"tensor 'w' has dtype F8_E8M0; expected a floating-point weight "
+                          r"\(F16, F32, F64, BF16, F8_E4M3, F8_E5M2"),
+    ("w", "F4", [4], r"tensor 'w' has dtype F4; expected a floating-point weight"),
+    ("w", "F32", [0, 3], r"tensor 'w' has shape \(0, 3\); expected no zero-size dimension"),
+    ("w", "F32", [3, 0], r"tensor 'w' has shape \(3, 0\); expected no zero-size dimension"),
+    ("bn.num_batches_tracked", "I64", [3],
+     r"tensor 'bn\.num_batches_tracked' has shape \(3,\); expected a scalar counter"),
+])
+def test_unusable_tensors_are_refused_at_load(tmp_path, name, dtype, shape, message):
+    import math
+
+    size = {"F8_E8M0": 1, "F4": 0.5, "F32": 4, "I64": 8}[dtype] * math.prod(shape)
+    path = tmp_path / "odd.safetensors"
+    _raw_file(path, {name: {"dtype": dtype, "shape": shape, "data_offsets": [0, int(size)]}},
+              b"\0" * int(size))
+    with pytest.raises(CheckpointError, match=rf"odd\.safetensors: {message}"):
+        load_checkpoint(path)
+
+
+def test_negative_running_var_is_named(tmp_path):
+    sd = {k: v.numpy().copy() for k, v in mlp(batchnorm=True).state_dict().items()}
+    sd["1.running_var"][2] = -0.5
+    ckpt = load_checkpoint(write_raw(tmp_path / "var.safetensors", sd))
+    with pytest.raises(CheckpointError, match=r"var\.safetensors: tensor '1\.running_var' has 1 "
+                                              r"negative value\(s\) \(smallest -0\.5\); expected"):
+        ckpt.state_dict()
+
+
+def test_tensor_read_under_a_memory_limit_is_reported(tmp_path):
+    """A tensor that does not fit in memory: one line naming the file and tensor, not a
+    Rust panic; the limit is set after the imports so only the read can hit it."""
+    import subprocess
+    import sys
+    import textwrap
+
+    path = tmp_path / "big.safetensors"
+    safetensors.numpy.save_file({"w": np.zeros((64, 1024, 1024), np.uint8).view(np.float32)},
+                                path)
+    script = textwrap.dedent(f"""
+        import resource
+        from fusekit.core.checkpoint import load_checkpoint
+        from fusekit.core.errors import CheckpointError
+        ckpt = load_checkpoint({str(path)!r})
+        with open("/proc/self/status") as f:
+            vm = next(int(l.split()[1]) for l in f if l.startswith("VmSize")) * 1024
+        resource.setrlimit(resource.RLIMIT_AS, (vm + (16 << 20), resource.RLIM_INFINITY))
+        try:
+            ckpt.tensor("w")
+        except CheckpointError as exc:
+            print(exc)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().endswith(
+        "big.safetensors: not enough memory to read tensor 'w' (67108864 bytes)"), done.stdout
+
+
+def test_safetensors_panic_is_reported(tmp_path, monkeypatch):
+    class PanicException(BaseException):  # what pyo3 raises on a Rust panic
+        pass
+
+    def panics(*args, **kwargs):
+        raise PanicException("PyObject pointer is null")
+
+    path = write(tmp_path / "m.safetensors", mlp())
+    monkeypatch.setattr(safetensors, "safe_open", panics)
+    with pytest.raises(CheckpointError, match=r"m\.safetensors: safetensors failed on this file "
+                                              r"\(PyObject pointer is null\)"):
+        load_checkpoint(path)
+
+
+# ---- outputs ----
+
+def _inputs(tmp_path):
+    return [write(tmp_path / f"in{i}.safetensors", mlp(seed=i)) for i in range(2)]
+
+
+@pytest.mark.parametrize("spelling", [
+    lambda p: p,
+    lambda p: p.parent / "." / p.name,
+    lambda p: p.parent / "sub" / ".." / p.name,
+    lambda p: Path(os.path.relpath(p)),
+    lambda p: _link(p),
+])
+@pytest.mark.parametrize("force", [False, True])
+def test_an_input_is_never_the_output(tmp_path, spelling, force):
+    inputs = _inputs(tmp_path)
+    (tmp_path / "sub").mkdir()
+    before = [file_digest(p) for p in inputs]
+    target = spelling(inputs[1])
+    with pytest.raises(OutputError, match=r"the output is the input .*in1\.safetensors; "
+                                          r"expected another path"):
+        fusekit.fuse(inputs).save(target, force=force)
+    with pytest.raises(OutputError, match="the output is the input"):
+        save_checkpoint(target, {"w": np.zeros(2)}, force=force, inputs=inputs)
+    assert [file_digest(p) for p in inputs] == before
+
+
+def _link(path):
+    link = path.parent / "link.safetensors"
+    link.symlink_to(path)
+    return link
+
+
+@pytest.mark.parametrize(("make", "message"), [
+    (lambda tmp: tmp, "is a directory; expected a file name for the output"),
+    (lambda tmp: Path(""), "is a directory; expected a file name for the output"),
+    (lambda tmp: Path("/proc/self/x.safetensors"), "x.safetensors: "),
+    (lambda tmp: _fifo(tmp), "expected a regular file or a new name for the output, found a "
+                             "FIFO"),
+])
+def test_unwritable_outputs_are_named(tmp_path, make, message):
+    target = make(tmp_path)
+    with pytest.raises(OutputError, match=re.escape(message)) as caught:
+        save_checkpoint(target, {"w": np.zeros(2)}, force=True)
+    assert "output file exists" not in str(caught.value)
+    assert ".tmp" not in str(caught.value)
+
+
+def _fifo(tmp_path):
+    os.mkfifo(tmp_path / "pipe")
+    return tmp_path / "pipe"
+
+
+def test_a_failed_write_names_the_output_not_the_temporary_file(tmp_path, monkeypatch):
+    import tempfile
+
+    def refused(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(tmp_path / ".f.safetensors.x.tmp"))
+
+    monkeypatch.setattr(tempfile, "mkstemp", refused)
+    with pytest.raises(OutputError, match=r"f\.safetensors: cannot create the output in .* "
+                                          r"\(Permission denied\)$") as caught:
+        save_checkpoint(tmp_path / "f.safetensors", {"w": np.zeros(2)})
+    assert ".tmp" not in str(caught.value)
+
+
+def test_safetensors_panic_on_save_is_reported(tmp_path, monkeypatch):
+    class PanicException(BaseException):
+        pass
+
+    def panics(*args, **kwargs):
+        raise PanicException("memory allocation failed")
+
+    monkeypatch.setattr(safetensors.numpy, "save", panics)
+    with pytest.raises(OutputError, match=r"f\.safetensors: not enough memory to serialise"):
+        save_checkpoint(tmp_path / "f.safetensors", {"w": np.zeros(2)})
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_non_finite_outputs_are_never_written(tmp_path, bad):
+    with pytest.raises(NonFiniteOutputError,
+                       match=r"out\.safetensors: output tensor 'b' has 1 non-finite value"):
+        save_checkpoint(tmp_path / "out.safetensors",
+                        {"a": np.zeros(2), "b": np.array([1.0, bad], np.float32)})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_sigterm_during_a_write_removes_the_temporary_file(tmp_path):
+    """SIGTERM arrives while the temporary file exists (sent from fsync): the process ends
+    with 143 and leaves nothing in the output folder."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import os, signal
+        import numpy as np
+        from fusekit.core.checkpoint import save_checkpoint
+        os.fsync = lambda fd: os.kill(os.getpid(), signal.SIGTERM)
+        save_checkpoint({str(tmp_path / "out.safetensors")!r}, {{"w": np.zeros(1000)}})
+        print("not reached")
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert done.returncode == 143, done.stderr
+    assert "not reached" not in done.stdout
+    assert list(tmp_path.iterdir()) == []

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from conftest import file_digest, mlp, write
+from conftest import file_digest, mlp, write, write_raw
 from fusekit._cli.app import app
 from fusekit.core.checkpoint import load_checkpoint
 
@@ -66,7 +66,7 @@ def _corrupt(tmp_path):
 def _nan(tmp_path):
     sd = {k: v.numpy().copy() for k, v in mlp(batchnorm=True).state_dict().items()}
     sd["0.bias"][0] = np.nan
-    return write(tmp_path / "nan.safetensors", sd)
+    return write_raw(tmp_path / "nan.safetensors", sd)
 
 
 def _other_arch(tmp_path):

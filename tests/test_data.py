@@ -1,8 +1,10 @@
 """fusekit.toolkit.data: data sets and partitions (ALGORITHMS.md §8)."""
 
 import gzip
+import io
 import pickle
 import struct
+import zipfile
 
 import numpy as np
 import pytest
@@ -152,10 +154,92 @@ def test_missing_files_say_which_are_needed(tmp_path):
         load_dataset("mnist")
 
 
-def test_cifar10_batches(tmp_path):
+@pytest.mark.parametrize(("protocol", "numpy1"), [(2, False), (2, True),
+                                                  (pickle.DEFAULT_PROTOCOL, False)])
+def test_cifar10_batches(tmp_path, protocol, numpy1):
     rng = np.random.default_rng(0)
     for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
-        batch = {b"data": rng.integers(0, 256, (3, 3072), dtype=np.uint8), b"labels": [0, 5, 9]}
-        (tmp_path / name).write_bytes(pickle.dumps(batch))
+        batch = {b"data": rng.integers(0, 256, (3, 3072), dtype=np.uint8), b"labels": [0, 5, 9],
+                 b"batch_label": b"training batch 1 of 5", b"filenames": [b"a.png"] * 3}
+        raw = pickle.dumps(batch, protocol=protocol)
+        if numpy1:  # as the data set's own files (protocol 2) name numpy's array rebuilder
+            raw = raw.replace(b"numpy._core.multiarray", b"numpy.core.multiarray")
+        (tmp_path / name).write_bytes(raw)
     ds = load_dataset("cifar10", data_dir=tmp_path)
     assert ds.input_shape == (3, 32, 32) and len(ds.y_train) == 15 and ds.num_classes == 10
+
+
+class _Hostile:
+    """Unpickling this creates a file: what a hostile batch in a data folder would do."""
+
+    def __init__(self, target):
+        self.target = str(target)
+
+    def __reduce__(self):
+        return (open, (self.target, "w"))
+
+
+@pytest.mark.parametrize("payload", [
+    lambda marker: _Hostile(marker),
+    lambda marker: {b"data": _Hostile(marker), b"labels": [0]},
+    lambda marker: {b"data": np.array([_Hostile(marker)], dtype=object), b"labels": [0]},
+])
+def test_cifar10_hostile_pickle_executes_nothing(tmp_path, payload):
+    marker = tmp_path / "pwned"
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        (data / name).write_bytes(pickle.dumps(payload(marker)))
+    with pytest.raises(DataError, match=r"data_batch_1: not a CIFAR-10 python batch \(refused "
+                                        r"global (builtins|io)\.open"):
+        load_dataset("cifar10", data_dir=data)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize(("batch", "found"), [
+    ({b"data": np.zeros((2, 3072), np.float64), b"labels": [0, 1]}, "float64"),
+    ({b"data": np.zeros((2, 10), np.uint8), b"labels": [0, 1]}, r"\(2, 10\)"),
+    ({b"data": np.zeros((2, 3072), np.uint8), b"labels": [0]}, r"\(1,\)"),
+    ({b"data": b"raw", b"labels": [0]}, "bytes"),
+])
+def test_cifar10_malformed_batch(tmp_path, batch, found):
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        (tmp_path / name).write_bytes(pickle.dumps(batch, protocol=2))
+    with pytest.raises(DataError, match=rf"data_batch_1: not a CIFAR-10 python batch.*{found}"):
+        load_dataset("cifar10", data_dir=tmp_path)
+
+
+def _npy(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, array)
+    return buffer.getvalue()
+
+
+def _archive_claiming(rows: int):
+    """A real .npz whose array headers claim ``rows`` x 3 float32 over 64 bytes of data."""
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        header, {"descr": "<f4", "fortran_order": False, "shape": (rows, 3)})
+
+    def write(path):
+        with zipfile.ZipFile(path, "w") as archive:
+            for name in ("x_train", "y_train", "x_test", "y_test"):
+                archive.writestr(f"{name}.npy", header.getvalue() + b"\0" * 64)
+
+    return write
+
+
+@pytest.mark.parametrize(("write", "message"), [
+    (lambda p: p.write_bytes(b"PK\x03\x04" + b"\0" * 60),
+     r"not a readable \.npz file \(File is not a zip"),
+    (lambda p: p.write_bytes(b"just text"), r"not a readable \.npz file"),
+    (_archive_claiming(10**12), r"an array does not fit in memory"),
+    (_archive_claiming(1000), r"not a readable \.npz file"),
+    (lambda p: p.write_bytes(_npy(np.zeros(3))),
+     r"not a readable \.npz file \(expected a \.npz archive, found one ndarray\)"),
+])
+def test_npz_hostile_files(tmp_path, write, message):
+    path = tmp_path / "bad.npz"
+    write(path)
+    with pytest.raises(DataError, match=rf"bad\.npz: {message}"):
+        load_dataset("npz", path=path)

@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from typer.testing import CliRunner
@@ -11,7 +12,7 @@ from fusekit.core.checkpoint import save_checkpoint
 from fusekit.core.errors import CheckpointError, DataError
 from fusekit.core.metadata import ARCH, CLASS_COUNTS, METHOD, NUM_SAMPLES
 from fusekit.toolkit.data import synthetic
-from fusekit.toolkit.evaluate import Evaluator, evaluate_checkpoints
+from fusekit.toolkit.evaluate import Evaluator, evaluate_checkpoints, softmax_average
 from fusekit.toolkit.nn import build_model, convnet_arch, mlp_arch
 
 DATA = synthetic(samples=300, features=5, classes=3, seed=1)
@@ -43,7 +44,15 @@ def test_scores_match_direct_torch_computation(tmp_path):
             assert score.loss == pytest.approx(
                 torch.nn.functional.cross_entropy(logits, y).item(), rel=1e-5
             )
-    assert [s.kind for s in report.scores] == ["client", "client", "fused", "ensemble"]
+    assert [s.kind for s in report.scores] == ["client", "client", "fused", "ensemble", "ensemble"]
+    assert [s.name for s in report.scores[3:]] == ["ensemble", "ensemble-softmax"]
+    # The softmax ensemble: argmax and cross-entropy of the mean class probabilities.
+    mean_probability = (l1.softmax(1) + l2.softmax(1)) / 2
+    softmax = report.scores[4]
+    expected = (mean_probability.argmax(1) == y).double().mean().item()
+    assert softmax.accuracy == pytest.approx(expected)
+    assert softmax.loss == pytest.approx(
+        torch.nn.functional.nll_loss(mean_probability.log(), y).item(), rel=1e-5)
     assert report.scores[2].method == "avg"
     assert report.mean_client_accuracy == pytest.approx(
         (report.scores[0].accuracy + report.scores[1].accuracy) / 2
@@ -100,7 +109,7 @@ def test_cli_evaluate_json_and_table(tmp_path):
     result = CliRunner().invoke(app, [*common, "--json"])
     assert result.exit_code == 0, result.output
     payload = json.loads(result.stdout)
-    assert [s["kind"] for s in payload["scores"]] == ["client", "client", "ensemble"]
+    assert [s["kind"] for s in payload["scores"]] == ["client", "client", "ensemble", "ensemble"]
     table = CliRunner().invoke(app, common)
     assert table.exit_code == 0 and "ensemble" in table.stdout
     missing = CliRunner().invoke(app, ["evaluate", str(tmp_path / "nope.safetensors")])
@@ -118,3 +127,15 @@ def test_cuda_evaluation_matches_cpu(tmp_path):
     for a, b in zip(cpu.scores, gpu.scores, strict=True):
         assert a.accuracy == pytest.approx(b.accuracy, abs=1 / len(DATA.y_test))
         assert a.loss == pytest.approx(b.loss, rel=1e-4)
+
+
+def test_softmax_ensemble_is_not_outvoted_by_one_model_with_large_logits():
+    """Two models agree on class 0 with ordinary logits; a third, single-class-like model
+    shouts class 2 with logits ten times larger: the logit average follows the loud model,
+    the probability average the majority."""
+    quiet = torch.tensor([[2.0, 0.0, 0.0]])
+    loud = torch.tensor([[0.0, 0.0, 8.0]])
+    logits = [quiet, quiet, loud]
+    assert torch.stack(logits).mean(0).argmax(1).item() == 2
+    assert softmax_average(logits).argmax(1).item() == 0
+    np.testing.assert_allclose(softmax_average(logits).exp().sum(1).numpy(), 1.0, rtol=1e-6)

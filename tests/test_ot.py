@@ -15,7 +15,8 @@ from conftest import _with_random_stats, mlp, numpy_state
 from fusekit.core.checkpoint import Checkpoint, load_checkpoint
 from fusekit.core.errors import DataError, IncompatibleModelsError, ParameterError
 from fusekit.core.spec import infer_spec, permute
-from fusekit.methods.ot import load_activation_inputs, transport_plan
+from fusekit.methods.ot import transport_plan
+from fusekit.toolkit.activations import ActivationInputs, load_activation_inputs
 from fusekit.toolkit.nn import build_model, convnet_arch
 
 
@@ -41,7 +42,7 @@ def save(path, model_or_state, num_samples, arch=None):
 
 def folded_layers(model: nn.Sequential) -> list[tuple[np.ndarray, np.ndarray]]:
     """(W (out, in_units, positions), b) per Linear/Conv2d, BatchNorm folded in."""
-    mods = list(getattr(model, "net", model))
+    mods = list(getattr(model, "steps", None) or getattr(model, "net", model))
     layers, channels_below = [], None
     for i, m in enumerate(mods):
         if not isinstance(m, (nn.Linear, nn.Conv2d)):
@@ -139,7 +140,7 @@ def test_permuted_copies_give_back_the_original_function(tmp_path, kind, activat
     for seed in range(2):
         paths.append(save(tmp_path / f"perm{seed}.safetensors", permuted(model, seed), 5, arch))
     x = np.random.default_rng(0).normal(size=(64, *shape)).astype(np.float32)
-    params = {"activations": x} if activations else {}
+    params = {"activations": ActivationInputs(x)} if activations else {}
     result = fusekit.fuse(paths, method="ot", **params)
     fused = fusekit.load_fused(
         result.save(tmp_path / "fused.safetensors"), "cpu")
@@ -190,7 +191,8 @@ def test_activation_cost_matches_direct_pot_computation(tmp_path):
     models = [mlp(widths=(6, 7, 5, 3), batchnorm=True, seed=20),
               mlp(widths=(6, 7, 4, 3), batchnorm=True, seed=21)]
     x = np.random.default_rng(1).normal(size=(40, 6))
-    result = fusekit.fuse(_clients(tmp_path, models, [9, 4]), method="ot", activations=x)
+    result = fusekit.fuse(_clients(tmp_path, models, [9, 4]), method="ot",
+                          activations=ActivationInputs(x))
     acts = [mlp_preactivations(m, x.astype(np.float32).astype(np.float64)) for m in models]
     expected = reference_ot(models, np.array([9, 4]) / 13, anchor=0, activations=acts)
     for (w, b), (ew, eb) in zip(fused_layers(result), expected, strict=True):
@@ -273,9 +275,40 @@ def test_activation_inputs_formats(tmp_path):
 
 def test_activation_inputs_that_do_not_fit_are_refused(tmp_path):
     models = [mlp(widths=(6, 5, 3), seed=s) for s in range(2)]
+    clients = _clients(tmp_path, models, [1, 1])
     with pytest.raises(DataError, match=r"inputs of shape \(8, 4\) do not fit"):
+        fusekit.fuse(clients, method="ot", activations=ActivationInputs(np.zeros((8, 4))))
+    wanted = r"activations: expected a callable, or None, found ndarray of shape \(8, 6\)"
+    with pytest.raises(ParameterError, match=wanted):
+        fusekit.fuse(clients, method="ot", activations=np.zeros((8, 6)))
+
+
+def test_provider_output_is_checked_against_the_widths(tmp_path):
+    models = [mlp(widths=(6, 5, 3), seed=s) for s in range(2)]
+    with pytest.raises(DataError, match=r"expected one \(samples, J\) array per hidden layer"):
         fusekit.fuse(_clients(tmp_path, models, [1, 1]), method="ot",
-                     activations=np.zeros((8, 4)))
+                     activations=lambda checkpoint, spec: [np.zeros((4, 3))])
+
+
+def _npy_claiming_too_much(path):
+    np.save(path, np.zeros((4, 6), np.float32))
+    data = path.read_bytes().replace(b"(4, 6)", b"(999999999999, 6)".ljust(6))
+    path.write_bytes(data)
+
+
+@pytest.mark.parametrize(("make", "message"), [
+    (lambda p: np.savez(p, x=np.array([{"a": 1}], dtype=object)), "holds Python objects"),
+    (lambda p: p.write_bytes(b"PK\x03\x04 not a zip"), r"not a readable \.npz file"),
+    (lambda p: p.mkdir(), "is a directory"),
+    (_npy_claiming_too_much, r"header claims 23999999999976 bytes .* the file holds \d+$"),
+])
+def test_hostile_activation_files_are_refused_naming_the_file(tmp_path, make, message):
+    suffix = ".npy" if make is _npy_claiming_too_much else ".npz"
+    path = tmp_path / f"bad{suffix}"
+    make(path)
+    with pytest.raises(DataError, match=message) as info:
+        load_activation_inputs(path, samples=5)
+    assert str(path) in str(info.value) and "\n" not in str(info.value)
 
 
 def test_cli_fuse_ot(tmp_path):
@@ -294,4 +327,4 @@ def test_cli_fuse_ot(tmp_path):
     assert result.exit_code == 0, result.output
     payload = json.loads(result.stdout)
     assert payload["widths"] == [5] and payload["report"]["cost"] == "activations"
-    assert payload["params"]["activation_samples"] == 20
+    assert payload["params"]["activations"]["samples"] == 20

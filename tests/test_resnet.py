@@ -286,7 +286,7 @@ def test_ot_fuses_residual_networks_of_different_widths():
                for m, n in ((wide, "20"), (narrow, "10"))]
     result = fusekit.fuse(clients, "ot")
     assert result.widths == hidden_widths(named_arch("resnet20", 10))
-    assert "emd" in result.report["clients"][0]["transport"]
+    assert "emd" in result.report["alignment"][0]["transport"]
     fused = fusekit.load_fused(Checkpoint.from_state_dict(result.state_dict, result.metadata),
                                device="cpu")
     assert torch.isfinite(fused(_inputs())).all()

@@ -100,7 +100,7 @@ def test_simulate_fuse_evaluate_end_to_end(tmp_path):
     fused = fusekit.fuse(paths, method="avg").save(tmp_path / "avg.safetensors")
     report = evaluate_checkpoints([*paths, fused], DATA, device="cpu")
     kinds = [s.kind for s in report.scores]
-    assert kinds == ["client"] * 4 + ["fused", "ensemble"]
+    assert kinds == ["client"] * 4 + ["fused", "ensemble", "ensemble"]
     assert report.scores[4].method == "avg"
     assert all(0.0 <= s.accuracy <= 1.0 and np.isfinite(s.loss) for s in report.scores)
     assert report.scores[-1].accuracy > 1.5 / DATA.num_classes  # ensemble beats chance
@@ -168,7 +168,7 @@ def test_convnet_clients_fuse_and_evaluate(tmp_path):
     assert arch["type"] == "convnet" and arch["channels"] == [4, 6] and arch["hidden"] == [8]
     fused = fusekit.fuse([c.path for c in clients], method="avg").save(tmp_path / "f.safetensors")
     report = evaluate_checkpoints([c.path for c in clients] + [fused], images, device="cpu")
-    assert [s.kind for s in report.scores] == ["client", "client", "fused", "ensemble"]
+    assert [s.kind for s in report.scores] == ["client", "client", "fused", "ensemble", "ensemble"]
 
 
 def test_fednlr_clients_get_neuron_wise_rates():

@@ -4,9 +4,9 @@ Loading is lazy (``safe_open``): headers are validated at once, tensors are read
 Writing is atomic: a temporary file in the target directory, fsync, then a rename, so a
 failed or interrupted fusion never leaves a partial output and inputs are never touched.
 
-Metadata (string -> string):
-    fusekit.num_samples   number of training samples of the client (int)
-    fusekit.class_counts  JSON list of per-class sample counts
+Metadata (string -> string; parsers and bounds in fusekit.core.metadata):
+    fusekit.num_samples   number of training samples of the client: 1 to 15 ASCII digits
+    fusekit.class_counts  JSON list of per-class sample counts (non-negative integers)
     fusekit.arch          JSON architecture description (see fusekit.core.arch)
 Fused outputs add fusekit.method, fusekit.params (JSON), fusekit.inputs (JSON list of
 content hashes) and fusekit.version.
@@ -16,10 +16,14 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
+import math
 import os
+import signal
 import struct
 import tempfile
-from collections.abc import Iterator, Mapping
+import threading
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -30,7 +34,12 @@ import safetensors
 import safetensors.numpy
 
 from fusekit.core import metadata as meta
-from fusekit.core.errors import CheckpointError, CheckpointNotFoundError, OutputError
+from fusekit.core.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    NonFiniteOutputError,
+    OutputError,
+)
 
 # A safetensors header is a few KB per hundred tensors; anything near this is an attack or
 # a corrupt length field, and reading it would allocate that much memory.
@@ -38,6 +47,21 @@ MAX_HEADER_BYTES = 100 * 1024 * 1024
 
 # Integer tensors that are counters, not weights (BatchNorm's step counter).
 INTEGER_BUFFER_SUFFIXES = ("num_batches_tracked",)
+# Variances, which must not be negative (BatchNorm's running statistics).
+VARIANCE_SUFFIXES = ("running_var",)
+
+# How each safetensors dtype is stored on disk (little-endian). numpy has no bfloat16 or
+# float8: those are read as their raw bits and widened to float32 exactly (see widen).
+STORAGE_DTYPES = {
+    "F16": "<f2", "F32": "<f4", "F64": "<f8", "BF16": "<u2", "F8_E4M3": "u1", "F8_E5M2": "u1",
+    "I8": "i1", "I16": "<i2", "I32": "<i4", "I64": "<i8",
+    "U8": "u1", "U16": "<u2", "U32": "<u4", "U64": "<u8", "BOOL": "?",
+}
+FLOAT_DTYPES = ("F16", "F32", "F64", "BF16", "F8_E4M3", "F8_E5M2")
+# Elements checked at a time for NaN/Inf, so a check never allocates a tensor-sized mask.
+_CHUNK = 1 << 22
+# Bytes written at a time, so a signal during a large write is handled promptly.
+_WRITE_CHUNK = 64 << 20
 
 
 def is_integer_buffer(name: str) -> bool:
@@ -62,6 +86,8 @@ class Checkpoint:
     metadata: dict[str, str]
     tensors: dict[str, TensorInfo]
     _arrays: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
+    #: Absolute byte range of each tensor in the file.
+    _offsets: dict[str, tuple[int, int]] = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_state_dict(
@@ -97,11 +123,16 @@ class Checkpoint:
         if name not in self._arrays:
             self._arrays[name] = self._read(name)
         array = self._arrays[name]
-        if array.dtype.kind == "f" and not np.isfinite(array).all():
-            bad = int(np.size(array) - np.isfinite(array).sum())
+        bad = count_non_finite(array)
+        if bad:
             raise CheckpointError(
                 f"{self.label}: tensor {name!r} has {bad} non-finite value(s) (NaN or Inf); "
                 "expected finite weights"
+            )
+        if name.endswith(VARIANCE_SUFFIXES) and (array < 0).any():
+            raise CheckpointError(
+                f"{self.label}: tensor {name!r} has {int((array < 0).sum())} negative "
+                f"value(s) (smallest {float(array.min()):g}); expected variances >= 0"
             )
         view = array.view()  # read-only for the caller, without freezing an array it passed in
         view.flags.writeable = False
@@ -145,38 +176,95 @@ class Checkpoint:
             array = np.ascontiguousarray(self.tensor(name))
             digest.update(name.encode())
             digest.update(f"|{array.dtype.str}|{array.shape}|".encode())
-            digest.update(array.tobytes())
+            digest.update(array.reshape(-1).view(np.uint8))  # the bytes, without a copy
             if not held:
                 self.release(name)
         return digest.hexdigest()
 
     def _read(self, name: str) -> np.ndarray:
-        if self.path is None:
+        """Read one tensor straight from its bytes in the file: one allocation of exactly
+        the tensor's size (no intermediate copy), BF16/F8 widened to float32."""
+        if self.path is None or name not in self._offsets:
             raise CheckpointError(f"{self.label}: tensor {name!r} was never loaded")
+        info = self.tensors[name]
+        start, end = self._offsets[name]
+        storage = np.dtype(STORAGE_DTYPES[info.dtype])
+        count = math.prod(info.shape)
+        if end - start != count * storage.itemsize:
+            raise CheckpointError(
+                f"{self.label}: tensor {name!r} ({info.dtype}, shape {info.shape}) needs "
+                f"{count * storage.itemsize} bytes; found {end - start}"
+            )
         try:
-            with safetensors.safe_open(self.path, framework="numpy") as f:
-                return f.get_tensor(name)
-        except (safetensors.SafetensorError, OSError, ValueError, TypeError) as exc:
-            if self.tensors[name].dtype != "BF16":
-                raise CheckpointError(
-                    f"{self.label}: cannot read tensor {name!r}: {exc}"
-                ) from None
-        return _read_bf16(self.path, name)
+            raw = np.fromfile(self.path, dtype=storage, count=count, offset=start)
+        except MemoryError:
+            raise CheckpointError(
+                f"{self.label}: not enough memory to read tensor {name!r} "
+                f"({count * storage.itemsize} bytes)"
+            ) from None
+        except OSError as exc:
+            raise CheckpointError(
+                f"{self.label}: cannot read tensor {name!r} ({exc.strerror or exc})"
+            ) from None
+        if raw.size != count:
+            raise CheckpointError(f"{self.label}: tensor {name!r} is truncated")
+        return widen(raw, info.dtype).reshape(info.shape)
 
     def _validate_header(self) -> None:
         for name, info in self.tensors.items():
-            if not info.dtype.startswith(("F", "BF")) and not is_integer_buffer(name):
+            if not (info.dtype in FLOAT_DTYPES
+                    or (is_integer_buffer(name) and info.dtype in STORAGE_DTYPES)):
                 raise CheckpointError(
                     f"{self.label}: tensor {name!r} has dtype {info.dtype}; expected a "
-                    "floating-point weight (only counters like num_batches_tracked may be "
-                    "integers)"
+                    f"floating-point weight ({', '.join(FLOAT_DTYPES)}; only counters like "
+                    "num_batches_tracked may be integers)"
+                )
+            if 0 in info.shape:
+                raise CheckpointError(
+                    f"{self.label}: tensor {name!r} has shape {info.shape}; expected no "
+                    "zero-size dimension (a layer of width 0 or an input of dimension 0)"
+                )
+            if is_integer_buffer(name) and math.prod(info.shape) != 1:
+                raise CheckpointError(
+                    f"{self.label}: tensor {name!r} has shape {info.shape}; expected a "
+                    "scalar counter (one element)"
                 )
 
 
-def _read_bf16(path: Path, name: str) -> np.ndarray:
-    # numpy has no bfloat16: read through torch and widen to float32.
-    with safetensors.safe_open(path, framework="pt") as f:
-        return f.get_tensor(name).float().numpy()
+def widen(raw: np.ndarray, dtype: str) -> np.ndarray:
+    """Raw BF16/F8 bits as float32 (exact); any other dtype unchanged."""
+    if dtype == "BF16":  # the upper half of a float32
+        return (raw.astype(np.uint32) << 16).view(np.float32)
+    if dtype == "F8_E5M2":  # the upper half of a float16
+        return (raw.astype(np.uint16) << 8).view(np.float16).astype(np.float32)
+    if dtype == "F8_E4M3":
+        return _E4M3FN[raw]
+    return raw
+
+
+def _e4m3fn_values() -> np.ndarray:
+    """The 256 float8 E4M3FN values: 1 sign, 4 exponent (bias 7), 3 mantissa bits; no
+    infinities, S.1111.111 is NaN (the OCP FP8 format torch and safetensors use)."""
+    bits = np.arange(256)
+    exponent, mantissa = (bits >> 3) & 0xF, (bits & 7) / 8.0
+    magnitude = np.where(exponent == 0, mantissa * 2.0**-6,
+                         (1 + mantissa) * 2.0 ** (exponent - 7.0))
+    values = np.where(bits >> 7, -magnitude, magnitude)
+    values[(bits & 0x7F) == 0x7F] = np.nan
+    return values.astype(np.float32)
+
+
+_E4M3FN = _e4m3fn_values()
+
+
+def count_non_finite(array: np.ndarray) -> int:
+    """How many entries of a floating-point array are NaN or Inf (0 for other dtypes),
+    checked in chunks so no tensor-sized mask is allocated."""
+    if array.dtype.kind != "f":
+        return 0
+    flat = array.reshape(-1)
+    return sum(int(np.count_nonzero(~np.isfinite(flat[i:i + _CHUNK])))
+               for i in range(0, flat.size, _CHUNK))
 
 
 def _dtype_name(dtype: np.dtype) -> str:
@@ -197,32 +285,65 @@ def load_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     """Open and validate a safetensors checkpoint without reading its tensors.
 
     Raises:
-        CheckpointNotFoundError: the path does not exist or is not a file.
+        CheckpointNotFoundError: the path does not exist or is not a regular file (a
+            directory, FIFO, device, socket or symlink loop).
         CheckpointError: the file is truncated, corrupt, has an absurd header, holds
-            non-floating-point weights, or has malformed fusekit metadata.
+            unsupported dtypes, zero-size or malformed tensors, or malformed fusekit metadata.
     """
     path = Path(path)
-    if not path.is_file():
-        what = "is a directory" if path.is_dir() else "does not exist"
-        raise CheckpointNotFoundError(f"{path}: checkpoint file {what}")
-    _check_header_length(path)
-    try:
+    meta.check_regular_file(path, "checkpoint file", CheckpointNotFoundError)
+    header_len = _check_header_length(path)
+    with safetensors_errors(path):
         with safetensors.safe_open(path, framework="numpy") as f:
             metadata = dict(f.metadata() or {})
             tensors = {}
             for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
                 sl = f.get_slice(name)
                 tensors[name] = TensorInfo(sl.get_dtype(), tuple(sl.get_shape()))
-    except (safetensors.SafetensorError, OSError, ValueError) as exc:
-        raise CheckpointError(f"{path}: not a valid safetensors file ({exc})") from None
-    ckpt = Checkpoint(path=path, metadata=metadata, tensors=tensors)
+        offsets = _data_offsets(path, header_len)
+    ckpt = Checkpoint(path=path, metadata=metadata, tensors=tensors, _offsets=offsets)
     ckpt._validate_header()
     for prop in ("num_samples", "class_counts", "arch"):
         getattr(ckpt, prop)  # validate metadata now, not halfway through a fusion
     return ckpt
 
 
-def _check_header_length(path: Path) -> None:
+@contextlib.contextmanager
+def safetensors_errors(path: Path) -> Iterator[None]:
+    """Turn what safetensors raises into CheckpointError naming ``path``, including its
+    Rust panics (pyo3's PanicException derives from BaseException, not Exception)."""
+    try:
+        yield
+    except MemoryError:
+        raise CheckpointError(f"{path}: not enough memory to map the checkpoint") from None
+    except (safetensors.SafetensorError, OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: not a valid safetensors file ({exc})") from None
+    except BaseException as exc:
+        if not _is_panic(exc):
+            raise
+        raise CheckpointError(
+            f"{path}: safetensors failed on this file ({exc}); it may not fit in memory"
+        ) from None
+
+
+def _is_panic(exc: BaseException) -> bool:
+    """pyo3's PanicException (a Rust panic inside safetensors) derives from BaseException
+    only, and its class is not importable: recognise it by name."""
+    return type(exc).__name__ == "PanicException"
+
+
+def _data_offsets(path: Path, header_len: int) -> dict[str, tuple[int, int]]:
+    """Where each tensor's bytes are in the file (safetensors, already validated, has
+    checked the header; its Python API does not expose the offsets)."""
+    with open(path, "rb") as f:
+        f.seek(8)
+        header = json.loads(f.read(header_len))
+    base = 8 + header_len
+    return {name: (base + entry["data_offsets"][0], base + entry["data_offsets"][1])
+            for name, entry in header.items() if name != "__metadata__"}
+
+
+def _check_header_length(path: Path) -> int:
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -245,6 +366,7 @@ def _check_header_length(path: Path) -> None:
             f"{path}: truncated safetensors file (header claims {header_len} bytes, only "
             f"{size - 8} follow)"
         )
+    return header_len
 
 
 def save_checkpoint(
@@ -253,56 +375,160 @@ def save_checkpoint(
     metadata: Mapping[str, str] | None = None,
     *,
     force: bool = False,
+    inputs: Sequence[str | os.PathLike[str]] = (),
 ) -> Path:
     """Write ``tensors`` to ``path`` atomically (temporary file, fsync, rename).
 
-    Refuses to replace an existing file unless ``force``; never leaves a partial file.
+    Refuses to replace an existing file unless ``force``, to replace any of ``inputs``
+    whatever ``force`` says, and to write NaN or Inf; never leaves a partial file.
+
+    Raises:
+        OutputError: see :func:`check_output_path`; or the write failed.
+        NonFiniteOutputError: a floating-point tensor holds NaN or Inf.
     """
     path = Path(path)
-    check_output_path(path, force=force)
+    check_output_path(path, force=force, inputs=inputs)
     # np.require keeps 0-d tensors 0-d (np.ascontiguousarray would make them 1-d).
     arrays = {k: np.require(_as_numpy(v), requirements="C") for k, v in tensors.items()}
-    return write_atomic(path, safetensors.numpy.save(arrays, metadata=dict(metadata or {})),
-                        force=force)
+    for name, array in arrays.items():
+        bad = count_non_finite(array)
+        if bad:
+            raise NonFiniteOutputError(
+                f"{path}: output tensor {name!r} has {bad} non-finite value(s) (NaN or Inf); "
+                "expected finite weights, so nothing was written (check the inputs' "
+                "magnitudes and metadata)"
+            )
+    try:
+        payload = safetensors.numpy.save(arrays, metadata=dict(metadata or {}))
+    except BaseException as exc:
+        if not (isinstance(exc, MemoryError) or _is_panic(exc)):
+            raise
+        raise OutputError(f"{path}: not enough memory to serialise the output ({exc})") from None
+    return write_atomic(path, payload, force=force)
 
 
-def check_output_path(path: Path, *, force: bool) -> None:
-    """Fail before any work if ``path`` cannot be written (missing folder, existing file)."""
-    directory = path.parent if str(path.parent) else Path(".")
+def check_output_path(path: Path, *, force: bool,
+                      inputs: Sequence[str | os.PathLike[str]] = ()) -> None:
+    """Fail before any work if ``path`` cannot or must not be written.
+
+    Raises:
+        OutputError: the folder is missing or not writable; the path is a directory or
+            another non-regular file; it is (any spelling or link of) one of ``inputs``
+            (refused even with ``force``); or it exists and ``force`` is false.
+    """
+    directory = path.parent
     if not directory.is_dir():
         raise OutputError(f"{path}: output directory {directory} does not exist")
     if path.is_dir():
         raise OutputError(f"{path}: is a directory; expected a file name for the output")
+    check_not_an_input(path, inputs)
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise OutputError(f"{path}: output directory {directory} is not writable")
+    if path.exists() and not path.is_file():
+        raise OutputError(
+            f"{path}: expected a regular file or a new name for the output, found "
+            f"{meta.describe_file_type(path.stat().st_mode)}"
+        )
     if path.exists() and not force:
         raise OutputError(f"{path}: output file exists; pass --force (force=True) to replace it")
 
 
+def check_not_an_input(path: Path, inputs: Sequence[str | os.PathLike[str]]) -> None:
+    """Refuse an output that is one of the inputs, by any spelling, symlink or hard link.
+
+    Raises:
+        OutputError: naming the output and the input it would replace.
+    """
+    if not path.exists():  # every input exists, so a new name is none of them
+        return
+    for source in inputs:
+        if _same_file(path, source):
+            raise OutputError(
+                f"{path}: the output is the input {source}; expected another path "
+                "(inputs are never replaced, even with --force)"
+            )
+
+
+def _same_file(a: Path, b: str | os.PathLike[str]) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # b is missing or unreadable: not the file at a
+        return False
+
+
 def write_atomic(path: str | os.PathLike[str], payload: bytes, *, force: bool = True) -> Path:
     """Write ``payload`` to ``path`` through a temporary file in the same folder, fsync and
-    rename: readers see the old file or the new one, never a partial one."""
+    rename: readers see the old file or the new one, never a partial one. The temporary
+    file is removed on any failure, Ctrl-C or SIGTERM.
+
+    Raises:
+        OutputError: ``path`` exists and not ``force``, or the write failed (named by
+            ``path``, never by the temporary file).
+    """
     path = Path(path)
-    directory = path.parent if str(path.parent) else Path(".")
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(payload)
-            f.flush()
-            os.fchmod(f.fileno(), 0o666 & ~_umask())  # mkstemp's 0600 is not what users expect
-            os.fsync(f.fileno())
-        if force:
-            os.replace(tmp, path)
-        else:
-            os.link(tmp, path)  # atomic, and fails instead of clobbering a file made meanwhile
+    directory = path.parent
+    with _sigterm_unwinds():
+        try:
+            fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{path.name}.", suffix=".tmp")
+        except OSError as exc:
+            raise OutputError(
+                f"{path}: cannot create the output in {directory} ({exc.strerror})"
+            ) from None
+        try:
+            _write_file(fd, payload)
+            if force:
+                os.replace(tmp, path)
+            else:
+                os.link(tmp, path)  # atomic, and fails instead of clobbering a file made meanwhile
+                os.unlink(tmp)
+        except FileExistsError:
             os.unlink(tmp)
-    except FileExistsError:
-        os.unlink(tmp)
-        raise OutputError(f"{path}: output file exists; pass --force to replace it") from None
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+            raise OutputError(f"{path}: output file exists; pass --force to replace it") from None
+        except OSError as exc:
+            _remove(tmp)
+            raise OutputError(
+                f"{path}: cannot write the output ({exc.strerror or exc})"
+            ) from None
+        except BaseException:
+            _remove(tmp)
+            raise
     _fsync_directory(directory)
     return path
+
+
+def _write_file(fd: int, payload: bytes) -> None:
+    with os.fdopen(fd, "wb") as f:
+        view = memoryview(payload)
+        for start in range(0, len(view), _WRITE_CHUNK):
+            f.write(view[start:start + _WRITE_CHUNK])
+        f.flush()
+        os.fchmod(f.fileno(), 0o666 & ~_umask())  # mkstemp's 0600 is not what users expect
+        os.fsync(f.fileno())
+
+
+def _remove(tmp: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
+
+
+@contextlib.contextmanager
+def _sigterm_unwinds() -> Iterator[None]:
+    """While a temporary file exists, let SIGTERM unwind as SystemExit(143) so it is removed
+    (by default SIGTERM ends the process at once; Ctrl-C already unwinds). Only where
+    SIGTERM has its default action and in the main thread: a program's own handler wins."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL):
+        yield
+        return
+
+    def unwind(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, unwind)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _umask() -> int:

@@ -44,3 +44,7 @@ class InfeasibleAssignmentError(FusekitError, ValueError):
 
 class DataError(FusekitError, ValueError):
     """A data set is missing, malformed, or does not fit the model."""
+
+
+class NonFiniteOutputError(FusekitError, ValueError):
+    """A computed tensor holds NaN or Inf; nothing is written."""

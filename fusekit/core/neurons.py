@@ -268,7 +268,8 @@ def to_state_dict(checkpoints: Sequence[Checkpoint], spec: PermutationSpec,
             weight = weight.reshape(weight.shape[0], weight.shape[1], *layer.kernel_size)
         else:
             weight = weight.reshape(weight.shape[0], -1)
-        out[layer.weight] = weight.astype(dtype)
+        with np.errstate(over="ignore"):  # beyond the dtype's range: Inf, refused on save
+            out[layer.weight] = weight.astype(dtype)
         bias_home = layer.bias
         norm = layer.norm
         if norm is not None:
@@ -291,7 +292,8 @@ def to_state_dict(checkpoints: Sequence[Checkpoint], spec: PermutationSpec,
                     "no affine BatchNorm)"
                 )
             continue
-        out[bias_home] = fused.bias.astype(dtype)
+        with np.errstate(over="ignore"):
+            out[bias_home] = fused.bias.astype(dtype)
     return out
 
 

@@ -48,7 +48,6 @@ Layers are listed in the order data flows; every group must be written before it
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -60,6 +59,7 @@ from typing import Any
 import numpy as np
 
 from fusekit.core.errors import SpecError
+from fusekit.core.metadata import read_json_file
 
 SPEC_FORMAT = "fusekit.spec/1"
 GRAPH_FORMAT = "fusekit.spec/2"
@@ -652,14 +652,7 @@ def _check_entry(entry: Any, where: str) -> None:
 def load_spec_file(path: str | os.PathLike[str], state_dict: Mapping[str, Any]) -> Spec:
     """Read a JSON spec file and check it against a state_dict's shapes."""
     path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise SpecError(f"{path}: spec file does not exist") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise SpecError(f"{path}: spec file is not valid JSON ({exc})") from None
-    except OSError as exc:
-        raise SpecError(f"{path}: cannot read the spec file ({exc.strerror})") from None
+    data = read_json_file(path, "spec file", SpecError)
     if not isinstance(data, dict):
         raise SpecError(f"{path}: expected a JSON object, found {type(data).__name__}")
     return spec_from_json(data, state_dict, label=str(path))

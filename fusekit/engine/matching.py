@@ -23,6 +23,8 @@ from fusekit.core.errors import ParameterError
 from fusekit.engine.native import core
 
 __all__ = [
+    "add_rows",
+    "all_finite",
     "nafi_cost",
     "pfnm_cost",
     "solve_assignment",
@@ -150,6 +152,42 @@ def solve_assignments(
         matrices = [m.astype(np.float64, copy=False) for m in matrices]
     results = core().solve_assignments(matrices, float32, n_threads or 0)
     return [_row_col(col_of_row) for col_of_row in results]
+
+
+def add_rows(
+    target: np.ndarray,
+    rows: np.ndarray,
+    values: np.ndarray,
+    sign: float = 1.0,
+    scale: np.ndarray | None = None,
+) -> None:
+    """In place: ``target[rows] += sign * values`` (``values * scale`` when scale is given).
+
+    One pass over the rows in the C++ core, where numpy's fancy-index ``+=`` gathers, adds
+    and scatters, and ``values * scale`` is never stored (bit-identical to numpy's result).
+
+    Parameters
+    ----------
+    target : ndarray, float64, C-contiguous, (n_rows, p); written in place.
+    rows : ndarray of int64, (n,); unique indices into ``target``.
+    values : ndarray of float64, (n, p), or (p,) added to every row.
+    sign : 1.0 or -1.0.
+    scale : ndarray of float64, (p,), optional.
+
+    Raises
+    ------
+    ParameterError (a ValueError)
+        ``target`` not writeable float64 C-contiguous 2-D, or shapes that disagree.
+    IndexError
+        A row outside ``target``.
+    """
+    core().add_rows(target, rows, values, sign, scale)
+
+
+def all_finite(x) -> bool:
+    """Whether every value of a float64 array is finite (one pass in the C++ core)."""
+    array = np.ascontiguousarray(np.asarray(x, dtype=np.float64))
+    return array.size == 0 or not np.isnan(core().finite_min(array))
 
 
 def sqeuclidean_cost(a, b) -> np.ndarray:

@@ -5,12 +5,13 @@ input is answered by the model(s) with the largest "absolute confidence" max_c f
 The artefact is one safetensors file: client i's tensors under ``models.<i>.`` (clients in
 fusekit's canonical order) and the metadata key ``fusekit.ams``::
 
-    {"format": "fusekit.ams/1", "mode": "top1", "k": 1,
+    {"format": "fusekit.ams/1", "mode": "top1", "k": 1, "confidence": "logit",
      "models": [{"prefix": "models.0.", "arch": {...} | null, "spec": {...},
                  "num_samples": 600 | null}, ...]}
 
 ``arch`` is the client's ``fusekit.arch`` (how :func:`fusekit.load_fused` rebuilds it) and
-``spec`` its permutation spec JSON (the fallback for clients without ``arch``). The
+``spec`` its permutation spec JSON (the fallback for clients without ``arch``);
+``confidence`` is absent from artefacts written before it existed (read as ``logit``). The
 selection itself runs in torch (:mod:`fusekit.toolkit.nn.ams`).
 """
 
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
 
@@ -27,8 +28,26 @@ from fusekit.core.checkpoint import Checkpoint
 from fusekit.core.errors import CheckpointError, IncompatibleModelsError, ParameterError
 from fusekit.core.spec import PermutationSpec
 from fusekit.methods.base import FusionMethod, FusionResult, register
+from fusekit.methods.params import Param
 
 MODES = ("top1", "topk", "full")
+#: How a model's confidence on an input is measured (ALGORITHMS.md §6): ``logit`` is the AMS
+#: paper's max logit; ``probability`` the max softmax probability, which does not depend on
+#: the scale of a model's logits.
+CONFIDENCES = ("logit", "probability")
+
+
+def check_confidence(confidence: str) -> str:
+    """``confidence`` if it is one of :data:`CONFIDENCES`.
+
+    Raises:
+        ParameterError: any other value.
+    """
+    if confidence not in CONFIDENCES:
+        raise ParameterError(
+            f"confidence: expected one of {', '.join(CONFIDENCES)}, got {confidence!r}"
+        )
+    return confidence
 
 
 def model_prefix(index: int) -> str:
@@ -49,8 +68,20 @@ class AdaptiveModelSelection(FusionMethod):
         checkpoints: Sequence[Checkpoint],
         specs: Sequence[PermutationSpec],
         *,
-        mode: str = "top1",
-        k: int | None = None,
+        mode: Annotated[str, Param(
+            help="top1 (the most confident model answers), topk (sum of the k most "
+            "confident models' logits) or full (sum of all)",
+            paper="AMS paper §5, Eq. 7-9", choices=MODES,
+        )] = "top1",
+        k: Annotated[int | None, Param(
+            help="models summed by mode topk, at most the number of clients", minimum=1,
+            default_text="1 for top1, all for full",
+        )] = None,
+        confidence: Annotated[str, Param(
+            help="how the most confident models are chosen: logit (largest max logit, the "
+            "paper's rule) or probability (largest max softmax probability, one scale for "
+            "every model)", paper="AMS paper Eq. 8", choices=CONFIDENCES,
+        )] = "logit",
     ) -> FusionResult:
         """Pack every client into one AMS artefact (AMS paper Algorithm 2).
 
@@ -64,6 +95,11 @@ class AdaptiveModelSelection(FusionMethod):
                 AMS-full).
             k: number of models summed by ``topk``, 1 <= k <= S; implied by the other modes
                 (1 for top1, S for full) and may only be given with them if it agrees.
+            confidence: how the most confident models are chosen: ``logit`` (the largest
+                max logit, AMS paper Eq. 8) or ``probability`` (the largest max softmax
+                probability). ``logit`` lets a model with much larger logits than the others
+                (a client trained on one class) win every input; ``probability`` compares
+                models on one scale.
 
         Returns:
             FusionResult whose state_dict holds ``models.<i>.<name>`` for every client
@@ -71,11 +107,15 @@ class AdaptiveModelSelection(FusionMethod):
             ``widths`` is empty (there is no single fused layer structure).
 
         Raises:
-            ParameterError: unknown mode, or k missing/out of range/contradicting the mode.
-            IncompatibleModelsError: the models do not all have the same number of outputs.
+            ParameterError: unknown mode or confidence, or k missing/out of range/contradicting
+                the mode.
+            IncompatibleModelsError: the models do not all have the same number of outputs,
+                or do not all take the same inputs.
         """
         k = resolve_k(mode, k, len(checkpoints))
+        check_confidence(confidence)
         check_same_outputs(checkpoints, specs)
+        check_same_inputs(checkpoints, specs)
         state_dict: dict[str, np.ndarray] = {}
         models = []
         for index, (checkpoint, spec) in enumerate(zip(checkpoints, specs, strict=True)):
@@ -84,7 +124,8 @@ class AdaptiveModelSelection(FusionMethod):
                 state_dict[prefix + name] = checkpoint.tensor(name)
             models.append({"prefix": prefix, "arch": checkpoint.arch, "spec": spec.to_json(),
                            "num_samples": checkpoint.num_samples})
-        description = {"format": meta.AMS_FORMAT, "mode": mode, "k": k, "models": models}
+        description = {"format": meta.AMS_FORMAT, "mode": mode, "k": k,
+                       "confidence": confidence, "models": models}
         report = {
             "models": len(models),
             "hidden_widths": [spec.hidden_widths for spec in specs],
@@ -93,7 +134,7 @@ class AdaptiveModelSelection(FusionMethod):
         return FusionResult(
             state_dict=state_dict,
             method=self.name,
-            params={"mode": mode, "k": k},
+            params={"mode": mode, "k": k, "confidence": confidence},
             widths=[],
             report=report,
             metadata={meta.AMS: json.dumps(description)},
@@ -139,11 +180,42 @@ def check_same_outputs(checkpoints: Sequence[Checkpoint],
             )
 
 
+def check_same_inputs(checkpoints: Sequence[Checkpoint],
+                      specs: Sequence[PermutationSpec]) -> None:
+    """Every model must answer the same inputs: the same number of input values per sample
+    where it is known (an MLP's features; a convnet's C*H*W when its ``fusekit.arch`` gives
+    the image size), and the same input channels between convnets."""
+    sizes = [(c, _input_values(c, s)) for c, s in zip(checkpoints, specs, strict=True)]
+    channels = [(c, s.in_features) for c, s in zip(checkpoints, specs, strict=True)
+                if s.layers[0].kind == "conv2d"]
+    for unit, known in (("input values per sample", [p for p in sizes if p[1] is not None]),
+                        ("input channels", channels)):
+        for checkpoint, value in known[1:]:
+            if value != known[0][1]:
+                raise IncompatibleModelsError(
+                    f"{checkpoint.label} takes {value} {unit} but {known[0][0].label} takes "
+                    f"{known[0][1]}; AMS needs every model to answer the same inputs"
+                )
+
+
+def _input_values(checkpoint: Checkpoint, spec: PermutationSpec) -> int | None:
+    first = spec.layers[0]
+    if first.kind == "linear":
+        return first.in_features
+    size = (checkpoint.arch or {}).get("image_size")
+    if isinstance(size, list) and len(size) == 2 and all(type(v) is int for v in size):
+        return first.in_features * size[0] * size[1]
+    return None
+
+
 def read_ams_metadata(metadata: Mapping[str, str], label: str) -> dict[str, Any]:
-    """The ``fusekit.ams`` description of an AMS artefact, with its mode and k checked."""
+    """The ``fusekit.ams`` description of an AMS artefact, with its mode, k and confidence
+    checked (``confidence`` filled in as ``logit`` when absent)."""
     description = meta.read_ams(metadata, label)
+    description.setdefault("confidence", "logit")
     try:
         resolve_k(description.get("mode"), description.get("k"), len(description["models"]))
+        check_confidence(description["confidence"])
     except ParameterError as exc:
         raise CheckpointError(f"{label}: metadata {meta.AMS}: {exc}") from None
     return description

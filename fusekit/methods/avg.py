@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Annotated
 
 import numpy as np
 
@@ -11,6 +12,7 @@ from fusekit.core.errors import IncompatibleModelsError, ParameterError
 from fusekit.core.metadata import CLASS_COUNTS
 from fusekit.core.spec import PermutationSpec
 from fusekit.methods.base import FusionMethod, FusionResult, register, sample_weights
+from fusekit.methods.params import Param
 
 
 @register
@@ -24,7 +26,10 @@ class Average(FusionMethod):
         checkpoints: Sequence[Checkpoint],
         specs: Sequence[PermutationSpec],
         *,
-        class_weighted: bool = False,
+        class_weighted: Annotated[bool, Param(
+            help="average output rows with per-class sample shares (needs fusekit.class_counts)",
+            paper="NAFI Algorithm 2, line 7",
+        )] = False,
     ) -> FusionResult:
         """θ = Σ_s α_s θ_s with α_s = N_s / Σ N.
 

@@ -32,6 +32,7 @@ class FusionResult:
         widths: hidden widths of the fused model, input to output.
         report: per-method details (timings, per-layer matching statistics), JSON-able.
         metadata: safetensors metadata written by :meth:`save` (arch, provenance).
+        inputs: the input files, which :meth:`save` refuses to replace.
     """
 
     state_dict: dict[str, np.ndarray]
@@ -40,25 +41,26 @@ class FusionResult:
     widths: list[int]
     report: dict[str, Any] = field(default_factory=dict)
     metadata: dict[str, str] = field(default_factory=dict)
+    inputs: list[Path] = field(default_factory=list)
 
     def save(self, path: str | Path, *, force: bool = False) -> Path:
         """Write the fused model as safetensors, atomically; see :func:`save_checkpoint`."""
-        return save_checkpoint(path, self.state_dict, self.metadata, force=force)
+        return save_checkpoint(path, self.state_dict, self.metadata, force=force,
+                               inputs=self.inputs)
 
 class FusionMethod(ABC):
     """One fusion method. Subclasses set ``name``/``summary`` and implement :meth:`fuse`.
 
-    Keyword-only parameters of ``fuse`` (with defaults) are the method's parameters: the
-    Python API passes them through and reports any it does not know; the CLI exposes them
-    as flags of the same names.
+    The keyword-only parameters of ``fuse`` (with defaults, described with
+    ``Annotated[T, Param(...)]``, see :mod:`fusekit.methods.params`) are the method's
+    parameters, declared once: ``fusekit.fuse`` validates values against them, the CLI
+    builds its options from them and docs/PARAMETERS.md is generated from them.
     """
 
     name: ClassVar[str]
     summary: ClassVar[str]
     #: True when the method permutes neurons (it must refuse position-aware neurons).
     permutes_neurons: ClassVar[bool] = False
-    #: Parameters that may hold one value per client, given in the order of the inputs.
-    per_client_params: ClassVar[tuple[str, ...]] = ()
     #: False for methods that keep every client's model as it is (AMS): fusekit.fuse then
     #: skips the same-layers check and the method checks what it needs itself.
     requires_same_architecture: ClassVar[bool] = True
@@ -104,7 +106,9 @@ def _arch_with_widths(arch: dict[str, Any], widths: list[int]) -> dict[str, Any]
     return arch if hidden_widths(arch) == widths else with_hidden_widths(arch, widths)
 
 def provenance(result: FusionResult, checkpoints: Sequence[Checkpoint]) -> None:
-    """Add method, parameters, input hashes and version to the result's metadata."""
+    """Add method, parameters, input hashes and version to the result's metadata, and the
+    input files to ``result.inputs``."""
+    result.inputs = [c.path.absolute() for c in checkpoints if c.path is not None]
     result.metadata.update({
         meta.METHOD: result.method,
         meta.PARAMS: json.dumps(result.params, sort_keys=True),

@@ -31,9 +31,9 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
 
@@ -44,10 +44,13 @@ from fusekit.core.spec import GraphSpec, PermutationSpec
 from fusekit.engine.matching import solve_assignment, sqeuclidean_cost
 from fusekit.methods.avg import average_tensor, check_same_shapes
 from fusekit.methods.base import FusionMethod, FusionResult, register, sample_weights
+from fusekit.methods.params import Param
 
 log = logging.getLogger(__name__)
 
-ActivationSource = str | os.PathLike[str] | np.ndarray
+#: (checkpoint, spec) -> per hidden layer, (samples, J) pre-activations of that client on
+#: one shared batch of inputs (``fusekit.toolkit.activations.ActivationInputs`` is one).
+ActivationProvider = Callable[[Checkpoint, PermutationSpec], Sequence[np.ndarray]]
 
 
 @register
@@ -63,11 +66,17 @@ class OptimalTransport(FusionMethod):
         checkpoints: Sequence[Checkpoint],
         specs: Sequence[PermutationSpec],
         *,
-        anchor: str | None = None,
-        activations: ActivationSource | None = None,
-        activation_samples: int = 256,
-        data_dir: str | os.PathLike[str] | None = None,
-        seed: int = 0,
+        anchor: Annotated[str | None, Param(
+            help="the client to align to: its path, file name or content-hash prefix "
+            "(>= 8 hex digits)", paper="Singh & Jaggi 2020, §4", default_text="most samples",
+        )] = None,
+        activations: Annotated[ActivationProvider | None, Param(
+            help="compare neurons by their pre-activations on shared inputs instead of by "
+            "weights: a callable (checkpoint, spec) -> per-hidden-layer pre-activations, "
+            "such as fusekit.toolkit.activations.ActivationInputs",
+            paper="Singh & Jaggi 2020, §4 (activation-based alignment)",
+            default_text="weights",
+        )] = None,
     ) -> FusionResult:
         """Align every client to the anchor with optimal transport and average them.
 
@@ -79,15 +88,10 @@ class OptimalTransport(FusionMethod):
                 path (as given, or its file name) or a prefix (>= 8 hex digits) of its
                 content hash. Default: the client with the most samples (first in
                 canonical order on ties).
-            activations: None for the data-free weight cost (default); otherwise inputs
-                for the activation cost — an (N, ...) array, a ``.npy`` file of inputs
-                (N, ...), a ``.npz`` file holding ``x`` or ``x_train``, or a data set name
-                of :mod:`fusekit.toolkit.data` (its training inputs). See
-                :func:`load_activation_inputs`.
-            activation_samples: at most this many inputs (a seeded random subset) are run.
-            data_dir: folder holding the files of a local data set named by ``activations``
-                (mnist, fashion-mnist, cifar10).
-            seed: seeds that subset.
+            activations: None for the data-free weight cost (default); otherwise a callable
+                returning, for one client, its pre-activations on a batch of inputs shared
+                by all clients: per hidden layer an array (samples, J) (conv layers: every
+                spatial position is a sample).
 
         Returns:
             FusionResult at the anchor's widths; report per layer: transport kind
@@ -95,22 +99,15 @@ class OptimalTransport(FusionMethod):
 
         Raises:
             IncompatibleModelsError: PAN checkpoints (positions matter; use avg).
-            ParameterError: unknown anchor, bad activation_samples.
-            DataError: unreadable activation inputs or inputs that do not fit the models.
+            ParameterError: unknown anchor.
+            DataError: pre-activations that do not fit the models.
         """
         neurons.refuse_position_aware(checkpoints, specs, self.name)
         anchor_index = resolve_anchor(checkpoints, anchor)
-        if isinstance(activation_samples, bool) or not isinstance(activation_samples, int) \
-                or activation_samples < 1:
-            raise ParameterError(
-                f"activation_samples: expected a positive integer, got {activation_samples!r}"
-            )
         params = {
             "anchor": checkpoints[anchor_index].label if anchor is not None else None,
-            "activations": _describe_source(activations),
-            "activation_samples": activation_samples,
-            "data_dir": os.fspath(data_dir) if data_dir is not None else None,
-            "seed": seed,
+            "activations": (getattr(activations, "description", type(activations).__name__)
+                            if activations is not None else None),
         }
         start = time.perf_counter()
         if isinstance(specs[0], GraphSpec):
@@ -120,15 +117,18 @@ class OptimalTransport(FusionMethod):
             state_dict, client_reports = fuse_aligned(checkpoints, specs, anchor_index,
                                                       align_groups)
             report = {"anchor": checkpoints[anchor_index].label, "cost": "weights",
-                      "clients": client_reports, "align_time_s": time.perf_counter() - start}
+                      "alignment": client_reports, "align_time_s": time.perf_counter() - start}
             return self.result(state_dict, checkpoints, specs[anchor_index], params, report)
         preactivations = None
         if activations is not None:
-            inputs = load_activation_inputs(activations, activation_samples, seed, data_dir)
-            from fusekit.toolkit.nn.fused import hidden_preactivations  # torch: only in this mode
-
-            preactivations = [hidden_preactivations(c, s, inputs)
+            preactivations = [_checked_preactivations(activations(c, s), c, s)
                               for c, s in zip(checkpoints, specs, strict=True)]
+            samples = {tuple(len(a) for a in client) for client in preactivations}
+            if len(samples) > 1:
+                raise DataError(
+                    "activations: expected every client to be run on the same inputs, found "
+                    f"samples per layer {sorted(samples)}"
+                )
         clients = [neurons.client_layers(c, s) for c, s in zip(checkpoints, specs, strict=True)]
         aligned, layer_reports = align_to_anchor(clients, anchor_index, preactivations)
         weights = sample_weights(checkpoints)
@@ -143,6 +143,24 @@ class OptimalTransport(FusionMethod):
             "align_time_s": time.perf_counter() - start,
         }
         return self.result(state_dict, checkpoints, spec, params, report)
+
+
+def _checked_preactivations(arrays: Sequence[np.ndarray], checkpoint: Checkpoint,
+                            spec: PermutationSpec) -> list[np.ndarray]:
+    """One client's pre-activations, checked against its hidden widths."""
+    widths = spec.hidden_widths
+    arrays = [np.asarray(a, dtype=np.float64) for a in arrays]
+    shapes = [a.shape for a in arrays]
+    if len(arrays) != len(widths) or any(
+            a.ndim != 2 or a.shape[1] != w or len(a) == 0
+            for a, w in zip(arrays, widths, strict=True)):
+        raise DataError(
+            f"activations of {checkpoint.label}: expected one (samples, J) array per hidden "
+            f"layer with J = {widths}, found shapes {shapes}"
+        )
+    if not all(np.isfinite(a).all() for a in arrays):
+        raise DataError(f"activations of {checkpoint.label}: found NaN or infinite values")
+    return arrays
 
 
 def resolve_anchor(checkpoints: Sequence[Checkpoint], anchor: str | None) -> int:
@@ -354,75 +372,3 @@ def transport_plan(cost: np.ndarray, solver: str = "auto") -> tuple[np.ndarray, 
 
     plan = ot.emd(np.full(n, 1.0 / n), np.full(m, 1.0 / m), np.ascontiguousarray(cost))
     return np.asarray(plan, dtype=np.float64), "emd"
-
-
-def load_activation_inputs(source: ActivationSource, samples: int, seed: int = 0,
-                           data_dir: str | os.PathLike[str] | None = None) -> np.ndarray:
-    """The inputs on which activation-mode OT compares neurons, float32 (N, ...).
-
-    Args:
-        source: an array (N, ...); a ``.npy`` file holding such an array; a ``.npz`` file
-            holding ``x`` (or ``x_train``, fusekit's data-set format) of shape (N, ...); or
-            the name of a :mod:`fusekit.toolkit.data` data set (its training inputs; mnist,
-            fashion-mnist and cifar10 read their files from ``data_dir``).
-        samples: at most this many rows are kept (a seeded random subset, in index order).
-        seed: seeds the subset.
-        data_dir: folder of a local data set's files.
-
-    Raises:
-        DataError: a missing or unreadable file, no ``x``/``x_train`` array, a non-numeric
-            or empty array, or an unknown data-set name.
-    """
-    if isinstance(source, np.ndarray):
-        inputs = source
-    else:
-        text = os.fspath(source)
-        path = Path(text)
-        if path.suffix in (".npy", ".npz"):
-            inputs = _read_array_file(path)
-        else:
-            from fusekit.toolkit.data import load_dataset
-
-            try:
-                inputs = load_dataset(text, data_dir=data_dir).x_train
-            except ParameterError:
-                raise DataError(
-                    f"activations: {text!r} is neither a .npy/.npz file nor a data set name "
-                    "of fusekit.toolkit.data"
-                ) from None
-    inputs = np.asarray(inputs)
-    if inputs.ndim < 2 or len(inputs) == 0 or inputs.dtype.kind not in "fiu":
-        raise DataError(
-            f"activations: expected numeric inputs of shape (N, ...) with N >= 1, got "
-            f"{inputs.dtype} array of shape {inputs.shape}"
-        )
-    if len(inputs) > samples:
-        keep = np.sort(np.random.default_rng(seed).choice(len(inputs), samples, replace=False))
-        inputs = inputs[keep]
-    return np.ascontiguousarray(inputs, dtype=np.float32)
-
-
-def _read_array_file(path: Path) -> np.ndarray:
-    if not path.is_file():
-        raise DataError(f"{path}: activation input file does not exist")
-    try:
-        loaded = np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as exc:
-        raise DataError(f"{path}: not a readable {path.suffix} file ({exc})") from None
-    if isinstance(loaded, np.ndarray):
-        return loaded
-    with loaded:
-        for key in ("x", "x_train"):
-            if key in loaded:
-                return loaded[key]
-        raise DataError(
-            f"{path}: expected an array named 'x' or 'x_train', found {sorted(loaded.files)}"
-        )
-
-
-def _describe_source(source: ActivationSource | None) -> str | None:
-    if source is None:
-        return None
-    if isinstance(source, np.ndarray):
-        return f"<array {tuple(source.shape)}>"
-    return os.fspath(source)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
 
@@ -25,7 +25,9 @@ from fusekit.core.errors import IncompatibleModelsError, ParameterError
 from fusekit.core.spec import GraphSpec, PermutationSpec
 from fusekit.engine.matching import solve_assignment
 from fusekit.methods.base import FusionMethod, FusionResult, register
+from fusekit.methods.bayesian import BACKENDS
 from fusekit.methods.ot import fuse_aligned, resolve_anchor
+from fusekit.methods.params import Param
 
 
 @register
@@ -41,10 +43,19 @@ class ReBasin(FusionMethod):
         checkpoints: Sequence[Checkpoint],
         specs: Sequence[PermutationSpec | GraphSpec],
         *,
-        anchor: str | None = None,
-        max_sweeps: int = 100,
-        seed: int = 0,
-        backend: str = "core",
+        anchor: Annotated[str | None, Param(
+            help="the client to align to: its path, file name or content-hash prefix "
+            "(>= 8 hex digits)", paper="Ainsworth et al. 2023, §3.2",
+            default_text="most samples")] = None,
+        max_sweeps: Annotated[int, Param(
+            help="sweeps of coordinate descent over the groups at most; stops earlier at a "
+            "sweep that changes no permutation", paper="Git Re-Basin Algorithm 1",
+            minimum=1, maximum=10_000)] = 100,
+        seed: Annotated[int, Param(help="seed of the order in which groups are visited",
+                                   minimum=0)] = 0,
+        backend: Annotated[str, Param(
+            help="core: fusekit's C++ assignment solver; numpy: SciPy's linear_sum_assignment",
+            choices=BACKENDS)] = "core",
     ) -> FusionResult:
         """Permute every client onto the anchor by weight matching and average them.
 
@@ -60,17 +71,15 @@ class ReBasin(FusionMethod):
                 ``linear_sum_assignment``; for benchmarks and cross-checks).
 
         Returns:
-            FusionResult at the anchor's widths; report per client: sweeps run and the
-            matched similarity Σ⟨W_A, P W_s⟩ before and after.
+            FusionResult at the anchor's widths; ``report["alignment"]`` per non-anchor
+            client: sweeps run and the matched similarity Σ⟨W_A, P W_s⟩ before and after.
 
         Raises:
             IncompatibleModelsError: PAN checkpoints, or clients of different widths.
-            ParameterError: unknown anchor, bad max_sweeps.
+            ParameterError: unknown anchor.
         """
         neurons.refuse_position_aware(checkpoints, specs, self.name)
         anchor_index = resolve_anchor(checkpoints, anchor)
-        if isinstance(max_sweeps, bool) or not isinstance(max_sweeps, int) or max_sweeps < 1:
-            raise ParameterError(f"max_sweeps: expected an integer >= 1, got {max_sweeps!r}")
         widths = specs[anchor_index].hidden_widths
         for checkpoint, spec in zip(checkpoints, specs, strict=True):
             if spec.hidden_widths != widths:
@@ -90,7 +99,7 @@ class ReBasin(FusionMethod):
         state_dict, reports = fuse_aligned(checkpoints, specs, anchor_index, align)
         params = {"anchor": checkpoints[anchor_index].label if anchor is not None else None,
                   "max_sweeps": max_sweeps, "seed": seed, "backend": backend}
-        report = {"anchor": checkpoints[anchor_index].label, "clients": reports,
+        report = {"anchor": checkpoints[anchor_index].label, "alignment": reports,
                   "align_time_s": time.perf_counter() - start}
         return self.result(state_dict, checkpoints, specs[anchor_index], params, report)
 

@@ -1,8 +1,10 @@
 """Accuracy and loss of client and fused models, and the ensemble baseline.
 
 Inference only (``torch.inference_mode``); the test set is moved to the device once and
-sliced there. The ensemble baseline averages the logits of the client models (any mix of
-architectures with the same number of classes).
+sliced there. Two ensemble baselines combine the client models (any mix of architectures
+with the same number of classes): ``ensemble`` averages their logits, ``ensemble-softmax``
+their softmax probabilities (the stronger data-free combiner under non-iid clients: a
+client with large logits cannot outvote the others).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_BATCH_SIZE = 4096
 ENSEMBLE = "ensemble"
+SOFTMAX_ENSEMBLE = "ensemble-softmax"
 
 
 @dataclass
@@ -47,8 +50,8 @@ class Score:
 
 @dataclass
 class EvaluationReport:
-    """Scores of every model, in input order, then the ensemble (when there are >= 2
-    client models)."""
+    """Scores of every model, in input order, then the logit and softmax ensembles (when
+    there are >= 2 client models)."""
 
     data: str
     device: str
@@ -162,6 +165,17 @@ class Evaluator:
         """The logit-average ensemble of client models (the AMS papers' baseline)."""
         return self.score(torch.stack(list(client_logits)).mean(dim=0), ENSEMBLE, ENSEMBLE)
 
+    def softmax_ensemble(self, client_logits: Sequence[torch.Tensor]) -> Score:
+        """The softmax-average ensemble: accuracy of the mean class probabilities, loss the
+        cross-entropy of that mixture (scored as the log of the mean probabilities)."""
+        return self.score(softmax_average(client_logits), SOFTMAX_ENSEMBLE, ENSEMBLE)
+
+
+def softmax_average(client_logits: Sequence[torch.Tensor]) -> torch.Tensor:
+    """log(mean_s softmax(logits_s)), (N, K): logits whose softmax is the mean probability."""
+    stacked = torch.stack([z.float() for z in client_logits])
+    return torch.logsumexp(stacked.log_softmax(dim=2), dim=0) - np.log(len(client_logits))
+
 
 def evaluate_checkpoints(
     checkpoints: Sequence[Checkpoint | str | os.PathLike[str]],
@@ -178,11 +192,12 @@ def evaluate_checkpoints(
             client models, the others fused models (any mix of architectures).
         dataset: provides x_test (N, ...) float32 and y_test (N,) int64.
         device: ``auto`` (cuda when available), ``cpu`` or ``cuda``.
-        ensemble: add the logit-average ensemble of the client models (needs >= 2).
+        ensemble: add the logit-average and softmax-average ensembles of the client
+            models (needs >= 2).
         batch_size: inference batch size.
 
     Returns:
-        An :class:`EvaluationReport`: one score per input in order, then the ensemble.
+        An :class:`EvaluationReport`: one score per input in order, then the two ensembles.
 
     Raises:
         CheckpointError: a checkpoint cannot be loaded as a model.
@@ -201,4 +216,5 @@ def evaluate_checkpoints(
             client_logits.append(logits)
     if ensemble and len(client_logits) >= 2:
         report.scores.append(evaluator.ensemble(client_logits))
+        report.scores.append(evaluator.softmax_ensemble(client_logits))
     return report

@@ -2,7 +2,8 @@
 
 - ``digits``: scikit-learn's bundled 8x8 digits (1797 images, embedded, the default).
 - ``mnist``, ``fashion-mnist``: the standard IDX files (optionally .gz) in ``data_dir``.
-- ``cifar10``: the standard python pickle batches (``cifar-10-batches-py/``) in ``data_dir``.
+- ``cifar10``: the standard python pickle batches (``cifar-10-batches-py/``) in ``data_dir``,
+  read with an unpickler that admits only the format's types (nothing in them is executed).
 - ``npz``: any .npz file with ``x_train, y_train, x_test, y_test``.
 - ``synthetic``: seeded Gaussian-mixture classification of any size and dimension.
 
@@ -17,6 +18,7 @@ import gzip
 import os
 import pickle
 import struct
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -162,11 +164,17 @@ def npz_dataset(path: str | os.PathLike[str]) -> Dataset:
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: npz data file does not exist")
-    try:
-        with np.load(path, allow_pickle=False) as f:
-            arrays = {k: f[k] for k in ("x_train", "y_train", "x_test", "y_test") if k in f}
-    except (OSError, ValueError) as exc:
+    try:  # our own handle: np.load leaves its file open when the zip is corrupt
+        with open(path, "rb") as handle:
+            archive = np.load(handle, allow_pickle=False)
+            if not isinstance(archive, np.lib.npyio.NpzFile):
+                raise ValueError(f"expected a .npz archive, found one {type(archive).__name__}")
+            with archive as f:
+                arrays = {k: f[k] for k in ("x_train", "y_train", "x_test", "y_test") if k in f}
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
         raise DataError(f"{path}: not a readable .npz file ({exc})") from None
+    except MemoryError as exc:  # an array header claiming more than memory holds
+        raise DataError(f"{path}: an array does not fit in memory ({exc})") from None
     missing = sorted({"x_train", "y_train", "x_test", "y_test"} - set(arrays))
     if missing:
         raise DataError(
@@ -228,15 +236,56 @@ def cifar10(data_dir: Path) -> Dataset:
     )
 
 
+# numpy's array rebuilder, taken from an array so no (deprecated) module path is imported.
+_RECONSTRUCT = np.zeros(0).__reduce__()[0]
+_CIFAR_GLOBALS = {
+    ("numpy.core.multiarray", "_reconstruct"): _RECONSTRUCT,  # numpy 1.x pickles (the data set)
+    ("numpy._core.multiarray", "_reconstruct"): _RECONSTRUCT,  # numpy 2.x pickles
+    ("numpy", "ndarray"): np.ndarray,
+    ("numpy", "dtype"): np.dtype,
+}
+
+
+class _CifarUnpickler(pickle.Unpickler):
+    """Unpickles only what a CIFAR-10 python batch holds (a dict of bytes, lists and one
+    uint8 ndarray): any other global (``os.system``, ``builtins.eval``...) is refused
+    before it can be called, so a hostile file in a data folder runs nothing."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) == ("_codecs", "encode"):  # how Python 3 pickles bytes (protocol 2)
+            return _latin1_encode
+        try:
+            return _CIFAR_GLOBALS[module, name]
+        except KeyError:
+            raise pickle.UnpicklingError(
+                f"refused global {module}.{name}; a CIFAR-10 batch holds only a dict of "
+                "bytes, lists and a uint8 array"
+            ) from None
+
+
+def _latin1_encode(text: str, encoding: str = "latin1") -> bytes:
+    if encoding != "latin1":
+        raise pickle.UnpicklingError(f"refused codec {encoding!r} (expected latin1)")
+    return text.encode("latin1")
+
+
 def _read_cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
     try:
         with open(path, "rb") as f:
-            batch = pickle.load(f, encoding="bytes")  # the user's own local file
-        data = np.asarray(batch[b"data"], dtype=np.float32).reshape(-1, 3, 32, 32)
-        labels = np.asarray(batch[b"labels"], dtype=np.int64)
-    except (OSError, pickle.UnpicklingError, KeyError, ValueError, EOFError) as exc:
+            batch = _CifarUnpickler(f, encoding="bytes").load()
+        data, labels = batch[b"data"], np.asarray(batch[b"labels"])
+        if (not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 2
+                or data.shape[1] != 3 * 32 * 32 or labels.dtype.kind not in "iu"
+                or labels.shape != (len(data),)):
+            raise ValueError(
+                f"expected uint8 data (N, 3072) and N integer labels, found "
+                f"{getattr(data, 'dtype', type(data).__name__)} {np.shape(data)} and "
+                f"{labels.dtype} {labels.shape}"
+            )
+    except (OSError, pickle.UnpicklingError, KeyError, TypeError, ValueError, EOFError,
+            AttributeError, IndexError) as exc:
         raise DataError(f"{path}: not a CIFAR-10 python batch ({exc})") from None
-    return data, labels
+    return data.astype(np.float32).reshape(-1, 3, 32, 32), labels.astype(np.int64)
 
 
 def _find_file(folder: Path, base: str) -> Path | None:

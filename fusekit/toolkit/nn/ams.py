@@ -16,27 +16,39 @@ from torch import nn
 from torch.func import functional_call, stack_module_state, vmap
 
 from fusekit.core.errors import ParameterError
-from fusekit.methods.ams import MODES, resolve_k
+from fusekit.methods.ams import CONFIDENCES, MODES, check_confidence, resolve_k
 
 
-def select_logits(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sum the logits of the k models with the largest absolute confidence, per sample.
+def confidences(logits: torch.Tensor, confidence: str = "logit") -> torch.Tensor:
+    """(S, B) confidence of each model on each sample: max_c logits[s, b, c] (``logit``,
+    AMS paper Eq. 8) or max_c softmax(logits[s, b])_c (``probability``)."""
+    if check_confidence(confidence) == "probability":
+        return logits.float().softmax(dim=2).amax(dim=2)
+    return logits.amax(dim=2)
 
-    Absolute confidence of model s on sample b is max_c logits[s, b, c] (AMS paper Eq. 8);
-    the k most confident models are chosen per sample (Eq. 9 for k = 1) and their logits
+
+def select_logits(
+    logits: torch.Tensor, k: int, confidence: str = "logit"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum the logits of the k models with the largest confidence, per sample.
+
+    Confidence of model s on sample b is max_c logits[s, b, c] (``logit``, the AMS paper's
+    absolute confidence, Eq. 8) or its max softmax probability (``probability``); the k
+    most confident models are chosen per sample (Eq. 9 for k = 1) and their logits
     summed. Ties are broken by the lower model index (a stable descending sort), so the
     choice is deterministic on every device.
 
     Args:
         logits: (S, B, C) float tensor, logits of S models on B samples.
         k: number of models summed, 1 <= k <= S (k = S is AMS-full, the plain logit sum).
+        confidence: ``logit`` or ``probability`` (see :func:`confidences`).
 
     Returns:
         (fused, chosen): fused (B, C) summed logits and chosen (k, B) int64 model indices,
         most confident first.
 
     Raises:
-        ParameterError: logits not 3-D, or k outside 1..S.
+        ParameterError: logits not 3-D, k outside 1..S, or an unknown confidence.
     """
     if logits.dim() != 3:
         raise ParameterError(
@@ -48,12 +60,12 @@ def select_logits(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
     if k == n_models:
         chosen = torch.arange(n_models, device=logits.device)[:, None].expand(n_models, batch)
         return logits.sum(dim=0), chosen
-    confidence = logits.amax(dim=2)
+    scores = confidences(logits, confidence)
     if k == 1:
         # argmax returns the first maximal index: the lower model index wins ties.
-        chosen = confidence.argmax(dim=0, keepdim=True)
+        chosen = scores.argmax(dim=0, keepdim=True)
     else:
-        chosen = torch.sort(confidence, dim=0, descending=True, stable=True).indices[:k]
+        chosen = torch.sort(scores, dim=0, descending=True, stable=True).indices[:k]
     picked = logits.gather(0, chosen[:, :, None].expand(k, batch, classes))
     return picked.sum(dim=0), chosen
 
@@ -63,8 +75,9 @@ class AMSModel(nn.Module):
 
     Attributes:
         models: the sub-models (``models.<i>`` in the state_dict, as in the artefact).
-        mode: ``top1``, ``topk`` or ``full``; ``k``: models summed (see :func:`select_logits`).
-            Both can be changed after loading with :meth:`set_mode`.
+        mode: ``top1``, ``topk`` or ``full``; ``k``: models summed; ``confidence``:
+            ``logit`` or ``probability`` (see :func:`select_logits`). All three can be
+            changed after loading with :meth:`set_mode`.
         vectorise: run sub-models of the same architecture as one vmap call. Default
             None = only on CUDA: on the CPU, vmap turns each Linear into a batched matmul
             plus a broadcast add and measured no faster than running the models one by one
@@ -72,18 +85,24 @@ class AMSModel(nn.Module):
             results are the same either way.
     """
 
-    def __init__(self, models: Sequence[nn.Module], mode: str = "top1", k: int | None = None):
+    def __init__(self, models: Sequence[nn.Module], mode: str = "top1", k: int | None = None,
+                 confidence: str = "logit"):
         super().__init__()
         if not models:
             raise ParameterError("models: expected at least one sub-model, got none")
         self.models = nn.ModuleList(models)
         self.mode, self.k = mode, resolve_k(mode, k, len(models))
+        self.confidence = check_confidence(confidence)
         self._groups = _same_architecture_groups(self.models)
         self.vectorise: bool | None = None
 
-    def set_mode(self, mode: str, k: int | None = None) -> AMSModel:
-        """Switch between top1 / topk / full without reloading; returns self."""
+    def set_mode(self, mode: str, k: int | None = None,
+                 confidence: str | None = None) -> AMSModel:
+        """Switch between top1 / topk / full (and the confidence rule) without reloading;
+        returns self."""
         self.mode, self.k = mode, resolve_k(mode, k, len(self.models))
+        if confidence is not None:
+            self.confidence = check_confidence(confidence)
         return self
 
     def all_logits(self, x: torch.Tensor) -> torch.Tensor:
@@ -111,13 +130,14 @@ class AMSModel(nn.Module):
 
     def select(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(fused logits (B, C), chosen model indices (k, B)) for inputs ``x``."""
-        return select_logits(self.all_logits(x), self.k)
+        return select_logits(self.all_logits(x), self.k, self.confidence)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.select(x)[0]
 
     def extra_repr(self) -> str:
-        return f"mode={self.mode}, k={self.k}, models={len(self.models)}"
+        return (f"mode={self.mode}, k={self.k}, confidence={self.confidence}, "
+                f"models={len(self.models)}")
 
 
 def _same_architecture_groups(models: nn.ModuleList) -> list[list[int]]:
@@ -132,4 +152,4 @@ def _same_architecture_groups(models: nn.ModuleList) -> list[list[int]]:
     return list(groups.values())
 
 
-__all__ = ["MODES", "AMSModel", "select_logits"]
+__all__ = ["CONFIDENCES", "MODES", "AMSModel", "confidences", "select_logits"]

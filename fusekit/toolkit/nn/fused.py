@@ -9,13 +9,13 @@ module ready for inference.
   shapes, :func:`fusekit.core.arch.infer_arch`) are built as that architecture.
 - Other checkpoints without ``fusekit.arch`` (clients that came from outside fusekit) are read
   from their permutation spec (``fusekit.core.spec`` metadata, else inferred from names and
-  shapes) as a ReLU MLP: Linear, optional BatchNorm, ReLU, ..., Linear. Convolutional
-  models need ``fusekit.arch`` (padding and pooling are not in the tensors).
+  shapes) as a ReLU MLP: Linear, optional BatchNorm, ReLU, ..., Linear, whose modules keep
+  the checkpoint's own tensor names. Convolutional models need ``fusekit.arch`` (padding
+  and pooling are not in the tensors).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Mapping
@@ -66,8 +66,9 @@ def load_fused(
         model = _load_ams(checkpoint)
     else:
         spec = checkpoint.metadata.get(meta.SPEC)
-        model = build_plain_model(checkpoint.state_dict(), checkpoint.arch,
-                                  json.loads(spec) if spec else None, checkpoint.label)
+        spec_json = meta.parse_json_object(spec, meta.SPEC, checkpoint.label) if spec else None
+        model = build_plain_model(checkpoint.state_dict(), checkpoint.arch, spec_json,
+                                  checkpoint.label)
     return model.to(target).eval()
 
 
@@ -96,7 +97,8 @@ def _load_ams(checkpoint: Checkpoint) -> AMSModel:
             f"{checkpoint.label}: tensor(s) {stray[:4]} belong to no AMS sub-model; expected "
             "every tensor under a models.<i>. prefix listed in the metadata"
         )
-    return AMSModel(models, mode=description["mode"], k=description["k"])
+    return AMSModel(models, mode=description["mode"], k=description["k"],
+                    confidence=description["confidence"])
 
 
 def build_plain_model(
@@ -183,7 +185,8 @@ def preactivation_modules(model: nn.Module, spec: PermutationSpec) -> list[nn.Mo
 class SpecMLP(nn.Module):
     """A ReLU MLP read from a permutation spec: Linear, (BatchNorm1d), ReLU, ..., Linear.
 
-    Its own tensor names are ``net.<i>.*``; the checkpoint's names come from the spec.
+    Its modules sit at the checkpoint's own module paths, so ``state_dict()`` has the
+    checkpoint's tensor names (``fc1.weight`` stays ``fc1.weight``).
     """
 
     def __init__(self, spec: PermutationSpec, state_dict: Mapping[str, np.ndarray], label: str):
@@ -199,31 +202,62 @@ class SpecMLP(nn.Module):
                 "BatchNorm layer; without fusekit.arch fusekit cannot tell what they do"
             )
         tensors = state_dict_to_torch(state_dict)
-        layers: list[nn.Module] = []
+        self.steps: list[nn.Module] = []
         self.preactivation: list[nn.Module] = []
         for index, layer in enumerate(spec.layers):
             linear = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None)
-            _copy(linear, {"weight": layer.weight, "bias": layer.bias}, tensors)
-            layers.append(linear)
+            names = {"weight": layer.weight, "bias": layer.bias}
+            self._place(linear, names, tensors, label)
             if layer.norm is not None:
                 norm = nn.BatchNorm1d(layer.out_features, eps=layer.norm.eps,
                                       affine=layer.norm.weight is not None)
-                _copy(norm, {"weight": layer.norm.weight, "bias": layer.norm.bias,
-                             "running_mean": layer.norm.running_mean,
-                             "running_var": layer.norm.running_var}, tensors)
-                layers.append(norm)
-            self.preactivation.append(layers[-1])
+                names = {"weight": layer.norm.weight, "bias": layer.norm.bias,
+                         "running_mean": layer.norm.running_mean,
+                         "running_var": layer.norm.running_var,
+                         "num_batches_tracked": layer.norm.num_batches_tracked}
+                self._place(norm, names, tensors, label)
+            self.preactivation.append(self.steps[-1])
             if index < len(spec.layers) - 1:
-                layers.append(nn.ReLU())
-        self.net = nn.Sequential(*layers)
+                self.steps.append(nn.ReLU())
+
+    def _place(self, module: nn.Module, names: Mapping[str, str | None],
+               tensors: Mapping[str, torch.Tensor], label: str) -> None:
+        """Put ``module`` at the path its tensors name, with their values."""
+        given = {attr: name for attr, name in names.items() if name is not None}
+        path = next(iter(given.values())).rpartition(".")[0]
+        if not path or any(name != f"{path}.{attr}" for attr, name in given.items()):
+            raise CheckpointError(
+                f"{label}: tensors {sorted(given.values())} do not read as one module's "
+                "<path>.weight/.bias; describe the architecture in fusekit.arch metadata "
+                "(see fusekit.core.arch) or load the tensors into your own model"
+            )
+        for attr, value in module.state_dict().items():
+            if attr not in given:  # e.g. a counter the checkpoint does not have
+                module.register_buffer(attr, None)
+            elif tuple(value.shape) != tuple(tensors[given[attr]].shape):
+                raise CheckpointError(
+                    f"{label}: tensor {given[attr]!r} has shape "
+                    f"{tuple(tensors[given[attr]].shape)}; expected {tuple(value.shape)}")
+        with torch.no_grad():
+            for attr, name in given.items():
+                getattr(module, attr).copy_(tensors[name])
+        parent: nn.Module = self
+        *parents, leaf = path.split(".")
+        try:
+            for part in parents:
+                if part not in parent._modules:
+                    parent.add_module(part, nn.Module())
+                parent = parent._modules[part]
+            parent.add_module(leaf, module)
+        except KeyError as exc:
+            raise CheckpointError(
+                f"{label}: module path {path!r} cannot be rebuilt ({exc.args[0]}); describe "
+                "the architecture in fusekit.arch metadata (see fusekit.core.arch)"
+            ) from None
+        self.steps.append(module)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x.flatten(1))
-
-
-def _copy(module: nn.Module, names: Mapping[str, str | None],
-          tensors: Mapping[str, torch.Tensor]) -> None:
-    with torch.no_grad():
-        for attribute, name in names.items():
-            if name is not None:
-                getattr(module, attribute).copy_(tensors[name])
+        x = x.flatten(1)
+        for step in self.steps:
+            x = step(x)
+        return x

@@ -1,0 +1,250 @@
+"""Recipes (``fusekit fuse --config recipe.yaml``) and output folders (``-o DIR/``).
+
+A recipe is a YAML mapping with the keys below; paths in it are relative to the recipe's
+own folder::
+
+    method: nafi
+    inputs: [clients/client_00.safetensors, clients/client_01.safetensors]
+    parameters: {lam: 0.05, sweeps: 10}
+    output: fused/            # a trailing slash: an output folder
+    spec: null                # optional permutation spec file
+    activations: null         # ot only: {source: inputs.npy, samples: 256, seed: 0}
+
+An output folder holds ``fused.safetensors``, ``recipe.yaml`` (the recipe as run, with the
+parameters the method used), ``report.json`` (what ``fusekit fuse --json`` prints) and a
+``README.md`` model card; it appears all at once (written aside, then renamed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fusekit._cli.card import model_card
+from fusekit.core.checkpoint import check_output_path
+from fusekit.core.errors import OutputError, ParameterError
+from fusekit.methods import METHODS
+from fusekit.methods.params import method_params
+
+log = logging.getLogger(__name__)
+
+RECIPE_KEYS = ("method", "inputs", "parameters", "output", "spec", "activations")
+ACTIVATION_KEYS = ("source", "samples", "seed", "data_dir")
+FOLDER_FILES = ("fused.safetensors", "recipe.yaml", "report.json", "README.md")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    method: str = "avg"
+    inputs: list[str] = field(default_factory=list)
+    parameters: dict[str, Any] = field(default_factory=dict)
+    output: str | None = None
+    spec: str | None = None
+    activations: dict[str, Any] = field(default_factory=dict)
+
+    def override(self, *, inputs, method, output, spec, parameters, activations) -> Recipe:
+        """This recipe with what the command line gave replacing it (None: not given)."""
+        return dataclasses.replace(
+            self,
+            inputs=[os.fspath(p) for p in inputs] if inputs else self.inputs,
+            method=method or self.method,
+            output=output if output is not None else self.output,
+            spec=os.fspath(spec) if spec is not None else self.spec,
+            parameters={**self.parameters, **parameters},
+            activations={**self.activations, **activations},
+        )
+
+
+def load_recipe(path: Path) -> Recipe:
+    """Read a recipe file, refusing unknown keys and values of the wrong shape.
+
+    Raises:
+        ParameterError: naming the file and the key at fault.
+    """
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ParameterError(f"{path}: recipe file does not exist") from None
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        detail = " ".join(str(exc).split())
+        raise ParameterError(f"{path}: not a readable YAML recipe ({detail})") from None
+    if not isinstance(data, dict):
+        raise ParameterError(f"{path}: expected a mapping of {', '.join(RECIPE_KEYS)}, "
+                             f"found {type(data).__name__}")
+    _refuse_unknown(path, "", data, RECIPE_KEYS)
+    base = path.parent
+
+    def local(value: Any, key: str) -> str:
+        if not isinstance(value, str) or not value:
+            raise ParameterError(f"{path}: {key}: expected a path, found {value!r}")
+        return os.fspath(base / value) if not os.path.isabs(value) else value
+
+    inputs = data.get("inputs") or []
+    if not isinstance(inputs, list):
+        raise ParameterError(f"{path}: inputs: expected a list of paths, found {inputs!r}")
+    method = data.get("method", "avg")
+    if not isinstance(method, str):
+        raise ParameterError(f"{path}: method: expected a method name, found {method!r}")
+    parameters = _mapping(path, "parameters", data.get("parameters"))
+    activations = _mapping(path, "activations", data.get("activations"))
+    _refuse_unknown(path, "activations.", activations, ACTIVATION_KEYS)
+    for key in ("source", "data_dir"):
+        if key in activations and activations[key] is not None:
+            activations[key] = local(activations[key], f"activations.{key}")
+    output = data.get("output")
+    return Recipe(
+        method=method,
+        inputs=[local(p, f"inputs[{i}]") for i, p in enumerate(inputs)],
+        parameters=_from_text(method, parameters),
+        output=local(output, "output") + ("/" if str(output).endswith("/") else "")
+        if output is not None else None,
+        spec=local(data["spec"], "spec") if data.get("spec") is not None else None,
+        activations={k: v for k, v in activations.items() if v is not None},
+    )
+
+
+def _mapping(path: Path, key: str, value: Any) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ParameterError(f"{path}: {key}: expected a mapping, found {value!r}")
+    return dict(value)
+
+
+def _refuse_unknown(path: Path, prefix: str, data: dict[str, Any], known) -> None:
+    unknown = sorted(map(str, set(data) - set(known)))
+    if unknown:
+        raise ParameterError(
+            f"{path}: unknown key {prefix}{unknown[0]!r}; expected one of {', '.join(known)}"
+        )
+
+
+def _from_text(method: str, parameters: dict[str, Any]) -> dict[str, Any]:
+    """YAML 1.1 reads ``1e-3`` as text: read such values of float parameters as numbers."""
+    if method not in METHODS:
+        return parameters
+    floats = {p.name for p in method_params(METHODS[method]) if p.kind in ("float", "floats")}
+    out = dict(parameters)
+    for name, value in parameters.items():
+        if name in floats and isinstance(value, str):
+            with contextlib.suppress(ValueError):
+                out[name] = float(value)
+    return out
+
+
+@dataclass(frozen=True)
+class OutputTarget:
+    path: Path
+    folder: bool
+
+
+def resolve_output(output: str | None, method: str, *, force: bool,
+                   inputs: Sequence[str | os.PathLike[str]]) -> OutputTarget:
+    """Where ``-o`` writes: a file, or a folder when the name ends with a slash.
+
+    Raises:
+        OutputError: an empty name, an existing directory named without the slash, an
+            output that is or holds an input (even with ``force``), an existing output
+            without ``force``, or a missing or unwritable parent folder.
+    """
+    if output is None:
+        output = f"fused-{method}.safetensors"
+    if not output.strip():
+        raise OutputError("--output: expected a file name or a folder name ending with '/', "
+                          "found an empty string")
+    path = Path(output)
+    if not output.endswith(("/", os.sep)):
+        if path.is_dir():
+            raise OutputError(
+                f"{output}: is a directory; to write an output folder end the name with a "
+                f"slash (-o {output}/), or name a .safetensors file"
+            )
+        check_output_path(path, force=force, inputs=inputs)
+        return OutputTarget(path, folder=False)
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise OutputError(f"{path}: output directory {parent} does not exist")
+    if path.exists() and not path.is_dir():
+        raise OutputError(f"{output}: exists and is not a folder")
+    for source in inputs:
+        if path.exists() and Path(source).resolve().is_relative_to(path.resolve()):
+            raise OutputError(f"{output}: the output folder holds the input {source}; expected "
+                              "another folder (inputs are never replaced, even with --force)")
+    if path.exists() and not force:
+        raise OutputError(f"{path}: output folder exists; pass --force to replace it")
+    return OutputTarget(path, folder=True)
+
+
+def write_folder(path: Path, result, recipe: Recipe, summary: dict[str, Any], *,
+                 force: bool) -> None:
+    """Write the output folder aside, then rename it into place (replacing it with force)."""
+    import yaml
+
+    parent = path.parent if str(path.parent) else Path(".")
+    staging = Path(tempfile.mkdtemp(dir=parent, prefix=f".{path.name}.", suffix=".tmp"))
+    try:
+        os.chmod(staging, 0o777 & ~_umask())
+        result.save(staging / "fused.safetensors", force=True)
+        as_run = _as_run(recipe, result)
+        (staging / "recipe.yaml").write_text(yaml.safe_dump(as_run, sort_keys=False))
+        (staging / "report.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+        (staging / "README.md").write_text(model_card(result, as_run))
+        _swap_in(staging, path, force=force)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _swap_in(staging: Path, path: Path, *, force: bool) -> None:
+    if not path.exists():
+        try:
+            os.rename(staging, path)
+        except OSError as exc:
+            raise OutputError(f"{path}: cannot write the output folder ({exc.strerror})") from None
+        return
+    if not force:
+        raise OutputError(f"{path}: output folder exists; pass --force to replace it")
+    old = staging.with_name(staging.name + ".old")
+    os.rename(path, old)
+    os.rename(staging, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _as_run(recipe: Recipe, result) -> dict[str, Any]:
+    """The recipe that reproduces this run: every parameter at the value the method used."""
+    declared = {p.name for p in method_params(METHODS[result.method])}
+    parameters = {k: v for k, v in result.params.items() if k in declared and k != "activations"}
+    as_run: dict[str, Any] = {
+        "method": result.method,
+        "inputs": [os.path.abspath(p) for p in recipe.inputs],
+        "parameters": parameters,
+    }
+    if recipe.spec is not None:
+        as_run["spec"] = os.path.abspath(recipe.spec)
+    if recipe.activations:
+        as_run["activations"] = {k: _absolute_if_path(v) for k, v in recipe.activations.items()}
+    return as_run
+
+
+def _absolute_if_path(value: Any) -> Any:
+    """Files keep working from the recipe's folder; data-set names and numbers stay."""
+    if isinstance(value, (str, os.PathLike)) and os.path.exists(value):
+        return os.path.abspath(value)
+    return value
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

@@ -1,0 +1,596 @@
+"""Beta-Bernoulli neuron matching of ONE layer across S clients (PFNM, NAFI).
+
+:func:`match_neurons` follows the NAFI paper's Algorithm 1 with the cost of Proposition 1 /
+Eq. 5, and Eq. 14 for NAFI (docs/ALGORITHMS.md §3-4):
+
+1. Clients are visited by decreasing width (stable on the order given, which
+   ``fusekit.fuse`` makes canonical). The first client's neurons seed the global set;
+   every other client is matched in turn (greedy pass).
+2. ``sweeps`` refinement sweeps: for each client, in an order drawn from
+   ``numpy.random.default_rng(seed)``, remove it from the posteriors (globals left empty
+   are dropped), rebuild its cost matrix, solve the assignment, add it back.
+3. With a target ``width`` (ALGORITHMS.md §3, "Fused width"): the ``width`` globals with the
+   largest posterior mass survive, every client is re-matched against them with at most
+   ``width`` globals open, and a model that merged more than asked has its worst-fitting
+   members split off, so the layer has exactly ``width`` neurons.
+4. The result is the posterior mean of every global neuron (Eq. 4).
+
+Everything works on per-coordinate (diagonal) precisions: a client's precision vector
+``s`` (P,) is ``1/sigma_s^2`` per coordinate and 0 where the client does not observe the
+coordinate, so unobserved coordinates neither cost nor pull the estimate.
+
+The posterior of global neuron i is kept as two running arrays that include the prior:
+``sums[i] = mu0/sigma0^2 + sum_{(s,j) in Z_i} s_s * w_sj`` and
+``precisions[i] = 1/sigma0^2 + sum s_s``; its mean is ``sums / precisions``. These are
+exactly the ``global_sums`` / ``global_precisions`` arguments of ``fusekit.engine.matching``'s
+cost kernels, so a cost matrix is built without any copy of the global state.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import numpy as np
+from scipy.optimize import linear_sum_assignment
+
+from fusekit.core.errors import ParameterError
+from fusekit.engine import matching, reference
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("core", "numpy")
+
+
+@dataclass(frozen=True)
+class MatchingBackend:
+    """The kernels one matching run uses (chosen explicitly, never as a fallback).
+
+    ``pfnm_cost`` / ``nafi_cost`` follow the signatures of ``fusekit.engine.matching``;
+    ``solve_assignment(cost) -> (row_ind, col_ind)`` follows SciPy's contract.
+    """
+
+    name: str
+    pfnm_cost: Callable[..., np.ndarray]
+    nafi_cost: Callable[..., np.ndarray]
+    solve_assignment: Callable[..., tuple]
+
+
+def get_backend(backend: str | MatchingBackend = "core") -> MatchingBackend:
+    """The kernels named by ``backend``.
+
+    Args:
+        backend: ``"core"`` (fusekit's C++ cost kernels and assignment solver, the default),
+            ``"numpy"`` (the vectorised numpy references of ``fusekit.engine.reference`` plus
+            ``scipy.optimize.linear_sum_assignment``; for benchmarks and cross-checks), or a
+            :class:`MatchingBackend` instance.
+
+    Raises:
+        ParameterError: an unknown backend name.
+    """
+    if isinstance(backend, MatchingBackend):
+        return backend
+    if backend == "core":
+        # The engine validates its inputs once (match_neurons) and owns the global state
+        # it passes, so the kernels skip re-validating arrays on every call.
+        return MatchingBackend(
+            "core",
+            partial(matching.pfnm_cost, check_finite=False),
+            partial(matching.nafi_cost, check_finite=False),
+            matching.solve_assignment,
+        )
+    if backend == "numpy":
+        return MatchingBackend(
+            "numpy", reference.pfnm_cost, reference.nafi_cost, linear_sum_assignment
+        )
+    raise ParameterError(f"backend: expected one of {BACKENDS}, found {backend!r}")
+
+
+@dataclass
+class LayerMatching:
+    """Result of matching one layer.
+
+    Attributes:
+        means: (J, P) float64 posterior means of the J global neurons (Eq. 4).
+        precisions: (J, P) float64 posterior precisions (including ``1/sigma0^2``).
+        counts: (J,) int number of local neurons (= clients) in each global neuron.
+        assignments: per client (in the order given), (J_s,) int global index of each
+            local neuron; injective within a client.
+        report: JSON-able summary (see :func:`match_neurons`).
+    """
+
+    means: np.ndarray
+    precisions: np.ndarray
+    counts: np.ndarray
+    assignments: list[np.ndarray]
+    report: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def width(self) -> int:
+        return int(self.means.shape[0])
+
+
+class _GlobalState:
+    """Posterior statistics of the global neurons, with room to grow in place."""
+
+    def __init__(self, n_coords: int, prior_sum: np.ndarray, prior_precision: np.ndarray):
+        self.prior_sum = prior_sum
+        self.prior_precision = prior_precision
+        self.size = 0
+        self.sums = np.empty((0, n_coords))
+        self.precisions = np.empty((0, n_coords))
+        self.counts = np.empty(0, dtype=np.int64)
+
+    def _reserve(self, size: int) -> None:
+        if size <= self.sums.shape[0]:
+            return
+        capacity = max(size, 2 * self.sums.shape[0], 16)
+        for name in ("sums", "precisions", "counts"):
+            old = getattr(self, name)
+            new = np.empty((capacity, *old.shape[1:]), dtype=old.dtype)
+            new[: self.size] = old[: self.size]
+            setattr(self, name, new)
+
+    def view(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Contiguous (J, P), (J, P), (J,) views of the live globals (no copy)."""
+        return self.sums[: self.size], self.precisions[: self.size], self.counts[: self.size]
+
+    def add(self, rows: np.ndarray, vectors: np.ndarray, precision: np.ndarray) -> None:
+        """Add a client's neurons (J_s, P) with precision (P,) to globals ``rows``
+        (``rows == size + k`` opens new ones)."""
+        new_size = max(self.size, int(rows.max()) + 1) if rows.size else self.size
+        if new_size > self.size:
+            self.open_empty(new_size - self.size)
+        matching.add_rows(self.sums, rows, vectors, 1.0, precision)
+        matching.add_rows(self.precisions, rows, precision, 1.0)
+        self.counts[rows] += 1
+
+    def subtract(self, rows: np.ndarray, vectors: np.ndarray, precision: np.ndarray) -> None:
+        """Take neurons (n, P) out of globals ``rows``; empty globals stay (see
+        :meth:`drop_empty`)."""
+        matching.add_rows(self.sums, rows, vectors, -1.0, precision)
+        matching.add_rows(self.precisions, rows, precision, -1.0)
+        self.counts[rows] -= 1
+
+    def drop_empty(self) -> np.ndarray:
+        """Drop globals without members. Returns old -> new index (-1 for dropped ones;
+        index -1 itself maps to -1)."""
+        keep = np.flatnonzero(self.counts[: self.size] > 0)
+        remap = np.full(self.size + 1, -1, dtype=np.int64)  # remap[-1] == -1
+        remap[keep] = np.arange(keep.size)
+        if keep.size < self.size:
+            for name in ("sums", "precisions", "counts"):
+                array = getattr(self, name)
+                array[: keep.size] = array[keep]
+            self.size = keep.size
+        return remap
+
+    def remove(self, rows: np.ndarray, vectors: np.ndarray, precision: np.ndarray) -> np.ndarray:
+        """Remove a client's neurons (rows -1: not assigned, skipped); drop globals left
+        empty. Returns old -> new index (-1 for dropped globals)."""
+        placed = rows >= 0
+        self.subtract(rows[placed], vectors[placed], precision)
+        return self.drop_empty()
+
+    def open_empty(self, n: int) -> None:
+        """Open n globals without members (their posterior is the prior)."""
+        self._reserve(self.size + n)
+        fresh = slice(self.size, self.size + n)
+        self.sums[fresh] = self.prior_sum
+        self.precisions[fresh] = self.prior_precision
+        self.counts[fresh] = 0
+        self.size += n
+
+
+def as_coordinate_vector(value: Any, n_coords: int, name: str) -> np.ndarray:
+    """A scalar or (P,) parameter as a finite (P,) float64 vector (one-line errors)."""
+    array = np.asarray(value, dtype=np.float64)
+    if array.ndim == 0:
+        array = np.full(n_coords, float(array))
+    if array.shape != (n_coords,):
+        raise ParameterError(
+            f"{name}: expected a scalar or a vector of {n_coords} coordinates, "
+            f"found shape {array.shape}"
+        )
+    bad = np.flatnonzero(~np.isfinite(array))
+    if bad.size:
+        raise ParameterError(
+            f"{name}: expected finite values, found {array[bad[0]]} at coordinate {bad[0]} "
+            f"({bad.size} non-finite of {n_coords})"
+        )
+    return array
+
+
+def _validate_inputs(
+    vectors: Sequence[np.ndarray], precisions: Sequence[Any]
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    if len(vectors) < 1:
+        raise ParameterError("vectors: expected at least one client, found none")
+    if len(precisions) != len(vectors):
+        raise ParameterError(
+            f"precisions: expected one per client ({len(vectors)}), found {len(precisions)}"
+        )
+    vecs = [np.ascontiguousarray(v, dtype=np.float64) for v in vectors]
+    n_coords = vecs[0].shape[1] if vecs[0].ndim == 2 else -1
+    for s, v in enumerate(vecs):
+        if v.ndim != 2 or v.shape[1] != n_coords or v.shape[0] < 1:
+            raise ParameterError(
+                f"vectors[{s}]: expected a non-empty (J_s, {n_coords}) matrix, found {v.shape}"
+            )
+        if not matching.all_finite(v):
+            # Checked once here: the core kernels then skip re-checking (check_finite=False).
+            raise ParameterError(f"vectors[{s}]: expected finite values, found NaN or inf")
+    precs = []
+    for s, p in enumerate(precisions):
+        vec = as_coordinate_vector(p, n_coords, f"precisions[{s}]")
+        if (vec < 0).any():
+            raise ParameterError(
+                f"precisions[{s}]: expected values >= 0, found minimum {vec.min():.3g}"
+            )
+        precs.append(vec)
+    return vecs, precs
+
+
+def check_width(width: int | None, widest: int, name: str = "width") -> None:
+    """A target width must be an integer >= the widest client (every local neuron gets a
+    global neuron, so none is dropped)."""
+    if width is None:
+        return
+    if isinstance(width, bool) or not isinstance(width, (int, np.integer)):
+        raise ParameterError(f"{name}: expected an integer, found {width!r}")
+    if width < widest:
+        raise ParameterError(
+            f"{name}: expected at least the widest client's width ({widest}), found {width}"
+        )
+
+
+class _Matcher:
+    """One layer's matching run: the global state, the assignments and the kernels."""
+
+    def __init__(self, vecs, precs, *, mu0, sigma0_2, gamma0, lam, kernels, log_det):
+        self.vecs, self.precs = vecs, precs
+        self.log_det = log_det
+        self.sigma0_2 = sigma0_2
+        self.n_clients = len(vecs)
+        self.gamma0, self.lam, self.kernels = gamma0, lam, kernels
+        prior_precision = 1.0 / sigma0_2
+        self.state = _GlobalState(vecs[0].shape[1], mu0 * prior_precision, prior_precision)
+        self.assignments: list[np.ndarray] = [np.empty(0, dtype=np.int64)] * self.n_clients
+        self.cost_kwargs = dict(n_clients=self.n_clients, mu0=mu0, sigma0_2=sigma0_2,
+                                gamma0=gamma0)
+        self.timing = {"cost": 0.0, "assignment": 0.0, "n": 0}
+        # sum_p s_p w_p^2 as (w * s) * w, the order of the posterior sums (same rounding).
+        self.data_term = sum(float(np.sum(v * p * v)) for v, p in zip(vecs, precs, strict=True))
+
+    def assign(self, s: int, cap: int | None) -> float:
+        """Match client s (not in the state) against the globals; at most ``cap`` globals
+        may exist afterwards. Returns the optimal assignment's cost."""
+        sums, global_precisions, counts = self.state.view()
+        n_global = self.state.size
+        start = time.perf_counter()
+        if self.lam:
+            cost = self.kernels.nafi_cost(self.vecs[s], self.precs[s], sums, global_precisions,
+                                          counts, **self.cost_kwargs, lam=self.lam)
+        else:
+            cost = self.kernels.pfnm_cost(self.vecs[s], self.precs[s], sums, global_precisions,
+                                          counts, **self.cost_kwargs)
+        if self.log_det:
+            cost = cost + self._log_det_rows(s, global_precisions)[:, None]
+        if cap is not None:
+            # Only the first (cap - J) "new" slots stay open; since cap >= J_s, the rows
+            # kept (min(J + J_s, cap) >= J_s) still give every local neuron a global.
+            open_slots = min(self.vecs[s].shape[0], cap - n_global)
+            cost = np.ascontiguousarray(cost[: n_global + open_slots])
+        mid = time.perf_counter()
+        rows, cols = self.kernels.solve_assignment(cost)
+        self.timing["cost"] += mid - start
+        self.timing["assignment"] += time.perf_counter() - mid
+        self.timing["n"] += 1
+        rows = np.asarray(rows, dtype=np.int64)
+        cols = np.asarray(cols, dtype=np.int64)
+        local_rows = np.empty(self.vecs[s].shape[0], dtype=np.int64)
+        local_rows[cols] = rows
+        # Every way of giving the chosen "new" slots to the new neurons costs the same;
+        # number new globals in local-neuron order so no solver tie-break shows through.
+        is_new = local_rows >= n_global
+        local_rows[is_new] = n_global + np.arange(int(is_new.sum()))
+        self.assignments[s] = local_rows
+        self.state.add(local_rows, self.vecs[s], self.precs[s])
+        return float(cost[rows, cols].sum())
+
+    def _log_det_rows(self, s: int, global_precisions: np.ndarray) -> np.ndarray:
+        """Per row, sum_p ln(sigma_s^2 + 1/P_ip) over the coordinates client s observes
+        (ln(sigma_s^2 + sigma0^2) for the new slots): the log-determinant of the Gaussian
+        marginal of a local neuron, in the cost's units (2 x negative log likelihood)."""
+        seen = self.precs[s] > 0
+        noise = 1.0 / self.precs[s][seen]
+        existing = np.log(noise + 1.0 / global_precisions[:, seen]).sum(axis=1)
+        new = float(np.log(noise + self.sigma0_2[seen]).sum())
+        return np.concatenate([existing, np.full(self.vecs[s].shape[0], new)])
+
+    def take_out(self, s: int) -> np.ndarray:
+        """Remove client s from the state; returns its old globals under the new
+        numbering (-1: the global is gone)."""
+        mine = self.assignments[s]
+        remap = self.state.remove(mine, self.vecs[s], self.precs[s])
+        for other in range(self.n_clients):
+            if other != s:
+                self.assignments[other] = remap[self.assignments[other]]
+        return remap[mine]
+
+    def greedy(self) -> float:
+        order = sorted(range(self.n_clients), key=lambda s: -self.vecs[s].shape[0])
+        first = order[0]
+        self.assignments[first] = np.arange(self.vecs[first].shape[0], dtype=np.int64)
+        self.state.add(self.assignments[first], self.vecs[first], self.precs[first])
+        return sum(self.assign(s, None) for s in order[1:])
+
+    def sweep(self, rng: np.random.Generator, cap: int | None) -> tuple[float, int]:
+        """One refinement sweep; returns (total assignment cost, local neurons moved)."""
+        total, moved = 0.0, 0
+        for s in rng.permutation(self.n_clients):
+            before = self.take_out(int(s))
+            n_kept = self.state.size
+            total += self.assign(int(s), cap)
+            after = self.assignments[s]
+            stayed = np.where(before < 0, after >= n_kept, after == before)
+            moved += int(np.count_nonzero(~stayed))
+        return total, moved
+
+    def objective(self) -> float:
+        return _objective(self.state, self.data_term, self.n_clients, self.gamma0)
+
+    def keep_most_massive(self, width: int) -> int:
+        """Keep the ``width`` globals with the largest posterior mass (number of clients,
+        then summed posterior precision, then age); the members of the others are taken
+        out of the state and left unassigned (-1). Returns the number of globals pruned."""
+        _, precisions, counts = self.state.view()
+        mass = precisions.sum(axis=1)
+        order = np.lexsort((np.arange(counts.size), -mass, -counts))
+        if order.size <= width:
+            return 0
+        keep = np.zeros(counts.size, dtype=bool)
+        keep[order[:width]] = True
+        for s in range(self.n_clients):
+            mine = self.assignments[s]
+            drop = ~keep[mine]
+            self.state.subtract(mine[drop], self.vecs[s][drop], self.precs[s])
+        remap = self.state.drop_empty()
+        self.assignments = [remap[a] for a in self.assignments]
+        return int(order.size - width)
+
+    def fill(self, width: int) -> tuple[int, int]:
+        """Reach ``width`` globals when the model merged more than asked: split off the
+        worst-fitting member (largest precision-weighted squared distance to its global's
+        mean) of shared globals, one per global and round, into a new global; when no
+        global is shared any more, add globals at the prior (mu0 in, mu0 out: inert).
+        Returns (globals split off, globals padded)."""
+        split = 0
+        while self.state.size < width:
+            sums, precisions, counts = self.state.view()
+            means = sums / precisions
+            candidates = []
+            for s in range(self.n_clients):
+                rows = self.assignments[s]
+                diff = self.vecs[s] - means[rows]
+                misfit = np.einsum("jp,jp,p->j", diff, diff, self.precs[s])
+                candidates += [(-m, s, j) for j, m in enumerate(misfit) if counts[rows[j]] > 1]
+            if not candidates:
+                break
+            used: set[int] = set()
+            for _, s, j in sorted(candidates):
+                row = int(self.assignments[s][j])
+                if self.state.size == width or row in used:
+                    continue
+                used.add(row)
+                one = self.vecs[s][j : j + 1]
+                self.state.subtract(np.array([row]), one, self.precs[s])
+                self.assignments[s] = self.assignments[s].copy()
+                self.assignments[s][j] = self.state.size
+                self.state.add(self.assignments[s][j : j + 1], one, self.precs[s])
+                split += 1
+        padded = width - self.state.size
+        if padded > 0:
+            self.state.open_empty(padded)
+        return split, padded
+
+
+def match_neurons(
+    vectors: Sequence[np.ndarray],
+    precisions: Sequence[Any],
+    *,
+    mu0: float | np.ndarray = 0.0,
+    sigma0_2: float | np.ndarray = 1.0,
+    gamma0: float = 1.0,
+    sweeps: int = 5,
+    seed: int = 0,
+    lam: float = 0.0,
+    width: int | None = None,
+    log_det: bool = False,
+    backend: str | MatchingBackend = "core",
+    true_labels: Sequence[np.ndarray] | None = None,
+) -> LayerMatching:
+    """Match the neurons of one layer across clients (PFNM, or NAFI when ``lam > 0``).
+
+    Args:
+        vectors: per client s, a (J_s, P) float array of neuron vectors (ALGORITHMS.md §2).
+        precisions: per client, the observation precision ``1/sigma_s^2``: a scalar or a (P,)
+            vector; 0 marks a coordinate the client does not observe.
+        mu0: prior mean of the global neurons, scalar or (P,).
+        sigma0_2: prior variance sigma0^2, scalar or (P,), > 0.
+        gamma0: mass of the Beta process, > 0.
+        sweeps: maximum number of refinement sweeps T after the greedy pass, >= 0 (and
+            again after the width is imposed). Sweeps stop early at a fixed point (a sweep
+            in which no local neuron changed its global neuron).
+        seed: seed of the generator that orders the clients in each sweep.
+        lam: KL weight lambda of NAFI's cost (Eq. 14), >= 0; 0 is PFNM's cost (Eq. 5).
+        width: ``None`` infers the number of global neurons (the nonparametric posterior);
+            an integer >= the widest client gives exactly that many (module docstring,
+            step 3).
+        log_det: add the log-determinant terms of the Gaussian marginal likelihood that
+            Eq. 5 leaves out (ALGORITHMS.md §3, "Empirical Bayes"): the exact marginal
+            likelihood, which the empirical-Bayes E-step needs; the methods match with
+            the papers' cost (False).
+        backend: ``"core"`` (C++), ``"numpy"`` (reference + SciPy) or a MatchingBackend.
+        true_labels: optional per-client (J_s,) ground-truth neuron identities (synthetic
+            data): the report then gives the matching purity.
+
+    Returns:
+        LayerMatching. ``report`` holds ``width``, ``inferred_width`` (before the width was
+        imposed), ``pruned`` / ``split`` (globals dropped / opened to reach ``width``),
+        ``clients`` (per client in the order given: ``width``, ``matched`` = local neurons
+        that share their global neuron with another client, ``new`` = the others),
+        ``objective`` (per pass: 2 x negative log posterior up to constants, Eq. 3 with
+        Eq. 4 plugged in), ``assignment_cost`` (per pass), ``moves`` (per sweep),
+        ``sweeps_run``, ``time_cost_s`` / ``time_assignment_s``, ``n_assignments``, and
+        ``purity`` when ``true_labels`` is given.
+
+    Raises:
+        ParameterError: inconsistent shapes or out-of-range parameters.
+        InfeasibleAssignmentError: from the solver (cannot happen with finite inputs).
+    """
+    vecs, precs = _validate_inputs(vectors, precisions)
+    n_clients = len(vecs)
+    n_coords = vecs[0].shape[1]
+    mu0_vec = as_coordinate_vector(mu0, n_coords, "mu0")
+    sigma0_vec = as_coordinate_vector(sigma0_2, n_coords, "sigma0_2")
+    if (sigma0_vec <= 0).any():
+        raise ParameterError(
+            f"sigma0_2: expected a prior variance > 0, found minimum {sigma0_vec.min():.3g}"
+        )
+    if not (gamma0 > 0 and math.isfinite(gamma0)):
+        raise ParameterError(f"gamma0: expected a finite value > 0, found {gamma0}")
+    if int(sweeps) != sweeps or sweeps < 0:
+        raise ParameterError(f"sweeps: expected an integer >= 0, found {sweeps}")
+    if not (lam >= 0 and math.isfinite(lam)):
+        raise ParameterError(f"lam: expected a finite value >= 0, found {lam}")
+    check_width(width, max(v.shape[0] for v in vecs))
+    run = _Matcher(vecs, precs, mu0=mu0_vec, sigma0_2=sigma0_vec, gamma0=gamma0,
+                   lam=float(lam), kernels=get_backend(backend), log_det=log_det)
+    objective, lap_totals, moves = [], [], []
+
+    def refine(cap: int | None, at_least_one: bool) -> None:
+        rng = np.random.default_rng(seed)
+        n_sweeps = int(sweeps) if n_clients > 1 else 0
+        for _ in range(max(n_sweeps, 1 if at_least_one else 0)):
+            total, moved = run.sweep(rng, cap)
+            objective.append(run.objective())
+            lap_totals.append(total)
+            moves.append(moved)
+            if moved == 0:
+                # A fixed point: every client's assignment is optimal given the others.
+                break
+
+    lap_totals.append(run.greedy())
+    objective.append(run.objective())
+    refine(None, False)
+    inferred = run.state.size
+    pruned = split = padded = 0
+    if width is not None:
+        pruned = run.keep_most_massive(width)
+        # Members of pruned globals are placed by the re-match (every client is taken
+        # out and matched again, at most `width` globals open).
+        refine(width, pruned > 0)
+        split, padded = run.fill(width)
+
+    means, final_precisions, counts = _final_posterior(run.state, vecs, precs, run.assignments)
+    report = _report(run.assignments, counts, objective, lap_totals, run.timing,
+                     run.kernels.name, true_labels)
+    report.update(inferred_width=inferred, pruned=pruned, split=split, padded=padded,
+                  moves=moves,
+                  sweeps_run=len(moves))
+    logger.debug("matched layer: %d clients -> %d global neurons (inferred %d)",
+                 n_clients, means.shape[0], inferred)
+    return LayerMatching(means, final_precisions, counts, run.assignments, report)
+
+
+def _final_posterior(
+    state: _GlobalState,
+    vecs: list[np.ndarray],
+    precs: list[np.ndarray],
+    assignments: list[np.ndarray],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Posterior means recomputed from the assignments (no drift from add/remove)."""
+    n_global = state.size
+    sums = np.tile(state.prior_sum, (n_global, 1))
+    precisions = np.tile(state.prior_precision, (n_global, 1))
+    counts = np.zeros(n_global, dtype=np.int64)
+    for rows, v, p in zip(assignments, vecs, precs, strict=True):
+        matching.add_rows(sums, rows, v, 1.0, p)
+        matching.add_rows(precisions, rows, p, 1.0)
+        counts[rows] += 1
+    return sums / precisions, precisions, counts
+
+
+def _objective(state: _GlobalState, data_term: float, n_clients: int, gamma0: float) -> float:
+    """2 x negative log posterior (Eq. 3 with Eq. 4), up to assignment-independent constants.
+
+    Gaussian part: sum_i sum_p [ sum_{z in Z_i} s (w_z - m_i)^2 + (m_i - mu0)^2 / sigma0^2 ];
+    IBP part: -2 [ J log gamma0 + sum_i log((S - m_i)! (m_i - 1)! / S!) ] with m_i the
+    size of global i (the history-multiplicity factor of the IBP is left out);
+    ``data_term`` = sum over all local neurons of sum_p s_p w_p^2 (fixed).
+    """
+    sums, precisions, counts = state.view()
+    prior_term = float(np.sum(state.prior_sum * state.prior_sum / state.prior_precision))
+    gaussian = data_term + sums.shape[0] * prior_term - float(np.sum(sums * sums / precisions))
+    log_ibp = sums.shape[0] * math.log(gamma0) + sum(
+        math.lgamma(n_clients - m + 1) + math.lgamma(m) - math.lgamma(n_clients + 1)
+        for m in counts.tolist()
+    )
+    return gaussian - 2.0 * log_ibp
+
+
+def matching_purity(assignments: Sequence[np.ndarray], true_labels: Sequence[np.ndarray]) -> float:
+    """Share of local neurons whose global neuron's majority true label is their own.
+
+    Args:
+        assignments: per client, (J_s,) global index of each local neuron.
+        true_labels: per client, (J_s,) ground-truth identity of each local neuron.
+
+    Returns:
+        sum over globals of the size of their largest true-label group, / number of neurons.
+    """
+    glob = np.concatenate([np.asarray(a) for a in assignments])
+    truth = np.concatenate([np.asarray(t) for t in true_labels])
+    if glob.size == 0:
+        return 1.0
+    pairs = np.unique(np.stack([glob, truth]), axis=1, return_counts=True)
+    (pair_glob, _), pair_counts = pairs
+    best = np.zeros(int(glob.max()) + 1, dtype=np.int64)
+    np.maximum.at(best, pair_glob, pair_counts)
+    return float(best.sum() / glob.size)
+
+
+def _report(
+    assignments: list[np.ndarray],
+    counts: np.ndarray,
+    objective: list[float],
+    lap_totals: list[float],
+    timing: dict[str, float],
+    backend: str,
+    true_labels: Sequence[np.ndarray] | None,
+) -> dict[str, Any]:
+    clients = []
+    for rows in assignments:
+        matched = int(np.count_nonzero(counts[rows] > 1))
+        clients.append(
+            {"width": int(rows.size), "matched": matched, "new": int(rows.size) - matched}
+        )
+    report: dict[str, Any] = {
+        "width": int(counts.size),
+        "clients": clients,
+        "objective": objective,
+        "assignment_cost": lap_totals,
+        "time_cost_s": timing["cost"],
+        "time_assignment_s": timing["assignment"],
+        "n_assignments": int(timing["n"]),
+        "backend": backend,
+    }
+    if true_labels is not None:
+        report["purity"] = matching_purity(assignments, true_labels)
+    return report

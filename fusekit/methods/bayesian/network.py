@@ -1,0 +1,350 @@
+"""Whole networks: hidden layers matched bottom-up (ALGORITHMS.md §2-3), then the output layer
+and the tensors outside the layers.
+
+Each client's incoming weights are first mapped into the global index space of the layer
+below (``fusekit.core.neurons``), BatchNorm folded. The last hidden layer's vectors also
+carry the outgoing weights (NAFI paper, Problem Formulation). Every local neuron gets a
+global neuron (a target width is never below the widest client), so the next layer's
+incoming dimension is always the fused width of the layer below, and the weights leaving
+a global neuron are those of its members.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from fusekit.core import neurons
+from fusekit.core.errors import IncompatibleModelsError, ParameterError
+from fusekit.methods.avg import average_tensor, class_shares
+from fusekit.methods.base import sample_weights
+from fusekit.methods.bayesian import empirical
+from fusekit.methods.bayesian.layer import BACKENDS, check_width, match_neurons
+
+logger = logging.getLogger(__name__)
+
+VARIANCE_UNITS = ("relative", "absolute")
+UNOBSERVED = ("mask", "zeros")
+UNLIMITED = "unlimited"
+#: Default fused width, relative to the widest client (see the README, "PFNM and NAFI").
+DEFAULT_WIDTH_RATIO = 1.5
+
+
+@dataclass(frozen=True)
+class BayesianParams:
+    """Parameters of PFNM / NAFI; see ``BayesianMatching.fuse`` for their meaning and units.
+
+    ``sigma`` / ``sigma0`` / ``gamma`` are None when estimated (empirical Bayes); ``width``
+    is None (use ``width_ratio``), an int, a tuple per hidden layer, or ``"unlimited"``.
+    """
+
+    lam: float = 0.0
+    width: int | tuple[int, ...] | str | None = None
+    width_ratio: float | None = None
+    sigma: float | tuple[float, ...] | None = None
+    sigma0: float | None = None
+    gamma: float | None = None
+    mu0: float = 0.0
+    sweeps: int = 5
+    seed: int = 0
+    class_share: bool | None = None
+    unobserved: str = "mask"
+    variance_units: str = "relative"
+    backend: str = "core"
+
+    def as_json(self) -> dict[str, Any]:
+        out = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        for key in ("sigma", "width"):
+            if isinstance(out[key], tuple):
+                out[key] = list(out[key])
+        return out
+
+
+def as_sigma(sigma: Any) -> float | tuple[float, ...] | None:
+    """``sigma`` as None, one variance or a tuple of per-client variances (never a string)."""
+    if sigma is None:
+        return None
+    if isinstance(sigma, str):
+        raise ParameterError(f"sigma: expected a number or one number per client, found {sigma!r}")
+    try:
+        values = np.asarray(sigma, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise ParameterError(
+            f"sigma: expected a number or one number per client, found {sigma!r}"
+        ) from None
+    if values.ndim > 1:
+        raise ParameterError(f"sigma: expected a number or a 1-D list, found shape {values.shape}")
+    return float(values) if values.ndim == 0 else tuple(values.tolist())
+
+
+def as_width(width: Any) -> int | tuple[int, ...] | str | None:
+    """``width`` as None, ``"unlimited"``, one int or a tuple of ints (one per hidden layer);
+    a string of digits or comma-separated digits (the CLI's form) is read as numbers."""
+    if width is None or width == UNLIMITED:
+        return width
+    if isinstance(width, str):
+        try:
+            parts = [int(p) for p in width.split(",")]
+        except ValueError:
+            raise ParameterError(
+                f"width: expected an integer, a comma-separated list of integers or "
+                f"{UNLIMITED!r}, found {width!r}"
+            ) from None
+        return parts[0] if len(parts) == 1 else tuple(parts)
+    if isinstance(width, Sequence):
+        values = tuple(width)
+        for value in values:
+            check_width(value, 1)
+        return values
+    check_width(width, 1)
+    return int(width)
+
+
+def ratio_width(ratio: float, widest: int) -> int:
+    """``ratio`` x ``widest`` rounded half up (1.5 x 7 = 11), never below ``widest``."""
+    return max(widest, math.floor(ratio * widest + 0.5))
+
+
+def layer_widths(
+    params: BayesianParams, client_widths: Sequence[Sequence[int]]
+) -> list[int | None]:
+    """The width asked for each hidden layer (None: inferred), from ``width`` or the ratio.
+
+    Args:
+        params: the parameters.
+        client_widths: per client, its hidden widths.
+
+    Raises:
+        ParameterError: both width and width_ratio given, a ratio below 1, a list of the
+            wrong length, or a width below the widest client.
+    """
+    widest = [max(ws) for ws in zip(*client_widths, strict=True)]
+    if params.width is not None and params.width_ratio is not None:
+        raise ParameterError("width and width_ratio: expected one of them, found both")
+    if params.width == UNLIMITED:
+        return [None] * len(widest)
+    if params.width is None:
+        ratio = DEFAULT_WIDTH_RATIO if params.width_ratio is None else params.width_ratio
+        if not (math.isfinite(ratio) and ratio >= 1.0):
+            raise ParameterError(f"width_ratio: expected a finite number >= 1, found {ratio}")
+        return [ratio_width(ratio, w) for w in widest]
+    asked = (list(params.width) if isinstance(params.width, tuple)
+             else [params.width] * len(widest))
+    if len(asked) != len(widest):
+        raise ParameterError(
+            f"width: expected one value or one per hidden layer ({len(widest)}), "
+            f"found {len(asked)}"
+        )
+    for index, (value, least) in enumerate(zip(asked, widest, strict=True)):
+        check_width(value, least, f"width (hidden layer {index})")
+    return asked
+
+
+def _client_sigmas(sigma: float | Sequence[float], n_clients: int) -> np.ndarray:
+    values = np.atleast_1d(np.asarray(sigma, dtype=np.float64))
+    if values.ndim != 1 or values.size not in (1, n_clients):
+        raise ParameterError(
+            f"sigma: expected one variance or one per client ({n_clients}), found {values.size}"
+        )
+    if not (np.isfinite(values).all() and (values > 0).all()):
+        raise ParameterError(
+            f"sigma: expected finite variances > 0, found minimum {np.nanmin(values):.3g}"
+            if np.isfinite(values).any() else "sigma: expected finite variances > 0"
+        )
+    return np.broadcast_to(values, (n_clients,)).copy()
+
+
+def _check_params(params: BayesianParams) -> None:
+    if params.variance_units not in VARIANCE_UNITS:
+        raise ParameterError(
+            f"variance_units: expected one of {VARIANCE_UNITS}, found {params.variance_units!r}"
+        )
+    if params.unobserved not in UNOBSERVED:
+        raise ParameterError(
+            f"unobserved: expected one of {UNOBSERVED}, found {params.unobserved!r}"
+        )
+    for name in ("sigma0", "gamma"):
+        value = getattr(params, name)
+        if value is not None and not (value > 0 and math.isfinite(value)):
+            raise ParameterError(f"{name}: expected a finite value > 0, found {value}")
+    if not (params.lam >= 0 and math.isfinite(params.lam)):
+        raise ParameterError(f"lam: expected a finite value >= 0, found {params.lam}")
+    if params.backend not in BACKENDS:
+        raise ParameterError(f"backend: expected one of {BACKENDS}, found {params.backend!r}")
+
+
+def _class_shares(checkpoints, n_classes: int, wanted: bool | None) -> np.ndarray | None:
+    """(S, K) class shares f_sk when class-share weighting is on, else None."""
+    have = all(c.class_counts is not None for c in checkpoints)
+    if wanted is None:
+        wanted = have
+    return class_shares(checkpoints, n_classes) if wanted else None
+
+
+def _hyperparameters(params, sigmas, vecs, observed, unit, index):
+    """Per-client sigma^2 (S, P), sigma0^2 (P,), gamma0 and the report entry of one layer:
+    given values as they are, the others estimated (:mod:`.empirical`, in units of v)."""
+    scale = np.ones_like(unit) if params.variance_units == "relative" else 1.0 / unit
+    given_sigma = None if sigmas is None else sigmas[:, None] * scale  # (S, P) in units of v
+    given_sigma0 = None if params.sigma0 is None else params.sigma0 * scale
+    # The estimator works with scalars in units of v: a given per-coordinate value
+    # (absolute units) enters as its mean over the layer.
+    found = empirical.estimate(
+        vecs, observed, unit,
+        sigma2=None if given_sigma is None else float(given_sigma.mean()),
+        sigma0_2=None if given_sigma0 is None else float(np.mean(given_sigma0)),
+        gamma0=params.gamma, mu0=params.mu0, sweeps=params.sweeps, seed=params.seed + index,
+        backend=params.backend,
+    )
+    shape = (len(vecs), unit.size)
+    sigma2 = unit * (np.full(shape, found.sigma2) if given_sigma is None
+                     else np.broadcast_to(given_sigma, shape))
+    sigma0_2 = unit * (np.full(unit.size, found.sigma0_2) if given_sigma0 is None
+                       else np.broadcast_to(given_sigma0, unit.shape))
+    report = {
+        "sigma2": float(np.mean(sigma2)), "sigma0_2": float(np.mean(sigma0_2)),
+        "sigma2_relative": float(np.mean(sigma2 / unit)),
+        "sigma0_2_relative": float(np.mean(sigma0_2 / unit)),
+        "gamma0": found.gamma0, "estimated": list(found.estimated), "em_rounds": found.rounds,
+    }
+    return sigma2, sigma0_2, found.gamma0, report
+
+
+def fuse_network(checkpoints, specs, params: BayesianParams, method: str):
+    """Fuse sequential MLP/CNN clients with PFNM (``params.lam == 0``) or NAFI.
+
+    Output layer: with one hidden layer, the outgoing part of the matched vectors; deeper,
+    the output weights mapped to global indices and averaged over the clients that observe
+    each column. Its weights use class shares f_sk = N_sk / sum_s N_sk when class-share
+    weighting is on, else sample shares; the output bias likewise (NAFI Algorithm 2,
+    line 7). Class-share precision: an outgoing weight to class k gets precision
+    f_sk / sigma_s^2.
+
+    Units: v (per coordinate, constant within the incoming, bias and outgoing blocks) is the
+    per-coordinate variance of all clients' neuron vectors of the layer averaged over the
+    block (:func:`fusekit.core.neurons.block_variances`). Estimated sigma^2 / sigma0^2 are
+    multiples of v; given ones are multiples of v with ``variance_units="relative"``,
+    variances in weight units with ``"absolute"``. ``mu0`` is in weight units.
+
+    Args:
+        checkpoints: clients in canonical order.
+        specs: their permutation specs (same structure, any hidden widths).
+        params: BayesianParams.
+        method: name used in messages.
+
+    Returns:
+        (state_dict, fused PermutationSpec, report dict).
+
+    Raises:
+        IncompatibleModelsError: PAN checkpoints, or tensors outside the layers that differ.
+        ParameterError: out-of-range parameters.
+    """
+    neurons.refuse_position_aware(checkpoints, specs, method)
+    n_clients = len(checkpoints)
+    _check_params(params)
+    sigmas = None if params.sigma is None else _client_sigmas(params.sigma, n_clients)
+    spec = specs[0]
+    widths = layer_widths(params, [sp.hidden_widths for sp in specs])
+    clients = [neurons.client_layers(c, sp) for c, sp in zip(checkpoints, specs, strict=True)]
+    n_hidden = len(spec.layers) - 1
+    shares = _class_shares(checkpoints, spec.out_features, params.class_share)
+    alphas = sample_weights(checkpoints)
+    fused: list[neurons.UnitLayer] = []
+    below: list[np.ndarray | None] = [None] * n_clients
+    n_below = spec.in_features
+    layer_reports = []
+    outgoing = None
+    for index in range(n_hidden):
+        start = time.perf_counter()
+        last = index == n_hidden - 1
+        vecs, observed = [], []
+        for s in range(n_clients):
+            vec, obs, layout = neurons.neuron_vectors(
+                clients[s][index], below[s], n_below, clients[s][index + 1] if last else None
+            )
+            vecs.append(vec)
+            observed.append(obs if params.unobserved == "mask" else np.ones(layout.size, bool))
+        unit = neurons.block_variances(vecs, observed, layout)
+        sigma2, sigma0_2, gamma0, hyper = _hyperparameters(
+            params, sigmas, vecs, observed, unit, index)
+        precisions = []
+        for s in range(n_clients):
+            precision = observed[s] / sigma2[s]
+            if last and shares is not None:
+                precision[layout.outgoing] *= np.repeat(shares[s], layout.block_out)
+            precisions.append(precision)
+        result = match_neurons(
+            vecs, precisions, mu0=params.mu0, sigma0_2=sigma0_2, gamma0=gamma0,
+            sweeps=params.sweeps, seed=params.seed + index, lam=params.lam,
+            width=widths[index], backend=params.backend,
+        )
+        incoming, bias, outgoing = layout.split(result.means)
+        fused.append(neurons.UnitLayer(incoming, bias))
+        layer_reports.append({"layer": spec.layers[index].name, "width_asked": widths[index],
+                              **result.report, "hyperparameters": hyper,
+                              "variance_unit": sorted({float(u) for u in unit})})
+        logger.info("%s: hidden layer %d/%d (%s): width %d (inferred %d), sigma^2/v=%.3g, "
+                    "sigma0^2/v=%.3g, gamma0=%.3g, %.2f s", method, index + 1, n_hidden,
+                    spec.layers[index].name, result.width, result.report["inferred_width"],
+                    hyper["sigma2_relative"], hyper["sigma0_2_relative"], gamma0,
+                    time.perf_counter() - start)
+        below, n_below = result.assignments, result.width
+    head = [c[-1] for c in clients]
+    fused.append(_output_layer(head, below, n_below, outgoing if n_hidden == 1 else None,
+                               shares, alphas))
+    fused_spec = spec.with_hidden_widths([layer.out_features for layer in fused[:-1]])
+    state_dict = neurons.to_state_dict(checkpoints, spec, fused)
+    state_dict.update(_other_tensors(checkpoints, spec, alphas))
+    report = {
+        "layers": layer_reports,
+        "class_share": shares is not None,
+        "time_cost_s": sum(r["time_cost_s"] for r in layer_reports),
+        "time_assignment_s": sum(r["time_assignment_s"] for r in layer_reports),
+    }
+    return state_dict, fused_spec, report
+
+
+def _output_layer(head, below, n_below, matched_outgoing, shares, alphas):
+    """The fused output layer in unit form (see :func:`fuse_network`)."""
+    weights = shares if shares is not None else np.repeat(alphas[:, None], head[0].bias.size, 1)
+    bias = np.einsum("sk,sk->k", weights, np.stack([h.bias for h in head]))
+    bias /= weights.sum(0)
+    if matched_outgoing is not None:
+        return neurons.UnitLayer(matched_outgoing, bias)
+    mapped = [neurons.map_incoming(h.weight, below[s], n_below) for s, h in enumerate(head)]
+    stacked = np.stack([m for m, _ in mapped])  # (S, K, J, block)
+    seen = np.stack([o for _, o in mapped]).astype(np.float64)  # (S, J)
+
+    def average(w):  # w: (S, K)
+        num = np.einsum("sk,sj,skjb->kjb", w, seen, stacked)
+        den = np.einsum("sk,sj->kj", w, seen)
+        return num, den
+
+    num, den = average(weights)
+    if (den <= 0).any():
+        # No observer of column j has data of class k (or column j is an inert padded
+        # global no client observes): use sample shares, and 0 where nobody observes j.
+        fallback_num, fallback_den = average(np.repeat(alphas[:, None], num.shape[0], 1))
+        num = np.where((den > 0)[..., None], num, fallback_num)
+        den = np.where(den > 0, den, fallback_den)
+    return neurons.UnitLayer(num / np.maximum(den, 1e-300)[..., None], bias)
+
+
+def _other_tensors(checkpoints, spec, alphas) -> dict[str, np.ndarray]:
+    """Tensors outside the layers (never width-dependent here): sample-weighted average."""
+    out = {}
+    for name in spec.other:
+        arrays = [c.tensor(name) for c in checkpoints]
+        if any(a.shape != arrays[0].shape for a in arrays):
+            raise IncompatibleModelsError(
+                f"tensor {name!r} is outside the matched layers and its shape differs between "
+                "clients; describe it in a JSON spec file (--spec) or fuse with avg"
+            )
+        out[name] = average_tensor(arrays, alphas, name)
+    return out
