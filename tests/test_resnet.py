@@ -6,6 +6,7 @@ BatchNorm folded in float64 and written back in float32; the logits are O(1)).
 """
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -19,6 +20,8 @@ from fusekit.core.arch import hidden_widths, infer_arch, named_arch, with_hidden
 from fusekit.core.checkpoint import Checkpoint, load_checkpoint
 from fusekit.core.errors import IncompatibleModelsError, SpecError
 from fusekit.core.spec import GraphSpec, infer_spec, permute, spec_from_json
+from fusekit.methods import METHODS
+from fusekit.methods.base import FusionMethod
 from fusekit.toolkit.nn import build_model
 from fusekit.toolkit.nn.zoo import resnet18, resnet20, resnet50, vgg
 
@@ -64,8 +67,8 @@ def small_vgg11_bn() -> nn.Module:
 
 
 def small_resnet18() -> nn.Module:
-    """resnet18's layout at half its widths."""
-    return resnet18(10, widths=_scaled("resnet18", 2))
+    """resnet18's layout at a quarter of its widths."""
+    return resnet18(10, widths=_scaled("resnet18", 4))
 
 
 MODELS = {
@@ -201,8 +204,13 @@ def test_permuting_every_group_keeps_the_function(name):
 
 # --- every method -----------------------------------------------------------------------
 
+#: PFNM/NAFI at the clients' width with a tiny client noise: permuted copies match exactly and
+#: the posterior means equal the copies' weights up to sigma^2 / sigma0^2 = 1e-6.
+COPY_PARAMS = {"width_ratio": 1.0, "sigma": 1e-6, "sigma0": 1.0}
+
+
 @pytest.mark.parametrize("name", list(MODELS))
-@pytest.mark.parametrize("method", ["ot", "rebasin", "ams", "avg"])
+@pytest.mark.parametrize("method", ["ot", "rebasin", "ams", "avg", "pfnm", "nafi"])
 def test_fusing_permuted_copies_gives_back_the_function(tmp_path, name, method):
     model = _model(name)
     state = numpy_state(model)
@@ -214,7 +222,8 @@ def test_fusing_permuted_copies_gives_back_the_function(tmp_path, name, method):
         # avg cannot undo permutations: it gets the copies as they are
         copy = state if method == "avg" else permute(state, spec, _random_perms(spec, 10 + s))
         clients.append(write(tmp_path / f"c{s}.safetensors", copy, num_samples=10 + s))
-    result = fusekit.fuse(clients, method)
+    result = fusekit.fuse(clients, method,
+                          **(COPY_PARAMS if method in ("pfnm", "nafi") else {}))
     assert result.report["peak_memory_mb"] > 0
     path = result.save(tmp_path / "fused.safetensors")
     fused = fusekit.load_fused(path, device="cpu")
@@ -246,12 +255,46 @@ def test_full_resnet18_fused_file_loads_into_resnet18_strictly(tmp_path):
         torch.testing.assert_close(fresh.eval()(x), model(x), rtol=0, atol=ATOL)
 
 
-@pytest.mark.parametrize("method", ["pfnm", "nafi"])
-def test_methods_without_groups_refuse_residual_networks(tmp_path, method):
+class _SequentialOnly(FusionMethod):
+    name = "sequential-only-for-test"
+    summary = "a method that fuses sequential networks only"
+
+    def fuse(self, checkpoints, specs):
+        raise AssertionError("never called on a residual network")
+
+
+def test_methods_without_groups_refuse_residual_networks(tmp_path, monkeypatch):
+    monkeypatch.setitem(METHODS, _SequentialOnly.name, _SequentialOnly)
     state = numpy_state(_model("resnet20"))
     clients = [write(tmp_path / f"c{s}.safetensors", state) for s in range(2)]
-    with pytest.raises(IncompatibleModelsError, match=r"residual network.*rebasin"):
-        fusekit.fuse(clients, method)
+    with pytest.raises(IncompatibleModelsError, match=r"residual network.*pfnm.*rebasin"):
+        fusekit.fuse(clients, _SequentialOnly.name)
+
+
+@pytest.mark.parametrize("method", ["pfnm", "nafi"])
+def test_pfnm_grows_every_member_of_a_group_to_the_width_asked(tmp_path, method):
+    """Width target per group (ratio and explicit widths); every member of a group takes
+    the group's width, and the file rebuilds strictly at the fused widths."""
+    torch.manual_seed(0)
+    widths = _scaled("resnet20", 2)
+    clients = [write(tmp_path / f"c{s}.safetensors",
+                     _random_statistics(resnet20(10, widths=widths), s)) for s in range(2)]
+    ratio = fusekit.fuse(clients, method, width_ratio=1.5, sweeps=1)
+    assert ratio.widths == [math.floor(1.5 * w + 0.5) for w in widths]
+    asked = [w + 1 + i % 3 for i, w in enumerate(widths)]
+    result = fusekit.fuse(clients, method, width=asked, sweeps=1)
+    assert result.widths == asked
+    assert [r["width"] for r in result.report["layers"]] == [
+        asked[i] for i in sorted(range(len(widths)),
+                                 key=infer_spec(numpy_state(resnet20(10))).writes.index)]
+    path = result.save(tmp_path / "fused.safetensors")
+    rebuilt = resnet20(10, widths=asked)  # strict: every member grew with its group
+    rebuilt.load_state_dict({k: torch.from_numpy(np.array(v))
+                             for k, v in load_checkpoint(path).state_dict().items()}, strict=True)
+    fused = fusekit.load_fused(path, device="cpu")
+    with torch.no_grad():
+        torch.testing.assert_close(fused(_inputs()), rebuilt.eval()(_inputs()))
+        assert torch.isfinite(fused(_inputs())).all()
 
 
 def test_rebasin_backends_agree_and_sequential_networks_work(tmp_path):

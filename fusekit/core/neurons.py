@@ -212,12 +212,14 @@ def neuron_vectors(
 
 
 def block_variances(vectors: Sequence[np.ndarray], observed: Sequence[np.ndarray],
-                    layout: VectorLayout) -> np.ndarray:
+                    layout: VectorLayout | np.ndarray) -> np.ndarray:
     """Per-coordinate variance of the clients' neuron vectors, averaged within each block.
 
     For every coordinate, the variance over all clients' neurons that observe it; then the
-    mean over the coordinates of each block (incoming weights, bias, outgoing weights).
-    This is the unit in which PFNM/NAFI express sigma^2 and sigma0^2 by default.
+    mean over the coordinates of each block (incoming weights, bias, outgoing weights; or,
+    given an int array of block labels per coordinate, each labelled block — a residual
+    group's member parts). This is the unit in which PFNM/NAFI express sigma^2 and
+    sigma0^2 by default.
 
     Returns:
         (P,) float64, constant within each block, > 0 (a block of constant values gets the
@@ -231,14 +233,13 @@ def block_variances(vectors: Sequence[np.ndarray], observed: Sequence[np.ndarray
     safe = np.maximum(count, 1)
     mean = total / safe
     var = np.maximum(squares / safe - mean * mean, 0.0)
-    labels = layout.blocks()
-    per_block = {}
+    labels = layout.blocks() if isinstance(layout, VectorLayout) else np.asarray(layout)
+    table = np.zeros(int(labels.max()) + 1)
     for block in np.unique(labels):
         cols = (labels == block) & (count > 0)
-        per_block[block] = float(var[cols].mean()) if cols.any() else 0.0
-    positive = [v for v in per_block.values() if v > 0]
-    fallback = float(np.mean(positive)) if positive else 1.0
-    table = np.array([per_block.get(b, 0.0) or fallback for b in range(3)])
+        table[block] = float(var[cols].mean()) if cols.any() else 0.0
+    positive = table[table > 0]
+    table[table <= 0] = float(positive.mean()) if positive.size else 1.0
     return table[labels]
 
 
