@@ -297,6 +297,31 @@ def test_pfnm_grows_every_member_of_a_group_to_the_width_asked(tmp_path, method)
         assert torch.isfinite(fused(_inputs())).all()
 
 
+@pytest.mark.parametrize("name", ["resnet50", "vgg11_bn", "resnet20"])
+@pytest.mark.parametrize("method", ["pfnm", "ams"])
+def test_output_folder_card_loads_residual_and_vgg_models_without_fusekit(
+        tmp_path, name, method, monkeypatch):
+    from typer.testing import CliRunner
+
+    from fusekit._cli.app import app
+
+    state = numpy_state(_model(name))
+    clients = [str(write(tmp_path / f"c{s}.safetensors", state, num_samples=10 + s))
+               for s in range(2)]
+    folder = tmp_path / "out"
+    result = CliRunner().invoke(app, ["fuse", *clients, "-m", method, "-o", f"{folder}/"])
+    assert result.exit_code == 0, result.output
+    snippet = (folder / "README.md").read_text().split("```python\n")[1].split("```")[0]
+    assert "fusekit" not in snippet
+    monkeypatch.chdir(folder)
+    namespace: dict = {}
+    exec(compile(snippet, "README.md", "exec"), namespace)  # runs the card's example call too
+    x = _inputs()
+    with torch.no_grad():
+        torch.testing.assert_close(namespace["predict"](x),
+                                   fusekit.load_fused(folder / "fused.safetensors", "cpu")(x))
+
+
 def test_rebasin_backends_agree_and_sequential_networks_work(tmp_path):
     from conftest import mlp
 
