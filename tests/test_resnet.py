@@ -134,28 +134,68 @@ def test_resnet18_groups_follow_the_residual_streams():
     assert ("fc.weight", 1) in [(a.tensor, a.axis) for a in last]
 
 
-@pytest.mark.parametrize("name", ["resnet18", "resnet34", "resnet50", "resnet20", "resnet56"])
+FAMILIES = ["resnet18", "resnet34", "resnet50", "resnet20", "resnet56", "vgg11", "vgg11_bn",
+            "vgg16", "vgg16_bn"]
+
+
+def _shapes(arch) -> dict[str, tuple[int, ...]]:
+    """A module's tensor shapes without allocating its weights (meta device)."""
+    with torch.device("meta"):
+        return {k: tuple(v.shape) for k, v in build_model(arch).state_dict().items()}
+
+
+@pytest.mark.parametrize("name", FAMILIES)
 def test_every_tensor_axis_is_in_exactly_the_right_groups(name):
     arch = named_arch(name, 10)
-    shapes = {k: tuple(v.shape) for k, v in build_model(arch).state_dict().items()}
+    shapes = _shapes(arch)
     spec = infer_spec(shapes)
+    assert isinstance(spec, GraphSpec) == name.startswith("resnet")
     assert spec.other == ()
     assert spec.hidden_widths == hidden_widths(arch)
     moved: dict[tuple[str, int], int] = {}
     for g, width in enumerate(spec.hidden_widths):
         members = spec.group(g)
-        assert members, f"group {spec.group_names[g]} is empty"
+        assert members, f"group {g} is empty"
         for ref in members:
             assert shapes[ref.tensor][ref.axis] == width * ref.block
             moved[ref.tensor, ref.axis] = moved.get((ref.tensor, ref.axis), 0) + 1
     assert max(moved.values()) == 1  # no axis moves with two groups
+    first, last = spec.layers[0], spec.layers[-1]
+    assert last.out_features == 10
     for tensor, shape in shapes.items():
         if tensor.endswith("num_batches_tracked"):
             continue
-        expected = {0} if tensor != "fc.weight" and tensor != "fc.bias" else set()
-        if len(shape) > 1 and tensor != "conv1.weight":
-            expected.add(1)  # every weight reads a group, except the stem's from the image
+        expected = set() if tensor in last.tensors else {0}
+        if len(shape) > 1 and tensor != first.weight:
+            expected.add(1)  # every weight reads a group, except the first's from the image
         assert {axis for (t, axis) in moved if t == tensor} == expected, tensor
+
+
+@pytest.mark.parametrize("name", ["resnet50", "vgg16_bn"])
+def test_inspect_prints_the_groups(tmp_path, name):
+    from typer.testing import CliRunner
+
+    from fusekit._cli.app import app
+
+    arch = named_arch(name, 10)
+    small = with_hidden_widths(arch, [max(w // 32, 2) for w in hidden_widths(arch)])
+    path = write(tmp_path / "m.safetensors", build_model(small))
+    spec = infer_spec(_shapes(small))
+    text = CliRunner().invoke(app, ["inspect", str(path)])
+    assert text.exit_code == 0, text.output
+    for group in spec.group_names:
+        assert f"permutation group {group}: " in text.output
+    report = json.loads(CliRunner().invoke(app, ["inspect", str(path), "--json"]).stdout)
+    groups = dict(zip(report["files"][0]["group_names"], report["files"][0]["permutation_groups"],
+                      strict=True))
+    if name == "resnet50":
+        assert {"layer2.0.downsample.0.weight[axis 0]", "layer2.3.conv3.weight[axis 0]",
+                "layer3.0.conv1.weight[axis 1]", "layer3.0.downsample.0.weight[axis 1]"} <= set(
+                    groups["layer2.0"])
+    listed = " ".join(" ".join(members) for members in groups.values())
+    for tensor in _shapes(small):
+        if not tensor.endswith("num_batches_tracked") and tensor != spec.layers[-1].bias:
+            assert f"{tensor}[axis" in listed, tensor  # the classifier's bias is never moved
 
 
 def test_each_group_alone_keeps_the_function():
@@ -422,10 +462,10 @@ def test_spec_file_version_2_errors(change, message):
         spec_from_json(spec, numpy_state(TinyResidual()))
 
 
-@pytest.mark.parametrize("name", ["resnet18", "resnet50", "resnet20", "vgg11_bn", "vgg16"])
+@pytest.mark.parametrize("name", FAMILIES)
 def test_architectures_are_recognised_and_rebuilt_at_any_width(name):
     arch = named_arch(name, 7)
-    shapes = {k: tuple(v.shape) for k, v in build_model(arch).state_dict().items()}
+    shapes = _shapes(arch)
     assert infer_arch(shapes) == arch
     assert infer_spec(shapes).hidden_widths == hidden_widths(arch)
     # every group its own width, small enough to build quickly
