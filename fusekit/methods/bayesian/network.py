@@ -380,31 +380,23 @@ def fuse_groups(checkpoints, specs, params: BayesianParams, method: str):
     widths = layer_widths(params, [sp.hidden_widths for sp in specs])
     assignments: list[list[np.ndarray | None]] = [[None] * n_groups for _ in checkpoints]
     fused_widths: list[int | None] = [None] * n_groups
-    relative: list[tuple[np.ndarray, float]] = [(np.ones(n_clients), 1.0)] * n_groups
+    relative: list[tuple[np.ndarray, float] | None] = [None] * n_groups
     reports = []
     for group in sorted(range(n_groups), key=spec.writes.index):
         start = time.perf_counter()
-        built = [_group_vector(checkpoints[s], specs[s], group, assignments[s], fused_widths)
-                 for s in range(n_clients)]
-        vecs = [v for v, _, _ in built]
-        observed = [o if params.unobserved == "mask" else np.ones_like(o) for _, o, _ in built]
-        unit = neurons.block_variances(vecs, observed, built[0][2])
-        sigma2, sigma0_2, gamma0, hyper = _hyperparameters(
-            params, sigmas, vecs, observed, unit, group)
-        result = match_neurons(
-            vecs, [o / s2 for o, s2 in zip(observed, sigma2, strict=True)], mu0=params.mu0,
-            sigma0_2=sigma0_2, gamma0=gamma0, sweeps=params.sweeps, seed=params.seed + group,
-            lam=params.lam, width=widths[group], backend=params.backend)
+        result, relative[group], hyper = _match_group(checkpoints, specs, group, assignments,
+                                                      fused_widths, params, sigmas,
+                                                      widths[group])
         for s in range(n_clients):
             assignments[s][group] = result.assignments[s]
         fused_widths[group] = result.width
-        relative[group] = ((sigma2 / unit).mean(axis=1), float(np.mean(sigma0_2 / unit)))
         reports.append({"layer": spec.group_names[group], "width_asked": widths[group],
                         **result.report, "hyperparameters": hyper,
                         "members": len(spec.writers(group)) + len(spec.readers(group))})
         logger.info("%s: group %s: width %d (inferred %d), %.2f s", method,
                     spec.group_names[group], result.width, result.report["inferred_width"],
                     time.perf_counter() - start)
+        del result  # its posterior arrays: one group's worth of memory
     shares = _class_shares(checkpoints, spec.out_features, params.class_share)
     alphas = sample_weights(checkpoints)
     fused = [_fuse_layer(checkpoints, specs, index, assignments, fused_widths, relative,
@@ -421,6 +413,26 @@ def fuse_groups(checkpoints, specs, params: BayesianParams, method: str):
         "time_assignment_s": sum(r["time_assignment_s"] for r in reports),
     }
     return state_dict, fused_spec, report
+
+
+def _match_group(checkpoints, specs, group, assignments, fused_widths, params, sigmas,
+                 width):
+    """Match one group (see :func:`fuse_groups`): the LayerMatching, the group's (per-client
+    sigma^2 / v, sigma0^2 / v) and its hyperparameter report. The clients' vectors live
+    only while this runs."""
+    built = [_group_vector(checkpoints[s], specs[s], group, assignments[s], fused_widths)
+             for s in range(len(checkpoints))]
+    vecs = [v for v, _, _ in built]
+    observed = [o if params.unobserved == "mask" else np.ones_like(o) for _, o, _ in built]
+    unit = neurons.block_variances(vecs, observed, built[0][2])
+    sigma2, sigma0_2, gamma0, hyper = _hyperparameters(params, sigmas, vecs, observed, unit,
+                                                       group)
+    result = match_neurons(
+        vecs, [o / s2 for o, s2 in zip(observed, sigma2, strict=True)], mu0=params.mu0,
+        sigma0_2=sigma0_2, gamma0=gamma0, sweeps=params.sweeps, seed=params.seed + group,
+        lam=params.lam, width=width, backend=params.backend)
+    relative = ((sigma2 / unit).mean(axis=1), float(np.mean(sigma0_2 / unit)))
+    return result, relative, hyper
 
 
 def _read_layer(checkpoint, layer) -> neurons.UnitLayer:
