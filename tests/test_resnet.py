@@ -486,11 +486,15 @@ def test_checkpoints_release_what_they_read(tmp_path):
 
 
 def test_trained_resnets_on_digits_fuse_with_every_method():
-    """The benchmark's trained case, tiny: accuracies are reported, not asserted."""
+    """The benchmark's trained case, tiny: fused accuracies go to RESULTS.md; here only that
+    training worked and that AMS, which keeps every client, answers as well as one."""
     from bench_resnet import trained_case
 
-    rows = trained_case(n_clients=3, epochs=1, methods=("avg", "ot", "rebasin", "ams"))
-    assert [row["model"] for row in rows] == ["client 0", "client 1", "client 2", "avg", "ot",
-                                              "rebasin", "ams"]
-    assert all(0.0 <= row["accuracy"] <= 1.0 for row in rows)
-    assert rows[4]["widths"] == rows[0]["widths"]  # ot: the anchor's widths
+    methods = ("avg", "ot", "rebasin", "pfnm", "nafi", "ams")
+    rows = trained_case(n_clients=2, epochs=2, methods=methods)
+    assert [row["model"] for row in rows] == ["client 0", "client 1", *methods]
+    clients, fused = rows[:2], dict(zip(methods, rows[2:], strict=True))
+    assert min(row["accuracy"] for row in clients) > 0.5  # ten classes: chance is 0.1
+    assert fused["ams"]["accuracy"] > 0.5
+    assert fused["ot"]["widths"] == fused["rebasin"]["widths"] == clients[0]["widths"]
+    assert fused["pfnm"]["widths"] == [math.floor(1.5 * w + 0.5) for w in clients[0]["widths"]]
