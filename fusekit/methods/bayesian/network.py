@@ -299,15 +299,24 @@ def fuse_network(checkpoints, specs, params: BayesianParams, method: str):
     fused.append(_output_layer(head, below, n_below, outgoing if n_hidden == 1 else None,
                                shares, alphas))
     fused_spec = spec.with_hidden_widths([layer.out_features for layer in fused[:-1]])
+    return _state_dict(checkpoints, spec, fused, alphas), fused_spec, _report(layer_reports,
+                                                                               shares)
+
+
+def _state_dict(checkpoints, spec, fused, alphas) -> dict[str, np.ndarray]:
+    """The fused layers as the clients' tensors, plus the tensors outside the layers."""
     state_dict = neurons.to_state_dict(checkpoints, spec, fused)
     state_dict.update(_other_tensors(checkpoints, spec, alphas))
-    report = {
+    return state_dict
+
+
+def _report(layer_reports, shares) -> dict[str, Any]:
+    return {
         "layers": layer_reports,
         "class_share": shares is not None,
         "time_cost_s": sum(r["time_cost_s"] for r in layer_reports),
         "time_assignment_s": sum(r["time_assignment_s"] for r in layer_reports),
     }
-    return state_dict, fused_spec, report
 
 
 def _output_layer(head, below, n_below, matched_outgoing, shares, alphas):
@@ -402,17 +411,10 @@ def fuse_groups(checkpoints, specs, params: BayesianParams, method: str):
     fused = [_fuse_layer(checkpoints, specs, index, assignments, fused_widths, relative,
                          params.mu0, shares, alphas) for index in range(len(spec.layers))]
     fused_spec = spec.with_hidden_widths(fused_widths)
-    state_dict = neurons.to_state_dict(checkpoints, spec, fused)
-    state_dict.update(_other_tensors(checkpoints, spec, alphas))
+    state_dict = _state_dict(checkpoints, spec, fused, alphas)
     for checkpoint in checkpoints:
         checkpoint.release()
-    report = {
-        "layers": reports,
-        "class_share": shares is not None,
-        "time_cost_s": sum(r["time_cost_s"] for r in reports),
-        "time_assignment_s": sum(r["time_assignment_s"] for r in reports),
-    }
-    return state_dict, fused_spec, report
+    return state_dict, fused_spec, _report(reports, shares)
 
 
 def _match_group(checkpoints, specs, group, assignments, fused_widths, params, sigmas,
