@@ -246,7 +246,7 @@ def test_permuting_every_group_keeps_the_function(name):
 
 #: PFNM/NAFI at the clients' width with a tiny client noise: permuted copies match exactly and
 #: the posterior means equal the copies' weights up to sigma^2 / sigma0^2 = 1e-6.
-COPY_PARAMS = {"width_ratio": 1.0, "sigma": 1e-6, "sigma0": 1.0}
+COPY_PARAMS = {"width_ratio": 1.0, "sigma": 1e-6, "sigma0": 1.0, "gamma": 1.0}
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -349,7 +349,9 @@ def test_output_folder_card_loads_residual_and_vgg_models_without_fusekit(
     clients = [str(write(tmp_path / f"c{s}.safetensors", state, num_samples=10 + s))
                for s in range(2)]
     folder = tmp_path / "out"
-    result = CliRunner().invoke(app, ["fuse", *clients, "-m", method, "-o", f"{folder}/"])
+    fixed = ["--sigma", "1", "--sigma0", "1", "--gamma", "1", "--sweeps", "0"]  # no EM: fast
+    result = CliRunner().invoke(app, ["fuse", *clients, "-m", method, "-o", f"{folder}/",
+                                      *(fixed if method == "pfnm" else [])])
     assert result.exit_code == 0, result.output
     snippet = (folder / "README.md").read_text().split("```python\n")[1].split("```")[0]
     assert "fusekit" not in snippet
