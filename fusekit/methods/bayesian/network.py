@@ -6,7 +6,8 @@ below (``fusekit.core.neurons``), BatchNorm folded. The last hidden layer's vect
 carry the outgoing weights (NAFI paper, Problem Formulation). Every local neuron gets a
 global neuron (a target width is never below the widest client), so the next layer's
 incoming dimension is always the fused width of the layer below, and the weights leaving
-a global neuron are those of its members.
+a global neuron are those of its members. Residual networks (a GraphSpec) are matched
+group by group instead (:func:`fuse_groups`, ALGORITHMS.md §9).
 """
 
 from __future__ import annotations
@@ -375,7 +376,7 @@ def fuse_groups(checkpoints, specs, params: BayesianParams, method: str):
     :func:`fuse_network` (class or sample shares over the clients observing a column).
 
     Clients' tensors are read per group and released after, so memory holds one group of
-    every client plus the fused model, not every client's model.
+    every client and its posterior, then the fused model, never every client's model.
 
     Returns:
         (state_dict, fused GraphSpec, report dict).
