@@ -500,3 +500,29 @@ def test_trained_resnets_on_digits_fuse_with_every_method():
     assert fused["ams"]["accuracy"] > 0.5
     assert fused["ot"]["widths"] == fused["rebasin"]["widths"] == clients[0]["widths"]
     assert fused["pfnm"]["widths"] == [math.floor(1.5 * w + 0.5) for w in clients[0]["widths"]]
+
+
+def test_eval_throughput_measures_every_fused_file_on_every_device():
+    from bench_resnet import THROUGHPUT, eval_throughput, markdown
+
+    rows = eval_throughput(["resnet20"], batch=2, seconds=0.01)
+    devices = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
+    assert [(r["fused with"], r["device"]) for r in rows] == [
+        (label, device) for label in THROUGHPUT for device in devices]
+    assert [r["widths"] for r in rows[::len(devices)]] == ["1.00x", "1.50x"]
+    assert all(r["images_per_s"] > 0 and r["image"] == 32 for r in rows)
+    table = markdown(rows).splitlines()
+    assert len(table) == 2 + len(rows) and table[0].startswith("| model | fused with |")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fused_resnet_runs_on_cuda_like_on_the_cpu(tmp_path):
+    state = numpy_state(_model("resnet20"))
+    clients = [write(tmp_path / f"c{s}.safetensors", state) for s in range(2)]
+    path = fusekit.fuse(clients, "pfnm", **COPY_PARAMS).save(tmp_path / "fused.safetensors")
+    x = _inputs()
+    with torch.no_grad():
+        gpu = fusekit.load_fused(path, device="cuda")(x.cuda()).cpu()
+        torch.testing.assert_close(gpu, fusekit.load_fused(path, device="cpu")(x),
+                                   rtol=1e-4, atol=1e-4)
