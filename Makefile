@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 # already installed in .venv).
 TORCH  ?= torch==2.13.0
 
-.PHONY: install demo test bench clean
+.PHONY: install demo flower-demo test bench clean
 
 $(PY):
 	@echo "==> creating $(VENV)"
@@ -17,11 +17,16 @@ $(PY):
 # pip's own lines show progress: the C++ core takes about two minutes to build.
 install: $(PY)
 	@echo "==> installing $(TORCH) and fusekit with its C++ core into $(VENV) (about 2 minutes)"
-	$(PY) -m pip install --progress-bar on "$(TORCH)" -e ".[test,bench]"
+	$(PY) -m pip install --progress-bar on "$(TORCH)" -e ".[test,bench,serve,flower]"
 	@echo "==> installed: $$($(PY) -m fusekit --version | tr '\n' ' ')"
 
 demo: install
 	$(PY) -m fusekit demo
+
+# A Flower federation on this machine: a SuperLink and three SuperNodes on 127.0.0.1, one
+# round of examples/flower per method; every process it starts is stopped at the end.
+flower-demo: install
+	$(PY) examples/flower/demo.py
 
 test:
 	$(PY) -m pytest

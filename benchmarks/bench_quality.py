@@ -31,7 +31,6 @@ and the "Accuracy against fused width (<data>)" section.
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import logging
 import math
@@ -45,7 +44,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from bench_support import machine_info
+from bench_support import machine_info, save_figure, write_section
 
 import fusekit
 from fusekit.core.checkpoint import write_atomic
@@ -401,16 +400,6 @@ def log_axis(ax, xlabel: str, title: str) -> None:
     ax.grid(alpha=0.3)
 
 
-def save_figure(plt, fig, axes, path: Path) -> None:
-    """Put the legend on the last panel, write the figure as PNG atomically, close it."""
-    axes[0][-1].legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
-    image = io.BytesIO()
-    fig.savefig(image, format="png", dpi=120)
-    plt.close(fig)
-    write_atomic(path, image.getvalue())
-
-
 def plot_alpha(rows: list[dict[str, Any]], path: Path) -> bool:
     """Accuracy against the Dirichlet alpha, one line per method, one panel per data set."""
     plt = pyplot()
@@ -434,22 +423,14 @@ def plot_alpha(rows: list[dict[str, Any]], path: Path) -> bool:
             )
         log_axis(ax, "Dirichlet alpha (larger = closer to iid)", f"{data}, S = 10, 1 hidden layer")
         ax.set_xticks(alphas, [f"{a:g}" for a in alphas])
-    save_figure(plt, fig, axes, path)
+    axes[0][-1].legend(fontsize=7, loc="lower right")
+    save_figure(fig, path)
     return True
 
 
 def write_results_md(section: str, path: Path,
                      markers: tuple[str, str] = (BEGIN, END)) -> None:
-    begin, end = markers
-    block = f"{begin}\n{section.strip()}\n{end}\n"
-    text = path.read_text() if path.exists() else "# fusekit benchmark results\n\n"
-    if begin in text and end in text:
-        before, rest = text.split(begin, 1)
-        after = rest.split(end, 1)[1].lstrip("\n")
-        text = before + block + ("\n" + after if after else "")
-    else:
-        text = text.rstrip("\n") + "\n\n" + block
-    write_atomic(path, text.encode())
+    write_section(path, section, *markers)
 
 # --------------------------------------------------------------------------------------
 # Frontier: accuracy against the fused width
@@ -559,7 +540,8 @@ def plot_frontier(rows: list[dict[str, Any]], path: Path) -> bool:
             if label in cells:
                 ax.axhline(100 * cells[label][0], linestyle=style, color="grey", label=label)
         log_axis(ax, "fused hidden width (clients: 100)", f"{key[0]} {key[1]}, S = {fewest}")
-    save_figure(plt, fig, axes, path)
+    axes[0][-1].legend(fontsize=7, loc="lower right")
+    save_figure(fig, path)
     return True
 
 

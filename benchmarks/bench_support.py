@@ -40,6 +40,34 @@ def write_json(path: str | os.PathLike[str], payload: dict[str, Any]) -> None:
     print(f"wrote {path}")
 
 
+def write_section(path: str | os.PathLike[str], section: str, begin: str, end: str) -> None:
+    """Put ``section`` between the ``begin``/``end`` marker lines of a markdown file (appended
+    when the markers are missing), atomically; the rest of the file is kept."""
+    path = Path(path)
+    block = f"{begin}\n{section.strip()}\n{end}\n"
+    text = path.read_text() if path.exists() else "# fusekit benchmark results\n\n"
+    if begin in text and end in text:
+        before, rest = text.split(begin, 1)
+        after = rest.split(end, 1)[1].lstrip("\n")
+        text = before + block + ("\n" + after if after else "")
+    else:
+        text = text.rstrip("\n") + "\n\n" + block
+    write_atomic(path, text.encode())
+
+
+def save_figure(fig: Any, path: str | os.PathLike[str], dpi: int = 120) -> None:
+    """Lay out a matplotlib figure, write it as PNG atomically, and close it."""
+    import io
+
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    image = io.BytesIO()
+    fig.savefig(image, format="png", dpi=dpi)
+    plt.close(fig)
+    write_atomic(path, image.getvalue())
+
+
 def random_mlp(width: int = 100, seed: int = 0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     return {"net.0.weight": rng.normal(0, 784 ** -0.5, (width, 784)),

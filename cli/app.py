@@ -7,36 +7,14 @@ never import torch, POT or scikit-learn.
 from __future__ import annotations
 
 import logging
-import types
 
 import typer
 from rich.logging import RichHandler
-from typer.core import TyperCommand, TyperGroup
 
-from fusekit._cli import demo, evaluate, fuse, inspect, simulate
+from fusekit._cli import demo, evaluate, fuse, inspect, job, serve, simulate, submit
+from fusekit._cli.options import Command, Group
 from fusekit._cli.output import VerboseOption, handle_errors, set_verbose, stderr, stdout
 from fusekit._version import __version__
-
-
-def _plain_help(params):
-    """No type placeholders in --help: flags show none, arguments only their name."""
-    for param in params:
-        if getattr(param, "is_flag", False) and param.metavar is None:
-            param.metavar = ""
-        elif param.param_type_name == "argument":
-            param.display_type_rich = types.MethodType(lambda _self, ctx: None, param)
-    return params
-
-
-class Command(TyperCommand):
-    def get_params(self, ctx):
-        return _plain_help(super().get_params(ctx))
-
-
-class Group(TyperGroup):
-    def get_params(self, ctx):
-        return _plain_help(super().get_params(ctx))
-
 
 app = typer.Typer(
     cls=Group,
@@ -75,6 +53,10 @@ app.command("inspect", cls=Command)(handle_errors(inspect.inspect))
 app.command("simulate", cls=Command)(handle_errors(simulate.simulate))
 app.command("evaluate", cls=Command)(handle_errors(evaluate.evaluate))
 app.command("demo", cls=Command)(handle_errors(demo.demo))
+app.command("serve", cls=Command)(handle_errors(serve.serve))
+app.command("worker", cls=Command)(handle_errors(serve.worker))
+app.command("submit", cls=Command)(handle_errors(submit.submit))
+app.add_typer(job.app, name="job")
 
 
 def main() -> None:

@@ -20,6 +20,7 @@ import fusekit
 from fusekit._cli.options import JsonOption
 from fusekit._cli.output import emit_json, stdout
 from fusekit._cli.recipe import Recipe, load_recipe, resolve_output, write_folder
+from fusekit.api import fusion_summary
 from fusekit.core.errors import FusekitError, OutputError, ParameterError
 from fusekit.methods import METHODS
 from fusekit.methods.params import ParamSpec, from_text, method_params
@@ -118,14 +119,8 @@ def fuse(
     target = resolve_output(recipe.output, recipe.method, force=force, inputs=recipe.inputs)
     start = time.perf_counter()
     result = _run(recipe)
-    summary: dict[str, Any] = {
-        "output": str(target.path) + ("/" if target.folder else ""),
-        "method": result.method,
-        "params": result.params,
-        "widths": result.widths,
-        "time_s": time.perf_counter() - start,
-        "report": result.report,
-    }
+    summary = fusion_summary(result, str(target.path) + ("/" if target.folder else ""),
+                             time.perf_counter() - start)
     try:
         if target.folder:
             write_folder(target.path, result, recipe, summary, force=force)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import types
 from pathlib import Path
 from typing import Annotated
 
 import typer
+from typer.core import TyperCommand, TyperGroup
 
 JsonOption = Annotated[
     bool, typer.Option("--json", help="Print machine-readable JSON on stdout.")
@@ -27,3 +29,23 @@ ClassesOption = Annotated[int, typer.Option("--classes", help="synthetic: number
 DeviceOption = Annotated[
     str, typer.Option("--device", help="auto (cuda when available), cpu or cuda.")
 ]
+
+
+def _plain_help(params):
+    """No type placeholders in --help: flags show none, arguments only their name."""
+    for param in params:
+        if getattr(param, "is_flag", False) and param.metavar is None:
+            param.metavar = ""
+        elif param.param_type_name == "argument":
+            param.display_type_rich = types.MethodType(lambda _self, ctx: None, param)
+    return params
+
+
+class Command(TyperCommand):
+    def get_params(self, ctx):
+        return _plain_help(super().get_params(ctx))
+
+
+class Group(TyperGroup):
+    def get_params(self, ctx):
+        return _plain_help(super().get_params(ctx))

@@ -34,6 +34,8 @@ VerboseOption = Annotated[
 def set_verbose(verbose: bool) -> None:
     state["verbose"] = verbose
     logging.getLogger().setLevel(logging.DEBUG if verbose else logging.INFO)
+    # One line per HTTP request of the service client is debugging detail.
+    logging.getLogger("httpx").setLevel(logging.DEBUG if verbose else logging.WARNING)
 
 
 def handle_errors(command):

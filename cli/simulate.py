@@ -1,9 +1,11 @@
-"""``fusekit simulate``: train simulated clients and write one checkpoint per client."""
+"""``fusekit simulate``: train simulated clients and write one checkpoint per client, or,
+with ``--rounds``, run rounds of local training and fusion and write the global model."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -21,6 +23,11 @@ from fusekit._cli.options import (
 )
 from fusekit._cli.output import emit_json, stderr, stdout
 from fusekit.core.arch import describe_arch
+from fusekit.core.errors import ParameterError
+
+if TYPE_CHECKING:
+    from fusekit.toolkit.data import Dataset
+    from fusekit.toolkit.rounds import RoundsConfig
 
 
 def simulate(
@@ -67,6 +74,38 @@ def simulate(
     lr: Annotated[
         float | None, typer.Option("--lr", help="Learning rate [adam 3e-3, sgd 0.05].")
     ] = None,
+    fed2: Annotated[
+        bool,
+        typer.Option("--fed2", help="Fed² structure: the last --fed2-depth layers in groups."),
+    ] = False,
+    fed2_groups: Annotated[
+        int | None,
+        typer.Option("--fed2-groups", help="Fed²: groups G [default: one per class]."),
+    ] = None,
+    fed2_depth: Annotated[
+        int, typer.Option("--fed2-depth", help="Fed²: decoupled layers, logit layer included.")
+    ] = 2,
+    rounds: Annotated[
+        int | None,
+        typer.Option(
+            "--rounds",
+            help="Run R rounds of local training from the global model and fusion; writes "
+            "OUT/global.safetensors and OUT/rounds.json instead of client files.",
+        ),
+    ] = None,
+    method: Annotated[
+        str,
+        typer.Option(
+            "--method",
+            "-m",
+            help="--rounds: fusion method (avg and fed2 every round; pfnm, nafi, ot fuse "
+            "round 1, then avg).",
+        ),
+    ] = "avg",
+    clients_per_round: Annotated[
+        int | None,
+        typer.Option("--clients-per-round", help="--rounds: clients sampled per round [all]."),
+    ] = None,
     fednlr: Annotated[
         bool,
         typer.Option(
@@ -85,8 +124,12 @@ def simulate(
     force: Annotated[bool, typer.Option("--force", help="Replace existing client files.")] = False,
     as_json: JsonOption = False,
 ) -> None:
-    """Split a data set across simulated clients, train one model each, write checkpoints."""
-    from fusekit.toolkit.data import load_dataset
+    """Split a data set across simulated clients, train one model each, write checkpoints;
+    with --rounds, federated rounds of local training and fusion."""
+    if rounds is None and (method != "avg" or clients_per_round is not None):
+        raise ParameterError("--method and --clients-per-round: only with --rounds R")
+    from fusekit.toolkit.data import load_dataset  # torch: only for commands that train
+    from fusekit.toolkit.rounds import RoundsConfig
     from fusekit.toolkit.simulate import SimulationConfig, client_archs, simulate_clients
     from fusekit.toolkit.train import FedNLRConfig, TrainConfig
 
@@ -112,6 +155,7 @@ def simulate(
         arch=arch[0] if len(arch) == 1 else arch,
         batchnorm=batchnorm,
         pan=pan_settings,
+        fed2={"groups": fed2_groups or dataset.num_classes, "depth": fed2_depth} if fed2 else None,
         shared_init=shared_init or fednlr,
         train=TrainConfig(
             epochs=epochs,
@@ -123,6 +167,11 @@ def simulate(
         seed=seed,
     )
     client_archs(config, dataset)  # reject a bad --arch before any training
+    if rounds is not None:
+        rounds_config = RoundsConfig(rounds=rounds, method=method,
+                                     clients_per_round=clients_per_round, simulation=config)
+        _run_rounds(dataset, rounds_config, out, device, force, as_json)
+        return
     columns = (
         TextColumn("training clients"),
         BarColumn(),
@@ -168,4 +217,57 @@ def simulate(
             row["arch"],
             f"{row['final_loss']:.4f}",
         )
+    stdout.print(table)
+
+
+def _run_rounds(dataset: Dataset, config: RoundsConfig, out: Path, device: str, force: bool,
+                as_json: bool) -> None:
+    from fusekit.core.checkpoint import save_checkpoint, write_atomic
+    from fusekit.core.errors import OutputError
+    from fusekit.toolkit.rounds import run_rounds
+
+    model_path, log_path = out / "global.safetensors", out / "rounds.json"
+    if out.exists() and not out.is_dir():
+        raise OutputError(f"{out}: --out must be a directory, found a file")
+    for path in (model_path, log_path):
+        if path.exists() and not force:
+            raise OutputError(f"{path}: output file exists; pass --force to replace it")
+    columns = (
+        TextColumn("rounds"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[accuracy]}"),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=stderr, transient=True) as progress:
+        task = progress.add_task("rounds", total=config.rounds, accuracy="")
+        result = run_rounds(
+            dataset,
+            config,
+            device=device,
+            on_round=lambda log: progress.update(
+                task, advance=1, accuracy=f"accuracy {log.accuracy:.4f}"
+            ),
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    checkpoint = result.global_checkpoint
+    save_checkpoint(model_path, checkpoint.state_dict(), checkpoint.metadata, force=force)
+    summary = {
+        "data": dataset.name,
+        "method": config.method,
+        "global": str(model_path),
+        "log": str(log_path),
+        **result.as_dict(),
+    }
+    write_atomic(log_path, (json.dumps(summary, indent=2) + "\n").encode(), force=force)
+    if as_json:
+        emit_json(summary)
+        return
+    from rich.table import Table
+
+    table = Table("round", "method", "clients", "accuracy", "loss", "drift", "dislocated",
+                  title=f"{config.rounds} rounds on {dataset.name} -> {model_path}")
+    for log in result.rounds:
+        table.add_row(str(log.round), log.method, str(len(log.clients)), f"{log.accuracy:.4f}",
+                      f"{log.loss:.4f}", f"{log.drift:.4f}", f"{100 * log.misaligned:.1f}%")
     stdout.print(table)

@@ -23,8 +23,8 @@ from fusekit.core.spec import (
     spec_from_json,
 )
 from fusekit.methods import METHODS, get_method
-from fusekit.methods.base import FusionResult, provenance
-from fusekit.methods.params import method_params, validate
+from fusekit.methods.base import FusionMethod, FusionResult, provenance
+from fusekit.methods.params import ParamSpec, method_params, validate
 
 log = logging.getLogger(__name__)
 
@@ -67,9 +67,7 @@ def fuse(
         )
     if not inputs:
         raise ParameterError("inputs: expected at least one checkpoint, got none")
-    fusion = get_method(method)
-    declared = method_params(fusion)
-    validate(fusion.name, declared, params)
+    fusion, declared = validate_params(method, params)
     if len(inputs) == 1:
         log.warning("fusing a single checkpoint with %s: there is nothing to combine; the "
                     "result is that client's model", fusion.name)
@@ -116,6 +114,33 @@ def _peak_memory():
         out["mb"] = round(tracemalloc.get_traced_memory()[1] / 2**20, 1)
         if started:
             tracemalloc.stop()
+
+
+def validate_params(method: str, params: Mapping[str, Any]
+                    ) -> tuple[FusionMethod, list[ParamSpec]]:
+    """The method and its declared parameters, once ``params`` passed that declaration:
+    what :func:`fuse` checks before reading any checkpoint (front doors call it to refuse a
+    request early).
+
+    Raises:
+        UnknownMethodError, ParameterError: bad method name or parameters.
+    """
+    fusion = get_method(method)
+    declared = method_params(fusion)
+    validate(fusion.name, declared, dict(params))
+    return fusion, declared
+
+
+def fusion_summary(result: FusionResult, output: str, time_s: float) -> dict[str, Any]:
+    """The report of one fusion: what ``fusekit fuse --json`` prints and the service serves."""
+    return {
+        "output": output,
+        "method": result.method,
+        "params": result.params,
+        "widths": result.widths,
+        "time_s": time_s,
+        "report": result.report,
+    }
 
 
 def _in_canonical_order(params: dict[str, Any], names: Sequence[str],

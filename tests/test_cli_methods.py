@@ -20,14 +20,17 @@ import yaml
 from typer.testing import CliRunner
 
 import fusekit
+from conftest import write
 from fusekit._cli.app import app
 from fusekit._cli.fuse import fuse_command, method_options
 from fusekit._cli.output import handle_errors
+from fusekit.core.arch import mlp_arch, validate_arch
 from fusekit.core.checkpoint import load_checkpoint, save_checkpoint
 from fusekit.core.errors import ParameterError
 from fusekit.methods import METHODS
 from fusekit.methods.base import FusionMethod
 from fusekit.methods.params import method_params, parameter_reference
+from fusekit.toolkit.nn import build_model
 
 runner = CliRunner()
 EVERY_METHOD = sorted(METHODS)
@@ -42,9 +45,21 @@ def text(result) -> str:
     return " ".join(result.output.split())
 
 
+def inputs_for(method: str, mlp_clients: list[Path], tmp_path: Path) -> list[Path]:
+    """The 6-5-3 MLP clients, or for fed2 three 6-5-3 Fed² clients (one class a group)."""
+    if method != "fed2":
+        return mlp_clients
+    arch = validate_arch({**mlp_arch(6, [5], 3), "fed2": {"groups": 3, "depth": 2}})
+    (tmp_path / "fed2").mkdir()
+    return [write(tmp_path / "fed2" / f"client{i}.safetensors", build_model(arch, seed=i),
+                  num_samples=10 + i, class_counts=str([5, 3, 2 + i]), arch=json.dumps(arch))
+            for i in range(3)]
+
+
 @pytest.mark.parametrize("method", EVERY_METHOD)
 @pytest.mark.parametrize("as_json", [False, True], ids=["text", "json"])
 def test_fuse_inspect_evaluate_every_method(mlp_clients, tmp_path, method, as_json):
+    mlp_clients = inputs_for(method, mlp_clients, tmp_path)
     out = tmp_path / f"{method}.safetensors"
     flag = ["--json"] if as_json else []
     result = run("fuse", *mlp_clients, "-m", method, "-o", out, *flag)
@@ -114,7 +129,7 @@ def test_help_shows_every_declared_parameter_plainly():
         assert placeholder not in help_text
     assert not re.search(r" \.\s*│", help_text), "a stray ' .' at a line end"
     assert "./fused-<method>.safetensors" in help_text
-    assert "ams|avg|nafi|ot|pfnm" in help_text
+    assert "|".join(EVERY_METHOD) in help_text
     assert "mask|zeros" in help_text and "[default: mask]" in help_text
     assert "[default: 5]" in help_text and "<= 1000" in help_text
     for name in EVERY_METHOD:
@@ -228,6 +243,7 @@ def test_recipe_file_with_command_line_override(mlp_clients, tmp_path):
 @pytest.mark.parametrize("method", EVERY_METHOD)
 def test_output_folder_and_a_loader_without_fusekit(mlp_clients, tmp_path, method,
                                                      monkeypatch):
+    mlp_clients = inputs_for(method, mlp_clients, tmp_path)
     folder = tmp_path / "out"
     result = run("fuse", *mlp_clients, "-m", method, "-o", f"{folder}/", "--json")
     assert result.exit_code == 0, result.output

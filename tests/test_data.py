@@ -191,7 +191,7 @@ def test_cifar10_hostile_pickle_executes_nothing(tmp_path, payload):
     for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
         (data / name).write_bytes(pickle.dumps(payload(marker)))
     with pytest.raises(DataError, match=r"data_batch_1: not a CIFAR-10 python batch \(refused "
-                                        r"global (builtins|io)\.open"):
+                                        r"global (builtins|_?io)\.open"):
         load_dataset("cifar10", data_dir=data)
     assert not marker.exists()
 
@@ -233,10 +233,11 @@ def _archive_claiming(rows: int):
     (lambda p: p.write_bytes(b"PK\x03\x04" + b"\0" * 60),
      r"not a readable \.npz file \(File is not a zip"),
     (lambda p: p.write_bytes(b"just text"), r"not a readable \.npz file"),
-    (_archive_claiming(10**12), r"an array does not fit in memory"),
-    (_archive_claiming(1000), r"not a readable \.npz file"),
+    (_archive_claiming(10**12), r"x_train: header claims 12000000000000 bytes of float32 "
+                                r"data of shape \(1000000000000, 3\); the file holds 64"),
+    (_archive_claiming(1000), r"x_train: header claims 12000 bytes"),
     (lambda p: p.write_bytes(_npy(np.zeros(3))),
-     r"not a readable \.npz file \(expected a \.npz archive, found one ndarray\)"),
+     r"not a readable \.npz file \(File is not a zip file\)"),
 ])
 def test_npz_hostile_files(tmp_path, write, message):
     path = tmp_path / "bad.npz"

@@ -58,6 +58,8 @@ def outputs(model: torch.nn.Module, x: torch.Tensor) -> np.ndarray:
 @pytest.mark.parametrize("method", sorted(METHODS))
 def test_every_method_round_trips(tmp_path, method, kind):
     arch = arch_of(kind)
+    if METHODS[method].client_structure == "fed2":  # Fed² clients: 2 groups, last 2 layers
+        arch = {**arch, "fed2": {"groups": 2, "depth": 2}}
     paths = [write_client(tmp_path / f"c{i}.safetensors", arch, seed=i, num_samples=10 + i)
              for i in range(3)]
     saved = fusekit.fuse(paths, method=method).save(tmp_path / "fused.safetensors")

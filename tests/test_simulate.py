@@ -184,3 +184,15 @@ def test_fednlr_clients_get_neuron_wise_rates():
         assert r.mean() == pytest.approx(0.05)
         mu = 2.0 + index / 3 + 0.5 * np.log(r.size)
         assert r.max() / r.min() == pytest.approx(mu)
+
+
+def test_cli_fed2_clients(tmp_path):
+    out = tmp_path / "ckpts"
+    args = ["simulate", "--clients", "2", "--arch", "conv:4,6/6", "--fed2", "--fed2-groups", "2",
+            "--fed2-depth", "3", "--epochs", "1", "--device", "cpu", "--out", str(out), "--json"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    arch = load_checkpoint(out / "client_00.safetensors").arch
+    assert arch["fed2"] == {"groups": 2, "depth": 3, "classes": [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]}
+    bad = CliRunner().invoke(app, [*args[:-3], "--fed2-groups", "11", "--out", str(tmp_path / "x")])
+    assert bad.exit_code == 2 and "fed2.groups" in bad.output

@@ -8,7 +8,8 @@ An architecture is a JSON object::
      "kernel_size": 3, "pool": true, "hidden": [], "out_features": 10, "pan": null}
 
 ``pan`` is null or ``{"mode": "multiplicative"|"additive", "amplitude": A, "period": T}``
-(position-aware neurons, PANs paper Eq. 4-5).
+(position-aware neurons, PANs paper Eq. 4-5). An optional ``fed2`` entry describes a Fed²
+grouped structure (:mod:`fusekit.core.fed2`).
 
 torchvision's families, built with exactly torchvision's tensor names and shapes::
 
@@ -41,12 +42,13 @@ from typing import Any
 import numpy as np
 
 from fusekit.core.errors import SpecError
+from fusekit.core.fed2 import validate_fed2
 
 ARCH_TYPES = ("mlp", "convnet", "resnet", "vgg")
 PAN_MODES = ("multiplicative", "additive")
 DEFAULT_PAN = {"mode": "multiplicative", "amplitude": 0.1, "period": 1.0}
 
-_MLP_KEYS = {"type", "in_features", "hidden", "out_features", "batchnorm", "pan"}
+_MLP_KEYS = {"type", "in_features", "hidden", "out_features", "batchnorm", "pan", "fed2"}
 _CONVNET_KEYS = {
     "type",
     "in_channels",
@@ -57,6 +59,7 @@ _CONVNET_KEYS = {
     "hidden",
     "out_features",
     "pan",
+    "fed2",
 }
 _RESNET_KEYS = {"type", "name", "block", "layers", "stem", "in_channels", "out_features",
                 "widths"}
@@ -138,6 +141,9 @@ def validate_arch(arch: Mapping[str, Any]) -> dict[str, Any]:
                 f"{out['image_size']} image to nothing; use fewer channels blocks or pool=false"
             )
     out["pan"] = validate_pan(arch.get("pan"))
+    if arch.get("fed2") is not None:  # Fed² structure (fusekit.core.fed2); absent otherwise
+        widths = out["hidden"] if kind == "mlp" else out["channels"] + out["hidden"]
+        out["fed2"] = validate_fed2(arch["fed2"], num_classes=out["out_features"], widths=widths)
     return out
 
 
@@ -346,6 +352,8 @@ def describe_arch(arch: Mapping[str, Any]) -> str:
         return (f"{arch['name'] or arch['type']} {arch['in_channels']}-{arch['out_features']}"
                 + ("" if standard else " (widths changed)"))
     pan = f" +PAN({arch['pan']['mode'][:4]})" if arch["pan"] else ""
+    if arch.get("fed2"):
+        pan += f" +Fed2(G={arch['fed2']['groups']}, d={arch['fed2']['depth']})"
     if arch["type"] == "mlp":
         dims = [arch["in_features"], *arch["hidden"], arch["out_features"]]
         return "mlp " + "-".join(map(str, dims)) + pan

@@ -86,27 +86,36 @@ class Checkpoint:
     metadata: dict[str, str]
     tensors: dict[str, TensorInfo]
     _arrays: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
+    source: str | None = None
     #: Absolute byte range of each tensor in the file.
     _offsets: dict[str, tuple[int, int]] = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_state_dict(
-        cls, state_dict: Mapping[str, Any], metadata: Mapping[str, str] | None = None
+        cls,
+        state_dict: Mapping[str, Any],
+        metadata: Mapping[str, str] | None = None,
+        *,
+        source: str | None = None,
     ) -> Checkpoint:
+        """Wrap arrays in memory; ``source`` names them in messages (e.g. ``node 7``)."""
         arrays = {k: _as_numpy(v) for k, v in state_dict.items()}
         ckpt = cls(
             path=None,
             metadata=dict(metadata or {}),
             tensors={k: TensorInfo(_dtype_name(a.dtype), a.shape) for k, a in arrays.items()},
             _arrays=arrays,
+            source=source,
         )
         ckpt._validate_header()
         return ckpt
 
     @property
     def label(self) -> str:
-        """How messages name this checkpoint: its path, or '<in-memory checkpoint>'."""
-        return str(self.path) if self.path is not None else "<in-memory checkpoint>"
+        """How messages name this checkpoint: its path, its source, or '<in-memory checkpoint>'."""
+        if self.path is not None:
+            return str(self.path)
+        return self.source or "<in-memory checkpoint>"
 
     def __len__(self) -> int:
         return len(self.tensors)
@@ -301,10 +310,15 @@ def load_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
                 sl = f.get_slice(name)
                 tensors[name] = TensorInfo(sl.get_dtype(), tuple(sl.get_shape()))
         offsets = _data_offsets(path, header_len)
-    ckpt = Checkpoint(path=path, metadata=metadata, tensors=tensors, _offsets=offsets)
+    return _validate(Checkpoint(path=path, metadata=metadata, tensors=tensors, _offsets=offsets))
+
+
+def _validate(ckpt: Checkpoint) -> Checkpoint:
+    """What every opened checkpoint passes: weight dtypes and shapes, then fusekit's
+    metadata (now, not halfway through a fusion)."""
     ckpt._validate_header()
     for prop in ("num_samples", "class_counts", "arch"):
-        getattr(ckpt, prop)  # validate metadata now, not halfway through a fusion
+        getattr(ckpt, prop)
     return ckpt
 
 
@@ -350,23 +364,84 @@ def _check_header_length(path: Path) -> int:
             prefix = f.read(8)
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot read the checkpoint ({exc.strerror})") from None
+    return header_length(prefix, str(path), size)
+
+
+def header_length(prefix: bytes, label: str, size: int | None = None) -> int:
+    """The JSON header's length from a file's first 8 bytes, checked against the cap and,
+    when known, against the file's ``size``."""
     if len(prefix) < 8:
         raise CheckpointError(
-            f"{path}: not a valid safetensors file (expected an 8-byte header length, found "
-            f"a file of {size} bytes)"
+            f"{label}: not a valid safetensors file (expected an 8-byte header length, found "
+            f"a file of {len(prefix) if size is None else size} bytes)"
         )
-    (header_len,) = struct.unpack("<Q", prefix)
-    if header_len > MAX_HEADER_BYTES:
+    (length,) = struct.unpack("<Q", prefix[:8])
+    if length > MAX_HEADER_BYTES:
         raise CheckpointError(
-            f"{path}: safetensors header claims {header_len} bytes; expected at most "
+            f"{label}: safetensors header claims {length} bytes; expected at most "
             f"{MAX_HEADER_BYTES} (corrupt or malicious file)"
         )
-    if header_len > size - 8:
+    if size is not None and length > size - 8:
         raise CheckpointError(
-            f"{path}: truncated safetensors file (header claims {header_len} bytes, only "
+            f"{label}: truncated safetensors file (header claims {length} bytes, only "
             f"{size - 8} follow)"
         )
-    return header_len
+    return length
+
+
+def check_header(head: bytes, label: str) -> int:
+    """Validate a safetensors header from the file's first bytes alone, before its tensors
+    arrive (a streamed upload): length, JSON, dtypes, shapes, contiguous offsets and
+    fusekit's metadata, as :func:`load_checkpoint` checks them. ``head`` holds at least
+    the 8-byte length and the JSON header.
+
+    Returns:
+        The size in bytes the whole file must have.
+    """
+    length = header_length(head, label)
+    if len(head) < 8 + length:
+        raise CheckpointError(
+            f"{label}: truncated safetensors file (header claims {length} bytes, only "
+            f"{len(head) - 8} follow)"
+        )
+    try:
+        text = head[8:8 + length].decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(f"{label}: not a valid safetensors file (header: {exc})") from None
+    header = meta.load_json(text, f"{label}: safetensors header")
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{label}: safetensors header must be a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(
+            isinstance(v, str) for v in metadata.values()):
+        raise CheckpointError(f"{label}: safetensors metadata must map strings to strings")
+    tensors, end = {}, 0
+    for name, entry in sorted(header.items(), key=lambda item: _offsets(item, label)):
+        begin, stop = _offsets((name, entry), label)
+        dtype, shape = entry.get("dtype"), entry.get("shape")
+        if dtype not in STORAGE_DTYPES or not isinstance(shape, list) or not all(
+                isinstance(d, int) and d >= 0 for d in shape):
+            raise CheckpointError(
+                f"{label}: tensor {name!r} has dtype {dtype!r} and shape {shape!r}; expected a "
+                f"safetensors dtype ({', '.join(STORAGE_DTYPES)}) and non-negative dimensions")
+        expected = np.dtype(STORAGE_DTYPES[dtype]).itemsize * math.prod(shape)
+        if begin != end or stop - begin != expected:
+            raise CheckpointError(
+                f"{label}: tensor {name!r} has data_offsets [{begin}, {stop}]; expected "
+                f"[{end}, {end + expected}] (contiguous, {expected} bytes)")
+        tensors[name], end = TensorInfo(dtype, tuple(shape)), stop
+    _validate(Checkpoint(path=Path(label), metadata=metadata, tensors=tensors))
+    return 8 + length + end
+
+
+def _offsets(item: tuple[str, Any], label: str) -> tuple[int, int]:
+    name, entry = item
+    offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+    if not (isinstance(offsets, list) and len(offsets) == 2
+            and all(isinstance(o, int) and o >= 0 for o in offsets) and offsets[0] <= offsets[1]):
+        raise CheckpointError(
+            f"{label}: tensor {name!r} has data_offsets {offsets!r}; expected [begin, end]")
+    return offsets[0], offsets[1]
 
 
 def save_checkpoint(

@@ -57,7 +57,8 @@ class UnitLayer:
 
 def refuse_position_aware(checkpoints: Sequence[Checkpoint], specs: Sequence[PermutationSpec],
                           method: str) -> None:
-    """Refuse checkpoints trained with position-aware neurons (PANs, ALGORITHMS.md §7).
+    """Refuse checkpoints trained with position-aware neurons (PANs, ALGORITHMS.md §7), and
+    Fed² models (§9), whose neuron positions carry their class groups.
 
     PAN encodings (buffers named ``*.encoding``, or ``"pan"`` set in ``fusekit.arch``) make
     the network depend on neuron positions, so permuting neurons changes its function.
@@ -74,6 +75,12 @@ def refuse_position_aware(checkpoints: Sequence[Checkpoint], specs: Sequence[Per
                 f"{checkpoint.label}: trained with position-aware neurons ({found}); permuting "
                 f"its neurons would change the model, so {method!r} cannot fuse it. Use "
                 "--method avg (coordinate averaging), which PANs are made for."
+            )
+        if arch.get("fed2"):
+            raise IncompatibleModelsError(
+                f"{checkpoint.label}: a Fed² model (\"fed2\" in fusekit.arch) whose neurons "
+                f"are allocated to class groups; {method!r} would permute them across groups. "
+                "Use --method fed2 (feature-paired averaging)."
             )
 
 
@@ -302,7 +309,7 @@ def to_state_dict(checkpoints: Sequence[Checkpoint], spec: PermutationSpec,
 # being hidden layer l). A group's neuron vector concatenates what every member layer holds
 # for that neuron: the rows (incoming weights in unit form, then the bias) of every layer
 # writing the group, and the columns (outgoing weights, every block) of every layer reading
-# it, in layer order. ALGORITHMS.md §9.
+# it, in layer order. ALGORITHMS.md §11.
 
 
 @dataclass(frozen=True)

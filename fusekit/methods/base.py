@@ -16,6 +16,7 @@ from fusekit._version import __version__
 from fusekit.core import metadata as meta
 from fusekit.core.checkpoint import Checkpoint, save_checkpoint
 from fusekit.core.errors import UnknownMethodError
+from fusekit.core.neurons import refuse_position_aware
 from fusekit.core.spec import PermutationSpec
 
 log = logging.getLogger(__name__)
@@ -67,12 +68,27 @@ class FusionMethod(ABC):
     #: True for methods that fuse residual networks (GraphSpec: permutation groups shared
     #: by several layers); the others refuse them.
     handles_groups: ClassVar[bool] = False
+    #: The ``fusekit.arch`` entry every client must have (``"fed2"`` for Fed² models), or
+    #: None for methods that fuse any model; front doors that train plain clients skip it.
+    client_structure: ClassVar[str | None] = None
 
     @abstractmethod
     def fuse(
         self, checkpoints: Sequence[Checkpoint], specs: Sequence[PermutationSpec], **params: Any
     ) -> FusionResult:
         """Fuse clients given in canonical order, each with its permutation spec."""
+
+    def check_client(self, checkpoint: Checkpoint, spec: PermutationSpec) -> None:
+        """Refuse, with the reason :meth:`fuse` gives, a client this method cannot fuse
+        whatever the other clients are; for front doors that screen clients one by one
+        (a Flower round leaves such a reply out). :meth:`fuse` checks again.
+
+        Raises:
+            IncompatibleModelsError: position-aware or Fed² neurons, for a method that
+                permutes neurons.
+        """
+        if self.permutes_neurons:
+            refuse_position_aware([checkpoint], [spec], self.name)
 
     def result(
         self,

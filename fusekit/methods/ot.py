@@ -23,7 +23,7 @@ The output layer only gets step 1: its class axis is never transported.
 
 Residual networks (:class:`~fusekit.core.spec.GraphSpec`) are aligned group by group
 (:func:`align_groups`): a group's ground cost compares the rows of the layers that write it
-and whose inputs are already aligned, and its plan then moves every member (ALGORITHMS §9).
+and whose inputs are already aligned, and its plan then moves every member (ALGORITHMS §11).
 """
 
 from __future__ import annotations
@@ -251,7 +251,7 @@ def align_to_anchor(
 
 def align_groups(anchor: Sequence[neurons.UnitLayer], layers: Sequence[neurons.UnitLayer],
                  spec: GraphSpec) -> tuple[list[neurons.UnitLayer], dict[str, Any]]:
-    """Align one client's groups to the anchor with optimal transport (§5 on groups, §9).
+    """Align one client's groups to the anchor with optimal transport (§5 on groups, §11).
 
     Groups are visited in the order their first writer appears. A group's ground cost is
     the squared distance between the concatenated rows [incoming weights, bias] of the

@@ -1,5 +1,5 @@
 """Weight matching to an anchor (Git Re-Basin, Ainsworth et al. 2023, §3.2 and Algorithm 1),
-then weighted averaging; ALGORITHMS.md §9.
+then weighted averaging; ALGORITHMS.md §11.
 
 Every client is permuted onto the anchor's neuron order, one permutation per group
 (hidden layer, or residual stream shared by many layers), to maximise

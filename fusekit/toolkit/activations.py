@@ -10,13 +10,14 @@ from __future__ import annotations
 import os
 import zipfile
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import numpy as np
 
 from fusekit.core.checkpoint import Checkpoint
 from fusekit.core.errors import DataError, ParameterError
 from fusekit.core.spec import PermutationSpec
+from fusekit.toolkit.data.datasets import read_npy
 
 ActivationSource = str | os.PathLike[str] | np.ndarray
 
@@ -127,41 +128,20 @@ def read_array_file(path: Path) -> np.ndarray:
     try:
         if path.suffix == ".npy":
             with path.open("rb") as f:
-                return _read_npy(f, path.stat().st_size, str(path))
+                return read_npy(f, path.stat().st_size, str(path))
         with zipfile.ZipFile(path) as archive:
             names = archive.namelist()
             for key in ("x", "x_train"):
                 if f"{key}.npy" in names:
                     with archive.open(f"{key}.npy") as f:
                         size = archive.getinfo(f"{key}.npy").file_size
-                        return _read_npy(f, size, f"{path}[{key}]")
+                        return read_npy(f, size, f"{path}[{key}]")
     except DataError:
         raise
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
         raise DataError(f"{path}: not a readable {path.suffix} file ({exc})") from None
     found = sorted(n.removesuffix(".npy") for n in names)
     raise DataError(f"{path}: expected an array named 'x' or 'x_train', found {found}")
-
-
-def _read_npy(f: BinaryIO, size: int, label: str) -> np.ndarray:
-    """Read one .npy stream after checking its header against the bytes really there."""
-    version = np.lib.format.read_magic(f)
-    read_header = {(1, 0): np.lib.format.read_array_header_1_0,
-                   (2, 0): np.lib.format.read_array_header_2_0}.get(version)
-    if read_header is None:
-        raise DataError(f"{label}: unsupported .npy format version {version}")
-    shape, fortran, dtype = read_header(f)
-    if dtype.hasobject:
-        raise DataError(f"{label}: holds Python objects ({dtype}); expected a numeric array")
-    claimed = int(np.prod(shape, dtype=object)) * dtype.itemsize
-    available = size - f.tell()
-    if claimed > available:
-        raise DataError(
-            f"{label}: header claims {claimed} bytes of {dtype} data of shape {shape}; "
-            f"the file holds {available}"
-        )
-    data = np.frombuffer(f.read(claimed), dtype=dtype)
-    return data.reshape(shape, order="F" if fortran else "C")
 
 
 def _describe_source(source: ActivationSource) -> str:

@@ -117,11 +117,14 @@ PREFERRED_ORDER = ("avg", "pfnm", "nafi", "ot", "ams")
 
 
 def registered_methods() -> list[str]:
-    """Names of every fusion method registered at run time (avg, pfnm, nafi, ot, ams first)."""
+    """Names of every fusion method registered at run time that fuses plain clients (avg,
+    pfnm, nafi, ot, ams first); methods for clients of a special structure (Fed²) are left
+    out, since the demo trains plain clients."""
     from fusekit.methods import METHODS
 
-    known = [m for m in PREFERRED_ORDER if m in METHODS]
-    return known + [m for m in METHODS if m not in known]
+    plain = [m for m, cls in METHODS.items() if cls.client_structure is None]
+    known = [m for m in PREFERRED_ORDER if m in plain]
+    return known + [m for m in plain if m not in known]
 
 
 def run_demo(

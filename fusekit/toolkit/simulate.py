@@ -21,16 +21,12 @@ import numpy as np
 
 from fusekit.core import metadata as meta
 from fusekit.core.arch import parse_arch_string, validate_arch, validate_pan
-from fusekit.core.checkpoint import (
-    Checkpoint,
-    save_checkpoint,
-)
+from fusekit.core.checkpoint import Checkpoint, save_checkpoint
 from fusekit.core.errors import OutputError, ParameterError
 from fusekit.toolkit.data import Dataset, class_counts, partition
 from fusekit.toolkit.train import TrainConfig, TrainResult
 
 logger = logging.getLogger(__name__)
-
 
 
 @dataclass(frozen=True)
@@ -47,6 +43,7 @@ class SimulationConfig:
             either per client (heterogeneous clients).
         batchnorm: BatchNorm after every hidden linear layer of MLPs.
         pan: PAN settings (``{"mode", "amplitude", "period"}``) or None.
+        fed2: Fed² structure (``{"groups": G, "depth": d}``, ALGORITHMS.md §9) or None.
         shared_init: every client starts from the same initial weights.
         train: local training settings.
         seed: master seed.
@@ -61,6 +58,7 @@ class SimulationConfig:
     arch: str | Mapping[str, Any] | Sequence[str | Mapping[str, Any]] = "mlp:100"
     batchnorm: bool = False
     pan: Mapping[str, Any] | None = None
+    fed2: Mapping[str, Any] | None = None
     shared_init: bool = False
     train: TrainConfig = field(default_factory=TrainConfig)
     seed: int = 0
@@ -105,17 +103,16 @@ def client_archs(config: SimulationConfig, dataset: Dataset) -> list[dict[str, A
     out = []
     for arch in archs:
         if isinstance(arch, str):
-            out.append(
-                parse_arch_string(
-                    arch,
-                    input_shape=dataset.input_shape,
-                    num_classes=dataset.num_classes,
-                    batchnorm=config.batchnorm,
-                    pan=pan,
-                )
+            arch = parse_arch_string(
+                arch,
+                input_shape=dataset.input_shape,
+                num_classes=dataset.num_classes,
+                batchnorm=config.batchnorm,
+                pan=pan,
             )
-        else:
-            out.append(validate_arch(arch))
+        if config.fed2 is not None:
+            arch = {**arch, "fed2": config.fed2}
+        out.append(validate_arch(arch))
     return out
 
 
@@ -183,32 +180,42 @@ def simulate_clients(
             seed=derive_seed(config.seed, "order", i),
             device=torch_device,
         )
-        counts = class_counts(dataset.y_train, indices, dataset.num_classes)
-        metadata = {
-            meta.NUM_SAMPLES: str(len(indices)),
-            meta.CLASS_COUNTS: json.dumps(counts),
-            meta.ARCH: json.dumps(arch),
-            meta.SIMULATION: json.dumps(_provenance(dataset, config, i)),
-        }
-        state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-        checkpoint = Checkpoint.from_state_dict(state, metadata)
+        checkpoint = client_checkpoint(
+            model, dataset, indices, {meta.SIMULATION: json.dumps(_provenance(dataset, config, i))}
+        )
         path = None
         if folder is not None:
-            path = save_checkpoint(
-                folder / client_file_name(i, config.clients), state, metadata, force=force
-            )
+            path = save_checkpoint(folder / client_file_name(i, config.clients),
+                                   checkpoint.state_dict(), checkpoint.metadata, force=force)
         client = SimulatedClient(i, indices, checkpoint, path, result)
         logger.debug(
             "client %d: %d samples, classes %s, final loss %.4f",
             i,
             len(indices),
-            [k for k, c in enumerate(counts) if c],
+            [k for k, c in enumerate(checkpoint.class_counts) if c],
             result.epoch_losses[-1],
         )
         clients.append(client)
         if on_client is not None:
             on_client(client)
     return clients
+
+
+def client_checkpoint(
+    model: Any,
+    dataset: Dataset,
+    indices: np.ndarray | None,
+    extra: Mapping[str, str] | None = None,
+) -> Checkpoint:
+    """A model as an in-memory checkpoint with fusekit's metadata: its architecture, the
+    sample and class counts of its training indices (none when None), and ``extra``."""
+    metadata = {meta.ARCH: json.dumps(model.arch), **(extra or {})}
+    if indices is not None:
+        counts = class_counts(dataset.y_train, indices, dataset.num_classes)
+        metadata[meta.NUM_SAMPLES] = str(len(indices))
+        metadata[meta.CLASS_COUNTS] = json.dumps(counts)
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    return Checkpoint.from_state_dict(state, metadata)
 
 
 def _prepare_out_dir(

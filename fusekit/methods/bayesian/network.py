@@ -7,7 +7,7 @@ carry the outgoing weights (NAFI paper, Problem Formulation). Every local neuron
 global neuron (a target width is never below the widest client), so the next layer's
 incoming dimension is always the fused width of the layer below, and the weights leaving
 a global neuron are those of its members. Residual networks (a GraphSpec) are matched
-group by group instead (:func:`fuse_groups`, ALGORITHMS.md §9).
+group by group instead (:func:`fuse_groups`, ALGORITHMS.md §11).
 """
 
 from __future__ import annotations
@@ -294,7 +294,8 @@ def fuse_network(checkpoints, specs, params: BayesianParams, method: str):
                     "sigma0^2/v=%.3g, gamma0=%.3g, %.2f s", method, index + 1, n_hidden,
                     spec.layers[index].name, result.width, result.report["inferred_width"],
                     hyper["sigma2_relative"], hyper["sigma0_2_relative"], gamma0,
-                    time.perf_counter() - start)
+                    time.perf_counter() - start,
+                    extra={"layer": (index + 1, n_hidden)})  # progress, for front doors
         below, n_below = result.assignments, result.width
     head = [c[-1] for c in clients]
     fused.append(_output_layer(head, below, n_below, outgoing if n_hidden == 1 else None,
@@ -361,7 +362,7 @@ def _other_tensors(checkpoints, spec, alphas) -> dict[str, np.ndarray]:
 
 
 def fuse_groups(checkpoints, specs, params: BayesianParams, method: str):
-    """Fuse residual-network clients (GraphSpec) with PFNM / NAFI, group by group (§9).
+    """Fuse residual-network clients (GraphSpec) with PFNM / NAFI, group by group (§11).
 
     Groups are matched in the order of their first writer. A group's neuron vector
     concatenates what its member layers hold for the neuron, in global coordinates: the

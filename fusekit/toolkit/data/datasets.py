@@ -21,6 +21,7 @@ import struct
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -164,17 +165,18 @@ def npz_dataset(path: str | os.PathLike[str]) -> Dataset:
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: npz data file does not exist")
-    try:  # our own handle: np.load leaves its file open when the zip is corrupt
-        with open(path, "rb") as handle:
-            archive = np.load(handle, allow_pickle=False)
-            if not isinstance(archive, np.lib.npyio.NpzFile):
-                raise ValueError(f"expected a .npz archive, found one {type(archive).__name__}")
-            with archive as f:
-                arrays = {k: f[k] for k in ("x_train", "y_train", "x_test", "y_test") if k in f}
+    try:
+        with zipfile.ZipFile(path) as archive:
+            arrays = {}
+            for key in ("x_train", "y_train", "x_test", "y_test"):
+                if f"{key}.npy" in archive.namelist():
+                    with archive.open(f"{key}.npy") as f:
+                        size = archive.getinfo(f"{key}.npy").file_size
+                        arrays[key] = read_npy(f, size, f"{path}: {key}")
+    except DataError:
+        raise
     except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
         raise DataError(f"{path}: not a readable .npz file ({exc})") from None
-    except MemoryError as exc:  # an array header claiming more than memory holds
-        raise DataError(f"{path}: an array does not fit in memory ({exc})") from None
     missing = sorted({"x_train", "y_train", "x_test", "y_test"} - set(arrays))
     if missing:
         raise DataError(
@@ -194,6 +196,33 @@ def npz_dataset(path: str | os.PathLike[str]) -> Dataset:
         arrays["x_test"].astype(np.float32),
         arrays["y_test"].astype(np.int64),
     )
+
+
+def read_npy(f: BinaryIO, size: int, label: str) -> np.ndarray:
+    """One .npy stream of ``size`` bytes, its header checked against the bytes really there
+    before anything is allocated.
+
+    Raises:
+        DataError: naming ``label``: an unknown format version, Python objects, or a header
+            that claims more data than the stream holds.
+    """
+    version = np.lib.format.read_magic(f)
+    read_header = {(1, 0): np.lib.format.read_array_header_1_0,
+                   (2, 0): np.lib.format.read_array_header_2_0}.get(version)
+    if read_header is None:
+        raise DataError(f"{label}: unsupported .npy format version {version}")
+    shape, fortran, dtype = read_header(f)
+    if dtype.hasobject:
+        raise DataError(f"{label}: holds Python objects ({dtype}); expected a numeric array")
+    claimed = int(np.prod(shape, dtype=object)) * dtype.itemsize
+    available = size - f.tell()
+    if claimed > available:
+        raise DataError(
+            f"{label}: header claims {claimed} bytes of {dtype} data of shape {shape}; "
+            f"the file holds {available}"
+        )
+    data = np.frombuffer(f.read(claimed), dtype=dtype)
+    return data.reshape(shape, order="F" if fortran else "C")
 
 
 def idx_dataset(name: str, data_dir: Path) -> Dataset:

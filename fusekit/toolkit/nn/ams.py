@@ -1,10 +1,10 @@
 """The AMS module: every client model, run on the same batch, answering per sample with the
 most confident one(s) (ALGORITHMS.md §6; AMS paper §5, Eq. 7-9, Algorithm 2).
 
-All sub-models run on the same batch on the same device. On CUDA, sub-models with the
-same architecture (same module class and tensor shapes) run as one vectorised call
-(``torch.func.vmap`` over their stacked weights: a few batched kernels instead of S
-separate forward passes); on the CPU they run one by one, which measured no slower there.
+All sub-models run on the same batch on the same device, one by one. On request,
+sub-models with the same architecture (same module class and tensor shapes) run as one
+vectorised call (``torch.func.vmap`` over their stacked weights); that measured slower on
+both the CPU and an H100 (benchmarks/RESULTS.md), so it is off by default.
 """
 
 from __future__ import annotations
@@ -78,11 +78,11 @@ class AMSModel(nn.Module):
         mode: ``top1``, ``topk`` or ``full``; ``k``: models summed; ``confidence``:
             ``logit`` or ``probability`` (see :func:`select_logits`). All three can be
             changed after loading with :meth:`set_mode`.
-        vectorise: run sub-models of the same architecture as one vmap call. Default
-            None = only on CUDA: on the CPU, vmap turns each Linear into a batched matmul
-            plus a broadcast add and measured no faster than running the models one by one
-            (2.4x slower at batch 128, within noise at 1024; benchmarks/RESULTS.md). The
-            results are the same either way.
+        vectorise: run sub-models of the same architecture as one vmap call (default
+            off). Ten 784-100-10 MLPs at batch 1024 answered 0.66M samples/s vectorised
+            against 0.87M one by one on an H100, and 0.24M against 0.28M on the CPU
+            (benchmarks/RESULTS.md): stacking the weights on every call costs more than the
+            batched kernels save. The results are the same either way.
     """
 
     def __init__(self, models: Sequence[nn.Module], mode: str = "top1", k: int | None = None,
@@ -94,7 +94,7 @@ class AMSModel(nn.Module):
         self.mode, self.k = mode, resolve_k(mode, k, len(models))
         self.confidence = check_confidence(confidence)
         self._groups = _same_architecture_groups(self.models)
-        self.vectorise: bool | None = None
+        self.vectorise = False
 
     def set_mode(self, mode: str, k: int | None = None,
                  confidence: str | None = None) -> AMSModel:
@@ -111,8 +111,7 @@ class AMSModel(nn.Module):
         for group in self._groups:
             # vmap cannot update BatchNorm running statistics in place: train mode runs the
             # models one by one.
-            vectorise = x.is_cuda if self.vectorise is None else self.vectorise
-            if len(group) == 1 or self.training or not vectorise:
+            if len(group) == 1 or self.training or not self.vectorise:
                 for index in group:
                     out[index] = self.models[index](x)
                 continue

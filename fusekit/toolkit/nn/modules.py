@@ -7,8 +7,11 @@ Every model holds ONE ``nn.Sequential`` named ``net`` so its tensor names are
     ConvNet: [Conv2d(padding=k//2), BatchNorm2d, ReLU, (PAN), (MaxPool2d(2))]*
              + Flatten + [Linear, ReLU, (PAN)]* + Linear
 
-PAN encodings are buffers ``net.<i>.encoding``, never parameters. The PANs paper applies
-the encoding before the activation (Eq. 2-3); fusekit applies it after the ReLU. For
+PAN encodings are buffers ``net.<i>.encoding``, never parameters. Fed² models (``"fed2"`` in
+the architecture, :mod:`fusekit.core.fed2`) use the same layers with the decoupled ones
+masked to their groups (:class:`GroupMaskedLinear`, :class:`GroupMaskedConv2d`); the masks
+are derived from the architecture and are not stored. The PANs paper applies the encoding
+before the activation (Eq. 2-3); fusekit applies it after the ReLU. For
 multiplicative encodings (all factors > 0) the two are the same function; for additive
 ones fusekit's order adds a fixed per-neuron offset to the layer output instead of to the
 pre-activation, which breaks permutation symmetry in the same way.
@@ -24,9 +27,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from fusekit.core.arch import convnet_feature_size, pan_encoding, validate_arch
+from fusekit.core.arch import convnet_feature_size, hidden_widths, pan_encoding, validate_arch
 from fusekit.core.checkpoint import Checkpoint, is_integer_buffer, load_checkpoint
 from fusekit.core.errors import CheckpointError, SpecError
+from fusekit.core.fed2 import layer_masks
 
 
 class PositionEncoding(nn.Module):
@@ -75,6 +79,7 @@ class FusekitMLP(nn.Module):
             width_in = width
         layers.append(nn.Linear(width_in, self.arch["out_features"]))
         self.net = nn.Sequential(*layers)
+        _decouple(self.net, self.arch)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x.flatten(1))
@@ -111,10 +116,68 @@ class FusekitConvNet(nn.Module):
             width_in = width_out
         layers.append(nn.Linear(width_in, a["out_features"]))
         self.net = nn.Sequential(*layers)
+        _decouple(self.net, a, spatial=height * width)
         self._input_shape = (a["in_channels"], *a["image_size"])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x.reshape(x.shape[0], *self._input_shape))
+
+
+class _GroupMasked:
+    """A Linear or Conv2d layer whose weight only connects within Fed² groups.
+
+    The forward pass uses ``weight * mask``, so entries outside the groups get no gradient
+    and stay zero (they are zeroed at construction). Tensor names and shapes are the plain
+    layer's; the mask is a non-persistent buffer derived from the architecture.
+    """
+
+    weight: nn.Parameter
+    mask: torch.Tensor
+
+    def set_mask(self, mask: np.ndarray) -> None:
+        keep = torch.from_numpy(mask).to(self.weight.dtype)
+        keep = keep.reshape(*keep.shape, *([1] * (self.weight.ndim - 2)))
+        self.register_buffer("mask", keep, persistent=False)  # type: ignore[attr-defined]
+        with torch.no_grad():
+            # Initialise as a layer of the group's fan-in, as a group convolution would be
+            # (PyTorch's default init draws from U(+-1/sqrt(fan_in))).
+            fan_ratio = mask.shape[1] / np.maximum(mask.sum(axis=1), 1)
+            scale = torch.from_numpy(np.sqrt(fan_ratio)).to(self.weight.dtype)
+            self.weight.mul_(keep * scale.reshape(-1, *([1] * (self.weight.ndim - 1))))
+
+
+class GroupMaskedLinear(_GroupMasked, nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight * self.mask, self.bias)
+
+
+class GroupMaskedConv2d(_GroupMasked, nn.Conv2d):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._conv_forward(x, self.weight * self.mask, self.bias)
+
+
+def _decouple(net: nn.Sequential, arch: Mapping[str, Any], *, spatial: int = 1) -> None:
+    """Mask the decoupled layers of a Fed² model in place (no-op without ``fed2``)."""
+    if not arch.get("fed2"):
+        return
+    masks = layer_masks(arch["fed2"], hidden_widths(arch), arch["out_features"])
+    positions = [i for i, m in enumerate(net) if isinstance(m, (nn.Linear, nn.Conv2d))]
+    for position, mask in zip(positions, masks, strict=True):
+        if mask is None:
+            continue
+        layer = net[position]
+        if isinstance(layer, nn.Linear):
+            if layer.in_features != mask.shape[1]:  # conv -> linear flatten: H*W per channel
+                mask = np.repeat(mask, spatial, axis=1)
+            masked: _GroupMasked = nn.utils.skip_init(
+                GroupMaskedLinear, layer.in_features, layer.out_features)
+        else:
+            masked = nn.utils.skip_init(GroupMaskedConv2d, layer.in_channels,
+                                        layer.out_channels, layer.kernel_size,
+                                        padding=layer.padding)
+        masked.load_state_dict(layer.state_dict())  # keep the seeded initial weights
+        masked.set_mask(mask)
+        net[position] = masked
 
 
 def build_model(arch: Mapping[str, Any], *, seed: int | None = None) -> nn.Module:

@@ -1,0 +1,162 @@
+"""``fusekit job ...``: what a coordinator does with the service's jobs (the admin token)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from fusekit._cli.options import Command, Group, JsonOption
+from fusekit._cli.output import emit_json, handle_errors, stdout
+from fusekit.core.checkpoint import check_output_path
+from fusekit.core.errors import ParameterError
+
+app = typer.Typer(cls=Group, no_args_is_help=True,
+                  help="Create, follow and collect fusion jobs on a fusekit service.")
+
+Server = Annotated[str, typer.Option("--server", envvar="FUSEKIT_SERVER",
+                                     help="The service's URL.")]
+TokenFile = Annotated[Path | None, typer.Option(
+    "--admin-token-file", envvar="FUSEKIT_ADMIN_TOKEN_FILE",
+    help="File holding the admin token (e.g. DATA_DIR/admin.token) [default: the "
+    "FUSEKIT_ADMIN_TOKEN variable].")]
+JobId = Annotated[str, typer.Argument(help="The job's id.", show_default=False)]
+DEFAULT_SERVER = "http://127.0.0.1:8420"
+
+
+def command(name: str):
+    """A ``fusekit job`` subcommand under the CLI's error policy."""
+    return lambda function: app.command(name, cls=Command)(handle_errors(function))
+
+
+def admin(server: str, token_file: Path | None):
+    from fusekit.client import Client
+
+    token = os.environ.get("FUSEKIT_ADMIN_TOKEN", "").strip()
+    if token_file is not None:
+        try:
+            token = token_file.read_text().strip()
+        except OSError as exc:
+            raise ParameterError(f"--admin-token-file {token_file}: cannot read it "
+                                 f"({exc.strerror})") from None
+    if not token:
+        raise ParameterError("admin token: expected FUSEKIT_ADMIN_TOKEN or "
+                             "--admin-token-file, found neither")
+    return Client(server, token)
+
+
+@command("create")
+def create(
+    method: Annotated[str, typer.Option("--method", "-m", help="Fusion method.")],
+    clients: Annotated[str, typer.Option("--clients", help="Client names, comma-separated.")],
+    param: Annotated[list[str] | None, typer.Option(
+        "--param", help="A method parameter NAME=VALUE (VALUE as JSON, else a string); "
+        "repeat for several.")] = None,
+    max_checkpoint_bytes: Annotated[int | None, typer.Option(
+        "--max-checkpoint-bytes", min=1, help="Upload size limit of this job.")] = None,
+    auto_run: Annotated[bool, typer.Option(
+        "--auto-run", help="Run the job as soon as every client has submitted.")] = False,
+    server: Server = DEFAULT_SERVER,
+    token_file: TokenFile = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Create a job; prints its id and one upload token per client (shown only once)."""
+    params = dict(_param(p) for p in param or [])
+    with admin(server, token_file) as service:
+        job = service.create_job(method, [c.strip() for c in clients.split(",")], params=params,
+                                 max_checkpoint_bytes=max_checkpoint_bytes, auto_run=auto_run)
+    if as_json:
+        emit_json(job)
+        return
+    stdout.print(f"job {job['id']}", highlight=False)
+    for client, token in job["tokens"].items():
+        stdout.print(f"  {client}: {token}", highlight=False)
+
+
+def _param(text: str) -> tuple[str, Any]:
+    name, sep, raw = text.partition("=")
+    if not sep or not name:
+        raise ParameterError(f"--param {text!r}: expected NAME=VALUE")
+    try:
+        return name, json.loads(raw)
+    except json.JSONDecodeError:
+        return name, raw
+
+
+@command("status")
+def status(job: JobId, server: Server = DEFAULT_SERVER, token_file: TokenFile = None,
+           as_json: JsonOption = False) -> None:
+    """Which clients have submitted, and whether the job is queued, running or done."""
+    with admin(server, token_file) as service:
+        state = service.status(job)
+    if as_json:
+        emit_json(state)
+        return
+    table = Table(title=f"job {job}: {state['state']}", show_header=False)
+    table.add_row("method", f"{state['method']} {state['params'] or ''}")
+    if state["progress"]:
+        table.add_row("progress", state["progress"])
+    for moment in ("created", "queued", "started", "finished"):
+        if state[f"{moment}_at"]:
+            table.add_row(moment, time.strftime("%Y-%m-%d %H:%M:%S",
+                                                time.localtime(state[f"{moment}_at"])))
+    if state["attempts"] > 1:
+        table.add_row("attempts", str(state["attempts"]))
+    if state["error"]:
+        table.add_row("error", state["error"])
+    for client, slot in state["slots"].items():
+        table.add_row(client, f"{slot['size']} bytes, sha256 {slot['sha256'][:16]}…"
+                      if slot["filled"] else "waiting")
+    stdout.print(table)
+
+
+@command("run")
+def run(job: JobId, server: Server = DEFAULT_SERVER, token_file: TokenFile = None) -> None:
+    """Queue a job whose clients have all submitted."""
+    with admin(server, token_file) as service:
+        stdout.print(f"job {job}: {service.run(job)['state']}", highlight=False)
+
+
+@command("wait")
+def wait(job: JobId, timeout: Annotated[float, typer.Option(
+        "--timeout", help="Seconds to wait at most.")] = 3600.0,
+         server: Server = DEFAULT_SERVER, token_file: TokenFile = None) -> None:
+    """Wait until the job has finished; exit 1 when it failed."""
+    with admin(server, token_file) as service:
+        state = service.wait(job, timeout=timeout)
+    stdout.print(f"job {job}: {state['state']}", highlight=False)
+    if state["state"] != "succeeded":
+        raise typer.Exit(1)
+
+
+@command("result")
+def result(job: JobId, output: Annotated[Path, typer.Option("--output", "-o",
+                                                            help="Where to write it.")],
+           force: Annotated[bool, typer.Option("--force", help="Replace an existing file.")
+                            ] = False,
+           server: Server = DEFAULT_SERVER, token_file: TokenFile = None) -> None:
+    """Download the fused checkpoint of a job that succeeded."""
+    check_output_path(output, force=force)
+    with admin(server, token_file) as service:
+        service.result(job, output)
+    stdout.print(f"wrote {output}", highlight=False)
+
+
+@command("report")
+def report(job: JobId, server: Server = DEFAULT_SERVER, token_file: TokenFile = None) -> None:
+    """The fusion report, as `fusekit fuse --json` prints it."""
+    with admin(server, token_file) as service:
+        emit_json(service.report(job))
+
+
+@command("delete")
+def delete(job: JobId, server: Server = DEFAULT_SERVER, token_file: TokenFile = None) -> None:
+    """Cancel a job and remove its files."""
+    with admin(server, token_file) as service:
+        service.delete(job)
+    stdout.print(f"job {job}: deleted", highlight=False)

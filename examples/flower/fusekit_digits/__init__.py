@@ -1,0 +1,1 @@
+"""A Flower app: one-shot federated learning on the digits data, fused by fusekit."""

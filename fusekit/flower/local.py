@@ -1,0 +1,238 @@
+"""A Flower deployment on this machine: one SuperLink and N SuperNodes on 127.0.0.1.
+
+The processes are Flower's own (``flower-superlink``, ``flower-supernode``), started
+``--insecure`` with a private ``FLWR_HOME``, each in its own process group, and apps run on
+them with ``flwr run``. Every wait is bounded; leaving the ``with`` block ends every process
+group it started. Nothing here is needed on a real multi-host deployment, where each
+organisation starts its own SuperNode (see examples/flower/README.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+CONNECTION = "fusekit-local"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def toml_value(value: Any) -> str:
+    """A run-config value as TOML (what ``flwr run --run-config`` parses)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return repr(value)
+
+
+class LocalFederation:
+    """``with LocalFederation(nodes=3) as federation: federation.run(app, {...})``.
+
+    Args:
+        nodes: how many SuperNodes; node i gets ``partition-id=i num-partitions=nodes``.
+        workdir: FLWR_HOME and process logs (a temporary folder, removed on exit, if None).
+        start_timeout: seconds to wait for the SuperLink's /health.
+    """
+
+    def __init__(self, nodes: int = 3, workdir: str | os.PathLike[str] | None = None,
+                 start_timeout: float = 60.0):
+        self.nodes = nodes
+        self.start_timeout = start_timeout
+        self._given_workdir = Path(workdir) if workdir is not None else None
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        self.processes: list[subprocess.Popen[bytes]] = []
+        self.port = 0
+
+    def __enter__(self) -> LocalFederation:
+        if self._given_workdir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="fusekit-flower-")
+        self.workdir = self._given_workdir or Path(self._tmp.name)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The environment of every Flower process: private FLWR_HOME, no telemetry, and
+        this interpreter's scripts first on PATH (the SuperLink and SuperNodes start
+        ``flwr-serverapp`` and ``flwr-clientapp`` from it)."""
+        bin_dir = str(Path(sys.executable).parent)
+        return {**os.environ, "FLWR_HOME": str(self.workdir / "flwr-home"),
+                "FLWR_TELEMETRY_ENABLED": "0",
+                "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
+
+    def _start(self) -> None:
+        self.port = free_port()
+        self._spawn("superlink", ["flower-superlink", "--insecure", "--host", "127.0.0.1",
+                                  "--port", str(self.port),
+                                  "--disable-runtime-dependency-installation"])
+        self._wait_healthy()
+        for node in range(self.nodes):
+            self._spawn(f"supernode-{node}", [
+                "flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{self.port}",
+                "--host", "127.0.0.1", "--port", str(free_port()),
+                "--node-config", f"partition-id={node} num-partitions={self.nodes}",
+                "--max-wait-time", str(self.start_timeout),
+            ])
+        self._write_connection()
+
+    def _spawn(self, name: str, command: list[str]) -> None:
+        logfile = (self.workdir / f"{name}.log").open("wb")
+        with logfile:
+            # A new session: the process and every app process it starts form one group,
+            # ended together by stop().
+            self.processes.append(subprocess.Popen(
+                command, stdout=logfile, stderr=subprocess.STDOUT, env=self.env,
+                cwd=self.workdir, start_new_session=True))
+        log.debug("started %s (pid %d): %s", name, self.processes[-1].pid, " ".join(command))
+
+    def _wait_healthy(self) -> None:
+        url = f"http://127.0.0.1:{self.port}/health"
+        deadline = time.monotonic() + self.start_timeout
+        while time.monotonic() < deadline:
+            if self.processes[0].poll() is not None:
+                raise RuntimeError(f"flower-superlink exited with code "
+                                   f"{self.processes[0].returncode}; see {self.log('superlink')}")
+            with (contextlib.suppress(urllib.error.URLError, OSError),
+                  urllib.request.urlopen(url, timeout=2) as response):
+                if response.status == 200:
+                    return
+            time.sleep(0.25)
+        raise TimeoutError(f"flower-superlink not healthy at {url} after {self.start_timeout} s; "
+                           f"see {self.log('superlink')}")
+
+    def _write_connection(self) -> None:
+        home = self.workdir / "flwr-home"
+        home.mkdir(exist_ok=True)
+        (home / "config.toml").write_text(
+            f'[superlink]\ndefault = "{CONNECTION}"\n\n'
+            f'[superlink.{CONNECTION}]\naddress = "127.0.0.1:{self.port}"\ninsecure = true\n'
+        )
+
+    def log(self, name: str) -> Path:
+        """The log file of ``superlink`` or ``supernode-<i>``."""
+        return self.workdir / f"{name}.log"
+
+    def run(self, app: str | os.PathLike[str], run_config: Mapping[str, Any] | None = None,
+            timeout: float = 600.0) -> subprocess.CompletedProcess[str]:
+        """``flwr run <app> --stream`` on this federation; its output is returned.
+
+        Raises:
+            subprocess.TimeoutExpired: the run took longer than ``timeout`` (the run is
+                stopped on the SuperLink after the ``flwr`` process group is ended).
+            RuntimeError: ``flwr run`` failed (its output is in the message).
+        """
+        command = ["flwr", "run", str(app), CONNECTION, "--stream"]
+        for key, value in (run_config or {}).items():
+            command += ["--run-config", f"{key}={toml_value(value)}"]
+        with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, env=self.env, start_new_session=True) as process:
+            try:
+                output, _ = process.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                end_groups([process])  # first, so that it submits nothing more
+                self._stop_unfinished_runs()
+                raise
+        if process.returncode != 0:
+            raise RuntimeError(f"flwr run exited with code {process.returncode}:\n{output}")
+        return subprocess.CompletedProcess(command, process.returncode, output, None)
+
+    def runs(self) -> list[dict[str, Any]]:
+        """The SuperLink's runs as ``flwr ls --format json`` lists them (``run-id``,
+        ``status`` such as ``finished:completed`` or ``finished:stopped``, ...)."""
+        return json.loads(self._flwr("ls", CONNECTION, "--format", "json").stdout)["runs"]
+
+    def _stop_unfinished_runs(self) -> None:
+        """Stop on the SuperLink every run that has not finished: ending ``flwr run`` alone
+        would leave its ServerApp waiting there (this federation runs one app at a time)."""
+        try:
+            for run in self.runs():
+                if not str(run["status"]).startswith("finished"):
+                    self._flwr("stop", str(run["run-id"]), CONNECTION)
+        except (subprocess.SubprocessError, OSError, ValueError, KeyError) as exc:
+            log.warning("could not stop the unfinished runs: %s", exc)
+
+    def _flwr(self, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["flwr", *args], capture_output=True, text=True, env=self.env,
+                              timeout=timeout, check=True)
+
+    def stop(self) -> None:
+        """End every process group this federation started (SIGTERM, then SIGKILL)."""
+        end_groups(self.processes)
+        self.processes.clear()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+
+def end_groups(processes: list[subprocess.Popen], grace: float = 10.0) -> None:
+    """End the process groups ``processes`` lead and those of all their descendants (the
+    SuperLink starts its SuperExec in a session of its own): SIGTERM, then SIGKILL for
+    what is left after ``grace`` s, each followed by a bounded wait until no member is left.
+    """
+    groups = {p.pid for p in processes} | descendant_groups(p.pid for p in processes)
+    groups.discard(os.getpgrp())  # never the caller's own group
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for group in groups:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(group, sig)
+        deadline = time.monotonic() + grace
+        for process in processes:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        while any(group_alive(g) for g in groups) and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+
+def descendant_groups(roots: Iterable[int]) -> set[int]:
+    """The process groups of every descendant of ``roots``, read from /proc (Linux; an
+    empty set elsewhere)."""
+    parent_and_group = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)"
+            parent_and_group[int(stat.parent.name)] = (int(fields[1]), int(fields[2]))
+    found: set[int] = set()
+    frontier = set(roots)
+    while frontier:
+        frontier = {pid for pid, (parent, _) in parent_and_group.items()
+                    if parent in frontier} - found
+        found |= frontier
+    return {parent_and_group[pid][1] for pid in found}
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any process of group ``pgid`` is left (zombies included)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True

@@ -1,0 +1,261 @@
+"""The HTTP API (FastAPI): jobs, uploads, results. No fusion here: jobs go to the workers.
+
+Every refusal is JSON ``{"error": "<one line>"}`` naming the client, tensor or parameter,
+with the status of :mod:`fusekit.service.errors` (422 for bad parameters).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from typing import Annotated, Any
+
+from fastapi import FastAPI, Header, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+
+from fusekit._version import __version__
+from fusekit.api import validate_params
+from fusekit.core.errors import FusekitError, ParameterError, SpecError, UnknownMethodError
+from fusekit.core.metadata import load_json
+from fusekit.methods.params import TEXT_KINDS
+from fusekit.service.auth import admin_token_hash, bearer, matches
+from fusekit.service.errors import Busy, Conflict, Forbidden, NotFound, ServiceError, TooLarge
+from fusekit.service.settings import Settings
+from fusekit.service.store import JobStore, authorize, view
+from fusekit.service.uploads import Upload
+from fusekit.service.worker import REPORT, RESULT, make_queue, recover
+
+log = logging.getLogger(__name__)
+
+# What a request may set: values, never a path on the server or a Python object (such as
+# OT's activation provider, which would read data of the server's choosing).
+REQUEST_KINDS = tuple(kind for kind in TEXT_KINDS if kind != "path")
+
+MAX_REQUEST_BYTES = 1024 * 1024  # a job request: names of up to 1000 clients, parameters
+
+Auth = Annotated[str | None, Header(alias="Authorization", include_in_schema=False)]
+
+
+class JobRequest(BaseModel):
+    """POST /v1/jobs: a fusion of one checkpoint per client."""
+
+    model_config = ConfigDict(extra="forbid")
+    method: str = Field(description="a fusion method: avg, pfnm, nafi, ot, ams")
+    params: dict[str, Any] = Field(
+        default_factory=dict, description="the method's parameters, as fusekit.fuse takes them")
+    clients: list[str] = Field(min_length=1, max_length=1000, description="one slot per client")
+    max_checkpoint_bytes: int | None = Field(None, ge=1, description="upload size limit")
+    auto_run: bool = Field(False, description="queue the job when the last slot is filled")
+    spec: dict[str, Any] | None = Field(None, description="a permutation spec (JSON object)")
+
+
+def create_app(settings: Settings) -> FastAPI:
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    store = JobStore(settings.data_dir)
+    admin_hash, admin_file = admin_token_hash(settings.data_dir)
+    huey, run_job_task = make_queue(settings)
+    uploads = {"in_flight": 0}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        task = asyncio.create_task(_recover_forever(settings, huey, run_job_task))
+        yield
+        task.cancel()
+
+    app = FastAPI(title="fusekit service", version=__version__, lifespan=lifespan,
+                  description="Clients submit checkpoints; fusekit fuses them as a job.")
+    app.state.admin_token_file = admin_file
+    _add_error_handlers(app)
+
+    def caller(authorization: str | None) -> tuple[str, bool]:
+        token = bearer(authorization)
+        return token, matches(token, admin_hash)
+
+    def admin_only(authorization: str | None) -> None:
+        if not caller(authorization)[1]:
+            raise Forbidden("this request needs the admin token")
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, Any]:
+        queued = await run_in_threadpool(huey.pending_count)  # the queue answers
+        return {"status": "ok", "version": __version__, "queue": huey.storage.__class__.__name__,
+                "queued": queued}
+
+    @app.post("/v1/jobs", status_code=201, openapi_extra={"requestBody": {
+        "required": True, "content": {"application/json": {
+            "schema": JobRequest.model_json_schema()}}}})
+    async def create_job(request: Request, authorization: Auth = None) -> dict[str, Any]:
+        admin_only(authorization)  # before reading a byte of the body
+        body = await _job_request(request)
+        _check_params(body.method, body.params)
+        limit = body.max_checkpoint_bytes or settings.max_checkpoint_bytes
+        if limit > settings.max_checkpoint_bytes:
+            raise ParameterError(f"max_checkpoint_bytes: expected at most "
+                                 f"{settings.max_checkpoint_bytes} (the server's limit), "
+                                 f"found {limit}")
+        job, tokens = await run_in_threadpool(
+            store.create, method=body.method, params=body.params, spec=body.spec,
+            clients=body.clients, max_checkpoint_bytes=limit, auto_run=body.auto_run,
+            max_jobs=settings.max_jobs)
+        return {"id": job["id"], "tokens": tokens}
+
+    @app.put("/v1/jobs/{job_id}/clients/{client}/checkpoint", status_code=201)
+    async def upload(job_id: str, client: str, request: Request,
+                     authorization: Auth = None) -> dict[str, Any]:
+        token, admin = caller(authorization)
+        job = store.read(job_id)
+        authorize(job, token, admin, client)
+        if client not in job["clients"]:
+            raise NotFound(f"job {job_id}: no slot for client {client!r}")
+        if job["state"] != "collecting":
+            raise Conflict(f"job {job_id}: is {job['state']}; uploads are accepted only while "
+                           "it is collecting")
+        limit = job["max_checkpoint_bytes"]
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise TooLarge(f"client {client!r}: Content-Length {declared} is over {limit} "
+                           "bytes, this job's limit")
+        if uploads["in_flight"] >= settings.max_uploads:
+            raise Busy(f"uploads: {settings.max_uploads} in progress, the server's limit; "
+                       "retry later")
+        receiving = Upload(store.upload_folder(job_id), client, limit, settings.upload_idle_s)
+        uploads["in_flight"] += 1
+        try:
+            await receiving.receive(request.stream())
+            job = await run_in_threadpool(
+                store.accept, job_id, client, receiving.part, receiving.size,
+                receiving.sha256.hexdigest())
+        except ClientDisconnect:
+            raise ServiceError(f"client {client!r}: the upload was interrupted; nothing "
+                               "stored") from None
+        finally:
+            uploads["in_flight"] -= 1
+            receiving.discard()
+        log.info("job %s: checkpoint of %s accepted (%d bytes)", job_id, client, receiving.size)
+        if job["state"] == "queued":  # auto_run, and this upload filled the last slot
+            await run_in_threadpool(run_job_task, job_id)
+        return view(job, client)["slot"]
+
+    @app.post("/v1/jobs/{job_id}/run", status_code=202)
+    async def run(job_id: str, authorization: Auth = None) -> Response:
+        admin_only(authorization)
+        job = await run_in_threadpool(_queue, store, job_id, run_job_task)
+        return JSONResponse(view(job), status_code=202,
+                            headers={"Location": f"/v1/jobs/{job_id}"})
+
+    @app.get("/v1/jobs/{job_id}")
+    async def status(job_id: str, authorization: Auth = None) -> dict[str, Any]:
+        token, admin = caller(authorization)
+        job = store.read(job_id)
+        return view(job, authorize(job, token, admin))
+
+    @app.get("/v1/jobs/{job_id}/result")
+    async def result(job_id: str, authorization: Auth = None) -> FileResponse:
+        admin_only(authorization)
+        folder = _finished(store, job_id)
+        return FileResponse(folder / RESULT, media_type="application/octet-stream",
+                            filename=f"fused-{job_id}.safetensors")
+
+    @app.get("/v1/jobs/{job_id}/report")
+    async def report(job_id: str, authorization: Auth = None) -> dict[str, Any]:
+        admin_only(authorization)
+        return json.loads((_finished(store, job_id) / REPORT).read_text())
+
+    @app.delete("/v1/jobs/{job_id}")
+    async def delete(job_id: str, authorization: Auth = None) -> dict[str, Any]:
+        admin_only(authorization)
+        await run_in_threadpool(store.delete, job_id)
+        return {"id": job_id, "deleted": True}
+
+    return app
+
+
+async def _job_request(request: Request) -> JobRequest:
+    """The body of POST /v1/jobs, read up to MAX_REQUEST_BYTES and parsed with bounded
+    nesting (a framework's body parsing would read any size before the handler runs)."""
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_REQUEST_BYTES:
+            raise TooLarge(f"request body: expected at most {MAX_REQUEST_BYTES} bytes of JSON, "
+                           "found more")
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ParameterError(f"request body: expected UTF-8 JSON ({exc})") from None
+    data = load_json(text, "request body", ParameterError)
+    try:
+        return JobRequest.model_validate(data)
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors()) from None
+
+
+def _check_params(method: str, params: dict[str, Any]) -> None:
+    """As ``fusekit.fuse`` checks them, and only parameters a request can spell as values."""
+    _, declared = validate_params(method, params)
+    for spec in declared:
+        if spec.name in params and spec.kind not in REQUEST_KINDS:
+            raise ParameterError(
+                f"parameter {spec.name}: takes {spec.expected()}, which a service job cannot "
+                "be given (no server-side paths or Python objects)")
+
+
+def _queue(store: JobStore, job_id: str, run_job_task: Any) -> dict[str, Any]:
+    job = store.queue(job_id)
+    run_job_task(job_id)  # lost in a crash right before this? recover() queues it again
+    return job
+
+
+def _finished(store: JobStore, job_id: str):
+    job = store.read(job_id)
+    if job["state"] != "succeeded":
+        raise Conflict(f"job {job_id}: is {job['state']}; a result exists once it succeeded"
+                       + (f" ({job['error']})" if job["error"] else ""))
+    return store.root / job_id
+
+
+async def _recover_forever(settings: Settings, huey, run_job_task) -> None:
+    while True:
+        try:
+            await run_in_threadpool(recover, settings, huey, run_job_task)
+        except Exception:  # keep serving; the next round retries
+            log.exception("job recovery failed")
+        await asyncio.sleep(settings.lease_s / 2)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(FusekitError)
+    async def refused(request: Request, exc: FusekitError) -> JSONResponse:
+        if isinstance(exc, ServiceError):
+            status = exc.status
+        elif isinstance(exc, ParameterError | SpecError | UnknownMethodError):
+            status = 422
+        else:
+            status = 400
+        headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+        return JSONResponse({"error": _one_line(str(exc))}, status_code=status,
+                            headers=headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse({"error": f"{request.url.path}: {exc.detail}"},
+                            status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"] if part != "body")
+        found = json.dumps(first.get("input"), default=str)[:200]
+        return JSONResponse({"error": f"{where}: {first['msg'].lower()}, found {found}"},
+                            status_code=422)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())

@@ -1,0 +1,35 @@
+"""The service's refusals: each a FusekitError with the HTTP status it is answered with."""
+
+from __future__ import annotations
+
+from fusekit.core.errors import FusekitError
+
+
+class ServiceError(FusekitError):
+    """A request the service refuses; ``status`` is the HTTP status of the answer."""
+
+    status = 400
+
+
+class Unauthorized(ServiceError):
+    status = 401
+
+
+class Forbidden(ServiceError):
+    status = 403
+
+
+class NotFound(ServiceError, LookupError):
+    status = 404
+
+
+class Conflict(ServiceError):
+    status = 409
+
+
+class TooLarge(ServiceError):
+    status = 413
+
+
+class Busy(ServiceError):
+    status = 429

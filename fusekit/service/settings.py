@@ -1,0 +1,85 @@
+"""What a service process needs to know: where its data lives, its queue, its limits.
+
+API servers and workers read the same settings; ``fusekit serve`` passes them to the
+workers it starts through the environment (``FUSEKIT_*`` variables), so a worker on another
+machine is configured the same way.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from fusekit.core.errors import ParameterError
+
+GiB = 1024**3
+
+
+@dataclass(frozen=True)
+class Settings:
+    """One service's configuration.
+
+    Attributes:
+        data_dir: jobs, uploads, results, the SQLite queue and admin.token live here; shared
+            by every API server and worker of one service (a network file system when they
+            run on several machines).
+        broker: ``""`` for the SQLite queue in ``data_dir`` (one machine), or a Redis URL
+            (``redis://host:6379/0``) for workers on several machines.
+        max_checkpoint_bytes: the largest upload a job may accept (a job may ask for less).
+        max_uploads: uploads one API server receives at once; more get 429.
+        max_jobs: jobs the service keeps (deleted ones do not count); more get 429.
+        lease_s: a running job whose worker has not signalled for this long is taken to be
+            dead and is run again (at most ``max_attempts`` runs in all).
+        upload_idle_s: an upload that sends nothing for this long is abandoned.
+    """
+
+    data_dir: Path
+    broker: str = ""
+    max_checkpoint_bytes: int = 4 * GiB
+    max_uploads: int = 16
+    max_jobs: int = 1000
+    lease_s: float = 30.0
+    max_attempts: int = 3
+    upload_idle_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_checkpoint_bytes", "max_uploads", "max_jobs", "max_attempts"):
+            if getattr(self, name) < 1:
+                raise ParameterError(f"{name}: expected a positive integer, found "
+                                     f"{getattr(self, name)}")
+        for name in ("lease_s", "upload_idle_s"):
+            if not getattr(self, name) > 0:
+                raise ParameterError(f"{name}: expected seconds > 0, found "
+                                     f"{getattr(self, name)}")
+        if self.broker and not self.broker.startswith(("redis://", "rediss://", "unix://")):
+            raise ParameterError(
+                f"broker: expected a Redis URL (redis://host:port/db) or nothing for SQLite, "
+                f"found {self.broker!r}")
+
+    def to_env(self) -> dict[str, str]:
+        """The settings as ``FUSEKIT_*`` variables, for the worker processes."""
+        return {_env_name(f.name): str(getattr(self, f.name)) for f in fields(self)}
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> Settings:
+        environ = dict(os.environ if environ is None else environ)
+        values = {}
+        for f in fields(cls):
+            raw = environ.get(_env_name(f.name))
+            if raw is None:
+                continue
+            kind = {"data_dir": Path, "broker": str, "lease_s": float,
+                    "upload_idle_s": float}.get(f.name, int)
+            try:
+                values[f.name] = kind(raw)
+            except ValueError:
+                raise ParameterError(
+                    f"{_env_name(f.name)}: expected {kind.__name__}, found {raw!r}") from None
+        if "data_dir" not in values:
+            raise ParameterError("FUSEKIT_DATA_DIR: expected the service's data folder, unset")
+        return cls(**values)
+
+
+def _env_name(field: str) -> str:
+    return f"FUSEKIT_{field.upper()}"

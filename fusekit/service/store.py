@@ -1,0 +1,293 @@
+"""Jobs on disk: one folder per job, its state in ``job.json``, changed under a file lock.
+
+    <data-dir>/jobs/<id>/job.json                  state, slots, token hashes (the commit point)
+    <data-dir>/jobs/<id>/clients/<name>.<sha256>.safetensors   accepted checkpoints
+    <data-dir>/jobs/<id>/uploads/<host>-<pid>/     uploads in flight, per server process
+    <data-dir>/jobs/<id>/result.safetensors, report.json       written atomically by the worker
+    <data-dir>/jobs/<id>/heartbeat                 touched by the worker running the job
+    <data-dir>/trash/                              deleted jobs, while their files are removed
+
+Every file is written to a temporary name, fsynced and renamed, and ``job.json`` is replaced
+last: whatever a crash interrupts, ``job.json`` names only complete files. The lock is
+``flock`` on a file in the job's folder, so API servers and workers on several machines can
+share the data folder (on a file system with working ``flock``, e.g. NFSv4).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import re
+import secrets
+import shutil
+import socket
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from fusekit.core.checkpoint import write_atomic
+from fusekit.service.auth import matches, new_token, token_hash
+from fusekit.service.errors import Busy, Conflict, Forbidden, NotFound, ServiceError
+
+STATES = ("collecting", "queued", "running", "succeeded", "failed", "cancelled")
+FINISHED = ("succeeded", "failed", "cancelled")
+_JOB_ID = re.compile(r"[0-9a-f]{32}")
+# Letters, digits, '.', '_' and '-', not starting with '.' or '-': no separators, no
+# traversal, no control or look-alike characters, safe as a file name everywhere.
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+_HOST = socket.gethostname()
+
+
+def check_name(name: str, what: str = "client") -> str:
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ServiceError(
+            f"{what} name {name!r}: expected 1-64 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit")
+    return name
+
+
+class JobStore:
+    """The jobs of one service, in ``<data_dir>/jobs``."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.root = Path(data_dir) / "jobs"
+        self.trash = Path(data_dir) / "trash"
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.trash.mkdir(exist_ok=True)
+
+    # -- reading -------------------------------------------------------------------------
+
+    def ids(self) -> list[str]:
+        return sorted(p.name for p in self.root.iterdir() if _JOB_ID.fullmatch(p.name))
+
+    def folder(self, job_id: str) -> Path:
+        folder = self.root / job_id
+        if not _JOB_ID.fullmatch(job_id) or not (folder / "job.json").is_file():
+            raise NotFound(f"job {job_id!r}: no such job")
+        return folder
+
+    def read(self, job_id: str) -> dict[str, Any]:
+        try:
+            return json.loads((self.folder(job_id) / "job.json").read_text())
+        except FileNotFoundError:  # deleted meanwhile
+            raise NotFound(f"job {job_id!r}: no such job") from None
+
+    def checkpoint(self, job: dict[str, Any], client: str) -> Path:
+        return self.root / job["id"] / "clients" / job["slots"][client]["file"]
+
+    # -- changing ------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def locked(self, job_id: str) -> Iterator[dict[str, Any]]:
+        """The job, locked against every other process; saved when the block succeeds."""
+        with self._flock(job_id) as folder:
+            job = self.read(job_id)
+            yield job
+            write_atomic(folder / "job.json", json.dumps(job, indent=1).encode())
+
+    @contextlib.contextmanager
+    def _flock(self, job_id: str) -> Iterator[Path]:
+        folder = self.folder(job_id)
+        with open(folder / "lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            yield folder
+
+    def upload_folder(self, job_id: str) -> Path:
+        """Where this process receives uploads for the job: one folder per server process,
+        so that what a killed one leaves behind is recognised (:meth:`sweep`)."""
+        folder = self.folder(job_id) / "uploads" / f"{_HOST}-{os.getpid()}"
+        try:
+            folder.mkdir(exist_ok=True)
+        except FileNotFoundError:  # deleted meanwhile
+            raise NotFound(f"job {job_id!r}: no such job") from None
+        return folder
+
+    def sweep(self, job_id: str) -> None:
+        """Remove what killed processes left in the job's folder: temporary copies of
+        ``job.json`` (written only under the lock held here), of the result and report when
+        no worker runs the job, and uploads of this machine's dead server processes."""
+        with self._flock(job_id) as folder:
+            running = self.read(job_id)["state"] == "running"
+            for tmp in folder.glob(".*.tmp"):
+                if not running or tmp.name.startswith(".job.json."):
+                    tmp.unlink(missing_ok=True)
+            if not running:
+                shutil.rmtree(folder / "run", ignore_errors=True)
+        with contextlib.suppress(FileNotFoundError):  # the job deleted meanwhile
+            for owner in (folder / "uploads").iterdir():
+                host, _, pid = owner.name.rpartition("-")
+                if host == _HOST and pid.isdigit() and not _alive(int(pid)):
+                    shutil.rmtree(owner, ignore_errors=True)
+
+    def create(self, *, method: str, params: dict[str, Any], spec: dict[str, Any] | None,
+               clients: list[str], max_checkpoint_bytes: int, auto_run: bool,
+               max_jobs: int) -> tuple[dict[str, Any], dict[str, str]]:
+        """A new job collecting one checkpoint per client; returns it and the tokens."""
+        for client in clients:
+            check_name(client)
+        if len(set(clients)) != len(clients):
+            raise ServiceError(f"clients: expected distinct names, found {clients}")
+        with open(self.root / ".create.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if len(self.ids()) >= max_jobs:
+                raise Busy(f"jobs: the service holds {max_jobs} jobs, its limit; delete "
+                           "finished ones first")
+            tokens = {client: new_token() for client in clients}
+            job = {
+                "id": uuid.uuid4().hex, "method": method, "params": params, "spec": spec,
+                "state": "collecting", "auto_run": auto_run,
+                "max_checkpoint_bytes": max_checkpoint_bytes,
+                "clients": clients, "slots": {}, "token_hashes": {
+                    c: token_hash(t) for c, t in tokens.items()},
+                "created_at": time.time(), "queued_at": None, "started_at": None,
+                "finished_at": None, "attempts": 0, "progress": None, "error": None,
+            }
+            staging = self.root / f".new-{job['id']}"
+            for sub in ("clients", "uploads"):
+                (staging / sub).mkdir(parents=True)
+            write_atomic(staging / "job.json", json.dumps(job, indent=1).encode())
+            os.rename(staging, self.root / job["id"])  # the job appears whole or not at all
+        return job, tokens
+
+    def accept(self, job_id: str, client: str, part: Path, size: int, sha256: str
+               ) -> dict[str, Any]:
+        """Move a complete, validated, fsynced upload into the client's slot; an
+        ``auto_run`` job whose last slot this fills is queued in the same step."""
+        with self.locked(job_id) as job:
+            if job["state"] != "collecting":
+                raise Conflict(f"job {job_id}: is {job['state']}; uploads are accepted only "
+                               "while it is collecting")
+            old = job["slots"].get(client)
+            name = f"{client}.{sha256}.safetensors"
+            os.replace(part, self.root / job_id / "clients" / name)
+            _fsync_dir(self.root / job_id / "clients")
+            job["slots"][client] = {"file": name, "size": size, "sha256": sha256,
+                                    "uploaded_at": time.time()}
+            if job["auto_run"] and len(job["slots"]) == len(job["clients"]):
+                job.update(state="queued", queued_at=time.time())
+        if old and old["file"] != name:  # only once job.json no longer names it
+            (self.root / job_id / "clients" / old["file"]).unlink(missing_ok=True)
+        return job
+
+    def queue(self, job_id: str) -> dict[str, Any]:
+        """collecting -> queued, once every slot is filled."""
+        with self.locked(job_id) as job:
+            if job["state"] != "collecting":
+                raise Conflict(f"job {job_id}: is {job['state']}; only a collecting job can run")
+            missing = [c for c in job["clients"] if c not in job["slots"]]
+            if missing:
+                raise Conflict(f"job {job_id}: no checkpoint yet from {', '.join(missing)}")
+            job.update(state="queued", queued_at=time.time())
+        return job
+
+    def delete(self, job_id: str) -> None:
+        """Cancel the job (a worker running it drops its result) and remove its files."""
+        with self.locked(job_id) as job:
+            if job["state"] not in FINISHED:
+                job.update(state="cancelled", finished_at=time.time())
+        grave = self.trash / f"{job_id}.{secrets.token_hex(4)}"
+        try:
+            os.rename(self.root / job_id, grave)  # gone at once for readers
+        except FileNotFoundError:
+            raise NotFound(f"job {job_id!r}: no such job") from None
+        shutil.rmtree(grave, ignore_errors=True)
+
+    def empty_trash(self) -> None:
+        """Finish removing what a process killed during :meth:`delete` left."""
+        for grave in self.trash.iterdir():
+            shutil.rmtree(grave, ignore_errors=True)
+
+    # -- what workers do -----------------------------------------------------------------
+
+    def claim(self, job_id: str) -> dict[str, Any] | None:
+        """queued -> running for this worker; None when the job is not queued (done,
+        cancelled, deleted, or claimed by another worker)."""
+        try:
+            with self.locked(job_id) as job:
+                if job["state"] != "queued":
+                    return None
+                self.beat(job_id)
+                job.update(state="running", started_at=time.time(), progress="starting",
+                           attempts=job["attempts"] + 1, error=None)
+            return job
+        except NotFound:
+            return None
+
+    def beat(self, job_id: str) -> None:
+        (self.root / job_id / "heartbeat").touch()
+
+    def silent_for(self, job_id: str) -> float:
+        """Seconds since the worker running the job last signalled."""
+        try:
+            return time.time() - (self.root / job_id / "heartbeat").stat().st_mtime
+        except FileNotFoundError:
+            return float("inf")
+
+    def update(self, job_id: str, attempt: int, **changes: Any) -> bool:
+        """Change a running job, if it is still this attempt's (not cancelled or re-run)."""
+        try:
+            with self.locked(job_id) as job:
+                if job["state"] != "running" or job["attempts"] != attempt:
+                    return False
+                job.update(changes)
+            return True
+        except NotFound:
+            return False
+
+
+def view(job: dict[str, Any], client: str | None = None) -> dict[str, Any]:
+    """What GET /v1/jobs/{id} shows: all of it to the admin; to a client, the job's state
+    and its own slot only."""
+    public = {k: job[k] for k in ("id", "method", "state", "progress", "created_at",
+                                  "queued_at", "started_at", "finished_at")}
+    slots = {c: _slot(job["slots"].get(c)) for c in job["clients"]}
+    if client is not None:
+        return {**public, "client": client, "slot": slots[client]}
+    return {**public, "params": job["params"], "auto_run": job["auto_run"],
+            "max_checkpoint_bytes": job["max_checkpoint_bytes"], "attempts": job["attempts"],
+            "error": job["error"], "slots": slots}
+
+
+def _slot(slot: dict[str, Any] | None) -> dict[str, Any]:
+    if slot is None:
+        return {"filled": False}
+    return {"filled": True, "size": slot["size"], "sha256": slot["sha256"],
+            "uploaded_at": slot["uploaded_at"]}
+
+
+def authorize(job: dict[str, Any], token: str, admin: bool, client: str | None = None
+              ) -> str | None:
+    """Who the token is for this job: None for the admin, else the client's name.
+
+    With ``client``, the token must be the admin's or that client's own."""
+    if admin:
+        return None
+    owner = next((c for c, h in job["token_hashes"].items() if matches(token, h)), None)
+    if owner is None:
+        raise Forbidden(f"job {job['id']}: the token is neither the admin's nor one of this "
+                        "job's client tokens")
+    if client is not None and owner != client:
+        raise Forbidden(f"client {owner!r}: its token cannot act for client {client!r}")
+    return owner
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

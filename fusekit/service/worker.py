@@ -1,0 +1,220 @@
+"""The job queue and the workers: fusion runs here, in worker processes, never in the API
+server's event loop.
+
+The queue is huey's: SQLite in the data folder by default (API server and workers on one
+machine), Redis when workers run on several machines. A job is queued by id only; its state
+lives in the job store, so a message lost with a killed worker is found again by
+:func:`recover` (run by every API server at start-up and then every few seconds).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from huey import Huey, RedisHuey, SqliteHuey
+
+import fusekit
+from fusekit.api import fusion_summary
+from fusekit.core.checkpoint import write_atomic
+from fusekit.core.errors import FusekitError
+from fusekit.service.settings import Settings
+from fusekit.service.store import JobStore
+
+log = logging.getLogger(__name__)
+
+RESULT, REPORT = "result.safetensors", "report.json"
+TASK = "fusekit.run_job"
+
+
+def make_queue(settings: Settings) -> tuple[Huey, Any]:
+    """The huey queue of these settings and its one task, ``run_job(job_id)``."""
+    if settings.broker:
+        huey: Huey = RedisHuey("fusekit", url=settings.broker, results=False)
+    else:
+        huey = SqliteHuey("fusekit", filename=str(settings.data_dir / "queue.sqlite3"),
+                          results=False, fsync=True)
+
+    @huey.task(name=TASK)
+    def run_job_task(job_id: str) -> None:
+        run_job(settings, job_id)
+
+    return huey, run_job_task
+
+
+def run_job(settings: Settings, job_id: str) -> None:
+    """Run one queued job: fuse its checkpoints with ``fusekit.fuse`` and store the result."""
+    store = JobStore(settings.data_dir)
+    job = store.claim(job_id)
+    if job is None:
+        log.info("job %s: not queued any more; nothing to do", job_id)
+        return
+    attempt = job["attempts"]
+    stop = threading.Event()
+    beat = threading.Thread(target=_heartbeat, args=(store, job_id, settings.lease_s / 5, stop),
+                            daemon=True)
+    beat.start()
+    try:
+        outcome = _fuse(store, job, attempt)
+    finally:
+        stop.set()
+        beat.join()
+    store.update(job_id, attempt, finished_at=time.time(), progress=None, **outcome)
+    log.info("job %s: %s", job_id, outcome["state"])
+
+
+def _fuse(store: JobStore, job: dict[str, Any], attempt: int) -> dict[str, Any]:
+    folder = store.root / job["id"]
+    run = folder / "run"  # the clients' files under their own names, for fusekit's messages
+    try:
+        paths = _link_inputs(store, job, run)
+        store.update(job["id"], attempt, progress="fusing")
+        start = time.perf_counter()
+        with _layer_progress(store, job["id"], attempt):
+            result = fusekit.fuse(paths, method=job["method"], spec=job["spec"], **job["params"])
+        seconds = time.perf_counter() - start
+        if not store.update(job["id"], attempt, progress="writing the result"):
+            return {"state": "cancelled"}
+        result.save(folder / RESULT, force=True)
+        report = fusion_summary(result, RESULT, seconds)
+        write_atomic(folder / REPORT, _without(run, json.dumps(report, default=_jsonable)).encode())
+        return {"state": "succeeded", "error": None}
+    except FusekitError as exc:
+        return {"state": "failed", "error": _without(run, str(exc))}
+    except Exception as exc:  # a bug, not bad input: keep the traceback in the worker's log
+        log.exception("job %s failed", job["id"])
+        return {"state": "failed",
+                "error": _without(run, f"internal error: {type(exc).__name__}: {exc}")}
+    finally:
+        shutil.rmtree(run, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _layer_progress(store: JobStore, job_id: str, attempt: int) -> Iterator[None]:
+    """The job's progress follows the layers a method logs as fused (log records with a
+    ``layer`` attribute: (i, L))."""
+    handler = _LayerProgress(store, job_id, attempt)
+    logger = logging.getLogger("fusekit")
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+
+
+class _LayerProgress(logging.Handler):
+    def __init__(self, store: JobStore, job_id: str, attempt: int) -> None:
+        super().__init__(logging.INFO)
+        self.store, self.job_id, self.attempt = store, job_id, attempt
+
+    def emit(self, record: logging.LogRecord) -> None:
+        layer = getattr(record, "layer", None)
+        if layer is not None:
+            done, total = layer
+            self.store.update(self.job_id, self.attempt,
+                              progress=f"fusing: layer {done} of {total} matched")
+
+
+def _link_inputs(store: JobStore, job: dict[str, Any], run: Path) -> list[Path]:
+    run.mkdir(exist_ok=True)
+    paths = []
+    for client in job["clients"]:
+        path = run / f"{client}.safetensors"
+        path.unlink(missing_ok=True)
+        os.link(store.checkpoint(job, client), path)
+        paths.append(path)
+    return paths
+
+
+def _without(folder: Path, text: str) -> str:
+    """Messages name clients' files as ``fusekit fuse`` run in their folder would, and never
+    show the server's paths."""
+    return text.replace(f"{folder}{os.sep}", "")
+
+
+def _jsonable(value: Any) -> Any:
+    return value.tolist() if hasattr(value, "tolist") else str(value)
+
+
+def _heartbeat(store: JobStore, job_id: str, every: float, stop: threading.Event) -> None:
+    while not stop.wait(every):
+        store.beat(job_id)
+
+
+def recover(settings: Settings, huey: Huey, run_job_task: Any) -> None:
+    """Queue again what a crash lost: a queued job whose message is not in the queue, a
+    running job whose worker stopped signalling (failed after ``max_attempts`` runs); and
+    remove what killed processes left behind (:meth:`JobStore.sweep`, deleted jobs)."""
+    store = JobStore(settings.data_dir)
+    store.empty_trash()
+    pending = {task.args[0] for task in huey.pending() if task.args}
+    now = time.time()
+    for job_id in store.ids():
+        try:
+            job = store.read(job_id)
+            store.sweep(job_id)
+            if job["state"] == "queued" and job_id not in pending and (
+                    now - job["queued_at"] > settings.lease_s):
+                log.warning("job %s: queued but not in the queue; queueing it again", job_id)
+                run_job_task(job_id)
+            elif job["state"] == "running" and store.silent_for(job_id) > settings.lease_s:
+                _requeue(store, settings, job_id, huey, run_job_task)
+        except FusekitError:  # deleted meanwhile
+            continue
+
+
+def _requeue(store: JobStore, settings: Settings, job_id: str, huey: Huey,
+             run_job_task: Any) -> None:
+    with store.locked(job_id) as job:
+        if job["state"] != "running" or store.silent_for(job_id) <= settings.lease_s:
+            return
+        if job["attempts"] >= settings.max_attempts:
+            job.update(state="failed", finished_at=time.time(), progress=None,
+                       error=f"the worker stopped {job['attempts']} times while running this "
+                       "job (killed or out of memory); not trying again")
+            log.warning("job %s: %s", job_id, job["error"])
+            return
+        job.update(state="queued", queued_at=time.time(), progress=None)
+    log.warning("job %s: its worker stopped; queueing it again", job_id)
+    run_job_task(job_id)
+
+
+def work(settings: Settings, parent: int | None = None) -> None:
+    """Run one worker process until SIGINT/SIGTERM (or until ``parent`` exits)."""
+    huey, _ = make_queue(settings)
+    # Polls the SQLite queue at most every half second when idle (Redis blocks instead).
+    consumer = huey.create_consumer(workers=1, worker_type="thread", periodic=False,
+                                    initial_delay=0.1, backoff=1.5, max_delay=0.5)
+    if parent is not None:
+        threading.Thread(target=_exit_with, args=(parent,), daemon=True).start()
+    consumer.run()
+
+
+def _exit_with(parent: int) -> None:
+    """A worker started by ``fusekit serve`` stops when its server is gone, even kill -9'd."""
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def main() -> None:
+    """How ``fusekit serve`` starts its workers: settings from the environment."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    parent = os.environ.get("FUSEKIT_PARENT_PID")
+    work(Settings.from_env(), parent=int(parent) if parent else None)
+
+
+if __name__ == "__main__":
+    # Through the imported module, so huey names the task as the API server does.
+    from fusekit.service import worker
+
+    worker.main()

@@ -1,0 +1,284 @@
+"""FusekitStrategy and the ClientApp helpers on real Flower Messages (no network)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("flwr", reason="needs the [flower] extra")
+
+from flwr.app import ConfigRecord, Error, Message, MessageType, MetricRecord, RecordDict
+from flwr.supercore.task_identity import TaskIdentity
+
+import fusekit
+from conftest import mlp, write, write_raw
+from fusekit.core.checkpoint import Checkpoint
+from fusekit.core.errors import (
+    CheckpointError,
+    IncompatibleModelsError,
+    ParameterError,
+    UnknownMethodError,
+)
+from fusekit.flower import (
+    ARCH,
+    WIDTHS,
+    FusekitStrategy,
+    arrays_to_state_dict,
+    global_model,
+    train_reply,
+)
+from fusekit.toolkit.data import load_dataset
+from fusekit.toolkit.nn import build_model, load_state_into
+from fusekit.toolkit.nn.fused import load_fused
+from fusekit.toolkit.simulate import SimulationConfig, simulate_clients
+from fusekit.toolkit.train import TrainConfig
+
+
+@pytest.fixture(autouse=True)
+def serverapp_identity(monkeypatch):
+    """Messages are stamped with the run and node of the process, as in a ServerApp."""
+    monkeypatch.setattr(TaskIdentity, "_run_id", 1)
+    monkeypatch.setattr(TaskIdentity, "_node_id", 0)
+    monkeypatch.setattr(TaskIdentity, "_task_id", 1)
+
+
+def reply(node_id: int, content: RecordDict | Error) -> Message:
+    """What the SuperLink hands the ServerApp: node ``node_id``'s reply to a train message."""
+    instruction = Message(RecordDict({"config": ConfigRecord()}), dst_node_id=node_id,
+                          message_type=MessageType.TRAIN)
+    return Message(content, reply_to=instruction)
+
+
+class NodeIds:
+    """The part of a Grid that configure_train/evaluate use: the connected node ids."""
+
+    def get_node_ids(self):
+        return [10, 11, 12]
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return load_dataset("digits")
+
+
+@pytest.fixture(scope="module")
+def trained(digits):
+    """Three MLP clients trained from their own initial weights on non-iid digits."""
+    config = SimulationConfig(clients=3, partition="dirichlet", alpha=0.5, arch="mlp:32",
+                              train=TrainConfig(epochs=5))
+    return with_modules(simulate_clients(digits, config))
+
+
+@pytest.fixture(scope="module")
+def trained_fed2(digits):
+    """Three Fed² clients: their last two layers split into 5 groups of two classes."""
+    config = SimulationConfig(clients=3, arch="mlp:20,20", fed2={"groups": 5, "depth": 2},
+                              shared_init=True, train=TrainConfig(epochs=1))
+    return with_modules(simulate_clients(digits, config))
+
+
+def with_modules(clients):
+    models = []
+    for client in clients:
+        model = build_model(client.checkpoint.arch)
+        load_state_into(model, client.checkpoint.state_dict(), "client")
+        models.append(model)
+    return clients, models
+
+
+def trained_replies(trained, first_node: int = 10) -> list[Message]:
+    clients, models = trained
+    return [reply(first_node + c.index,
+                  train_reply(model, len(c.indices),
+                              c.checkpoint.class_counts.astype(int).tolist()))
+            for c, model in zip(clients, models, strict=True)]
+
+
+def test_avg_keeps_tensor_names_and_weights_by_num_examples():
+    models = [mlp(batchnorm=True, seed=s) for s in range(2)]
+    replies = [reply(1, train_reply(models[0], 30)), reply(2, train_reply(models[1], 10))]
+    arrays, metrics = FusekitStrategy("avg").aggregate_train(1, replies)
+    assert list(arrays) == list(models[0].state_dict())
+    fused = arrays_to_state_dict(arrays)
+    expected = (0.75 * models[0][0].weight + 0.25 * models[1][0].weight).detach().numpy()
+    np.testing.assert_allclose(fused["0.weight"], expected, rtol=1e-6)
+    assert fused["1.num_batches_tracked"].dtype == np.int64
+    assert metrics["avg.fused-widths"] == [5]
+    assert metrics["avg.fused-replies"] == 2 and metrics["avg.left-out-replies"] == 0
+
+
+def test_class_counts_reach_the_fusion():
+    """avg --class-weighted reads the per-class counts the replies carry."""
+    models = [mlp(seed=s) for s in range(2)]
+    replies = [reply(1, train_reply(models[0], 10, [10, 0, 0])),
+               reply(2, train_reply(models[1], 10, [0, 4, 6]))]
+    arrays, _ = FusekitStrategy("avg", {"class_weighted": True}).aggregate_train(1, replies)
+    head = arrays_to_state_dict(arrays)["2.weight"]
+    np.testing.assert_allclose(head[0], models[0][2].weight[0].detach().numpy(), rtol=1e-6)
+    np.testing.assert_allclose(head[2], models[1][2].weight[2].detach().numpy(), rtol=1e-6)
+
+
+def test_bad_replies_are_left_out_with_the_reason_fusekit_fuse_gives(tmp_path, caplog):
+    good = [mlp(seed=s) for s in range(2)]
+    nan_model = mlp(seed=3)
+    with torch.no_grad():
+        nan_model[0].weight[0, 0] = float("nan")
+    missing_count = train_reply(mlp(seed=4), 5)
+    del missing_count["metrics"]["num-examples"]
+    replies = [
+        reply(1, train_reply(good[0], 10)),
+        reply(2, Error(code=1, reason="out of memory")),
+        reply(3, train_reply(nan_model, 10)),
+        reply(4, train_reply(mlp(widths=(6, 5, 4, 3), seed=5), 10)),
+        reply(5, missing_count),
+        reply(6, train_reply(good[1], 10)),
+    ]
+    strategy = FusekitStrategy("pfnm")
+    arrays, metrics = strategy.aggregate_train(3, replies)
+    assert arrays is not None and metrics["pfnm.fused-replies"] == 2
+    assert metrics["pfnm.left-out-replies"] == 4
+    reasons = strategy.left_out
+    assert sorted(reasons) == [2, 3, 4, 5]
+    assert "out of memory" in reasons[2]
+    assert "num-examples" in reasons[5]
+    # The reason is the one `fusekit fuse` gives for the same model in a file.
+    path = write_raw(tmp_path / "nan.safetensors", nan_model)
+    with pytest.raises(CheckpointError) as file_error:
+        fusekit.fuse([path, write(tmp_path / "good.safetensors", good[0])], method="pfnm")
+    assert reasons[3] == str(file_error.value).replace(str(path), "node 3")
+    assert reasons[4] == "architectures cannot be fused: node 1 has 2 layers, node 4 has 3"
+    assert all(f"node {n} left out: {r}" in caplog.text for n, r in reasons.items())
+    assert all("\n" not in r for r in reasons.values())
+
+
+def test_the_round_fails_only_when_too_few_replies_remain(caplog):
+    replies = [reply(1, train_reply(mlp(seed=1), 10)), reply(2, Error(code=1, reason="x"))]
+    strategy = FusekitStrategy("avg", min_fused_replies=2)
+    assert strategy.aggregate_train(1, replies) == (None, None)
+    assert "round failed" in caplog.text
+    assert FusekitStrategy("avg", min_fused_replies=1).aggregate_train(1, replies)[0] is not None
+
+
+def test_bad_method_or_parameters_fail_before_any_node_trains():
+    """Checked against the method's declaration, as ``fusekit.fuse`` checks them."""
+    with pytest.raises(UnknownMethodError):
+        FusekitStrategy("fedprox")
+    with pytest.raises(ParameterError, match=r"'avg' does not take parameter.* sigma"):
+        FusekitStrategy("avg", {"sigma": 1.0})
+    with pytest.raises(ParameterError, match="sweeps"):
+        FusekitStrategy("pfnm", {"sweeps": 2.5})
+    with pytest.raises(ParameterError, match="unobserved"):
+        FusekitStrategy("nafi", {"unobserved": "drop-them"})
+    with pytest.raises(ParameterError, match="sigma: expected one value for every node"):
+        FusekitStrategy("pfnm", {"sigma": [1.0, 2.0, 3.0]})
+    with pytest.raises(ParameterError, match="min_fused_replies"):
+        FusekitStrategy("avg", min_fused_replies=0)
+    assert FusekitStrategy("pfnm", {"sigma": 2, "sweeps": 3}).params == {"sigma": 2, "sweeps": 3}
+
+
+def test_pfnm_round_reports_widths_and_sends_them_to_clients(trained, digits):
+    clients, _ = trained
+    strategy = FusekitStrategy("pfnm", arch=clients[0].checkpoint.arch)
+    arrays, metrics = strategy.aggregate_train(1, trained_replies(trained))
+    expected = fusekit.fuse([c.checkpoint for c in clients], method="pfnm")
+    widths = metrics["pfnm.fused-widths"]
+    assert widths == expected.widths == [48]  # PFNM grew the layer to 1.5 × 32
+    assert arrays_to_state_dict(arrays)["net.0.weight"].shape == (widths[0], 64)
+    np.testing.assert_array_equal(arrays_to_state_dict(arrays)["net.2.weight"],
+                                  expected.state_dict["net.2.weight"])
+    assert metrics["pfnm.fuse-time-s"] > 0
+
+    for message in strategy.configure_train(2, arrays, ConfigRecord({"lr": 0.1}),
+                                            NodeIds()):
+        config = message.content["config"]
+        assert config[WIDTHS] == widths and config["lr"] == 0.1
+        assert json.loads(config[ARCH])["hidden"] == widths
+        model = global_model(message.content)  # what a ClientApp rebuilds
+        assert model.net[0].out_features == widths[0]
+
+    scores = strategy.evaluate_fn(digits)(1, arrays)
+    assert scores["hidden-widths"] == widths
+    assert scores["accuracy"] > 0.8
+
+
+def test_server_evaluation_before_the_first_round_uses_the_initial_architecture(trained,
+                                                                                 digits):
+    clients, models = trained
+    strategy = FusekitStrategy("pfnm", arch=clients[0].checkpoint.arch)
+    scores = strategy.evaluate_fn(digits)(0, train_reply(models[0], 1)["arrays"])
+    assert scores["hidden-widths"] == [32]
+    assert 0 < scores["accuracy"] < 1
+
+
+def test_train_reply_packs_counts_and_architecture():
+    model = build_model(json.loads(json.dumps(
+        {"type": "mlp", "in_features": 4, "hidden": [3], "out_features": 2})))
+    content = train_reply(model, 7, [3, 4], metrics={"train-loss": 0.5})
+    assert list(content["arrays"]) == list(model.state_dict())
+    metrics = content["metrics"]
+    assert isinstance(metrics, MetricRecord)
+    assert dict(metrics) == {"train-loss": 0.5, "num-examples": 7, "class-counts": [3, 4]}
+    assert json.loads(content["fusekit"][ARCH])["hidden"] == [3]
+    assert "fusekit" not in train_reply(mlp(), 7)  # a plain torch model has no fusekit.arch
+    for bad in ([3, 3], [8, -1], [3.5, 3.5]):
+        with pytest.raises(ParameterError, match="class_counts"):
+            train_reply(model, 7, bad)
+    with pytest.raises(ParameterError, match="num_examples"):
+        train_reply(model, 0)
+
+
+def test_global_model_without_architecture_is_read_from_its_tensors():
+    model = mlp(widths=(6, 9, 3))
+    content = RecordDict({"arrays": train_reply(model, 1)["arrays"],
+                          "config": ConfigRecord()})
+    rebuilt = global_model(content)
+    x = torch.randn(4, 6)
+    torch.testing.assert_close(rebuilt(x), model(x))
+
+
+def test_each_reply_is_screened_as_the_method_screens_a_client(trained, trained_fed2, digits):
+    """fed2 leaves plain models out, PFNM leaves Fed² models out, with fusekit's reasons."""
+    plain, grouped = trained_replies(trained), trained_replies(trained_fed2, first_node=20)
+    strategy = FusekitStrategy("fed2")
+    arrays, metrics = strategy.aggregate_train(1, plain[:1] + grouped)
+    assert metrics["fed2.fused-replies"] == 3 and sorted(strategy.left_out) == [10]
+    expected = fusekit.fuse([c.checkpoint for c in trained_fed2[0]], method="fed2")
+    for name, value in arrays_to_state_dict(arrays).items():
+        np.testing.assert_array_equal(value, expected.state_dict[name])
+    first = trained[0][0].checkpoint
+    with pytest.raises(IncompatibleModelsError) as refusal:
+        fusekit.fuse([Checkpoint.from_state_dict(first.state_dict(), first.metadata,
+                                                 source="node 10")], method="fed2")
+    assert strategy.left_out[10] == str(refusal.value)
+    assert_nodes_rebuild_the_global_model(strategy, arrays, digits)
+
+    strategy = FusekitStrategy("pfnm")
+    _, metrics = strategy.aggregate_train(1, grouped[:1] + plain)
+    assert metrics["pfnm.fused-replies"] == 3 and sorted(strategy.left_out) == [20]
+    assert strategy.left_out[20].startswith("node 20: a Fed² model")
+
+
+@pytest.mark.parametrize("method", sorted(name for name, cls in fusekit.METHODS.items()
+                                          if cls.client_structure is None))
+def test_every_method_fuses_a_round_that_the_server_scores(trained, digits, method):
+    clients, _ = trained
+    strategy = FusekitStrategy(method, arch=clients[0].checkpoint.arch)
+    arrays, metrics = strategy.aggregate_train(1, trained_replies(trained))
+    expected = fusekit.fuse([c.checkpoint for c in clients], method=method)
+    assert list(arrays) == list(expected.state_dict)
+    assert metrics[f"{method}.fused-widths"] == expected.widths
+    scores = strategy.evaluate_fn(digits)(1, arrays)
+    assert scores["hidden-widths"] == expected.widths
+    assert scores["accuracy"] > 0.5
+    assert_nodes_rebuild_the_global_model(strategy, arrays, digits)
+
+
+def assert_nodes_rebuild_the_global_model(strategy, arrays, digits):
+    """Each node rebuilds, from the evaluate message alone, the model the server scores."""
+    x = torch.as_tensor(digits.x_test[:20])
+    server_model = load_fused(strategy.global_checkpoint(arrays), "cpu")
+    for message in strategy.configure_evaluate(1, arrays, ConfigRecord(), NodeIds()):
+        torch.testing.assert_close(global_model(message.content)(x), server_model(x))

@@ -1,0 +1,498 @@
+"""The fusion service, end to end: a real ``fusekit serve`` (uvicorn on 127.0.0.1, an
+ephemeral port) with real worker processes, driven over HTTP by ``fusekit.client`` and raw
+requests; every process is stopped by process group and every wait is bounded."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+import signal
+import socket
+import stat
+import struct
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import safetensors.numpy
+import torch
+from bench_service import ServiceProcess
+from typer.testing import CliRunner
+
+import fusekit
+from conftest import mlp, write
+from fusekit._cli.app import app as cli_app
+from fusekit.client import Client, ServiceError
+from fusekit.service.auth import admin_token_hash, token_hash
+
+ADMIN = secrets.token_urlsafe(32)
+NAMES = ("hospital-a", "hospital-b", "hospital-c")
+IDLE_S = 3  # seconds a test server lets an upload send nothing
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    data = tmp_path_factory.mktemp("service") / "data"
+    server = ServiceProcess(data, options=("--max-uploads", "2", "--max-jobs", "40",
+                                           "--max-checkpoint-bytes", str(2**20),
+                                           "--upload-idle-timeout", str(IDLE_S)),
+                            env={"FUSEKIT_ADMIN_TOKEN": ADMIN})
+    server.start()
+    yield server
+    server.stop()
+    assert server.process.poll() is not None
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("clients")
+    return [write(folder / f"{name}.safetensors", mlp((6, 5 + i, 3), seed=i),
+                  num_samples=20 + i) for i, name in enumerate(NAMES)]
+
+
+@pytest.fixture
+def admin(service):
+    with Client(service.url, ADMIN) as client:
+        yield client
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def put(service, job, client, token, body, **headers) -> httpx.Response:
+    return httpx.put(f"{service.url}/v1/jobs/{job}/clients/{client}/checkpoint", content=body,
+                     headers={"Authorization": f"Bearer {token}", **headers}, timeout=30)
+
+
+def one_line_error(response: httpx.Response, status: int, *words: str) -> str:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert "\n" not in error
+    for word in words:
+        assert word in error, error
+    return error
+
+
+def test_three_clients_pfnm_equals_fusekit_fuse(service, admin, models, tmp_path):
+    job = admin.create_job("pfnm", list(NAMES), params={"sigma": 1.0, "sweeps": 3})
+    for name, path in zip(NAMES, models, strict=True):
+        with Client(service.url, job["tokens"][name]) as client:
+            seen: list[int] = []
+            slot = client.submit(job["id"], name, path,
+                                 progress=lambda sent, total, seen=seen: seen.append(sent))
+            assert slot == {**slot, "filled": True, "sha256": sha256(path)}
+            assert seen[-1] == path.stat().st_size
+            mine = client.status(job["id"])  # a client sees its own slot, nothing of others
+            assert mine["slot"]["filled"] and "slots" not in mine and "params" not in mine
+            assert not any(other in json.dumps(mine) for other in NAMES if other != name)
+    response = httpx.post(f"{service.url}/v1/jobs/{job['id']}/run",
+                          headers={"Authorization": f"Bearer {ADMIN}"})
+    assert response.status_code == 202
+    assert response.headers["Location"] == f"/v1/jobs/{job['id']}"
+    state = admin.wait(job["id"], timeout=60, every=0.1)
+    assert state["state"] == "succeeded", state
+    assert state["started_at"] <= state["finished_at"]
+
+    fused = admin.result(job["id"], tmp_path / "fused.safetensors")
+    expected = fusekit.fuse(models, "pfnm", sigma=1.0, sweeps=3)
+    got = fusekit.load_checkpoint(fused)
+    assert sorted(got.tensors) == sorted(expected.state_dict)
+    for name, array in expected.state_dict.items():
+        np.testing.assert_array_equal(got.tensor(name), array)
+    module = mlp((6, *expected.widths, 3))
+    module.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in
+                            got.state_dict().items()}, strict=True)
+    report = admin.report(job["id"])
+    assert report["widths"] == expected.widths and report["method"] == "pfnm"
+    assert set(report) == {"output", "method", "params", "widths", "time_s", "report"}
+    assert got.metadata["fusekit.method"] == "pfnm"  # the usual provenance
+
+
+def test_resubmitting_sends_nothing_twice_and_a_new_file_replaces_the_old(service, admin,
+                                                                          models):
+    job = admin.create_job("avg", ["a"])
+    clients = service.data_dir / "jobs" / job["id"] / "clients"
+    with Client(service.url, job["tokens"]["a"]) as client:
+        first = client.submit(job["id"], "a", models[0])
+        again = client.submit(job["id"], "a", models[0])
+        assert again["uploaded_at"] == first["uploaded_at"]  # not uploaded a second time
+        replaced = client.submit(job["id"], "a", models[1])
+        assert replaced["sha256"] == sha256(models[1])
+        assert [p.name for p in clients.iterdir()] == [f"a.{sha256(models[1])}.safetensors"]
+        admin.run(job["id"])
+        with pytest.raises(ServiceError, match=r"uploads are accepted only while it is "
+                                               r"collecting \(HTTP 409\)"):
+            client.submit(job["id"], "a", models[2])
+    assert admin.wait(job["id"], timeout=60, every=0.1)["state"] == "succeeded"
+
+
+def with_nan(path: Path, model: torch.nn.Module) -> Path:
+    """A checkpoint with one NaN weight (fusekit never writes one; safetensors does)."""
+    state = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+    state["0.weight"][0, 0] = np.nan
+    safetensors.numpy.save_file(state, str(path))
+    return path
+
+
+@pytest.mark.parametrize(("make_b", "named"), [
+    (lambda path: write(path, mlp((6, 5, 4, 3), seed=1)),  # another architecture
+     ["a.safetensors", "b.safetensors"]),
+    (lambda path: with_nan(path, mlp((6, 5, 3), seed=1)), ["b.safetensors", "'0.weight'"]),
+], ids=["incompatible", "nan"])
+def test_auto_run_and_unfusable_checkpoints_fail_with_the_cli_message(
+        service, admin, tmp_path, make_b, named):
+    a = write(tmp_path / "a.safetensors", mlp((6, 5, 3), seed=0))
+    b = make_b(tmp_path / "b.safetensors")
+    with pytest.raises(fusekit.core.errors.FusekitError) as expected:
+        fusekit.fuse([a, b], "avg")
+    job = admin.create_job("avg", ["a", "b"], auto_run=True)
+    for name, path in (("a", a), ("b", b)):
+        admin.submit(job["id"], name, path)
+    state = admin.wait(job["id"], timeout=60, every=0.1)
+    assert state["state"] == "failed"
+    assert state["error"] == str(expected.value).replace(f"{tmp_path}{os.sep}", "")
+    assert all(name in state["error"] for name in named), state["error"]
+    with pytest.raises(ServiceError, match=r"is failed.*\(HTTP 409\)"):
+        admin.result(job["id"], tmp_path / "none.safetensors")
+
+
+@pytest.mark.parametrize(("body", "status", "words"), [
+    ({"method": "nope", "clients": ["a"]}, 422, ["unknown fusion method 'nope'"]),
+    ({"method": "pfnm", "clients": ["a"], "params": {"sigmaa": 1}}, 422, ["sigmaa"]),
+    ({"method": "ot", "clients": ["a"], "params": {"data_dir": "/etc"}}, 422, ["data_dir"]),
+    ({"method": "ot", "clients": ["a"], "params": {"activations": None}}, 422,
+     ["activations", "server-side paths"]),
+    ({"method": "pfnm", "clients": ["a"], "params": {"sweeps": 2.5}}, 422,
+     ["sweeps", "integer", "2.5"]),
+    ({"method": "pfnm", "clients": ["a"], "params": {"sweeps": 10**9}}, 422, ["sweeps"]),
+    ({"method": "avg", "clients": ["../etc"]}, 400, ["client name '../etc'"]),
+    ({"method": "avg", "clients": ["a\nb"]}, 400, ["client name 'a\\nb'"]),
+    ({"method": "avg", "clients": ["a", "a"]}, 400, ["distinct"]),
+    ({"method": "avg", "clients": []}, 422, ["clients"]),
+    ({"method": "avg", "clients": ["a"], "max_checkpoint_bytes": 2**21}, 422,
+     ["max_checkpoint_bytes", str(2**20)]),
+    ({"method": "avg", "clients": ["a"], "extra": 1}, 422, ["extra"]),
+    ({"method": "avg", "clients": "a"}, 422, ["clients", "list"]),
+    ('{"method": "avg", "clients": ["a"], "spec": ' + "[" * 10000 + "]" * 10000 + "}", 422,
+     ["request body", "nested"]),
+    ("{not json", 422, ["request body", "not JSON"]),
+    (b"\xff\xfe", 422, ["request body", "UTF-8"]),
+    ('{"method": "avg", "clients": ["' + "a" * 2**20 + '"]}', 413, ["request body", "1048576"]),
+])
+def test_job_creation_refuses_bad_requests(service, body, status, words):
+    response = httpx.post(f"{service.url}/v1/jobs", headers={"Authorization": f"Bearer {ADMIN}"},
+                          **({"json": body} if isinstance(body, dict) else {"content": body}))
+    one_line_error(response, status, *words)
+
+
+def test_tokens(service, admin, models):
+    job = admin.create_job("avg", ["a", "b"])
+    tokens = job["tokens"]
+    assert len({*tokens.values(), ADMIN}) == 3 and all(len(t) >= 43 for t in tokens.values())
+    body = models[0].read_bytes()
+    url = f"{service.url}/v1/jobs/{job['id']}"
+    one_line_error(httpx.get(url), 401, "Bearer")
+    one_line_error(httpx.get(url, headers={"Authorization": "Basic abc"}), 401, "Bearer")
+    one_line_error(put(service, job["id"], "b", tokens["a"], body), 403, "'a'", "'b'")
+    one_line_error(put(service, job["id"], "a", "forged", body), 403, "token")
+    one_line_error(httpx.post(f"{service.url}/v1/jobs", json={"method": "avg", "clients": ["x"]},
+                              headers={"Authorization": f"Bearer {tokens['a']}"}), 403, "admin")
+    one_line_error(httpx.get(f"{url}/result", headers={"Authorization": f"Bearer {tokens['a']}"}),
+                   403, "admin")
+    one_line_error(put(service, "0" * 32, "a", ADMIN, body), 404, "no such job")
+    one_line_error(put(service, "../../etc", "a", ADMIN, body), 404)
+    one_line_error(put(service, job["id"], "zz", ADMIN, body), 404, "'zz'")
+    assert not admin.status(job["id"])["slots"]["b"]["filled"]
+    shown = json.dumps(admin.status(job["id"]))
+    assert not any(token in shown for token in tokens.values())
+    on_disk = (service.data_dir / "jobs" / job["id"] / "job.json").read_text()
+    assert not any(token in on_disk for token in tokens.values())  # only their hashes
+    assert all(token_hash(token) in on_disk for token in tokens.values())
+    log = service.log.read_text()
+    assert not any(token in log for token in [*tokens.values(), ADMIN])
+
+
+def header(tensors: dict, metadata: dict | None = None) -> bytes:
+    if metadata:
+        tensors = {"__metadata__": metadata, **tensors}
+    text = json.dumps(tensors).encode()
+    return struct.pack("<Q", len(text)) + text
+
+
+GOOD = {"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}
+
+
+@pytest.mark.parametrize(("body", "status", "words"), [
+    (header(GOOD) + b"\0" * 4, 400, ["truncated upload", "of the"]),
+    (header(GOOD)[:20], 400, ["truncated"]),
+    (b"\x01\x02", 400, ["truncated"]),
+    (header(GOOD) + b"\0" * 12, 400, ["runs past"]),
+    (struct.pack("<Q", 12) + b"{not json}!!" + b"\0" * 8, 400, ["header"]),
+    (header({"w": {"dtype": "I32", "shape": [2], "data_offsets": [0, 8]}}) + b"\0" * 8, 400,
+     ["'w'", "I32"]),
+    (header({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}) + b"\0" * 4, 400,
+     ["'w'", "data_offsets", "[0, 8]"]),
+    (header({"w": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}}) + b"\0" * 16, 400,
+     ["'w'", "data_offsets"]),
+    (header({"w": {"dtype": "X9", "shape": [2], "data_offsets": [0, 8]}}) + b"\0" * 8, 400,
+     ["'w'", "X9"]),
+    (header(GOOD, {"fusekit.num_samples": "-3"}) + b"\0" * 8, 400, ["fusekit.num_samples"]),
+    (struct.pack("<Q", 2**62) + b"{}", 400, ["header claims", "expected at most"]),
+    (struct.pack("<Q", 2**21) + b"{}", 413, ["header alone"]),
+    (header({"w": {"dtype": "F32", "shape": [2**20], "data_offsets": [0, 2**22]}}), 413,
+     ["declares a file of"]),
+    (b"\x80\x04\x95" + b"\0" * 64, 400, ["pickle"]),
+])
+def test_uploads_refused_early_with_nothing_stored(service, admin, body, status, words):
+    job = admin.create_job("avg", ["a"])
+    one_line_error(put(service, job["id"], "a", job["tokens"]["a"], body), status,
+                   "client 'a'", *words)
+    assert_nothing_stored(service, admin, job["id"])
+
+
+def assert_nothing_stored(service, admin, job_id):
+    assert not admin.status(job_id)["slots"]["a"]["filled"]
+    folder = service.data_dir / "jobs" / job_id
+    deadline = time.monotonic() + 10
+    while files_in(folder / "uploads") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not files_in(folder / "uploads")
+    assert not files_in(folder / "clients")
+
+
+def files_in(folder: Path) -> list[Path]:
+    return [p for p in folder.rglob("*") if p.is_file()]
+
+
+def test_torch_pt_file_is_refused_unread(service, admin, tmp_path):
+    torch.save(mlp().state_dict(), tmp_path / "model.pt")
+    job = admin.create_job("avg", ["a"])
+    one_line_error(put(service, job["id"], "a", job["tokens"]["a"],
+                       (tmp_path / "model.pt").read_bytes()), 400, "pickle or torch .pt")
+    assert_nothing_stored(service, admin, job["id"])
+
+
+def test_body_size_is_enforced_while_streaming(service, admin, models):
+    job = admin.create_job("avg", ["a"], max_checkpoint_bytes=300)
+    body = models[0].read_bytes()
+    assert len(body) > 300
+    one_line_error(put(service, job["id"], "a", job["tokens"]["a"], body), 413,
+                   "Content-Length")
+    # No Content-Length (chunked): counted as it streams.
+    chunks = iter([body[i:i + 64] for i in range(0, len(body), 64)])
+    one_line_error(put(service, job["id"], "a", job["tokens"]["a"], chunks), 413, "300")
+    assert_nothing_stored(service, admin, job["id"])
+
+
+def test_client_disconnect_mid_upload_stores_nothing(service, admin, models):
+    job = admin.create_job("avg", ["a"])
+    send_partial(service, job["id"], "a", job["tokens"]["a"], models[0].read_bytes())
+    assert_nothing_stored(service, admin, job["id"])
+
+
+def test_a_stalled_upload_is_abandoned_and_stores_nothing(service, admin, models):
+    job = admin.create_job("avg", ["a"])
+    sock = send_partial(service, job["id"], "a", job["tokens"]["a"], models[0].read_bytes(),
+                        keep_open=True)
+    answer, deadline = b"", time.monotonic() + IDLE_S + 20
+    with sock:
+        while not answer.endswith(b"}") and time.monotonic() < deadline:
+            chunk = sock.recv(65536)  # the server answers once the upload has idled
+            if not chunk:
+                break
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 400"), answer
+    assert f"client 'a': no data for {IDLE_S} s".encode() in answer
+    assert_nothing_stored(service, admin, job["id"])
+
+
+def send_partial(service, job_id, client, token, body, keep_open=False):
+    """Send headers and half the body of an upload, then hang up (or keep the socket)."""
+    sock = socket.create_connection(("127.0.0.1", service.port), timeout=10)
+    sock.sendall(f"PUT /v1/jobs/{job_id}/clients/{client}/checkpoint HTTP/1.1\r\n"
+                 f"Host: 127.0.0.1\r\nAuthorization: Bearer {token}\r\n"
+                 f"Content-Length: {len(body)}\r\n\r\n".encode() + body[: len(body) // 2])
+    if keep_open:
+        return sock
+    time.sleep(0.2)
+    sock.close()
+    return None
+
+
+def test_upload_and_job_limits_answer_429(service, admin, models):
+    job = admin.create_job("avg", ["a", "b", "c"])
+    body = models[0].read_bytes()
+    held = [send_partial(service, job["id"], c, job["tokens"][c], body, keep_open=True)
+            for c in ("a", "b")]
+    try:
+        deadline = time.monotonic() + 10
+        while True:  # the two held uploads must have reached the server
+            response = put(service, job["id"], "c", job["tokens"]["c"], body)
+            if response.status_code == 429 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        one_line_error(response, 429, "uploads", "2")
+    finally:
+        for sock in held:
+            sock.close()
+    created = []
+    for _ in range(40):  # the server keeps at most 40 jobs
+        response = httpx.post(f"{service.url}/v1/jobs", json={"method": "avg", "clients": ["a"]},
+                              headers={"Authorization": f"Bearer {ADMIN}"})
+        if response.status_code != 201:
+            break
+        created.append(response.json()["id"])
+    one_line_error(response, 429, "40")
+    for job_id in created:
+        admin.delete(job_id)
+    one_line_error(httpx.get(f"{service.url}/v1/jobs/{created[0]}",
+                             headers={"Authorization": f"Bearer {ADMIN}"}), 404)
+    assert not (service.data_dir / "jobs" / created[0]).exists()
+    assert not any((service.data_dir / "trash").iterdir())
+
+
+def test_healthz_and_openapi(service):
+    assert httpx.get(f"{service.url}/healthz").json()["status"] == "ok"
+    paths = httpx.get(f"{service.url}/openapi.json").json()["paths"]
+    assert {"/v1/jobs", "/v1/jobs/{job_id}", "/v1/jobs/{job_id}/run", "/v1/jobs/{job_id}/result",
+            "/v1/jobs/{job_id}/report", "/v1/jobs/{job_id}/clients/{client}/checkpoint",
+            "/healthz"} <= set(paths)
+    schema = paths["/v1/jobs"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert {"method", "params", "clients", "max_checkpoint_bytes"} <= set(schema["properties"])
+
+
+def test_admin_token_file_is_generated_once_owner_only(tmp_path, monkeypatch):
+    monkeypatch.delenv("FUSEKIT_ADMIN_TOKEN", raising=False)
+    first, path = admin_token_hash(tmp_path)
+    assert path == tmp_path / "admin.token"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert admin_token_hash(tmp_path) == (first, path)
+    assert len(path.read_text().strip()) >= 43  # 256 random bits
+
+
+def test_kill9_during_uploads_and_during_a_job_then_restart(tmp_path):
+    """A crash loses nothing answered: uploads intact after kill -9, the killed job re-runs."""
+    folder = tmp_path / "clients"
+    folder.mkdir()
+    paths = [write(folder / f"{n}.safetensors", mlp((64, 120, 120, 10), seed=i),
+                   num_samples=10 + i) for i, n in enumerate(NAMES)]
+    server = ServiceProcess(tmp_path / "data", options=("--job-lease", "1"))
+    server.start()
+    try:
+        token_file = server.data_dir / "admin.token"
+        assert f"admin token: {token_file}" in server.log.read_text()
+        admin = Client(server.url, token_file.read_text().strip())
+        params = {"sweeps": 30}  # long enough (~1 s) to be killed while it runs
+        job = admin.create_job("pfnm", list(NAMES), params=params)
+        for name, path in zip(NAMES[:2], paths[:2], strict=True):
+            admin.submit(job["id"], name, path)
+        partial = send_partial(server, job["id"], NAMES[2], job["tokens"][NAMES[2]],
+                               paths[2].read_bytes(), keep_open=True)
+        server.kill()
+        partial.close()
+        # The third client submits while the server is down: its client retries until the
+        # restarted server answers.
+        with (Client(server.url, job["tokens"][NAMES[2]], retries=6) as late,
+              ThreadPoolExecutor(1) as pool):
+            resumed = pool.submit(late.submit, job["id"], NAMES[2], paths[2])
+            server.start()
+            assert resumed.result(timeout=90)["sha256"] == sha256(paths[2])
+        slots = admin.status(job["id"])["slots"]
+        for name, path in zip(NAMES, paths, strict=True):
+            assert slots[name]["sha256"] == sha256(path)
+            stored = next((server.data_dir / "jobs" / job["id"] / "clients").glob(f"{name}.*"))
+            assert sha256(stored) == sha256(path)
+
+        admin.run(job["id"])
+        wait_for_progress(admin, job["id"], "fusing: layer 1 of 2 matched")
+        server.kill()  # between the job's two hidden layers
+        server.start()
+        state = admin.wait(job["id"], timeout=120, every=0.2)
+        assert state["state"] == "succeeded", state
+        assert state["attempts"] == 2
+        fused = admin.result(job["id"], tmp_path / "fused.safetensors")
+        expected = fusekit.fuse(paths, "pfnm", **params)
+        got = fusekit.load_checkpoint(fused)
+        for name, array in expected.state_dict.items():
+            np.testing.assert_array_equal(got.tensor(name), array)
+        folder = server.data_dir / "jobs" / job["id"]
+        assert not list(folder.glob(".*.tmp")) and not files_in(folder / "uploads")
+        assert sorted(p.name for p in folder.iterdir()) == [
+            "clients", "heartbeat", "job.json", "lock", "report.json", "result.safetensors",
+            "uploads"]
+
+        # kill -9 of the worker alone: the server starts another, which runs the job again.
+        again = admin.create_job("pfnm", list(NAMES), params=params, auto_run=True)
+        for name, path in zip(NAMES, paths, strict=True):
+            admin.submit(again["id"], name, path)
+        wait_for_progress(admin, again["id"], "fusing: layer 1 of 2 matched")
+        (worker,) = children(server.process.pid)
+        os.kill(worker, signal.SIGKILL)
+        state = admin.wait(again["id"], timeout=120, every=0.2)
+        assert state["state"] == "succeeded" and state["attempts"] == 2, state
+        assert children(server.process.pid) != [worker]
+        admin.close()
+    finally:
+        server.stop()
+
+
+def cli(*args):
+    return CliRunner().invoke(cli_app, [str(a) for a in args])
+
+
+def test_cli_coordinator_and_clients_end_to_end(service, models, tmp_path, monkeypatch):
+    """The README's commands: job create, submit (each client), job status/run/wait/result."""
+    monkeypatch.setenv("FUSEKIT_SERVER", service.url)
+    monkeypatch.setenv("FUSEKIT_ADMIN_TOKEN", ADMIN)
+    created = cli("job", "create", "--method", "pfnm", "--clients", ",".join(NAMES),
+                  "--param", "sigma=1.0", "--param", "sweeps=2", "--json")
+    assert created.exit_code == 0, created.output
+    job = json.loads(created.stdout)
+    for name, path in zip(NAMES, models, strict=True):
+        monkeypatch.setenv("FUSEKIT_TOKEN", job["tokens"][name])
+        submitted = cli("submit", service.url, path, "--job", job["id"], "--client", name)
+        assert submitted.exit_code == 0, submitted.output
+        assert f"{name}: accepted {path.stat().st_size} bytes" in submitted.stdout
+    status = cli("job", "status", job["id"])
+    assert status.exit_code == 0 and "collecting" in status.stdout and "created" in status.stdout
+    assert all(name in status.stdout for name in NAMES) and "waiting" not in status.stdout
+    assert cli("job", "run", job["id"]).exit_code == 0
+    waited = cli("job", "wait", job["id"], "--timeout", "60")
+    assert waited.exit_code == 0 and "succeeded" in waited.stdout
+    out = tmp_path / "fused.safetensors"
+    assert cli("job", "result", job["id"], "-o", out).exit_code == 0
+    expected = fusekit.fuse(models, "pfnm", sigma=1.0, sweeps=2)
+    for name, array in expected.state_dict.items():
+        np.testing.assert_array_equal(fusekit.load_checkpoint(out).tensor(name), array)
+
+    missing = cli("job", "result", "0" * 32, "-o", tmp_path / "none.safetensors")
+    assert missing.exit_code == 2 and "no such job" in missing.output
+    assert len(missing.output.strip().splitlines()) == 1
+    assert not (tmp_path / "none.safetensors").exists()
+    unreachable = cli("job", "status", job["id"], "--server", "http://127.0.0.1:9")
+    assert unreachable.exit_code == 2 and "http://127.0.0.1:9: cannot reach" in unreachable.output
+    monkeypatch.delenv("FUSEKIT_ADMIN_TOKEN")
+    anonymous = cli("job", "status", job["id"])
+    assert anonymous.exit_code == 2 and "admin token" in anonymous.output
+    monkeypatch.setenv("FUSEKIT_TOKEN", "forged")
+    forged = cli("submit", service.url, models[0], "--job", job["id"], "--client", NAMES[0])
+    assert forged.exit_code == 2 and "token" in forged.output and "403" in forged.output
+
+
+def wait_for_progress(admin: Client, job_id: str, progress: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while admin.status(job_id)["progress"] != progress:
+        assert time.monotonic() < deadline, admin.status(job_id)
+        time.sleep(0.01)
+
+
+def children(pid: int) -> list[int]:
+    """The live child processes of ``pid`` (Linux /proc)."""
+    text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    return [int(child) for child in text.split()]
