@@ -402,6 +402,20 @@ def test_ot_fuses_residual_networks_of_different_widths():
     assert torch.isfinite(fused(_inputs())).all()
 
 
+def test_pfnm_fuses_residual_networks_of_different_widths():
+    torch.manual_seed(0)
+    widths = _scaled("resnet20", 2)
+    narrow = [w - 1 - i % 2 for i, w in enumerate(widths)]
+    clients = [Checkpoint.from_state_dict(numpy_state(_random_statistics(
+        resnet20(10, widths=w), s)), {"fusekit.num_samples": "10"})
+        for s, w in enumerate((widths, narrow))]
+    result = fusekit.fuse(clients, "pfnm", width_ratio=1.25, sweeps=1)
+    assert result.widths == [math.floor(1.25 * w + 0.5) for w in widths]
+    fused = fusekit.load_fused(Checkpoint.from_state_dict(result.state_dict, result.metadata),
+                               device="cpu")
+    assert torch.isfinite(fused(_inputs())).all()
+
+
 # --- spec files, architectures, memory --------------------------------------------------
 
 class TinyResidual(nn.Module):
