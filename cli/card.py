@@ -8,7 +8,12 @@ import pprint
 from typing import Any
 
 from fusekit.core import metadata as meta
-from fusekit.core.spec import PermutationSpec, spec_from_json
+from fusekit.core.arch import infer_arch, resnet_blocks
+from fusekit.core.spec import PermutationSpec, Spec, spec_from_json
+
+#: Input size of the example call in the card for torchvision families (any size >= 32
+#: works for them: the pools are adaptive).
+_IMAGE = (32, 32)
 
 _FORWARD = '''\
 import torch
@@ -21,6 +26,10 @@ K = {k}  # logits summed per input: those of the K most confident models (AMS)
 
 
 def forward(model, x):
+    if model.get("resnet"):
+        return forward_resnet(model, x)
+    if model.get("vgg"):
+        return forward_vgg(model, x)
     x = x.reshape(len(x), *model["input"]) if model["input"] else x.flatten(1)
     for i, layer in enumerate(model["layers"]):
         if layer["kind"] == "linear":
@@ -37,6 +46,55 @@ def forward(model, x):
                 x = x + code if model["pan"] == "additive" else x * code
             if layer["pool"]:
                 x = F.max_pool2d(x, 2)
+    return x
+
+
+def conv(model, x, name, stride=1):
+    weight = t[model["prefix"] + name + ".weight"]
+    return F.conv2d(x, weight, t.get(model["prefix"] + name + ".bias"), stride=stride,
+                    padding=weight.shape[-1] // 2)
+
+
+def norm(model, x, name):
+    weight, bias, mean, var = (t[model["prefix"] + name + suffix] for suffix in
+                               (".weight", ".bias", ".running_mean", ".running_var"))
+    return F.batch_norm(x, mean, var, weight, bias, training=False, eps=model["eps"])
+
+
+def forward_resnet(model, x):  # torchvision's ResNet (CIFAR stem: 3x3, no max pool); x: images
+    net = model["resnet"]
+    x = F.relu(norm(model, conv(model, x, "conv1", net["stem_stride"]), "bn1"))
+    if net["stem_stride"] == 2:
+        x = F.max_pool2d(x, 3, 2, 1)
+    for block in net["blocks"]:
+        out, name = x, block["name"]
+        for i in range(1, block["convs"] + 1):
+            stride = block["stride"] if i == block["stride_conv"] else 1
+            out = norm(model, conv(model, out, f"{name}.conv{i}", stride), f"{name}.bn{i}")
+            out = F.relu(out) if i < block["convs"] else out
+        if block["downsample"]:
+            x = norm(model, conv(model, x, f"{name}.downsample.0", block["stride"]),
+                     f"{name}.downsample.1")
+        x = F.relu(out + x)
+    x = torch.flatten(F.adaptive_avg_pool2d(x, 1), 1)
+    return F.linear(x, t[model["prefix"] + "fc.weight"], t[model["prefix"] + "fc.bias"])
+
+
+def forward_vgg(model, x):  # torchvision's VGG: features, 7x7 average pool, classifier; x: images
+    net, index = model["vgg"], 0
+    for item in net["config"]:
+        if item == "M":
+            x, index = F.max_pool2d(x, 2, 2), index + 1
+            continue
+        x, index = conv(model, x, f"features.{index}"), index + 1
+        if net["batchnorm"]:
+            x, index = norm(model, x, f"features.{index}"), index + 1
+        x, index = F.relu(x), index + 1
+    x = torch.flatten(F.adaptive_avg_pool2d(x, (7, 7)), 1)
+    for k in range(net["hidden"] + 1):
+        name = f"{model['prefix']}classifier.{3 * k}"
+        x = F.linear(x, t[name + ".weight"], t[name + ".bias"])
+        x = F.relu(x) if k < net["hidden"] else x
     return x
 
 
@@ -58,6 +116,9 @@ def model_card(result, recipe: dict[str, Any]) -> str:
     params = "\n".join(f"| `{k}` | `{json.dumps(v, default=str)}` |"
                        for k, v in result.params.items()) or "| (none) | |"
     models, k = loader_models(result)
+    # str.replace, not str.format: the snippet's own f-strings hold braces.
+    forward = _FORWARD.replace("{models}", pprint.pformat(models, width=88, sort_dicts=False))
+    forward = forward.replace("{k}", str(k))
     widths = ", ".join(map(str, result.widths)) or "per sub-model: " + "; ".join(
         str(w) for w in result.report.get("hidden_widths", []))
     return f"""# Fused model ({result.method})
@@ -88,7 +149,7 @@ full report.
 Only `torch` and `safetensors` are needed:
 
 ```python
-{_FORWARD.format(models=pprint.pformat(models, width=88, sort_dicts=False), k=k)}
+{forward}
 logits = predict(torch.zeros(2, {_input_size(models[0])}))
 ```
 
@@ -106,11 +167,32 @@ def loader_models(result) -> tuple[list[dict[str, Any]], int]:
             own = {n[len(entry["prefix"]):]: s for n, s in shapes.items()
                    if n.startswith(entry["prefix"])}
             spec = spec_from_json(entry["spec"], own, label=entry["prefix"])
-            models.append(_layers(spec, entry.get("arch"), entry["prefix"], own))
+            models.append(_model(spec, entry.get("arch"), entry["prefix"], own))
         return models, int(description["k"])
     spec = spec_from_json(json.loads(result.metadata[meta.SPEC]), shapes, label="fused")
     arch = json.loads(result.metadata[meta.ARCH]) if meta.ARCH in result.metadata else None
-    return [_layers(spec, arch, "", shapes)], 1
+    return [_model(spec, arch, "", shapes)], 1
+
+
+def _model(spec: Spec, arch: dict[str, Any] | None, prefix: str,
+           shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+    """What the snippet runs for one (sub-)model: torchvision's ResNet / VGG structure when
+    the architecture is one of them, else its layer list."""
+    arch = arch if arch is not None else infer_arch(shapes)
+    if arch is None or arch["type"] not in ("resnet", "vgg"):
+        return _layers(spec, arch, prefix, shapes)
+    eps = next(layer.norm.eps for layer in spec.layers if layer.norm) if any(
+        layer.norm for layer in spec.layers) else 1e-5
+    model = {"prefix": prefix, "input": [arch["in_channels"], *_IMAGE], "eps": eps}
+    if arch["type"] == "vgg":
+        return {**model, "vgg": {"config": arch["config"], "batchnorm": arch["batchnorm"],
+                                 "hidden": len(arch["hidden"])}}
+    bottleneck = arch["block"] == "bottleneck"
+    blocks = [{"name": b["name"], "stride": b["stride"], "downsample": b["downsample"],
+               "convs": 3 if bottleneck else 2, "stride_conv": 2 if bottleneck else 1}
+              for b in resnet_blocks(arch)]
+    return {**model, "resnet": {"stem_stride": 2 if arch["stem"] == "imagenet" else 1,
+                                "blocks": blocks}}
 
 
 def _layers(spec: PermutationSpec, arch: dict[str, Any] | None, prefix: str,
@@ -136,7 +218,8 @@ def _layers(spec: PermutationSpec, arch: dict[str, Any] | None, prefix: str,
             "encoding": prefix + encodings[index] if pan and index < len(encodings) else None,
         })
     model_input = [arch["in_channels"], *arch["image_size"]] if convnet else None
-    return {"input": model_input, "pan": pan["mode"] if pan else None, "layers": layers}
+    return {"prefix": prefix, "input": model_input, "pan": pan["mode"] if pan else None,
+            "layers": layers}
 
 
 def _input_size(model: dict[str, Any]) -> str:

@@ -238,6 +238,7 @@ def _print_summary(summary: dict[str, Any]) -> None:
     params = ", ".join(f"{k}={v}" for k, v in summary["params"].items())
     table.add_row("parameters", params or "-")
     table.add_row("time", f"{summary['time_s']:.3f} s")
+    table.add_row("peak memory", f"{summary['report'].get('peak_memory_mb', 0):.1f} MB")
     for layer in summary["report"].get("layers", []):
         details = [f"width {layer['width']}"]
         if "clients" in layer:

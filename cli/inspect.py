@@ -70,8 +70,9 @@ def _print_report(report: dict[str, Any]) -> None:
         return
     stdout.print(f"hidden widths: {report['hidden_widths']}  ·  {report['tensors']} tensors, "
                  f"{report['parameters']:,} values")
-    for i, group in enumerate(report.get("permutation_groups", [])):
-        stdout.print(f"permutation group {i}: " + ", ".join(group), highlight=False)
+    names = report.get("group_names", [])
+    for name, group in zip(names, report.get("permutation_groups", []), strict=True):
+        stdout.print(f"permutation group {name}: " + ", ".join(group), highlight=False)
     for limit in report.get("limits", []):
         stdout.print(f"[bold yellow]limit:[/] {escape(limit)}", highlight=False)
     if report.get("other_tensors"):

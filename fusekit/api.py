@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
+import tracemalloc
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -13,15 +15,21 @@ from fusekit.core import metadata as meta
 from fusekit.core.checkpoint import Checkpoint, load_checkpoint
 from fusekit.core.errors import CheckpointError, IncompatibleModelsError, ParameterError
 from fusekit.core.metadata import load_json
-from fusekit.core.spec import PermutationSpec, infer_spec, load_spec_file, spec_from_json
-from fusekit.methods import get_method
+from fusekit.core.spec import (
+    GraphSpec,
+    PermutationSpec,
+    infer_spec,
+    load_spec_file,
+    spec_from_json,
+)
+from fusekit.methods import METHODS, get_method
 from fusekit.methods.base import FusionMethod, FusionResult, provenance
 from fusekit.methods.params import ParamSpec, method_params, validate
 
 log = logging.getLogger(__name__)
 
 CheckpointLike = str | os.PathLike[str] | Checkpoint
-SpecLike = str | os.PathLike[str] | Mapping[str, Any] | PermutationSpec
+SpecLike = str | os.PathLike[str] | Mapping[str, Any] | PermutationSpec | GraphSpec
 
 
 def fuse(
@@ -67,17 +75,45 @@ def fuse(
     specs = [client_spec(c, spec) for c in checkpoints]
     if fusion.requires_same_architecture:
         check_compatible(checkpoints, specs)
+    if not fusion.handles_groups and any(isinstance(s, GraphSpec) for s in specs):
+        fusing = [name for name, cls in sorted(METHODS.items()) if cls.handles_groups]
+        raise IncompatibleModelsError(
+            f"{checkpoints[0].label}: a residual network (permutation groups shared by several "
+            f"layers); method {method!r} fuses sequential networks only; use one of "
+            f"{', '.join(fusing)}"
+        )
     order = sorted(range(len(checkpoints)), key=lambda i: canonical_key(checkpoints[i], specs[i]))
     checkpoints = [checkpoints[i] for i in order]
     specs = [specs[i] for i in order]
     per_client = [p.name for p in declared if p.per_client]
     params = _in_canonical_order(params, per_client, order)
     start = time.perf_counter()
-    result = fusion.fuse(checkpoints, specs, **params)
+    with _peak_memory() as peak:
+        result = fusion.fuse(checkpoints, specs, **params)
     result.report.setdefault("time_s", time.perf_counter() - start)
+    result.report.setdefault("peak_memory_mb", peak["mb"])
     result.report.setdefault("clients", [c.label for c in checkpoints])
     provenance(result, checkpoints)
     return result
+
+
+@contextlib.contextmanager
+def _peak_memory():
+    """Peak Python-heap memory (numpy arrays included; tracemalloc) of the block, in MB.
+
+    Starts tracemalloc for the block unless it already runs (then only its peak is reset).
+    """
+    out: dict[str, float] = {}
+    started = not tracemalloc.is_tracing()
+    if started:
+        tracemalloc.start()
+    tracemalloc.reset_peak()
+    try:
+        yield out
+    finally:
+        out["mb"] = round(tracemalloc.get_traced_memory()[1] / 2**20, 1)
+        if started:
+            tracemalloc.stop()
 
 
 def validate_params(method: str, params: Mapping[str, Any]
@@ -124,7 +160,7 @@ def client_spec(checkpoint: Checkpoint, spec: SpecLike | None) -> PermutationSpe
     shapes = {name: info.shape for name, info in checkpoint.tensors.items()}
     if spec is None:
         return infer_spec(shapes, label=checkpoint.label)
-    if isinstance(spec, PermutationSpec):
+    if isinstance(spec, (PermutationSpec, GraphSpec)):
         return spec_from_json(spec.to_json(), shapes, label=checkpoint.label)
     if isinstance(spec, Mapping):
         return spec_from_json(spec, shapes, label=checkpoint.label)
@@ -188,6 +224,7 @@ def describe_checkpoint(checkpoint: Checkpoint) -> dict[str, Any]:
         return info
     info["layers"] = spec.describe()
     info["hidden_widths"] = spec.hidden_widths
+    info["group_names"] = list(spec.group_names)
     info["permutation_groups"] = [
         [f"{a.tensor}[axis {a.axis}{', block ' + str(a.block) if a.block > 1 else ''}]"
          for a in spec.group(i)]

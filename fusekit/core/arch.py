@@ -11,6 +11,22 @@ An architecture is a JSON object::
 (position-aware neurons, PANs paper Eq. 4-5). An optional ``fed2`` entry describes a Fed²
 grouped structure (:mod:`fusekit.core.fed2`).
 
+torchvision's families, built with exactly torchvision's tensor names and shapes::
+
+    {"type": "resnet", "name": "resnet18", "block": "basic", "layers": [2, 2, 2, 2],
+     "stem": "imagenet", "in_channels": 3, "out_features": 10, "widths": null}
+    {"type": "vgg", "name": "vgg11_bn", "config": [64, "M", 128, "M", ...],
+     "batchnorm": true, "hidden": [4096, 4096], "in_channels": 3, "out_features": 10}
+
+``block`` is ``basic`` (BasicBlock) or ``bottleneck`` (Bottleneck, torchvision's v1.5 with
+the stride on the 3x3 conv); ``stem`` is ``imagenet`` (7x7/2 conv and 3x3/2 max pool) or
+``cifar`` (one 3x3 conv, stages of 16/32/64 channels: He et al.'s ResNet-20/56, with 1x1
+conv + BatchNorm shortcuts). ``widths`` lists the width of every permutation group in the
+order of :class:`fusekit.core.spec.GraphSpec` (null: the standard widths), so a fused
+ResNet whose groups grew or shrank is rebuilt as it is. VGG widths are the numbers in
+``config`` (``"M"``: 2x2 max pool) and ``hidden``; torchvision's 7x7 adaptive average pool
+sits before the classifier.
+
 Fusion methods import this module to read and rewrite hidden widths; it must stay free of
 torch so the fusion path does not pay torch's import time.
 """
@@ -28,7 +44,7 @@ import numpy as np
 from fusekit.core.errors import SpecError
 from fusekit.core.fed2 import validate_fed2
 
-ARCH_TYPES = ("mlp", "convnet")
+ARCH_TYPES = ("mlp", "convnet", "resnet", "vgg")
 PAN_MODES = ("multiplicative", "additive")
 DEFAULT_PAN = {"mode": "multiplicative", "amplitude": 0.1, "period": 1.0}
 
@@ -45,6 +61,27 @@ _CONVNET_KEYS = {
     "pan",
     "fed2",
 }
+_RESNET_KEYS = {"type", "name", "block", "layers", "stem", "in_channels", "out_features",
+                "widths"}
+_VGG_KEYS = {"type", "name", "config", "batchnorm", "hidden", "in_channels", "out_features"}
+_KEYS = {"mlp": _MLP_KEYS, "convnet": _CONVNET_KEYS, "resnet": _RESNET_KEYS, "vgg": _VGG_KEYS}
+
+#: torchvision's ResNets and He et al.'s CIFAR ResNets: block, blocks per stage, stem.
+RESNETS = {
+    "resnet18": ("basic", (2, 2, 2, 2), "imagenet"),
+    "resnet34": ("basic", (3, 4, 6, 3), "imagenet"),
+    "resnet50": ("bottleneck", (3, 4, 6, 3), "imagenet"),
+    "resnet20": ("basic", (3, 3, 3), "cifar"),
+    "resnet56": ("basic", (9, 9, 9), "cifar"),
+}
+_VGG_CONFIGS = {
+    "vgg11": (64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"),
+    "vgg16": (64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M",
+              512, 512, 512, "M"),
+}
+VGGS = (*_VGG_CONFIGS, *(f"{name}_bn" for name in _VGG_CONFIGS))
+_STEM_WIDTH = {"imagenet": 64, "cifar": 16}
+_EXPANSION = {"basic": 1, "bottleneck": 4}
 
 
 def validate_arch(arch: Mapping[str, Any]) -> dict[str, Any]:
@@ -65,10 +102,14 @@ def validate_arch(arch: Mapping[str, Any]) -> dict[str, Any]:
     kind = arch.get("type")
     if kind not in ARCH_TYPES:
         raise SpecError(f"arch.type: expected one of {list(ARCH_TYPES)}, found {kind!r}")
-    allowed = _MLP_KEYS if kind == "mlp" else _CONVNET_KEYS
+    allowed = _KEYS[kind]
     unknown = sorted(set(arch) - allowed)
     if unknown:
         raise SpecError(f"arch ({kind}): unknown key(s) {unknown}; allowed {sorted(allowed)}")
+    if kind == "resnet":
+        return _validate_resnet(arch)
+    if kind == "vgg":
+        return _validate_vgg(arch)
     out: dict[str, Any] = {"type": kind}
     if kind == "mlp":
         out["in_features"] = _positive_int(arch, "in_features")
@@ -157,11 +198,16 @@ def hidden_widths(arch: Mapping[str, Any]) -> list[int]:
     """Widths of every permutable hidden layer, in layer order.
 
     MLP: ``hidden``. ConvNet: ``channels`` then ``hidden`` (the linear layers after the
-    flatten).
+    flatten). ResNet: every permutation group (see :func:`resnet_groups`). VGG: the conv
+    widths of ``config`` then ``hidden``.
     """
     arch = validate_arch(arch)
     if arch["type"] == "mlp":
         return list(arch["hidden"])
+    if arch["type"] == "resnet":
+        return [width for _, width in resnet_groups(arch)]
+    if arch["type"] == "vgg":
+        return [c for c in arch["config"] if c != "M"] + list(arch["hidden"])
     return list(arch["channels"]) + list(arch["hidden"])
 
 
@@ -183,6 +229,12 @@ def with_hidden_widths(arch: Mapping[str, Any], widths: Sequence[int]) -> dict[s
     out = copy.deepcopy(arch)
     if out["type"] == "mlp":
         out["hidden"] = widths
+    elif out["type"] == "resnet":
+        out["widths"] = widths
+    elif out["type"] == "vgg":
+        convs = iter(widths)
+        out["config"] = [c if c == "M" else next(convs) for c in out["config"]]
+        out["hidden"] = list(convs)
     else:
         n_conv = len(out["channels"])
         out["channels"] = widths[:n_conv]
@@ -295,6 +347,10 @@ def parse_arch_string(
 def describe_arch(arch: Mapping[str, Any]) -> str:
     """Short human-readable form, e.g. ``mlp 64-100-10`` or ``convnet 1x8x8-c32-c64-10``."""
     arch = validate_arch(arch)
+    if arch["type"] in ("resnet", "vgg"):
+        standard = hidden_widths(arch) == hidden_widths(_standard(arch))
+        return (f"{arch['name'] or arch['type']} {arch['in_channels']}-{arch['out_features']}"
+                + ("" if standard else " (widths changed)"))
     pan = f" +PAN({arch['pan']['mode'][:4]})" if arch["pan"] else ""
     if arch.get("fed2"):
         pan += f" +Fed2(G={arch['fed2']['groups']}, d={arch['fed2']['depth']})"
@@ -346,4 +402,206 @@ def _real(value: Any, key: str) -> float:
     value = float(value)
     if not math.isfinite(value):
         raise SpecError(f"arch.{key}: expected a finite number, found {value}")
+    return value
+
+
+def named_arch(name: str, out_features: int, *, in_channels: int = 3) -> dict[str, Any]:
+    """A torchvision architecture by name (``resnet18/34/50``, ``resnet20/56`` for CIFAR,
+    ``vgg11``, ``vgg16`` and their ``_bn`` forms) at its standard widths.
+
+    Raises:
+        SpecError: an unknown name.
+    """
+    if name in RESNETS:
+        block, layers, stem = RESNETS[name]
+        return validate_arch({"type": "resnet", "name": name, "block": block,
+                              "layers": list(layers), "stem": stem, "in_channels": in_channels,
+                              "out_features": out_features, "widths": None})
+    if name in VGGS:
+        base = name.removesuffix("_bn")
+        return validate_arch({"type": "vgg", "name": name, "config": list(_VGG_CONFIGS[base]),
+                              "batchnorm": name.endswith("_bn"), "hidden": [4096, 4096],
+                              "in_channels": in_channels, "out_features": out_features})
+    raise SpecError(f"arch: unknown architecture {name!r}; known: "
+                    f"{', '.join([*RESNETS, *VGGS])}")
+
+
+def resnet_blocks(arch: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The blocks of a ResNet description, in order, with the group each conv writes.
+
+    Returns:
+        One dict per block: ``name`` (``layerN.M``), ``stride``, ``reads`` (the residual
+        stream it reads), ``inner`` (the groups of every conv but the last), ``writes``
+        (the stream it writes) and ``downsample`` (True when it has a 1x1 conv + BatchNorm
+        shortcut: torchvision's rule, stride != 1 or a change of width at standard widths).
+        Groups are indices into :func:`resnet_groups`.
+    """
+    stream, blocks, index = 0, [], 1
+    widths = _STEM_WIDTH[arch["stem"]]
+    expansion = _EXPANSION[arch["block"]]
+    n_inner = 1 if arch["block"] == "basic" else 2
+    for stage, count in enumerate(arch["layers"]):
+        planes = _STEM_WIDTH[arch["stem"]] * 2**stage
+        for j in range(count):
+            stride = 2 if stage and not j else 1
+            downsample = stride != 1 or widths != planes * expansion
+            inner = list(range(index, index + n_inner))
+            index += n_inner
+            writes = stream
+            if downsample:
+                writes, index = index, index + 1
+            blocks.append({"name": f"layer{stage + 1}.{j}", "stride": stride, "reads": stream,
+                           "inner": inner, "writes": writes, "downsample": downsample,
+                           "planes": planes, "expansion": expansion})
+            stream, widths = writes, planes * expansion
+    return blocks
+
+
+def resnet_groups(arch: Mapping[str, Any]) -> list[tuple[str, int]]:
+    """(name, width) of every permutation group of a ResNet, in GraphSpec order: ``conv1``
+    (the first stream), then per block its inner convs ``layerN.M.convK`` and, when it has a
+    shortcut, the stream it opens (``layerN.M``). Widths come from ``arch["widths"]`` or
+    are the standard ones."""
+    groups = [("conv1", _STEM_WIDTH[arch["stem"]])]
+    for block in resnet_blocks(arch):
+        groups += [(f"{block['name']}.conv{k + 1}", block["planes"])
+                   for k in range(len(block["inner"]))]
+        if block["downsample"]:
+            groups.append((block["name"], block["planes"] * block["expansion"]))
+    if arch.get("widths") is not None:
+        groups = [(name, width) for (name, _), width in zip(groups, arch["widths"], strict=True)]
+    return groups
+
+
+def infer_arch(shapes: Mapping[str, Sequence[int]]) -> dict[str, Any] | None:
+    """The torchvision architecture a state_dict's names and shapes describe, or None.
+
+    Recognises ResNets (``conv1``, ``layerN.M.convK``, ``fc``; Bottleneck when
+    ``layer1.0.conv3`` exists, the CIFAR stem when ``conv1`` is 3x3) and VGGs
+    (``features.N`` convs, ``classifier.{0,3,...}`` linears; every torchvision
+    configuration ends with a max pool, so one is assumed after the last conv). The
+    description carries the widths found, so it rebuilds the checkpoint's module.
+    """
+    shapes = {name: tuple(shape) for name, shape in shapes.items()}
+    if "conv1.weight" in shapes and "fc.weight" in shapes and "layer1.0.conv1.weight" in shapes:
+        return _infer_resnet_arch(shapes)
+    if any(name.startswith("features.") for name in shapes) and "classifier.0.weight" in shapes:
+        return _infer_vgg_arch(shapes)
+    return None
+
+
+def _infer_resnet_arch(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any] | None:
+    from fusekit.core.spec import infer_spec
+
+    stages: dict[int, int] = {}
+    for name in shapes:
+        match = re.match(r"^layer(\d+)\.(\d+)\.conv1\.weight$", name)
+        if match:
+            stage, block = int(match.group(1)), int(match.group(2))
+            stages[stage] = max(stages.get(stage, 0), block + 1)
+    if sorted(stages) != list(range(1, len(stages) + 1)):
+        return None
+    stem = "imagenet" if shapes["conv1.weight"][2:] == (7, 7) else "cifar"
+    arch = {"type": "resnet", "name": None,
+            "block": "bottleneck" if "layer1.0.conv3.weight" in shapes else "basic",
+            "layers": [stages[i] for i in sorted(stages)], "stem": stem,
+            "in_channels": shapes["conv1.weight"][1], "out_features": shapes["fc.weight"][0],
+            "widths": None}
+    try:
+        spec = infer_spec(shapes)
+        standard = validate_arch(arch)
+    except SpecError:
+        return None
+    if list(spec.group_names) != [name for name, _ in resnet_groups(standard)]:
+        return None  # shortcuts where torchvision has none, or the reverse
+    known = [name for name, (block, layers, s) in RESNETS.items()
+             if (block, list(layers), s) == (arch["block"], arch["layers"], stem)]
+    arch["name"] = known[0] if known else None
+    if spec.hidden_widths != hidden_widths(standard):
+        arch["widths"] = spec.hidden_widths
+    return validate_arch(arch)
+
+
+def _infer_vgg_arch(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any] | None:
+    convs = sorted(int(m.group(1)) for name in shapes
+                   if (m := re.match(r"^features\.(\d+)\.weight$", name))
+                   and len(shapes[name]) == 4)
+    linears = sorted(int(m.group(1)) for name in shapes
+                     if (m := re.match(r"^classifier\.(\d+)\.weight$", name)))
+    if not convs or linears != list(range(0, 3 * len(linears), 3)):
+        return None
+    batchnorm = f"features.{convs[0] + 1}.running_mean" in shapes
+    config: list[Any] = []
+    position = 0
+    for index in convs:
+        config += ["M"] * (index - position) + [shapes[f"features.{index}.weight"][0]]
+        position = index + (3 if batchnorm else 2)
+    config.append("M")
+    if shapes["classifier.0.weight"][1] != config[-2] * 49:
+        return None
+    arch = {"type": "vgg", "name": None, "config": config, "batchnorm": batchnorm,
+            "hidden": [shapes[f"classifier.{i}.weight"][0] for i in linears[:-1]],
+            "in_channels": shapes[f"features.{convs[0]}.weight"][1],
+            "out_features": shapes[f"classifier.{linears[-1]}.weight"][0]}
+    for name in VGGS:
+        standard = named_arch(name, arch["out_features"], in_channels=arch["in_channels"])
+        if [c == "M" for c in standard["config"]] == [c == "M" for c in config] \
+                and standard["batchnorm"] == batchnorm and len(standard["hidden"]) == len(
+                    arch["hidden"]):
+            arch["name"] = name
+    try:
+        return validate_arch(arch)
+    except SpecError:
+        return None
+
+
+def _standard(arch: Mapping[str, Any]) -> dict[str, Any]:
+    """The same architecture at its standard widths (only meaningful for named ones)."""
+    if arch.get("name") in (*RESNETS, *VGGS):
+        return named_arch(arch["name"], arch["out_features"], in_channels=arch["in_channels"])
+    return dict(arch)
+
+
+def _validate_resnet(arch: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {"type": "resnet", "name": _optional_name(arch.get("name"))}
+    if arch.get("block") not in _EXPANSION:
+        raise SpecError(
+            f"arch.block: expected 'basic' or 'bottleneck', found {arch.get('block')!r}")
+    out["block"] = arch["block"]
+    out["layers"] = _width_list(arch.get("layers"), "layers", allow_empty=False)
+    if arch.get("stem") not in _STEM_WIDTH:
+        raise SpecError(f"arch.stem: expected 'imagenet' or 'cifar', found {arch.get('stem')!r}")
+    out["stem"] = arch["stem"]
+    out["in_channels"] = _positive_int(arch, "in_channels")
+    out["out_features"] = _positive_int(arch, "out_features")
+    out["widths"] = None
+    widths = arch.get("widths")
+    if widths is not None:
+        widths = _width_list(widths, "widths")
+        expected = len(resnet_groups(out))
+        if len(widths) != expected:
+            raise SpecError(f"arch.widths: expected {expected} group widths for this ResNet, "
+                            f"found {len(widths)}")
+        out["widths"] = widths
+    return out
+
+
+def _validate_vgg(arch: Mapping[str, Any]) -> dict[str, Any]:
+    config = arch.get("config")
+    if (not isinstance(config, Sequence) or isinstance(config, str) or not config
+            or not all(c == "M" or (_is_int(c) and c > 0) for c in config)
+            or all(c == "M" for c in config)):
+        raise SpecError(f"arch.config: expected a list of conv widths and \"M\" (max pool) "
+                        f"with at least one width, found {config!r}")
+    return {"type": "vgg", "name": _optional_name(arch.get("name")),
+            "config": [c if c == "M" else int(c) for c in config],
+            "batchnorm": _boolean(arch.get("batchnorm", False), "batchnorm"),
+            "hidden": _width_list(arch.get("hidden", []), "hidden"),
+            "in_channels": _positive_int(arch, "in_channels"),
+            "out_features": _positive_int(arch, "out_features")}
+
+
+def _optional_name(value: Any) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise SpecError(f"arch.name: expected a string or null, found {value!r}")
     return value

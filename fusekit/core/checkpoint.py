@@ -153,6 +153,15 @@ class Checkpoint:
             )
         return array
 
+    def release(self, *names: str) -> None:
+        """Forget tensors read from the file (all when no name is given) so that their
+        memory can be freed; they are read again on demand. In-memory checkpoints keep
+        their arrays."""
+        if self.path is None:
+            return
+        for name in names or list(self._arrays):
+            self._arrays.pop(name, None)
+
     def state_dict(self) -> dict[str, np.ndarray]:
         return {name: self.tensor(name) for name in self.tensors}
 
@@ -174,13 +183,17 @@ class Checkpoint:
     @cached_property
     def content_hash(self) -> str:
         """sha256 over sorted tensor names, dtypes, shapes and bytes (not the file's bytes:
-        safetensors orders metadata differently in each process)."""
+        safetensors orders metadata differently in each process). Streams the file: it
+        keeps no tensor it did not already hold."""
         digest = hashlib.sha256()
         for name in sorted(self.tensors):
+            held = name in self._arrays
             array = np.ascontiguousarray(self.tensor(name))
             digest.update(name.encode())
             digest.update(f"|{array.dtype.str}|{array.shape}|".encode())
             digest.update(array.reshape(-1).view(np.uint8))  # the bytes, without a copy
+            if not held:
+                self.release(name)
         return digest.hexdigest()
 
     def _read(self, name: str) -> np.ndarray:

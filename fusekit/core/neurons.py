@@ -219,12 +219,14 @@ def neuron_vectors(
 
 
 def block_variances(vectors: Sequence[np.ndarray], observed: Sequence[np.ndarray],
-                    layout: VectorLayout) -> np.ndarray:
+                    layout: VectorLayout | np.ndarray) -> np.ndarray:
     """Per-coordinate variance of the clients' neuron vectors, averaged within each block.
 
     For every coordinate, the variance over all clients' neurons that observe it; then the
-    mean over the coordinates of each block (incoming weights, bias, outgoing weights).
-    This is the unit in which PFNM/NAFI express sigma^2 and sigma0^2 by default.
+    mean over the coordinates of each block (incoming weights, bias, outgoing weights; or,
+    given an int array of block labels per coordinate, each labelled block — a residual
+    group's member parts). This is the unit in which PFNM/NAFI express sigma^2 and
+    sigma0^2 by default.
 
     Returns:
         (P,) float64, constant within each block, > 0 (a block of constant values gets the
@@ -238,14 +240,13 @@ def block_variances(vectors: Sequence[np.ndarray], observed: Sequence[np.ndarray
     safe = np.maximum(count, 1)
     mean = total / safe
     var = np.maximum(squares / safe - mean * mean, 0.0)
-    labels = layout.blocks()
-    per_block = {}
+    labels = layout.blocks() if isinstance(layout, VectorLayout) else np.asarray(layout)
+    table = np.zeros(int(labels.max()) + 1)
     for block in np.unique(labels):
         cols = (labels == block) & (count > 0)
-        per_block[block] = float(var[cols].mean()) if cols.any() else 0.0
-    positive = [v for v in per_block.values() if v > 0]
-    fallback = float(np.mean(positive)) if positive else 1.0
-    table = np.array([per_block.get(b, 0.0) or fallback for b in range(3)])
+        table[block] = float(var[cols].mean()) if cols.any() else 0.0
+    positive = table[table > 0]
+    table[table <= 0] = float(positive.mean()) if positive.size else 1.0
     return table[labels]
 
 
@@ -301,4 +302,118 @@ def to_state_dict(checkpoints: Sequence[Checkpoint], spec: PermutationSpec,
             continue
         with np.errstate(over="ignore"):
             out[bias_home] = fused.bias.astype(dtype)
+    return out
+
+
+# Permutation groups (GraphSpec; a sequential PermutationSpec reads the same way, group l
+# being hidden layer l). A group's neuron vector concatenates what every member layer holds
+# for that neuron: the rows (incoming weights in unit form, then the bias) of every layer
+# writing the group, and the columns (outgoing weights, every block) of every layer reading
+# it, in layer order. ALGORITHMS.md §11.
+
+
+@dataclass(frozen=True)
+class GroupPart:
+    """One member's share of a group's neuron vectors: layer ``layer`` writes the group
+    (``role == "rows"``: ``size`` = in_units * block + 1 coordinates, the bias last) or
+    reads it (``"columns"``: ``size`` = out * block)."""
+
+    layer: int
+    role: str
+    size: int
+
+
+def group_parts(layers: Sequence[UnitLayer], spec, group: int, *,
+                writers: Sequence[int] | None = None,
+                readers: bool = True) -> list[tuple[GroupPart, np.ndarray]]:
+    """Each member's (J, size) block of the neuron vectors of ``group``.
+
+    Args:
+        layers: one client's layers in unit form, ordered as ``spec.layers``.
+        spec: a GraphSpec or PermutationSpec (anything with ``reads``/``writes``).
+        group: the group index.
+        writers: only these writing layers (default: all of them).
+        readers: include the reading layers' columns.
+
+    Returns:
+        [(part, block)], rows blocks views where possible; column blocks are copies.
+    """
+    out = []
+    chosen = [i for i, g in enumerate(spec.writes) if g == group]
+    for index in chosen if writers is None else [i for i in chosen if i in set(writers)]:
+        layer = layers[index]
+        block = np.hstack([layer.weight.reshape(layer.out_features, -1), layer.bias[:, None]])
+        out.append((GroupPart(index, "rows", block.shape[1]), block))
+    if readers:
+        for index in (i for i, g in enumerate(spec.reads) if g == group):
+            block = outgoing_weights(layers[index].weight)
+            out.append((GroupPart(index, "columns", block.shape[1]), block))
+    return out
+
+
+def group_vectors(layers: Sequence[UnitLayer], spec,
+                  group: int) -> tuple[np.ndarray, list[GroupPart]]:
+    """The (J, P) neuron vectors of ``group`` (every member, see :func:`group_parts`) and
+    their layout, for methods that match a group as one layer (PFNM / NAFI on groups)."""
+    parts = group_parts(layers, spec, group)
+    return np.hstack([block for _, block in parts]), [part for part, _ in parts]
+
+
+def set_group_vectors(layers: Sequence[UnitLayer], layout: Sequence[GroupPart],
+                      vectors: np.ndarray) -> list[UnitLayer]:
+    """Write (J', P) matched neuron vectors of a group back into every member layer.
+
+    All members change width together: writers get J' rows (and biases), readers J'
+    input units. Other layers are returned unchanged (same objects).
+    """
+    out = list(layers)
+    start = 0
+    count = vectors.shape[0]
+    for part in layout:
+        block = vectors[:, start:start + part.size]
+        start += part.size
+        layer = out[part.layer]
+        if part.role == "rows":
+            weight = block[:, :-1].reshape(count, *layer.weight.shape[1:])
+            out[part.layer] = UnitLayer(np.ascontiguousarray(weight), block[:, -1].copy())
+        else:
+            weight = block.reshape(count, layer.out_features, -1).transpose(1, 0, 2)
+            out[part.layer] = UnitLayer(np.ascontiguousarray(weight), layer.bias)
+    if start != vectors.shape[1]:
+        raise SpecError(f"group vectors: expected {start} coordinates, found {vectors.shape[1]}")
+    return out
+
+
+def move_group(layers: Sequence[UnitLayer], spec, group: int,
+               mapping: np.ndarray) -> list[UnitLayer]:
+    """Re-index the neurons of ``group`` in every member layer of one client.
+
+    Args:
+        layers: the client's layers in unit form.
+        spec: its spec (``reads`` / ``writes``).
+        group: the group index.
+        mapping: a permutation ``(J,)`` int, new neuron j = old neuron ``mapping[j]``; or a
+            normalised transport plan ``(J_old, J_new)`` float (OT fusion, ALGORITHMS §5:
+            new rows are ``T̂ᵀ W``, new columns ``W T̂``).
+
+    Returns:
+        New list of layers (members replaced, the others the same objects).
+    """
+    out = list(layers)
+    plan = mapping.ndim == 2
+    for index, (reads, writes) in enumerate(zip(spec.reads, spec.writes, strict=True)):
+        layer = out[index]
+        if writes == group:
+            if plan:
+                layer = UnitLayer(np.tensordot(mapping, layer.weight, axes=(0, 0)),
+                                  mapping.T @ layer.bias)
+            else:
+                layer = UnitLayer(layer.weight[mapping], layer.bias[mapping])
+        if reads == group:
+            if plan:
+                mapped = np.tensordot(layer.weight, mapping, axes=(1, 0))  # (J, B, G)
+                layer = UnitLayer(np.ascontiguousarray(mapped.transpose(0, 2, 1)), layer.bias)
+            else:
+                layer = UnitLayer(layer.weight[:, mapping], layer.bias)
+        out[index] = layer
     return out

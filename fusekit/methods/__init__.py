@@ -1,6 +1,6 @@
 """Fusion methods, one module each, registered by name in :data:`METHODS`."""
 
-from fusekit.methods import ams, avg, bayesian, fed2, ot  # noqa: F401  (each registers itself)
+from fusekit.methods import ams, avg, bayesian, fed2, ot, rebasin  # noqa: F401  (each registers itself)
 from fusekit.methods.base import METHODS, FusionMethod, FusionResult, get_method, register
 
 __all__ = ["METHODS", "FusionMethod", "FusionResult", "get_method", "register"]

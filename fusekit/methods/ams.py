@@ -61,6 +61,7 @@ class AdaptiveModelSelection(FusionMethod):
     summary = ("adaptive model selection: keep every client model, answer each input with "
                "the most confident one(s) (top1 | topk | full); any architectures")
     requires_same_architecture = False
+    handles_groups = True
 
     def fuse(
         self,

@@ -19,6 +19,7 @@ from fusekit.methods.params import Param
 class Average(FusionMethod):
     name = "avg"
     summary = "coordinate averaging weighted by sample counts (FedAvg)"
+    handles_groups = True
 
     def fuse(
         self,
@@ -43,10 +44,11 @@ class Average(FusionMethod):
         """
         check_equal_shapes(checkpoints)
         weights = sample_weights(checkpoints)
-        fused = {
-            name: average_tensor([c.tensor(name) for c in checkpoints], weights, name)
-            for name in checkpoints[0].tensors
-        }
+        fused = {}
+        for name in checkpoints[0].tensors:  # one tensor of every client in memory at a time
+            fused[name] = average_tensor([c.tensor(name) for c in checkpoints], weights, name)
+            for checkpoint in checkpoints:
+                checkpoint.release(name)
         if class_weighted:
             head = specs[0].layers[-1]
             shares = class_shares(checkpoints, head.out_features)
@@ -98,3 +100,15 @@ def check_equal_shapes(checkpoints: Sequence[Checkpoint]) -> None:
                     f"but {info.shape} in {first.label}; 'avg' needs equal shapes (use a "
                     "matching method such as pfnm for clients of different widths)"
                 )
+
+
+def check_same_shapes(checkpoints: Sequence[Checkpoint], names: Sequence[str]) -> None:
+    """Tensors outside the matched layers are averaged as they are: equal shapes needed."""
+    for name in names:
+        shapes = {c.tensors[name].shape for c in checkpoints}
+        if len(shapes) > 1:
+            raise IncompatibleModelsError(
+                f"tensor {name!r} is outside the matched layers and its shape differs between "
+                f"clients ({sorted(shapes)}); describe it in a JSON spec file (--spec) or fuse "
+                "with avg"
+            )

@@ -65,6 +65,9 @@ class FusionMethod(ABC):
     #: False for methods that keep every client's model as it is (AMS): fusekit.fuse then
     #: skips the same-layers check and the method checks what it needs itself.
     requires_same_architecture: ClassVar[bool] = True
+    #: True for methods that fuse residual networks (GraphSpec: permutation groups shared
+    #: by several layers); the others refuse them.
+    handles_groups: ClassVar[bool] = False
     #: The ``fusekit.arch`` entry every client must have (``"fed2"`` for Fed² models), or
     #: None for methods that fuse any model; front doors that train plain clients skip it.
     client_structure: ClassVar[str | None] = None
@@ -96,8 +99,12 @@ class FusionMethod(ABC):
         report: dict[str, Any] | None = None,
     ) -> FusionResult:
         """Package a fused state_dict with its metadata (fused spec and architecture)."""
+        from fusekit.core.arch import infer_arch
+
         metadata = {meta.SPEC: json.dumps(spec.to_json())}
-        arch = checkpoints[0].arch
+        first = checkpoints[0]
+        arch = first.arch if first.arch is not None else infer_arch(
+            {name: info.shape for name, info in first.tensors.items()})
         if arch is not None:
             metadata[meta.ARCH] = json.dumps(_arch_with_widths(arch, spec.hidden_widths))
         return FusionResult(

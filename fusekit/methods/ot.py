@@ -20,6 +20,10 @@ For hidden layer l of client s (unit form, BatchNorm folded, see :mod:`fusekit.c
    of the client neurons sent to it.
 
 The output layer only gets step 1: its class axis is never transported.
+
+Residual networks (:class:`~fusekit.core.spec.GraphSpec`) are aligned group by group
+(:func:`align_groups`): a group's ground cost compares the rows of the layers that write it
+and whose inputs are already aligned, and its plan then moves every member (ALGORITHMS §11).
 """
 
 from __future__ import annotations
@@ -36,8 +40,9 @@ import numpy as np
 from fusekit.core import neurons
 from fusekit.core.checkpoint import Checkpoint
 from fusekit.core.errors import DataError, ParameterError
-from fusekit.core.spec import PermutationSpec
+from fusekit.core.spec import GraphSpec, PermutationSpec
 from fusekit.engine.matching import solve_assignment, sqeuclidean_cost
+from fusekit.methods.avg import average_tensor, check_same_shapes
 from fusekit.methods.base import FusionMethod, FusionResult, register, sample_weights
 from fusekit.methods.params import Param
 
@@ -54,6 +59,7 @@ class OptimalTransport(FusionMethod):
     summary = ("optimal-transport alignment to an anchor client, then weighted averaging "
                "(Singh & Jaggi); fused widths = the anchor's")
     permutes_neurons = True
+    handles_groups = True
 
     def fuse(
         self,
@@ -98,7 +104,21 @@ class OptimalTransport(FusionMethod):
         """
         neurons.refuse_position_aware(checkpoints, specs, self.name)
         anchor_index = resolve_anchor(checkpoints, anchor)
+        params = {
+            "anchor": checkpoints[anchor_index].label if anchor is not None else None,
+            "activations": (getattr(activations, "description", type(activations).__name__)
+                            if activations is not None else None),
+        }
         start = time.perf_counter()
+        if isinstance(specs[0], GraphSpec):
+            if activations is not None:
+                raise ParameterError("activations: the activation cost needs a sequential "
+                                     "network; residual networks use the weight cost")
+            state_dict, client_reports = fuse_aligned(checkpoints, specs, anchor_index,
+                                                      align_groups)
+            report = {"anchor": checkpoints[anchor_index].label, "cost": "weights",
+                      "alignment": client_reports, "align_time_s": time.perf_counter() - start}
+            return self.result(state_dict, checkpoints, specs[anchor_index], params, report)
         preactivations = None
         if activations is not None:
             preactivations = [_checked_preactivations(activations(c, s), c, s)
@@ -116,11 +136,6 @@ class OptimalTransport(FusionMethod):
                  for li in range(len(specs[0].layers))]
         spec = specs[anchor_index]
         state_dict = neurons.to_state_dict(checkpoints, spec, fused)
-        params = {
-            "anchor": checkpoints[anchor_index].label if anchor is not None else None,
-            "activations": (getattr(activations, "description", type(activations).__name__)
-                            if activations is not None else None),
-        }
         report = {
             "anchor": checkpoints[anchor_index].label,
             "cost": "activations" if activations is not None else "weights",
@@ -232,6 +247,86 @@ def align_to_anchor(
             reports.append({"layer": li, "width": clients[anchor][li].out_features,
                             "transport": sorted(kinds), "mean_cost": costs})
     return aligned, reports
+
+
+def align_groups(anchor: Sequence[neurons.UnitLayer], layers: Sequence[neurons.UnitLayer],
+                 spec: GraphSpec) -> tuple[list[neurons.UnitLayer], dict[str, Any]]:
+    """Align one client's groups to the anchor with optimal transport (§5 on groups, §11).
+
+    Groups are visited in the order their first writer appears. A group's ground cost is
+    the squared distance between the concatenated rows [incoming weights, bias] of the
+    layers that write it and whose input group is already aligned (the first writer always
+    is); its transport plan then moves every member, writers' rows and readers' columns.
+
+    Returns:
+        (the client's layers at the anchor's widths, {"transport": kinds used,
+        "mean_cost": per group ⟨T, M⟩}).
+    """
+    order = sorted(range(len(spec.group_names)), key=spec.writes.index)
+    done: set[int] = set()
+    kinds, costs = set(), []
+    for group in order:
+        ready = [i for i, g in enumerate(spec.writes)
+                 if g == group and (spec.reads[i] is None or spec.reads[i] in done)]
+        mine = np.hstack([b for _, b in neurons.group_parts(layers, spec, group, writers=ready,
+                                                             readers=False)])
+        theirs = np.hstack([b for _, b in neurons.group_parts(anchor, spec, group,
+                                                              writers=ready, readers=False)])
+        cost = sqeuclidean_cost(mine, theirs)
+        plan, kind = transport_plan(cost)
+        kinds.add(kind)
+        costs.append(float((plan * cost).sum()))
+        mapping = plan.argmax(axis=0) if kind == "assignment" else plan / plan.sum(0)
+        layers = neurons.move_group(layers, spec, group, mapping)
+        done.add(group)
+    return list(layers), {"transport": sorted(kinds), "mean_cost": costs}
+
+
+def fuse_aligned(checkpoints: Sequence[Checkpoint], specs: Sequence[PermutationSpec | GraphSpec],
+                 anchor: int, align) -> tuple[dict[str, np.ndarray], list[dict[str, Any]]]:
+    """Align every client to the anchor, one client at a time, and average them (step 5).
+
+    Only the anchor, one client and the running weighted sum are held in float64, whatever
+    the number of clients: each client's tensors are read when its turn comes and released
+    after.
+
+    Args:
+        checkpoints, specs: the clients in canonical order.
+        anchor: index of the anchor client.
+        align: ``align(anchor_layers, client_layers, client_spec) -> (aligned layers,
+            report dict)``, unit-form layers in and out.
+
+    Returns:
+        (fused state_dict with the anchor's widths, per non-anchor client its report).
+    """
+    weights = sample_weights(checkpoints)
+    spec = specs[anchor]
+    anchor_layers = neurons.client_layers(checkpoints[anchor], spec)
+    checkpoints[anchor].release()
+    total = [neurons.UnitLayer(weights[anchor] * layer.weight, weights[anchor] * layer.bias)
+             for layer in anchor_layers]
+    reports = []
+    for s, (checkpoint, client_spec) in enumerate(zip(checkpoints, specs, strict=True)):
+        if s == anchor:
+            continue
+        start = time.perf_counter()
+        layers = neurons.client_layers(checkpoint, client_spec)
+        checkpoint.release()
+        aligned, report = align(anchor_layers, layers, client_spec)
+        del layers
+        for into, layer in zip(total, aligned, strict=True):
+            into.weight += weights[s] * layer.weight
+            into.bias += weights[s] * layer.bias
+        del aligned
+        reports.append({"client": checkpoint.label, **report,
+                        "time_s": time.perf_counter() - start})
+    state_dict = neurons.to_state_dict(checkpoints, spec, total)
+    check_same_shapes(checkpoints, spec.other)
+    state_dict.update({name: average_tensor([c.tensor(name) for c in checkpoints], weights, name)
+                       for name in spec.other})
+    for checkpoint in checkpoints:
+        checkpoint.release()
+    return state_dict, reports
 
 
 def average_layers(layers: Sequence[neurons.UnitLayer], weights: np.ndarray) -> neurons.UnitLayer:

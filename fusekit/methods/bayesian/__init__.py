@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Annotated, ClassVar
 
 from fusekit.core.checkpoint import Checkpoint
-from fusekit.core.spec import PermutationSpec
+from fusekit.core.spec import GraphSpec, PermutationSpec
 from fusekit.methods.base import FusionMethod, FusionResult, register
 from fusekit.methods.bayesian.layer import (
     BACKENDS,
@@ -30,6 +30,7 @@ from fusekit.methods.bayesian.network import (
     BayesianParams,
     as_sigma,
     as_width,
+    fuse_groups,
     fuse_network,
     ratio_width,
 )
@@ -56,6 +57,7 @@ class BayesianMatching(FusionMethod):
     """Bayesian neuron matching; ``default_lam`` tells PFNM (0) from NAFI (> 0)."""
 
     permutes_neurons = True
+    handles_groups = True
     default_lam: ClassVar[float] = 0.0
 
     def fuse(
@@ -111,6 +113,9 @@ class BayesianMatching(FusionMethod):
     ) -> FusionResult:
         """Match hidden neurons bottom-up and average matched neurons (posterior means).
 
+        Residual networks (a GraphSpec) are matched group by group: see
+        :func:`~fusekit.methods.bayesian.network.fuse_groups`; widths then apply per group.
+
         Args:
             width: fused width of every hidden layer (an int), one int per hidden layer (a
                 list), or ``"unlimited"`` (the width the posterior infers, often close to
@@ -152,7 +157,8 @@ class BayesianMatching(FusionMethod):
             mu0=mu0, sweeps=sweeps, seed=seed, class_share=class_share,
             unobserved=unobserved, variance_units=variance_units, backend=backend,
         )
-        state_dict, fused_spec, report = fuse_network(checkpoints, specs, params, self.name)
+        fuse = fuse_groups if isinstance(specs[0], GraphSpec) else fuse_network
+        state_dict, fused_spec, report = fuse(checkpoints, specs, params, self.name)
         return self.result(state_dict, checkpoints, fused_spec, params.as_json(), report)
 
 

@@ -6,7 +6,8 @@ below (``fusekit.core.neurons``), BatchNorm folded. The last hidden layer's vect
 carry the outgoing weights (NAFI paper, Problem Formulation). Every local neuron gets a
 global neuron (a target width is never below the widest client), so the next layer's
 incoming dimension is always the fused width of the layer below, and the weights leaving
-a global neuron are those of its members.
+a global neuron are those of its members. Residual networks (a GraphSpec) are matched
+group by group instead (:func:`fuse_groups`, ALGORITHMS.md §11).
 """
 
 from __future__ import annotations
@@ -300,15 +301,24 @@ def fuse_network(checkpoints, specs, params: BayesianParams, method: str):
     fused.append(_output_layer(head, below, n_below, outgoing if n_hidden == 1 else None,
                                shares, alphas))
     fused_spec = spec.with_hidden_widths([layer.out_features for layer in fused[:-1]])
+    return _state_dict(checkpoints, spec, fused, alphas), fused_spec, _report(layer_reports,
+                                                                               shares)
+
+
+def _state_dict(checkpoints, spec, fused, alphas) -> dict[str, np.ndarray]:
+    """The fused layers as the clients' tensors, plus the tensors outside the layers."""
     state_dict = neurons.to_state_dict(checkpoints, spec, fused)
     state_dict.update(_other_tensors(checkpoints, spec, alphas))
-    report = {
+    return state_dict
+
+
+def _report(layer_reports, shares) -> dict[str, Any]:
+    return {
         "layers": layer_reports,
         "class_share": shares is not None,
         "time_cost_s": sum(r["time_cost_s"] for r in layer_reports),
         "time_assignment_s": sum(r["time_assignment_s"] for r in layer_reports),
     }
-    return state_dict, fused_spec, report
 
 
 def _output_layer(head, below, n_below, matched_outgoing, shares, alphas):
@@ -349,3 +359,150 @@ def _other_tensors(checkpoints, spec, alphas) -> dict[str, np.ndarray]:
             )
         out[name] = average_tensor(arrays, alphas, name)
     return out
+
+
+def fuse_groups(checkpoints, specs, params: BayesianParams, method: str):
+    """Fuse residual-network clients (GraphSpec) with PFNM / NAFI, group by group (§11).
+
+    Groups are matched in the order of their first writer. A group's neuron vector
+    concatenates what its member layers hold for the neuron, in global coordinates: the
+    rows [incoming weights, bias] of every layer writing the group whose input (the image
+    or a group) is already matched, and the columns of every layer reading the group whose
+    output (the classes or a group) is already matched. Members whose other side is not yet
+    matched (a block's last conv when its stream group is matched at the stem) still grow
+    with the group. Once every group is matched, each layer is fused once, at the
+    fused widths of the groups it reads and writes: hidden layers as posterior means
+    (prior mu0, precisions from the group's sigma^2 and sigma0^2 relative to the layer's
+    own variance unit, so only their ratio matters), the classifier as in
+    :func:`fuse_network` (class or sample shares over the clients observing a column).
+
+    Clients' tensors are read per group and released after, so memory holds one group of
+    every client and its posterior, then the fused model, never every client's model.
+
+    Returns:
+        (state_dict, fused GraphSpec, report dict).
+    """
+    neurons.refuse_position_aware(checkpoints, specs, method)
+    _check_params(params)
+    n_clients = len(checkpoints)
+    sigmas = None if params.sigma is None else _client_sigmas(params.sigma, n_clients)
+    spec = specs[0]
+    n_groups = len(spec.group_names)
+    widths = layer_widths(params, [sp.hidden_widths for sp in specs])
+    assignments: list[list[np.ndarray | None]] = [[None] * n_groups for _ in checkpoints]
+    fused_widths: list[int | None] = [None] * n_groups
+    relative: list[tuple[np.ndarray, float] | None] = [None] * n_groups
+    reports = []
+    for group in sorted(range(n_groups), key=spec.writes.index):
+        start = time.perf_counter()
+        result, relative[group], hyper = _match_group(checkpoints, specs, group, assignments,
+                                                      fused_widths, params, sigmas,
+                                                      widths[group])
+        for s in range(n_clients):
+            assignments[s][group] = result.assignments[s]
+        fused_widths[group] = result.width
+        reports.append({"layer": spec.group_names[group], "width_asked": widths[group],
+                        **result.report, "hyperparameters": hyper,
+                        "members": len(spec.writers(group)) + len(spec.readers(group))})
+        logger.info("%s: group %s: width %d (inferred %d), %.2f s", method,
+                    spec.group_names[group], result.width, result.report["inferred_width"],
+                    time.perf_counter() - start)
+        del result  # its posterior arrays: one group's worth of memory
+    shares = _class_shares(checkpoints, spec.out_features, params.class_share)
+    alphas = sample_weights(checkpoints)
+    fused = [_fuse_layer(checkpoints, specs, index, assignments, fused_widths, relative,
+                         params.mu0, shares, alphas) for index in range(len(spec.layers))]
+    fused_spec = spec.with_hidden_widths(fused_widths)
+    state_dict = _state_dict(checkpoints, spec, fused, alphas)
+    for checkpoint in checkpoints:
+        checkpoint.release()
+    return state_dict, fused_spec, _report(reports, shares)
+
+
+def _match_group(checkpoints, specs, group, assignments, fused_widths, params, sigmas,
+                 width):
+    """Match one group (see :func:`fuse_groups`): the LayerMatching, the group's (per-client
+    sigma^2 / v, sigma0^2 / v) and its hyperparameter report. The clients' vectors live
+    only while this runs."""
+    built = [_group_vector(checkpoints[s], specs[s], group, assignments[s], fused_widths)
+             for s in range(len(checkpoints))]
+    vecs = [v for v, _, _ in built]
+    observed = [o if params.unobserved == "mask" else np.ones_like(o) for _, o, _ in built]
+    unit = neurons.block_variances(vecs, observed, built[0][2])
+    sigma2, sigma0_2, gamma0, hyper = _hyperparameters(params, sigmas, vecs, observed, unit,
+                                                       group)
+    result = match_neurons(
+        vecs, [o / s2 for o, s2 in zip(observed, sigma2, strict=True)], mu0=params.mu0,
+        sigma0_2=sigma0_2, gamma0=gamma0, sweeps=params.sweeps, seed=params.seed + group,
+        lam=params.lam, width=width, backend=params.backend)
+    relative = ((sigma2 / unit).mean(axis=1), float(np.mean(sigma0_2 / unit)))
+    return result, relative, hyper
+
+
+def _read_layer(checkpoint, layer) -> neurons.UnitLayer:
+    """One layer in unit form (BatchNorm folded); its tensors are released from memory."""
+    unit = neurons.fold_batchnorm(checkpoint, layer)
+    checkpoint.release(*layer.tensors)
+    return unit
+
+
+def _group_vector(checkpoint, spec, group, assigned, fused_widths):
+    """One client's (J, P) neuron vectors of ``group`` from the members that can be put in
+    global coordinates, their (P,) observed mask and (P,) block labels (one per part)."""
+    parts, observed, labels = [], [], []
+    for index in spec.writers(group):
+        source = spec.reads[index]
+        if source is not None and fused_widths[source] is None:
+            continue
+        layer = _read_layer(checkpoint, spec.layers[index])
+        n_in = layer.weight.shape[1] if source is None else fused_widths[source]
+        mapped, seen = neurons.map_incoming(
+            layer.weight, None if source is None else assigned[source], n_in)
+        parts += [mapped.reshape(len(mapped), -1), layer.bias[:, None]]
+        observed += [np.repeat(seen, mapped.shape[2]), [True]]
+        labels += [np.full(mapped[0].size, len(labels)), [len(labels) + 1]]
+    for index in spec.readers(group):
+        target = spec.writes[index]
+        if target is not None and fused_widths[target] is None:
+            continue
+        weight = _read_layer(checkpoint, spec.layers[index]).weight
+        if target is not None:  # the reader's rows into the global space it writes
+            mapped, seen = neurons.map_incoming(weight.transpose(1, 0, 2), assigned[target],
+                                                fused_widths[target])
+            weight = mapped.transpose(1, 0, 2)
+        else:
+            seen = np.ones(weight.shape[0], dtype=bool)
+        parts.append(neurons.outgoing_weights(weight))
+        observed.append(np.repeat(seen, weight.shape[2]))
+        labels.append(np.full(parts[-1].shape[1], len(labels)))
+    return (np.hstack(parts), np.concatenate(observed).astype(bool),
+            np.concatenate(labels).astype(np.int64))
+
+
+def _fuse_layer(checkpoints, specs, index, assignments, fused_widths, relative, mu0, shares,
+                alphas) -> neurons.UnitLayer:
+    """Layer ``index`` at the fused widths of the groups it reads and writes (see
+    :func:`fuse_groups`); hidden layers read one client at a time."""
+    source, target = specs[0].reads[index], specs[0].writes[index]
+    below = [None if source is None else a[source] for a in assignments]
+    n_below = specs[0].layers[index].in_features if source is None else fused_widths[source]
+    if target is None:
+        head = [_read_layer(c, sp.layers[index]) for c, sp in zip(checkpoints, specs,
+                                                                   strict=True)]
+        return _output_layer(head, below, n_below, None, shares, alphas)
+    per_client, prior = relative[target]
+    width = fused_widths[target]
+    total = bias_total = precision = bias_precision = None
+    for s, (checkpoint, spec) in enumerate(zip(checkpoints, specs, strict=True)):
+        layer = _read_layer(checkpoint, spec.layers[index])
+        mapped, seen = neurons.map_incoming(layer.weight, below[s], n_below)
+        if total is None:  # the prior: mean mu0 at precision 1/sigma0^2
+            total = np.full((width, *mapped.shape[1:]), mu0 / prior)
+            precision = np.full((width, n_below), 1.0 / prior)
+            bias_total, bias_precision = np.full(width, mu0 / prior), np.full(width, 1.0 / prior)
+        rows, weight = assignments[s][target], 1.0 / per_client[s]
+        total[rows] += weight * mapped
+        precision[rows] += weight * seen
+        bias_total[rows] += weight * layer.bias
+        bias_precision[rows] += weight
+    return neurons.UnitLayer(total / precision[:, :, None], bias_total / bias_precision)

@@ -5,7 +5,9 @@ module ready for inference.
   sub-model rebuilt from its own description.
 - Plain checkpoints with ``fusekit.arch`` (written with the fused widths by every method,
   since PFNM/NAFI change widths) are built by :func:`fusekit.toolkit.nn.build_model`.
-- Checkpoints without ``fusekit.arch`` (clients that came from outside fusekit) are read
+- Checkpoints without ``fusekit.arch`` holding a torchvision ResNet or VGG (by names and
+  shapes, :func:`fusekit.core.arch.infer_arch`) are built as that architecture.
+- Other checkpoints without ``fusekit.arch`` (clients that came from outside fusekit) are read
   from their permutation spec (``fusekit.core.spec`` metadata, else inferred from names and
   shapes) as a ReLU MLP: Linear, optional BatchNorm, ReLU, ..., Linear, whose modules keep
   the checkpoint's own tensor names. Convolutional models need ``fusekit.arch`` (padding
@@ -24,6 +26,7 @@ import torch
 from torch import nn
 
 from fusekit.core import metadata as meta
+from fusekit.core.arch import infer_arch
 from fusekit.core.checkpoint import Checkpoint, load_checkpoint
 from fusekit.core.errors import CheckpointError, DataError, SpecError
 from fusekit.core.spec import PermutationSpec, infer_spec, shapes_of, spec_from_json
@@ -104,19 +107,21 @@ def build_plain_model(
     spec_json: Mapping[str, Any] | None,
     label: str,
 ) -> nn.Module:
-    """The module of one plain model: from its architecture when known, else its spec.
+    """The module of one plain model: from its architecture when known (given, or a
+    torchvision ResNet/VGG recognised from names and shapes), else its spec.
 
     Raises:
         CheckpointError: an invalid architecture or spec, tensors that do not match it, or
             a model the spec alone cannot describe (convolutions, extra tensors).
     """
+    shapes = shapes_of(state_dict)
+    arch = arch if arch is not None else infer_arch(shapes)
     if arch is not None:
         try:
             model = build_model(arch)
         except SpecError as exc:
             raise CheckpointError(f"{label}: invalid fusekit.arch ({exc})") from None
         return load_state_into(model, state_dict, label)
-    shapes = shapes_of(state_dict)
     try:
         spec = (spec_from_json(spec_json, shapes, label=label) if spec_json is not None
                 else infer_spec(shapes, label=label))

@@ -191,7 +191,10 @@ def build_model(arch: Mapping[str, Any], *, seed: int | None = None) -> nn.Modul
     Raises:
         SpecError: the description is invalid.
     """
-    cls = FusekitMLP if validate_arch(arch)["type"] == "mlp" else FusekitConvNet
+    from fusekit.toolkit.nn.zoo import VGG, ResNet
+
+    classes = {"mlp": FusekitMLP, "convnet": FusekitConvNet, "resnet": ResNet, "vgg": VGG}
+    cls = classes[validate_arch(arch)["type"]]
     if seed is None:
         return cls(arch)
     with torch.random.fork_rng(devices=[]):
