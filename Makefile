@@ -36,6 +36,11 @@ bench:
 	$(PY) benchmarks/bench_fusion.py
 	$(PY) benchmarks/bench_ot_ams.py
 	$(PY) benchmarks/bench_quality.py
+	$(PY) benchmarks/bench_quality.py --frontier --data digits
+	$(PY) benchmarks/bench_quality.py --frontier --data synthetic
+	$(PY) benchmarks/bench_rounds.py
+	$(PY) benchmarks/bench_resnet.py
+	$(PY) benchmarks/bench_service.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info fusekit/_core*.so
