@@ -78,12 +78,12 @@ def load_peers(lapx_path: str | None, lap_path: str | None) -> tuple[dict[str, S
             gatagat = gatagat or candidate
     if lapx is not None:
         peers.update(lapx_peers(lapx))
-        notes["lapx"] = f"{getattr(lapx, '__version__', '?')} ({lapx.__file__})"
+        notes["lapx"] = getattr(lapx, "__version__", "?")
     else:
         notes["lapx"] = "not installed (pip install --target DIR lapx==0.11.*; --lapx-path DIR)"
     if gatagat is not None:
         peers["lap"] = lambda c: gatagat.lapjv(c, extend_cost=True)
-        notes["lap"] = gatagat.__file__
+        notes["lap"] = getattr(gatagat, "__version__", "installed")
     else:
         notes["lap"] = "not installed (pip install --target DIR lap; --lap-path DIR)"
     try:
