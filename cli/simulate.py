@@ -124,8 +124,9 @@ def simulate(
     force: Annotated[bool, typer.Option("--force", help="Replace existing client files.")] = False,
     as_json: JsonOption = False,
 ) -> None:
-    """Split a data set across simulated clients, train one model each, write checkpoints;
-    with --rounds, federated rounds of local training and fusion."""
+    """Train simulated clients and write their checkpoints, or run federated rounds (--rounds).
+
+    Each client trains on its own part of the data (Dirichlet, label-skew or iid split)."""
     if rounds is None and (method != "avg" or clients_per_round is not None):
         raise ParameterError("--method and --clients-per-round: only with --rounds R")
     from fusekit.toolkit.data import load_dataset  # torch: only for commands that train
