@@ -238,7 +238,9 @@ def _print_summary(summary: dict[str, Any]) -> None:
     params = ", ".join(f"{k}={v}" for k, v in summary["params"].items())
     table.add_row("parameters", params or "-")
     table.add_row("time", f"{summary['time_s']:.3f} s")
-    table.add_row("peak memory", f"{summary['report'].get('peak_memory_mb', 0):.1f} MB")
+    peak = summary["report"].get("peak_memory_mb")
+    if peak is not None:
+        table.add_row("peak memory", f"{peak:.1f} MB (resident)")
     for layer in summary["report"].get("layers", []):
         details = [f"width {layer['width']}"]
         if "clients" in layer:
