@@ -53,6 +53,10 @@ log = logging.getLogger(__name__)
 ActivationProvider = Callable[[Checkpoint, PermutationSpec], Sequence[np.ndarray]]
 
 
+#: How ``anchor`` (ot, rebasin) names a client: :func:`resolve_anchor` reads it.
+ANCHOR_HELP = ("the client to align to: its path, file name or content-hash prefix "
+               "(>= 8 hex digits)")
+
 @register
 class OptimalTransport(FusionMethod):
     name = "ot"
@@ -67,8 +71,7 @@ class OptimalTransport(FusionMethod):
         specs: Sequence[PermutationSpec],
         *,
         anchor: Annotated[str | None, Param(
-            help="the client to align to: its path, file name or content-hash prefix "
-            "(>= 8 hex digits)", paper="Singh & Jaggi 2020, §4", default_text="most samples",
+            help=ANCHOR_HELP, paper="Singh & Jaggi 2020, §4", default_text="most samples",
         )] = None,
         activations: Annotated[ActivationProvider | None, Param(
             help="compare neurons by their pre-activations on shared inputs instead of by "

@@ -26,7 +26,7 @@ from fusekit.core.spec import GraphSpec, PermutationSpec
 from fusekit.engine.matching import solve_assignment
 from fusekit.methods.base import FusionMethod, FusionResult, register
 from fusekit.methods.bayesian import BACKENDS
-from fusekit.methods.ot import fuse_aligned, resolve_anchor
+from fusekit.methods.ot import ANCHOR_HELP, fuse_aligned, resolve_anchor
 from fusekit.methods.params import Param
 
 
@@ -44,8 +44,7 @@ class ReBasin(FusionMethod):
         specs: Sequence[PermutationSpec | GraphSpec],
         *,
         anchor: Annotated[str | None, Param(
-            help="the client to align to: its path, file name or content-hash prefix "
-            "(>= 8 hex digits)", paper="Ainsworth et al. 2023, §3.2",
+            help=ANCHOR_HELP, paper="Ainsworth et al. 2023, §3.2",
             default_text="most samples")] = None,
         max_sweeps: Annotated[int, Param(
             help="sweeps of coordinate descent over the groups at most; stops earlier at a "
