@@ -26,7 +26,7 @@ from fusekit.core.errors import IncompatibleModelsError, ParameterError
 from fusekit.methods.avg import average_tensor, class_shares
 from fusekit.methods.base import sample_weights
 from fusekit.methods.bayesian import empirical
-from fusekit.methods.bayesian.layer import BACKENDS, check_width, match_neurons
+from fusekit.methods.bayesian.layer import check_width, match_neurons
 
 logger = logging.getLogger(__name__)
 
@@ -161,25 +161,6 @@ def _client_sigmas(sigma: float | Sequence[float], n_clients: int) -> np.ndarray
     return np.broadcast_to(values, (n_clients,)).copy()
 
 
-def _check_params(params: BayesianParams) -> None:
-    if params.variance_units not in VARIANCE_UNITS:
-        raise ParameterError(
-            f"variance_units: expected one of {VARIANCE_UNITS}, found {params.variance_units!r}"
-        )
-    if params.unobserved not in UNOBSERVED:
-        raise ParameterError(
-            f"unobserved: expected one of {UNOBSERVED}, found {params.unobserved!r}"
-        )
-    for name in ("sigma0", "gamma"):
-        value = getattr(params, name)
-        if value is not None and not (value > 0 and math.isfinite(value)):
-            raise ParameterError(f"{name}: expected a finite value > 0, found {value}")
-    if not (params.lam >= 0 and math.isfinite(params.lam)):
-        raise ParameterError(f"lam: expected a finite value >= 0, found {params.lam}")
-    if params.backend not in BACKENDS:
-        raise ParameterError(f"backend: expected one of {BACKENDS}, found {params.backend!r}")
-
-
 def _class_shares(checkpoints, n_classes: int, wanted: bool | None) -> np.ndarray | None:
     """(S, K) class shares f_sk when class-share weighting is on, else None."""
     have = all(c.class_counts is not None for c in checkpoints)
@@ -248,7 +229,6 @@ def fuse_network(checkpoints, specs, params: BayesianParams, method: str):
     """
     neurons.refuse_position_aware(checkpoints, specs, method)
     n_clients = len(checkpoints)
-    _check_params(params)
     sigmas = None if params.sigma is None else _client_sigmas(params.sigma, n_clients)
     spec = specs[0]
     widths = layer_widths(params, [sp.hidden_widths for sp in specs])
@@ -383,7 +363,6 @@ def fuse_groups(checkpoints, specs, params: BayesianParams, method: str):
         (state_dict, fused GraphSpec, report dict).
     """
     neurons.refuse_position_aware(checkpoints, specs, method)
-    _check_params(params)
     n_clients = len(checkpoints)
     sigmas = None if params.sigma is None else _client_sigmas(params.sigma, n_clients)
     spec = specs[0]
