@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -41,30 +42,34 @@ struct TwoSmallest {
 constexpr std::size_t kMinCandidateSquare = 256;
 
 // Smallest and second smallest reduced cost row[j] - v[j] with their columns (m >= 2), in
-// one pass: eight lanes each keep their two smallest and where they are, merged at the end.
+// one pass; ties keep the earlier column. Eight lanes each keep their two smallest and
+// where they are, merged at the end. GCC/Clang vector types: the selects compile to
+// compares and blends, where the same loop over arrays spilled to memory every step.
 template <class T>
 FUSEKIT_CLONES void two_smallest(const T* __restrict row, const double* __restrict v,
                                  std::size_t m, double& min1, std::size_t& j1, double& min2,
                                  std::size_t& j2) {
+    typedef double Values __attribute__((vector_size(64)));
+    typedef std::int64_t Indices __attribute__((vector_size(64)));
     constexpr std::size_t kLanes = 8;
-    double a[kLanes], b[kLanes];
-    std::int64_t ia[kLanes], ib[kLanes];
+    Values a, b;
+    Indices ia, ib, at;
     for (std::size_t l = 0; l < kLanes; ++l) {
         a[l] = b[l] = kInf;
         ia[l] = ib[l] = -1;
+        at[l] = static_cast<std::int64_t>(l);
     }
     const std::size_t whole = m / kLanes * kLanes;
-    for (std::size_t j0 = 0; j0 < whole; j0 += kLanes) {
-#pragma omp simd
-        for (std::size_t l = 0; l < kLanes; ++l) {
-            const double h = static_cast<double>(row[j0 + l]) - v[j0 + l];
-            const auto j = static_cast<std::int64_t>(j0 + l);
-            const bool first = h < a[l], second = h < b[l];
-            b[l] = first ? a[l] : (second ? h : b[l]);
-            ib[l] = first ? ia[l] : (second ? j : ib[l]);
-            a[l] = first ? h : a[l];
-            ia[l] = first ? j : ia[l];
-        }
+    for (std::size_t j0 = 0; j0 < whole; j0 += kLanes, at += static_cast<std::int64_t>(kLanes)) {
+        Values h, w;
+        for (std::size_t l = 0; l < kLanes; ++l) h[l] = static_cast<double>(row[j0 + l]);
+        std::memcpy(&w, v + j0, sizeof w);
+        h -= w;
+        const auto first = h < a, second = h < b;
+        b = first ? a : (second ? h : b);
+        ib = first ? ia : (second ? at : ib);
+        a = first ? h : a;
+        ia = first ? at : ia;
     }
     TwoSmallest best;
     for (std::size_t j = whole; j < m; ++j) {
