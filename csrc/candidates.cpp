@@ -103,17 +103,6 @@ const double* ranked_row(const View<T>& view, std::size_t i, const double* shift
     return buffer.data();
 }
 
-template <class T>
-FUSEKIT_CLONES double min_of(const T* __restrict x, std::size_t n) {
-    double best = kInf;
-#pragma omp simd reduction(min : best)
-    for (std::size_t j = 0; j < n; ++j) {
-        const double c = static_cast<double>(x[j]);
-        best = c < best ? c : best;
-    }
-    return best;
-}
-
 // The typical gap between a row's smallest value and its k-th smallest, the median over a
 // sample of rows. Values are reduced costs c_ij - s_j when column potentials s are given,
 // else costs. NaN when no gap is finite.

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "augment.hpp"
@@ -39,7 +40,7 @@ struct TwoSmallest {
 
 // Below this size the dense solver is faster than candidate lists (measured: uniform
 // 100x100 dense 0.05 ms vs 0.10 ms).
-constexpr std::size_t kMinCandidateSquare = 256;
+constexpr std::size_t kMinCandidateSquare = 384;
 
 // Smallest and second smallest reduced cost row[j] - v[j] with their columns (m >= 2), in
 // one pass; ties keep the earlier column. Eight lanes each keep their two smallest and
@@ -86,6 +87,15 @@ FUSEKIT_CLONES void two_smallest(const T* __restrict row, const double* __restri
     j2 = best.at_second >= 0 && static_cast<std::size_t>(best.at_second) != j1
              ? static_cast<std::size_t>(best.at_second)
              : (j1 == 0 ? 1 : 0);
+}
+
+// Whether line[j] >= line[j - 1] for 0 < j < n.
+template <class T>
+FUSEKIT_CLONES bool rises(const T* __restrict line, std::size_t n) {
+    int falls = 0;
+#pragma omp simd reduction(| : falls)
+    for (std::size_t j = 1; j < n; ++j) falls |= line[j] < line[j - 1];
+    return falls == 0;
 }
 
 // min over j != skip of row[j] - v[j].
@@ -259,22 +269,117 @@ FUSEKIT_CLONES Status check_values(const T* cost, std::size_t size, bool& has_in
     return bad > 0 ? Status::non_finite : Status::ok;
 }
 
-}  // namespace
 
+// Columns head..end of the longest run of at least four consecutive columns each dominating
+// the previous in every row (PFNM's new-neuron slots, in a wide problem); false if none.
+// The first rows propose the rising columns (each row re-checks the survivors only), and the
+// longest stretch of them is then verified on the other rows with vector compares.
 template <class T>
-Status solve_assignment(const T* cost, std::size_t nr, std::size_t nc, std::int64_t* col_of_row,
-                        double* u, double* v) {
-    std::fill(col_of_row, col_of_row + nr, -1);
-    if (u) std::fill(u, u + nr, 0.0);
-    if (v) std::fill(v, v + nc, 0.0);
-    if (nr == 0 || nc == 0) return Status::ok;
-    bool has_inf = false;
-    const Status valid = check_values(cost, nr * nc, has_inf);
-    if (valid != Status::ok) return valid;
-    if (nr > nc) return solve_tall(cost, nr, nc, col_of_row, u, v);
-    if (nr == nc && nr >= kMinCandidateSquare && solve_by_candidates(cost, nr, col_of_row, u, v)) {
-        return Status::ok;
+bool longest_column_run(const T* cost, std::size_t nr, std::size_t nc, std::size_t& head,
+                        std::size_t& end) {
+    constexpr std::size_t kProposing = 8;
+    std::vector<std::size_t> rising;  // j: column j >= column j - 1 in every row so far
+    for (std::size_t j = 1; j < nc; ++j) {
+        if (cost[j] >= cost[j - 1]) rising.push_back(j);
     }
+    const std::size_t proposing = std::min(nr, kProposing);
+    for (std::size_t i = 1; i < proposing && !rising.empty(); ++i) {
+        const T* row = cost + i * nc;
+        std::size_t kept = 0;
+        for (std::size_t j : rising) {
+            if (row[j] >= row[j - 1]) rising[kept++] = j;
+        }
+        rising.resize(kept);
+    }
+    std::size_t best = 0;
+    for (std::size_t k = 0; k < rising.size();) {
+        std::size_t last = k;
+        while (last + 1 < rising.size() && rising[last + 1] == rising[last] + 1) ++last;
+        const std::size_t length = rising[last] - rising[k] + 2;
+        if (length > best) {
+            best = length;
+            head = rising[k] - 1;
+            end = rising[last];
+        }
+        k = last + 1;
+    }
+    if (best < 4) return false;
+    for (std::size_t i = proposing; i < nr; ++i) {
+        const T* row = cost + i * nc + head;
+        if (!rises(row, end - head + 1)) return false;
+    }
+    return true;
+}
+
+// Whether PFNM's new-neuron slots (a run of `run` lines at `head`) are where most of the
+// other side's neurons go: the run's first line holds the smallest entry of at least half of
+// them. `entry(k, i)` is entry i of line k, `minima` the other lines' minima per entry.
+template <class Entry>
+bool mostly_new(const std::vector<double>& minima, std::size_t head, Entry entry) {
+    std::size_t new_ones = 0;
+    for (std::size_t i = 0; i < minima.size(); ++i) new_ones += entry(head, i) <= minima[i];
+    return 2 * new_ones >= minima.size();
+}
+
+// Wide: the run is a range of columns; each row's minimum outside it.
+constexpr std::size_t kSampledRows = 32;
+template <class T>
+bool mostly_new_wide(const T* cost, std::size_t nr, std::size_t nc) {
+    std::size_t head = 0, end = 0;
+    if (!longest_column_run(cost, nr, nc, head, end)) return false;
+    // A sample of rows tells the proportion well enough.
+    const std::size_t step = (nr + kSampledRows - 1) / kSampledRows;
+    std::vector<double> minima;
+    std::vector<std::size_t> sampled;
+    for (std::size_t i = 0; i < nr; i += step) {
+        const T* row = cost + i * nc;
+        minima.push_back(std::min(min_of(row, head), min_of(row + end + 1, nc - end - 1)));
+        sampled.push_back(i);
+    }
+    return mostly_new(minima, head, [&](std::size_t k, std::size_t i) {
+        return static_cast<double>(cost[sampled[i] * nc + k]);
+    });
+}
+
+// Tall: the run is a range of rows; each column's minimum over the rows outside every run.
+template <class T>
+bool mostly_new_tall(const T* cost, std::size_t nr, std::size_t nc, const std::vector<Run>& runs) {
+    std::vector<unsigned char> in_run(nr, 0);
+    for (const Run& r : runs) std::fill(in_run.begin() + r.head, in_run.begin() + r.end + 1, 1);
+    std::vector<double> minima(nc, kInf);
+    for (std::size_t o = 0; o < nr; ++o) {
+        if (!in_run[o]) min_into(cost + o * nc, minima.data(), nc);
+    }
+    return mostly_new(minima, runs[0].head, [&](std::size_t k, std::size_t i) {
+        return static_cast<double>(cost[k * nc + i]);
+    });
+}
+
+// A problem of up to this many entries (2 MiB of float64) may be solved through a transposed
+// copy, when its other orientation is the faster one.
+constexpr std::size_t kMaxTransposed = std::size_t{1} << 18;
+
+// The nc x nr transpose of a row-major nr x nc matrix, copied in tiles that stay in cache.
+template <class T>
+std::vector<T> transposed(const T* cost, std::size_t nr, std::size_t nc) {
+    constexpr std::size_t kTile = 32;
+    std::vector<T> out(nr * nc);
+    for (std::size_t i0 = 0; i0 < nr; i0 += kTile) {
+        const std::size_t i1 = std::min(nr, i0 + kTile);
+        for (std::size_t j0 = 0; j0 < nc; j0 += kTile) {
+            const std::size_t j1 = std::min(nc, j0 + kTile);
+            for (std::size_t i = i0; i < i1; ++i) {
+                for (std::size_t j = j0; j < j1; ++j) out[j * nr + i] = cost[i * nc + j];
+            }
+        }
+    }
+    return out;
+}
+
+// Square and wide problems on the dense solver.
+template <class T>
+Status solve_dense(const T* cost, std::size_t nr, std::size_t nc, bool has_inf,
+                   std::int64_t* col_of_row, double* u, double* v) {
     Solver<T> solver(cost, nr, nc);
     const Status s = solver.run(!has_inf);
     if (s != Status::ok) return s;
@@ -287,6 +392,65 @@ Status solve_assignment(const T* cost, std::size_t nr, std::size_t nc, std::int6
     }
     if (v) std::copy(pot.begin(), pot.end(), v);
     return Status::ok;
+}
+
+// Solves the transpose (nc x nr) of an nr x nc problem with `solve` and maps the assignment
+// and potentials back: rows and columns swap roles, so do u and v.
+template <class T, class Solve>
+Status solve_transposed(const T* cost, std::size_t nr, std::size_t nc, Solve solve,
+                        std::int64_t* col_of_row, double* u, double* v) {
+    const std::vector<T> flipped = transposed(cost, nr, nc);
+    std::vector<std::int64_t> row_of_col(nc, -1);
+    std::vector<double> uf(nc), vf(nr);
+    const Status s = solve(flipped.data(), nc, nr, row_of_col.data(), uf.data(), vf.data());
+    if (s != Status::ok) return s;
+    for (std::size_t j = 0; j < nc; ++j) {
+        if (row_of_col[j] >= 0) col_of_row[row_of_col[j]] = static_cast<std::int64_t>(j);
+    }
+    if (u) std::copy(vf.begin(), vf.end(), u);
+    if (v) std::copy(uf.begin(), uf.end(), v);
+    return Status::ok;
+}
+
+}  // namespace
+
+template <class T>
+Status solve_assignment(const T* cost, std::size_t nr, std::size_t nc, std::int64_t* col_of_row,
+                        double* u, double* v) {
+    std::fill(col_of_row, col_of_row + nr, -1);
+    if (u) std::fill(u, u + nr, 0.0);
+    if (v) std::fill(v, v + nc, 0.0);
+    if (nr == 0 || nc == 0) return Status::ok;
+    bool has_inf = false;
+    const Status valid = check_values(cost, nr * nc, has_inf);
+    if (valid != Status::ok) return valid;
+    const bool small = nr * nc <= kMaxTransposed;
+    if (nr > nc) {
+        std::vector<Run> runs = dominated_runs(cost, nr, nc);
+        // Less than four times taller than wide, the dense solver on the transpose is faster
+        // than the tall one (whose candidate lists cost two passes over a top block that
+        // holds few candidates per column), unless most neurons are new: the tall one then
+        // takes them at once.
+        if (small && nr < 4 * nc && (runs.empty() || !mostly_new_tall(cost, nr, nc, runs))) {
+            const auto dense = [has_inf](const T* c, std::size_t r, std::size_t k,
+                                         std::int64_t* x, double* a, double* b) {
+                return solve_dense(c, r, k, has_inf, x, a, b);
+            };
+            return solve_transposed(cost, nr, nc, dense, col_of_row, u, v);
+        }
+        return solve_tall(cost, nr, nc, std::move(runs), col_of_row, u, v);
+    }
+    if (nr < nc && small && mostly_new_wide(cost, nr, nc)) {
+        const auto tall = [](const T* c, std::size_t r, std::size_t k, std::int64_t* x,
+                             double* a, double* b) {
+            return solve_tall(c, r, k, dominated_runs(c, r, k), x, a, b);
+        };
+        return solve_transposed(cost, nr, nc, tall, col_of_row, u, v);
+    }
+    if (nr == nc && nr >= kMinCandidateSquare && solve_by_candidates(cost, nr, col_of_row, u, v)) {
+        return Status::ok;
+    }
+    return solve_dense(cost, nr, nc, has_inf, col_of_row, u, v);
 }
 
 template Status solve_assignment<float>(const float*, std::size_t, std::size_t, std::int64_t*,

@@ -20,6 +20,20 @@ template void min_into<float>(const float*, double*, std::size_t);
 template void min_into<double>(const double*, double*, std::size_t);
 
 template <class T>
+FUSEKIT_CLONES double min_of(const T* __restrict line, std::size_t n) {
+    double best = std::numeric_limits<double>::infinity();
+#pragma omp simd reduction(min : best)
+    for (std::size_t j = 0; j < n; ++j) {
+        const double c = static_cast<double>(line[j]);
+        best = c < best ? c : best;
+    }
+    return best;
+}
+
+template double min_of<float>(const float*, std::size_t);
+template double min_of<double>(const double*, std::size_t);
+
+template <class T>
 FUSEKIT_CLONES void argmin_into(const T* __restrict line, std::int64_t index,
                                 double* __restrict acc, std::int64_t* __restrict at,
                                 std::size_t n) {

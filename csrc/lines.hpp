@@ -10,6 +10,10 @@ namespace fusekit {
 template <class T>
 void min_into(const T* line, double* acc, std::size_t n);
 
+// min of line[0..n), +inf when n == 0.
+template <class T>
+double min_of(const T* line, std::size_t n);
+
 // acc[j] = min(acc[j], line[j]) for j < n, and at[j] = index where line[j] is smaller: the
 // minima of a matrix's columns and their rows, updated one row (index) at a time.
 template <class T>

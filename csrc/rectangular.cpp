@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <utility>
 #include <limits>
 #include <vector>
 
@@ -150,20 +151,43 @@ void offer_row(const T* row, std::int64_t o, std::size_t n, Lists& lists, unsign
     }
 }
 
-struct Run {
-    std::size_t head, end;  // first free member, last member
-};
+}  // namespace
+
+template <class T>
+std::vector<Run> dominated_runs(const T* cost, std::size_t nr, std::size_t nc) {
+    std::vector<unsigned char> ascending(nr, 1);  // row o >= row o - 1
+    ascending[0] = 0;
+    for (std::size_t o = 1; o < nr; ++o) {
+        ascending[o] = dominates(cost + (o - 1) * nc, cost + o * nc, nc);
+    }
+    std::vector<Run> found;
+    for (std::size_t o = 1; o < nr; ++o) {
+        if (!ascending[o]) continue;
+        std::size_t end = o;
+        while (end + 1 < nr && ascending[end + 1]) ++end;
+        if (end - o + 2 >= kMinRun) found.push_back({o - 1, end});
+        o = end;
+    }
+    std::stable_sort(found.begin(), found.end(), [](const Run& p, const Run& q) {
+        return p.end - p.head > q.end - q.head;
+    });
+    if (found.size() > kMaxRuns) found.resize(kMaxRuns);
+    return found;
+}
+
+namespace {
 
 template <class T>
 class ShortSideSolver {
    public:
-    explicit ShortSideSolver(Layout<T> layout)
-        : lay_(layout), n_(layout.n), m_(layout.m), run_of_(layout.m, 0), lists_(layout.n),
+    ShortSideSolver(Layout<T> layout, std::vector<Run> runs)
+        : lay_(layout), n_(layout.n), m_(layout.m), runs_(std::move(runs)),
+          run_of_(layout.m, 0), lists_(layout.n),
           head_cost_(layout.n, kInf), head_object_(layout.n, -1), u_(layout.n, 0.0),
           v_(layout.m, 0.0), x_(layout.n, -1), y_(layout.m, -1), search_(layout.n) {}
 
     Status solve() {
-        find_runs();
+        mark_runs();
         list_rows();
         for (std::size_t a = 0; a < n_; ++a) settle(a);
         if (!column_reduction()) return Status::infeasible;
@@ -195,27 +219,8 @@ class ShortSideSolver {
    private:
     bool taken(std::int64_t o) const { return y_[static_cast<std::size_t>(o)] >= 0; }
 
-    // Runs of objects each dominating the next; the longest kMaxRuns of at least kMinRun
-    // objects enter the searches through their first free member only.
-    void find_runs() {
-        std::vector<unsigned char> ascending(m_, 1);  // object o >= object o - 1
-        ascending[0] = 0;
-        for (std::size_t o = 1; o < m_; ++o) {
-            ascending[o] = dominates(lay_.object_line(o - 1), lay_.object_line(o), n_);
-        }
-        std::vector<Run> found;
-        for (std::size_t o = 1; o < m_; ++o) {
-            if (!ascending[o]) continue;
-            std::size_t end = o;
-            while (end + 1 < m_ && ascending[end + 1]) ++end;
-            if (end - o + 2 >= kMinRun) found.push_back({o - 1, end});
-            o = end;
-        }
-        std::stable_sort(found.begin(), found.end(), [](const Run& p, const Run& q) {
-            return p.end - p.head > q.end - q.head;
-        });
-        if (found.size() > kMaxRuns) found.resize(kMaxRuns);
-        runs_ = found;
+    // The runs enter the searches through their first free member only.
+    void mark_runs() {
         for (std::size_t r = 0; r < runs_.size(); ++r) {
             for (std::size_t o = runs_[r].head; o <= runs_[r].end; ++o) run_of_[o] = r + 1;
         }
@@ -461,17 +466,19 @@ class ShortSideSolver {
 }  // namespace
 
 template <class T>
-Status solve_tall(const T* cost, std::size_t nr, std::size_t nc, std::int64_t* col_of_row,
-                  double* u, double* v) {
-    ShortSideSolver<T> solver(Layout<T>{cost, nc, nr});
+Status solve_tall(const T* cost, std::size_t nr, std::size_t nc, std::vector<Run> runs,
+                  std::int64_t* col_of_row, double* u, double* v) {
+    ShortSideSolver<T> solver(Layout<T>{cost, nc, nr}, std::move(runs));
     const Status s = solver.solve();
     if (s == Status::ok) solver.write(col_of_row, u, v);
     return s;
 }
 
-template Status solve_tall<float>(const float*, std::size_t, std::size_t, std::int64_t*, double*,
-                                  double*);
-template Status solve_tall<double>(const double*, std::size_t, std::size_t, std::int64_t*,
-                                   double*, double*);
+template std::vector<Run> dominated_runs<float>(const float*, std::size_t, std::size_t);
+template std::vector<Run> dominated_runs<double>(const double*, std::size_t, std::size_t);
+template Status solve_tall<float>(const float*, std::size_t, std::size_t, std::vector<Run>,
+                                  std::int64_t*, double*, double*);
+template Status solve_tall<double>(const double*, std::size_t, std::size_t, std::vector<Run>,
+                                   std::int64_t*, double*, double*);
 
 }  // namespace fusekit

@@ -3,10 +3,22 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "status.hpp"
 
 namespace fusekit {
+
+// Rows head..end of a run: consecutive rows each dominating the previous (elementwise >=).
+struct Run {
+    std::size_t head, end;  // first free member, last member
+};
+
+// The longest few runs of at least four rows of a row-major nr x nc matrix, longest first
+// (PFNM's new-neuron slots, with their growing penalty, form one). Mostly one vector compare
+// per row: unrelated rows are told apart in their first chunk.
+template <class T>
+std::vector<Run> dominated_runs(const T* cost, std::size_t nr, std::size_t nc);
 
 // Same contract and outputs as solve_assignment (lap.hpp) for nr > nc > 0, on a matrix
 // already checked for NaN and -inf. Agents (the columns, the short side) are all assigned, one
@@ -15,9 +27,10 @@ namespace fusekit {
 // lists built in one or two passes over the matrix and refilled from the agent's own line
 // when exhausted; objects that are matched are read one line at a time. Runs of consecutive
 // objects each dominating the next (elementwise <=, as PFNM's new-neuron slots with their
-// growing penalty) enter as one object, their first free member. Extra memory O(m + n k).
+// growing penalty: `runs`, from dominated_runs) enter as one object, their first free member.
+// Extra memory O(m + n k).
 template <class T>
-Status solve_tall(const T* cost, std::size_t nr, std::size_t nc, std::int64_t* col_of_row,
-                  double* u, double* v);
+Status solve_tall(const T* cost, std::size_t nr, std::size_t nc, std::vector<Run> runs,
+                  std::int64_t* col_of_row, double* u, double* v);
 
 }  // namespace fusekit

@@ -120,6 +120,23 @@ def test_pfnm_shaped_problems_match_scipy_in_both_orientations(variant):
         check_duals(cost, rows, cols, u, v, maximize)
 
 
+@pytest.mark.parametrize("new_share", [0.0, 0.1, 0.5, 1.0])
+def test_pfnm_shaped_problems_of_benchmark_size_take_every_route(new_share):
+    """Sizes where the solver picks between orientations (a transposed copy for short tall
+    problems, the tall solver for wide ones whose neurons are mostly new): the optimum and a
+    dual certificate whichever route, as the share of new neurons moves the choice."""
+    rng = np.random.default_rng(int(new_share * 10) + 200)
+    for j_global, j_local in [(100, 50), (60, 40), (500, 100), (150, 100), (20, 60)]:
+        top = rng.random((j_global, j_local))
+        per_neuron = np.where(rng.random(j_local) < new_share, -1.0, 2.0) + rng.random(j_local)
+        slots = per_neuron[None, :] + 0.01 * np.log(np.arange(1, j_local + 1))[:, None]
+        tall = np.vstack([top, slots])
+        for cost in (tall, np.ascontiguousarray(tall.T), np.round(tall * 4)):
+            rows, cols, (u, v) = solve_assignment(cost, return_duals=True)
+            check_solution(cost, rows, cols, False)
+            check_duals(cost, rows, cols, u, v, False)
+
+
 def brute_force(cost: np.ndarray) -> float:
     n, m = cost.shape
     if n <= m:
