@@ -4,6 +4,11 @@
 
 #include "simd.hpp"
 
+#if defined(__GNUC__) && defined(__x86_64__)
+#include <immintrin.h>
+#define FUSEKIT_AVX512_RELAX 1
+#endif
+
 namespace fusekit {
 
 namespace {
@@ -52,6 +57,58 @@ FUSEKIT_CLONES double relax_line(const T* __restrict line, double shift, std::in
     return best;
 }
 
+#ifdef FUSEKIT_AVX512_RELAX
+// relax_line in AVX-512 with mask registers: the running minima stay in registers and only
+// the improved lanes are stored. The portable loop above keeps its reductions in memory
+// (a store and reload every eight nodes); this is the searches' hottest loop.
+__attribute__((target("avx512f"))) inline __m512d load8_avx512(const double* p) {
+    return _mm512_loadu_pd(p);
+}
+__attribute__((target("avx512f"))) inline __m512d load8_avx512(const float* p) {
+    return _mm512_cvtps_pd(_mm256_loadu_ps(p));
+}
+
+template <class T>
+__attribute__((target("avx512f"))) double relax_line_avx512(
+    const T* __restrict line, double shift, std::int64_t from, const double* __restrict pot,
+    double* __restrict d, std::int64_t* __restrict pred, const std::int64_t* __restrict done,
+    const double* __restrict penalty, std::size_t n, double& best_free) {
+    const __m512d inf = _mm512_set1_pd(kInf), offset = _mm512_set1_pd(shift);
+    const __m512i source = _mm512_set1_epi64(from), zero = _mm512_setzero_si512();
+    __m512d best = inf, best_end = inf;
+    std::size_t k = 0;
+    for (; k + 8 <= n; k += 8) {
+        const __m512d nd =
+            _mm512_sub_pd(_mm512_sub_pd(load8_avx512(line + k), offset), _mm512_loadu_pd(pot + k));
+        const __mmask8 open = _mm512_cmpeq_epi64_mask(_mm512_loadu_si512(done + k), zero);
+        __m512d dk = _mm512_loadu_pd(d + k);
+        const __mmask8 update = _mm512_mask_cmp_pd_mask(open, nd, dk, _CMP_LT_OQ);
+        _mm512_mask_storeu_pd(d + k, update, nd);
+        _mm512_mask_storeu_epi64(pred + k, update, source);
+        dk = _mm512_mask_mov_pd(dk, update, nd);
+        const __m512d reach = _mm512_mask_mov_pd(inf, open, dk);
+        best = _mm512_min_pd(reach, best);
+        best_end = _mm512_min_pd(_mm512_add_pd(reach, _mm512_loadu_pd(penalty + k)), best_end);
+    }
+    double tail = _mm512_reduce_min_pd(best), tail_end = _mm512_reduce_min_pd(best_end);
+    for (; k < n; ++k) {
+        if (done[k] != 0) continue;
+        const double nd = static_cast<double>(line[k]) - shift - pot[k];
+        if (nd < d[k]) {
+            d[k] = nd;
+            pred[k] = from;
+        }
+        tail = d[k] < tail ? d[k] : tail;
+        const double end = d[k] + penalty[k];
+        tail_end = end < tail_end ? end : tail_end;
+    }
+    best_free = tail_end;
+    return tail;
+}
+
+const bool kHasAvx512 = __builtin_cpu_supports("avx512f");
+#endif
+
 // First open node k with d[k] (+ penalty[k] when kFree) == dmin; one exists. Tested eight
 // at a time so that the scan is mostly vector compares.
 template <bool kFree>
@@ -96,6 +153,12 @@ std::size_t AugmentSearch::pick(double dmin, bool free_tied, std::size_t n) {
 template <class T>
 double AugmentSearch::relax(const T* line, double shift, std::int64_t from, const double* pot,
                             std::size_t n, double& best_free) {
+#ifdef FUSEKIT_AVX512_RELAX
+    if (kHasAvx512) {
+        return relax_line_avx512(line, shift, from, pot, d.data(), pred.data(), done.data(),
+                                 penalty.data(), n, best_free);
+    }
+#endif
     return relax_line(line, shift, from, pot, d.data(), pred.data(), done.data(),
                       penalty.data(), n, best_free);
 }
