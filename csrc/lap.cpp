@@ -254,22 +254,6 @@ class Solver {
     AugmentSearch search_;
 };
 
-// NaN and -inf are invalid; +inf (forbidden) disables the reductions, whose bookkeeping
-// assumes finite second-best costs.
-template <class T>
-FUSEKIT_CLONES Status check_values(const T* cost, std::size_t size, bool& has_inf) {
-    std::size_t bad = 0, infinite = 0;
-    const T inf = std::numeric_limits<T>::infinity();
-#pragma omp simd reduction(+ : bad, infinite)
-    for (std::size_t k = 0; k < size; ++k) {
-        bad += !(cost[k] > -inf);
-        infinite += cost[k] == inf;
-    }
-    has_inf = infinite > 0;
-    return bad > 0 ? Status::non_finite : Status::ok;
-}
-
-
 // Columns head..end of the longest run of at least four consecutive columns each dominating
 // the previous in every row (PFNM's new-neuron slots, in a wide problem); false if none.
 // The first rows propose the rising columns (each row re-checks the survivors only), and the
@@ -421,24 +405,27 @@ Status solve_assignment(const T* cost, std::size_t nr, std::size_t nc, std::int6
     if (u) std::fill(u, u + nr, 0.0);
     if (v) std::fill(v, v + nc, 0.0);
     if (nr == 0 || nc == 0) return Status::ok;
-    bool has_inf = false;
-    const Status valid = check_values(cost, nr * nc, has_inf);
-    if (valid != Status::ok) return valid;
     const bool small = nr * nc <= kMaxTransposed;
     if (nr > nc) {
         std::vector<Run> runs = dominated_runs(cost, nr, nc);
         // Less than four times taller than wide, the dense solver on the transpose is faster
         // than the tall one (whose candidate lists cost two passes over a top block that
         // holds few candidates per column), unless most neurons are new: the tall one then
-        // takes them at once.
-        if (small && nr < 4 * nc && (runs.empty() || !mostly_new_tall(cost, nr, nc, runs))) {
-            const auto dense = [has_inf](const T* c, std::size_t r, std::size_t k,
-                                         std::int64_t* x, double* a, double* b) {
-                return solve_dense(c, r, k, has_inf, x, a, b);
-            };
-            return solve_transposed(cost, nr, nc, dense, col_of_row, u, v);
-        }
-        return solve_tall(cost, nr, nc, std::move(runs), col_of_row, u, v);
+        // takes them at once. The tall one checks the values in its first pass.
+        const bool transpose =
+            small && nr < 4 * nc && (runs.empty() || !mostly_new_tall(cost, nr, nc, runs));
+        if (!transpose) return solve_tall(cost, nr, nc, std::move(runs), col_of_row, u, v);
+    }
+    // NaN and -inf are invalid; +inf (forbidden) disables the dense solver's reductions,
+    // whose bookkeeping assumes finite second-best costs.
+    bool has_inf = false;
+    if (!valid_costs(cost, nr * nc, has_inf)) return Status::non_finite;
+    if (nr > nc) {
+        const auto dense = [has_inf](const T* c, std::size_t r, std::size_t k, std::int64_t* x,
+                                     double* a, double* b) {
+            return solve_dense(c, r, k, has_inf, x, a, b);
+        };
+        return solve_transposed(cost, nr, nc, dense, col_of_row, u, v);
     }
     if (nr < nc && small && mostly_new_wide(cost, nr, nc)) {
         const auto tall = [](const T* c, std::size_t r, std::size_t k, std::int64_t* x,

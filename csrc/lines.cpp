@@ -20,6 +20,39 @@ template void min_into<float>(const float*, double*, std::size_t);
 template void min_into<double>(const double*, double*, std::size_t);
 
 template <class T>
+FUSEKIT_CLONES bool valid_costs(const T* __restrict x, std::size_t n, bool& has_inf) {
+    std::size_t bad = 0, infinite = 0;
+    const T inf = std::numeric_limits<T>::infinity();
+#pragma omp simd reduction(+ : bad, infinite)
+    for (std::size_t k = 0; k < n; ++k) {
+        bad += !(x[k] > -inf);
+        infinite += x[k] == inf;
+    }
+    has_inf = infinite > 0;
+    return bad == 0;
+}
+
+template bool valid_costs<float>(const float*, std::size_t, bool&);
+template bool valid_costs<double>(const double*, std::size_t, bool&);
+
+template <class T>
+FUSEKIT_CLONES bool min_into_valid(const T* __restrict line, double* __restrict acc,
+                                   std::size_t n) {
+    std::size_t bad = 0;
+    const T inf = std::numeric_limits<T>::infinity();
+#pragma omp simd reduction(+ : bad)
+    for (std::size_t j = 0; j < n; ++j) {
+        const double c = static_cast<double>(line[j]);
+        acc[j] = c < acc[j] ? c : acc[j];
+        bad += !(line[j] > -inf);
+    }
+    return bad == 0;
+}
+
+template bool min_into_valid<float>(const float*, double*, std::size_t);
+template bool min_into_valid<double>(const double*, double*, std::size_t);
+
+template <class T>
 FUSEKIT_CLONES double min_of(const T* __restrict line, std::size_t n) {
     double best = std::numeric_limits<double>::infinity();
 #pragma omp simd reduction(min : best)

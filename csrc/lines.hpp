@@ -10,6 +10,15 @@ namespace fusekit {
 template <class T>
 void min_into(const T* line, double* acc, std::size_t n);
 
+// Whether x[0..n) holds valid costs only (no NaN, no -inf); has_inf: whether it holds +inf.
+template <class T>
+bool valid_costs(const T* x, std::size_t n, bool& has_inf);
+
+// min_into that also checks the line: false if it holds NaN or -inf. Lets a solver validate
+// its matrix in a pass it makes anyway.
+template <class T>
+bool min_into_valid(const T* line, double* acc, std::size_t n);
+
 // min of line[0..n), +inf when n == 0.
 template <class T>
 double min_of(const T* line, std::size_t n);

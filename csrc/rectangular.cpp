@@ -188,7 +188,7 @@ class ShortSideSolver {
 
     Status solve() {
         mark_runs();
-        list_rows();
+        if (!runs_valid() || !list_rows()) return Status::non_finite;
         for (std::size_t a = 0; a < n_; ++a) settle(a);
         if (!column_reduction()) return Status::infeasible;
         std::vector<std::size_t> free_agents;
@@ -226,25 +226,38 @@ class ShortSideSolver {
         }
     }
 
+    // The runs' rows hold valid costs only (no NaN, no -inf); list_rows checks the others.
+    bool runs_valid() const {
+        bool has_inf = false;
+        for (const Run& r : runs_) {
+            const std::size_t rows = r.end - r.head + 1;
+            if (!valid_costs(lay_.object_line(r.head), rows * n_, has_inf)) return false;
+        }
+        return true;
+    }
+
     // Tall: each agent (column) lists its cheapest rows outside runs, in two row-major
-    // passes: the first bounds each column's k-th smallest, the second offers only entries
-    // below that bound.
-    void list_rows() {
+    // passes: the first bounds each column's k-th smallest (and checks the values), the
+    // second offers only entries below that bound. False on NaN or -inf.
+    bool list_rows() {
         std::vector<std::size_t> rows;
         for (std::size_t o = 0; o < m_; ++o) {
             if (run_of_[o] == 0) rows.push_back(o);
         }
-        if (rows.empty()) return;
-        // The k-th smallest of a column's minima over 4k strided blocks of rows bounds its
+        if (rows.empty()) return true;
+        // The k-th smallest of a column's minima over 2k strided blocks of rows bounds its
         // k-th smallest entry (k block minima are k distinct entries) and stays close to it.
         double* gate = lists_.gates();
         const std::size_t k = lists_.length();
         const std::size_t blocks = std::min(rows.size(), 2 * k);
+        std::vector<double> block_min(blocks * n_, kInf), column(blocks);
+        bool valid = true;
+        for (std::size_t t = 0; t < rows.size(); ++t) {
+            valid &= min_into_valid(lay_.object_line(rows[t]), block_min.data() + (t % blocks) * n_,
+                                    n_);
+        }
+        if (!valid) return false;
         if (blocks > k) {
-            std::vector<double> block_min(blocks * n_, kInf), column(blocks);
-            for (std::size_t t = 0; t < rows.size(); ++t) {
-                min_into(lay_.object_line(rows[t]), block_min.data() + (t % blocks) * n_, n_);
-            }
             for (std::size_t a = 0; a < n_; ++a) {
                 for (std::size_t b = 0; b < blocks; ++b) column[b] = block_min[b * n_ + a];
                 gate[a] = kth_smallest(column.data(), blocks, k);
@@ -254,6 +267,7 @@ class ShortSideSolver {
         for (std::size_t o : rows) {
             offer_row(lay_.object_line(o), static_cast<std::int64_t>(o), n_, lists_, hit.data());
         }
+        return true;
     }
 
     // Agent a's whole line, free objects outside runs: the list anew.
