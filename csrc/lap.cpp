@@ -43,19 +43,21 @@ struct TwoSmallest {
 constexpr std::size_t kMinCandidateSquare = 384;
 
 // Smallest and second smallest reduced cost row[j] - v[j] with their columns (m >= 2), in
-// one pass; ties keep the earlier column. Eight lanes each keep their two smallest and
+// one pass; ties keep the earlier column. sum, of all of them, is finite only if they are:
+// a check of the values in a pass made anyway. Eight lanes each keep their two smallest and
 // where they are, merged at the end. GCC/Clang vector types: the selects compile to
 // compares and blends, where the same loop over arrays spilled to memory every step.
 template <class T>
 FUSEKIT_CLONES void two_smallest(const T* __restrict row, const double* __restrict v,
                                  std::size_t m, double& min1, std::size_t& j1, double& min2,
-                                 std::size_t& j2) {
+                                 std::size_t& j2, double& sum) {
     typedef double Values __attribute__((vector_size(64)));
     typedef std::int64_t Indices __attribute__((vector_size(64)));
     constexpr std::size_t kLanes = 8;
-    Values a, b;
+    Values a, b, total;
     Indices ia, ib, at;
     for (std::size_t l = 0; l < kLanes; ++l) {
+        total[l] = 0.0;
         a[l] = b[l] = kInf;
         ia[l] = ib[l] = -1;
         at[l] = static_cast<std::int64_t>(l);
@@ -66,6 +68,7 @@ FUSEKIT_CLONES void two_smallest(const T* __restrict row, const double* __restri
         for (std::size_t l = 0; l < kLanes; ++l) h[l] = static_cast<double>(row[j0 + l]);
         std::memcpy(&w, v + j0, sizeof w);
         h -= w;
+        total += h;
         const auto first = h < a, second = h < b;
         b = first ? a : (second ? h : b);
         ib = first ? ia : (second ? at : ib);
@@ -73,10 +76,14 @@ FUSEKIT_CLONES void two_smallest(const T* __restrict row, const double* __restri
         ia = first ? at : ia;
     }
     TwoSmallest best;
+    sum = 0.0;
     for (std::size_t j = whole; j < m; ++j) {
-        best.offer(static_cast<double>(row[j]) - v[j], static_cast<std::int64_t>(j));
+        const double h = static_cast<double>(row[j]) - v[j];
+        sum += h;
+        best.offer(h, static_cast<std::int64_t>(j));
     }
     for (std::size_t l = 0; l < kLanes; ++l) {
+        sum += total[l];
         best.offer(a[l], ia[l]);
         best.offer(b[l], ib[l]);
     }
@@ -111,6 +118,11 @@ FUSEKIT_CLONES double min_except(const T* __restrict row, const double* __restri
     return best;
 }
 
+// What is known of a matrix's values when the dense solver starts: checked and finite;
+// checked, with forbidden (+inf) pairs; or not checked yet (wide matrices, which the solver
+// checks in its first pass).
+enum class Values { finite, forbidden, unchecked };
+
 // The dense solver for square and wide (nr < nc) problems: rows are augmented one by one
 // over all columns, each search step reading one row of the matrix. Keeps the column
 // potentials v; row potentials are implicit, u[i] = c[i, x[i]] - v[x[i]]. Columns start at
@@ -126,16 +138,22 @@ class Solver {
     const std::vector<double>& potentials() const { return v_; }
     const std::vector<std::int64_t>& row_solution() const { return x_; }
 
-    // may_reduce: finite matrix (the reductions assume finite second-best costs).
-    Status run(bool may_reduce) {
+    Status run(Values values) {
         std::vector<std::int64_t> free_rows;
-        if (may_reduce && nr_ == nc_) {
+        if (values == Values::finite && nr_ == nc_) {
             column_reduction(free_rows);
         } else {
-            free_rows.resize(nr_);
-            for (std::size_t i = 0; i < nr_; ++i) free_rows[i] = static_cast<std::int64_t>(i);
+            all_rows(free_rows);
         }
-        if (may_reduce && nc_ >= 2) augmenting_row_reduction(free_rows);
+        // The reductions assume finite second-best costs. Unchecked (wide) matrices are
+        // checked as the row reduction's first pass reads them; on a doubt, the whole matrix.
+        if (values != Values::forbidden && nc_ >= 2 &&
+            !augmenting_row_reduction(free_rows, values == Values::unchecked)) {
+            bool has_inf = false;
+            if (!valid_costs(c_, nr_ * nc_, has_inf)) return Status::non_finite;
+            restart(free_rows);
+            if (!has_inf) augmenting_row_reduction(free_rows, false);  // a finite sum overflowed
+        }
         for (std::size_t j = 0; j < nc_; ++j) search_.penalty[j] = y_[j] < 0 ? 0.0 : kInf;
         for (std::int64_t f : free_rows) {
             if (x_[static_cast<std::size_t>(f)] >= 0) continue;
@@ -180,17 +198,32 @@ class Solver {
         }
     }
 
-    // Jonker-Volgenant augmenting row reduction, two passes over the free rows.
-    void augmenting_row_reduction(std::vector<std::int64_t>& free_rows) {
+    void all_rows(std::vector<std::int64_t>& free_rows) const {
+        free_rows.resize(nr_);
+        for (std::size_t i = 0; i < nr_; ++i) free_rows[i] = static_cast<std::int64_t>(i);
+    }
+
+    // Back to no assignment, every row free.
+    void restart(std::vector<std::int64_t>& free_rows) {
+        std::fill(v_.begin(), v_.end(), 0.0);
+        std::fill(x_.begin(), x_.end(), -1);
+        std::fill(y_.begin(), y_.end(), -1);
+        all_rows(free_rows);
+    }
+
+    // Jonker-Volgenant augmenting row reduction, two passes over the free rows. With check,
+    // stops (false) at the first pass's first row holding a value that is not finite.
+    bool augmenting_row_reduction(std::vector<std::int64_t>& free_rows, bool check) {
         for (int pass = 0; pass < 2; ++pass) {
             std::size_t k = 0;
             const std::size_t previous = free_rows.size();
             std::size_t kept = 0;
             while (k < previous) {
                 const auto i = static_cast<std::size_t>(free_rows[k++]);
-                double umin, usubmin;
+                double umin, usubmin, sum;
                 std::size_t j1, j2;
-                two_smallest(row(i), v_.data(), nc_, umin, j1, usubmin, j2);
+                two_smallest(row(i), v_.data(), nc_, umin, j1, usubmin, j2, sum);
+                if (check && pass == 0 && !std::isfinite(sum)) return false;
                 std::int64_t i0 = y_[j1];
                 if (umin < usubmin) {
                     v_[j1] -= usubmin - umin;
@@ -210,6 +243,7 @@ class Solver {
             }
             free_rows.resize(kept);
         }
+        return true;
     }
 
     // Shortest augmenting path from free row f over reduced costs (augment.hpp), then the
@@ -362,10 +396,10 @@ std::vector<T> transposed(const T* cost, std::size_t nr, std::size_t nc) {
 
 // Square and wide problems on the dense solver.
 template <class T>
-Status solve_dense(const T* cost, std::size_t nr, std::size_t nc, bool has_inf,
+Status solve_dense(const T* cost, std::size_t nr, std::size_t nc, Values values,
                    std::int64_t* col_of_row, double* u, double* v) {
     Solver<T> solver(cost, nr, nc);
-    const Status s = solver.run(!has_inf);
+    const Status s = solver.run(values);
     if (s != Status::ok) return s;
     const auto& x = solver.row_solution();
     const auto& pot = solver.potentials();
@@ -411,33 +445,34 @@ Status solve_assignment(const T* cost, std::size_t nr, std::size_t nc, std::int6
         // Less than four times taller than wide, the dense solver on the transpose is faster
         // than the tall one (whose candidate lists cost two passes over a top block that
         // holds few candidates per column), unless most neurons are new: the tall one then
-        // takes them at once. The tall one checks the values in its first pass.
-        const bool transpose =
-            small && nr < 4 * nc && (runs.empty() || !mostly_new_tall(cost, nr, nc, runs));
-        if (!transpose) return solve_tall(cost, nr, nc, std::move(runs), col_of_row, u, v);
+        // takes them at once. Both check the values in their first pass.
+        if (small && nr < 4 * nc && (runs.empty() || !mostly_new_tall(cost, nr, nc, runs))) {
+            const auto dense = [](const T* c, std::size_t r, std::size_t k, std::int64_t* x,
+                                  double* a, double* b) {
+                return solve_dense(c, r, k, Values::unchecked, x, a, b);
+            };
+            return solve_transposed(cost, nr, nc, dense, col_of_row, u, v);
+        }
+        return solve_tall(cost, nr, nc, std::move(runs), col_of_row, u, v);
     }
-    // NaN and -inf are invalid; +inf (forbidden) disables the dense solver's reductions,
-    // whose bookkeeping assumes finite second-best costs.
+    if (nr < nc) {
+        if (small && mostly_new_wide(cost, nr, nc)) {
+            const auto tall = [](const T* c, std::size_t r, std::size_t k, std::int64_t* x,
+                                 double* a, double* b) {
+                return solve_tall(c, r, k, dominated_runs(c, r, k), x, a, b);
+            };
+            return solve_transposed(cost, nr, nc, tall, col_of_row, u, v);
+        }
+        return solve_dense(cost, nr, nc, Values::unchecked, col_of_row, u, v);
+    }
+    // NaN and -inf are invalid; +inf (forbidden) disables the dense solver's reductions.
     bool has_inf = false;
     if (!valid_costs(cost, nr * nc, has_inf)) return Status::non_finite;
-    if (nr > nc) {
-        const auto dense = [has_inf](const T* c, std::size_t r, std::size_t k, std::int64_t* x,
-                                     double* a, double* b) {
-            return solve_dense(c, r, k, has_inf, x, a, b);
-        };
-        return solve_transposed(cost, nr, nc, dense, col_of_row, u, v);
-    }
-    if (nr < nc && small && mostly_new_wide(cost, nr, nc)) {
-        const auto tall = [](const T* c, std::size_t r, std::size_t k, std::int64_t* x,
-                             double* a, double* b) {
-            return solve_tall(c, r, k, dominated_runs(c, r, k), x, a, b);
-        };
-        return solve_transposed(cost, nr, nc, tall, col_of_row, u, v);
-    }
-    if (nr == nc && nr >= kMinCandidateSquare && solve_by_candidates(cost, nr, col_of_row, u, v)) {
+    if (nr >= kMinCandidateSquare && solve_by_candidates(cost, nr, col_of_row, u, v)) {
         return Status::ok;
     }
-    return solve_dense(cost, nr, nc, has_inf, col_of_row, u, v);
+    return solve_dense(cost, nr, nc, has_inf ? Values::forbidden : Values::finite, col_of_row, u,
+                       v);
 }
 
 template Status solve_assignment<float>(const float*, std::size_t, std::size_t, std::int64_t*,
