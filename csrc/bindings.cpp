@@ -150,7 +150,19 @@ py::tuple solve_typed(const py::array_t<T, py::array::c_style | py::array::force
                          "forbidden (+inf) pair");
     }
     raise_for(status, "cost matrix");
-    return py::make_tuple(col_of_row, u, v);
+    // SciPy's outputs: the assigned pairs, rows increasing (every row of a wide or square
+    // problem; a tall one's assigned rows only).
+    const std::size_t k = std::min(nr, nc);
+    Index rows(static_cast<py::ssize_t>(k)), cols(static_cast<py::ssize_t>(k));
+    std::int64_t* r = rows.mutable_data();
+    std::int64_t* c = cols.mutable_data();
+    const std::int64_t* x = col_of_row.data();
+    for (std::size_t i = 0, t = 0; i < nr; ++i) {
+        if (x[i] < 0) continue;
+        r[t] = static_cast<std::int64_t>(i);
+        c[t++] = x[i];
+    }
+    return py::make_tuple(rows, cols, u, v);
 }
 
 // Solved in float32 storage when given float32, else in float64.
@@ -281,7 +293,7 @@ PYBIND11_MODULE(_core, m) {
     m.doc() = "fusekit's C++ core: neuron cost matrices and assignment solvers";
     m.def("solve_assignment", &solve_assignment, py::arg("cost"), py::arg("return_duals") = false,
           "Minimum-cost assignment of a real matrix (solved in float32 storage when float32, "
-          "else float64); returns (col_of_row, u, v).");
+          "else float64); returns (rows, cols, u, v), rows increasing.");
     m.def("sqeuclidean_cost", &sqeuclidean_cost, py::arg("a"), py::arg("b"),
           "Pairwise squared Euclidean distances between the rows of a (n, p) and b (m, p).");
     m.def("posterior_cost", &posterior_cost, py::arg("local"), py::arg("client_precision"),

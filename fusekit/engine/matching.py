@@ -108,17 +108,11 @@ def solve_assignment(cost, maximize: bool = False, *, return_duals: bool = False
     """
     matrix = _as_cost_matrix(cost, maximize)
     try:
-        col_of_row, u, v = core().solve_assignment(matrix, return_duals)
+        rows, cols, u, v = core().solve_assignment(matrix, return_duals)
     except (InfeasibleAssignmentError, ParameterError) as error:
         if not maximize:
             raise
         raise type(error)(_negate_infinities(str(error))) from None
-    if matrix.shape[0] <= matrix.shape[1]:
-        rows = np.arange(matrix.shape[0], dtype=np.int64)
-        cols = col_of_row
-    else:
-        rows = np.flatnonzero(col_of_row >= 0)
-        cols = col_of_row[rows]
     if not return_duals:
         return rows, cols
     if maximize:
