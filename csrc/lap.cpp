@@ -289,20 +289,21 @@ class Solver {
 };
 
 // Columns head..end of the longest run of at least four consecutive columns each dominating
-// the previous in every row (PFNM's new-neuron slots, in a wide problem); false if none.
+// the previous in the given rows (PFNM's new-neuron slots, in a wide problem); false if none.
 // The first rows propose the rising columns (each row re-checks the survivors only), and the
 // longest stretch of them is then verified on the other rows with vector compares.
 template <class T>
-bool longest_column_run(const T* cost, std::size_t nr, std::size_t nc, std::size_t& head,
-                        std::size_t& end) {
+bool longest_column_run(const T* cost, std::size_t nc, const std::vector<std::size_t>& rows,
+                        std::size_t& head, std::size_t& end) {
     constexpr std::size_t kProposing = 8;
+    const T* first = cost + rows[0] * nc;
     std::vector<std::size_t> rising;  // j: column j >= column j - 1 in every row so far
     for (std::size_t j = 1; j < nc; ++j) {
-        if (cost[j] >= cost[j - 1]) rising.push_back(j);
+        if (first[j] >= first[j - 1]) rising.push_back(j);
     }
-    const std::size_t proposing = std::min(nr, kProposing);
-    for (std::size_t i = 1; i < proposing && !rising.empty(); ++i) {
-        const T* row = cost + i * nc;
+    const std::size_t proposing = std::min(rows.size(), kProposing);
+    for (std::size_t t = 1; t < proposing && !rising.empty(); ++t) {
+        const T* row = cost + rows[t] * nc;
         std::size_t kept = 0;
         for (std::size_t j : rising) {
             if (row[j] >= row[j - 1]) rising[kept++] = j;
@@ -322,16 +323,15 @@ bool longest_column_run(const T* cost, std::size_t nr, std::size_t nc, std::size
         k = last + 1;
     }
     if (best < 4) return false;
-    for (std::size_t i = proposing; i < nr; ++i) {
-        const T* row = cost + i * nc + head;
-        if (!rises(row, end - head + 1)) return false;
+    for (std::size_t t = proposing; t < rows.size(); ++t) {
+        if (!rises(cost + rows[t] * nc + head, end - head + 1)) return false;
     }
     return true;
 }
 
-// Whether PFNM's new-neuron slots (a run of `run` lines at `head`) are where most of the
-// other side's neurons go: the run's first line holds the smallest entry of at least half of
-// them. `entry(k, i)` is entry i of line k, `minima` the other lines' minima per entry.
+// Whether PFNM's new-neuron slots (a run of lines at `head`) are where most of the other
+// side's neurons go: the run's first line holds the smallest entry of at least half of them.
+// `entry(k, i)` is entry i of line k, `minima` the other lines' minima per entry.
 template <class Entry>
 bool mostly_new(const std::vector<double>& minima, std::size_t head, Entry entry) {
     std::size_t new_ones = 0;
@@ -339,23 +339,22 @@ bool mostly_new(const std::vector<double>& minima, std::size_t head, Entry entry
     return 2 * new_ones >= minima.size();
 }
 
-// Wide: the run is a range of columns; each row's minimum outside it.
-constexpr std::size_t kSampledRows = 32;
+// Wide: the run is a range of columns, found and weighed on a sample of rows (it only picks
+// the orientation; the tall solver finds its runs on the whole matrix).
 template <class T>
 bool mostly_new_wide(const T* cost, std::size_t nr, std::size_t nc) {
+    constexpr std::size_t kSampledRows = 16;
+    std::vector<std::size_t> rows;
+    for (std::size_t i = 0; i < nr; i += (nr + kSampledRows - 1) / kSampledRows) rows.push_back(i);
     std::size_t head = 0, end = 0;
-    if (!longest_column_run(cost, nr, nc, head, end)) return false;
-    // A sample of rows tells the proportion well enough.
-    const std::size_t step = (nr + kSampledRows - 1) / kSampledRows;
+    if (!longest_column_run(cost, nc, rows, head, end)) return false;
     std::vector<double> minima;
-    std::vector<std::size_t> sampled;
-    for (std::size_t i = 0; i < nr; i += step) {
+    for (std::size_t i : rows) {
         const T* row = cost + i * nc;
         minima.push_back(std::min(min_of(row, head), min_of(row + end + 1, nc - end - 1)));
-        sampled.push_back(i);
     }
-    return mostly_new(minima, head, [&](std::size_t k, std::size_t i) {
-        return static_cast<double>(cost[sampled[i] * nc + k]);
+    return mostly_new(minima, head, [&](std::size_t k, std::size_t t) {
+        return static_cast<double>(cost[rows[t] * nc + k]);
     });
 }
 
