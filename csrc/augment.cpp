@@ -106,6 +106,27 @@ __attribute__((target("avx512f"))) double relax_line_avx512(
     return tail;
 }
 
+// find_tied in AVX-512: one masked compare per eight nodes and the first hit from its mask.
+template <bool kFree>
+__attribute__((target("avx512f"))) std::size_t find_tied_avx512(
+    const double* __restrict d, const std::int64_t* __restrict done,
+    const double* __restrict penalty, double dmin, std::size_t n) {
+    const __m512d target = _mm512_set1_pd(dmin);
+    const __m512i zero = _mm512_setzero_si512();
+    std::size_t k = 0;
+    for (; k + 8 <= n; k += 8) {
+        __m512d key = _mm512_loadu_pd(d + k);
+        if (kFree) key = _mm512_add_pd(key, _mm512_loadu_pd(penalty + k));
+        const __mmask8 open = _mm512_cmpeq_epi64_mask(_mm512_loadu_si512(done + k), zero);
+        const unsigned hit = _mm512_mask_cmp_pd_mask(open, key, target, _CMP_EQ_OQ);
+        if (hit != 0) return k + static_cast<std::size_t>(__builtin_ctz(hit));
+    }
+    for (;; ++k) {
+        const double key = kFree ? d[k] + penalty[k] : d[k];
+        if (key == dmin && done[k] == 0) return k;
+    }
+}
+
 const bool kHasAvx512 = __builtin_cpu_supports("avx512f");
 #endif
 
@@ -142,6 +163,17 @@ double AugmentSearch::start(double offset, const double* pot, std::size_t n,
 }
 
 std::size_t AugmentSearch::pick(double dmin, bool free_tied, std::size_t n) {
+#ifdef FUSEKIT_AVX512_RELAX
+    if (kHasAvx512) {
+        const std::size_t k =
+            free_tied
+                ? find_tied_avx512<true>(d.data(), done.data(), penalty.data(), dmin, n)
+                : find_tied_avx512<false>(d.data(), done.data(), penalty.data(), dmin, n);
+        done[k] = 1;
+        finished.push_back(k);
+        return k;
+    }
+#endif
     const std::size_t k = free_tied
                               ? find_tied<true>(d.data(), done.data(), penalty.data(), dmin, n)
                               : find_tied<false>(d.data(), done.data(), penalty.data(), dmin, n);
