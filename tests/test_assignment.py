@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import itertools
+import os
+import subprocess
+import sys
+import textwrap
 import threading
 
 import numpy as np
@@ -135,6 +139,29 @@ def test_pfnm_shaped_problems_of_benchmark_size_take_every_route(new_share):
             rows, cols, (u, v) = solve_assignment(cost, return_duals=True)
             check_solution(cost, rows, cols, False)
             check_duals(cost, rows, cols, u, v, False)
+
+
+def test_portable_search_loops_match_scipy():
+    """The searches' AVX-512 loops have portable twins, run on CPUs without AVX-512; here
+    FUSEKIT_NO_AVX512 forces them, in a fresh interpreter (the choice is made at import)."""
+    script = textwrap.dedent("""
+        import numpy as np
+        from scipy.optimize import linear_sum_assignment
+        from fusekit.engine.matching import solve_assignment
+        rng = np.random.default_rng(7)
+        for trial in range(300):
+            n, m = (int(x) for x in rng.integers(1, 60, size=2))
+            cost = rng.integers(0, 5, (n, m)).astype(float) if trial % 2 else rng.random((n, m))
+            rows, cols = solve_assignment(cost)
+            expected = cost[linear_sum_assignment(cost)].sum()
+            assert abs(cost[rows, cols].sum() - expected) < 1e-9, (trial, n, m)
+        print("ok")
+    """)
+    env = dict(os.environ, FUSEKIT_NO_AVX512="1")
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"
 
 
 def brute_force(cost: np.ndarray) -> float:
