@@ -6,7 +6,9 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +45,8 @@ def fuse(
     Args:
         inputs: safetensors paths or :class:`Checkpoint` objects, one per client. Their
             order does not matter: clients are put in a canonical order (widest first,
-            then by content hash) so a fusion is reproducible on any machine.
+            then by a hash of their contents, see :func:`canonical_order`) so a fusion is
+            reproducible on any machine.
         method: a name from ``fusekit.METHODS`` (avg, pfnm, nafi, ot, ams, ...).
         spec: a JSON spec file, its parsed dict, or a PermutationSpec, for models whose
             permutation structure cannot be inferred from names and shapes.
@@ -81,19 +84,39 @@ def fuse(
             f"layers); method {method!r} fuses sequential networks only; use one of "
             f"{', '.join(fusing)}"
         )
-    order = sorted(range(len(checkpoints)), key=lambda i: canonical_key(checkpoints[i], specs[i]))
+    order = canonical_order(checkpoints, specs)
     checkpoints = [checkpoints[i] for i in order]
     specs = [specs[i] for i in order]
     per_client = [p.name for p in declared if p.per_client]
     params = _in_canonical_order(params, per_client, order)
-    start = time.perf_counter()
-    with _peak_memory() as peak:
-        result = fusion.fuse(checkpoints, specs, **params)
-    result.report.setdefault("time_s", time.perf_counter() - start)
+    with _content_hashes_meanwhile(checkpoints):
+        start = time.perf_counter()
+        with _peak_memory() as peak:
+            result = fusion.fuse(checkpoints, specs, **params)
+        elapsed = time.perf_counter() - start
+    result.report.setdefault("time_s", elapsed)
     result.report.setdefault("peak_memory_mb", peak["mb"])
     result.report.setdefault("clients", [c.label for c in checkpoints])
     provenance(result, checkpoints)
     return result
+
+
+@contextlib.contextmanager
+def _content_hashes_meanwhile(checkpoints: Sequence[Checkpoint]) -> Iterator[None]:
+    """Compute the inputs' content hashes, which the provenance records, on one more
+    thread while the block (the fusion) runs: sha256 and file reads release the GIL, and
+    so do the engine's kernels. If the block fails, its error is raised and hashes not
+    begun are dropped; otherwise the first hashing error, in canonical order, is."""
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fusekit-hash")
+    futures = [pool.submit(lambda c=c: c.content_hash) for c in checkpoints]
+    try:
+        yield
+    except BaseException:
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)
+    for future in futures:
+        future.result()
 
 
 @contextlib.contextmanager
@@ -204,9 +227,17 @@ def _describe(row: tuple[Any, ...]) -> str:
     return f"layer {name} ({kind}{''.join(', ' + e for e in extras if e)})"
 
 
-def canonical_key(checkpoint: Checkpoint, spec: PermutationSpec) -> tuple[Any, ...]:
-    """Widest clients first, ties broken by content hash: independent of input order."""
-    return (tuple(-w for w in spec.hidden_widths), checkpoint.content_hash)
+def canonical_order(checkpoints: Sequence[Checkpoint],
+                    specs: Sequence[PermutationSpec]) -> list[int]:
+    """Indices of the clients in canonical order, a function of their contents alone
+    (independent of input order): widest first, then by sample hash, then, among clients
+    whose widths and sample hash are equal, by content hash. Only those clients are
+    hashed in full here; the others' content hashes are left for the provenance."""
+    keys = [(tuple(-w for w in spec.hidden_widths), checkpoint.sample_hash)
+            for checkpoint, spec in zip(checkpoints, specs, strict=True)]
+    shared = {key for key, n in Counter(keys).items() if n > 1}
+    return sorted(range(len(checkpoints)), key=lambda i: (
+        *keys[i], checkpoints[i].content_hash if keys[i] in shared else ""))
 
 
 def describe_checkpoint(checkpoint: Checkpoint) -> dict[str, Any]:

@@ -212,8 +212,11 @@ def test_plain_parameters_get_options_and_validation(mlp_clients, tmp_path, plai
                  "--per-client", 1, "--per-client", 2, "--per-client", 3, "-o", out, "--json",
                  cli=plain_method)
     assert result.exit_code == 0, result.output
-    assert json.loads(result.stdout)["params"] == {"scale": 2.0, "rounds": 3,
-                                                   "per_client": [1.0, 2.0, 3.0]}
+    summary = json.loads(result.stdout)
+    given = dict(zip(map(str, mlp_clients), [1.0, 2.0, 3.0], strict=True))
+    # the method sees per-client values in the clients' canonical order
+    assert summary["params"] == {"scale": 2.0, "rounds": 3, "per_client": [
+        given[label] for label in summary["report"]["clients"]]}
     refused = run(*mlp_clients, "-m", _Plain.name, "--rounds", "2.5", cli=plain_method)
     assert refused.exit_code == 2
     with pytest.raises(ParameterError, match=r"rounds: expected an integer, found 2\.5"):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
 import math
 import os
@@ -58,6 +59,9 @@ STORAGE_DTYPES = {
     "U8": "u1", "U16": "<u2", "U32": "<u4", "U64": "<u8", "BOOL": "?",
 }
 FLOAT_DTYPES = ("F16", "F32", "F64", "BF16", "F8_E4M3", "F8_E5M2")
+# Values at each end of a tensor that Checkpoint.sample_hash covers: enough to tell
+# clients apart in practice, few enough to read in microseconds.
+SAMPLE_VALUES = 32
 # Elements checked at a time for NaN/Inf, so a check never allocates a tensor-sized mask.
 _CHUNK = 1 << 22
 # Bytes written at a time, so a signal during a large write is handled promptly.
@@ -184,21 +188,95 @@ class Checkpoint:
     def content_hash(self) -> str:
         """sha256 over sorted tensor names, dtypes, shapes and bytes (not the file's bytes:
         safetensors orders metadata differently in each process). Streams the file: it
-        keeps no tensor it did not already hold."""
+        keeps no tensor it did not already hold, and never changes which ones it holds, so
+        it may run on another thread while a fusion reads and releases tensors."""
         digest = hashlib.sha256()
         for name in sorted(self.tensors):
-            held = name in self._arrays
-            array = np.ascontiguousarray(self.tensor(name))
-            digest.update(name.encode())
-            digest.update(f"|{array.dtype.str}|{array.shape}|".encode())
-            digest.update(array.reshape(-1).view(np.uint8))  # the bytes, without a copy
-            if not held:
-                self.release(name)
+            array = self._arrays.get(name) if self.path is not None else None
+            if array is None:  # not held (read and checked, not kept), or the caller's array
+                array = (self.tensor(name) if self.path is None
+                         else self._checked(name, self._read(name)))
+            _hash_values(digest, name, array)
+        return digest.hexdigest()
+
+    @cached_property
+    def sample_hash(self) -> str:
+        """sha256 as :attr:`content_hash`, but over only the first and last
+        ``SAMPLE_VALUES`` values of each tensor (all of a smaller one): a content key that
+        reads a few hundred bytes per tensor, for ordering clients. Different contents may
+        share it; :attr:`content_hash` tells them apart. Values are not checked here: they
+        are when the tensor is read."""
+        digest = hashlib.sha256()
+        with contextlib.ExitStack() as stack:
+            handle = None
+            for name in sorted(self.tensors):
+                count = math.prod(self.tensors[name].shape)
+                spans = ([(0, count)] if count <= 2 * SAMPLE_VALUES
+                         else [(0, SAMPLE_VALUES), (count - SAMPLE_VALUES, count)])
+                array = self._arrays.get(name)
+                if array is not None:
+                    values = np.concatenate([array.flat[a:b] for a, b in spans])
+                else:
+                    if handle is None:  # one open file for all the tensors' samples
+                        handle = stack.enter_context(self._open(name))
+                    values = np.concatenate([self._read_span(handle, name, a, b)
+                                             for a, b in spans])
+                _hash_values(digest, name, values, self.tensors[name].shape)
         return digest.hexdigest()
 
     def _read(self, name: str) -> np.ndarray:
         """Read one tensor straight from its bytes in the file: one allocation of exactly
         the tensor's size (no intermediate copy), BF16/F8 widened to float32."""
+        info = self.tensors[name]
+        start, storage, count = self._location(name)
+        try:
+            raw = np.empty(count, dtype=storage)
+        except MemoryError:
+            raise CheckpointError(
+                f"{self.label}: not enough memory to read tensor {name!r} "
+                f"({count * storage.itemsize} bytes)"
+            ) from None
+        with self._open(name) as handle:
+            self._read_into(handle, name, start, raw)
+        return widen(raw, info.dtype).reshape(info.shape)
+
+    def _read_span(self, handle: io.FileIO, name: str, first: int, stop: int) -> np.ndarray:
+        """Flat values ``first`` to ``stop`` of one tensor, from the open file ``handle``,
+        BF16/F8 widened to float32."""
+        start, storage, _ = self._location(name)
+        raw = np.empty(stop - first, dtype=storage)
+        self._read_into(handle, name, start + first * storage.itemsize, raw)
+        return widen(raw, self.tensors[name].dtype)
+
+    def _read_into(self, handle: io.FileIO, name: str, offset: int, out: np.ndarray) -> None:
+        """Fill ``out`` with the bytes at ``offset`` of the unbuffered file ``handle`` (a
+        seek, then reads straight into the array: no intermediate buffer)."""
+        view = memoryview(out.reshape(-1).view(np.uint8))
+        done = 0
+        try:
+            handle.seek(offset)
+            while done < len(view):  # one read returns at most about 2 GB on Linux
+                n = handle.readinto(view[done:])
+                if not n:
+                    raise CheckpointError(f"{self.label}: tensor {name!r} is truncated")
+                done += n
+        except OSError as exc:
+            raise CheckpointError(
+                f"{self.label}: cannot read tensor {name!r} ({exc.strerror or exc})"
+            ) from None
+
+    def _open(self, name: str) -> io.FileIO:
+        """The file, unbuffered, to read tensor ``name`` (named if it cannot be opened)."""
+        try:
+            return open(self.path, "rb", buffering=0)
+        except OSError as exc:
+            raise CheckpointError(
+                f"{self.label}: cannot read tensor {name!r} ({exc.strerror or exc})"
+            ) from None
+
+    def _location(self, name: str) -> tuple[int, np.dtype, int]:
+        """Where tensor ``name``'s bytes start in the file, their storage dtype and count,
+        checked against its byte range."""
         if self.path is None or name not in self._offsets:
             raise CheckpointError(f"{self.label}: tensor {name!r} was never loaded")
         info = self.tensors[name]
@@ -210,20 +288,7 @@ class Checkpoint:
                 f"{self.label}: tensor {name!r} ({info.dtype}, shape {info.shape}) needs "
                 f"{count * storage.itemsize} bytes; found {end - start}"
             )
-        try:
-            raw = np.fromfile(self.path, dtype=storage, count=count, offset=start)
-        except MemoryError:
-            raise CheckpointError(
-                f"{self.label}: not enough memory to read tensor {name!r} "
-                f"({count * storage.itemsize} bytes)"
-            ) from None
-        except OSError as exc:
-            raise CheckpointError(
-                f"{self.label}: cannot read tensor {name!r} ({exc.strerror or exc})"
-            ) from None
-        if raw.size != count:
-            raise CheckpointError(f"{self.label}: tensor {name!r} is truncated")
-        return widen(raw, info.dtype).reshape(info.shape)
+        return start, storage, count
 
     def _validate_header(self) -> None:
         for name, info in self.tensors.items():
@@ -244,6 +309,16 @@ class Checkpoint:
                     f"{self.label}: tensor {name!r} has shape {info.shape}; expected a "
                     "scalar counter (one element)"
                 )
+
+
+def _hash_values(digest: Any, name: str, values: np.ndarray,
+                 shape: tuple[int, ...] | None = None) -> None:
+    """Feed one tensor to a content digest: name, dtype, shape (``values``' own unless
+    given) and the values' bytes."""
+    values = np.ascontiguousarray(values)  # free when it already is
+    digest.update(name.encode())
+    digest.update(f"|{values.dtype.str}|{values.shape if shape is None else shape}|".encode())
+    digest.update(values.reshape(-1).view(np.uint8))  # the bytes, without a copy
 
 
 def widen(raw: np.ndarray, dtype: str) -> np.ndarray:

@@ -27,6 +27,7 @@ and checked with ``callable``/``isinstance``.
 from __future__ import annotations
 
 import collections.abc
+import functools
 import inspect
 import math
 import numbers
@@ -141,6 +142,13 @@ class ParamSpec:
 def method_params(method: Any) -> list[ParamSpec]:
     """The declared parameters of a method (class or instance), in signature order."""
     fuse = method.fuse
+    return list(_declared(getattr(fuse, "__func__", fuse)))
+
+
+@functools.cache
+def _declared(fuse: Any) -> tuple[ParamSpec, ...]:
+    """The keyword-only parameters of one ``fuse`` function, read once: reading type hints
+    and the signature takes about 0.4 ms, which every ``fusekit.fuse`` call would pay."""
     hints = typing.get_type_hints(fuse, include_extras=True)
     specs = []
     for p in inspect.signature(fuse).parameters.values():
@@ -149,7 +157,7 @@ def method_params(method: Any) -> list[ParamSpec]:
         default = None if p.default is inspect.Parameter.empty else p.default
         annotation = hints.get(p.name, type(default) if default is not None else Any)
         specs.append(_read(p.name, annotation, default))
-    return specs
+    return tuple(specs)
 
 
 def _read(name: str, annotation: Any, default: Any) -> ParamSpec:
