@@ -98,13 +98,19 @@ def solve_assignment(cost, maximize: bool = False, *, return_duals: bool = False
     What a call needs, whatever the values (ties included): the matrix (a float64 copy
     unless it is C-contiguous float32/float64; a negated copy when maximising) plus
     O(n + m): a few vectors of n and m entries, and for tall matrices (n > m) 8 candidate
-    rows per column. Square problems from 256 x 256 keep at most 64 candidate pairs per row
-    on average (16 bytes each, about 1 KiB per row) and otherwise solve densely in O(n).
+    rows per column (16 from 256 columns). Square problems from 384 x 384 keep at most 64
+    candidate pairs per row on average (16 bytes each, about 1 KiB per row) and otherwise
+    solve densely in O(n). A rectangular matrix of at most 262,144 entries may be solved
+    through a transposed copy (at most 2 MiB).
 
     Rectangular matrices are never padded: a wide one (n < m) augments row by row, each
     search step reading one row; a tall one augments over its m columns, each free row
     entering through the columns' few cheapest free rows, and runs of rows that each
     dominate the next (PFNM's new-neuron slots) enter as one row, their first free member.
+    Up to that size each is solved in its faster orientation: a tall matrix less than four
+    times taller than wide as the wide one it transposes to, unless the slots' first row is
+    strictly the cheapest entry of half its columns (mostly new neurons); a wide matrix in that case
+    as the tall one. The values are checked in the first pass each solver makes anyway.
     """
     matrix = _as_cost_matrix(cost, maximize)
     try:
