@@ -109,8 +109,8 @@ def solve_assignment(cost, maximize: bool = False, *, return_duals: bool = False
     dominate the next (PFNM's new-neuron slots) enter as one row, their first free member.
     Up to that size each is solved in its faster orientation: a tall matrix less than four
     times taller than wide as the wide one it transposes to, unless the slots' first row is
-    strictly the cheapest entry of half its columns (mostly new neurons); a wide matrix in that case
-    as the tall one. The values are checked in the first pass each solver makes anyway.
+    strictly the cheapest entry of half its columns (mostly new neurons); a wide matrix in
+    that case as the tall one. The values are checked in the first pass each solver makes.
     """
     matrix = _as_cost_matrix(cost, maximize)
     try:
