@@ -1,7 +1,9 @@
 #include "lines.hpp"
 
 #include <algorithm>
+#include <cstring>
 #include <limits>
+#include <vector>
 
 #include "simd.hpp"
 
@@ -36,21 +38,63 @@ template bool valid_costs<float>(const float*, std::size_t, bool&);
 template bool valid_costs<double>(const double*, std::size_t, bool&);
 
 template <class T>
-FUSEKIT_CLONES bool min_into_valid(const T* __restrict line, double* __restrict acc,
-                                   std::size_t n) {
-    std::size_t bad = 0;
-    const T inf = std::numeric_limits<T>::infinity();
-#pragma omp simd reduction(+ : bad)
-    for (std::size_t j = 0; j < n; ++j) {
-        const double c = static_cast<double>(line[j]);
-        acc[j] = c < acc[j] ? c : acc[j];
-        bad += !(line[j] > -inf);
+FUSEKIT_CLONES bool block_minima(const T* __restrict first, std::size_t count, std::size_t n,
+                                 std::size_t seen, double* __restrict block_min,
+                                 std::size_t blocks) {
+    // GCC/Clang vector types: the check stays a select in registers, where an `omp simd`
+    // count spilled to memory on every row's tail.
+    typedef double Lanes __attribute__((vector_size(64)));
+    constexpr std::size_t kLanes = 8;
+    const double inf = std::numeric_limits<double>::infinity();
+    const Lanes one = Lanes{} + 1.0;
+    Lanes invalid{};
+    double tail_invalid = 0.0;
+    const std::size_t whole = n / kLanes * kLanes;
+    std::size_t block = seen % blocks;
+    for (std::size_t t = 0; t < count; ++t) {
+        const T* line = first + t * n;
+        double* acc = block_min + block * n;
+        for (std::size_t j = 0; j < whole; j += kLanes) {
+            Lanes c, m;
+            for (std::size_t l = 0; l < kLanes; ++l) c[l] = static_cast<double>(line[j + l]);
+            std::memcpy(&m, acc + j, sizeof m);
+            m = c < m ? c : m;
+            std::memcpy(acc + j, &m, sizeof m);
+            invalid = c > -inf ? invalid : one;  // NaN and -inf fail the compare
+        }
+        for (std::size_t j = whole; j < n; ++j) {
+            const double c = static_cast<double>(line[j]);
+            acc[j] = c < acc[j] ? c : acc[j];
+            tail_invalid = c > -inf ? tail_invalid : 1.0;
+        }
+        block = block + 1 == blocks ? 0 : block + 1;
     }
-    return bad == 0;
+    for (std::size_t l = 0; l < kLanes; ++l) tail_invalid = invalid[l] != 0.0 ? 1.0 : tail_invalid;
+    return tail_invalid == 0.0;
 }
 
-template bool min_into_valid<float>(const float*, double*, std::size_t);
-template bool min_into_valid<double>(const double*, double*, std::size_t);
+template bool block_minima<float>(const float*, std::size_t, std::size_t, std::size_t, double*,
+                                  std::size_t);
+template bool block_minima<double>(const double*, std::size_t, std::size_t, std::size_t,
+                                   double*, std::size_t);
+
+FUSEKIT_CLONES void kth_smallest_columns(const double* __restrict x, std::size_t rows,
+                                         std::size_t n, std::size_t k, double* __restrict out) {
+    std::vector<std::size_t> rank(n);
+    for (std::size_t i = 0; i < rows; ++i) {
+        const double* xi = x + i * n;
+        std::fill(rank.begin(), rank.end(), 0);
+        std::size_t* r = rank.data();
+        for (std::size_t j = 0; j < rows; ++j) {
+            const double* xj = x + j * n;
+            const bool before = j < i;  // equal values rank in row order
+#pragma omp simd
+            for (std::size_t a = 0; a < n; ++a) r[a] += (xj[a] < xi[a]) | (before & (xj[a] == xi[a]));
+        }
+#pragma omp simd
+        for (std::size_t a = 0; a < n; ++a) out[a] = r[a] + 1 == k ? xi[a] : out[a];
+    }
+}
 
 template <class T>
 FUSEKIT_CLONES double min_of(const T* __restrict line, std::size_t n) {

@@ -14,10 +14,18 @@ void min_into(const T* line, double* acc, std::size_t n);
 template <class T>
 bool valid_costs(const T* x, std::size_t n, bool& has_inf);
 
-// min_into that also checks the line: false if it holds NaN or -inf. Lets a solver validate
-// its matrix in a pass it makes anyway.
+// Block minima of `count` consecutive rows of n entries from `first`, the seen + t-th row
+// into block (seen + t) % blocks of block_min (blocks x n, min_into each), while checking
+// them: false if they hold NaN or -inf. Lets a solver validate its matrix in a pass it makes
+// anyway; one call per range of rows.
 template <class T>
-bool min_into_valid(const T* line, double* acc, std::size_t n);
+bool block_minima(const T* first, std::size_t count, std::size_t n, std::size_t seen,
+                  double* block_min, std::size_t blocks);
+
+// out[a] = the k-th smallest of x[i * n + a] over i < rows, for every column a of a
+// rows x n matrix at once (ranks counted with vector compares across columns).
+void kth_smallest_columns(const double* x, std::size_t rows, std::size_t n, std::size_t k,
+                          double* out);
 
 // min of line[0..n), +inf when n == 0.
 template <class T>

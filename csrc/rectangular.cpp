@@ -126,27 +126,27 @@ class Lists {
     std::vector<double> gate_;
 };
 
-// hit[j] = row[j] <= gate[j]: a full-width compare, no horizontal reductions.
+// Offers the entries of rows first..first+count (object indices from o0) that are at or
+// below their agent's gate (tall matrices: one object's costs to every agent per row). Each
+// row is compared at full width into hit (n + 8 bytes of scratch), read eight at a time;
+// one call per range of rows, so the compares are not a call per row.
 template <class T>
-FUSEKIT_CLONES void mark_at_most(const T* __restrict row, const double* __restrict gate,
-                                 unsigned char* __restrict hit, std::size_t n) {
+FUSEKIT_CLONES void offer_rows(const T* __restrict first, std::size_t count, std::size_t o0,
+                               std::size_t n, Lists& lists, unsigned char* __restrict hit) {
+    const double* gate = lists.gates();
+    for (std::size_t t = 0; t < count; ++t) {
+        const T* row = first + t * n;
 #pragma omp simd
-    for (std::size_t j = 0; j < n; ++j) hit[j] = static_cast<double>(row[j]) <= gate[j];
-}
-
-// Offers row o's entries at or below their agent's gate (tall matrices: one object's
-// costs to every agent); hit is scratch of n + 8 bytes, read eight at a time.
-template <class T>
-void offer_row(const T* row, std::int64_t o, std::size_t n, Lists& lists, unsigned char* hit) {
-    mark_at_most(row, lists.gates(), hit, n);
-    for (std::size_t j0 = 0; j0 < n; j0 += 8) {
-        std::uint64_t bits;
-        std::memcpy(&bits, hit + j0, 8);
-        if (j0 + 8 > n) bits &= (std::uint64_t{1} << (8 * (n - j0))) - 1;
-        for (; bits != 0; bits &= bits - 1) {
-            const std::size_t j = j0 + static_cast<std::size_t>(__builtin_ctzll(bits)) / 8;
-            const double c = static_cast<double>(row[j]);
-            if (lists.admits(j, c)) lists.offer(j, c, o);
+        for (std::size_t j = 0; j < n; ++j) hit[j] = static_cast<double>(row[j]) <= gate[j];
+        for (std::size_t j0 = 0; j0 < n; j0 += 8) {
+            std::uint64_t bits;
+            std::memcpy(&bits, hit + j0, 8);
+            if (j0 + 8 > n) bits &= (std::uint64_t{1} << (8 * (n - j0))) - 1;
+            for (; bits != 0; bits &= bits - 1) {
+                const std::size_t j = j0 + static_cast<std::size_t>(__builtin_ctzll(bits)) / 8;
+                const double c = static_cast<double>(row[j]);
+                if (lists.admits(j, c)) lists.offer(j, c, static_cast<std::int64_t>(o0 + t));
+            }
         }
     }
 }
@@ -240,32 +240,34 @@ class ShortSideSolver {
     // passes: the first bounds each column's k-th smallest (and checks the values), the
     // second offers only entries below that bound. False on NaN or -inf.
     bool list_rows() {
-        std::vector<std::size_t> rows;
-        for (std::size_t o = 0; o < m_; ++o) {
-            if (run_of_[o] == 0) rows.push_back(o);
+        // Rows outside runs, as ranges [begin, end): the runs are a few blocks of rows.
+        std::vector<std::pair<std::size_t, std::size_t>> ranges;
+        for (std::size_t o = 0; o < m_;) {
+            std::size_t end = o;
+            while (end < m_ && run_of_[end] == 0) ++end;
+            if (end > o) ranges.emplace_back(o, end);
+            o = end + 1;
         }
-        if (rows.empty()) return true;
-        // The k-th smallest of a column's minima over 2k strided blocks of rows bounds its
-        // k-th smallest entry (k block minima are k distinct entries) and stays close to it.
-        double* gate = lists_.gates();
+        std::size_t rows = 0;
+        for (const auto& [begin, end] : ranges) rows += end - begin;
+        if (rows == 0) return true;
+        // The k-th smallest of a column's minima over 2k blocks of rows bounds its k-th
+        // smallest entry (k block minima are k distinct entries) and stays close to it.
         const std::size_t k = lists_.length();
-        const std::size_t blocks = std::min(rows.size(), 2 * k);
-        std::vector<double> block_min(blocks * n_, kInf), column(blocks);
-        bool valid = true;
-        for (std::size_t t = 0; t < rows.size(); ++t) {
-            valid &= min_into_valid(lay_.object_line(rows[t]), block_min.data() + (t % blocks) * n_,
-                                    n_);
-        }
-        if (!valid) return false;
-        if (blocks > k) {
-            for (std::size_t a = 0; a < n_; ++a) {
-                for (std::size_t b = 0; b < blocks; ++b) column[b] = block_min[b * n_ + a];
-                gate[a] = kth_smallest(column.data(), blocks, k);
+        const std::size_t blocks = std::min(rows, 2 * k);
+        std::vector<double> block_min(blocks * n_, kInf);
+        std::size_t seen = 0;
+        for (const auto& [begin, end] : ranges) {
+            if (!block_minima(lay_.object_line(begin), end - begin, n_, seen, block_min.data(),
+                              blocks)) {
+                return false;
             }
+            seen += end - begin;
         }
+        if (blocks > k) kth_smallest_columns(block_min.data(), blocks, n_, k, lists_.gates());
         std::vector<unsigned char> hit(n_ + 8, 0);
-        for (std::size_t o : rows) {
-            offer_row(lay_.object_line(o), static_cast<std::int64_t>(o), n_, lists_, hit.data());
+        for (const auto& [begin, end] : ranges) {
+            offer_rows(lay_.object_line(begin), end - begin, begin, n_, lists_, hit.data());
         }
         return true;
     }
