@@ -73,7 +73,9 @@ def solve_assignment(cost, maximize: bool = False, *, return_duals: bool = False
     return_duals : bool
         Also return dual potentials ``(u, v)``: ``u[i] + v[j] <= cost[i, j]`` (``>=``
         when maximising) with equality on assigned pairs, and 0 on the rows (columns) a
-        rectangular problem leaves unassigned: a certificate of optimality.
+        rectangular problem leaves unassigned: a certificate of optimality, to within
+        rounding (tall problems count distances within 64 units in the last place of the
+        costs' scale as tied, so that PFNM's interchangeable slots end a search at once).
 
     Returns
     -------
