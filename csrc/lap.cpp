@@ -329,53 +329,68 @@ bool longest_column_run(const T* cost, std::size_t nc, const std::vector<std::si
     return true;
 }
 
-// Whether PFNM's new-neuron slots (a run of lines at `head`) are where most of the other
-// side's neurons go: the run's first line holds the strictly smallest entry of at least half
-// of them (ties do not count: on tied integer costs the dense solver stays the faster).
-// `entry(k, i)` is entry i of line k, `minima` the other lines' minima per entry.
+// The share of the other side's neurons that PFNM's new-neuron slots (a run of lines at
+// `head`) take, estimated: those whose strictly smallest entry is in the run's first line
+// (ties do not count: on tied integer costs the dense solver stays the faster), and at least
+// those that the `existing` other lines cannot all take (of `neurons`). `entry(k, i)` is
+// entry i of line k, `minima` the other lines' minima per entry.
 template <class Entry>
-bool mostly_new(const std::vector<double>& minima, std::size_t head, Entry entry) {
+double new_share(const std::vector<double>& minima, std::size_t head, std::size_t existing,
+                 std::size_t neurons, Entry entry) {
     std::size_t new_ones = 0;
     for (std::size_t i = 0; i < minima.size(); ++i) new_ones += entry(head, i) < minima[i];
-    return 2 * new_ones >= minima.size();
+    const double forced = neurons > existing ? 1.0 - static_cast<double>(existing) /
+                                                         static_cast<double>(neurons)
+                                             : 0.0;
+    return std::max(forced, static_cast<double>(new_ones) / static_cast<double>(minima.size()));
 }
 
 // Wide: the run is a range of columns, found and weighed on a sample of rows (it only picks
-// the orientation; the tall solver finds its runs on the whole matrix).
+// the orientation; the tall solver finds its runs on the whole matrix). 0 without a run.
 template <class T>
-bool mostly_new_wide(const T* cost, std::size_t nr, std::size_t nc) {
+double new_share_wide(const T* cost, std::size_t nr, std::size_t nc) {
     constexpr std::size_t kSampledRows = 16;
     std::vector<std::size_t> rows;
     for (std::size_t i = 0; i < nr; i += (nr + kSampledRows - 1) / kSampledRows) rows.push_back(i);
     std::size_t head = 0, end = 0;
-    if (!longest_column_run(cost, nc, rows, head, end)) return false;
+    if (!longest_column_run(cost, nc, rows, head, end)) return 0.0;
     std::vector<double> minima;
     for (std::size_t i : rows) {
         const T* row = cost + i * nc;
         minima.push_back(std::min(min_of(row, head), min_of(row + end + 1, nc - end - 1)));
     }
-    return mostly_new(minima, head, [&](std::size_t k, std::size_t t) {
+    return new_share(minima, head, nc - (end - head + 1), nr, [&](std::size_t k, std::size_t t) {
         return static_cast<double>(cost[rows[t] * nc + k]);
     });
 }
 
 // Tall: the run is a range of rows; each column's minimum over the rows outside every run.
 template <class T>
-bool mostly_new_tall(const T* cost, std::size_t nr, std::size_t nc, const std::vector<Run>& runs) {
+double new_share_tall(const T* cost, std::size_t nr, std::size_t nc, const std::vector<Run>& runs) {
     std::vector<unsigned char> in_run(nr, 0);
-    for (const Run& r : runs) std::fill(in_run.begin() + r.head, in_run.begin() + r.end + 1, 1);
+    std::size_t existing = nr;
+    for (const Run& r : runs) {
+        std::fill(in_run.begin() + r.head, in_run.begin() + r.end + 1, 1);
+        existing -= r.end - r.head + 1;
+    }
     std::vector<double> minima(nc, kInf);
     for (std::size_t o = 0; o < nr; ++o) {
         if (!in_run[o]) min_into(cost + o * nc, minima.data(), nc);
     }
-    return mostly_new(minima, runs[0].head, [&](std::size_t k, std::size_t i) {
+    return new_share(minima, runs[0].head, existing, nc, [&](std::size_t k, std::size_t i) {
         return static_cast<double>(cost[k * nc + i]);
     });
 }
 
-// A problem of up to this many entries (2 MiB of float64) may be solved through a transposed
-// copy, when its other orientation is the faster one.
-constexpr std::size_t kMaxTransposed = std::size_t{1} << 18;
+// Short tall problems of up to this many entries (2 MiB of float64) are solved through a
+// transposed copy on the dense solver; beyond it the copy costs more than it saves.
+constexpr std::size_t kMaxTallAsWide = std::size_t{1} << 18;
+// Wide problems with many new neurons, up to this many entries (16 MiB of float64), through
+// a transposed copy on the tall solver: the dense solver's searches wander through every row
+// already on a slot (500x600 with 50 new neurons: 22 ms dense, 1 ms tall).
+constexpr std::size_t kMaxWideAsTall = std::size_t{1} << 21;
+// New neurons from which the dense solver's wandering costs more than the tall solver.
+constexpr double kManyNew = 32.0;
 
 // The nc x nr transpose of a row-major nr x nc matrix, copied in tiles that stay in cache.
 template <class T>
@@ -439,14 +454,14 @@ Status solve_assignment(const T* cost, std::size_t nr, std::size_t nc, std::int6
     if (u) std::fill(u, u + nr, 0.0);
     if (v) std::fill(v, v + nc, 0.0);
     if (nr == 0 || nc == 0) return Status::ok;
-    const bool small = nr * nc <= kMaxTransposed;
     if (nr > nc) {
         std::vector<Run> runs = dominated_runs(cost, nr, nc);
         // Less than four times taller than wide, the dense solver on the transpose is faster
         // than the tall one (whose candidate lists cost two passes over a top block that
         // holds few candidates per column), unless most neurons are new: the tall one then
         // takes them at once. Both check the values in their first pass.
-        if (small && nr < 4 * nc && (runs.empty() || !mostly_new_tall(cost, nr, nc, runs))) {
+        if (nr * nc <= kMaxTallAsWide && nr < 4 * nc &&
+            (runs.empty() || new_share_tall(cost, nr, nc, runs) < 0.5)) {
             const auto dense = [](const T* c, std::size_t r, std::size_t k, std::int64_t* x,
                                   double* a, double* b) {
                 return solve_dense(c, r, k, Values::unchecked, x, a, b);
@@ -456,7 +471,8 @@ Status solve_assignment(const T* cost, std::size_t nr, std::size_t nc, std::int6
         return solve_tall(cost, nr, nc, std::move(runs), col_of_row, u, v);
     }
     if (nr < nc) {
-        if (small && mostly_new_wide(cost, nr, nc)) {
+        const double share = nr * nc <= kMaxWideAsTall ? new_share_wide(cost, nr, nc) : 0.0;
+        if (share >= 0.5 || share * static_cast<double>(nr) >= kManyNew) {
             const auto tall = [](const T* c, std::size_t r, std::size_t k, std::int64_t* x,
                                  double* a, double* b) {
                 return solve_tall(c, r, k, dominated_runs(c, r, k), x, a, b);

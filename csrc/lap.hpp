@@ -1,8 +1,8 @@
 // Linear assignment: Jonker-Volgenant shortest augmenting paths, never padded to a square.
 // Large square problems go through candidate pairs with a dual certificate
 // (candidates.hpp); small square and wide ones augment row by row over the dense matrix;
-// tall ones augment over their short side, the columns (rectangular.hpp). Rectangular
-// problems of up to 2^18 entries are solved in their faster orientation (a transposed copy).
+// tall ones augment over their short side, the columns (rectangular.hpp). PFNM-shaped
+// problems are solved in their faster orientation (through a transposed copy, up to a size).
 #pragma once
 #include <cstddef>
 #include <cstdint>
