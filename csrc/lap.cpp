@@ -383,15 +383,18 @@ double new_share_tall(const T* cost, std::size_t nr, std::size_t nc, const std::
     });
 }
 
-// Short tall problems of up to this many entries (2 MiB of float64) are solved through a
-// transposed copy on the dense solver; beyond it the copy costs more than it saves.
-constexpr std::size_t kMaxTallAsWide = std::size_t{1} << 18;
-// Wide problems with many new neurons, up to this many entries (16 MiB of float64), through
-// a transposed copy on the tall solver: the dense solver's searches wander through every row
-// already on a slot (500x600 with 50 new neurons: 22 ms dense, 1 ms tall).
-constexpr std::size_t kMaxWideAsTall = std::size_t{1} << 21;
-// New neurons from which the dense solver's wandering costs more than the tall solver.
-constexpr double kManyNew = 32.0;
+// Problems of up to this many entries (16 MiB of float64) may be solved through a transposed
+// copy: short tall ones with few new neurons on the dense solver (whose row reduction reads
+// the matrix once, where the tall solver's candidate lists read it twice), wide ones with
+// many on the tall solver (the dense solver's searches wander through every row already on
+// a slot: 500x600 with 50 new neurons, 22 ms dense, 1 ms tall).
+constexpr std::size_t kMaxTransposed = std::size_t{1} << 21;
+
+// Whether new neurons, a share of `neurons`, are many: half of them, or from 32 on, where
+// the dense solver's wandering costs more than the tall solver.
+bool many_new(double share, std::size_t neurons) {
+    return share >= 0.5 || share * static_cast<double>(neurons) >= 32.0;
+}
 
 // The nc x nr transpose of a row-major nr x nc matrix, copied in 32 x 32 tiles that stay in
 // cache, each written a contiguous output row at a time; not zeroed first (measured: 19 us
@@ -461,10 +464,10 @@ Status solve_assignment(const T* cost, std::size_t nr, std::size_t nc, std::int6
         std::vector<Run> runs = dominated_runs(cost, nr, nc);
         // Less than four times taller than wide, the dense solver on the transpose is faster
         // than the tall one (whose candidate lists cost two passes over a top block that
-        // holds few candidates per column), unless most neurons are new: the tall one then
+        // holds few candidates per column), unless many neurons are new: the tall one then
         // takes them at once. Both check the values in their first pass.
-        if (nr * nc <= kMaxTallAsWide && nr < 4 * nc &&
-            (runs.empty() || new_share_tall(cost, nr, nc, runs) < 0.5)) {
+        if (nr * nc <= kMaxTransposed && nr < 4 * nc &&
+            (runs.empty() || !many_new(new_share_tall(cost, nr, nc, runs), nc))) {
             const auto dense = [](const T* c, std::size_t r, std::size_t k, std::int64_t* x,
                                   double* a, double* b) {
                 return solve_dense(c, r, k, Values::unchecked, x, a, b);
@@ -474,8 +477,7 @@ Status solve_assignment(const T* cost, std::size_t nr, std::size_t nc, std::int6
         return solve_tall(cost, nr, nc, std::move(runs), col_of_row, u, v);
     }
     if (nr < nc) {
-        const double share = nr * nc <= kMaxWideAsTall ? new_share_wide(cost, nr, nc) : 0.0;
-        if (share >= 0.5 || share * static_cast<double>(nr) >= kManyNew) {
+        if (nr * nc <= kMaxTransposed && many_new(new_share_wide(cost, nr, nc), nr)) {
             const auto tall = [](const T* c, std::size_t r, std::size_t k, std::int64_t* x,
                                  double* a, double* b) {
                 return solve_tall(c, r, k, dominated_runs(c, r, k), x, a, b);

@@ -102,20 +102,19 @@ def solve_assignment(cost, maximize: bool = False, *, return_duals: bool = False
     O(n + m): a few vectors of n and m entries, and for tall matrices (n > m) 8 candidate
     rows per column (16 from 256 columns). Square problems from 384 x 384 keep at most 64
     candidate pairs per row on average (16 bytes each, about 1 KiB per row) and otherwise
-    solve densely in O(n). PFNM-shaped matrices may be solved through a transposed copy:
-    tall ones of at most 262,144 entries (2 MiB in float64), wide ones of at most 2,097,152
-    (16 MiB).
+    solve densely in O(n). PFNM-shaped matrices of at most 2,097,152 entries (16 MiB in
+    float64) may be solved through a transposed copy.
 
     Rectangular matrices are never padded: a wide one (n < m) augments row by row, each
     search step reading one row; a tall one augments over its m columns, each free row
     entering through the columns' few cheapest free rows, and runs of rows that each
     dominate the next (PFNM's new-neuron slots) enter as one row, their first free member.
-    Up to those sizes each is solved in its faster orientation: a tall matrix less than
-    four times taller than wide as the wide one it transposes to, unless half its columns
-    are new neurons (their strictly cheapest entry is the slots' first row); a wide matrix
-    whose new neurons number half its rows or 32 (estimated on 16 rows, and at least those
-    its other columns cannot take) as the tall one. The values are checked in the first pass
-    each solver makes.
+    Up to that size each is solved in its faster orientation, by how many of its neurons
+    are new (their strictly cheapest entry is the slots' first one; at least those the
+    existing neurons cannot take; estimated on 16 rows of a wide matrix): with half of them
+    or 32 new, on the tall solver; with fewer, a tall matrix less than four times taller
+    than wide on the dense solver. The values are checked in the first pass each solver
+    makes.
     """
     matrix = _as_cost_matrix(cost, maximize)
     try:
