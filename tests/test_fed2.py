@@ -10,7 +10,7 @@ import fusekit
 from fusekit.core.arch import convnet_arch, mlp_arch, validate_arch
 from fusekit.core.checkpoint import Checkpoint
 from fusekit.core.errors import IncompatibleModelsError, SpecError
-from fusekit.core.fed2 import allocate_classes, group_sizes, layer_masks
+from fusekit.core.fed2 import allocate_classes, group_sizes, layer_masks, validate_fed2
 from fusekit.toolkit.data import load_dataset
 from fusekit.toolkit.nn import build_model
 from fusekit.toolkit.simulate import SimulationConfig, simulate_clients
@@ -187,3 +187,13 @@ def test_cli_fuse_fed2(tmp_path, as_json):
     mean = (expected[0].tensor("net.0.bias") + expected[1].tensor("net.0.bias")) / 2
     np.testing.assert_allclose(fusekit.load_checkpoint(out).tensor("net.0.bias"), mean,
                                rtol=1e-6)
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    ([1], "arch.fed2: expected null or an object, found list"),
+    ({"y": 2}, "arch.fed2: unknown key(s) ['y']; allowed groups, depth, classes"),
+])
+def test_fed2_settings_must_be_an_object_of_known_keys(settings, message):
+    with pytest.raises(SpecError) as refused:
+        validate_fed2(settings, num_classes=10, widths=[10, 10])
+    assert str(refused.value) == message

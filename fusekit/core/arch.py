@@ -43,6 +43,7 @@ import numpy as np
 
 from fusekit.core.errors import SpecError
 from fusekit.core.fed2 import validate_fed2
+from fusekit.core.settings import settings_object
 
 ARCH_TYPES = ("mlp", "convnet", "resnet", "vgg")
 PAN_MODES = ("multiplicative", "additive")
@@ -157,13 +158,8 @@ def validate_pan(pan: Mapping[str, Any] | None) -> dict[str, Any] | None:
         SpecError: unknown mode, negative amplitude or period, or a multiplicative
             amplitude >= 1.
     """
-    if pan is None:
+    if settings_object(pan, "arch.pan", ("mode", "amplitude", "period")) is None:
         return None
-    if not isinstance(pan, Mapping):
-        raise SpecError(f"arch.pan: expected null or an object, found {type(pan).__name__}")
-    unknown = sorted(set(pan) - {"mode", "amplitude", "period"})
-    if unknown:
-        raise SpecError(f"arch.pan: unknown key(s) {unknown}; allowed mode, amplitude, period")
     mode = pan.get("mode", DEFAULT_PAN["mode"])
     if mode not in PAN_MODES:
         raise SpecError(f"arch.pan.mode: expected one of {list(PAN_MODES)}, found {mode!r}")

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from fusekit.core.errors import SpecError
+from fusekit.core.settings import settings_object
 
 
 def allocate_classes(num_classes: int, groups: int) -> list[list[int]]:
@@ -77,13 +78,8 @@ def validate_fed2(
         SpecError: unknown keys, 2 <= depth <= L violated, a decoupled layer narrower than G,
             or classes that are not a partition of 0..C-1 into G non-empty groups.
     """
-    if settings is None:
+    if settings_object(settings, "arch.fed2", ("groups", "depth", "classes")) is None:
         return None
-    if not isinstance(settings, Mapping):
-        raise SpecError(f"arch.fed2: expected null or an object, found {type(settings).__name__}")
-    unknown = sorted(set(settings) - {"groups", "depth", "classes"})
-    if unknown:
-        raise SpecError(f"arch.fed2: unknown key(s) {unknown}; allowed groups, depth, classes")
     groups, depth = settings.get("groups"), settings.get("depth")
     n_layers = len(widths) + 1
     for key, value in (("groups", groups), ("depth", depth)):
