@@ -97,15 +97,6 @@ FUSEKIT_CLONES void two_smallest(const T* __restrict row, const double* __restri
              : (j1 == 0 ? 1 : 0);
 }
 
-// Whether line[j] >= line[j - 1] for 0 < j < n.
-template <class T>
-FUSEKIT_CLONES bool rises(const T* __restrict line, std::size_t n) {
-    int falls = 0;
-#pragma omp simd reduction(| : falls)
-    for (std::size_t j = 1; j < n; ++j) falls |= line[j] < line[j - 1];
-    return falls == 0;
-}
-
 // min over j != skip of row[j] - v[j].
 template <class T>
 FUSEKIT_CLONES double min_except(const T* __restrict row, const double* __restrict v,
@@ -325,7 +316,8 @@ bool longest_column_run(const T* cost, std::size_t nc, const std::vector<std::si
     }
     if (best < 4) return false;
     for (std::size_t t = proposing; t < rows.size(); ++t) {
-        if (!rises(cost + rows[t] * nc + head, end - head + 1)) return false;
+        const T* run = cost + rows[t] * nc + head;
+        if (!dominates(run, run + 1, end - head)) return false;
     }
     return true;
 }

@@ -10,6 +10,25 @@
 namespace fusekit {
 
 template <class T>
+FUSEKIT_CLONES bool dominates(const T* __restrict a, const T* __restrict b, std::size_t n) {
+    constexpr std::size_t kChunk = 8;
+    std::size_t j0 = 0;
+    for (; j0 + kChunk <= n; j0 += kChunk) {
+        int below = 0;
+#pragma omp simd reduction(| : below)
+        for (std::size_t l = 0; l < kChunk; ++l) below |= b[j0 + l] < a[j0 + l];
+        if (below) return false;
+    }
+    for (; j0 < n; ++j0) {
+        if (b[j0] < a[j0]) return false;
+    }
+    return true;
+}
+
+template bool dominates<float>(const float*, const float*, std::size_t);
+template bool dominates<double>(const double*, const double*, std::size_t);
+
+template <class T>
 FUSEKIT_CLONES void min_into(const T* __restrict line, double* __restrict acc, std::size_t n) {
 #pragma omp simd
     for (std::size_t j = 0; j < n; ++j) {

@@ -6,6 +6,11 @@
 
 namespace fusekit {
 
+// Whether b[j] >= a[j] for every j < n, tested in chunks so that unrelated lines are told
+// apart at once. dominates(line, line + 1, n - 1): whether line[0..n) never decreases.
+template <class T>
+bool dominates(const T* a, const T* b, std::size_t n);
+
 // acc[j] = min(acc[j], line[j]) for j < n.
 template <class T>
 void min_into(const T* line, double* acc, std::size_t n);

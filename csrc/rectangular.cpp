@@ -44,22 +44,6 @@ struct Layout {
     const T* object_line(std::size_t o) const { return cost + o * n; }
 };
 
-// Whether b >= a elementwise; chunks, so that unrelated lines are told apart at once.
-template <class T>
-FUSEKIT_CLONES bool dominates(const T* __restrict a, const T* __restrict b, std::size_t n) {
-    std::size_t j0 = 0;
-    for (; j0 + kChunk <= n; j0 += kChunk) {
-        int below = 0;
-#pragma omp simd reduction(| : below)
-        for (std::size_t l = 0; l < kChunk; ++l) below |= b[j0 + l] < a[j0 + l];
-        if (below) return false;
-    }
-    for (; j0 < n; ++j0) {
-        if (b[j0] < a[j0]) return false;
-    }
-    return true;
-}
-
 // Each agent's cheapest free objects (outside runs), sorted, and a gate: every free object
 // outside runs and off the list costs at least the gate (+inf: none left).
 class Lists {
