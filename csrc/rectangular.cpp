@@ -26,7 +26,6 @@ std::size_t list_length(std::size_t agents) { return agents >= 256 ? 16 : 8; }
 // kMaxRuns runs (each costs a vector pass per search).
 constexpr std::size_t kMinRun = 4;
 constexpr std::size_t kMaxRuns = 4;
-constexpr std::size_t kChunk = 8;
 // Distances this many units in the last place of the costs' scale apart count as tied, so
 // that a search ends at a free agent instead of walking through PFNM's slots, whose
 // alternating paths all cost the same up to rounding (measured: 7.5 of them per search on
