@@ -280,7 +280,7 @@ class Solver {
     AugmentSearch search_;
 };
 
-// Columns head..end of the longest run of at least four consecutive columns each dominating
+// Columns head..end of the longest run of at least kMinRun consecutive columns each dominating
 // the previous in the given rows (PFNM's new-neuron slots, in a wide problem); false if none.
 // The first rows propose the rising columns (each row re-checks the survivors only), and the
 // longest stretch of them is then verified on the other rows with vector compares.
@@ -314,7 +314,7 @@ bool longest_column_run(const T* cost, std::size_t nc, const std::vector<std::si
         }
         k = last + 1;
     }
-    if (best < 4) return false;
+    if (best < kMinRun) return false;
     for (std::size_t t = proposing; t < rows.size(); ++t) {
         const T* run = cost + rows[t] * nc + head;
         if (!dominates(run, run + 1, end - head)) return false;

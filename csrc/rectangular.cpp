@@ -22,9 +22,7 @@ constexpr double kInf = std::numeric_limits<double>::infinity();
 // 8 for 100 agents (4 refills often, 16 slows the list building), 16 for 500 (with 8,
 // tied integer costs refill 4x more and take 2-4x longer).
 std::size_t list_length(std::size_t agents) { return agents >= 256 ? 16 : 8; }
-// Runs of dominated objects shorter than this are listed object by object; at most
-// kMaxRuns runs (each costs a vector pass per search).
-constexpr std::size_t kMinRun = 4;
+// At most this many runs (each costs a vector pass per search).
 constexpr std::size_t kMaxRuns = 4;
 // Distances this many units in the last place of the costs' scale apart count as tied, so
 // that a search ends at a free agent instead of walking through PFNM's slots, whose

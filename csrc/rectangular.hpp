@@ -14,7 +14,10 @@ struct Run {
     std::size_t head, end;  // first free member, last member
 };
 
-// The longest few runs of at least four rows of a row-major nr x nc matrix, longest first
+// Runs of fewer lines are not worth collapsing: their members are listed one by one.
+constexpr std::size_t kMinRun = 4;
+
+// The longest few runs of at least kMinRun rows of a row-major nr x nc matrix, longest first
 // (PFNM's new-neuron slots, with their growing penalty, form one). Mostly one vector compare
 // per row: unrelated rows are told apart in their first chunk.
 template <class T>
