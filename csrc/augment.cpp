@@ -1,6 +1,5 @@
 #include "augment.hpp"
 
-#include <cstdlib>
 #include <limits>
 
 #include "simd.hpp"
@@ -128,8 +127,6 @@ __attribute__((target("avx512f"))) std::size_t find_tied_avx512(
     }
 }
 
-// FUSEKIT_NO_AVX512 (any value) keeps the portable loops, so that tests cover them here too.
-const bool kHasAvx512 = __builtin_cpu_supports("avx512f") && !std::getenv("FUSEKIT_NO_AVX512");
 #endif
 
 // First open node k with d[k] (+ penalty[k] when kFree) == dmin; one exists. Tested eight

@@ -45,36 +45,43 @@ constexpr std::size_t kMinCandidateSquare = 384;
 
 // Smallest and second smallest reduced cost row[j] - v[j] with their columns (m >= 2), in
 // one pass; ties keep the earlier column. sum, of all of them, is finite only if they are:
-// a check of the values in a pass made anyway. Eight lanes each keep their two smallest and
-// where they are, merged at the end. GCC/Clang vector types: the selects compile to
-// compares and blends, where the same loop over arrays spilled to memory every step.
-template <class T>
+// a check of the values in a pass made anyway. Eight lanes, in vectors of kBytes (one with
+// AVX-512, two otherwise, kVectorBytes), each keep their two smallest and where they are,
+// merged at the end. GCC/Clang vector types: the selects compile to compares and blends,
+// where the same loop over arrays spilled to memory every step.
+template <class T, std::size_t kBytes>
 FUSEKIT_CLONES void two_smallest(const T* __restrict row, const double* __restrict v,
                                  std::size_t m, double& min1, std::size_t& j1, double& min2,
                                  std::size_t& j2, double& sum) {
-    typedef double Lanes __attribute__((vector_size(64)));
-    typedef std::int64_t LaneIndices __attribute__((vector_size(64)));
-    constexpr std::size_t kLanes = 8;
-    Lanes a, b, total;
-    LaneIndices ia, ib, at;
-    for (std::size_t l = 0; l < kLanes; ++l) {
-        total[l] = 0.0;
-        a[l] = b[l] = kInf;
-        ia[l] = ib[l] = -1;
-        at[l] = static_cast<std::int64_t>(l);
+    typedef typename Vectors<kBytes>::Doubles Lanes;
+    typedef typename Vectors<kBytes>::Indices LaneIndices;
+    constexpr std::size_t kWidth = kBytes / sizeof(double), kVectors = 8 / kWidth, kLanes = 8;
+    Lanes a[kVectors], b[kVectors], total[kVectors];
+    LaneIndices ia[kVectors], ib[kVectors], at[kVectors];
+    for (std::size_t s = 0; s < kVectors; ++s) {
+        for (std::size_t l = 0; l < kWidth; ++l) {
+            total[s][l] = 0.0;
+            a[s][l] = b[s][l] = kInf;
+            ia[s][l] = ib[s][l] = -1;
+            at[s][l] = static_cast<std::int64_t>(s * kWidth + l);
+        }
     }
     const std::size_t whole = m / kLanes * kLanes;
-    for (std::size_t j0 = 0; j0 < whole; j0 += kLanes, at += static_cast<std::int64_t>(kLanes)) {
-        Lanes h, w;
-        for (std::size_t l = 0; l < kLanes; ++l) h[l] = static_cast<double>(row[j0 + l]);
-        std::memcpy(&w, v + j0, sizeof w);
-        h -= w;
-        total += h;
-        const auto first = h < a, second = h < b;
-        b = first ? a : (second ? h : b);
-        ib = first ? ia : (second ? at : ib);
-        a = first ? h : a;
-        ia = first ? at : ia;
+    for (std::size_t j0 = 0; j0 < whole; j0 += kLanes) {
+        for (std::size_t s = 0; s < kVectors; ++s) {
+            Lanes h, w;
+            const std::size_t j = j0 + s * kWidth;
+            for (std::size_t l = 0; l < kWidth; ++l) h[l] = static_cast<double>(row[j + l]);
+            std::memcpy(&w, v + j, sizeof w);
+            h -= w;
+            total[s] += h;
+            const auto first = h < a[s], second = h < b[s];
+            b[s] = first ? a[s] : (second ? h : b[s]);
+            ib[s] = first ? ia[s] : (second ? at[s] : ib[s]);
+            a[s] = first ? h : a[s];
+            ia[s] = first ? at[s] : ia[s];
+            at[s] += static_cast<std::int64_t>(kLanes);
+        }
     }
     TwoSmallest best;
     sum = 0.0;
@@ -83,10 +90,12 @@ FUSEKIT_CLONES void two_smallest(const T* __restrict row, const double* __restri
         sum += h;
         best.offer(h, static_cast<std::int64_t>(j));
     }
-    for (std::size_t l = 0; l < kLanes; ++l) {
-        sum += total[l];
-        best.offer(a[l], ia[l]);
-        best.offer(b[l], ib[l]);
+    for (std::size_t s = 0; s < kVectors; ++s) {
+        for (std::size_t l = 0; l < kWidth; ++l) {
+            sum += total[s][l];
+            best.offer(a[s][l], ia[s][l]);
+            best.offer(b[s][l], ib[s][l]);
+        }
     }
     min1 = best.first;
     min2 = best.second;
@@ -214,7 +223,11 @@ class Solver {
                 const auto i = static_cast<std::size_t>(free_rows[k++]);
                 double umin, usubmin, sum;
                 std::size_t j1, j2;
-                two_smallest(row(i), v_.data(), nc_, umin, j1, usubmin, j2, sum);
+                if (wide_vectors_) {
+                    two_smallest<T, 64>(row(i), v_.data(), nc_, umin, j1, usubmin, j2, sum);
+                } else {
+                    two_smallest<T, 32>(row(i), v_.data(), nc_, umin, j1, usubmin, j2, sum);
+                }
                 if (check && pass == 0 && !std::isfinite(sum)) return false;
                 std::int64_t i0 = y_[j1];
                 if (umin < usubmin) {
@@ -278,6 +291,7 @@ class Solver {
     std::vector<double> v_;
     std::vector<std::int64_t> x_, y_;
     AugmentSearch search_;
+    const bool wide_vectors_ = kVectorBytes == 64;
 };
 
 // Columns head..end of the longest run of at least kMinRun consecutive columns each dominating

@@ -56,14 +56,16 @@ FUSEKIT_CLONES bool valid_costs(const T* __restrict x, std::size_t n, bool& has_
 template bool valid_costs<float>(const float*, std::size_t, bool&);
 template bool valid_costs<double>(const double*, std::size_t, bool&);
 
-template <class T>
-FUSEKIT_CLONES bool block_minima(const T* __restrict first, std::size_t count, std::size_t n,
-                                 std::size_t seen, double* __restrict block_min,
-                                 std::size_t blocks) {
-    // GCC/Clang vector types: the check stays a select in registers, where an `omp simd`
-    // count spilled to memory on every row's tail.
-    typedef double Lanes __attribute__((vector_size(64)));
-    constexpr std::size_t kLanes = 8;
+namespace {
+
+// GCC/Clang vector types of kBytes (kVectorBytes): the check stays a select in registers,
+// where an `omp simd` count spilled to memory on every row's tail.
+template <class T, std::size_t kBytes>
+FUSEKIT_CLONES bool block_minima_in(const T* __restrict first, std::size_t count, std::size_t n,
+                                    std::size_t seen, double* __restrict block_min,
+                                    std::size_t blocks) {
+    typedef typename Vectors<kBytes>::Doubles Lanes;
+    constexpr std::size_t kLanes = kBytes / sizeof(double);
     const double inf = std::numeric_limits<double>::infinity();
     const Lanes one = Lanes{} + 1.0;
     Lanes invalid{};
@@ -90,6 +92,15 @@ FUSEKIT_CLONES bool block_minima(const T* __restrict first, std::size_t count, s
     }
     for (std::size_t l = 0; l < kLanes; ++l) tail_invalid = invalid[l] != 0.0 ? 1.0 : tail_invalid;
     return tail_invalid == 0.0;
+}
+
+}  // namespace
+
+template <class T>
+bool block_minima(const T* first, std::size_t count, std::size_t n, std::size_t seen,
+                  double* block_min, std::size_t blocks) {
+    return kVectorBytes == 64 ? block_minima_in<T, 64>(first, count, n, seen, block_min, blocks)
+                                : block_minima_in<T, 32>(first, count, n, seen, block_min, blocks);
 }
 
 template bool block_minima<float>(const float*, std::size_t, std::size_t, std::size_t, double*,

@@ -3,9 +3,47 @@
 // at full width. Disabled where the toolchain lacks ifunc support.
 #pragma once
 
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__) && \
     !defined(FUSEKIT_NO_CLONES)
 #define FUSEKIT_CLONES __attribute__((target_clones("avx512f", "arch=haswell", "default")))
+#define FUSEKIT_HAS_CLONES 1
 #else
 #define FUSEKIT_CLONES
+#define FUSEKIT_HAS_CLONES 0
 #endif
+
+namespace fusekit {
+
+// Whether the CPU runs AVX-512 code. FUSEKIT_NO_AVX512 (any value) says no, so that tests
+// cover the other paths here too; read once, at load.
+#if defined(__GNUC__) && defined(__x86_64__)
+inline const bool kHasAvx512 =
+    __builtin_cpu_supports("avx512f") && !std::getenv("FUSEKIT_NO_AVX512");
+#else
+inline const bool kHasAvx512 = false;
+#endif
+
+// The bytes of a GCC/Clang vector type that the CPU runs as such: 64 in the AVX-512 clones;
+// elsewhere 32, since 64-byte vectors compiled for AVX2 turn into scalar code (measured
+// 4-12x slower). Kernels written with vector types are instantiated for both.
+inline const std::size_t kVectorBytes = FUSEKIT_HAS_CLONES && kHasAvx512 ? 64 : 32;
+
+// GCC/Clang vector types of kBytes (a template parameter does not reach the attribute).
+template <std::size_t kBytes>
+struct Vectors;
+template <>
+struct Vectors<64> {
+    typedef double Doubles __attribute__((vector_size(64)));
+    typedef std::int64_t Indices __attribute__((vector_size(64)));
+};
+template <>
+struct Vectors<32> {
+    typedef double Doubles __attribute__((vector_size(32)));
+    typedef std::int64_t Indices __attribute__((vector_size(32)));
+};
+
+}  // namespace fusekit
