@@ -100,7 +100,7 @@ template <class T>
 bool block_minima(const T* first, std::size_t count, std::size_t n, std::size_t seen,
                   double* block_min, std::size_t blocks) {
     return kVectorBytes == 64 ? block_minima_in<T, 64>(first, count, n, seen, block_min, blocks)
-                                : block_minima_in<T, 32>(first, count, n, seen, block_min, blocks);
+                              : block_minima_in<T, 32>(first, count, n, seen, block_min, blocks);
 }
 
 template bool block_minima<float>(const float*, std::size_t, std::size_t, std::size_t, double*,
