@@ -4,7 +4,9 @@ The body is never held in memory: chunks go to a temporary file in the job's ``u
 folder while they are counted and hashed. The safetensors header is checked as soon as its
 bytes are in (:func:`fusekit.core.checkpoint.check_header`), so a bad or oversized file is
 refused before its tensors are sent; the whole file is then validated as
-:func:`fusekit.load_checkpoint` validates it, fsynced, and only then renamed into the slot.
+:func:`fusekit.load_checkpoint` validates it, every tensor's values too (NaN, Inf, negative
+variances: a file its job could not fuse is refused now, not when the job runs), fsynced,
+and only then renamed into the slot.
 """
 
 from __future__ import annotations
@@ -112,7 +114,10 @@ class Upload:
 
     def _validate_file(self) -> None:
         try:
-            load_checkpoint(self.part)
+            checkpoint = load_checkpoint(self.part)
+            for name in checkpoint:  # one tensor in memory at a time
+                checkpoint.tensor(name)
+                checkpoint.release(name)
         except CheckpointError as exc:
             raise CheckpointError(str(exc).replace(str(self.part), self.label)) from None
 
