@@ -39,6 +39,7 @@ from bench_support import machine_info, write_json
 
 from fusekit.client import Client, ServiceError
 from fusekit.core.checkpoint import save_checkpoint
+from fusekit.toolkit.processes import group_alive
 
 
 def free_port() -> int:
@@ -98,7 +99,7 @@ class ServiceProcess:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(timeout)
         deadline = time.monotonic() + timeout  # the workers leave the group last
-        while time.monotonic() < deadline and _group_alive(self.process.pid):
+        while time.monotonic() < deadline and group_alive(self.process.pid):
             time.sleep(0.05)
 
     def memory_mb(self, field: str = "VmHWM") -> float:
@@ -111,14 +112,6 @@ class ServiceProcess:
         """Start VmHWM again from the current RSS (Linux ``clear_refs``), so each round
         reports its own peak."""
         Path(f"/proc/{self.process.pid}/clear_refs").write_text("5")
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 @contextlib.contextmanager

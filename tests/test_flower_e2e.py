@@ -13,7 +13,8 @@ import pytest
 
 pytest.importorskip("flwr", reason="needs the [flower] extra")
 
-from fusekit.flower.local import LocalFederation, descendant_groups, group_alive
+from fusekit.flower.local import LocalFederation
+from fusekit.toolkit.processes import descendant_groups, group_alive
 
 APP = Path(__file__).resolve().parents[1] / "examples" / "flower"
 

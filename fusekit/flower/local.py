@@ -13,7 +13,6 @@ import contextlib
 import json
 import logging
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -21,9 +20,11 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from fusekit.toolkit.processes import end_groups
 
 log = logging.getLogger(__name__)
 
@@ -191,48 +192,3 @@ class LocalFederation:
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
-
-
-def end_groups(processes: list[subprocess.Popen], grace: float = 10.0) -> None:
-    """End the process groups ``processes`` lead and those of all their descendants (the
-    SuperLink starts its SuperExec in a session of its own): SIGTERM, then SIGKILL for
-    what is left after ``grace`` s, each followed by a bounded wait until no member is left.
-    """
-    groups = {p.pid for p in processes} | descendant_groups(p.pid for p in processes)
-    groups.discard(os.getpgrp())  # never the caller's own group
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for group in groups:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(group, sig)
-        deadline = time.monotonic() + grace
-        for process in processes:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                process.wait(timeout=max(0.0, deadline - time.monotonic()))
-        while any(group_alive(g) for g in groups) and time.monotonic() < deadline:
-            time.sleep(0.1)
-
-
-def descendant_groups(roots: Iterable[int]) -> set[int]:
-    """The process groups of every descendant of ``roots``, read from /proc (Linux; an
-    empty set elsewhere)."""
-    parent_and_group = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)"
-            parent_and_group[int(stat.parent.name)] = (int(fields[1]), int(fields[2]))
-    found: set[int] = set()
-    frontier = set(roots)
-    while frontier:
-        frontier = {pid for pid, (parent, _) in parent_and_group.items()
-                    if parent in frontier} - found
-        found |= frontier
-    return {parent_and_group[pid][1] for pid in found}
-
-
-def group_alive(pgid: int) -> bool:
-    """Whether any process of group ``pgid`` is left (zombies included)."""
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
