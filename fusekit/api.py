@@ -70,10 +70,10 @@ def fuse(
     if not inputs:
         raise ParameterError("inputs: expected at least one checkpoint, got none")
     fusion, declared = validate_params(method, params)
-    if len(inputs) == 1:
+    checkpoints = [c if isinstance(c, Checkpoint) else load_checkpoint(c) for c in inputs]
+    if len(inputs) == 1:  # once the input is known to be a checkpoint
         log.warning("fusing a single checkpoint with %s: there is nothing to combine; the "
                     "result is that client's model", fusion.name)
-    checkpoints = [c if isinstance(c, Checkpoint) else load_checkpoint(c) for c in inputs]
     specs = [client_spec(c, spec) for c in checkpoints]
     if fusion.requires_same_architecture:
         check_compatible(checkpoints, specs)

@@ -26,7 +26,7 @@ from fusekit._cli.fuse import fuse_command, method_options
 from fusekit._cli.output import handle_errors
 from fusekit.core.arch import mlp_arch, validate_arch
 from fusekit.core.checkpoint import load_checkpoint, save_checkpoint
-from fusekit.core.errors import ParameterError
+from fusekit.core.errors import CheckpointError, ParameterError
 from fusekit.methods import METHODS
 from fusekit.methods.base import FusionMethod
 from fusekit.methods.params import method_params, parameter_reference
@@ -171,10 +171,14 @@ def test_floats_accept_ints_and_a_path_is_not_a_list(mlp_clients):
         fusekit.fuse(str(mlp_clients[0]))
 
 
-def test_a_single_checkpoint_warns(mlp_clients, tmp_path, caplog):
+def test_a_single_checkpoint_warns_once_it_is_read(mlp_clients, tmp_path, caplog):
     with caplog.at_level("WARNING"):
         fusekit.fuse(mlp_clients[:1], method="pfnm")
     assert "fusing a single checkpoint with pfnm" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"), pytest.raises(CheckpointError, match="does not exist"):
+        fusekit.fuse([tmp_path / "missing.safetensors"], method="pfnm")
+    assert "single checkpoint" not in caplog.text  # the error alone
 
 
 def test_docs_parameter_reference_is_current():
