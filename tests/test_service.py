@@ -246,6 +246,16 @@ def test_uploads_refused_early_with_nothing_stored(service, admin, body, status,
     assert_nothing_stored(service, admin, job["id"])
 
 
+def test_a_safetensors_file_starting_as_a_pickle_does_is_accepted(service, admin):
+    text = json.dumps(GOOD).encode().ljust(128)  # header length 128: first byte 0x80
+    body = struct.pack("<Q", len(text)) + text + struct.pack("<2f", 1.0, 2.0)
+    assert body[:1] == b"\x80"
+    job = admin.create_job("avg", ["a"])
+    answer = put(service, job["id"], "a", job["tokens"]["a"], body)
+    assert answer.status_code == 201, answer.text
+    assert admin.status(job["id"])["slots"]["a"]["filled"]
+
+
 def assert_nothing_stored(service, admin, job_id):
     assert not admin.status(job_id)["slots"]["a"]["filled"]
     folder = service.data_dir / "jobs" / job_id
