@@ -2,13 +2,12 @@
 // mapping from Status to Python exceptions.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
-#include <pybind11/stl.h>
 
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
-#include <vector>
 
 #include "cost.hpp"
 #include "lap.hpp"

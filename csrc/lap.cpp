@@ -224,9 +224,9 @@ class Solver {
                 const auto i = static_cast<std::size_t>(free_rows[k++]);
                 double umin, usubmin, sum;
                 std::size_t j1, j2;
-                if (wide_vectors_ && nc_ >= 512) {
+                if (kVectorBytes == 64 && nc_ >= 512) {
                     two_smallest<T, 64, 16>(row(i), v_.data(), nc_, umin, j1, usubmin, j2, sum);
-                } else if (wide_vectors_) {
+                } else if (kVectorBytes == 64) {
                     two_smallest<T, 64>(row(i), v_.data(), nc_, umin, j1, usubmin, j2, sum);
                 } else {
                     two_smallest<T, 32>(row(i), v_.data(), nc_, umin, j1, usubmin, j2, sum);
@@ -294,7 +294,6 @@ class Solver {
     std::vector<double> v_;
     std::vector<std::int64_t> x_, y_;
     AugmentSearch search_;
-    const bool wide_vectors_ = kVectorBytes == 64;
 };
 
 // Columns head..end of the longest run of at least kMinRun consecutive columns each dominating

@@ -1,4 +1,4 @@
-// Vectorised helpers on matrix lines shared by the candidate and rectangular solvers.
+// Vectorised helpers on matrix lines shared by the dense, candidate and rectangular solvers.
 #pragma once
 #include <cstddef>
 #include <cstdint>

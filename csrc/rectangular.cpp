@@ -382,7 +382,7 @@ class ShortSideSolver {
     // and the free objects keep theirs, so the rectangular conditions hold throughout.
     // Passes go on while each frees a sixteenth of the agents still free (JV's two passes
     // left 82 of 500 agents to augment on random 2500x500 problems, ten passes 4), and stop
-    // at the first that does not (PFNM's own problems: after one or two).
+    // at the first after the second that does not (PFNM's own problems: after two).
     void row_reduction(std::vector<std::size_t>& free_agents) {
         constexpr int kMaxPasses = 16;
         for (int pass = 0; pass < kMaxPasses; ++pass) {

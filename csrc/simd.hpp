@@ -18,8 +18,9 @@
 
 namespace fusekit {
 
-// Whether the CPU runs AVX-512 code. FUSEKIT_NO_AVX512 (any value) says no, so that tests
-// cover the other paths here too; read once, at load (__builtin_cpu_init first: this may
+// Whether the CPU runs AVX-512 code. FUSEKIT_NO_AVX512 (any value) says no to the explicit
+// AVX-512 paths and 64-byte kernels (not to the clones, which the loader picks), so that
+// tests cover the other paths here too; read once, at load (__builtin_cpu_init first: this may
 // run before the constructor that fills in the CPU's features).
 #if defined(__GNUC__) && defined(__x86_64__)
 inline const bool kHasAvx512 = (__builtin_cpu_init(), __builtin_cpu_supports("avx512f")) &&
