@@ -124,7 +124,6 @@ def from_files_vs_engine(n_clients: int = 30, reps: int = 15) -> dict[str, Any]:
     minimum of each is kept (the machine is shared, so the minimum is the least disturbed).
     """
     import tempfile
-    from pathlib import Path
 
     import fusekit
     from fusekit.core.checkpoint import save_checkpoint

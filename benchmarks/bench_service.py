@@ -39,7 +39,7 @@ from bench_support import machine_info, write_json
 
 from fusekit.client import Client, ServiceError
 from fusekit.core.checkpoint import save_checkpoint
-from fusekit.toolkit.processes import group_alive
+from fusekit.toolkit.processes import end_groups, group_alive
 
 
 def free_port() -> int:
@@ -87,9 +87,10 @@ class ServiceProcess:
         self._signal_group(signal.SIGKILL)
 
     def stop(self, timeout: float = 20.0) -> None:
-        """SIGTERM to the group, SIGKILL to what is left after ``timeout``."""
-        self._signal_group(signal.SIGTERM, timeout)
-        self._signal_group(signal.SIGKILL)
+        """SIGTERM to the group (and any its members started), SIGKILL to what is left after
+        ``timeout``."""
+        if self.process is not None:
+            end_groups([self.process], grace=timeout)
 
     def _signal_group(self, signum: int, timeout: float = 10.0) -> None:
         if self.process is None:

@@ -5,7 +5,9 @@ import numpy.typing as npt
 
 def solve_assignment(
     cost: np.ndarray, return_duals: bool = False
-) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float64], npt.NDArray[np.float64]]: ...
+) -> tuple[
+    npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.float64], npt.NDArray[np.float64]
+]: ...
 def sqeuclidean_cost(
     a: npt.NDArray[np.float64], b: npt.NDArray[np.float64]
 ) -> npt.NDArray[np.float64]: ...

@@ -125,8 +125,8 @@ def _peak_memory():
 
     Linux keeps the high-water mark (VmHWM) and lets a process reset it through
     /proc/self/clear_refs: two small file operations, against the 25 % that tracing every
-    allocation (tracemalloc) adds to a fusion. It counts all the fusion holds, the C++
-    engine's buffers too, above the interpreter's own footprint.
+    allocation (tracemalloc) adds to a fusion. It is the whole process's resident peak
+    (the interpreter and what was loaded before included), the C++ engine's buffers too.
     """
     out: dict[str, float | None] = {"mb": None}
     try:
@@ -267,8 +267,7 @@ def describe_checkpoint(checkpoint: Checkpoint) -> dict[str, Any]:
     info["other_tensors"] = list(spec.other)
     info["limits"] = _permutation_limits(checkpoint, spec)
     try:
-        for name in checkpoint.tensors:
-            checkpoint.tensor(name)
+        checkpoint.check_values()
     except ValueError as exc:
         info["problems"].append(str(exc))
     info["metadata"] = {k: _maybe_json(v) for k, v in checkpoint.metadata.items()}

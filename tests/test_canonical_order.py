@@ -12,7 +12,7 @@ import safetensors.torch
 import torch
 
 import fusekit
-from conftest import mlp, write, write_raw
+from conftest import mlp, numpy_state, write, write_raw
 from fusekit.api import canonical_order, client_spec
 from fusekit.core.checkpoint import SAMPLE_VALUES, Checkpoint, load_checkpoint
 from fusekit.core.errors import CheckpointError
@@ -29,14 +29,10 @@ def reference_hash(state: dict[str, np.ndarray]) -> str:
     return digest.hexdigest()
 
 
-def state_of(model) -> dict[str, np.ndarray]:
-    return {k: v.detach().float().numpy().copy() for k, v in model.state_dict().items()}
-
-
 def colliding_clients(n: int) -> list[dict[str, np.ndarray]]:
     """n 20-10-3 MLPs equal everywhere but in the middle of 0.weight (200 values): the same
     first and last SAMPLE_VALUES values of every tensor, different contents."""
-    base = state_of(mlp(widths=(20, 10, 3), seed=0))
+    base = numpy_state(mlp(widths=(20, 10, 3), seed=0))
     assert base["0.weight"].size > 2 * SAMPLE_VALUES
     clients = []
     for seed in range(n):
@@ -48,7 +44,7 @@ def colliding_clients(n: int) -> list[dict[str, np.ndarray]]:
 
 
 def test_content_hash_is_the_full_sha256(tmp_path):
-    state = state_of(mlp(batchnorm=True))
+    state = numpy_state(mlp(batchnorm=True))
     state["1.num_batches_tracked"] = np.array(7)  # a 0-d counter
     path = write(tmp_path / "m.safetensors", state)
     expected = reference_hash(state)
@@ -58,7 +54,7 @@ def test_content_hash_is_the_full_sha256(tmp_path):
     bf16 = tmp_path / "bf16.safetensors"
     safetensors.torch.save_file(mlp().to(dtype=torch.bfloat16).state_dict(), bf16)
     assert load_checkpoint(bf16).content_hash == reference_hash(
-        state_of(mlp().to(dtype=torch.bfloat16)))
+        numpy_state(mlp().to(dtype=torch.bfloat16).float()))
 
 
 def test_hashing_keeps_what_the_checkpoint_holds(tmp_path):
@@ -69,7 +65,7 @@ def test_hashing_keeps_what_the_checkpoint_holds(tmp_path):
 
 
 def test_sample_hash_is_the_same_from_a_file_or_memory(tmp_path):
-    state = state_of(mlp(widths=(20, 10, 3)))
+    state = numpy_state(mlp(widths=(20, 10, 3)))
     from_file = load_checkpoint(write(tmp_path / "m.safetensors", state))
     sample = from_file.sample_hash
     from_file.tensor("0.weight")  # a held tensor is sampled from memory
@@ -81,8 +77,8 @@ def test_sample_hash_is_the_same_from_a_file_or_memory(tmp_path):
 
 
 def test_canonical_order_is_widest_first_then_sample_hash_then_content_hash(tmp_path):
-    states = colliding_clients(3) + [state_of(mlp(widths=(20, 10, 3), seed=s)) for s in (1, 2)]
-    states.append(state_of(mlp(widths=(20, 12, 3), seed=3)))
+    states = colliding_clients(3) + [numpy_state(mlp(widths=(20, 10, 3), seed=s)) for s in (1, 2)]
+    states.append(numpy_state(mlp(widths=(20, 12, 3), seed=3)))
     checkpoints = [load_checkpoint(write(tmp_path / f"c{i}.safetensors", s))
                    for i, s in enumerate(states)]
     specs = [client_spec(c, None) for c in checkpoints]
@@ -115,7 +111,7 @@ def test_permuted_inputs_with_colliding_sample_hashes_fuse_identically(tmp_path,
 
 
 def test_provenance_records_every_input_full_sha256_in_canonical_order(tmp_path):
-    states = [state_of(mlp(widths=(20, w, 3), seed=w)) for w in (8, 12, 10)]
+    states = [numpy_state(mlp(widths=(20, w, 3), seed=w)) for w in (8, 12, 10)]
     paths = [write(tmp_path / f"c{i}.safetensors", s) for i, s in enumerate(states)]
     result = fusekit.fuse(paths, "pfnm")
     by_label = {str(p): reference_hash(s) for p, s in zip(paths, states, strict=True)}
@@ -141,7 +137,7 @@ def test_a_failed_content_hash_fails_the_fusion_naming_the_file(tmp_path, monkey
 
 def test_a_fusion_error_wins_and_hashing_stops(tmp_path):
     paths = [write(tmp_path / f"c{i}.safetensors", mlp(seed=i)) for i in range(3)]
-    state = state_of(mlp(seed=3))
+    state = numpy_state(mlp(seed=3))
     state["2.weight"][1, 1] = np.nan
     paths.append(write_raw(tmp_path / "nan.safetensors", state))
     threads = threading.active_count()

@@ -157,6 +157,12 @@ class Checkpoint:
             )
         return array
 
+    def check_values(self) -> None:
+        """Read and check every tensor (as :meth:`tensor` does), one in memory at a time."""
+        for name in self.tensors:
+            self.tensor(name)
+            self.release(name)
+
     def release(self, *names: str) -> None:
         """Forget tensors read from the file (all when no name is given) so that their
         memory can be freed; they are read again on demand. In-memory checkpoints keep

@@ -118,10 +118,7 @@ class Upload:
 
     def _validate_file(self) -> None:
         try:
-            checkpoint = load_checkpoint(self.part)
-            for name in checkpoint:  # one tensor in memory at a time
-                checkpoint.tensor(name)
-                checkpoint.release(name)
+            load_checkpoint(self.part).check_values()
         except CheckpointError as exc:
             raise CheckpointError(str(exc).replace(str(self.part), self.label)) from None
 
