@@ -4,11 +4,6 @@
 
 #include "simd.hpp"
 
-#if defined(__GNUC__) && defined(__x86_64__)
-#include <immintrin.h>
-#define FUSEKIT_AVX512_RELAX 1
-#endif
-
 namespace fusekit {
 
 namespace {
@@ -57,17 +52,10 @@ FUSEKIT_CLONES double relax_line(const T* __restrict line, double shift, std::in
     return best;
 }
 
-#ifdef FUSEKIT_AVX512_RELAX
+#ifdef FUSEKIT_AVX512_KERNELS
 // relax_line in AVX-512 with mask registers: the running minima stay in registers and only
 // the improved lanes are stored. The portable loop above keeps its reductions in memory
 // (a store and reload every eight nodes); this is the searches' hottest loop.
-__attribute__((target("avx512f"))) inline __m512d load8_avx512(const double* p) {
-    return _mm512_loadu_pd(p);
-}
-__attribute__((target("avx512f"))) inline __m512d load8_avx512(const float* p) {
-    return _mm512_cvtps_pd(_mm256_loadu_ps(p));
-}
-
 template <class T>
 __attribute__((target("avx512f"))) double relax_line_avx512(
     const T* __restrict line, double shift, std::int64_t from, const double* __restrict pot,
@@ -162,7 +150,7 @@ double AugmentSearch::start(double offset, const double* pot, std::size_t n,
 }
 
 std::size_t AugmentSearch::pick(double dmin, bool free_tied, std::size_t n) {
-#ifdef FUSEKIT_AVX512_RELAX
+#ifdef FUSEKIT_AVX512_KERNELS
     if (kHasAvx512) {
         const std::size_t k =
             free_tied
@@ -184,7 +172,7 @@ std::size_t AugmentSearch::pick(double dmin, bool free_tied, std::size_t n) {
 template <class T>
 double AugmentSearch::relax(const T* line, double shift, std::int64_t from, const double* pot,
                             std::size_t n, double& best_free) {
-#ifdef FUSEKIT_AVX512_RELAX
+#ifdef FUSEKIT_AVX512_KERNELS
     if (kHasAvx512) {
         return relax_line_avx512(line, shift, from, pot, d.data(), pred.data(), done.data(),
                                  penalty.data(), n, best_free);

@@ -139,6 +139,49 @@ FUSEKIT_CLONES void offer_rows(const T* __restrict first, std::size_t count, std
     }
 }
 
+#ifdef FUSEKIT_AVX512_KERNELS
+// offer_rows in AVX-512: each row's compares go straight into bit masks, 64 entries to a
+// word, where the byte flags above cost a store and a reload per eight entries (measured:
+// offer_rows took 40% of a 550x50 solve).
+template <class T>
+__attribute__((target("avx512f"))) void offer_rows_avx512(const T* __restrict first,
+                                                           std::size_t count, std::size_t o0,
+                                                           std::size_t n, Lists& lists) {
+    const double* gate = lists.gates();
+    for (std::size_t t = 0; t < count; ++t) {
+        const T* row = first + t * n;
+        for (std::size_t j0 = 0; j0 < n; j0 += 64) {
+            const std::size_t width = std::min<std::size_t>(64, n - j0);
+            std::uint64_t bits = 0;
+            for (std::size_t l = 0; l < width; l += 8) {
+                const auto lanes =
+                    static_cast<__mmask8>(width - l >= 8 ? 0xFF : (1u << (width - l)) - 1);
+                const __mmask8 hit = _mm512_mask_cmp_pd_mask(
+                    lanes, load8_avx512(row + j0 + l, lanes),
+                    _mm512_maskz_loadu_pd(lanes, gate + j0 + l), _CMP_LE_OQ);
+                bits |= static_cast<std::uint64_t>(hit) << l;
+            }
+            for (; bits != 0; bits &= bits - 1) {
+                const std::size_t j = j0 + static_cast<std::size_t>(__builtin_ctzll(bits));
+                const double c = static_cast<double>(row[j]);
+                if (lists.admits(j, c)) lists.offer(j, c, static_cast<std::int64_t>(o0 + t));
+            }
+        }
+    }
+}
+#endif
+
+// offer_rows on the widest kernel the CPU runs.
+template <class T>
+void offer_rows_any(const T* first, std::size_t count, std::size_t o0, std::size_t n,
+                    Lists& lists, std::vector<unsigned char>& hit) {
+#ifdef FUSEKIT_AVX512_KERNELS
+    if (kHasAvx512) return offer_rows_avx512(first, count, o0, n, lists);
+#endif
+    if (hit.size() < n + 8) hit.assign(n + 8, 0);
+    offer_rows(first, count, o0, n, lists, hit.data());
+}
+
 }  // namespace
 
 template <class T>
@@ -253,9 +296,9 @@ class ShortSideSolver {
             seen += end - begin;
         }
         if (blocks > k) kth_smallest_columns(block_min.data(), blocks, n_, k, lists_.gates());
-        std::vector<unsigned char> hit(n_ + 8, 0);
+        std::vector<unsigned char> hit;
         for (const auto& [begin, end] : ranges) {
-            offer_rows(lay_.object_line(begin), end - begin, begin, n_, lists_, hit.data());
+            offer_rows_any(lay_.object_line(begin), end - begin, begin, n_, lists_, hit);
         }
         return true;
     }

@@ -7,6 +7,13 @@
 #include <cstdint>
 #include <cstdlib>
 
+#if defined(__GNUC__) && defined(__x86_64__)
+#include <immintrin.h>
+// Hand-written AVX-512 kernels (mask registers, which vector types do not reach), taken
+// where kHasAvx512 says the CPU runs them.
+#define FUSEKIT_AVX512_KERNELS 1
+#endif
+
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__) && \
     !defined(FUSEKIT_NO_CLONES)
 #define FUSEKIT_CLONES __attribute__((target_clones("avx512f", "arch=haswell", "default")))
@@ -47,5 +54,21 @@ struct Vectors<32> {
     typedef double Doubles __attribute__((vector_size(32)));
     typedef std::int64_t Indices __attribute__((vector_size(32)));
 };
+
+#ifdef FUSEKIT_AVX512_KERNELS
+// Eight costs as doubles; the masked form reads only the lanes in `lanes` (a row's tail).
+__attribute__((target("avx512f"))) inline __m512d load8_avx512(const double* p) {
+    return _mm512_loadu_pd(p);
+}
+__attribute__((target("avx512f"))) inline __m512d load8_avx512(const float* p) {
+    return _mm512_cvtps_pd(_mm256_loadu_ps(p));
+}
+__attribute__((target("avx512f"))) inline __m512d load8_avx512(const double* p, __mmask8 lanes) {
+    return _mm512_maskz_loadu_pd(lanes, p);
+}
+__attribute__((target("avx512f"))) inline __m512d load8_avx512(const float* p, __mmask8 lanes) {
+    return _mm512_cvtps_pd(_mm512_castps512_ps256(_mm512_maskz_loadu_ps(lanes, p)));
+}
+#endif
 
 }  // namespace fusekit
