@@ -261,7 +261,7 @@ def bench_assignment(peers, rng, quick):
         for name, cost in assignment_problems(rng, quick):
             result = {"problem": name}
             for peer, solve in peers.items():
-                result[peer] = best_time(lambda s=solve, c=cost: s(c), budget=0.2, max_reps=9)
+                result[peer] = best_time(lambda s=solve, c=cost: s(c), budget=0.2, max_reps=100)
             rows.append(result)
             logger.info("%s done", name)
     return rows

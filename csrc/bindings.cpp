@@ -126,7 +126,7 @@ Array real(const py::object& x, const std::string& name) { return real_array<dou
 
 template <class T>
 py::tuple solve_typed(const py::array_t<T, py::array::c_style | py::array::forcecast>& cost,
-                      bool return_duals) {
+                      bool return_duals, bool negated) {
     require_2d(cost, "cost");
     const auto nr = static_cast<std::size_t>(cost.shape(0));
     const auto nc = static_cast<std::size_t>(cost.shape(1));
@@ -140,13 +140,15 @@ py::tuple solve_typed(const py::array_t<T, py::array::c_style | py::array::force
                                               return_duals ? u.mutable_data() : nullptr,
                                               return_duals ? v.mutable_data() : nullptr);
     }
-    // SciPy's messages (linear_sum_assignment), with what they mean here.
+    // SciPy's messages (linear_sum_assignment), with what they mean here, in terms of the
+    // caller's matrix (whose infinities swap sign when it was negated to maximise).
+    const std::string forbidden = negated ? "-inf" : "+inf", invalid = negated ? "+inf" : "-inf";
     if (status == Status::non_finite) {
-        raise_parameter("cost matrix contains invalid numeric entries (NaN or -inf)");
+        raise_parameter("cost matrix contains invalid numeric entries (NaN or " + invalid + ")");
     }
     if (status == Status::infeasible) {
         raise_infeasible("cost matrix is infeasible: every complete assignment uses a "
-                         "forbidden (+inf) pair");
+                         "forbidden (" + forbidden + ") pair");
     }
     raise_for(status, "cost matrix");
     // SciPy's outputs: the assigned pairs, rows increasing (every row of a wide or square
@@ -165,11 +167,11 @@ py::tuple solve_typed(const py::array_t<T, py::array::c_style | py::array::force
 }
 
 // Solved in float32 storage when given float32, else in float64.
-py::tuple solve_assignment(const py::object& cost, bool return_duals) {
+py::tuple solve_assignment(const py::object& cost, bool return_duals, bool negated) {
     if (py::isinstance<py::array>(cost) && is_float32(py::reinterpret_borrow<py::array>(cost))) {
-        return solve_typed<float>(real_array<float>(cost, "cost"), return_duals);
+        return solve_typed<float>(real_array<float>(cost, "cost"), return_duals, negated);
     }
-    return solve_typed<double>(real_array<double>(cost, "cost"), return_duals);
+    return solve_typed<double>(real_array<double>(cost, "cost"), return_duals, negated);
 }
 
 Array sqeuclidean_cost(const py::object& a_in, const py::object& b_in) {
@@ -291,8 +293,10 @@ bool has_openmp() {
 PYBIND11_MODULE(_core, m) {
     m.doc() = "fusekit's C++ core: neuron cost matrices and assignment solvers";
     m.def("solve_assignment", &solve_assignment, py::arg("cost"), py::arg("return_duals") = false,
+          py::arg("negated") = false,
           "Minimum-cost assignment of a real matrix (solved in float32 storage when float32, "
-          "else float64); returns (rows, cols, u, v), rows increasing.");
+          "else float64); returns (rows, cols, u, v), rows increasing. negated: the matrix is "
+          "the negation of the caller's (maximising), whose infinities the errors name.");
     m.def("sqeuclidean_cost", &sqeuclidean_cost, py::arg("a"), py::arg("b"),
           "Pairwise squared Euclidean distances between the rows of a (n, p) and b (m, p).");
     m.def("posterior_cost", &posterior_cost, py::arg("local"), py::arg("client_precision"),

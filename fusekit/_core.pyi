@@ -4,7 +4,7 @@ import numpy as np
 import numpy.typing as npt
 
 def solve_assignment(
-    cost: np.ndarray, return_duals: bool = False
+    cost: np.ndarray, return_duals: bool = False, negated: bool = False
 ) -> tuple[
     npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.float64], npt.NDArray[np.float64]
 ]: ...

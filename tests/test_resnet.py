@@ -7,7 +7,7 @@ BatchNorm folded in float64 and written back in float32; the logits are O(1)).
 
 import json
 import math
-from pathlib import Path
+import os
 
 import numpy as np
 import pytest
@@ -265,7 +265,7 @@ def test_fusing_permuted_copies_gives_back_the_function(tmp_path, name, method):
         clients.append(write(tmp_path / f"c{s}.safetensors", copy, num_samples=10 + s))
     result = fusekit.fuse(clients, method,
                           **(COPY_PARAMS if method in ("pfnm", "nafi") else {}))
-    if Path("/proc/self/clear_refs").exists():
+    if os.access("/proc/self/clear_refs", os.W_OK):  # where the kernel lets the peak reset
         assert result.report["peak_memory_mb"] > 0
     path = result.save(tmp_path / "fused.safetensors")
     fused = fusekit.load_fused(path, device="cpu")

@@ -15,11 +15,9 @@ process-wide, so other threads' SciPy BLAS calls also run on one thread during s
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 
-from fusekit.core.errors import InfeasibleAssignmentError, ParameterError, ParameterTypeError
+from fusekit.core.errors import ParameterError, ParameterTypeError
 from fusekit.engine.native import core
 
 __all__ = [
@@ -46,11 +44,6 @@ def _as_cost_matrix(cost, maximize: bool) -> np.ndarray:
     if maximize:
         array = -array  # -inf, forbidden when maximising, becomes +inf
     return np.ascontiguousarray(array)
-
-
-def _negate_infinities(message: str) -> str:
-    """The core's message about the negated matrix, in terms of the matrix as written."""
-    return re.sub(r"([+-])inf", lambda m: ("-" if m.group(1) == "+" else "+") + "inf", message)
 
 
 def solve_assignment(cost, maximize: bool = False, *, return_duals: bool = False):
@@ -117,12 +110,7 @@ def solve_assignment(cost, maximize: bool = False, *, return_duals: bool = False
     makes.
     """
     matrix = _as_cost_matrix(cost, maximize)
-    try:
-        rows, cols, u, v = core().solve_assignment(matrix, return_duals)
-    except (InfeasibleAssignmentError, ParameterError) as error:
-        if not maximize:
-            raise
-        raise type(error)(_negate_infinities(str(error))) from None
+    rows, cols, u, v = core().solve_assignment(matrix, return_duals, maximize)
     if not return_duals:
         return rows, cols
     if maximize:
