@@ -9,8 +9,9 @@ engine is timed, not the empirical-Bayes search) with fusekit's C++ engine and w
 numpy backend (SciPy's assignment solver; numpy cost kernels for pfnm), side by side, and
 ams. Peak memory is how far ``fusekit.fuse`` raised the process's resident peak above its
 resident size before the call (the fusion report's ``peak_memory_mb``, the kernel's VmHWM,
-less VmRSS before: the engine's buffers included, no allocation traced, so the times are
-not slowed), shown beside the size of S float64 copies of the model.
+less VmRSS before, taken after ``malloc_trim``: the engine's buffers included, no
+allocation traced, so the times are not slowed), shown beside the size of S float64
+copies of the model.
 
 Trained case: He et al.'s ResNet-20 (CIFAR layout, one input channel) trained on S iid
 clients of the bundled digits, from independent initialisations and from one shared
@@ -30,6 +31,7 @@ images (224x224 for resnet18/50, 32x32 for ResNet-20) on the CPU and, when
 from __future__ import annotations
 
 import argparse
+import ctypes
 import sys
 import tempfile
 import time
@@ -84,7 +86,9 @@ def client_files(model: str, n_clients: int, folder: Path, seed: int = 0) -> lis
 
 
 def resident_mb() -> float:
-    """The process's resident memory now (VmRSS, Linux), in MB."""
+    """The process's resident memory now (VmRSS, Linux), in MB, once the C heap has given
+    its free memory back (else what earlier calls freed would hide part of the next peak)."""
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
