@@ -530,7 +530,7 @@ Status solve_assignment(const T* cost, std::size_t nr, std::size_t nc, std::int6
         // Less than four times taller than wide, the dense solver on the transpose is faster
         // than the tall one (whose candidate lists cost two passes over a top block that
         // holds few candidates per column), unless many neurons are new: the tall one then
-        // takes them at once. Both check the values in their first pass.
+        // takes them at once. Both check the values in a pass they make anyway.
         if (nr * nc <= kMaxTransposed && nr < 4 * nc &&
             (runs.empty() || !many_new(new_share_tall(cost, nr, nc, runs), nc))) {
             const auto dense = [](const T* c, std::size_t r, std::size_t k, std::int64_t* x,

@@ -58,22 +58,18 @@ template bool valid_costs<double>(const double*, std::size_t, bool&);
 
 namespace {
 
-// GCC/Clang vector types of kBytes (kVectorBytes): the check stays a select in registers,
-// where an `omp simd` count spilled to memory on every row's tail.
+// GCC/Clang vector types of kBytes (kVectorBytes), so that the running minima stay in
+// registers across a row.
 template <class T, std::size_t kBytes>
-FUSEKIT_CLONES bool block_minima_in(const T* __restrict first, std::size_t count, std::size_t n,
-                                    std::size_t seen, double* __restrict block_min,
-                                    std::size_t blocks) {
+FUSEKIT_CLONES void block_minima_in(const T* __restrict first, std::size_t count,
+                                    std::size_t step, std::size_t n, std::size_t seen,
+                                    double* __restrict block_min, std::size_t blocks) {
     typedef typename Vectors<kBytes>::Doubles Lanes;
     constexpr std::size_t kLanes = kBytes / sizeof(double);
-    const double inf = std::numeric_limits<double>::infinity();
-    const Lanes one = Lanes{} + 1.0;
-    Lanes invalid{};
-    double tail_invalid = 0.0;
     const std::size_t whole = n / kLanes * kLanes;
     std::size_t block = seen % blocks;
     for (std::size_t t = 0; t < count; ++t) {
-        const T* line = first + t * n;
+        const T* line = first + t * step * n;
         double* acc = block_min + block * n;
         for (std::size_t j = 0; j < whole; j += kLanes) {
             Lanes c, m;
@@ -81,32 +77,31 @@ FUSEKIT_CLONES bool block_minima_in(const T* __restrict first, std::size_t count
             std::memcpy(&m, acc + j, sizeof m);
             m = c < m ? c : m;
             std::memcpy(acc + j, &m, sizeof m);
-            invalid = c > -inf ? invalid : one;  // NaN and -inf fail the compare
         }
         for (std::size_t j = whole; j < n; ++j) {
             const double c = static_cast<double>(line[j]);
             acc[j] = c < acc[j] ? c : acc[j];
-            tail_invalid = c > -inf ? tail_invalid : 1.0;
         }
         block = block + 1 == blocks ? 0 : block + 1;
     }
-    for (std::size_t l = 0; l < kLanes; ++l) tail_invalid = invalid[l] != 0.0 ? 1.0 : tail_invalid;
-    return tail_invalid == 0.0;
 }
 
 }  // namespace
 
 template <class T>
-bool block_minima(const T* first, std::size_t count, std::size_t n, std::size_t seen,
-                  double* block_min, std::size_t blocks) {
-    return kVectorBytes == 64 ? block_minima_in<T, 64>(first, count, n, seen, block_min, blocks)
-                              : block_minima_in<T, 32>(first, count, n, seen, block_min, blocks);
+void block_minima(const T* first, std::size_t count, std::size_t step, std::size_t n,
+                  std::size_t seen, double* block_min, std::size_t blocks) {
+    if (kVectorBytes == 64) {
+        block_minima_in<T, 64>(first, count, step, n, seen, block_min, blocks);
+    } else {
+        block_minima_in<T, 32>(first, count, step, n, seen, block_min, blocks);
+    }
 }
 
-template bool block_minima<float>(const float*, std::size_t, std::size_t, std::size_t, double*,
-                                  std::size_t);
-template bool block_minima<double>(const double*, std::size_t, std::size_t, std::size_t,
-                                   double*, std::size_t);
+template void block_minima<float>(const float*, std::size_t, std::size_t, std::size_t,
+                                  std::size_t, double*, std::size_t);
+template void block_minima<double>(const double*, std::size_t, std::size_t, std::size_t,
+                                   std::size_t, double*, std::size_t);
 
 FUSEKIT_CLONES void kth_smallest_columns(const double* __restrict x, std::size_t rows,
                                          std::size_t n, std::size_t k, double* __restrict out) {

@@ -19,13 +19,12 @@ void min_into(const T* line, double* acc, std::size_t n);
 template <class T>
 bool valid_costs(const T* x, std::size_t n, bool& has_inf);
 
-// Block minima of `count` consecutive rows of n entries from `first`, the seen + t-th row
-// into block (seen + t) % blocks of block_min (blocks x n, min_into each), while checking
-// them: false if they hold NaN or -inf. Lets a solver validate its matrix in a pass it makes
-// anyway; one call per range of rows.
+// Block minima of `count` rows of n entries, every step-th row from `first`: the seen + t-th
+// row read (first + t * step * n) into block (seen + t) % blocks of block_min (blocks x n,
+// min_into each). One call per range of rows. NaN entries are passed over.
 template <class T>
-bool block_minima(const T* first, std::size_t count, std::size_t n, std::size_t seen,
-                  double* block_min, std::size_t blocks);
+void block_minima(const T* first, std::size_t count, std::size_t step, std::size_t n,
+                  std::size_t seen, double* block_min, std::size_t blocks);
 
 // out[a] = the k-th smallest of x[i * n + a] over i < rows, for every column a of a
 // rows x n matrix at once (ranks counted with vector compares across columns).

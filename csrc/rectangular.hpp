@@ -25,8 +25,8 @@ template <class T>
 std::vector<Run> dominated_runs(const T* cost, std::size_t nr, std::size_t nc);
 
 // Same contract and outputs as solve_assignment (lap.hpp) for nr > nc > 0, NaN and -inf
-// refused (Status::non_finite): the runs' rows checked on their own, the others in the
-// first pass over them. Agents (the columns, the short side) are all assigned, one
+// refused (Status::non_finite): the runs' rows checked on their own, the others as their
+// entries are offered to the lists. Agents (the columns, the short side) are all assigned, one
 // shortest augmenting path each, searched over the agents only: the free objects (the long
 // side) enter a search through each agent's few cheapest free objects, kept in short sorted
 // lists built in one or two passes over the matrix and refilled from the agent's own line

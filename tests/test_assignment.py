@@ -130,7 +130,7 @@ def test_pfnm_shaped_problems_of_benchmark_size_take_every_route(new_share):
     problems, the tall solver for wide ones whose neurons are mostly new): the optimum and a
     dual certificate whichever route, as the share of new neurons moves the choice."""
     rng = np.random.default_rng(int(new_share * 10) + 200)
-    for j_global, j_local in [(100, 50), (60, 40), (500, 100), (150, 100), (20, 60)]:
+    for j_global, j_local in [(100, 50), (60, 40), (500, 100), (150, 100), (20, 60), (2000, 50)]:
         top = rng.random((j_global, j_local))
         per_neuron = np.where(rng.random(j_local) < new_share, -1.0, 2.0) + rng.random(j_local)
         slots = per_neuron[None, :] + 0.01 * np.log(np.arange(1, j_local + 1))[:, None]
@@ -139,6 +139,25 @@ def test_pfnm_shaped_problems_of_benchmark_size_take_every_route(new_share):
             rows, cols, (u, v) = solve_assignment(cost, return_duals=True)
             check_solution(cost, rows, cols, False)
             check_duals(cost, rows, cols, u, v, False)
+
+
+@pytest.mark.parametrize("bad", [np.nan, -np.inf])
+def test_invalid_entries_are_found_on_every_route(bad):
+    """Each route checks the values in a pass of its own (the tall solver while offering
+    its candidates, having bounded them from a sample of the rows): NaN or -inf anywhere,
+    a row outside the sample or the new-neuron slots included, is refused."""
+    rng = np.random.default_rng(7)
+    for j_global, j_local, new_share in [(2000, 50, 0.1), (100, 50, 0.0), (500, 100, 1.0)]:
+        top = rng.random((j_global, j_local))
+        per_neuron = np.where(rng.random(j_local) < new_share, -1.0, 2.0) + rng.random(j_local)
+        slots = per_neuron[None, :] + 0.01 * np.log(np.arange(1, j_local + 1))[:, None]
+        tall = np.vstack([top, slots])
+        for row in (0, 1, j_global // 2 + 1, j_global - 1, j_global + 1, len(tall) - 1):
+            broken = tall.copy()
+            broken[row, row % j_local] = bad
+            for cost in (broken, np.ascontiguousarray(broken.T)):
+                with pytest.raises(ParameterError, match="invalid numeric entries"):
+                    solve_assignment(cost)
 
 
 def test_portable_search_loops_match_scipy():

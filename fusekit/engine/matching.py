@@ -106,8 +106,8 @@ def solve_assignment(cost, maximize: bool = False, *, return_duals: bool = False
     are new (their strictly cheapest entry is the slots' first one; at least those the
     existing neurons cannot take; estimated on 16 rows of a wide matrix): with half of them
     or 32 new, on the tall solver; with fewer, a tall matrix less than four times taller
-    than wide on the dense solver. The values are checked in the first pass each solver
-    makes.
+    than wide on the dense solver. The values are checked in a pass each solver makes
+    anyway.
     """
     matrix = _as_cost_matrix(cost, maximize)
     rows, cols, u, v = core().solve_assignment(matrix, return_duals, maximize)
