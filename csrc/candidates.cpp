@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "lines.hpp"
+#include "reduction.hpp"
 #include "simd.hpp"
 
 namespace fusekit {
@@ -239,30 +240,23 @@ class SparseSolver {
                        std::vector<std::size_t>& free_agents) {
         std::size_t kept = 0;
         for (std::size_t a : free_agents) {
-            double best = kInf, second = kInf;
-            const Edge* first = nullptr;
-            const Edge* runner_up = nullptr;
-            for (const Edge& e : graph[a]) {
-                const double h = e.cost - v_[static_cast<std::size_t>(e.object)];
-                if (h < best) {
-                    second = best;
-                    runner_up = first;
-                    best = h;
-                    first = &e;
-                } else if (h < second) {
-                    second = h;
-                    runner_up = &e;
-                }
+            const std::vector<Edge>& edges = graph[a];
+            TwoCheapest best;  // over the agent's edges (at: the edge's index)
+            for (std::size_t t = 0; t < edges.size(); ++t) {
+                const double h = edges[t].cost - v_[static_cast<std::size_t>(edges[t].object)];
+                best.offer(h, static_cast<std::int64_t>(t));
             }
-            if (first == nullptr) {
+            if (best.at_first < 0) {
                 free_agents[kept++] = a;
                 continue;
             }
+            const Edge* first = &edges[static_cast<std::size_t>(best.at_first)];
             auto o = static_cast<std::size_t>(first->object);
-            if (best < second) {
-                if (second < kInf) v_[o] -= second - best;
+            if (best.first < best.second) {
+                if (best.second < kInf) v_[o] -= best.second - best.first;
             } else if (y_[o] >= 0) {
-                first = runner_up;  // a tie: take the other one, free if possible
+                // a tie: take the other one, free if possible
+                first = &edges[static_cast<std::size_t>(best.at_second)];
                 o = static_cast<std::size_t>(first->object);
             }
             const std::int64_t previous = y_[o];

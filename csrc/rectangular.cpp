@@ -9,6 +9,7 @@
 
 #include "augment.hpp"
 #include "lines.hpp"
+#include "reduction.hpp"
 #include "simd.hpp"
 
 namespace fusekit {
@@ -399,24 +400,9 @@ class ShortSideSolver {
         return true;
     }
 
-    struct TwoCheapest {
-        double first = kInf, second = kInf;  // reduced costs c - v (second may be a bound)
-        std::int64_t at_first = -1, at_second = -1;  // objects; -1 for a bound
-        void offer(double r, std::int64_t o) {
-            if (r < first) {
-                second = first;
-                at_second = at_first;
-                first = r;
-                at_first = o;
-            } else if (r < second) {
-                second = r;
-                at_second = o;
-            }
-        }
-    };
-
-    // Agent a's two cheapest objects by reduced cost: over the matched objects, its list
-    // (the second free entry or the gate) and the runs (their second member as a bound).
+    // Agent a's two cheapest objects by reduced cost c - v (at: the object, -1 for a bound):
+    // over the matched objects, its list (the second free entry or the gate) and the runs
+    // (their second member as a bound).
     TwoCheapest two_cheapest(std::size_t a) const {
         TwoCheapest best;
         for (std::size_t o : matched_objects_) {
