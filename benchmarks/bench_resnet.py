@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from bench_support import machine_info, write_json
+from bench_support import machine_info, status_mb, write_json
 from threadpoolctl import threadpool_limits
 
 import fusekit
@@ -89,10 +89,7 @@ def resident_mb() -> float:
     """The process's resident memory now (VmRSS, Linux), in MB, once the C heap has given
     its free memory back (else what earlier calls freed would hide part of the next peak)."""
     ctypes.CDLL("libc.so.6").malloc_trim(0)
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError("/proc/self/status has no VmRSS line")
+    return status_mb("VmRSS")
 
 
 def timing(models: list[str], clients: list[int], methods: list[str]) -> list[dict[str, Any]]:

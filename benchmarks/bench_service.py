@@ -22,7 +22,6 @@ import hashlib
 import os
 import secrets
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -35,11 +34,11 @@ from typing import Any
 
 import httpx
 import numpy as np
-from bench_support import machine_info, write_json
+from bench_support import machine_info, status_mb, write_json
 
 from fusekit.client import Client, ServiceError
 from fusekit.core.checkpoint import save_checkpoint
-from fusekit.toolkit.processes import end_groups, group_alive
+from fusekit.toolkit.processes import end_groups
 
 
 def free_port() -> int:
@@ -84,7 +83,8 @@ class ServiceProcess:
 
     def kill(self) -> None:
         """kill -9 of the server and its workers, as a crash of the machine would."""
-        self._signal_group(signal.SIGKILL)
+        if self.process is not None:
+            end_groups([self.process], terminate_first=False)
 
     def stop(self, timeout: float = 20.0) -> None:
         """SIGTERM to the group (and any its members started), SIGKILL to what is left after
@@ -92,22 +92,9 @@ class ServiceProcess:
         if self.process is not None:
             end_groups([self.process], grace=timeout)
 
-    def _signal_group(self, signum: int, timeout: float = 10.0) -> None:
-        if self.process is None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signum)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.process.wait(timeout)
-        deadline = time.monotonic() + timeout  # the workers leave the group last
-        while time.monotonic() < deadline and group_alive(self.process.pid):
-            time.sleep(0.05)
-
     def memory_mb(self, field: str = "VmHWM") -> float:
         """The API server's peak (VmHWM) or current (VmRSS) resident memory, in MB."""
-        status = Path(f"/proc/{self.process.pid}/status").read_text()
-        line = next(line for line in status.splitlines() if line.startswith(field))
-        return int(line.split()[1]) / 1024
+        return status_mb(field, self.process.pid)
 
     def reset_peak_memory(self) -> None:
         """Start VmHWM again from the current RSS (Linux ``clear_refs``), so each round
@@ -131,9 +118,7 @@ def redis_server(redis: str, workdir: Path):
             time.sleep(0.05)
         yield f"redis://127.0.0.1:{port}/0"
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait(10)
+        end_groups([process], terminate_first=False)
 
 
 def write_clients(folder: Path, n_clients: int, megabytes: float) -> list[Path]:

@@ -32,6 +32,15 @@ def machine_info(**extra: Any) -> dict[str, Any]:
     }
 
 
+def status_mb(field: str, pid: int | str = "self") -> float:
+    """A memory line of a process's /proc status (Linux), such as its resident size
+    (VmRSS) or resident peak (VmHWM), in MB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"/proc/{pid}/status has no {field} line")
+
+
 def write_json(path: str | os.PathLike[str], payload: dict[str, Any]) -> None:
     """Write a benchmark's results, creating the folder; says where on stdout."""
     path = Path(path)

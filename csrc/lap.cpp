@@ -122,8 +122,8 @@ FUSEKIT_CLONES double min_except(const T* __restrict row, const double* __restri
 }
 
 // What is known of a matrix's values when the dense solver starts: checked and finite;
-// checked, with forbidden (+inf) pairs; or not checked yet (wide matrices, which the solver
-// checks in its first pass).
+// checked, with forbidden (+inf) pairs; or not checked yet (wide matrices, and tall ones
+// solved through their transpose, which the solver checks in its first pass).
 enum class Values { finite, forbidden, unchecked };
 
 // The dense solver for square and wide (nr < nc) problems: rows are augmented one by one
@@ -421,7 +421,7 @@ __attribute__((target("avx512f"))) void transpose_blocks_avx512(const double* __
             const double* in = cost + i0 * nc + j0;
             __m512d r[8], t[8], q[8];
             for (std::size_t k = 0; k < 8; ++k) r[k] = _mm512_loadu_pd(in + k * nc);
-            for (std::size_t k = 0; k < 8; k += 2) {  // t[k]: entries 0,2,4,6 of r[k], r[k+1]
+            for (std::size_t k = 0; k < 8; k += 2) {  // entries 0,2,4,6 (t[k]), 1,3,5,7 (t[k+1])
                 t[k] = _mm512_unpacklo_pd(r[k], r[k + 1]);
                 t[k + 1] = _mm512_unpackhi_pd(r[k], r[k + 1]);
             }

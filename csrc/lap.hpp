@@ -20,10 +20,11 @@ namespace fusekit {
 // maximum, 0, on unassigned columns (rows) of a rectangular problem.
 //
 // Extra memory, whatever the values (ties included): O(nr + nc) for wide and small square
-// problems, O(nr + 32 nc) for tall ones (short lists and block minima per column), at most
-// kMaxEdgesPerRow (64, candidates.cpp) candidate pairs of 16 bytes per row for large square
-// ones, which otherwise fall back to the dense solver, and a transposed copy of problems of
-// up to kMaxTransposed (2^21, lap.cpp) entries solved in the other orientation.
+// problems, O(nr + k nc) for tall ones (k = 8 or 16 list entries and 2k block minima per
+// column), at most kMaxEdgesPerRow (64, candidates.cpp) candidate pairs of 16 bytes per row
+// for large square ones, which otherwise fall back to the dense solver, and a transposed
+// copy of problems of up to kMaxTransposed (2^21, lap.cpp) entries solved in the other
+// orientation.
 template <class T>
 Status solve_assignment(const T* cost, std::size_t nr, std::size_t nc, std::int64_t* col_of_row,
                         double* u, double* v);

@@ -1,7 +1,6 @@
 #include "lines.hpp"
 
 #include <algorithm>
-#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -56,45 +55,13 @@ FUSEKIT_CLONES bool valid_costs(const T* __restrict x, std::size_t n, bool& has_
 template bool valid_costs<float>(const float*, std::size_t, bool&);
 template bool valid_costs<double>(const double*, std::size_t, bool&);
 
-namespace {
-
-// GCC/Clang vector types of kBytes (kVectorBytes), so that the running minima stay in
-// registers across a row.
-template <class T, std::size_t kBytes>
-FUSEKIT_CLONES void block_minima_in(const T* __restrict first, std::size_t count,
-                                    std::size_t step, std::size_t n, std::size_t seen,
-                                    double* __restrict block_min, std::size_t blocks) {
-    typedef typename Vectors<kBytes>::Doubles Lanes;
-    constexpr std::size_t kLanes = kBytes / sizeof(double);
-    const std::size_t whole = n / kLanes * kLanes;
-    std::size_t block = seen % blocks;
-    for (std::size_t t = 0; t < count; ++t) {
-        const T* line = first + t * step * n;
-        double* acc = block_min + block * n;
-        for (std::size_t j = 0; j < whole; j += kLanes) {
-            Lanes c, m;
-            for (std::size_t l = 0; l < kLanes; ++l) c[l] = static_cast<double>(line[j + l]);
-            std::memcpy(&m, acc + j, sizeof m);
-            m = c < m ? c : m;
-            std::memcpy(acc + j, &m, sizeof m);
-        }
-        for (std::size_t j = whole; j < n; ++j) {
-            const double c = static_cast<double>(line[j]);
-            acc[j] = c < acc[j] ? c : acc[j];
-        }
-        block = block + 1 == blocks ? 0 : block + 1;
-    }
-}
-
-}  // namespace
-
 template <class T>
 void block_minima(const T* first, std::size_t count, std::size_t step, std::size_t n,
                   std::size_t seen, double* block_min, std::size_t blocks) {
-    if (kVectorBytes == 64) {
-        block_minima_in<T, 64>(first, count, step, n, seen, block_min, blocks);
-    } else {
-        block_minima_in<T, 32>(first, count, step, n, seen, block_min, blocks);
+    std::size_t block = seen % blocks;
+    for (std::size_t t = 0; t < count; ++t) {
+        min_into(first + t * step * n, block_min + block * n, n);
+        block = block + 1 == blocks ? 0 : block + 1;
     }
 }
 

@@ -3,8 +3,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <utility>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "augment.hpp"

@@ -1,6 +1,7 @@
 // Tall assignment (more rows than columns), augmenting over the short side: the solver
-// behind lap.hpp for tall problems, and for wide ones with many new neurons through their
-// transpose (lap.cpp picks the orientation).
+// behind lap.hpp for tall problems at least four times taller than wide or with many new
+// neurons, and for wide ones with many new neurons through their transpose (lap.cpp picks
+// the orientation; the others go to the dense solver).
 #pragma once
 #include <cstddef>
 #include <cstdint>

@@ -1,6 +1,8 @@
-// Function multi-versioning: hot loops are compiled for AVX-512, AVX2 and the baseline
-// and the loader picks the widest one the CPU supports, so a portable build still runs
-// at full width. Disabled where the toolchain lacks ifunc support.
+// The CPU's vector width, at run time. Function multi-versioning: hot loops are compiled
+// for AVX-512, AVX2 and the baseline and the loader picks the widest one the CPU supports,
+// so a portable build still runs at full width (disabled where the toolchain lacks ifunc
+// support). Hand-written AVX-512 kernels are taken where kHasAvx512 says the CPU runs them;
+// kVectorBytes sizes the kernels written with vector types, once for the process.
 #pragma once
 
 #include <cstddef>
@@ -36,8 +38,8 @@ inline const bool kHasAvx512 = (__builtin_cpu_init(), __builtin_cpu_supports("av
 inline const bool kHasAvx512 = false;
 #endif
 
-// The bytes of a GCC/Clang vector type that the CPU runs as such: 64 in the AVX-512 clones;
-// elsewhere 32, since 64-byte vectors compiled for AVX2 turn into scalar code (measured
+// The bytes of a GCC/Clang vector type that the CPU runs as such: 64 where the AVX-512
+// clones run; elsewhere 32, since 64-byte vectors compiled for AVX2 turn into scalar code (measured
 // 4-12x slower). Kernels written with vector types are instantiated for both.
 inline const std::size_t kVectorBytes = FUSEKIT_HAS_CLONES && kHasAvx512 ? 64 : 32;
 

@@ -198,10 +198,12 @@ class Checkpoint:
         it may run on another thread while a fusion reads and releases tensors."""
         digest = hashlib.sha256()
         for name in sorted(self.tensors):
-            array = self._arrays.get(name) if self.path is not None else None
-            if array is None:  # not held (read and checked, not kept), or the caller's array
-                array = (self.tensor(name) if self.path is None
-                         else self._checked(name, self._read(name)))
+            if self.path is None:  # the caller's arrays
+                array = self.tensor(name)
+            else:  # a held tensor as held; any other read and checked, not kept
+                array = self._arrays.get(name)
+                if array is None:
+                    array = self._checked(name, self._read(name))
             _hash_values(digest, name, array)
         return digest.hexdigest()
 

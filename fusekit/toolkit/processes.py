@@ -16,14 +16,16 @@ from collections.abc import Iterable
 from pathlib import Path
 
 
-def end_groups(processes: list[subprocess.Popen], grace: float = 10.0) -> None:
+def end_groups(processes: list[subprocess.Popen], grace: float = 10.0, *,
+               terminate_first: bool = True) -> None:
     """End the process groups ``processes`` lead and those of all their descendants (the
     SuperLink starts its SuperExec in a session of its own): SIGTERM, then SIGKILL for
     what is left after ``grace`` s, each followed by a bounded wait until no member is left.
+    ``terminate_first=False``: SIGKILL at once, as a crash of the machine would end them.
     """
     groups = {p.pid for p in processes} | descendant_groups(p.pid for p in processes)
     groups.discard(os.getpgrp())  # never the caller's own group
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+    for sig in (signal.SIGTERM, signal.SIGKILL)[0 if terminate_first else 1:]:
         for group in groups:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(group, sig)
