@@ -21,91 +21,147 @@ namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-// The two smallest values offered and where they were (-1: none yet); ties keep the
-// earlier index.
-struct TwoSmallest {
-    double first = kInf, second = kInf;
-    std::int64_t at_first = -1, at_second = -1;
-    void offer(double x, std::int64_t at) {
-        if (at < 0) return;
-        if (x < first || (x == first && at < at_first)) {
-            second = first;
-            at_second = at_first;
-            first = x;
-            at_first = at;
-        } else if (x < second || (x == second && (at_second < 0 || at < at_second))) {
-            second = x;
-            at_second = at;
-        }
-    }
-};
-
 // Below this size the dense solver is faster than candidate lists (measured on uniform
 // matrices: 300x300 dense 0.29 ms vs 0.47 ms; from 400x400 the candidates win).
 constexpr std::size_t kMinCandidateSquare = 384;
 
-// Smallest and second smallest reduced cost row[j] - v[j] with their columns (m >= 2), in
-// one pass; ties keep the earlier column. sum, of all of them, is finite only if they are:
-// a check of the values in a pass made anyway. kLanes lanes, in vectors of kBytes
-// (kVectorBytes), each keep their two smallest and where they are, merged at the end; each
-// vector's compare-and-blend chain overlaps the others' (16 lanes in two 64-byte vectors run
-// long rows 10-15% faster; short rows pay for the longer merge). GCC/Clang vector types: the
-// selects compile to compares and blends, where a loop over arrays spilled to memory.
-template <class T, std::size_t kBytes, std::size_t kLanes = 8>
+// Smallest and second smallest reduced cost row[j] - v[j] (m >= 2), in one pass of
+// min/max chains on values only: a lane's pair (a <= b) takes h as a = min(a, h),
+// b = min(b, max(a, h)). Where they are is found afterwards (first_at), since tracking
+// indices doubled the work per entry (two compares and four blends) and half of a short
+// row's time went to merging the lanes' indices. sum, of all of them, is finite only if
+// they are: a check of the values in a pass made anyway. kVectors vectors of kBytes
+// (kVectorBytes) run side by side so that their chains overlap.
+template <class T, std::size_t kBytes>
 FUSEKIT_CLONES void two_smallest(const T* __restrict row, const double* __restrict v,
-                                 std::size_t m, double& min1, std::size_t& j1, double& min2,
-                                 std::size_t& j2, double& sum) {
+                                 std::size_t m, double& min1, double& min2, double& sum) {
     typedef typename Vectors<kBytes>::Doubles Lanes;
-    typedef typename Vectors<kBytes>::Indices LaneIndices;
-    constexpr std::size_t kWidth = kBytes / sizeof(double), kVectors = kLanes / kWidth;
+    constexpr std::size_t kWidth = kBytes / sizeof(double), kVectors = 4;
+    constexpr std::size_t kBlock = kWidth * kVectors;
     Lanes a[kVectors], b[kVectors], total[kVectors];
-    LaneIndices ia[kVectors], ib[kVectors], at[kVectors];
     for (std::size_t s = 0; s < kVectors; ++s) {
         for (std::size_t l = 0; l < kWidth; ++l) {
             total[s][l] = 0.0;
             a[s][l] = b[s][l] = kInf;
-            ia[s][l] = ib[s][l] = -1;
-            at[s][l] = static_cast<std::int64_t>(s * kWidth + l);
         }
     }
-    const std::size_t whole = m / kLanes * kLanes;
-    for (std::size_t j0 = 0; j0 < whole; j0 += kLanes) {
-        for (std::size_t s = 0; s < kVectors; ++s) {
-            Lanes h, w;
-            const std::size_t j = j0 + s * kWidth;
-            for (std::size_t l = 0; l < kWidth; ++l) h[l] = static_cast<double>(row[j + l]);
-            std::memcpy(&w, v + j, sizeof w);
-            h -= w;
-            total[s] += h;
-            const auto first = h < a[s], second = h < b[s];
-            b[s] = first ? a[s] : (second ? h : b[s]);
-            ib[s] = first ? ia[s] : (second ? at[s] : ib[s]);
-            a[s] = first ? h : a[s];
-            ia[s] = first ? at[s] : ia[s];
-            at[s] += static_cast<std::int64_t>(kLanes);
-        }
+    const auto offer = [&](std::size_t s, const Lanes& h) {
+        const Lanes high = h > a[s] ? h : a[s];
+        b[s] = high < b[s] ? high : b[s];
+        a[s] = h < a[s] ? h : a[s];
+    };
+    const auto take = [&](std::size_t s, std::size_t j) {
+        Lanes h, w;
+        for (std::size_t l = 0; l < kWidth; ++l) h[l] = static_cast<double>(row[j + l]);
+        std::memcpy(&w, v + j, sizeof w);
+        h -= w;
+        total[s] += h;
+        offer(s, h);
+    };
+    std::size_t j = 0;
+    for (; j + kBlock <= m; j += kBlock) {
+        for (std::size_t s = 0; s < kVectors; ++s) take(s, j + s * kWidth);
     }
-    TwoSmallest best;
+    for (; j + kWidth <= m; j += kWidth) take(0, j);
     sum = 0.0;
-    for (std::size_t j = whole; j < m; ++j) {
-        const double h = static_cast<double>(row[j]) - v[j];
-        sum += h;
-        best.offer(h, static_cast<std::int64_t>(j));
-    }
-    for (std::size_t s = 0; s < kVectors; ++s) {
+    if (j < m) {  // the last entries, padded with +inf
+        Lanes h;
         for (std::size_t l = 0; l < kWidth; ++l) {
-            sum += total[s][l];
-            best.offer(a[s][l], ia[s][l]);
-            best.offer(b[s][l], ib[s][l]);
+            h[l] = j + l < m ? static_cast<double>(row[j + l]) - v[j + l] : kInf;
+            sum += j + l < m ? h[l] : 0.0;
+        }
+        offer(0, h);
+    }
+    // The lanes' pairs merged: first the vectors, then the lanes of one.
+    for (std::size_t s = 1; s < kVectors; ++s) {
+        const Lanes low_b = b[s] < b[0] ? b[s] : b[0], high_a = a[s] > a[0] ? a[s] : a[0];
+        b[0] = high_a < low_b ? high_a : low_b;
+        a[0] = a[s] < a[0] ? a[s] : a[0];
+        total[0] += total[s];
+    }
+    double first = kInf, second = kInf;
+    for (std::size_t l = 0; l < kWidth; ++l) {
+        sum += total[0][l];
+        first = a[0][l] < first ? a[0][l] : first;
+    }
+    bool passed = false;  // one lane's a is the first; every other a and b may be the second
+    for (std::size_t l = 0; l < kWidth; ++l) {
+        second = b[0][l] < second ? b[0][l] : second;
+        if (!passed && a[0][l] == first) {
+            passed = true;
+        } else {
+            second = a[0][l] < second ? a[0][l] : second;
         }
     }
-    min1 = best.first;
-    min2 = best.second;
-    // Rows of +inf leave indices unset: any two distinct columns then do.
-    j1 = best.at_first >= 0 ? static_cast<std::size_t>(best.at_first) : 0;
-    j2 = best.at_second >= 0 && static_cast<std::size_t>(best.at_second) != j1
-             ? static_cast<std::size_t>(best.at_second)
-             : (j1 == 0 ? 1 : 0);
+    min1 = first;
+    min2 = second;
+}
+
+// The first column j >= from with row[j] - v[j] == value; m if none. Whole vectors are
+// compared first, then the entries of the one that holds it.
+template <class T>
+FUSEKIT_CLONES std::size_t first_at(const T* __restrict row, const double* __restrict v,
+                                    std::size_t from, std::size_t m, double value) {
+    typedef typename Vectors<32>::Doubles Lanes;
+    constexpr std::size_t kWidth = 4;
+    std::size_t j = from;
+    for (; j + kWidth <= m; j += kWidth) {
+        Lanes h, w;
+        for (std::size_t l = 0; l < kWidth; ++l) h[l] = static_cast<double>(row[j + l]);
+        std::memcpy(&w, v + j, sizeof w);
+        const auto equal = h - w == value;
+        if ((equal[0] | equal[1] | equal[2] | equal[3]) != 0) break;
+    }
+    for (; j < m; ++j) {
+        if (static_cast<double>(row[j]) - v[j] == value) return j;
+    }
+    return m;
+}
+
+#ifdef FUSEKIT_AVX512_KERNELS
+// Which of the 8 entries from j (of `lanes`) have row[j] - v[j] == target, as bits.
+template <class T>
+__attribute__((target("avx512f"))) inline unsigned equal_avx512(const T* row, const double* v,
+                                                               std::size_t j, __m512d target,
+                                                               __mmask8 lanes = 0xff) {
+    const __m512d h =
+        _mm512_sub_pd(load8_avx512(row + j, lanes), _mm512_maskz_loadu_pd(lanes, v + j));
+    return _mm512_mask_cmp_pd_mask(lanes, h, target, _CMP_EQ_OQ);
+}
+
+// first_at on compare masks, four vectors to a branch (the vector-type form tests a 64-byte
+// compare's lanes one by one).
+template <class T>
+__attribute__((target("avx512f"))) std::size_t first_at_avx512(const T* __restrict row,
+                                                               const double* __restrict v,
+                                                               std::size_t from, std::size_t m,
+                                                               double value) {
+    const __m512d target = _mm512_set1_pd(value);
+    std::size_t j = from;
+    for (; j + 32 <= m; j += 32) {
+        const unsigned found = equal_avx512(row, v, j, target) |
+                               equal_avx512(row, v, j + 8, target) << 8 |
+                               equal_avx512(row, v, j + 16, target) << 16 |
+                               equal_avx512(row, v, j + 24, target) << 24;
+        if (found != 0) return j + static_cast<std::size_t>(__builtin_ctz(found));
+    }
+    for (; j < m; j += 8) {
+        const auto lanes = m - j >= 8 ? 0xff : static_cast<__mmask8>((1u << (m - j)) - 1);
+        const unsigned found = equal_avx512(row, v, j, target, lanes);
+        if (found != 0) return j + static_cast<std::size_t>(__builtin_ctz(found));
+    }
+    return m;
+}
+#endif
+
+// first_at on the widest kernel the CPU runs.
+template <class T>
+std::size_t first_reduced_at(const T* row, const double* v, std::size_t from, std::size_t m,
+                             double value) {
+#ifdef FUSEKIT_AVX512_KERNELS
+    if (kHasAvx512) return first_at_avx512(row, v, from, m, value);
+#endif
+    return first_at(row, v, from, m, value);
 }
 
 // min over j != skip of row[j] - v[j].
@@ -224,20 +280,19 @@ class Solver {
             while (k < previous) {
                 const auto i = static_cast<std::size_t>(free_rows[k++]);
                 double umin, usubmin, sum;
-                std::size_t j1, j2;
-                if (kVectorBytes == 64 && nc_ >= 512) {
-                    two_smallest<T, 64, 16>(row(i), v_.data(), nc_, umin, j1, usubmin, j2, sum);
-                } else if (kVectorBytes == 64) {
-                    two_smallest<T, 64>(row(i), v_.data(), nc_, umin, j1, usubmin, j2, sum);
+                if (kVectorBytes == 64) {
+                    two_smallest<T, 64>(row(i), v_.data(), nc_, umin, usubmin, sum);
                 } else {
-                    two_smallest<T, 32>(row(i), v_.data(), nc_, umin, j1, usubmin, j2, sum);
+                    two_smallest<T, 32>(row(i), v_.data(), nc_, umin, usubmin, sum);
                 }
                 if (check && pass == 0 && !std::isfinite(sum)) return false;
+                // Ties go to the earlier column: the first holding umin, then the next.
+                std::size_t j1 = first_reduced_at(row(i), v_.data(), 0, nc_, umin);
                 std::int64_t i0 = y_[j1];
                 if (umin < usubmin) {
                     v_[j1] -= usubmin - umin;
                 } else if (i0 >= 0) {
-                    j1 = j2;
+                    j1 = first_reduced_at(row(i), v_.data(), j1 + 1, nc_, umin);
                     i0 = y_[j1];
                 }
                 x_[i] = static_cast<std::int64_t>(j1);

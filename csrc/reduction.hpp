@@ -1,5 +1,5 @@
 // A piece of Jonker-Volgenant's augmenting row reduction shared by the candidate and tall
-// solvers (the dense solver's vectorised scan keeps its own, whose lanes merge by index).
+// solvers (the dense solver's vectorised scan tracks values only, and finds where after).
 #pragma once
 #include <cstdint>
 #include <limits>
