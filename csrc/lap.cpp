@@ -354,39 +354,22 @@ class Solver {
 
 // Columns head..end of the longest run of at least kMinRun consecutive columns each dominating
 // the previous in the given rows (PFNM's new-neuron slots, in a wide problem); false if none.
-// The first rows propose the rising columns (each row re-checks the survivors only), and the
-// longest stretch of them is then verified on the other rows with vector compares.
+// The first rows propose the rising columns with vector compares, and the longest stretch of
+// them is then verified on the other rows.
 template <class T>
 bool longest_column_run(const T* cost, std::size_t nc, const std::vector<std::size_t>& rows,
                         std::size_t& head, std::size_t& end) {
     constexpr std::size_t kProposing = 8;
-    const T* first = cost + rows[0] * nc;
-    std::vector<std::size_t> rising;  // j: column j >= column j - 1 in every row so far
-    for (std::size_t j = 1; j < nc; ++j) {
-        if (first[j] >= first[j - 1]) rising.push_back(j);
-    }
+    std::vector<unsigned char> rising(nc, 1);
     const std::size_t proposing = std::min(rows.size(), kProposing);
-    for (std::size_t t = 1; t < proposing && !rising.empty(); ++t) {
-        const T* row = cost + rows[t] * nc;
-        std::size_t kept = 0;
-        for (std::size_t j : rising) {
-            if (row[j] >= row[j - 1]) rising[kept++] = j;
-        }
-        rising.resize(kept);
-    }
-    std::size_t best = 0;
-    for (std::size_t k = 0; k < rising.size();) {
-        std::size_t last = k;
-        while (last + 1 < rising.size() && rising[last + 1] == rising[last] + 1) ++last;
-        const std::size_t length = rising[last] - rising[k] + 2;
-        if (length > best) {
-            best = length;
-            head = rising[k] - 1;
-            end = rising[last];
-        }
-        k = last + 1;
-    }
-    if (best < kMinRun) return false;
+    for (std::size_t t = 0; t < proposing; ++t) keep_rising(cost + rows[t] * nc, rising.data(), nc);
+    const std::vector<Run> runs = rising_runs(rising);
+    if (runs.empty()) return false;
+    const Run longest = *std::max_element(runs.begin(), runs.end(), [](const Run& p, const Run& q) {
+        return p.end - p.head < q.end - q.head;
+    });
+    head = longest.head;
+    end = longest.end;
     for (std::size_t t = proposing; t < rows.size(); ++t) {
         const T* run = cost + rows[t] * nc + head;
         if (!dominates(run, run + 1, end - head)) return false;

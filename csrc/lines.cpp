@@ -1,6 +1,8 @@
 #include "lines.hpp"
 
 #include <algorithm>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -26,6 +28,53 @@ FUSEKIT_CLONES bool dominates(const T* __restrict a, const T* __restrict b, std:
 
 template bool dominates<float>(const float*, const float*, std::size_t);
 template bool dominates<double>(const double*, const double*, std::size_t);
+
+namespace {
+
+#ifdef FUSEKIT_AVX512_KERNELS
+// keep_rising on compare masks, 8 steps at a time, each mask spread to 8 flag bytes (pdep):
+// the vector-type form packed 64-bit compare lanes into bytes with a dozen shuffles. Each
+// entry is loaded once, its predecessors shifted in from the previous vector.
+template <class T>
+__attribute__((target("avx512f,bmi2"))) void keep_rising_avx512(const T* __restrict line,
+                                                               unsigned char* __restrict rising,
+                                                               std::size_t n) {
+    std::size_t j = 0;
+    __m512d previous = _mm512_setzero_pd();
+    for (; j + 8 <= n; j += 8) {
+        const __m512d entries = load8_avx512(line + j);
+        const __m512d before = _mm512_castsi512_pd(_mm512_alignr_epi64(
+            _mm512_castpd_si512(entries), _mm512_castpd_si512(previous), 7));
+        const __mmask8 up = _mm512_cmp_pd_mask(entries, before, _CMP_GE_OQ);
+        previous = entries;
+        std::uint64_t flags;
+        std::memcpy(&flags, rising + j, sizeof flags);
+        flags &= _pdep_u64(up, 0x0101010101010101ULL) | (j == 0);  // rising[0]: no step
+        std::memcpy(rising + j, &flags, sizeof flags);
+    }
+    for (j = std::max<std::size_t>(j, 1); j < n; ++j) rising[j] &= line[j] >= line[j - 1];
+}
+#endif
+
+template <class T>
+FUSEKIT_CLONES void keep_rising_portable(const T* __restrict line, unsigned char* __restrict rising,
+                                         std::size_t n) {
+#pragma omp simd
+    for (std::size_t j = 1; j < n; ++j) rising[j] &= line[j] >= line[j - 1];
+}
+
+}  // namespace
+
+template <class T>
+void keep_rising(const T* line, unsigned char* rising, std::size_t n) {
+#ifdef FUSEKIT_AVX512_KERNELS
+    if (kHasAvx512) return keep_rising_avx512(line, rising, n);
+#endif
+    keep_rising_portable(line, rising, n);
+}
+
+template void keep_rising<float>(const float*, unsigned char*, std::size_t);
+template void keep_rising<double>(const double*, unsigned char*, std::size_t);
 
 template <class T>
 FUSEKIT_CLONES void min_into(const T* __restrict line, double* __restrict acc, std::size_t n) {

@@ -11,6 +11,11 @@ namespace fusekit {
 template <class T>
 bool dominates(const T* a, const T* b, std::size_t n);
 
+// rising[j] &= line[j] >= line[j - 1] for 1 <= j < n: which steps of a line never fall,
+// narrowed one line at a time.
+template <class T>
+void keep_rising(const T* line, unsigned char* rising, std::size_t n);
+
 // acc[j] = min(acc[j], line[j]) for j < n.
 template <class T>
 void min_into(const T* line, double* acc, std::size_t n);

@@ -197,21 +197,32 @@ bool offer_rows_any(const T* first, std::size_t count, std::size_t o0, std::size
 
 }  // namespace
 
-template <class T>
-std::vector<Run> dominated_runs(const T* cost, std::size_t nr, std::size_t nc) {
-    std::vector<unsigned char> ascending(nr, 1);  // row o >= row o - 1
-    ascending[0] = 0;
-    for (std::size_t o = 1; o < nr; ++o) {
-        ascending[o] = dominates(cost + (o - 1) * nc, cost + o * nc, nc);
-    }
+std::vector<Run> rising_runs(const std::vector<unsigned char>& rising) {
     std::vector<Run> found;
-    for (std::size_t o = 1; o < nr; ++o) {
-        if (!ascending[o]) continue;
+    const std::size_t n = rising.size();
+    const auto clear8 = [&](std::size_t o) {
+        std::uint64_t eight;
+        std::memcpy(&eight, rising.data() + o, sizeof eight);
+        return eight == 0;
+    };
+    for (std::size_t o = 1; o < n; ++o) {
+        while (o + 8 <= n && clear8(o)) o += 8;  // flags are mostly clear
+        if (o >= n || !rising[o]) continue;
         std::size_t end = o;
-        while (end + 1 < nr && ascending[end + 1]) ++end;
+        while (end + 1 < n && rising[end + 1]) ++end;
         if (end - o + 2 >= kMinRun) found.push_back({o - 1, end});
         o = end;
     }
+    return found;
+}
+
+template <class T>
+std::vector<Run> dominated_runs(const T* cost, std::size_t nr, std::size_t nc) {
+    std::vector<unsigned char> ascending(nr, 1);  // row o >= row o - 1
+    for (std::size_t o = 1; o < nr; ++o) {
+        ascending[o] = dominates(cost + (o - 1) * nc, cost + o * nc, nc);
+    }
+    std::vector<Run> found = rising_runs(ascending);
     std::stable_sort(found.begin(), found.end(), [](const Run& p, const Run& q) {
         return p.end - p.head > q.end - q.head;
     });

@@ -19,6 +19,10 @@ struct Run {
 // Runs of fewer lines are not worth collapsing: their members are listed one by one.
 constexpr std::size_t kMinRun = 4;
 
+// The runs of at least kMinRun lines that the flags mark: rising[o] says line o dominates
+// line o - 1 (rising[0] is not read), in order.
+std::vector<Run> rising_runs(const std::vector<unsigned char>& rising);
+
 // The longest few runs of at least kMinRun rows of a row-major nr x nc matrix, longest first
 // (PFNM's new-neuron slots, with their growing penalty, form one). Mostly one vector compare
 // per row: unrelated rows are told apart in their first chunk.
