@@ -174,13 +174,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="only compare fusekit.fuse from files with the engine")
     args = parser.parse_args(argv)
     end_to_end = from_files_vs_engine(args.end_to_end_clients) if args.end_to_end_clients else {}
-    if args.end_to_end_only:  # the saved method rows stay; only the comparison is new
+    if end_to_end:
+        end_to_end["machine"] = machine_info(scipy=scipy.__version__)
+    if args.end_to_end_only:  # the saved method rows stay, with the machine they ran on
         saved = json.loads(Path(args.json).read_text()) if Path(args.json).exists() else {}
-        rows = saved.get("rows", [])
+        rows, machine = saved.get("rows", []), saved.get("machine", {})
     else:
         rows = run(args.clients, args.numpy_clients, not args.no_cnn, args.lam)
-    write_json(args.json, {"machine": machine_info(scipy=scipy.__version__), "rows": rows,
-                           "from_files": end_to_end})
+        machine = machine_info(scipy=scipy.__version__)
+    write_json(args.json, {"machine": machine, "rows": rows, "from_files": end_to_end})
     return 0
 
 
