@@ -9,9 +9,9 @@ namespace fusekit {
 namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
+constexpr double kClosed = std::numeric_limits<double>::quiet_NaN();  // penalty of a closed node
 
 FUSEKIT_CLONES double start_nodes(double* __restrict d, const double* __restrict pot,
-                                  std::int64_t* __restrict done,
                                   const double* __restrict penalty, double offset,
                                   std::size_t n, double& best_free) {
     double best = kInf, best_end = kInf;
@@ -19,7 +19,6 @@ FUSEKIT_CLONES double start_nodes(double* __restrict d, const double* __restrict
     for (std::size_t k = 0; k < n; ++k) {
         const double dk = d[k] - offset - pot[k];
         d[k] = dk;
-        done[k] = 0;
         best = dk < best ? dk : best;
         const double end = dk + penalty[k];
         best_end = end < best_end ? end : best_end;
@@ -32,20 +31,20 @@ template <class T>
 FUSEKIT_CLONES double relax_line(const T* __restrict line, double shift, std::int64_t from,
                                  const double* __restrict pot, double* __restrict d,
                                  std::int64_t* __restrict pred,
-                                 const std::int64_t* __restrict done,
                                  const double* __restrict penalty, std::size_t n,
                                  double& best_free) {
     double best = kInf, best_end = kInf;
 #pragma omp simd reduction(min : best, best_end)
     for (std::size_t k = 0; k < n; ++k) {
         const double nd = static_cast<double>(line[k]) - shift - pot[k];
-        const bool update = (done[k] == 0) & (nd < d[k]);
+        const bool open = penalty[k] == penalty[k];  // closed: NaN
+        const bool update = open & (nd < d[k]);
         const double dk = update ? nd : d[k];
         d[k] = dk;
         pred[k] = update ? from : pred[k];
-        const double open = done[k] != 0 ? kInf : dk;
-        best = open < best ? open : best;
-        const double end = open + penalty[k];
+        const double reach = open ? dk : kInf;
+        best = reach < best ? reach : best;
+        const double end = reach + penalty[k];  // NaN when closed: never below best_end
         best_end = end < best_end ? end : best_end;
     }
     best_free = best_end;
@@ -59,16 +58,17 @@ FUSEKIT_CLONES double relax_line(const T* __restrict line, double shift, std::in
 template <class T>
 __attribute__((target("avx512f"))) double relax_line_avx512(
     const T* __restrict line, double shift, std::int64_t from, const double* __restrict pot,
-    double* __restrict d, std::int64_t* __restrict pred, const std::int64_t* __restrict done,
-    const double* __restrict penalty, std::size_t n, double& best_free) {
+    double* __restrict d, std::int64_t* __restrict pred, const double* __restrict penalty,
+    std::size_t n, double& best_free) {
     const __m512d inf = _mm512_set1_pd(kInf), offset = _mm512_set1_pd(shift);
-    const __m512i source = _mm512_set1_epi64(from), zero = _mm512_setzero_si512();
+    const __m512i source = _mm512_set1_epi64(from);
     __m512d best = inf, best_end = inf;
     std::size_t k = 0;
     for (; k + 8 <= n; k += 8) {
         const __m512d nd =
             _mm512_sub_pd(_mm512_sub_pd(load8_avx512(line + k), offset), _mm512_loadu_pd(pot + k));
-        const __mmask8 open = _mm512_cmpeq_epi64_mask(_mm512_loadu_si512(done + k), zero);
+        const __m512d end_cost = _mm512_loadu_pd(penalty + k);
+        const __mmask8 open = _mm512_cmp_pd_mask(end_cost, end_cost, _CMP_ORD_Q);
         __m512d dk = _mm512_loadu_pd(d + k);
         const __mmask8 update = _mm512_mask_cmp_pd_mask(open, nd, dk, _CMP_LT_OQ);
         _mm512_mask_storeu_pd(d + k, update, nd);
@@ -76,11 +76,11 @@ __attribute__((target("avx512f"))) double relax_line_avx512(
         dk = _mm512_mask_mov_pd(dk, update, nd);
         const __m512d reach = _mm512_mask_mov_pd(inf, open, dk);
         best = _mm512_min_pd(reach, best);
-        best_end = _mm512_min_pd(_mm512_add_pd(reach, _mm512_loadu_pd(penalty + k)), best_end);
+        best_end = _mm512_min_pd(_mm512_add_pd(reach, end_cost), best_end);  // NaN: skipped
     }
     double tail = _mm512_reduce_min_pd(best), tail_end = _mm512_reduce_min_pd(best_end);
     for (; k < n; ++k) {
-        if (done[k] != 0) continue;
+        if (penalty[k] != penalty[k]) continue;
         const double nd = static_cast<double>(line[k]) - shift - pot[k];
         if (nd < d[k]) {
             d[k] = nd;
@@ -96,22 +96,22 @@ __attribute__((target("avx512f"))) double relax_line_avx512(
 
 // find_tied in AVX-512: one masked compare per eight nodes and the first hit from its mask.
 template <bool kFree>
-__attribute__((target("avx512f"))) std::size_t find_tied_avx512(
-    const double* __restrict d, const std::int64_t* __restrict done,
-    const double* __restrict penalty, double dmin, std::size_t n) {
+__attribute__((target("avx512f"))) std::size_t find_tied_avx512(const double* __restrict d,
+                                                                const double* __restrict penalty,
+                                                                double dmin, std::size_t n) {
     const __m512d target = _mm512_set1_pd(dmin);
-    const __m512i zero = _mm512_setzero_si512();
     std::size_t k = 0;
     for (; k + 8 <= n; k += 8) {
+        const __m512d end_cost = _mm512_loadu_pd(penalty + k);
         __m512d key = _mm512_loadu_pd(d + k);
-        if (kFree) key = _mm512_add_pd(key, _mm512_loadu_pd(penalty + k));
-        const __mmask8 open = _mm512_cmpeq_epi64_mask(_mm512_loadu_si512(done + k), zero);
+        if (kFree) key = _mm512_add_pd(key, end_cost);  // closed: NaN, never equal
+        const __mmask8 open = kFree ? 0xff : _mm512_cmp_pd_mask(end_cost, end_cost, _CMP_ORD_Q);
         const unsigned hit = _mm512_mask_cmp_pd_mask(open, key, target, _CMP_EQ_OQ);
         if (hit != 0) return k + static_cast<std::size_t>(__builtin_ctz(hit));
     }
     for (;; ++k) {
         const double key = kFree ? d[k] + penalty[k] : d[k];
-        if (key == dmin && done[k] == 0) return k;
+        if (key == dmin && penalty[k] == penalty[k]) return k;
     }
 }
 
@@ -121,7 +121,6 @@ __attribute__((target("avx512f"))) std::size_t find_tied_avx512(
 // at a time so that the scan is mostly vector compares.
 template <bool kFree>
 FUSEKIT_CLONES std::size_t find_tied(const double* __restrict d,
-                                     const std::int64_t* __restrict done,
                                      const double* __restrict penalty, double dmin,
                                      std::size_t n) {
     constexpr std::size_t kChunk = 8;
@@ -131,13 +130,13 @@ FUSEKIT_CLONES std::size_t find_tied(const double* __restrict d,
 #pragma omp simd reduction(| : hit)
         for (std::size_t l = 0; l < kChunk; ++l) {
             const double key = kFree ? d[k0 + l] + penalty[k0 + l] : d[k0 + l];
-            hit |= (key == dmin) & (done[k0 + l] == 0);
+            hit |= (key == dmin) & (penalty[k0 + l] == penalty[k0 + l]);
         }
         if (hit) break;
     }
     for (std::size_t k = k0;; ++k) {
         const double key = kFree ? d[k] + penalty[k] : d[k];
-        if (key == dmin && done[k] == 0) return k;
+        if (key == dmin && penalty[k] == penalty[k]) return k;
     }
 }
 
@@ -145,8 +144,9 @@ FUSEKIT_CLONES std::size_t find_tied(const double* __restrict d,
 
 double AugmentSearch::start(double offset, const double* pot, std::size_t n,
                             double& best_free) {
+    for (std::size_t k : finished) penalty[k] = kInf;  // the last search's, assigned now
     finished.clear();
-    return start_nodes(d.data(), pot, done.data(), penalty.data(), offset, n, best_free);
+    return start_nodes(d.data(), pot, penalty.data(), offset, n, best_free);
 }
 
 std::size_t AugmentSearch::pick(double dmin, bool free_tied, std::size_t n) {
@@ -154,17 +154,17 @@ std::size_t AugmentSearch::pick(double dmin, bool free_tied, std::size_t n) {
     if (kHasAvx512) {
         const std::size_t k =
             free_tied
-                ? find_tied_avx512<true>(d.data(), done.data(), penalty.data(), dmin, n)
-                : find_tied_avx512<false>(d.data(), done.data(), penalty.data(), dmin, n);
-        done[k] = 1;
+                ? find_tied_avx512<true>(d.data(), penalty.data(), dmin, n)
+                : find_tied_avx512<false>(d.data(), penalty.data(), dmin, n);
+        penalty[k] = kClosed;
         finished.push_back(k);
         return k;
     }
 #endif
     const std::size_t k = free_tied
-                              ? find_tied<true>(d.data(), done.data(), penalty.data(), dmin, n)
-                              : find_tied<false>(d.data(), done.data(), penalty.data(), dmin, n);
-    done[k] = 1;
+                              ? find_tied<true>(d.data(), penalty.data(), dmin, n)
+                              : find_tied<false>(d.data(), penalty.data(), dmin, n);
+    penalty[k] = kClosed;
     finished.push_back(k);
     return k;
 }
@@ -174,12 +174,12 @@ double AugmentSearch::relax(const T* line, double shift, std::int64_t from, cons
                             std::size_t n, double& best_free) {
 #ifdef FUSEKIT_AVX512_KERNELS
     if (kHasAvx512) {
-        return relax_line_avx512(line, shift, from, pot, d.data(), pred.data(), done.data(),
-                                 penalty.data(), n, best_free);
+        return relax_line_avx512(line, shift, from, pot, d.data(), pred.data(), penalty.data(), n,
+                                 best_free);
     }
 #endif
-    return relax_line(line, shift, from, pot, d.data(), pred.data(), done.data(),
-                      penalty.data(), n, best_free);
+    return relax_line(line, shift, from, pot, d.data(), pred.data(), penalty.data(), n,
+                      best_free);
 }
 
 template double AugmentSearch::relax<float>(const float*, double, std::int64_t, const double*,

@@ -14,7 +14,7 @@ namespace fusekit {
 // Reduced distances live in d; penalty is 0 on nodes that end a search (free), +inf on the
 // others, so that ties prefer an end and the search stops early on degenerate problems.
 struct AugmentSearch {
-    explicit AugmentSearch(std::size_t n) : d(n), penalty(n, 0.0), pred(n), done(n) {}
+    explicit AugmentSearch(std::size_t n) : d(n), penalty(n, 0.0), pred(n) {}
 
     // d[k] holds node k's entry cost on entry: it becomes d[k] - offset - pot[k], every
     // node open. Returns the smallest distance, and in best_free the smallest on free nodes.
@@ -30,7 +30,7 @@ struct AugmentSearch {
                  std::size_t n, double& best_free);
 
     std::vector<double> d, penalty;
-    std::vector<std::int64_t> pred, done;
+    std::vector<std::int64_t> pred;
     std::vector<std::size_t> finished;  // closed nodes, in order
 };
 
