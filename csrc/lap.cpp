@@ -393,14 +393,15 @@ double new_share(const std::vector<double>& minima, std::size_t head, std::size_
     return std::max(forced, static_cast<double>(new_ones) / static_cast<double>(minima.size()));
 }
 
-// Wide: the run is a range of columns, found and weighed on a sample of rows (it only picks
-// the orientation; the tall solver finds its runs on the whole matrix). 0 without a run.
+// Wide: the run (`slots`) is a range of columns, found and weighed on a sample of rows (it
+// picks the orientation; the tall solver checks it on the whole matrix). 0 without a run.
 template <class T>
-double new_share_wide(const T* cost, std::size_t nr, std::size_t nc) {
+double new_share_wide(const T* cost, std::size_t nr, std::size_t nc, Run& slots) {
     constexpr std::size_t kSampledRows = 16;
     std::vector<std::size_t> rows;
     for (std::size_t i = 0; i < nr; i += (nr + kSampledRows - 1) / kSampledRows) rows.push_back(i);
-    std::size_t head = 0, end = 0;
+    std::size_t& head = slots.head;
+    std::size_t& end = slots.end;
     if (!longest_column_run(cost, nc, rows, head, end)) return 0.0;
     std::vector<double> minima;
     for (std::size_t i : rows) {
@@ -428,6 +429,17 @@ double new_share_tall(const T* cost, std::size_t nr, std::size_t nc, const std::
     return new_share(minima, runs[0].head, existing, nc, [&](std::size_t k, std::size_t i) {
         return static_cast<double>(cost[k * nc + i]);
     });
+}
+
+// A tall matrix's runs, given one found on a sample of its lines: that one when each of its
+// rows dominates the previous on every column (a sample's run holds the whole matrix's, so
+// it is then the longest), else all of them, looked for anew.
+template <class T>
+std::vector<Run> runs_from_sample(const T* cost, std::size_t nr, std::size_t nc, Run sampled) {
+    for (std::size_t o = sampled.head + 1; o <= sampled.end; ++o) {
+        if (!dominates(cost + (o - 1) * nc, cost + o * nc, nc)) return dominated_runs(cost, nr, nc);
+    }
+    return {sampled};
 }
 
 // Problems of up to this many entries (16 MiB of float64) may be solved through a transposed
@@ -580,10 +592,11 @@ Status solve_assignment(const T* cost, std::size_t nr, std::size_t nc, std::int6
         return solve_tall(cost, nr, nc, std::move(runs), col_of_row, u, v);
     }
     if (nr < nc) {
-        if (nr * nc <= kMaxTransposed && many_new(new_share_wide(cost, nr, nc), nr)) {
-            const auto tall = [](const T* c, std::size_t r, std::size_t k, std::int64_t* x,
-                                 double* a, double* b) {
-                return solve_tall(c, r, k, dominated_runs(c, r, k), x, a, b);
+        Run slots{0, 0};
+        if (nr * nc <= kMaxTransposed && many_new(new_share_wide(cost, nr, nc, slots), nr)) {
+            const auto tall = [slots](const T* c, std::size_t r, std::size_t k, std::int64_t* x,
+                                      double* a, double* b) {
+                return solve_tall(c, r, k, runs_from_sample(c, r, k, slots), x, a, b);
             };
             return solve_transposed(cost, nr, nc, tall, col_of_row, u, v);
         }

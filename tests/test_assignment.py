@@ -141,6 +141,27 @@ def test_pfnm_shaped_problems_of_benchmark_size_take_every_route(new_share):
             check_duals(cost, rows, cols, u, v, False)
 
 
+def test_a_slot_run_broken_outside_the_sampled_rows_is_not_collapsed():
+    """A wide problem's slot columns are found on a sample of its rows; when one row outside
+    the sample breaks their order (a slot much cheaper than the one before it there), the
+    tall solver must not take them as one run, whose first free member alone would be
+    offered. Most neurons are new, so that the tall solver runs."""
+    rng = np.random.default_rng(11)
+    for j_global, j_local in [(500, 100), (150, 64), (40, 48)]:
+        top = rng.random((j_global, j_local)) + 3.0
+        old = rng.random(j_local) < 0.3  # these have an existing neuron at cost 0
+        top[rng.integers(0, j_global, j_local)[old], np.flatnonzero(old)] = 0.0
+        slots = rng.random(j_local)[None, :] + 0.01 * np.arange(j_local)[:, None]
+        wide = np.ascontiguousarray(np.vstack([top, slots]).T)
+        for row in (1, j_local // 2 + 1, j_local - 1):  # outside the 16 sampled rows
+            for slot in (1, j_local // 2, j_local - 1):
+                broken = wide.copy()
+                broken[row, j_global + slot] = broken[row, j_global + slot - 1] - 2.0
+                rows, cols, (u, v) = solve_assignment(broken, return_duals=True)
+                check_solution(broken, rows, cols, False)
+                check_duals(broken, rows, cols, u, v, False)
+
+
 @pytest.mark.parametrize("bad", [np.nan, -np.inf])
 def test_invalid_entries_are_found_on_every_route(bad):
     """Each route checks the values in a pass of its own (the tall solver while offering
