@@ -23,6 +23,21 @@ constexpr double kInf = std::numeric_limits<double>::infinity();
 // 8 for 100 agents (4 refills often, 16 slows the list building), 16 for 500 (with 8,
 // tied integer costs refill 4x more and take 2-4x longer).
 std::size_t list_length(std::size_t agents) { return agents >= 256 ? 16 : 8; }
+// The first k in [from, n) with x[k] == value, n if none: eight compares to a branch.
+FUSEKIT_CLONES std::size_t first_equal(const std::int64_t* __restrict x, std::size_t from,
+                                       std::size_t n, std::int64_t value) {
+    std::size_t k0 = from;
+    for (; k0 + 8 <= n; k0 += 8) {
+        int hit = 0;
+#pragma omp simd reduction(| : hit)
+        for (std::size_t l = 0; l < 8; ++l) hit |= x[k0 + l] == value;
+        if (hit) break;
+    }
+    for (; k0 < n && x[k0] != value; ++k0) {
+    }
+    return k0;
+}
+
 // At most this many runs (each costs a vector pass per search).
 constexpr std::size_t kMaxRuns = 4;
 // Distances this many units in the last place of the costs' scale apart count as tied, so
@@ -374,8 +389,9 @@ class ShortSideSolver {
             return;
         }
         const auto object = static_cast<std::int64_t>(o);
-        for (std::size_t a = 0; a < n_; ++a) {
-            if (head_object_[a] == object) settle(a);
+        for (std::size_t a = first_equal(head_object_.data(), 0, n_, object); a < n_;
+             a = first_equal(head_object_.data(), a + 1, n_, object)) {
+            settle(a);
         }
     }
 
