@@ -49,12 +49,10 @@ struct Vectors;
 template <>
 struct Vectors<64> {
     typedef double Doubles __attribute__((vector_size(64)));
-    typedef std::int64_t Indices __attribute__((vector_size(64)));
 };
 template <>
 struct Vectors<32> {
     typedef double Doubles __attribute__((vector_size(32)));
-    typedef std::int64_t Indices __attribute__((vector_size(32)));
 };
 
 #ifdef FUSEKIT_AVX512_KERNELS
