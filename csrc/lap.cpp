@@ -25,6 +25,22 @@ constexpr double kInf = std::numeric_limits<double>::infinity();
 // matrices: 300x300 dense 0.29 ms vs 0.47 ms; from 400x400 the candidates win).
 constexpr std::size_t kMinCandidateSquare = 384;
 
+// Whether new neurons, a share of `neurons`, are many: half of them, or from 32 on, where
+// the dense solver's wandering costs more than the tall solver.
+bool many_new(double share, std::size_t neurons) {
+    return share >= 0.5 || share * static_cast<double>(neurons) >= 32.0;
+}
+
+// The share of `neurons` that are new for certain: those the `existing` others cannot take.
+double forced_new(std::size_t existing, std::size_t neurons) {
+    return neurons > existing ? 1.0 - static_cast<double>(existing) / static_cast<double>(neurons)
+                              : 0.0;
+}
+
+// The dense solver's first rows that tell whether a wide problem's rows are mostly new
+// neurons (their cheapest column a slot): the first reduction pass reads them anyway.
+constexpr std::size_t kProbedRows = 16;
+
 // Smallest and second smallest reduced cost row[j] - v[j] (m >= 2), in one pass of
 // min/max chains on values only: a lane's pair (a <= b) takes h as a = min(a, h),
 // b = min(b, max(a, h)). Where they are is found afterwards (first_at), since tracking
@@ -197,6 +213,15 @@ class Solver {
     const std::vector<double>& potentials() const { return v_; }
     const std::vector<std::int64_t>& row_solution() const { return x_; }
 
+    // PFNM's new-neuron slots, columns slots.head..end: run() declines (declined(), nothing
+    // solved) when the first kProbedRows rows of its first reduction pass say that many rows
+    // are new neurons, whose searches would wander through the slots.
+    void watch(const Run& slots) {
+        slots_ = slots;
+        watching_ = true;
+    }
+    bool declined() const { return declined_; }
+
     Status run(Values values) {
         std::vector<std::int64_t> free_rows;
         if (values == Values::finite && nr_ == nc_) {
@@ -213,6 +238,7 @@ class Solver {
             restart(free_rows);
             if (!has_inf) augmenting_row_reduction(free_rows, false);  // a finite sum overflowed
         }
+        if (declined_) return Status::ok;
         for (std::size_t j = 0; j < nc_; ++j) search_.penalty[j] = y_[j] < 0 ? 0.0 : kInf;
         for (std::int64_t f : free_rows) {
             if (x_[static_cast<std::size_t>(f)] >= 0) continue;
@@ -288,6 +314,7 @@ class Solver {
                 if (check && pass == 0 && !std::isfinite(sum)) return false;
                 // Ties go to the earlier column: the first holding umin, then the next.
                 std::size_t j1 = first_reduced_at(row(i), v_.data(), 0, nc_, umin);
+                if (watching_ && pass == 0 && probe(j1, k, previous)) return true;
                 std::int64_t i0 = y_[j1];
                 if (umin < usubmin) {
                     v_[j1] -= usubmin - umin;
@@ -308,6 +335,24 @@ class Solver {
             free_rows.resize(kept);
         }
         return true;
+    }
+
+    // Counts the probed row whose cheapest column is j (the k-th row of the first pass, of
+    // `rows`) and stops watching once the probed rows decide; true, declined, when they leave
+    // many new neurons (all new 100x600 decides after 8 rows). A tie goes to the earlier
+    // column, existing neurons before PFNM's slots: ties do not count (on tied integer costs
+    // the dense solver stays the faster).
+    bool probe(std::size_t j, std::size_t k, std::size_t rows) {
+        if (k == 1) slot_rows_ = 0;
+        slot_rows_ += j >= slots_.head && j <= slots_.end;
+        const double forced = forced_new(nc_ - (slots_.end - slots_.head + 1), nr_);
+        const auto probed = static_cast<double>(std::min(kProbedRows, rows));
+        const auto many = [&](std::size_t count) {
+            return many_new(std::max(forced, static_cast<double>(count) / probed), nr_);
+        };
+        declined_ = many(slot_rows_);
+        watching_ = !declined_ && many(slot_rows_ + static_cast<std::size_t>(probed) - k);
+        return declined_;
     }
 
     // Shortest augmenting path from free row f over reduced costs (augment.hpp), then the
@@ -350,6 +395,9 @@ class Solver {
     std::vector<double> v_;
     std::vector<std::int64_t> x_, y_;
     AugmentSearch search_;
+    Run slots_{0, 0};
+    bool watching_ = false, declined_ = false;
+    std::size_t slot_rows_ = 0;
 };
 
 // Columns head..end of the longest run of at least kMinRun consecutive columns each dominating
@@ -377,58 +425,20 @@ bool longest_column_run(const T* cost, std::size_t nc, const std::vector<std::si
     return true;
 }
 
-// The share of the other side's neurons that PFNM's new-neuron slots (a run of lines at
-// `head`) take, estimated: those whose strictly smallest entry is in the run's first line
-// (ties do not count: on tied integer costs the dense solver stays the faster), and at least
-// those that the `existing` other lines cannot all take (of `neurons`). `entry(k, i)` is
-// entry i of line k, `minima` the other lines' minima per entry.
-template <class Entry>
-double new_share(const std::vector<double>& minima, std::size_t head, std::size_t existing,
-                 std::size_t neurons, Entry entry) {
-    std::size_t new_ones = 0;
-    for (std::size_t i = 0; i < minima.size(); ++i) new_ones += entry(head, i) < minima[i];
-    const double forced = neurons > existing ? 1.0 - static_cast<double>(existing) /
-                                                         static_cast<double>(neurons)
-                                             : 0.0;
-    return std::max(forced, static_cast<double>(new_ones) / static_cast<double>(minima.size()));
-}
-
-// Wide: the run (`slots`) is a range of columns, found and weighed on a sample of rows (it
-// picks the orientation; the tall solver checks it on the whole matrix). 0 without a run.
+// Wide: PFNM's slots as a range of columns, found on a sample of 16 rows (the tall solver
+// checks the run on the whole matrix); false without one.
 template <class T>
-double new_share_wide(const T* cost, std::size_t nr, std::size_t nc, Run& slots) {
+bool wide_slots(const T* cost, std::size_t nr, std::size_t nc, Run& slots) {
     constexpr std::size_t kSampledRows = 16;
     std::vector<std::size_t> rows;
     for (std::size_t i = 0; i < nr; i += (nr + kSampledRows - 1) / kSampledRows) rows.push_back(i);
-    std::size_t& head = slots.head;
-    std::size_t& end = slots.end;
-    if (!longest_column_run(cost, nc, rows, head, end)) return 0.0;
-    std::vector<double> minima;
-    for (std::size_t i : rows) {
-        const T* row = cost + i * nc;
-        minima.push_back(std::min(min_of(row, head), min_of(row + end + 1, nc - end - 1)));
-    }
-    return new_share(minima, head, nc - (end - head + 1), nr, [&](std::size_t k, std::size_t t) {
-        return static_cast<double>(cost[rows[t] * nc + k]);
-    });
+    return longest_column_run(cost, nc, rows, slots.head, slots.end);
 }
 
-// Tall: the run is a range of rows; each column's minimum over the rows outside every run.
-template <class T>
-double new_share_tall(const T* cost, std::size_t nr, std::size_t nc, const std::vector<Run>& runs) {
-    std::vector<unsigned char> in_run(nr, 0);
-    std::size_t existing = nr;
-    for (const Run& r : runs) {
-        std::fill(in_run.begin() + r.head, in_run.begin() + r.end + 1, 1);
-        existing -= r.end - r.head + 1;
-    }
-    std::vector<double> minima(nc, kInf);
-    for (std::size_t o = 0; o < nr; ++o) {
-        if (!in_run[o]) min_into(cost + o * nc, minima.data(), nc);
-    }
-    return new_share(minima, runs[0].head, existing, nc, [&](std::size_t k, std::size_t i) {
-        return static_cast<double>(cost[k * nc + i]);
-    });
+// Whether the slots' share of new neurons is many for certain: more neurons than the other
+// columns can take.
+bool surely_many_new(const Run& slots, std::size_t nr, std::size_t nc) {
+    return many_new(forced_new(nc - (slots.end - slots.head + 1), nr), nr);
 }
 
 // A tall matrix's runs, given one found on a sample of its lines: that one when each of its
@@ -448,12 +458,6 @@ std::vector<Run> runs_from_sample(const T* cost, std::size_t nr, std::size_t nc,
 // many on the tall solver (the dense solver's searches wander through every row already on
 // a slot: 500x600 with 50 new neurons, 22 ms dense, 1 ms tall).
 constexpr std::size_t kMaxTransposed = std::size_t{1} << 21;
-
-// Whether new neurons, a share of `neurons`, are many: half of them, or from 32 on, where
-// the dense solver's wandering costs more than the tall solver.
-bool many_new(double share, std::size_t neurons) {
-    return share >= 0.5 || share * static_cast<double>(neurons) >= 32.0;
-}
 
 #ifdef FUSEKIT_AVX512_KERNELS
 // Rows [0, 8 * (nr / 8)) x columns [0, 8 * (nc / 8)) of a row-major nr x nc matrix into out
@@ -530,13 +534,17 @@ std::unique_ptr<T[]> transposed(const T* cost, std::size_t nr, std::size_t nc) {
     return out;
 }
 
-// Square and wide problems on the dense solver.
+// Square and wide problems on the dense solver. Given a wide problem's slot columns, it may
+// decline (Solver::watch): *declined says so, and nothing is written.
 template <class T>
 Status solve_dense(const T* cost, std::size_t nr, std::size_t nc, Values values,
-                   std::int64_t* col_of_row, double* u, double* v) {
+                   std::int64_t* col_of_row, double* u, double* v, const Run* slots = nullptr,
+                   bool* declined = nullptr) {
     Solver<T> solver(cost, nr, nc);
+    if (slots) solver.watch(*slots);
     const Status s = solver.run(values);
-    if (s != Status::ok) return s;
+    if (declined) *declined = solver.declined();
+    if (s != Status::ok || solver.declined()) return s;
     const auto& x = solver.row_solution();
     const auto& pot = solver.potentials();
     for (std::size_t i = 0; i < nr; ++i) {
@@ -580,20 +588,30 @@ Status solve_assignment(const T* cost, std::size_t nr, std::size_t nc, std::int6
         // Less than four times taller than wide, the dense solver on the transpose is faster
         // than the tall one (whose candidate lists cost two passes over a top block that
         // holds few candidates per column), unless many neurons are new: the tall one then
-        // takes them at once. Both check the values in a pass they make anyway.
+        // takes them at once, and the dense one declines after its first rows. Both check
+        // the values in a pass they make anyway.
         if (nr * nc <= kMaxTransposed && nr < 4 * nc &&
-            (runs.empty() || !many_new(new_share_tall(cost, nr, nc, runs), nc))) {
-            const auto dense = [](const T* c, std::size_t r, std::size_t k, std::int64_t* x,
-                                  double* a, double* b) {
-                return solve_dense(c, r, k, Values::unchecked, x, a, b);
+            (runs.empty() || !surely_many_new(runs[0], nc, nr))) {
+            bool declined = false;
+            const Run* slots = runs.empty() ? nullptr : &runs[0];
+            const auto dense = [slots, &declined](const T* c, std::size_t r, std::size_t k,
+                                                  std::int64_t* x, double* a, double* b) {
+                return solve_dense(c, r, k, Values::unchecked, x, a, b, slots, &declined);
             };
-            return solve_transposed(cost, nr, nc, dense, col_of_row, u, v);
+            const Status s = solve_transposed(cost, nr, nc, dense, col_of_row, u, v);
+            if (!declined) return s;
         }
         return solve_tall(cost, nr, nc, std::move(runs), col_of_row, u, v);
     }
     if (nr < nc) {
         Run slots{0, 0};
-        if (nr * nc <= kMaxTransposed && many_new(new_share_wide(cost, nr, nc, slots), nr)) {
+        if (nr * nc <= kMaxTransposed && wide_slots(cost, nr, nc, slots)) {
+            bool declined = true;
+            if (!surely_many_new(slots, nr, nc)) {
+                const Status s = solve_dense(cost, nr, nc, Values::unchecked, col_of_row, u, v,
+                                             &slots, &declined);
+                if (!declined) return s;
+            }
             const auto tall = [slots](const T* c, std::size_t r, std::size_t k, std::int64_t* x,
                                       double* a, double* b) {
                 return solve_tall(c, r, k, runs_from_sample(c, r, k, slots), x, a, b);
