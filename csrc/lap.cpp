@@ -340,7 +340,7 @@ class Solver {
 
     // Counts the probed row whose cheapest column is j (the k-th row of the first pass, of
     // `rows`) and stops watching once the probed rows decide; true, declined, when they leave
-    // many new neurons (all new 100x600 decides after 8 rows). A tie goes to the earlier
+    // many new neurons (all new 100x600 decides after 6 rows). A tie goes to the earlier
     // column, existing neurons before PFNM's slots: ties do not count (on tied integer costs
     // the dense solver stays the faster).
     bool probe(std::size_t j, std::size_t k, std::size_t rows) {
