@@ -32,8 +32,10 @@ bool many_new(double share, std::size_t neurons) {
     return share >= 0.5 || share * static_cast<double>(neurons) >= 32.0;
 }
 
-// The share of `neurons` that are new for certain: those the `existing` others cannot take.
-double forced_new(std::size_t existing, std::size_t neurons) {
+// The share of `neurons` (a wide layout's rows) that are new for certain: those that the
+// `lines` columns outside the slots cannot all take.
+double forced_new(const Run& slots, std::size_t neurons, std::size_t lines) {
+    const std::size_t existing = lines - (slots.end - slots.head + 1);
     return neurons > existing ? 1.0 - static_cast<double>(existing) / static_cast<double>(neurons)
                               : 0.0;
 }
@@ -346,7 +348,7 @@ class Solver {
     bool probe(std::size_t j, std::size_t k, std::size_t rows) {
         if (k == 1) slot_rows_ = 0;
         slot_rows_ += j >= slots_.head && j <= slots_.end;
-        const double forced = forced_new(nc_ - (slots_.end - slots_.head + 1), nr_);
+        const double forced = forced_new(slots_, nr_, nc_);
         const auto probed = static_cast<double>(std::min(kProbedRows, rows));
         const auto many = [&](std::size_t count) {
             return many_new(std::max(forced, static_cast<double>(count) / probed), nr_);
@@ -436,10 +438,9 @@ bool wide_slots(const T* cost, std::size_t nr, std::size_t nc, Run& slots) {
     return longest_column_run(cost, nc, rows, slots.head, slots.end);
 }
 
-// Whether the slots' share of new neurons is many for certain: more neurons than the other
-// columns can take.
-bool surely_many_new(const Run& slots, std::size_t nr, std::size_t nc) {
-    return many_new(forced_new(nc - (slots.end - slots.head + 1), nr), nr);
+// Whether new neurons are many for certain (forced_new, same arguments).
+bool surely_many_new(const Run& slots, std::size_t neurons, std::size_t lines) {
+    return many_new(forced_new(slots, neurons, lines), neurons);
 }
 
 // A tall matrix's runs, given one found on a sample of its lines: that one when each of its
@@ -617,8 +618,8 @@ Status solve_assignment(const T* cost, std::size_t nr, std::size_t nc, std::int6
     if (nr < nc) {
         Run slots{0, 0};
         if (nr * nc <= kMaxTransposed && wide_slots(cost, nr, nc, slots)) {
-            bool declined = true;
             if (!surely_many_new(slots, nr, nc)) {
+                bool declined = false;
                 const Status s = solve_dense(cost, nr, nc, Values::unchecked, col_of_row, u, v,
                                              &slots, &declined);
                 if (!declined) return s;

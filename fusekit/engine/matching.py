@@ -103,11 +103,11 @@ def solve_assignment(cost, maximize: bool = False, *, return_duals: bool = False
     entering through the columns' few cheapest free rows, and runs of rows that each
     dominate the next (PFNM's new-neuron slots) enter as one row, their first free member.
     Up to that size each is solved in its faster orientation, by how many of its neurons
-    are new (their strictly cheapest entry is the slots' first one; at least those the
-    existing neurons cannot take; estimated on 16 rows of a wide matrix): with half of them
-    or 32 new, on the tall solver; with fewer, a tall matrix less than four times taller
-    than wide on the dense solver. The values are checked in a pass each solver makes
-    anyway.
+    are new (at least those the existing neurons cannot take; else estimated from the dense
+    solver's first reduction rows, up to 16, whose cheapest column is a slot): with half of
+    them or 32 new, on the tall solver; with fewer, a tall matrix less than four times
+    taller than wide on the dense solver. The values are checked in a pass each solver
+    makes anyway.
     """
     matrix = _as_cost_matrix(cost, maximize)
     rows, cols, u, v = core().solve_assignment(matrix, return_duals, maximize)

@@ -25,7 +25,8 @@ def end_groups(processes: list[subprocess.Popen], grace: float = 10.0, *,
     """
     groups = {p.pid for p in processes} | descendant_groups(p.pid for p in processes)
     groups.discard(os.getpgrp())  # never the caller's own group
-    for sig in (signal.SIGTERM, signal.SIGKILL)[0 if terminate_first else 1:]:
+    signals = (signal.SIGTERM, signal.SIGKILL) if terminate_first else (signal.SIGKILL,)
+    for sig in signals:
         for group in groups:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(group, sig)
