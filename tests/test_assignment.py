@@ -391,14 +391,3 @@ def test_warm_potentials_are_refused_not_trusted(potentials):
     with pytest.raises(TypeError, match="warm_start"):
         solve_assignment(cost, warm_start=(u, u))
     check_solution(cost, *solve_assignment(cost))
-
-
-@pytest.mark.parametrize(("cost", "message"), [
-    (np.zeros((2, 2, 2)), "cost: expected a matrix (2-D array), got a 3-D array"),
-    (np.zeros(3), "cost: expected a matrix (2-D array), got a 1-D array"),
-    (np.array([["a", "b"]]), "cost: expected a real numeric matrix, got dtype <U1"),
-])
-def test_a_cost_that_is_not_a_real_matrix_is_refused_naming_it(cost, message):
-    with pytest.raises(ParameterError) as refused:
-        solve_assignment(cost)
-    assert str(refused.value) == message
