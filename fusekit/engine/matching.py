@@ -35,7 +35,7 @@ def _as_cost_matrix(cost, maximize: bool) -> np.ndarray:
     array = np.asarray(cost)
     if array.ndim != 2:
         # SciPy's wording, as the rest of linear_sum_assignment's contract.
-        raise ParameterError(f"cost: expected a matrix (2-D array), got a {array.ndim}-D array")
+        raise ParameterError(f"cost: expected a matrix (2-D array), got a {array.ndim} array")
     kind = array.dtype.kind
     if kind not in "fiub":
         raise ParameterTypeError(f"cost: expected a real numeric matrix, got dtype {array.dtype}")
