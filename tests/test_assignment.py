@@ -141,6 +141,23 @@ def test_pfnm_shaped_problems_of_benchmark_size_take_every_route(new_share):
             check_duals(cost, rows, cols, u, v, False)
 
 
+def test_tall_problems_whose_columns_tie_on_the_same_rows():
+    """Tall integer costs where each column has many tied cheapest rows: the columns compete
+    for the same rows, their lists of cheapest rows run dry and are refilled, and tied rows
+    are taken from each column's own starting row on. Forbidden pairs thin the ties."""
+    rng = np.random.default_rng(300)
+    for j_global, j_local, levels in [(2000, 500, 20), (1200, 300, 10), (400, 100, 3)]:
+        top = rng.integers(0, levels, (j_global, j_local)).astype(float)
+        slots = rng.integers(0, 4, j_local)[None, :] + (np.arange(j_local) // 10)[:, None]
+        tall = np.vstack([top, slots.astype(float)])
+        forbidden = tall.copy()
+        forbidden[: j_global][rng.random(top.shape) < 0.5] = np.inf
+        for cost in (tall, forbidden, tall[: j_global]):
+            rows, cols, (u, v) = solve_assignment(cost, return_duals=True)
+            check_solution(cost, rows, cols, False)
+            check_duals(cost, rows, cols, u, v, False)
+
+
 def test_a_slot_run_broken_outside_the_sampled_rows_is_not_collapsed():
     """A wide problem's slot columns are found on a sample of its rows; when one row outside
     the sample breaks their order (a slot much cheaper than the one before it there), the
