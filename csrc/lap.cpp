@@ -315,14 +315,14 @@ class Solver {
                     two_smallest<T, 32>(row(i), v_.data(), nc_, umin, usubmin, sum);
                 }
                 if (check && pass == 0 && !std::isfinite(sum)) return false;
-                // Ties go to the earlier column: the first holding umin, then the next.
+                // The first column holding umin (the probe's), or on a tie the row's own.
                 std::size_t j1 = first_reduced_at(row(i), v_.data(), 0, nc_, umin);
                 if (watching_ && pass == 0 && probe(j1, k, previous)) return true;
                 std::int64_t i0 = y_[j1];
                 if (umin < usubmin) {
                     v_[j1] -= usubmin - umin;
-                } else if (i0 >= 0) {
-                    j1 = first_reduced_at(row(i), v_.data(), j1 + 1, nc_, umin);
+                } else {
+                    j1 = tied_column(i, umin);
                     i0 = y_[j1];
                 }
                 x_[i] = static_cast<std::int64_t>(j1);
@@ -338,6 +338,20 @@ class Solver {
             free_rows.resize(kept);
         }
         return true;
+    }
+
+    // Of the columns where row i's reduced cost ties at its minimum umin, the first from the
+    // row's own start on, round the columns, or the next if that one is taken: were it the
+    // first for all rows, tied rows would all compete for the same first columns (tied
+    // integer 500x2500: 1.44 ms, 0.45 ms this way).
+    std::size_t tied_column(std::size_t i, double umin) const {
+        const std::size_t start = i * nc_ / nr_;
+        const auto next = [&](std::size_t from) {
+            const std::size_t j = first_reduced_at(row(i), v_.data(), from, nc_, umin);
+            return j < nc_ ? j : first_reduced_at(row(i), v_.data(), 0, from, umin);
+        };
+        const std::size_t j = next(start);
+        return y_[j] < 0 ? j : next(j + 1 < nc_ ? j + 1 : 0);
     }
 
     // Counts the probed row whose cheapest column is j (the k-th row of the first pass, of
