@@ -316,15 +316,18 @@ class Solver {
                 }
                 if (check && pass == 0 && !std::isfinite(sum)) return false;
                 // The first column holding umin (the probe's), or on a tie the row's own.
-                std::size_t j1 = first_reduced_at(row(i), v_.data(), 0, nc_, umin);
-                if (watching_ && pass == 0 && probe(j1, k, previous)) return true;
-                std::int64_t i0 = y_[j1];
+                std::size_t j1 = nc_;
+                if (watching_ && pass == 0) {
+                    j1 = first_reduced_at(row(i), v_.data(), 0, nc_, umin);
+                    if (probe(j1, k, previous)) return true;
+                }
                 if (umin < usubmin) {
+                    if (j1 == nc_) j1 = first_reduced_at(row(i), v_.data(), 0, nc_, umin);
                     v_[j1] -= usubmin - umin;
                 } else {
                     j1 = tied_column(i, umin);
-                    i0 = y_[j1];
                 }
+                const std::int64_t i0 = y_[j1];
                 x_[i] = static_cast<std::int64_t>(j1);
                 y_[j1] = static_cast<std::int64_t>(i);
                 if (i0 >= 0) {
