@@ -119,22 +119,43 @@ template void block_minima<float>(const float*, std::size_t, std::size_t, std::s
 template void block_minima<double>(const double*, std::size_t, std::size_t, std::size_t,
                                    std::size_t, double*, std::size_t);
 
-FUSEKIT_CLONES void kth_smallest_columns(const double* __restrict x, std::size_t rows,
-                                         std::size_t n, std::size_t k, double* __restrict out) {
-    std::vector<std::size_t> rank(n);
-    for (std::size_t i = 0; i < rows; ++i) {
-        const double* xi = x + i * n;
-        std::fill(rank.begin(), rank.end(), 0);
-        std::size_t* r = rank.data();
-        for (std::size_t j = 0; j < rows; ++j) {
-            const double* xj = x + j * n;
-            const bool before = j < i;  // equal values rank in row order
+namespace {
+
+// Row a becomes min(a, b) and row b max(a, b), column by column.
+FUSEKIT_CLONES void order_rows(double* __restrict a, double* __restrict b, std::size_t n) {
 #pragma omp simd
-            for (std::size_t a = 0; a < n; ++a) r[a] += (xj[a] < xi[a]) | (before & (xj[a] == xi[a]));
-        }
-#pragma omp simd
-        for (std::size_t a = 0; a < n; ++a) out[a] = r[a] + 1 == k ? xi[a] : out[a];
+    for (std::size_t j = 0; j < n; ++j) {
+        const double lo = a[j] < b[j] ? a[j] : b[j];
+        b[j] = a[j] < b[j] ? b[j] : a[j];
+        a[j] = lo;
     }
+}
+
+}  // namespace
+
+void kth_smallest_columns(double* x, std::size_t rows, std::size_t n, std::size_t k,
+                          double* out) {
+    std::size_t size = 1;
+    while (size < rows) size *= 2;
+    std::vector<double> padded;  // +inf rows up to a power of two
+    if (size > rows) {
+        padded.assign(size * n, std::numeric_limits<double>::infinity());
+        std::copy(x, x + rows * n, padded.begin());
+        x = padded.data();
+    }
+    // Batcher's odd-even merge sort network (the iterative form).
+    for (std::size_t p = 1; p < size; p *= 2) {
+        for (std::size_t d = p; d >= 1; d /= 2) {
+            for (std::size_t j = d % p; j + d < size; j += 2 * d) {
+                for (std::size_t i = 0; i < d && i + j + d < size; ++i) {
+                    if ((i + j) / (2 * p) == (i + j + d) / (2 * p)) {
+                        order_rows(x + (i + j) * n, x + (i + j + d) * n, n);
+                    }
+                }
+            }
+        }
+    }
+    std::copy(x + (k - 1) * n, x + k * n, out);
 }
 
 template <class T>

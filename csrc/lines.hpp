@@ -31,9 +31,11 @@ template <class T>
 void block_minima(const T* first, std::size_t count, std::size_t step, std::size_t n,
                   std::size_t seen, double* block_min, std::size_t blocks);
 
-// out[a] = the k-th smallest of x[i * n + a] over i < rows, for every column a of a
-// rows x n matrix at once (ranks counted with vector compares across columns).
-void kth_smallest_columns(const double* x, std::size_t rows, std::size_t n, std::size_t k,
+// out[a] = the k-th smallest of x[i * n + a] over i < rows (1 <= k <= rows), for every
+// column a of a rows x n matrix at once, whose columns it sorts: a sorting network over
+// the rows, each compare-exchange a vector min and max across the columns (counting ranks
+// took rows^2 compares per column, 7% of a 550x50 solve).
+void kth_smallest_columns(double* x, std::size_t rows, std::size_t n, std::size_t k,
                           double* out);
 
 // min of line[0..n), +inf when n == 0.
