@@ -315,14 +315,14 @@ class Solver {
                     two_smallest<T, 32>(row(i), v_.data(), nc_, umin, usubmin, sum);
                 }
                 if (check && pass == 0 && !std::isfinite(sum)) return false;
-                // The first column holding umin (the probe's), or on a tie the row's own.
-                std::size_t j1 = nc_;
-                if (watching_ && pass == 0) {
-                    j1 = first_reduced_at(row(i), v_.data(), 0, nc_, umin);
-                    if (probe(j1, k, previous)) return true;
-                }
+                // The first column holding umin (also what the probe sees), or on a tie the
+                // row's own.
+                const bool probing = watching_ && pass == 0;
+                std::size_t j1 = umin < usubmin || probing
+                                     ? first_reduced_at(row(i), v_.data(), 0, nc_, umin)
+                                     : nc_;
+                if (probing && probe(j1, k, previous)) return true;
                 if (umin < usubmin) {
-                    if (j1 == nc_) j1 = first_reduced_at(row(i), v_.data(), 0, nc_, umin);
                     v_[j1] -= usubmin - umin;
                 } else {
                     j1 = tied_column(i, umin);

@@ -159,6 +159,19 @@ class Lists {
     std::vector<std::size_t> start_;
 };
 
+// Offers object o's entries row[j] to their agents' lists, j = j0 + (the place of each set
+// bit of `bits`) / bits_per_entry.
+template <class T>
+inline void offer_hits(const T* row, std::size_t j0, std::uint64_t bits,
+                       std::size_t bits_per_entry, std::size_t o, Lists& lists) {
+    for (; bits != 0; bits &= bits - 1) {
+        const std::size_t j =
+            j0 + static_cast<std::size_t>(__builtin_ctzll(bits)) / bits_per_entry;
+        const double c = static_cast<double>(row[j]);
+        if (lists.admits(j, c, o)) lists.offer(j, c, o);
+    }
+}
+
 // Offers the entries of rows first..first+count (object indices from o0) that are at or
 // below their agent's gate (tall matrices: one object's costs to every agent per row), and
 // checks the values: false if they hold NaN or -inf. Each row is compared at full width into
@@ -182,11 +195,7 @@ FUSEKIT_CLONES bool offer_rows(const T* __restrict first, std::size_t count, std
             std::uint64_t bits;
             std::memcpy(&bits, hit + j0, 8);
             if (j0 + 8 > n) bits &= (std::uint64_t{1} << (8 * (n - j0))) - 1;
-            for (; bits != 0; bits &= bits - 1) {
-                const std::size_t j = j0 + static_cast<std::size_t>(__builtin_ctzll(bits)) / 8;
-                const double c = static_cast<double>(row[j]);
-                if (lists.admits(j, c, o)) lists.offer(j, c, o);
-            }
+            offer_hits(row, j0, bits, 8, o, lists);
         }
     }
     return invalid == 0;
@@ -219,11 +228,7 @@ __attribute__((target("avx512f"))) bool offer_rows_avx512(const T* __restrict fi
                 invalid |= lanes & ~_mm512_mask_cmp_pd_mask(lanes, c, lowest, _CMP_GT_OQ);
                 bits |= static_cast<std::uint64_t>(hit) << l;
             }
-            for (; bits != 0; bits &= bits - 1) {
-                const std::size_t j = j0 + static_cast<std::size_t>(__builtin_ctzll(bits));
-                const double c = static_cast<double>(row[j]);
-                if (lists.admits(j, c, o)) lists.offer(j, c, o);
-            }
+            offer_hits(row, j0, bits, 1, o, lists);
         }
     }
     return invalid == 0;

@@ -1,8 +1,7 @@
 // The CPU's vector width, at run time. Function multi-versioning: hot loops are compiled
 // for AVX-512, AVX2 and the baseline and the loader picks the widest one the CPU supports,
 // so a portable build still runs at full width (disabled where the toolchain lacks ifunc
-// support). Hand-written AVX-512 kernels are taken where kHasAvx512 says the CPU runs them;
-// kVectorBytes sizes the kernels written with vector types, once for the process.
+// support); kVectorBytes sizes the kernels written with vector types, once for the process.
 #pragma once
 
 #include <cstddef>
