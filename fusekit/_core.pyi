@@ -6,7 +6,10 @@ import numpy.typing as npt
 def solve_assignment(
     cost: np.ndarray, return_duals: bool = False, negated: bool = False
 ) -> tuple[
-    npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.float64], npt.NDArray[np.float64]
+    npt.NDArray[np.int64],
+    npt.NDArray[np.int64],
+    npt.NDArray[np.float64] | None,
+    npt.NDArray[np.float64] | None,
 ]: ...
 def sqeuclidean_cost(
     a: npt.NDArray[np.float64], b: npt.NDArray[np.float64]

@@ -31,19 +31,20 @@ __all__ = [
 
 
 def _as_cost_matrix(cost, maximize: bool) -> np.ndarray:
-    """A C-contiguous float32/float64 copy-or-view of ``cost``, negated when maximising."""
+    """``cost`` as a float32/float64 matrix (a view when it is one), negated when
+    maximising; the core makes it C-contiguous if it is not."""
     array = np.asarray(cost)
     if array.ndim != 2:
         # SciPy's wording, as the rest of linear_sum_assignment's contract.
         raise ParameterError(f"cost: expected a matrix (2-D array), got a {array.ndim} array")
-    kind = array.dtype.kind
-    if kind not in "fiub":
-        raise ParameterTypeError(f"cost: expected a real numeric matrix, got dtype {array.dtype}")
-    if kind != "f" or array.dtype.itemsize not in (4, 8):
+    if array.dtype.char not in "fd":  # not float32 or float64
+        if array.dtype.kind not in "fiub":
+            raise ParameterTypeError(
+                f"cost: expected a real numeric matrix, got dtype {array.dtype}")
         array = array.astype(np.float64)
     if maximize:
         array = -array  # -inf, forbidden when maximising, becomes +inf
-    return np.ascontiguousarray(array)
+    return array
 
 
 def solve_assignment(cost, maximize: bool = False, *, return_duals: bool = False):
