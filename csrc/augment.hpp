@@ -12,12 +12,15 @@ namespace fusekit {
 // reads one whole row of the matrix, which on these problems beats index lists with
 // gathers (few rows per search).
 // Reduced distances live in d; penalty is 0 on nodes that end a search (free), +inf on the
-// others, so that ties prefer an end and the search stops early on degenerate problems.
+// others, so that ties prefer an end and the search stops early on degenerate problems, and
+// NaN on the nodes the search has closed (one load tells open from closed).
 struct AugmentSearch {
     explicit AugmentSearch(std::size_t n) : d(n), penalty(n, 0.0), pred(n) {}
 
     // d[k] holds node k's entry cost on entry: it becomes d[k] - offset - pot[k], every
-    // node open. Returns the smallest distance, and in best_free the smallest on free nodes.
+    // node open: the last search's closed nodes reopen at +inf, since a finished search leaves
+    // them all assigned (its sink included). Returns the smallest distance, and in best_free
+    // the smallest on free nodes.
     double start(double offset, const double* pot, std::size_t n, double& best_free);
 
     // Closes an open node at distance dmin, a free one when tied (free_tied), and returns it.

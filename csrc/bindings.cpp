@@ -304,8 +304,8 @@ PYBIND11_MODULE(_core, m) {
           py::arg("negated") = false,
           "Minimum-cost assignment of a real matrix (solved in float32 storage when float32, "
           "else float64); returns (rows, cols, u, v), rows increasing, u and v None unless "
-          "return_duals. negated: the matrix is "
-          "the negation of the caller's (maximising), whose infinities the errors name.");
+          "return_duals. negated: the matrix is the negation of the caller's (maximising), "
+          "whose infinities the errors name.");
     m.def("sqeuclidean_cost", &sqeuclidean_cost, py::arg("a"), py::arg("b"),
           "Pairwise squared Euclidean distances between the rows of a (n, p) and b (m, p).");
     m.def("posterior_cost", &posterior_cost, py::arg("local"), py::arg("client_precision"),

@@ -397,7 +397,6 @@ class Solver {
             dmin = s.relax(row(i), h, y_[j], v_.data(), nc_, best_free);
         }
         for (std::size_t j : s.finished) v_[j] += s.d[j] - dmin;
-        s.penalty[sink] = kInf;
         std::size_t j = sink;
         for (;;) {
             const auto i = static_cast<std::size_t>(s.pred[j]);

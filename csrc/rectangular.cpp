@@ -23,6 +23,7 @@ constexpr double kInf = std::numeric_limits<double>::infinity();
 // 8 for 100 agents (4 refills often, 16 slows the list building), 16 for 500 (with 8,
 // tied integer costs refill 4x more and take 2-4x longer).
 std::size_t list_length(std::size_t agents) { return agents >= 256 ? 16 : 8; }
+
 // The first k in [from, n) with x[k] == value, n if none: eight compares to a branch.
 FUSEKIT_CLONES std::size_t first_equal(const std::int64_t* __restrict x, std::size_t from,
                                        std::size_t n, std::int64_t value) {
@@ -33,8 +34,7 @@ FUSEKIT_CLONES std::size_t first_equal(const std::int64_t* __restrict x, std::si
         for (std::size_t l = 0; l < 8; ++l) hit |= x[k0 + l] == value;
         if (hit) break;
     }
-    for (; k0 < n && x[k0] != value; ++k0) {
-    }
+    while (k0 < n && x[k0] != value) ++k0;
     return k0;
 }
 
@@ -569,7 +569,6 @@ class ShortSideSolver {
             if (x_[a] >= 0) v_[static_cast<std::size_t>(x_[a])] += delta - s.d[a];
         }
         phi_ += delta;
-        s.penalty[sink] = kInf;
         for (std::size_t a = sink;;) {
             const auto o = static_cast<std::size_t>(s.pred[a]);
             const std::int64_t holder = y_[o];
