@@ -126,7 +126,7 @@ FUSEKIT_CLONES std::size_t find_tied(const double* __restrict d,
     constexpr std::size_t kChunk = 8;
     std::size_t k0 = 0;
     for (; k0 + kChunk <= n; k0 += kChunk) {
-        int hit = 0;
+        LaneFlag<double> hit = 0;
 #pragma omp simd reduction(| : hit)
         for (std::size_t l = 0; l < kChunk; ++l) {
             const double key = kFree ? d[k0 + l] + penalty[k0 + l] : d[k0 + l];

@@ -330,7 +330,7 @@ class SparseSolver {
 template <class T>
 FUSEKIT_CLONES bool row_violates(const T* __restrict row, double r, const double* __restrict col,
                                  std::size_t n) {
-    int bad = 0;
+    LaneFlag<double> bad = 0;
 #pragma omp simd reduction(| : bad)
     for (std::size_t j = 0; j < n; ++j) bad |= static_cast<double>(row[j]) - r - col[j] < 0.0;
     return bad != 0;

@@ -96,7 +96,7 @@ void product(const Blas& blas, const double* left, std::size_t rows, const doubl
 FUSEKIT_CLONES bool finish_row(double* __restrict row, std::size_t m, double scale, double a,
                                const double* __restrict column, double c, double c_bound,
                                double a_bound, const double* __restrict column_bound) {
-    int cancelled = 0;
+    LaneFlag<double> cancelled = 0;
 #pragma omp simd reduction(| : cancelled)
     for (std::size_t j = 0; j < m; ++j) {
         row[j] = scale * row[j] + a * column[j] + c;
@@ -348,7 +348,7 @@ void new_neuron_rows(const PosteriorCostInput& in, double* out) {
 FUSEKIT_CLONES double finite_min(const double* x, std::size_t n) {
     const double inf = std::numeric_limits<double>::infinity();
     double smallest = inf;
-    int bad = 0;
+    LaneFlag<double> bad = 0;
 #pragma omp simd reduction(min : smallest) reduction(| : bad)
     for (std::size_t k = 0; k < n; ++k) {
         smallest = x[k] < smallest ? x[k] : smallest;

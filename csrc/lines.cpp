@@ -10,12 +10,16 @@
 
 namespace fusekit {
 
+namespace {
+
+// dominates' body, inlined into each caller's clone: a call per row pair costs more than the
+// first chunk's compare, which tells most unrelated rows apart.
 template <class T>
-FUSEKIT_CLONES bool dominates(const T* __restrict a, const T* __restrict b, std::size_t n) {
+inline bool dominates_inline(const T* __restrict a, const T* __restrict b, std::size_t n) {
     constexpr std::size_t kChunk = 8;
     std::size_t j0 = 0;
     for (; j0 + kChunk <= n; j0 += kChunk) {
-        int below = 0;
+        LaneFlag<T> below = 0;
 #pragma omp simd reduction(| : below)
         for (std::size_t l = 0; l < kChunk; ++l) below |= b[j0 + l] < a[j0 + l];
         if (below) return false;
@@ -26,8 +30,26 @@ FUSEKIT_CLONES bool dominates(const T* __restrict a, const T* __restrict b, std:
     return true;
 }
 
+}  // namespace
+
+template <class T>
+FUSEKIT_CLONES bool dominates(const T* __restrict a, const T* __restrict b, std::size_t n) {
+    return dominates_inline(a, b, n);
+}
+
 template bool dominates<float>(const float*, const float*, std::size_t);
 template bool dominates<double>(const double*, const double*, std::size_t);
+
+template <class T>
+FUSEKIT_CLONES void rising_rows(const T* __restrict cost, std::size_t nr, std::size_t nc,
+                                unsigned char* __restrict rising) {
+    for (std::size_t o = 1; o < nr; ++o) {
+        rising[o] = dominates_inline(cost + (o - 1) * nc, cost + o * nc, nc);
+    }
+}
+
+template void rising_rows<float>(const float*, std::size_t, std::size_t, unsigned char*);
+template void rising_rows<double>(const double*, std::size_t, std::size_t, unsigned char*);
 
 namespace {
 

@@ -29,7 +29,7 @@ FUSEKIT_CLONES std::size_t first_equal(const std::int64_t* __restrict x, std::si
                                        std::size_t n, std::int64_t value) {
     std::size_t k0 = from;
     for (; k0 + 8 <= n; k0 += 8) {
-        int hit = 0;
+        LaneFlag<std::int64_t> hit = 0;
 #pragma omp simd reduction(| : hit)
         for (std::size_t l = 0; l < 8; ++l) hit |= x[k0 + l] == value;
         if (hit) break;
@@ -181,7 +181,7 @@ template <class T>
 FUSEKIT_CLONES bool offer_rows(const T* __restrict first, std::size_t count, std::size_t o0,
                                std::size_t n, Lists& lists, unsigned char* __restrict hit) {
     const double* gate = lists.gates();
-    int invalid = 0;
+    LaneFlag<double> invalid = 0;
     for (std::size_t t = 0; t < count; ++t) {
         const T* row = first + t * n;
         const std::size_t o = o0 + t;
@@ -273,9 +273,7 @@ std::vector<Run> rising_runs(const std::vector<unsigned char>& rising) {
 template <class T>
 std::vector<Run> dominated_runs(const T* cost, std::size_t nr, std::size_t nc) {
     std::vector<unsigned char> ascending(nr, 1);  // row o >= row o - 1
-    for (std::size_t o = 1; o < nr; ++o) {
-        ascending[o] = dominates(cost + (o - 1) * nc, cost + o * nc, nc);
-    }
+    rising_rows(cost, nr, nc, ascending.data());
     std::vector<Run> found = rising_runs(ascending);
     std::stable_sort(found.begin(), found.end(), [](const Run& p, const Run& q) {
         return p.end - p.head > q.end - q.head;

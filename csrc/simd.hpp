@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <type_traits>
 
 #if defined(__GNUC__) && defined(__x86_64__)
 #include <immintrin.h>
@@ -53,6 +54,12 @@ template <>
 struct Vectors<32> {
     typedef double Doubles __attribute__((vector_size(32)));
 };
+
+// A flag as wide as T, for "any" reductions over compares of T: GCC packs int flags from
+// 64-bit compares with a dozen shuffles per chunk, and ORs flags of the compares' own width
+// as they are.
+template <class T>
+using LaneFlag = std::conditional_t<sizeof(T) == 8, std::int64_t, std::int32_t>;
 
 #ifdef FUSEKIT_AVX512_KERNELS
 // Eight costs as doubles; the masked form reads only the lanes in `lanes` (a row's tail).
