@@ -117,27 +117,15 @@ __attribute__((target("avx512f"))) std::size_t find_tied_avx512(const double* __
 
 #endif
 
-// First open node k with d[k] (+ penalty[k] when kFree) == dmin; one exists. Tested eight
-// at a time so that the scan is mostly vector compares.
+// First open node k with d[k] (+ penalty[k] when kFree) == dmin; one exists.
 template <bool kFree>
 FUSEKIT_CLONES std::size_t find_tied(const double* __restrict d,
                                      const double* __restrict penalty, double dmin,
                                      std::size_t n) {
-    constexpr std::size_t kChunk = 8;
-    std::size_t k0 = 0;
-    for (; k0 + kChunk <= n; k0 += kChunk) {
-        LaneFlag<double> hit = 0;
-#pragma omp simd reduction(| : hit)
-        for (std::size_t l = 0; l < kChunk; ++l) {
-            const double key = kFree ? d[k0 + l] + penalty[k0 + l] : d[k0 + l];
-            hit |= (key == dmin) & (penalty[k0 + l] == penalty[k0 + l]);
-        }
-        if (hit) break;
-    }
-    for (std::size_t k = k0;; ++k) {
+    return first_where<std::int64_t>(0, n, [=](std::size_t k) {
         const double key = kFree ? d[k] + penalty[k] : d[k];
-        if (key == dmin && penalty[k] == penalty[k]) return k;
-    }
+        return (key == dmin) & (penalty[k] == penalty[k]);
+    });
 }
 
 }  // namespace

@@ -116,25 +116,13 @@ FUSEKIT_CLONES void two_smallest(const T* __restrict row, const double* __restri
     min2 = second;
 }
 
-// The first column j >= from with row[j] - v[j] == value; m if none. Whole vectors are
-// compared first, then the entries of the one that holds it.
+// The first column j >= from with row[j] - v[j] == value; m if none.
 template <class T>
 FUSEKIT_CLONES std::size_t first_at(const T* __restrict row, const double* __restrict v,
                                     std::size_t from, std::size_t m, double value) {
-    typedef typename Vectors<32>::Doubles Lanes;
-    constexpr std::size_t kWidth = 4;
-    std::size_t j = from;
-    for (; j + kWidth <= m; j += kWidth) {
-        Lanes h, w;
-        for (std::size_t l = 0; l < kWidth; ++l) h[l] = static_cast<double>(row[j + l]);
-        std::memcpy(&w, v + j, sizeof w);
-        const auto equal = h - w == value;
-        if ((equal[0] | equal[1] | equal[2] | equal[3]) != 0) break;
-    }
-    for (; j < m; ++j) {
-        if (static_cast<double>(row[j]) - v[j] == value) return j;
-    }
-    return m;
+    return first_where<std::int64_t>(from, m, [=](std::size_t j) {
+        return static_cast<double>(row[j]) - v[j] == value;
+    });
 }
 
 #ifdef FUSEKIT_AVX512_KERNELS

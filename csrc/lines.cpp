@@ -16,18 +16,7 @@ namespace {
 // first chunk's compare, which tells most unrelated rows apart.
 template <class T>
 inline bool dominates_inline(const T* __restrict a, const T* __restrict b, std::size_t n) {
-    constexpr std::size_t kChunk = 8;
-    std::size_t j0 = 0;
-    for (; j0 + kChunk <= n; j0 += kChunk) {
-        LaneFlag<T> below = 0;
-#pragma omp simd reduction(| : below)
-        for (std::size_t l = 0; l < kChunk; ++l) below |= b[j0 + l] < a[j0 + l];
-        if (below) return false;
-    }
-    for (; j0 < n; ++j0) {
-        if (b[j0] < a[j0]) return false;
-    }
-    return true;
+    return first_where<LaneFlag<T>>(0, n, [=](std::size_t j) { return b[j] < a[j]; }) == n;
 }
 
 }  // namespace

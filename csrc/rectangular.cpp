@@ -24,18 +24,10 @@ constexpr double kInf = std::numeric_limits<double>::infinity();
 // tied integer costs refill 4x more and take 2-4x longer).
 std::size_t list_length(std::size_t agents) { return agents >= 256 ? 16 : 8; }
 
-// The first k in [from, n) with x[k] == value, n if none: eight compares to a branch.
+// The first k in [from, n) with x[k] == value, n if none.
 FUSEKIT_CLONES std::size_t first_equal(const std::int64_t* __restrict x, std::size_t from,
                                        std::size_t n, std::int64_t value) {
-    std::size_t k0 = from;
-    for (; k0 + 8 <= n; k0 += 8) {
-        LaneFlag<std::int64_t> hit = 0;
-#pragma omp simd reduction(| : hit)
-        for (std::size_t l = 0; l < 8; ++l) hit |= x[k0 + l] == value;
-        if (hit) break;
-    }
-    while (k0 < n && x[k0] != value) ++k0;
-    return k0;
+    return first_where<std::int64_t>(from, n, [=](std::size_t k) { return x[k] == value; });
 }
 
 // At most this many runs (each costs a vector pass per search).

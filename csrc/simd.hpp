@@ -61,6 +61,23 @@ struct Vectors<32> {
 template <class T>
 using LaneFlag = std::conditional_t<sizeof(T) == 8, std::int64_t, std::int32_t>;
 
+// The first k in [from, n) where hit(k) holds, n if none: hit is tested on eight k at a time
+// with one branch, then one by one in the eight that hold it. Flag: LaneFlag of the values
+// hit compares. Inlined into its caller's clones.
+template <class Flag, class Hit>
+inline std::size_t first_where(std::size_t from, std::size_t n, Hit hit) {
+    constexpr std::size_t kChunk = 8;
+    std::size_t k = from;
+    for (; k + kChunk <= n; k += kChunk) {
+        Flag any = 0;
+#pragma omp simd reduction(| : any)
+        for (std::size_t l = 0; l < kChunk; ++l) any |= hit(k + l);
+        if (any) break;
+    }
+    while (k < n && !hit(k)) ++k;
+    return k;
+}
+
 #ifdef FUSEKIT_AVX512_KERNELS
 // Eight costs as doubles; the masked form reads only the lanes in `lanes` (a row's tail).
 __attribute__((target("avx512f"))) inline __m512d load8_avx512(const double* p) {
