@@ -122,7 +122,7 @@ template <bool kFree>
 FUSEKIT_CLONES std::size_t find_tied(const double* __restrict d,
                                      const double* __restrict penalty, double dmin,
                                      std::size_t n) {
-    return first_where<std::int64_t>(0, n, [=](std::size_t k) {
+    return first_where<LaneFlag<double>>(0, n, [=](std::size_t k) {
         const double key = kFree ? d[k] + penalty[k] : d[k];
         return (key == dmin) & (penalty[k] == penalty[k]);
     });

@@ -120,7 +120,7 @@ FUSEKIT_CLONES void two_smallest(const T* __restrict row, const double* __restri
 template <class T>
 FUSEKIT_CLONES std::size_t first_at(const T* __restrict row, const double* __restrict v,
                                     std::size_t from, std::size_t m, double value) {
-    return first_where<std::int64_t>(from, m, [=](std::size_t j) {
+    return first_where<LaneFlag<double>>(from, m, [=](std::size_t j) {
         return static_cast<double>(row[j]) - v[j] == value;
     });
 }

@@ -16,7 +16,7 @@ namespace {
 // first chunk's compare, which tells most unrelated rows apart.
 template <class T>
 inline bool dominates_inline(const T* __restrict a, const T* __restrict b, std::size_t n) {
-    return first_where<LaneFlag<T>>(0, n, [=](std::size_t j) { return b[j] < a[j]; }) == n;
+    return !any_where<LaneFlag<T>>(n, [=](std::size_t j) { return b[j] < a[j]; });
 }
 
 }  // namespace

@@ -27,7 +27,8 @@ std::size_t list_length(std::size_t agents) { return agents >= 256 ? 16 : 8; }
 // The first k in [from, n) with x[k] == value, n if none.
 FUSEKIT_CLONES std::size_t first_equal(const std::int64_t* __restrict x, std::size_t from,
                                        std::size_t n, std::int64_t value) {
-    return first_where<std::int64_t>(from, n, [=](std::size_t k) { return x[k] == value; });
+    return first_where<LaneFlag<std::int64_t>>(from, n,
+                                               [=](std::size_t k) { return x[k] == value; });
 }
 
 // At most this many runs (each costs a vector pass per search).

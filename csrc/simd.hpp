@@ -61,21 +61,39 @@ struct Vectors<32> {
 template <class T>
 using LaneFlag = std::conditional_t<sizeof(T) == 8, std::int64_t, std::int32_t>;
 
-// The first k in [from, n) where hit(k) holds, n if none: hit is tested on eight k at a time
-// with one branch, then one by one in the eight that hold it. Flag: LaneFlag of the values
-// hit compares. Inlined into its caller's clones.
+// Scans for k where hit(k) holds, eight k at a time with one branch (Flag: LaneFlag of the
+// values hit compares; inlined into the caller's clones): the start of the first eight from
+// `from` that hold one, else of the last, fewer than eight, below n.
+constexpr std::size_t kScanChunk = 8;
 template <class Flag, class Hit>
-inline std::size_t first_where(std::size_t from, std::size_t n, Hit hit) {
-    constexpr std::size_t kChunk = 8;
+inline std::size_t first_chunk_where(std::size_t from, std::size_t n, Hit hit) {
     std::size_t k = from;
-    for (; k + kChunk <= n; k += kChunk) {
+    for (; k + kScanChunk <= n; k += kScanChunk) {
         Flag any = 0;
 #pragma omp simd reduction(| : any)
-        for (std::size_t l = 0; l < kChunk; ++l) any |= hit(k + l);
+        for (std::size_t l = 0; l < kScanChunk; ++l) any |= hit(k + l);
         if (any) break;
     }
+    return k;
+}
+
+// The first k in [from, n) where hit(k) holds, n if none.
+template <class Flag, class Hit>
+inline std::size_t first_where(std::size_t from, std::size_t n, Hit hit) {
+    std::size_t k = first_chunk_where<Flag>(from, n, hit);
     while (k < n && !hit(k)) ++k;
     return k;
+}
+
+// Whether hit(k) holds for some k < n (without finding where, which costs a scalar pass).
+template <class Flag, class Hit>
+inline bool any_where(std::size_t n, Hit hit) {
+    std::size_t k = first_chunk_where<Flag>(0, n, hit);
+    if (k + kScanChunk <= n) return true;
+    for (; k < n; ++k) {
+        if (hit(k)) return true;
+    }
+    return false;
 }
 
 #ifdef FUSEKIT_AVX512_KERNELS
