@@ -61,10 +61,11 @@ struct Vectors<32> {
 template <class T>
 using LaneFlag = std::conditional_t<sizeof(T) == 8, std::int64_t, std::int32_t>;
 
-// Scans for k where hit(k) holds, eight k at a time with one branch (Flag: LaneFlag of the
-// values hit compares; inlined into the caller's clones): the start of the first eight from
-// `from` that hold one, else of the last, fewer than eight, below n.
 constexpr std::size_t kScanChunk = 8;
+
+// Scans for k where hit(k) holds, kScanChunk k at a time with one branch (Flag: LaneFlag of
+// the values hit compares; inlined into the caller's clones): the start of the first chunk
+// from `from` that holds one, else of the last, shorter one below n.
 template <class Flag, class Hit>
 inline std::size_t first_chunk_where(std::size_t from, std::size_t n, Hit hit) {
     std::size_t k = from;
