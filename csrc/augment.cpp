@@ -27,6 +27,20 @@ FUSEKIT_CLONES double start_nodes(double* __restrict d, const double* __restrict
     return best;
 }
 
+FUSEKIT_CLONES double open_minima(const double* __restrict d, const double* __restrict penalty,
+                                  std::size_t n, double& best_free) {
+    double best = kInf, best_end = kInf;
+#pragma omp simd reduction(min : best, best_end)
+    for (std::size_t k = 0; k < n; ++k) {
+        const double reach = penalty[k] == penalty[k] ? d[k] : kInf;  // closed: NaN
+        best = reach < best ? reach : best;
+        const double end = reach + penalty[k];
+        best_end = end < best_end ? end : best_end;
+    }
+    best_free = best_end;
+    return best;
+}
+
 template <class T>
 FUSEKIT_CLONES double relax_line(const T* __restrict line, double shift, std::int64_t from,
                                  const double* __restrict pot, double* __restrict d,
@@ -117,12 +131,12 @@ __attribute__((target("avx512f"))) std::size_t find_tied_avx512(const double* __
 
 #endif
 
-// First open node k with d[k] (+ penalty[k] when kFree) == dmin; one exists.
+// First open node k >= from with d[k] (+ penalty[k] when kFree) == dmin, n if none.
 template <bool kFree>
 FUSEKIT_CLONES std::size_t find_tied(const double* __restrict d,
                                      const double* __restrict penalty, double dmin,
-                                     std::size_t n) {
-    return first_where<LaneFlag<double>>(0, n, [=](std::size_t k) {
+                                     std::size_t from, std::size_t n) {
+    return first_where<LaneFlag<double>>(from, n, [=](std::size_t k) {
         const double key = kFree ? d[k] + penalty[k] : d[k];
         return (key == dmin) & (penalty[k] == penalty[k]);
     });
@@ -150,11 +164,24 @@ std::size_t AugmentSearch::pick(double dmin, bool free_tied, std::size_t n) {
     }
 #endif
     const std::size_t k = free_tied
-                              ? find_tied<true>(d.data(), penalty.data(), dmin, n)
-                              : find_tied<false>(d.data(), penalty.data(), dmin, n);
+                              ? find_tied<true>(d.data(), penalty.data(), dmin, 0, n)
+                              : find_tied<false>(d.data(), penalty.data(), dmin, 0, n);
     penalty[k] = kClosed;
     finished.push_back(k);
     return k;
+}
+
+std::size_t AugmentSearch::pick_tied_after(double dmin, std::size_t from, std::size_t n) {
+    const std::size_t k = find_tied<false>(d.data(), penalty.data(), dmin, from, n);
+    if (k < n) {
+        penalty[k] = kClosed;
+        finished.push_back(k);
+    }
+    return k;
+}
+
+double AugmentSearch::smallest_open(std::size_t n, double& best_free) const {
+    return open_minima(d.data(), penalty.data(), n, best_free);
 }
 
 template <class T>

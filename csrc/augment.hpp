@@ -32,6 +32,14 @@ struct AugmentSearch {
     double relax(const T* line, double shift, std::int64_t from, const double* pot,
                  std::size_t n, double& best_free);
 
+    // Closes the first open node from `from` on at distance dmin and returns it; n, closing
+    // nothing, if there is none (the nodes before `from` are closed or farther).
+    std::size_t pick_tied_after(double dmin, std::size_t from, std::size_t n);
+
+    // What relax returns when a step has nothing to relax: the smallest distance over the
+    // open nodes, and in best_free over the free ones.
+    double smallest_open(std::size_t n, double& best_free) const;
+
     std::vector<double> d, penalty;
     std::vector<std::int64_t> pred;
     std::vector<std::size_t> finished;  // closed nodes, in order

@@ -170,6 +170,20 @@ void kth_smallest_columns(double* x, std::size_t rows, std::size_t n, std::size_
 }
 
 template <class T>
+FUSEKIT_CLONES bool shifted_line(const T* __restrict a, const T* __restrict b, std::size_t n) {
+    const double shift = static_cast<double>(b[0]) - static_cast<double>(a[0]);
+    LaneFlag<double> off = 0;
+#pragma omp simd reduction(| : off)
+    for (std::size_t j = 0; j < n; ++j) {
+        off |= static_cast<double>(b[j]) - static_cast<double>(a[j]) != shift;
+    }
+    return off == 0;
+}
+
+template bool shifted_line<float>(const float*, const float*, std::size_t);
+template bool shifted_line<double>(const double*, const double*, std::size_t);
+
+template <class T>
 FUSEKIT_CLONES double min_of(const T* __restrict line, std::size_t n) {
     double best = std::numeric_limits<double>::infinity();
 #pragma omp simd reduction(min : best)

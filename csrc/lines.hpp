@@ -43,6 +43,11 @@ void block_minima(const T* first, std::size_t count, std::size_t step, std::size
 void kth_smallest_columns(double* x, std::size_t rows, std::size_t n, std::size_t k,
                           double* out);
 
+// Whether line b is line a plus one constant, b[j] - a[j] the same for every j < n (exactly,
+// in double): PFNM's new-neuron slots, a cost per local neuron plus a penalty per slot.
+template <class T>
+bool shifted_line(const T* a, const T* b, std::size_t n);
+
 // min of line[0..n), +inf when n == 0.
 template <class T>
 double min_of(const T* line, std::size_t n);
