@@ -331,18 +331,24 @@ class Solver {
         return true;
     }
 
-    // Of the columns where row i's reduced cost ties at its minimum umin, the first from the
-    // row's own start on, round the columns, or the next if that one is taken: were it the
-    // first for all rows, tied rows would all compete for the same first columns (tied
-    // integer 500x2500: 1.44 ms, 0.45 ms this way).
+    // Of the columns where row i's reduced cost ties at its minimum umin, the first free one
+    // from the row's own start on, round the columns, or the first from there if all are
+    // taken: were it the first for all rows, tied rows would all compete for the same first
+    // columns (tied integer 500x2500: 1.44 ms, 0.45 ms from the row's start, 0.35 ms on
+    // a free one).
     std::size_t tied_column(std::size_t i, double umin) const {
         const std::size_t start = i * nc_ / nr_;
-        const auto next = [&](std::size_t from) {
-            const std::size_t j = first_reduced_at(row(i), v_.data(), from, nc_, umin);
-            return j < nc_ ? j : first_reduced_at(row(i), v_.data(), 0, from, umin);
+        const auto free_in = [&](std::size_t from, std::size_t to) {
+            std::size_t j = first_reduced_at(row(i), v_.data(), from, to, umin);
+            while (j < to && y_[j] >= 0) j = first_reduced_at(row(i), v_.data(), j + 1, to, umin);
+            return j;
         };
-        const std::size_t j = next(start);
-        return y_[j] < 0 ? j : next(j + 1 < nc_ ? j + 1 : 0);
+        const std::size_t after = free_in(start, nc_);
+        if (after < nc_) return after;
+        const std::size_t before = free_in(0, start);
+        if (before < start) return before;
+        const std::size_t j = first_reduced_at(row(i), v_.data(), start, nc_, umin);
+        return j < nc_ ? j : first_reduced_at(row(i), v_.data(), 0, start, umin);
     }
 
     // Counts the probed row whose cheapest column is j (the k-th row of the first pass, of

@@ -158,6 +158,28 @@ def test_tall_problems_whose_columns_tie_on_the_same_rows():
             check_duals(cost, rows, cols, u, v, False)
 
 
+def test_searches_through_interchangeable_slots():
+    """Most neurons new, on integer slots that are each the first slot plus a constant (a
+    cost per neuron, a penalty per slot): a search need not go through an agent that merely
+    swaps slots. Where the later slots' lines are not the first plus a constant (dearer on a
+    third of the neurons, the slots still rising), or not exactly (fractional costs), it must
+    go through them."""
+    rng = np.random.default_rng(400)
+    for j_global, j_local, step in [(100, 500, 10), (30, 200, 1), (60, 120, 4)]:
+        top = rng.integers(0, 20, (j_global, j_local)).astype(float)
+        per_neuron = rng.integers(0, 4, j_local).astype(float)
+        slots = per_neuron[None, :] + (np.arange(j_local) // step)[:, None]
+        uneven = slots.copy()
+        uneven[j_local // 2 :, : j_local // 3] += 0.25
+        fractional = slots + 0.1 * rng.random(j_local)[None, :]
+        for block in (slots, uneven, fractional):
+            tall = np.vstack([top, block])
+            for cost in (tall, np.ascontiguousarray(tall.T)):
+                rows, cols, (u, v) = solve_assignment(cost, return_duals=True)
+                check_solution(cost, rows, cols, False)
+                check_duals(cost, rows, cols, u, v, False)
+
+
 def test_a_slot_run_broken_outside_the_sampled_rows_is_not_collapsed():
     """A wide problem's slot columns are found on a sample of its rows; when one row outside
     the sample breaks their order (a slot much cheaper than the one before it there), the
