@@ -13,10 +13,11 @@ namespace fusekit {
 namespace {
 
 // dominates' body, inlined into each caller's clone: a call per row pair costs more than the
-// first chunk's compare, which tells most unrelated rows apart.
+// first chunk's compare, which tells most unrelated rows apart. A NaN on either side is not
+// dominated, so a run of dominating lines holds no NaN.
 template <class T>
 inline bool dominates_inline(const T* __restrict a, const T* __restrict b, std::size_t n) {
-    return !any_where<LaneFlag<T>>(n, [=](std::size_t j) { return b[j] < a[j]; });
+    return !any_where<LaneFlag<T>>(n, [=](std::size_t j) { return !(b[j] >= a[j]); });
 }
 
 }  // namespace

@@ -6,8 +6,9 @@
 
 namespace fusekit {
 
-// Whether b[j] >= a[j] for every j < n, tested in chunks so that unrelated lines are told
-// apart at once. dominates(line, line + 1, n - 1): whether line[0..n) never decreases.
+// Whether b[j] >= a[j] for every j < n (false at a NaN), tested in chunks so that unrelated
+// lines are told apart at once. dominates(line, line + 1, n - 1): whether line[0..n) never
+// decreases.
 template <class T>
 bool dominates(const T* a, const T* b, std::size_t n);
 

@@ -342,11 +342,12 @@ class ShortSideSolver {
     }
 
     // The runs' rows hold valid costs only (no NaN, no -inf); list_rows checks the others.
+    // A run holds no NaN (dominates), and a -inf in one of its rows is one in every row
+    // before it: its first row tells.
     bool runs_valid() const {
         bool has_inf = false;
         for (const Run& r : runs_) {
-            const std::size_t rows = r.end - r.head + 1;
-            if (!valid_costs(lay_.object_line(r.head), rows * n_, has_inf)) return false;
+            if (!valid_costs(lay_.object_line(r.head), n_, has_inf)) return false;
         }
         return true;
     }
