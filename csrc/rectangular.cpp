@@ -310,6 +310,8 @@ class ShortSideSolver {
             if (x_[a] < 0) free_agents.push_back(a);
         }
         row_reduction(free_agents);
+        for (std::size_t a = 0; a < n_; ++a) fresh_head(a);
+        searching_ = true;
         for (std::size_t a = 0; a < n_; ++a) search_.penalty[a] = x_[a] < 0 ? 0.0 : kInf;
         // Each search ends at the free agent nearest to the free objects, whichever it is.
         for (std::size_t k = 0; k < free_agents.size(); ++k) {
@@ -434,11 +436,20 @@ class ShortSideSolver {
             ++runs_[run_of_[o] - 1].head;  // o was the run's first free member
             return;
         }
+        // Before the searches, the agents whose head o was settle when their head is next
+        // asked for (fresh_head): looking for them cost a pass over the agents per object
+        // the reductions match. A search matches one.
+        if (!searching_) return;
         const auto object = static_cast<std::int64_t>(o);
         for (std::size_t a = first_equal(head_object_.data(), 0, n_, object); a < n_;
              a = first_equal(head_object_.data(), a + 1, n_, object)) {
             settle(a);
         }
+    }
+
+    // Agent a's head, settled again if its object has been taken since.
+    void fresh_head(std::size_t a) {
+        if (head_object_[a] >= 0 && taken(head_object_[a])) settle(a);
     }
 
     // best[a] / from[a]: agent a's cheapest free object, through its list or a run.
@@ -487,7 +498,7 @@ class ShortSideSolver {
     // at least the gate reduced too: its entries, matched or free, the gate and the runs'
     // matched members decide, without reading every matched object's line (scattered
     // loads, 200,000 of them on random 2500x500).
-    TwoCheapest two_cheapest(std::size_t a) const {
+    TwoCheapest two_cheapest(std::size_t a) {
         TwoCheapest best;
         if (phi_ == 0.0 && lists_.complete(a)) {
             lists_.each(a, [&](double c, std::int64_t o) {
@@ -506,6 +517,7 @@ class ShortSideSolver {
         for (std::size_t o : matched_objects_) {
             best.offer(lay_.at(a, o) - v_[o], static_cast<std::int64_t>(o));
         }
+        fresh_head(a);
         if (head_object_[a] >= 0) {
             best.offer(head_cost_[a] - phi_, head_object_[a]);
             std::int64_t o;
@@ -653,6 +665,7 @@ class ShortSideSolver {
     std::vector<std::int64_t> head_object_;
     std::vector<double> u_, v_;  // agents; objects (v_ meaningful once matched)
     double phi_ = 0.0;           // the potential every free object shares
+    bool searching_ = false;     // augmenting: heads are settled as their objects are taken
     double scale_ = 0.0;         // the largest |cost| that is an agent's cheapest
     std::vector<std::int64_t> x_, y_;
     std::vector<std::size_t> matched_objects_;  // in the order they were first matched
