@@ -616,20 +616,20 @@ class ShortSideSolver {
             // A free agent within rounding of the nearest agent ends the search.
             const bool ends = best_free <= best + tolerance;
             std::size_t a = s.pick(ends ? best_free : best, ends, n_);
-            if (x_[a] < 0) {
-                sink = a;
-                best = s.d[a];
-                break;
-            }
-            // Agents that only swap slots relax nothing; the others tied with them (no free
-            // one: it would have been picked first) are closed in the same pass, up to the
-            // first that relaxes.
-            while (a < n_ && slot_to_slot(s.pred[a], static_cast<std::size_t>(x_[a]))) {
+            // Agents that only swap slots relax nothing; the others tied with them are closed
+            // in the same pass, up to the first that relaxes or ends the search.
+            while (a < n_ && x_[a] >= 0 &&
+                   slot_to_slot(s.pred[a], static_cast<std::size_t>(x_[a]))) {
                 a = s.pick_tied_after(best, a + 1, n_);
             }
             if (a == n_) {
                 best = s.smallest_open(n_, best_free);
                 continue;
+            }
+            if (x_[a] < 0) {
+                sink = a;
+                best = s.d[a];
+                break;
             }
             const auto o = static_cast<std::size_t>(x_[a]);
             best = s.relax(lay_.object_line(o), v_[o] - s.d[a], x_[a], u_.data(), n_, best_free);
