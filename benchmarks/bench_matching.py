@@ -372,10 +372,10 @@ def format_tables(results) -> str:
     lines = []
     peers = [k for k in results["assignment"][0] if k not in {"problem", ONE_READ}]
     lines.append("Assignment, ms, minimum over repeats, one BLAS thread (lower is better); the")
-    lines.append("ratios divide fusekit's time by the fastest lapx solver's and the fastest peer's;")
-    lines.append("one read: numpy's min over the matrix (a call included); an exact solver reads every")
-    lines.append("entry at least once. 0.5x lapx: half the fastest lapx solver's time in reads of the")
-    lines.append("matrix, 'below' where it is less than one")
+    lines.append("ratios divide fusekit's time by the fastest lapx solver's and the fastest")
+    lines.append("peer's; one read: numpy's min over the matrix (a call included), as an exact")
+    lines.append("solver reads every entry at least once; 0.5x lapx: half the fastest lapx")
+    lines.append("solver's time in reads of the matrix, 'below' where it is less than one")
     lines.append("")
     lines.append(
         "| problem | " + " | ".join(peers)
