@@ -338,18 +338,18 @@ class Solver {
     // a free one). Kept out of the reduction's loop, which continuous costs never leave for
     // it (inlined, its loops made 150-column rows 5-7% slower).
     __attribute__((noinline, cold)) std::size_t tied_column(std::size_t i, double umin) const {
-        const std::size_t start = i * nc_ / nr_;
-        const auto free_in = [&](std::size_t from, std::size_t to) {
-            std::size_t j = first_reduced_at(row(i), v_.data(), from, to, umin);
-            while (j < to && y_[j] >= 0) j = first_reduced_at(row(i), v_.data(), j + 1, to, umin);
-            return j;
+        // The first tied column from `from` on, round the columns (umin is one of them).
+        const auto next_tied = [&](std::size_t from) {
+            const std::size_t j = first_reduced_at(row(i), v_.data(), from, nc_, umin);
+            return j < nc_ ? j : first_reduced_at(row(i), v_.data(), 0, from, umin);
         };
-        const std::size_t after = free_in(start, nc_);
-        if (after < nc_) return after;
-        const std::size_t before = free_in(0, start);
-        if (before < start) return before;
-        const std::size_t j = first_reduced_at(row(i), v_.data(), start, nc_, umin);
-        return j < nc_ ? j : first_reduced_at(row(i), v_.data(), 0, start, umin);
+        const std::size_t first = next_tied(i * nc_ / nr_);
+        std::size_t j = first;
+        while (y_[j] >= 0) {
+            j = next_tied(j + 1 < nc_ ? j + 1 : 0);
+            if (j == first) return first;  // round the row: every tied column is taken
+        }
+        return j;
     }
 
     // Counts the probed row whose cheapest column is j (the k-th row of the first pass, of

@@ -436,7 +436,7 @@ class ShortSideSolver {
             ++runs_[run_of_[o] - 1].head;  // o was the run's first free member
             return;
         }
-        // Before the searches, the agents whose head o was settle when their head is next
+        // Before the searches, agents whose head was o are settled when their head is next
         // asked for (fresh_head): looking for them cost a pass over the agents per object
         // the reductions match. A search matches one.
         if (!searching_) return;
@@ -493,14 +493,14 @@ class ShortSideSolver {
 
     // Agent a's two cheapest objects by reduced cost c - v (at: the object, -1 for a bound):
     // over the matched objects, its list (the second free entry or the gate) and the runs
-    // (their second member as a bound). Before the searches, free objects sit at potential
-    // phi_ = 0 and matched ones only drop below it, so an object off a complete list costs
-    // at least the gate reduced too: its entries, matched or free, the gate and the runs'
-    // matched members decide, without reading every matched object's line (scattered
-    // loads, 200,000 of them on random 2500x500).
+    // (their second member as a bound). Before the searches (the only time this is asked),
+    // free objects sit at potential 0 and matched ones only drop below it, so an object off
+    // a complete list costs at least the gate reduced too: its entries, matched or free, the
+    // gate and the runs' matched members decide, without reading every matched object's
+    // line (scattered loads, 200,000 of them on random 2500x500).
     TwoCheapest two_cheapest(std::size_t a) {
         TwoCheapest best;
-        if (phi_ == 0.0 && lists_.complete(a)) {
+        if (!searching_ && lists_.complete(a)) {
             lists_.each(a, [&](double c, std::int64_t o) {
                 best.offer(c - (taken(o) ? v_[static_cast<std::size_t>(o)] : phi_), o);
             });
