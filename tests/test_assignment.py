@@ -219,6 +219,26 @@ def test_invalid_entries_are_found_on_every_route(bad):
                 with pytest.raises(ParameterError, match="invalid numeric entries"):
                     solve_assignment(cost)
 
+def test_tall_value_check_beside_forbidden_and_huge_costs():
+    """The tall solver checks the rows it offers through their sum, and entry by entry only
+    when the sum says so: a NaN or -inf beside forbidden (+inf) pairs is still refused, and
+    finite costs whose sum overflows to -inf, or forbidden pairs alone, are solved."""
+    rng = np.random.default_rng(11)
+    tall = rng.random((550, 50))
+    forbidden = tall.copy()
+    forbidden[rng.random(forbidden.shape) < 0.05] = np.inf
+    for bad in (np.nan, -np.inf):
+        broken = forbidden.copy()
+        broken[300, 7] = bad
+        with pytest.raises(ParameterError, match="invalid numeric entries"):
+            solve_assignment(broken)
+    huge = tall.copy()
+    huge[::25, 3] = -1e307  # their sum overflows to -inf
+    for cost in (forbidden, huge):
+        rows, cols = solve_assignment(cost)
+        check_solution(cost, rows, cols)
+
+
 
 def test_portable_search_loops_match_scipy():
     """CPUs without AVX-512 run the searches' portable loops and 32-byte vector kernels;
