@@ -10,36 +10,14 @@
 
 namespace fusekit {
 
-namespace {
-
-// dominates' body, inlined into each caller's clone: a call per row pair costs more than the
-// first chunk's compare, which tells most unrelated rows apart. A NaN on either side is not
-// dominated, so a run of dominating lines holds no NaN.
-template <class T>
-inline bool dominates_inline(const T* __restrict a, const T* __restrict b, std::size_t n) {
-    return !any_where<LaneFlag<T>>(n, [=](std::size_t j) { return !(b[j] >= a[j]); });
-}
-
-}  // namespace
-
+// A NaN on either side is not dominated, so a run of dominating lines holds no NaN.
 template <class T>
 FUSEKIT_CLONES bool dominates(const T* __restrict a, const T* __restrict b, std::size_t n) {
-    return dominates_inline(a, b, n);
+    return !any_where<LaneFlag<T>>(n, [=](std::size_t j) { return !(b[j] >= a[j]); });
 }
 
 template bool dominates<float>(const float*, const float*, std::size_t);
 template bool dominates<double>(const double*, const double*, std::size_t);
-
-template <class T>
-FUSEKIT_CLONES void rising_rows(const T* __restrict cost, std::size_t nr, std::size_t nc,
-                                unsigned char* __restrict rising) {
-    for (std::size_t o = 1; o < nr; ++o) {
-        rising[o] = dominates_inline(cost + (o - 1) * nc, cost + o * nc, nc);
-    }
-}
-
-template void rising_rows<float>(const float*, std::size_t, std::size_t, unsigned char*);
-template void rising_rows<double>(const double*, std::size_t, std::size_t, unsigned char*);
 
 namespace {
 

@@ -12,11 +12,6 @@ namespace fusekit {
 template <class T>
 bool dominates(const T* a, const T* b, std::size_t n);
 
-// rising[o] = dominates(row o - 1, row o) for 1 <= o < nr, over the rows of a row-major
-// nr x nc matrix, in one call (rising[0] is not written).
-template <class T>
-void rising_rows(const T* cost, std::size_t nr, std::size_t nc, unsigned char* rising);
-
 // rising[j] &= line[j] >= line[j - 1] for 1 <= j < n: which steps of a line never fall,
 // narrowed one line at a time.
 template <class T>

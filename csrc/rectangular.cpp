@@ -283,9 +283,24 @@ std::vector<Run> rising_runs(const std::vector<unsigned char>& rising) {
 
 template <class T>
 std::vector<Run> dominated_runs(const T* cost, std::size_t nr, std::size_t nc) {
-    std::vector<unsigned char> ascending(nr, 1);  // row o >= row o - 1
-    rising_rows(cost, nr, nc, ascending.data());
-    std::vector<Run> found = rising_runs(ascending);
+    // Whether row o dominates row o - 1.
+    const auto rises = [=](std::size_t o) {
+        return dominates(cost + (o - 1) * nc, cost + o * nc, nc);
+    };
+    // A run's kMinRun - 1 steps (row o over row o - 1) in a row include a multiple of
+    // kMinRun - 1: only those steps are tested, and a run is grown both ways from one that
+    // rises (a third of the compares of testing every step: 1 us of a 550x50 solve).
+    constexpr std::size_t kStride = kMinRun - 1;
+    std::vector<Run> found;
+    for (std::size_t o = kStride; o < nr; o += kStride) {
+        if (!rises(o)) continue;
+        std::size_t head = o - 1, end = o;
+        while (head > 0 && rises(head)) --head;
+        while (end + 1 < nr && rises(end + 1)) ++end;
+        if (end - head + 1 >= kMinRun) found.push_back({head, end});
+        // Step end + 1 falls: the next run's steps start at end + 2.
+        o = (end + 2 + kStride - 1) / kStride * kStride - kStride;
+    }
     std::stable_sort(found.begin(), found.end(), [](const Run& p, const Run& q) {
         return p.end - p.head > q.end - q.head;
     });

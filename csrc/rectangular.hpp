@@ -25,7 +25,7 @@ std::vector<Run> rising_runs(const std::vector<unsigned char>& rising);
 
 // The longest few runs of at least kMinRun rows of a row-major nr x nc matrix, longest first
 // (PFNM's new-neuron slots, with their growing penalty, form one). Mostly one vector compare
-// per row: unrelated rows are told apart in their first chunk.
+// per third row: unrelated rows are told apart in their first chunk.
 template <class T>
 std::vector<Run> dominated_runs(const T* cost, std::size_t nr, std::size_t nc);
 

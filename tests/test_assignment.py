@@ -180,6 +180,27 @@ def test_searches_through_interchangeable_slots():
                 check_duals(cost, rows, cols, u, v, False)
 
 
+def test_runs_of_every_length_and_place():
+    """Runs of rows each dominating the one before (found from every third step, then grown
+    both ways) of 2-7 rows, at the first and last rows, back to back, one row apart, and one
+    broken by a single falling entry: every solution and dual certificate matches SciPy."""
+    rng = np.random.default_rng(21)
+    for trial in range(40):
+        width = int(rng.integers(3, 12))
+        blocks = []
+        while sum(len(b) for b in blocks) < 5 * width:
+            length = int(rng.integers(1, 8))
+            block = rng.random(width)[None, :] + np.cumsum(rng.random((length, width)), axis=0)
+            if length > 3 and trial % 4 == 0:
+                block[length // 2, int(rng.integers(width))] -= 10.0  # one step falls
+            blocks.append(block * 0.2 if trial % 2 else np.round(block))
+        tall = np.vstack(blocks)
+        for cost in (tall, np.ascontiguousarray(tall.T)):
+            rows, cols, (u, v) = solve_assignment(cost, return_duals=True)
+            check_solution(cost, rows, cols, False)
+            check_duals(cost, rows, cols, u, v, False)
+
+
 def test_a_slot_run_broken_outside_the_sampled_rows_is_not_collapsed():
     """A wide problem's slot columns are found on a sample of its rows; when one row outside
     the sample breaks their order (a slot much cheaper than the one before it there), the
