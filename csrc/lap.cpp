@@ -77,12 +77,24 @@ FUSEKIT_CLONES void two_smallest(const T* __restrict row, const double* __restri
         total[s] += h;
         offer(s, h);
     };
-    std::size_t j = 0;
+    // The first entries up to a vector boundary of the row, padded with +inf, so that the
+    // row's loads do not straddle cache lines (the rows of a numpy matrix start anywhere:
+    // split, they made 100x2100 25% slower).
+    sum = 0.0;
+    std::size_t j = std::min(m, (kBytes - reinterpret_cast<std::uintptr_t>(row) % kBytes) %
+                                    kBytes / sizeof(T));
+    if (j > 0) {
+        Lanes h;
+        for (std::size_t l = 0; l < kWidth; ++l) {
+            h[l] = l < j ? static_cast<double>(row[l]) - v[l] : kInf;
+            sum += l < j ? h[l] : 0.0;
+        }
+        offer(1, h);
+    }
     for (; j + kBlock <= m; j += kBlock) {
         for (std::size_t s = 0; s < kVectors; ++s) take(s, j + s * kWidth);
     }
     for (; j + kWidth <= m; j += kWidth) take(0, j);
-    sum = 0.0;
     if (j < m) {  // the last entries, padded with +inf
         Lanes h;
         for (std::size_t l = 0; l < kWidth; ++l) {
