@@ -77,12 +77,9 @@ FUSEKIT_CLONES void two_smallest(const T* __restrict row, const double* __restri
         total[s] += h;
         offer(s, h);
     };
-    // The first entries up to a vector boundary of the row, padded with +inf, so that the
-    // row's loads do not straddle cache lines (the rows of a numpy matrix start anywhere:
-    // split, they made 100x2100 25% slower).
+    // The first entries up to a vector boundary (entries_to_boundary), padded with +inf.
     sum = 0.0;
-    std::size_t j = std::min(m, (kBytes - reinterpret_cast<std::uintptr_t>(row) % kBytes) %
-                                    kBytes / sizeof(T));
+    std::size_t j = std::min(m, entries_to_boundary<kWidth>(row));
     if (j > 0) {
         Lanes h;
         for (std::size_t l = 0; l < kWidth; ++l) {
@@ -157,6 +154,14 @@ __attribute__((target("avx512f"))) std::size_t first_at_avx512(const T* __restri
                                                                double value) {
     const __m512d target = _mm512_set1_pd(value);
     std::size_t j = from;
+    // to a vector boundary first (entries_to_boundary)
+    const std::size_t head = std::min(m, j + entries_to_boundary<8>(row + j));
+    if (j < head) {
+        const auto lanes = static_cast<__mmask8>((1u << (head - j)) - 1);
+        const unsigned found = equal_avx512(row, v, j, target, lanes);
+        if (found != 0) return j + static_cast<std::size_t>(__builtin_ctz(found));
+        j = head;
+    }
     for (; j + 32 <= m; j += 32) {
         const unsigned found = equal_avx512(row, v, j, target) |
                                equal_avx512(row, v, j + 8, target) << 8 |

@@ -180,6 +180,22 @@ def test_searches_through_interchangeable_slots():
                 check_duals(cost, rows, cols, u, v, False)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_matrices_starting_anywhere_in_a_cache_line(dtype):
+    """The dense solver's kernels read each row from a vector boundary on, its first
+    entries up to there apart: matrices that start at every offset within a cache line (and
+    rows of every length modulo a vector) are solved as SciPy solves them."""
+    rng = np.random.default_rng(5)
+    for rows, cols in [(7, 37), (30, 203), (16, 64), (5, 9)]:
+        values = rng.random(rows * cols + 16).astype(dtype)
+        values[rng.random(values.shape) < 0.02] = 0.0  # an early minimum, in the first entries
+        for offset in range(16):
+            cost = values[offset : offset + rows * cols].reshape(rows, cols)
+            assert cost.flags.c_contiguous
+            rows_, cols_ = solve_assignment(cost)
+            check_solution(cost, rows_, cols_)
+
+
 def test_runs_of_every_length_and_place():
     """Runs of rows each dominating the one before (found from every third step, then grown
     both ways) of 2-7 rows, at the first and last rows, back to back, one row apart, and one
