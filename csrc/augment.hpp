@@ -17,6 +17,9 @@ namespace fusekit {
 struct AugmentSearch {
     explicit AugmentSearch(std::size_t n) : d(n), penalty(n, 0.0), pred(n) {}
 
+    // The nodes that end a search: those with match[k] < 0 (free), penalty 0; the others +inf.
+    void set_ends(const std::int64_t* match, std::size_t n);
+
     // d[k] holds node k's entry cost on entry: it becomes d[k] - offset - pot[k], every
     // node open: the last search's closed nodes reopen at +inf, since a finished search leaves
     // them all assigned (its sink included). Returns the smallest distance, and in best_free

@@ -247,7 +247,7 @@ class Solver {
             if (!has_inf) augmenting_row_reduction(free_rows, false);  // a finite sum overflowed
         }
         if (declined_) return Status::ok;
-        for (std::size_t j = 0; j < nc_; ++j) search_.penalty[j] = y_[j] < 0 ? 0.0 : kInf;
+        search_.set_ends(y_.data(), nc_);
         for (std::int64_t f : free_rows) {
             if (x_[static_cast<std::size_t>(f)] >= 0) continue;
             const Status s = augment(f);

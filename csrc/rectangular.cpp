@@ -331,7 +331,7 @@ class ShortSideSolver {
         row_reduction(free_agents);
         for (std::size_t a = 0; a < n_; ++a) fresh_head(a);
         searching_ = true;
-        for (std::size_t a = 0; a < n_; ++a) search_.penalty[a] = x_[a] < 0 ? 0.0 : kInf;
+        search_.set_ends(x_.data(), n_);
         // Each search ends at the free agent nearest to the free objects, whichever it is.
         for (std::size_t k = 0; k < free_agents.size(); ++k) {
             if (!augment()) return Status::infeasible;
