@@ -20,12 +20,13 @@ constexpr double kInf = std::numeric_limits<double>::infinity();
 
 // Free objects kept per agent: more agents compete for more objects, and an exhausted list
 // is refilled by a strided pass over the agent's column, while every place costs an offer or
-// so per agent to build. Measured on PFNM-shaped problems: 6 for 50 and 100 agents (with 8,
-// tall 550x50 to 2100x100 took 3-11% longer, but for random vectors 600x100, which refills 6
-// lists instead of 1; with 4, random vectors refill 7-16), 16 for 500 (with 8, tied integer
-// costs refill 4x more and take 2-4x longer); 8 between.
+// so per agent to build. Measured on PFNM-shaped problems: 6 for 50 agents (with 8, 550x50
+// and 2050x50 took 1-9% longer; with 4, random vectors 550x50 refilled 7 lists and took 22%
+// longer), 8 for 100 (with 6, random vectors 600x100 refilled 6 lists instead of 1 and took
+// 8% longer, though other tops gained as much), 16 for 500 (with 8, tied integer costs refill
+// 4x more and take 2-4x longer).
 std::size_t list_length(std::size_t agents) {
-    return agents >= 256 ? 16 : agents >= 128 ? 8 : 6;
+    return agents >= 256 ? 16 : agents >= 64 ? 8 : 6;
 }
 
 // The first k in [from, n) with x[k] == value, n if none.

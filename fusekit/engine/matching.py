@@ -94,7 +94,7 @@ def solve_assignment(cost, maximize: bool = False, *, return_duals: bool = False
     What a call needs, whatever the values (ties included): the matrix (a float64 copy
     unless it is C-contiguous float32/float64; a negated copy when maximising) plus
     O(n + m): a few vectors of n and m entries, and for tall matrices (n > m) 6 candidate
-    rows per column (8 from 128 columns, 16 from 256). Square problems from 384 x 384 keep
+    rows per column (8 from 64 columns, 16 from 256). Square problems from 384 x 384 keep
     at most 64 candidate pairs per row on average (16 bytes each, about 1 KiB per row) and
     otherwise solve densely in O(n). PFNM-shaped matrices of at most 2,097,152 entries (16 MiB in
     float64) may be solved through a transposed copy.
