@@ -77,29 +77,24 @@ FUSEKIT_CLONES void two_smallest(const T* __restrict row, const double* __restri
         total[s] += h;
         offer(s, h);
     };
-    // The first entries up to a vector boundary (entries_to_boundary), padded with +inf.
+    // Entries j..end (fewer than a vector's), padded with +inf.
     sum = 0.0;
-    std::size_t j = std::min(m, entries_to_boundary<kWidth>(row));
-    if (j > 0) {
+    const auto take_part = [&](std::size_t s, std::size_t j, std::size_t end) {
         Lanes h;
         for (std::size_t l = 0; l < kWidth; ++l) {
-            h[l] = l < j ? static_cast<double>(row[l]) - v[l] : kInf;
-            sum += l < j ? h[l] : 0.0;
+            h[l] = j + l < end ? static_cast<double>(row[j + l]) - v[j + l] : kInf;
+            sum += j + l < end ? h[l] : 0.0;
         }
-        offer(1, h);
-    }
+        offer(s, h);
+    };
+    // The first entries up to a vector boundary (entries_to_boundary) apart.
+    std::size_t j = std::min(m, entries_to_boundary<kWidth>(row));
+    if (j > 0) take_part(1, 0, j);
     for (; j + kBlock <= m; j += kBlock) {
         for (std::size_t s = 0; s < kVectors; ++s) take(s, j + s * kWidth);
     }
     for (; j + kWidth <= m; j += kWidth) take(0, j);
-    if (j < m) {  // the last entries, padded with +inf
-        Lanes h;
-        for (std::size_t l = 0; l < kWidth; ++l) {
-            h[l] = j + l < m ? static_cast<double>(row[j + l]) - v[j + l] : kInf;
-            sum += j + l < m ? h[l] : 0.0;
-        }
-        offer(0, h);
-    }
+    if (j < m) take_part(0, j, m);
     // The lanes' pairs merged: first the vectors, then the lanes of one.
     for (std::size_t s = 1; s < kVectors; ++s) {
         const Lanes low_b = b[s] < b[0] ? b[s] : b[0], high_a = a[s] > a[0] ? a[s] : a[0];

@@ -303,8 +303,8 @@ std::vector<Run> dominated_runs(const T* cost, std::size_t nr, std::size_t nc) {
         while (head > 0 && rises(head)) --head;
         while (end + 1 < nr && rises(end + 1)) ++end;
         if (end - head + 1 >= kMinRun) found.push_back({head, end});
-        // Step end + 1 falls: the next run's steps start at end + 2.
-        o = (end + 2 + kStride - 1) / kStride * kStride - kStride;
+        // Step end + 1 falls: the loop's next step is the first multiple past it.
+        o = (end + 1) / kStride * kStride;
     }
     std::stable_sort(found.begin(), found.end(), [](const Run& p, const Run& q) {
         return p.end - p.head > q.end - q.head;

@@ -256,6 +256,7 @@ def test_invalid_entries_are_found_on_every_route(bad):
                 with pytest.raises(ParameterError, match="invalid numeric entries"):
                     solve_assignment(cost)
 
+
 def test_tall_value_check_beside_forbidden_and_huge_costs():
     """The tall solver checks the rows it offers through their sum, and entry by entry only
     when the sum says so: a NaN or -inf beside forbidden (+inf) pairs is still refused, and

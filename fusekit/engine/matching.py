@@ -96,8 +96,8 @@ def solve_assignment(cost, maximize: bool = False, *, return_duals: bool = False
     O(n + m): a few vectors of n and m entries, and for tall matrices (n > m) 6 candidate
     rows per column (8 from 64 columns, 16 from 256). Square problems from 384 x 384 keep
     at most 64 candidate pairs per row on average (16 bytes each, about 1 KiB per row) and
-    otherwise solve densely in O(n). PFNM-shaped matrices of at most 2,097,152 entries (16 MiB in
-    float64) may be solved through a transposed copy.
+    otherwise solve densely in O(n). PFNM-shaped matrices of at most 2,097,152 entries
+    (16 MiB in float64) may be solved through a transposed copy.
 
     Rectangular matrices are never padded: a wide one (n < m) augments row by row, each
     search step reading one row; a tall one augments over its m columns, each free row
