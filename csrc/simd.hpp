@@ -120,6 +120,15 @@ __attribute__((target("avx512f"))) inline __m512d load8_avx512(const double* p, 
 __attribute__((target("avx512f"))) inline __m512d load8_avx512(const float* p, __mmask8 lanes) {
     return _mm512_cvtps_pd(_mm512_castps512_ps256(_mm512_maskz_loadu_ps(lanes, p)));
 }
+// The costs at p[index[l]] as doubles, for the lanes in `lanes` (others 0).
+__attribute__((target("avx512f"))) inline __m512d gather8_avx512(const double* p, __m512i index,
+                                                                __mmask8 lanes) {
+    return _mm512_mask_i64gather_pd(_mm512_setzero_pd(), lanes, index, p, 8);
+}
+__attribute__((target("avx512f"))) inline __m512d gather8_avx512(const float* p, __m512i index,
+                                                                __mmask8 lanes) {
+    return _mm512_cvtps_pd(_mm512_mask_i64gather_ps(_mm256_setzero_ps(), lanes, index, p, 4));
+}
 #endif
 
 }  // namespace fusekit

@@ -277,6 +277,34 @@ def test_tall_value_check_beside_forbidden_and_huge_costs():
         check_solution(cost, rows, cols)
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_long_rows_with_their_smallest_anywhere(dtype):
+    """Rows of 256 entries and more keep one minimum per lane (32 lanes, entry j in lane
+    j - head mod 32, the head's entries before the first vector boundary in the last lanes)
+    and look again only at the winning lane: the smallest placed in the head, the body or
+    the tail, alone, twice in one lane, beside another lane's equal, or with the second
+    smallest in its own lane, at every offset in a cache line; solutions and duals match
+    SciPy."""
+    rng = np.random.default_rng(17)
+    for cols in (256, 300, 517):
+        places = sorted({0, 1, 5, 7, 8, 40, cols // 2, cols - 33, cols - 9, cols - 1})
+        rows = len(places)
+        values = (1.0 + rng.random(rows * cols + 16)).astype(dtype)
+        for offset in range(16):
+            cost = values.copy()[offset : offset + rows * cols].reshape(rows, cols)
+            for i, j in enumerate(places):
+                cost[i, j] = 0.25  # the smallest, alone
+                shape = (i + offset) % 4
+                if shape == 1 and j + 32 < cols:
+                    cost[i, j + 32] = 0.25  # twice in one lane
+                elif shape == 2:
+                    cost[i, (j + 1) % cols] = 0.25  # in the next lane too
+                elif shape == 3 and j + 64 < cols:
+                    cost[i, j + 64] = 0.5  # the second smallest in its lane
+            rows_, cols_, (u, v) = solve_assignment(cost, return_duals=True)
+            check_solution(cost, rows_, cols_)
+            check_duals(cost, rows_, cols_, u, v)
+
 
 def test_portable_search_loops_match_scipy():
     """CPUs without AVX-512 run the searches' portable loops and 32-byte vector kernels;
