@@ -323,7 +323,7 @@ template <class T>
 class Solver {
    public:
     Solver(const T* cost, std::size_t nr, std::size_t nc)
-        : c_(cost), nr_(nr), nc_(nc), v_(nc, 0.0), x_(nr, -1), y_(nc, -1), search_(nc) {}
+        : c_(cost), nr_(nr), nc_(nc), v_(nc, 0.0), x_(nr, -1), y_(nc, -1) {}
 
     const std::vector<double>& potentials() const { return v_; }
     const std::vector<std::int64_t>& row_solution() const { return x_; }
@@ -353,11 +353,13 @@ class Solver {
             restart(free_rows);
             if (!has_inf) augmenting_row_reduction(free_rows, false);  // a finite sum overflowed
         }
-        if (declined_) return Status::ok;
-        search_.set_ends(y_.data(), nc_);
+        // The searches' arrays only when a row is left (often none: 50x550 random vectors).
+        if (declined_ || free_rows.empty()) return Status::ok;
+        AugmentSearch search(nc_);
+        search.set_ends(y_.data(), nc_);
         for (std::int64_t f : free_rows) {
             if (x_[static_cast<std::size_t>(f)] >= 0) continue;
-            const Status s = augment(f);
+            const Status s = augment(f, search);
             if (s != Status::ok) return s;
         }
         return Status::ok;
@@ -493,8 +495,7 @@ class Solver {
 
     // Shortest augmenting path from free row f over reduced costs (augment.hpp), then the
     // potential update and the augmentation.
-    Status augment(std::int64_t f) {
-        AugmentSearch& s = search_;
+    Status augment(std::int64_t f, AugmentSearch& s) {
         const T* first = row(static_cast<std::size_t>(f));
         for (std::size_t j = 0; j < nc_; ++j) s.d[j] = static_cast<double>(first[j]);
         std::fill(s.pred.begin(), s.pred.end(), f);
@@ -529,7 +530,6 @@ class Solver {
     std::size_t nr_, nc_;
     std::vector<double> v_;
     std::vector<std::int64_t> x_, y_;
-    AugmentSearch search_;
     Run slots_{0, 0};
     bool watching_ = false, declined_ = false;
     std::size_t slot_rows_ = 0;
