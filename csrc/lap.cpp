@@ -542,11 +542,23 @@ class Solver {
 template <class T>
 bool longest_column_run(const T* cost, std::size_t nc, const std::vector<std::size_t>& rows,
                         std::size_t& head, std::size_t& end) {
-    constexpr std::size_t kProposing = 8;
+    constexpr std::size_t kProposing = 8, kWhole = 2;
     std::vector<unsigned char> rising(nc, 1);
     const std::size_t proposing = std::min(rows.size(), kProposing);
-    for (std::size_t t = 0; t < proposing; ++t) keep_rising(cost + rows[t] * nc, rising.data(), nc);
-    const std::vector<Run> runs = rising_runs(rising);
+    // The first rows over every column; the others only over the runs those leave (a run in
+    // all of them is one in the first): 2 whole rows and the runs' stretches, not 8 rows.
+    const std::size_t whole = std::min(proposing, kWhole);
+    for (std::size_t t = 0; t < whole; ++t) keep_rising(cost + rows[t] * nc, rising.data(), nc);
+    std::vector<Run> runs = rising_runs(rising);
+    if (proposing > whole && !runs.empty()) {
+        for (std::size_t t = whole; t < proposing; ++t) {
+            const T* line = cost + rows[t] * nc;
+            for (const Run& r : runs) {
+                keep_rising(line + r.head, rising.data() + r.head, r.end - r.head + 1);
+            }
+        }
+        runs = rising_runs(rising);
+    }
     if (runs.empty()) return false;
     const Run longest = *std::max_element(runs.begin(), runs.end(), [](const Run& p, const Run& q) {
         return p.end - p.head < q.end - q.head;
