@@ -127,17 +127,13 @@ void kth_smallest_columns(double* x, std::size_t rows, std::size_t n, std::size_
                           double* out) {
     std::size_t size = 1;
     while (size < rows) size *= 2;
-    std::vector<double> padded;  // +inf rows up to a power of two
-    if (size > rows) {
-        padded.assign(size * n, std::numeric_limits<double>::infinity());
-        std::copy(x, x + rows * n, padded.begin());
-        x = padded.data();
-    }
-    // Batcher's odd-even merge sort network (the iterative form).
+    // Batcher's odd-even merge sort network (the iterative form) over a power of two of
+    // rows, the ones past `rows` +inf: a comparator that reaches one of them changes
+    // nothing, so they are neither made nor compared.
     for (std::size_t p = 1; p < size; p *= 2) {
         for (std::size_t d = p; d >= 1; d /= 2) {
-            for (std::size_t j = d % p; j + d < size; j += 2 * d) {
-                for (std::size_t i = 0; i < d && i + j + d < size; ++i) {
+            for (std::size_t j = d % p; j + d < rows; j += 2 * d) {
+                for (std::size_t i = 0; i < d && i + j + d < rows; ++i) {
                     if ((i + j) / (2 * p) == (i + j + d) / (2 * p)) {
                         order_rows(x + (i + j) * n, x + (i + j + d) * n, n);
                     }
