@@ -152,8 +152,7 @@ __attribute__((target("avx512f"))) std::size_t first_at_avx512(const T* __restri
     // to a vector boundary first (entries_to_boundary)
     const std::size_t head = std::min(m, j + entries_to_boundary<8>(row + j));
     if (j < head) {
-        const auto lanes = static_cast<__mmask8>((1u << (head - j)) - 1);
-        const unsigned found = equal_avx512(row, v, j, target, lanes);
+        const unsigned found = equal_avx512(row, v, j, target, first_lanes(head - j));
         if (found != 0) return j + static_cast<std::size_t>(__builtin_ctz(found));
         j = head;
     }
@@ -165,8 +164,7 @@ __attribute__((target("avx512f"))) std::size_t first_at_avx512(const T* __restri
         if (found != 0) return j + static_cast<std::size_t>(__builtin_ctz(found));
     }
     for (; j < m; j += 8) {
-        const auto lanes = m - j >= 8 ? 0xff : static_cast<__mmask8>((1u << (m - j)) - 1);
-        const unsigned found = equal_avx512(row, v, j, target, lanes);
+        const unsigned found = equal_avx512(row, v, j, target, first_lanes(m - j));
         if (found != 0) return j + static_cast<std::size_t>(__builtin_ctz(found));
     }
     return m;
@@ -184,11 +182,6 @@ std::size_t first_reduced_at(const T* row, const double* v, std::size_t from, st
 }
 
 #ifdef FUSEKIT_AVX512_KERNELS
-// The first `count` of eight lanes.
-inline __mmask8 first_lanes(std::size_t count) {
-    return static_cast<__mmask8>(count >= 8 ? 0xFF : (1u << count) - 1);
-}
-
 // Entries j.. of `lanes` into a lane minimum and sum (two_smallest_avx512).
 template <class T>
 __attribute__((target("avx512f"), always_inline)) inline void take_lanes_avx512(

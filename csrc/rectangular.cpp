@@ -233,8 +233,7 @@ __attribute__((target("avx512f"))) bool offer_rows_avx512(const T* __restrict fi
             const std::size_t width = std::min<std::size_t>(64, n - j0);
             std::uint64_t bits = 0;
             for (std::size_t l = 0; l < width; l += 8) {
-                const auto lanes =
-                    static_cast<__mmask8>(width - l >= 8 ? 0xFF : (1u << (width - l)) - 1);
+                const __mmask8 lanes = first_lanes(width - l);
                 const __m512d c = load8_avx512(row + j0 + l, lanes);
                 const __mmask8 hit = _mm512_mask_cmp_pd_mask(
                     lanes, c, _mm512_maskz_loadu_pd(lanes, gate + j0 + l), _CMP_LE_OQ);

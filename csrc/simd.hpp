@@ -107,6 +107,11 @@ inline std::size_t entries_to_boundary(const T* p) {
 }
 
 #ifdef FUSEKIT_AVX512_KERNELS
+// The first `count` of eight lanes (all eight from 8 on).
+inline __mmask8 first_lanes(std::size_t count) {
+    return static_cast<__mmask8>(count >= 8 ? 0xFF : (1u << count) - 1);
+}
+
 // Eight costs as doubles; the masked form reads only the lanes in `lanes` (a row's tail).
 __attribute__((target("avx512f"))) inline __m512d load8_avx512(const double* p) {
     return _mm512_loadu_pd(p);
