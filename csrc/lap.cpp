@@ -14,6 +14,7 @@
 #include "candidates.hpp"
 #include "lines.hpp"
 #include "rectangular.hpp"
+#include "reduction.hpp"
 #include "simd.hpp"
 
 namespace fusekit {
@@ -413,8 +414,7 @@ class Solver {
     // for a uniform top; a 16th stopped at 88), and stop at the first after the second
     // that does not.
     bool augmenting_row_reduction(std::vector<std::int64_t>& free_rows, bool check) {
-        constexpr int kMaxPasses = 16;
-        for (int pass = 0; pass < kMaxPasses; ++pass) {
+        for (int pass = 0; pass < kMaxReductionPasses; ++pass) {
             std::size_t k = 0;
             const std::size_t previous = free_rows.size();
             std::size_t kept = 0;
@@ -448,7 +448,7 @@ class Solver {
                 }
             }
             free_rows.resize(kept);
-            if (kept == 0 || (pass >= 1 && 32 * (previous - kept) < previous + 31)) break;
+            if (reduction_stalled(pass, previous, kept, 32)) break;
         }
         return true;
     }

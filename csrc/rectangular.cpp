@@ -573,8 +573,7 @@ class ShortSideSolver {
     // left 82 of 500 agents to augment on random 2500x500 problems, ten passes 4), and stop
     // at the first after the second that does not (PFNM's own problems: after two).
     void row_reduction(std::vector<std::size_t>& free_agents) {
-        constexpr int kMaxPasses = 16;
-        for (int pass = 0; pass < kMaxPasses; ++pass) {
+        for (int pass = 0; pass < kMaxReductionPasses; ++pass) {
             const std::size_t before = free_agents.size();
             std::size_t kept = 0;
             for (std::size_t k = 0; k < free_agents.size(); ++k) {
@@ -605,7 +604,7 @@ class ShortSideSolver {
                 v_[obj] = lay_.at(a, obj) - ua;
             }
             free_agents.resize(kept);
-            if (pass >= 1 && 16 * (before - kept) < before + 15) return;
+            if (reduction_stalled(pass, before, kept, 16)) return;
         }
     }
 
