@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <type_traits>
+#include <utility>
 
 #if defined(__GNUC__) && defined(__x86_64__)
 #include <immintrin.h>
@@ -54,6 +55,14 @@ template <>
 struct Vectors<32> {
     typedef double Doubles __attribute__((vector_size(32)));
 };
+
+// x with lane l taken from lane l ^ kStep (a butterfly step across the lanes; kLane: 0, 1, ...
+// for each lane).
+template <std::size_t kStep, class Lanes, std::size_t... kLane>
+__attribute__((always_inline)) inline Lanes exchanged(const Lanes& x,
+                                                      std::index_sequence<kLane...>) {
+    return __builtin_shufflevector(x, x, (kLane ^ kStep)...);
+}
 
 // A flag as wide as T, for "any" reductions over compares of T: GCC packs int flags from
 // 64-bit compares with a dozen shuffles per chunk, and ORs flags of the compares' own width
