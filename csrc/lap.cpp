@@ -325,8 +325,9 @@ enum class Values { finite, forbidden, unchecked };
 template <class T>
 class Solver {
    public:
-    Solver(const T* cost, std::size_t nr, std::size_t nc)
-        : c_(cost), nr_(nr), nc_(nc), v_(nc, 0.0), x_(nr, -1), y_(nc, -1) {}
+    // Row i of the matrix starts at cost + i * stride (stride >= nc).
+    Solver(const T* cost, std::size_t nr, std::size_t nc, std::size_t stride)
+        : c_(cost), nr_(nr), nc_(nc), stride_(stride), v_(nc, 0.0), x_(nr, -1), y_(nc, -1) {}
 
     const std::vector<double>& potentials() const { return v_; }
     const std::vector<std::int64_t>& row_solution() const { return x_; }
@@ -352,7 +353,11 @@ class Solver {
         if (values != Values::forbidden && nc_ >= 2 &&
             !augmenting_row_reduction(free_rows, values == Values::unchecked)) {
             bool has_inf = false;
-            if (!valid_costs(c_, nr_ * nc_, has_inf)) return Status::non_finite;
+            for (std::size_t i = 0; i < nr_; ++i) {
+                bool row_has_inf = false;
+                if (!valid_costs(row(i), nc_, row_has_inf)) return Status::non_finite;
+                has_inf |= row_has_inf;
+            }
             restart(free_rows);
             if (!has_inf) augmenting_row_reduction(free_rows, false);  // a finite sum overflowed
         }
@@ -369,8 +374,8 @@ class Solver {
     }
 
    private:
-    const T* row(std::size_t i) const { return c_ + i * nc_; }
-    double at(std::size_t i, std::size_t j) const { return static_cast<double>(c_[i * nc_ + j]); }
+    const T* row(std::size_t i) const { return c_ + i * stride_; }
+    double at(std::size_t i, std::size_t j) const { return static_cast<double>(row(i)[j]); }
 
     // Jonker-Volgenant column reduction and reduction transfer (square problems).
     void column_reduction(std::vector<std::int64_t>& free_rows) {
@@ -535,7 +540,7 @@ class Solver {
     }
 
     const T* c_;
-    std::size_t nr_, nc_;
+    std::size_t nr_, nc_, stride_;
     std::vector<double> v_;
     std::vector<std::int64_t> x_, y_;
     Run slots_{0, 0};
@@ -615,11 +620,13 @@ constexpr std::size_t kMaxTransposed = std::size_t{1} << 21;
 
 #ifdef FUSEKIT_AVX512_KERNELS
 // Rows [0, 8 * (nr / 8)) x columns [0, 8 * (nc / 8)) of a row-major nr x nc matrix into out
-// (nc x nr), an 8 x 8 block at a time transposed in registers: a scalar copy of 600x100 made
-// two scattered accesses per entry and took as long as the dense solver's row reduction.
+// (nc rows of nr, each `stride` apart), an 8 x 8 block at a time transposed in registers: a
+// scalar copy of 600x100 made two scattered accesses per entry and took as long as the dense
+// solver's row reduction.
 __attribute__((target("avx512f"))) void transpose_blocks_avx512(const double* __restrict cost,
                                                                 std::size_t nr, std::size_t nc,
-                                                                double* __restrict out) {
+                                                                double* __restrict out,
+                                                                std::size_t stride) {
     const __m512i pairs_low = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);
     const __m512i pairs_high = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
     const __m512i halves_low = _mm512_setr_epi64(0, 1, 2, 3, 8, 9, 10, 11);
@@ -639,10 +646,11 @@ __attribute__((target("avx512f"))) void transpose_blocks_avx512(const double* __
                 q[k + 2] = _mm512_permutex2var_pd(t[k], pairs_high, t[k + 2]);
                 q[k + 3] = _mm512_permutex2var_pd(t[k + 1], pairs_high, t[k + 3]);
             }
-            double* to = out + j0 * nr + i0;
+            double* to = out + j0 * stride + i0;
             for (std::size_t c = 0; c < 4; ++c) {
-                _mm512_storeu_pd(to + c * nr, _mm512_permutex2var_pd(q[c], halves_low, q[4 + c]));
-                _mm512_storeu_pd(to + (c + 4) * nr,
+                _mm512_storeu_pd(to + c * stride,
+                                 _mm512_permutex2var_pd(q[c], halves_low, q[4 + c]));
+                _mm512_storeu_pd(to + (c + 4) * stride,
                                  _mm512_permutex2var_pd(q[c], halves_high, q[4 + c]));
             }
         }
@@ -651,11 +659,12 @@ __attribute__((target("avx512f"))) void transpose_blocks_avx512(const double* __
 #endif
 
 // Rows [i_begin, i_end) x columns [j_begin, j_end) of a row-major nr x nc matrix into out
-// (nc x nr), in 32 x 32 tiles that stay in cache, each written a contiguous output row at a
-// time (measured: 19 us for 600x100, where row-by-row tiles took 31).
+// (as transpose_blocks_avx512), in 32 x 32 tiles that stay in cache, each written a
+// contiguous output row at a time (measured: 19 us for 600x100, where row-by-row tiles took
+// 31).
 template <class T>
-void transpose_tiles(const T* __restrict cost, std::size_t nr, std::size_t nc,
-                     T* __restrict out, std::size_t i_begin, std::size_t i_end,
+void transpose_tiles(const T* __restrict cost, std::size_t nc, T* __restrict out,
+                     std::size_t stride, std::size_t i_begin, std::size_t i_end,
                      std::size_t j_begin, std::size_t j_end) {
     constexpr std::size_t kTile = 32;
     for (std::size_t i0 = i_begin; i0 < i_end; i0 += kTile) {
@@ -663,7 +672,7 @@ void transpose_tiles(const T* __restrict cost, std::size_t nr, std::size_t nc,
         for (std::size_t j0 = j_begin; j0 < j_end; j0 += kTile) {
             const std::size_t j1 = std::min(j_end, j0 + kTile);
             for (std::size_t j = j0; j < j1; ++j) {
-                for (std::size_t i = i0; i < i1; ++i) out[j * nr + i] = cost[i * nc + j];
+                for (std::size_t i = i0; i < i1; ++i) out[j * stride + i] = cost[i * nc + j];
             }
         }
     }
@@ -679,32 +688,42 @@ struct LineAlignedDelete {
 template <class T>
 using LineAligned = std::unique_ptr<T[], LineAlignedDelete>;
 
-// The nc x nr transpose of a row-major nr x nc matrix (not zeroed first).
+// The nc x nr transpose of a row-major nr x nc matrix, its rows `stride` apart (stride >= nr;
+// what lies between them is not written).
 template <class T>
-LineAligned<T> transposed(const T* cost, std::size_t nr, std::size_t nc) {
-    LineAligned<T> out(static_cast<T*>(::operator new[](nr * nc * sizeof(T), kLine)));
+LineAligned<T> transposed(const T* cost, std::size_t nr, std::size_t nc, std::size_t stride) {
+    LineAligned<T> out(static_cast<T*>(::operator new[](nc * stride * sizeof(T), kLine)));
     std::size_t rows = 0, columns = 0;  // the block transposed in registers
 #ifdef FUSEKIT_AVX512_KERNELS
     if constexpr (std::is_same_v<T, double>) {
         if (kHasAvx512) {
-            transpose_blocks_avx512(cost, nr, nc, out.get());
+            transpose_blocks_avx512(cost, nr, nc, out.get(), stride);
             rows = nr / 8 * 8;
             columns = nc / 8 * 8;
         }
     }
 #endif
-    transpose_tiles(cost, nr, nc, out.get(), 0, rows, columns, nc);
-    transpose_tiles(cost, nr, nc, out.get(), rows, nr, 0, nc);
+    transpose_tiles(cost, nc, out.get(), stride, 0, rows, columns, nc);
+    transpose_tiles(cost, nc, out.get(), stride, rows, nr, 0, nc);
     return out;
+}
+
+// n entries rounded up to whole cache lines: rows that far apart all start on one, so that
+// the transposed copy's 64-byte stores never straddle two (150x50: 1.8 us a copy, 1.2 with
+// them apart by 152).
+template <class T>
+std::size_t line_stride(std::size_t n) {
+    constexpr std::size_t kPerLine = 64 / sizeof(T);
+    return (n + kPerLine - 1) / kPerLine * kPerLine;
 }
 
 // Square and wide problems on the dense solver. Given a wide problem's slot columns, it may
 // decline (Solver::watch): *declined says so, and nothing is written.
 template <class T>
-Status solve_dense(const T* cost, std::size_t nr, std::size_t nc, Values values,
-                   std::int64_t* col_of_row, double* u, double* v, const Run* slots = nullptr,
-                   bool* declined = nullptr) {
-    Solver<T> solver(cost, nr, nc);
+Status solve_dense(const T* cost, std::size_t nr, std::size_t nc, std::size_t stride,
+                   Values values, std::int64_t* col_of_row, double* u, double* v,
+                   const Run* slots = nullptr, bool* declined = nullptr) {
+    Solver<T> solver(cost, nr, nc, stride);
     if (slots) solver.watch(*slots);
     const Status s = solver.run(values);
     if (declined) *declined = solver.declined();
@@ -714,18 +733,18 @@ Status solve_dense(const T* cost, std::size_t nr, std::size_t nc, Values values,
     for (std::size_t i = 0; i < nr; ++i) {
         const auto j = static_cast<std::size_t>(x[i]);
         col_of_row[i] = static_cast<std::int64_t>(j);
-        if (u) u[i] = static_cast<double>(cost[i * nc + j]) - pot[j];
+        if (u) u[i] = static_cast<double>(cost[i * stride + j]) - pot[j];
     }
     if (v) std::copy(pot.begin(), pot.end(), v);
     return Status::ok;
 }
 
-// Solves the transpose (nc x nr) of an nr x nc problem with `solve` and maps the assignment
-// and potentials back: rows and columns swap roles, so do u and v.
+// Solves the transpose (nc x nr, its rows `stride` apart) of an nr x nc problem with `solve`
+// and maps the assignment and potentials back: rows and columns swap roles, so do u and v.
 template <class T, class Solve>
-Status solve_transposed(const T* cost, std::size_t nr, std::size_t nc, Solve solve,
-                        std::int64_t* col_of_row, double* u, double* v) {
-    const LineAligned<T> flipped = transposed(cost, nr, nc);
+Status solve_transposed(const T* cost, std::size_t nr, std::size_t nc, std::size_t stride,
+                        Solve solve, std::int64_t* col_of_row, double* u, double* v) {
+    const LineAligned<T> flipped = transposed(cost, nr, nc, stride);
     std::vector<std::int64_t> row_of_col(nc, -1);
     std::vector<double> uf(nc), vf(nr);
     const Status s = solve(flipped.get(), nc, nr, row_of_col.data(), uf.data(), vf.data());
@@ -758,11 +777,13 @@ Status solve_assignment(const T* cost, std::size_t nr, std::size_t nc, std::int6
             (runs.empty() || !surely_many_new(runs[0], nc, nr))) {
             bool declined = false;
             const Run* slots = runs.empty() ? nullptr : &runs[0];
-            const auto dense = [slots, &declined](const T* c, std::size_t r, std::size_t k,
-                                                  std::int64_t* x, double* a, double* b) {
-                return solve_dense(c, r, k, Values::unchecked, x, a, b, slots, &declined);
+            const std::size_t stride = line_stride<T>(nr);
+            const auto dense = [slots, stride, &declined](const T* c, std::size_t r,
+                                                          std::size_t k, std::int64_t* x,
+                                                          double* a, double* b) {
+                return solve_dense(c, r, k, stride, Values::unchecked, x, a, b, slots, &declined);
             };
-            const Status s = solve_transposed(cost, nr, nc, dense, col_of_row, u, v);
+            const Status s = solve_transposed(cost, nr, nc, stride, dense, col_of_row, u, v);
             if (!declined) return s;
         }
         return solve_tall(cost, nr, nc, std::move(runs), col_of_row, u, v);
@@ -772,17 +793,17 @@ Status solve_assignment(const T* cost, std::size_t nr, std::size_t nc, std::int6
         if (nr * nc <= kMaxTransposed && wide_slots(cost, nr, nc, slots)) {
             if (!surely_many_new(slots, nr, nc)) {
                 bool declined = false;
-                const Status s = solve_dense(cost, nr, nc, Values::unchecked, col_of_row, u, v,
-                                             &slots, &declined);
+                const Status s = solve_dense(cost, nr, nc, nc, Values::unchecked, col_of_row, u,
+                                             v, &slots, &declined);
                 if (!declined) return s;
             }
             const auto tall = [slots](const T* c, std::size_t r, std::size_t k, std::int64_t* x,
                                       double* a, double* b) {
                 return solve_tall(c, r, k, runs_from_sample(c, r, k, slots), x, a, b);
             };
-            return solve_transposed(cost, nr, nc, tall, col_of_row, u, v);
+            return solve_transposed(cost, nr, nc, nr, tall, col_of_row, u, v);
         }
-        return solve_dense(cost, nr, nc, Values::unchecked, col_of_row, u, v);
+        return solve_dense(cost, nr, nc, nc, Values::unchecked, col_of_row, u, v);
     }
     // NaN and -inf are invalid; +inf (forbidden) disables the dense solver's reductions.
     bool has_inf = false;
@@ -790,8 +811,8 @@ Status solve_assignment(const T* cost, std::size_t nr, std::size_t nc, std::int6
     if (nr >= kMinCandidateSquare && solve_by_candidates(cost, nr, col_of_row, u, v)) {
         return Status::ok;
     }
-    return solve_dense(cost, nr, nc, has_inf ? Values::forbidden : Values::finite, col_of_row, u,
-                       v);
+    return solve_dense(cost, nr, nc, nc, has_inf ? Values::forbidden : Values::finite, col_of_row,
+                       u, v);
 }
 
 template Status solve_assignment<float>(const float*, std::size_t, std::size_t, std::int64_t*,
