@@ -100,7 +100,10 @@ const fusekit::Blas& blas() {
     return instance;
 }
 
-bool is_float32(const py::array& x) { return x.dtype().is(py::dtype::of<float>()); }
+// Any float32 array, byte order aside (array_t<float> then makes it native): its dtype need
+// not be numpy's own float32 object, which dtype::is asks (an array from a pickle, and its
+// copies, hold another: they were solved in a float64 copy).
+bool is_float32(const py::array& x) { return x.dtype().kind() == 'f' && x.dtype().itemsize() == 4; }
 
 // x as a C-contiguous array of T (a view, or a converted copy), refused before any buffer is
 // read unless it is a numpy array of real numbers or booleans: object, string, bytes,
@@ -252,7 +255,7 @@ void add_rows(py::array target, const Index& rows, const py::object& values_in, 
               const py::object& scale_in) {
     const Array values = real(values_in, "values");
     // Written in place: a converted copy would silently drop the update.
-    if (!target.dtype().is(py::dtype::of<double>()) || !(target.flags() & py::array::c_style) ||
+    if (!py::isinstance<py::array_t<double>>(target) || !(target.flags() & py::array::c_style) ||
         !target.writeable() || target.ndim() != 2) {
         raise_parameter("target: expected a writeable C-contiguous 2-D float64 array");
     }

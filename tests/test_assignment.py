@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import itertools
 import os
+import pickle
 import subprocess
 import sys
 import textwrap
 import threading
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -376,6 +378,26 @@ def test_larger_problems_and_structured_costs(shape):
         rows, cols, (u, v) = solve_assignment(cost, return_duals=True)
         check_solution(cost, rows, cols)
         check_duals(cost, rows, cols, u, v)
+
+
+def test_float32_from_a_pickle_is_solved_without_a_float64_copy():
+    """An array from a pickle (multiprocessing, joblib) holds its own float32 dtype object:
+    it is still solved in float32 storage, as numpy's own float32 is, with no float64 copy
+    of the matrix (numpy's allocations are traced); other byte orders are solved as well."""
+    rng = np.random.default_rng(3)
+    cost = pickle.loads(pickle.dumps(rng.random((700, 90)).astype(np.float32)))
+    assert cost.dtype is not np.dtype(np.float32)
+    tracemalloc.start()
+    try:
+        rows, cols = solve_assignment(cost)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < cost.size * 8 // 2, f"a copy of {peak} bytes was made"
+    check_solution(cost, rows, cols, False)
+    swapped = cost.astype(">f4")
+    rows, cols = solve_assignment(swapped)
+    check_solution(swapped, rows, cols, False)
 
 
 def test_non_contiguous_and_integer_inputs():

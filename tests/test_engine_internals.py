@@ -1,5 +1,7 @@
 """The engine's internal fast paths: in-place row updates and unchecked cost kernels."""
 
+import pickle
+
 import numpy as np
 import pytest
 
@@ -25,6 +27,19 @@ def test_add_rows_matches_fancy_index_bit_for_bit():
     expected[rows] -= values * scale
     core().add_rows(target, rows, values, -1.0, scale)
     assert np.array_equal(target, expected)
+
+
+def test_add_rows_takes_float64_targets_whatever_their_dtype_object():
+    """An array from a pickle holds its own float64 dtype object, not numpy's: still a
+    float64 target. Other byte orders and types are refused, not converted (the update would
+    be lost in the copy)."""
+    target = pickle.loads(pickle.dumps(np.zeros((4, 3))))
+    assert target.dtype is not np.dtype(np.float64)
+    core().add_rows(target, np.array([0, 2]), np.ones((2, 3)), 1.0)
+    assert target.sum() == 6.0
+    for other in (np.zeros((4, 3), ">f8"), np.zeros((4, 3), np.float32)):
+        with pytest.raises(ValueError, match="float64"):
+            core().add_rows(other, np.array([0]), np.ones((1, 3)), 1.0)
 
 
 @pytest.mark.parametrize(
