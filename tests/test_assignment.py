@@ -355,7 +355,7 @@ def test_matches_brute_force_up_to_seven():
 
 
 @pytest.mark.parametrize(
-    "shape", [(40, 40), (30, 70), (70, 30), (300, 300), (100, 600), (600, 100)]
+    "shape", [(40, 40), (30, 70), (70, 30), (300, 300), (100, 600), (600, 100), (400, 40)]
 )
 def test_larger_problems_and_structured_costs(shape):
     rng = np.random.default_rng(shape[0] * 1000 + shape[1])
