@@ -103,7 +103,9 @@ const fusekit::Blas& blas() {
 // Any float32 array, byte order aside (array_t<float> then makes it native): its dtype need
 // not be numpy's own float32 object, which dtype::is asks (an array from a pickle, and its
 // copies, hold another: they were solved in a float64 copy).
-bool is_float32(const py::array& x) { return x.dtype().kind() == 'f' && x.dtype().itemsize() == 4; }
+bool is_float32(const py::array& x) {
+    return x.dtype().kind() == 'f' && x.dtype().itemsize() == 4;
+}
 
 // x as a C-contiguous array of T (a view, or a converted copy), refused before any buffer is
 // read unless it is a numpy array of real numbers or booleans: object, string, bytes,
