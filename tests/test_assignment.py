@@ -380,6 +380,44 @@ def test_larger_problems_and_structured_costs(shape):
         check_duals(cost, rows, cols, u, v)
 
 
+@pytest.mark.parametrize("shape", [(40, 120), (120, 40), (60, 60)])
+def test_forbidden_pairs_in_the_row_reduction(shape):
+    """The dense solver's row reduction runs beside forbidden (+inf) pairs: a row with one
+    allowed column takes it as it is, a row with none is left to the search, which finds
+    the problem infeasible (every row of a wide problem, every column of a tall one, must be
+    assigned); NaN and -inf are still refused."""
+    rng = np.random.default_rng(shape[0] * 7 + shape[1])
+    for density in (0.2, 0.9):
+        cost = rng.random(shape)
+        cost[rng.random(shape) < density] = np.inf
+        lines = cost if shape[0] <= shape[1] else cost.T  # the side that is assigned whole
+        for i in range(0, min(shape), 3):
+            allowed = rng.integers(lines.shape[1])
+            lines[i] = np.inf
+            lines[i, allowed] = rng.random()
+        if np.isfinite(linear_sum_assignment_or_none(cost)):
+            rows, cols, (u, v) = solve_assignment(cost, return_duals=True)
+            check_solution(cost, rows, cols)
+            check_duals(cost, rows, cols, u, v)
+        lines[1] = np.inf
+        with pytest.raises(InfeasibleAssignmentError):
+            solve_assignment(cost)
+        for bad in (np.nan, -np.inf):
+            broken = cost.copy()
+            broken[2, 5] = bad
+            with pytest.raises(ParameterError, match="invalid numeric entries"):
+                solve_assignment(broken)
+
+
+def linear_sum_assignment_or_none(cost) -> float:
+    """SciPy's optimal total, +inf where it finds the problem infeasible."""
+    try:
+        rows, cols = linear_sum_assignment(cost)
+    except ValueError:
+        return np.inf
+    return cost[rows, cols].sum()
+
+
 def test_float32_from_a_pickle_is_solved_without_a_float64_copy():
     """An array from a pickle (multiprocessing, joblib) holds its own float32 dtype object:
     it is still solved in float32 storage, as numpy's own float32 is, with no float64 copy
