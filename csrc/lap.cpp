@@ -755,13 +755,15 @@ std::size_t line_stride(std::size_t n) {
 // than the tall solver (whose candidate lists cost two passes over a top block that holds
 // few candidates per column) when less than four times taller than wide, unless many
 // neurons are new: the tall one then takes them at once, and the dense one declines after
-// its first rows. Both solvers check the values in a pass they make anyway. (Taller
-// matrices without slot runs, up to ten times and 65,536 entries, were 0.51-1.03x the
-// tall solver's time, but 1.1-2.4x with forbidden pairs, which turn the dense solver's
-// reductions off.)
+// its first rows. Without slot runs, which the dense solver's searches could wander
+// through, up to ten times taller and 65,536 entries (uniform and integer 200x40-700x90,
+// 0-90% of the pairs forbidden: 0.56-0.94x the tall solver's time; at 100,000 entries up to
+// 1.10x). Both solvers check the values in a pass they make anyway.
 bool dense_through_transpose(std::size_t nr, std::size_t nc, const std::vector<Run>& runs) {
-    return nr * nc <= kMaxTransposed && nr < 4 * nc &&
-           (runs.empty() || !surely_many_new(runs[0], nc, nr));
+    constexpr std::size_t kWithoutSlotsHeight = 10, kWithoutSlotsEntries = std::size_t{1} << 16;
+    if (nr * nc > kMaxTransposed) return false;
+    if (!runs.empty()) return nr < 4 * nc && !surely_many_new(runs[0], nc, nr);
+    return nr < 4 * nc || (nr <= kWithoutSlotsHeight * nc && nr * nc <= kWithoutSlotsEntries);
 }
 
 // Square and wide problems on the dense solver. Given a wide problem's slot columns, it may

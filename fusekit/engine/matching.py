@@ -107,8 +107,8 @@ def solve_assignment(cost, maximize: bool = False, *, return_duals: bool = False
     are new (at least those the existing neurons cannot take; else estimated from the dense
     solver's first reduction rows, up to 16, whose cheapest column is a slot): with half of
     them or 32 new, on the tall solver; with fewer, a tall matrix less than four times
-    taller than wide on the dense solver. The values are checked in a pass each solver
-    makes anyway.
+    taller than wide on the dense solver (one without slot runs up to ten times, and 65,536
+    entries). The values are checked in a pass each solver makes anyway.
     """
     matrix = _as_cost_matrix(cost, maximize)
     rows, cols, u, v = core().solve_assignment(matrix, return_duals, maximize)
