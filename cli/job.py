@@ -45,8 +45,8 @@ def admin(server: str, token_file: Path | None):
             raise ParameterError(f"--admin-token-file {token_file}: cannot read it "
                                  f"({exc.strerror})") from None
     if not token:
-        raise ParameterError("admin token: expected FUSEKIT_ADMIN_TOKEN or "
-                             "--admin-token-file, found neither")
+        raise ParameterError("admin token: expected FUSEKIT_ADMIN_TOKEN, FUSEKIT_ADMIN_TOKEN_FILE "
+                             "or --admin-token-file, found none")
     return Client(server, token)
 
 

@@ -162,3 +162,13 @@ def test_inspect_names_what_limits_a_pan_checkpoint(tmp_path):
     assert result.exit_code == 0, result.output
     (limit,) = json.loads(result.stdout)["files"][0]["limits"]
     assert "position-aware neurons" in limit and "--method avg" in limit
+
+
+def test_job_without_a_token_names_every_way_to_give_one(monkeypatch):
+    monkeypatch.delenv("FUSEKIT_ADMIN_TOKEN", raising=False)
+    monkeypatch.delenv("FUSEKIT_ADMIN_TOKEN_FILE", raising=False)
+    result = run("job", "status", "0" * 32)
+    assert result.exit_code == 2
+    assert all(way in result.stderr for way in
+               ("FUSEKIT_ADMIN_TOKEN,", "FUSEKIT_ADMIN_TOKEN_FILE", "--admin-token-file"))
+    assert len(result.stderr.strip().splitlines()) == 1
