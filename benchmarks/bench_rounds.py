@@ -15,7 +15,7 @@ and differ only in what their paper changes:
 Each cell: mean ± std over seeds of the global model's test accuracy after each round, the
 client drift (mean ||θ_s − θ̄|| / ||θ̄|| of the round's local models) and the share of
 hidden neurons that local training dislocated (matched to another neuron of the round's
-starting model; ``fusekit.toolkit.rounds.neuron_misalignment``).
+starting model; ``fusekit.toolkit.rounds.neuron_dislocation``).
 
     python benchmarks/bench_rounds.py               # 20 rounds, 3 seeds, E = 2
     python benchmarks/bench_rounds.py --quick       # 5 rounds, 2 seeds
@@ -85,7 +85,7 @@ def run_grid(args: argparse.Namespace) -> dict[str, Any]:
                     "method": method, "alpha": alpha, "seed": seed,
                     "accuracy": [r.accuracy for r in result.rounds],
                     "drift": [r.drift for r in result.rounds],
-                    "misaligned": [r.misaligned for r in result.rounds],
+                    "dislocated": [r.dislocated for r in result.rounds],
                     "train_loss": [r.train_loss for r in result.rounds],
                     "widths": result.rounds[-1].widths,
                     "time_s": time.perf_counter() - begin,
@@ -104,11 +104,16 @@ def run_grid(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+# Keys of files written before a rename, still read by --from-json.
+_FORMER_KEYS = {"dislocated": "misaligned"}
+
+
 def curves(payload: dict[str, Any], key: str) -> dict[tuple[float, str], np.ndarray]:
     """(alpha, method) -> (seeds, rounds) array of ``key``."""
     out: dict[tuple[float, str], list] = {}
     for run in payload["runs"]:
-        out.setdefault((run["alpha"], run["method"]), []).append(run[key])
+        value = run[key] if key in run else run[_FORMER_KEYS[key]]
+        out.setdefault((run["alpha"], run["method"]), []).append(value)
     return {k: np.array(v) for k, v in out.items()}
 
 
@@ -147,7 +152,7 @@ def plot(payload: dict[str, Any], path: Path) -> bool:
 def render(payload: dict[str, Any], plotted: bool, plot_path: Path) -> str:
     s = payload["settings"]
     accuracy, drift = curves(payload, "accuracy"), curves(payload, "drift")
-    misaligned = curves(payload, "misaligned")
+    dislocated = curves(payload, "dislocated")
     show = sorted({1, 2, 5, 10, s["rounds"]} & set(range(1, s["rounds"] + 1)))
     head = "| alpha | method | " + " | ".join(f"round {r}" for r in show)
     lines = [
@@ -162,7 +167,7 @@ def render(payload: dict[str, Any], plotted: bool, plot_path: Path) -> str:
         f"benchmarks/bench_rounds.py --rounds {s['rounds']} --seeds {s['seeds']} --epochs "
         f"{s['epochs']} --lr {s['train']['lr']} --momentum {s['train']['momentum']}`.",
         "",
-        head + " | mean over rounds | drift (mean) | misaligned neurons (mean) |",
+        head + " | mean over rounds | drift (mean) | dislocated neurons (mean) |",
         "|---|---|" + "---|" * (len(show) + 3),
     ]
     for alpha in ALPHAS:
@@ -172,7 +177,7 @@ def render(payload: dict[str, Any], plotted: bool, plot_path: Path) -> str:
             area = acc.mean(axis=1)
             lines.append(f"| {alpha:g} | {method} | " + " | ".join(cells)
                          + f" | {area.mean():.1f} ± {area.std():.1f} | {dr.mean():.4f} | "
-                         f"{100 * misaligned[(alpha, method)].mean():.2f} % |")
+                         f"{100 * dislocated[(alpha, method)].mean():.2f} % |")
     lines += ["", "Measured direction of effect (final round and mean over rounds, points; "
               "paired by seed):", ""]
     for alpha in ALPHAS:

@@ -270,5 +270,5 @@ def _run_rounds(dataset: Dataset, config: RoundsConfig, out: Path, device: str, 
                   title=f"{config.rounds} rounds on {dataset.name} -> {model_path}")
     for log in result.rounds:
         table.add_row(str(log.round), log.method, str(len(log.clients)), f"{log.accuracy:.4f}",
-                      f"{log.loss:.4f}", f"{log.drift:.4f}", f"{100 * log.misaligned:.1f}%")
+                      f"{log.loss:.4f}", f"{log.drift:.4f}", f"{100 * log.dislocated:.1f}%")
     stdout.print(table)

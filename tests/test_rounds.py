@@ -104,6 +104,7 @@ def test_cli_rounds_write_global_model_and_log(tmp_path):
     assert json.loads(result.stdout) == log
     assert [r["round"] for r in log["rounds"]] == [1, 2]
     assert all(len(r["clients"]) == 3 for r in log["rounds"])
+    assert all(0 <= r["dislocated"] <= 1 for r in log["rounds"])  # the table's word
     model = fusekit.load_fused(out / "global.safetensors", device="cpu")
     assert model(torch.zeros(2, 64)).shape == (2, 10)
     again = CliRunner().invoke(app, args)
@@ -142,16 +143,25 @@ def test_benchmark_script_runs_a_tiny_grid(tmp_path):
     runs = json.loads(json_out.read_text())["runs"]
     assert sorted({r["method"] for r in runs}) == ["fed2", "fedavg", "fednlr", "pans"]
     assert all(len(r["accuracy"]) == 1 for r in runs) and plot.stat().st_size > 0
+    assert all("dislocated" in r for r in runs)
 
 
-def test_neuron_misalignment_counts_dislocated_neurons():
+def test_benchmark_renders_files_from_before_the_rename():
+    from bench_rounds import curves
+
+    runs = [{"alpha": 0.5, "method": "fedavg", "misaligned": [0.25]},
+            {"alpha": 0.5, "method": "fedavg", "dislocated": [0.5]}]
+    assert curves({"runs": runs}, "dislocated")[(0.5, "fedavg")].tolist() == [[0.25], [0.5]]
+
+
+def test_neuron_dislocation_counts_dislocated_neurons():
     from fusekit.core.checkpoint import Checkpoint
     from fusekit.core.spec import infer_spec, permute
-    from fusekit.toolkit.rounds import neuron_misalignment
+    from fusekit.toolkit.rounds import neuron_dislocation
 
     start = simulate_clients(DATA, sim(clients=2, arch="mlp:16,8"))[0].checkpoint
     state = start.state_dict()
     swapped = permute(state, infer_spec(state), [np.r_[1, 0, 2:16], None])
     same, moved = Checkpoint.from_state_dict(state), Checkpoint.from_state_dict(swapped)
-    assert neuron_misalignment([same], start) == 0
-    assert neuron_misalignment([same, moved], start) == pytest.approx(2 / 48)
+    assert neuron_dislocation([same], start) == 0
+    assert neuron_dislocation([same, moved], start) == pytest.approx(2 / 48)

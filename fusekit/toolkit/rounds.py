@@ -103,9 +103,9 @@ class RoundLog:
         train_loss: mean final-epoch training loss of the sampled clients.
         drift: mean over sampled clients of ||θ_s − θ̄|| / ||θ̄|| (θ̄ the plain mean of the
             updates; weights and biases only): how far local training pulled clients apart.
-        misaligned: fraction of the clients' hidden neurons that local training moved
+        dislocated: fraction of the clients' hidden neurons that local training moved
             closer to another neuron of the round's starting model than to their own
-            (:func:`neuron_misalignment`): the dislocation PANs and Fed² guard against.
+            (:func:`neuron_dislocation`): the dislocation PANs and Fed² guard against.
         widths: hidden widths of the global model.
         time_s: wall time of the round.
     """
@@ -117,7 +117,7 @@ class RoundLog:
     loss: float
     train_loss: float
     drift: float
-    misaligned: float
+    dislocated: float
     widths: list[int]
     time_s: float
 
@@ -221,12 +221,12 @@ def run_rounds(
                                device=str(evaluator.device)) for i in chosen]
         updates, losses = [u for u, _ in trained], [loss for _, loss in trained]
         method = round_method(config.method, r)
-        misaligned = neuron_misalignment(updates, current)
+        dislocated = neuron_dislocation(updates, current)
         current = fuse_round(updates, method, config.params if method == config.method else {})
         _, logits = evaluator.logits(current)
         score = evaluator.score(logits, f"round {r}", "fused", method)
         log = RoundLog(r, method, chosen, score.accuracy, score.loss, float(np.mean(losses)),
-                       client_drift(updates), misaligned, _widths(current),
+                       client_drift(updates), dislocated, _widths(current),
                        time.perf_counter() - start)
         logger.debug("round %d/%d (%s): accuracy %.4f, drift %.4f", r, config.rounds, method,
                     log.accuracy, log.drift)
@@ -283,7 +283,7 @@ def client_drift(updates: Sequence[Checkpoint]) -> float:
     return float(np.linalg.norm(flat - mean, axis=1).mean() / max(np.linalg.norm(mean), 1e-12))
 
 
-def neuron_misalignment(updates: Sequence[Checkpoint], start: Checkpoint) -> float:
+def neuron_dislocation(updates: Sequence[Checkpoint], start: Checkpoint) -> float:
     """Fraction of hidden neurons, over all clients and hidden layers, whose optimal
     one-to-one match to the neurons of ``start`` (the model the clients trained from) is
     not themselves; a neuron is its incoming weights and bias, matched by squared distance
@@ -340,7 +340,7 @@ __all__ = [
     "client_drift",
     "fuse_round",
     "initial_global",
-    "neuron_misalignment",
+    "neuron_dislocation",
     "round_method",
     "run_rounds",
     "sample_clients",
