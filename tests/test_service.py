@@ -205,6 +205,28 @@ def test_tokens(service, admin, models):
     assert not any(token in log for token in [*tokens.values(), ADMIN])
 
 
+@pytest.mark.parametrize("form", [
+    "Bearer\t{token}", "{token}", "bearer{token}", "Bearer:{token}", "Token {token}",
+    "Basic {token}", "Bearer\t {token}", "{token} Bearer",
+])
+def test_a_malformed_authorization_header_never_echoes_the_token(service, admin, form):
+    """No answer (body or headers) and no log line holds the token or a part of it."""
+    job = admin.create_job("avg", ["a"])
+    token = job["tokens"]["a"]
+    for method, path in (("GET", ""), ("PUT", "/clients/a/checkpoint"), ("DELETE", "")):
+        response = httpx.request(method, f"{service.url}/v1/jobs/{job['id']}{path}",
+                                 headers={"Authorization": form.format(token=token)},
+                                 content=b"x" if method == "PUT" else None)
+        one_line_error(response, 401, "Bearer")
+        assert_no_part_of(token, response.text + str(response.headers))
+    assert_no_part_of(token, service.log.read_text())
+
+
+def assert_no_part_of(secret: str, text: str, part: int = 8) -> None:
+    pieces = {secret[i:i + part] for i in range(len(secret) - part + 1)}
+    assert not any(piece in text for piece in pieces), text
+
+
 def header(tensors: dict, metadata: dict | None = None) -> bytes:
     if metadata:
         tensors = {"__metadata__": metadata, **tensors}

@@ -33,11 +33,14 @@ def matches(token: str, digest: str) -> bool:
 
 
 def bearer(authorization: str | None) -> str:
-    """The token of an ``Authorization: Bearer <token>`` header."""
+    """The token of an ``Authorization: Bearer <token>`` header.
+
+    A refusal never quotes the header: a malformed one (``Bearer<TAB><token>``, a token
+    without its scheme) may hold the token itself, and no answer or log line may."""
     scheme, _, token = (authorization or "").partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
-        raise Unauthorized("Authorization: expected 'Bearer <token>', found "
-                           + ("nothing" if not authorization else f"a {scheme!r} header"))
+        raise Unauthorized("Authorization: expected 'Bearer <token>' (one space), found "
+                           + ("nothing" if not authorization else "a header of another form"))
     return token.strip()
 
 
