@@ -131,6 +131,73 @@ def test_resubmitting_sends_nothing_twice_and_a_new_file_replaces_the_old(servic
     assert admin.wait(job["id"], timeout=60, every=0.1)["state"] == "succeeded"
 
 
+def assert_slot_matches_its_file(data_dir: Path, job_id: str, client: str) -> dict:
+    """The slot's record names the one file of the client on disk, with its SHA-256."""
+    job = json.loads((data_dir / "jobs" / job_id / "job.json").read_text())
+    slot = job["slots"][client]
+    stored = sorted((data_dir / "jobs" / job_id / "clients").glob(f"{client}.*"))
+    assert [p.name for p in stored] == [slot["file"]]
+    assert sha256(stored[0]) == slot["sha256"]
+    return slot
+
+
+def test_concurrent_accepts_into_one_slot_keep_the_last_file(tmp_path, models):
+    """Many threads accept three files in turn into one slot (several API servers may):
+    the slot holds the last accepted file, its record matches it, nothing else is left."""
+    from fusekit.service.store import JobStore
+
+    store = JobStore(tmp_path)
+    job, _ = store.create(method="avg", params={}, spec=None, clients=["a"],
+                          max_checkpoint_bytes=2**20, auto_run=False, max_jobs=10)
+    bodies = [(p.read_bytes(), sha256(p)) for p in models]
+
+    def accept(i: int) -> dict:
+        body, digest = bodies[i % 3]
+        part = store.upload_folder(job["id"]) / f"a.{i}.part"
+        part.write_bytes(body)
+        return store.accept(job["id"], "a", part, len(body), digest)["slots"]["a"]
+
+    for _ in range(20):
+        with ThreadPoolExecutor(15) as pool:
+            accepted = list(pool.map(accept, range(15)))
+        last = max(accepted, key=lambda slot: slot["uploaded_at"])
+        assert assert_slot_matches_its_file(tmp_path, job["id"], "a") == last
+
+
+def test_concurrent_uploads_to_one_slot_keep_the_last_accepted_file(service, admin, models):
+    job = admin.create_job("avg", ["a"])
+    bodies = [p.read_bytes() for p in models]
+    token = job["tokens"]["a"]
+
+    def upload(i: int) -> int:
+        for _ in range(200):  # bounded: a busy slot answers 429
+            response = put(service, job["id"], "a", token, bodies[i % 3])
+            if response.status_code != 429:
+                return response.status_code
+            time.sleep(0.01)
+        return 429
+
+    for _ in range(3):
+        with ThreadPoolExecutor(15) as pool:
+            assert set(pool.map(upload, range(15))) == {201}
+        slot = assert_slot_matches_its_file(service.data_dir, job["id"], "a")
+        assert admin.status(job["id"])["slots"]["a"]["sha256"] == slot["sha256"]
+    admin.run(job["id"])
+    state = admin.wait(job["id"], timeout=60, every=0.1)
+    assert state["state"] == "succeeded", state
+
+
+def test_no_job_error_names_a_server_path(tmp_path):
+    from fusekit.service.store import without_paths
+
+    data = tmp_path / "data"
+    message = (f"internal error: FileNotFoundError: [Errno 2] No such file or directory: "
+               f"'{data}/jobs/0123/clients/a.5e1f.safetensors'; {data}/jobs/0123/run/b.st: bad")
+    assert without_paths(message, data) == (
+        "internal error: FileNotFoundError: [Errno 2] No such file or directory: "
+        "'a.5e1f.safetensors'; b.st: bad")
+
+
 def test_auto_run_and_incompatible_checkpoints_fail_with_the_cli_message(service, admin,
                                                                          tmp_path):
     a = write(tmp_path / "a.safetensors", mlp((6, 5, 3), seed=0))

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import json
 import logging
+from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import FastAPI, Header, Request
@@ -28,7 +29,7 @@ from fusekit.methods.params import TEXT_KINDS
 from fusekit.service.auth import admin_token_hash, bearer, matches
 from fusekit.service.errors import Busy, Conflict, Forbidden, NotFound, ServiceError, TooLarge
 from fusekit.service.settings import Settings
-from fusekit.service.store import JobStore, authorize, view
+from fusekit.service.store import JobStore, authorize, view, without_paths
 from fusekit.service.uploads import Upload
 from fusekit.service.worker import REPORT, RESULT, make_queue, recover
 
@@ -72,7 +73,7 @@ def create_app(settings: Settings) -> FastAPI:
     app = FastAPI(title="fusekit service", version=__version__, lifespan=lifespan,
                   description="Clients submit checkpoints; fusekit fuses them as a job.")
     app.state.admin_token_file = admin_file
-    _add_error_handlers(app)
+    _add_error_handlers(app, settings.data_dir)
 
     def caller(authorization: str | None) -> tuple[str, bool]:
         token = bearer(authorization)
@@ -230,7 +231,7 @@ async def _recover_forever(settings: Settings, huey, run_job_task) -> None:
         await asyncio.sleep(settings.lease_s / 2)
 
 
-def _add_error_handlers(app: FastAPI) -> None:
+def _add_error_handlers(app: FastAPI, data_dir: Path) -> None:
     @app.exception_handler(FusekitError)
     async def refused(request: Request, exc: FusekitError) -> JSONResponse:
         if isinstance(exc, ServiceError):
@@ -240,7 +241,8 @@ def _add_error_handlers(app: FastAPI) -> None:
         else:
             status = 400
         headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
-        return JSONResponse({"error": _one_line(str(exc))}, status_code=status,
+        message = _one_line(without_paths(str(exc), data_dir))
+        return JSONResponse({"error": message}, status_code=status,
                             headers=headers)
 
     @app.exception_handler(StarletteHTTPException)

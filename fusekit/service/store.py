@@ -54,6 +54,7 @@ class JobStore:
     """The jobs of one service, in ``<data_dir>/jobs``."""
 
     def __init__(self, data_dir: Path) -> None:
+        self.data_dir = Path(data_dir)
         self.root = Path(data_dir) / "jobs"
         self.trash = Path(data_dir) / "trash"
         self.root.mkdir(parents=True, exist_ok=True)
@@ -87,7 +88,7 @@ class JobStore:
         with self._flock(job_id) as folder:
             job = self.read(job_id)
             yield job
-            write_atomic(folder / "job.json", json.dumps(job, indent=1).encode())
+            _save(folder, job)
 
     @contextlib.contextmanager
     def _flock(self, job_id: str) -> Iterator[Path]:
@@ -111,10 +112,15 @@ class JobStore:
         ``job.json`` (written only under the lock held here), of the result and report when
         no worker runs the job, and uploads of this machine's dead server processes."""
         with self._flock(job_id) as folder:
-            running = self.read(job_id)["state"] == "running"
+            job = self.read(job_id)
+            running = job["state"] == "running"
             for tmp in folder.glob(".*.tmp"):
                 if not running or tmp.name.startswith(".job.json."):
                     tmp.unlink(missing_ok=True)
+            named = {slot["file"] for slot in job["slots"].values()}
+            for stale in (folder / "clients").iterdir():  # replaced, then a crash
+                if stale.name not in named:
+                    stale.unlink(missing_ok=True)
             if not running:
                 shutil.rmtree(folder / "run", ignore_errors=True)
         with contextlib.suppress(FileNotFoundError):  # the job deleted meanwhile
@@ -157,20 +163,24 @@ class JobStore:
                ) -> dict[str, Any]:
         """Move a complete, validated, fsynced upload into the client's slot; an
         ``auto_run`` job whose last slot this fills is queued in the same step."""
-        with self.locked(job_id) as job:
+        with self._flock(job_id) as folder:
+            job = self.read(job_id)
             if job["state"] != "collecting":
                 raise Conflict(f"job {job_id}: is {job['state']}; uploads are accepted only "
                                "while it is collecting")
             old = job["slots"].get(client)
             name = f"{client}.{sha256}.safetensors"
-            os.replace(part, self.root / job_id / "clients" / name)
-            _fsync_dir(self.root / job_id / "clients")
+            os.replace(part, folder / "clients" / name)
+            _fsync_dir(folder / "clients")
             job["slots"][client] = {"file": name, "size": size, "sha256": sha256,
                                     "uploaded_at": time.time()}
             if job["auto_run"] and len(job["slots"]) == len(job["clients"]):
                 job.update(state="queued", queued_at=time.time())
-        if old and old["file"] != name:  # only once job.json no longer names it
-            (self.root / job_id / "clients" / old["file"]).unlink(missing_ok=True)
+            _save(folder, job)
+            # Once job.json no longer names it, and still under the lock: released first, a
+            # later upload of the same file could be put in place and then removed here.
+            if old and old["file"] != name:
+                (folder / "clients" / old["file"]).unlink(missing_ok=True)
         return job
 
     def queue(self, job_id: str) -> dict[str, Any]:
@@ -283,6 +293,19 @@ def _alive(pid: int) -> bool:
     except PermissionError:  # someone else's process
         return True
     return True
+
+
+def _save(folder: Path, job: dict[str, Any]) -> None:
+    """Replace ``job.json``: the commit point of every change (under the job's lock)."""
+    write_atomic(folder / "job.json", json.dumps(job, indent=1).encode())
+
+
+def without_paths(text: str, data_dir: Path) -> str:
+    """``text`` with every path in the service's data folder reduced to its file name: a
+    message names a client's file as ``fusekit fuse`` run in its folder would, and never
+    shows where the server keeps it."""
+    pattern = re.escape(str(data_dir)) + r"[^\s'\"]*"
+    return re.sub(pattern, lambda match: os.path.basename(match.group()), text)
 
 
 def _fsync_dir(folder: Path) -> None:

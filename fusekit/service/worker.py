@@ -28,7 +28,7 @@ from fusekit.api import fusion_summary
 from fusekit.core.checkpoint import write_atomic
 from fusekit.core.errors import FusekitError
 from fusekit.service.settings import Settings
-from fusekit.service.store import JobStore
+from fusekit.service.store import JobStore, without_paths
 
 log = logging.getLogger(__name__)
 
@@ -86,14 +86,15 @@ def _fuse(store: JobStore, job: dict[str, Any], attempt: int) -> dict[str, Any]:
             return {"state": "cancelled"}
         result.save(folder / RESULT, force=True)
         report = fusion_summary(result, RESULT, seconds)
-        write_atomic(folder / REPORT, _without(run, json.dumps(report, default=_jsonable)).encode())
+        public = without_paths(json.dumps(report, default=_jsonable), store.data_dir)
+        write_atomic(folder / REPORT, public.encode())
         return {"state": "succeeded", "error": None}
     except FusekitError as exc:
-        return {"state": "failed", "error": _without(run, str(exc))}
+        return {"state": "failed", "error": without_paths(str(exc), store.data_dir)}
     except Exception as exc:  # a bug, not bad input: keep the traceback in the worker's log
         log.exception("job %s failed", job["id"])
-        return {"state": "failed",
-                "error": _without(run, f"internal error: {type(exc).__name__}: {exc}")}
+        return {"state": "failed", "error": without_paths(
+            f"internal error: {type(exc).__name__}: {exc}", store.data_dir)}
     finally:
         shutil.rmtree(run, ignore_errors=True)
 
@@ -133,12 +134,6 @@ def _link_inputs(store: JobStore, job: dict[str, Any], run: Path) -> list[Path]:
         os.link(store.checkpoint(job, client), path)
         paths.append(path)
     return paths
-
-
-def _without(folder: Path, text: str) -> str:
-    """Messages name clients' files as ``fusekit fuse`` run in their folder would, and never
-    show the server's paths."""
-    return text.replace(f"{folder}{os.sep}", "")
 
 
 def _jsonable(value: Any) -> Any:
