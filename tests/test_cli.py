@@ -172,3 +172,47 @@ def test_job_without_a_token_names_every_way_to_give_one(monkeypatch):
     assert all(way in result.stderr for way in
                ("FUSEKIT_ADMIN_TOKEN,", "FUSEKIT_ADMIN_TOKEN_FILE", "--admin-token-file"))
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+class _Trap:
+    """Unpickling this writes a file: proof that a pickle was loaded."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy-pickle"])
+def test_torch_files_are_named_with_a_conversion_never_unpickled(tmp_path, legacy):
+    import shlex
+    import subprocess
+    import sys
+
+    import torch
+
+    model = tmp_path / "model.pt"
+    marker = tmp_path / "unpickled"
+    torch.save({"w": torch.ones(3, 2), "trap": _Trap(marker)}, model,
+               _use_new_zipfile_serialization=not legacy)
+    result = run("fuse", model, model, "-o", tmp_path / "out.safetensors")
+    assert result.exit_code == 2 and not marker.exists()
+    line = result.stderr.strip().replace("\n", "")
+    assert "model.pt: a torch.save (zip) or pickle file, not safetensors" in line
+    assert "header claims" not in line
+    command = shlex.split(line.split("Convert a state_dict with: ")[1])
+    torch.save({"w": torch.ones(3, 2)}, model, _use_new_zipfile_serialization=not legacy)
+    subprocess.run([sys.executable, *command[1:]], check=True, timeout=120)
+    assert load_checkpoint(tmp_path / "model.safetensors").tensor("w").shape == (3, 2)
+
+
+def test_plain_pickles_are_named_never_unpickled(tmp_path):
+    import pickle
+
+    path = tmp_path / "weights.pkl"
+    marker = tmp_path / "unpickled"
+    path.write_bytes(pickle.dumps({"trap": _Trap(marker)}, protocol=4))
+    result = run("inspect", path)
+    assert result.exit_code == 2 and not marker.exists()
+    assert "weights.pkl: a torch.save (zip) or pickle file" in result.stdout.replace("\n", "")

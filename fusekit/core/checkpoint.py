@@ -46,6 +46,11 @@ from fusekit.core.errors import (
 # a corrupt length field, and reading it would allocate that much memory.
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 
+# First bytes of the formats most often handed in for safetensors: torch.save's zip archive
+# and pickles of protocol 2+ (torch's legacy format). A safetensors file may start with
+# these bytes too (a header of 128 + 256 k bytes); its JSON header, at byte 8, opens with "{".
+PICKLE_MAGIC, ZIP_MAGIC = b"\x80", b"PK\x03\x04"
+
 # Integer tensors that are counters, not weights (BatchNorm's step counter).
 INTEGER_BUFFER_SUFFIXES = ("num_batches_tracked",)
 # Variances, which must not be negative (BatchNorm's running statistics).
@@ -450,10 +455,22 @@ def _check_header_length(path: Path) -> int:
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
-            prefix = f.read(8)
+            prefix = f.read(9)
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot read the checkpoint ({exc.strerror})") from None
+    if is_pickle_or_torch_zip(prefix):
+        raise CheckpointError(
+            f"{path}: a torch.save (zip) or pickle file, not safetensors; fusekit never "
+            f"unpickles. Convert a state_dict with: python -c \"import torch, safetensors.torch "
+            f"as st; st.save_file(torch.load({str(path)!r}, weights_only=True), "
+            f"{str(path.with_suffix('.safetensors'))!r})\"")
     return header_length(prefix, str(path), size)
+
+
+def is_pickle_or_torch_zip(head: bytes) -> bool:
+    """Whether a file's first 9 bytes are those of a pickle (protocol 2+) or a zip archive
+    (torch.save's default), not of a safetensors file."""
+    return head.startswith((PICKLE_MAGIC, ZIP_MAGIC)) and head[8:9] != b"{"
 
 
 def header_length(prefix: bytes, label: str, size: int | None = None) -> int:

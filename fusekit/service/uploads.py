@@ -20,14 +20,18 @@ from pathlib import Path
 
 from starlette.concurrency import run_in_threadpool
 
-from fusekit.core.checkpoint import MAX_HEADER_BYTES, check_header, header_length, load_checkpoint
+from fusekit.core.checkpoint import (
+    MAX_HEADER_BYTES,
+    PICKLE_MAGIC,
+    ZIP_MAGIC,
+    check_header,
+    header_length,
+    is_pickle_or_torch_zip,
+    load_checkpoint,
+)
 from fusekit.core.errors import CheckpointError
 from fusekit.service.errors import ServiceError, TooLarge
 
-# First bytes of the formats refused by name: pickles (protocol 2+) and torch's zip files.
-# A safetensors file may start with 0x80 too (a header of 128 + 256 k bytes); its header, at
-# byte 8, opens with "{".
-_PICKLE, _ZIP = b"\x80", b"PK\x03\x04"
 
 
 class Upload:
@@ -88,9 +92,9 @@ class Upload:
 
     def _check_head(self) -> None:
         head = bytes(self._head)
-        if head.startswith(_PICKLE) and len(head) < 9:
-            return  # pickle or safetensors: byte 8 tells
-        if head.startswith(_ZIP) or (head.startswith(_PICKLE) and head[8:9] != b"{"):
+        if head.startswith((PICKLE_MAGIC, ZIP_MAGIC)) and len(head) < 9:
+            return  # pickle, zip or safetensors: byte 8 tells
+        if is_pickle_or_torch_zip(head):
             raise ServiceError(f"{self.label}: the body is a pickle or torch .pt file; expected "
                                "safetensors (pickles are never loaded)")
         if len(head) < 8:
