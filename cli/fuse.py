@@ -231,12 +231,22 @@ def _one_or_list(value: Any) -> Any:
     return value
 
 
+def _shown_params(summary: dict[str, Any]) -> str:
+    """The parameters as run: a width left to the method shows the widths it delivered
+    (hidden layers in order), any other parameter left to it shows as auto."""
+    params = dict(summary["params"])
+    if "width" in params and params["width"] is None:
+        params["width"] = ",".join(map(str, summary["widths"]))
+        if params.get("width_ratio") is None:
+            del params["width_ratio"]
+    return ", ".join(f"{k}={'auto' if v is None else v}" for k, v in params.items())
+
+
 def _print_summary(summary: dict[str, Any]) -> None:
     table = Table(title=f"fused with {summary['method']}", show_header=False)
     table.add_row("output", summary["output"])
     table.add_row("hidden widths", ", ".join(map(str, summary["widths"])) or "-")
-    params = ", ".join(f"{k}={v}" for k, v in summary["params"].items())
-    table.add_row("parameters", params or "-")
+    table.add_row("parameters", _shown_params(summary) or "-")
     table.add_row("time", f"{summary['time_s']:.3f} s")
     peak = summary["report"].get("peak_memory_mb")
     if peak is not None:

@@ -216,3 +216,18 @@ def test_plain_pickles_are_named_never_unpickled(tmp_path):
     result = run("inspect", path)
     assert result.exit_code == 2 and not marker.exists()
     assert "weights.pkl: a torch.save (zip) or pickle file" in result.stdout.replace("\n", "")
+
+
+def test_summary_shows_the_widths_delivered_never_none(tmp_path):
+    clients = [write(tmp_path / f"c{i}.safetensors", mlp((6, 8, 7, 3), seed=i), num_samples=10)
+               for i in range(3)]
+    shown = run("fuse", *clients, "-m", "pfnm", "-o", tmp_path / "a.safetensors")
+    assert shown.exit_code == 0, shown.output
+    as_json = run("fuse", *clients, "-m", "pfnm", "-o", tmp_path / "b.safetensors", "--json")
+    widths = json.loads(as_json.stdout)["widths"]
+    text = " ".join(shown.stdout.split()).replace("│ │ ", "")
+    assert f"width={widths[0]},{widths[1]}" in text
+    assert "None" not in shown.stdout and "width_ratio" not in shown.stdout
+    assert "sigma=auto" in text
+    asked = run("fuse", *clients, "-m", "pfnm", "--width", "9", "-o", tmp_path / "c.safetensors")
+    assert "width=9" in asked.stdout and "width_ratio=auto" in asked.stdout
