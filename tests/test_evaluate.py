@@ -139,3 +139,24 @@ def test_softmax_ensemble_is_not_outvoted_by_one_model_with_large_logits():
     assert torch.stack(logits).mean(0).argmax(1).item() == 2
     assert softmax_average(logits).argmax(1).item() == 0
     np.testing.assert_allclose(softmax_average(logits).exp().sum(1).numpy(), 1.0, rtol=1e-6)
+
+
+def test_rows_of_same_named_files_show_enough_path_to_tell_them_apart(tmp_path):
+    from pathlib import Path
+
+    from fusekit.toolkit.evaluate import distinct_names
+
+    for folder, method in (("pfnm", "pfnm"), ("runs/x/nafi", "nafi")):
+        (tmp_path / folder).mkdir(parents=True)
+        _write(tmp_path / folder / "fused.safetensors", mlp_arch(5, [7], 3), 0, method)
+    client, _ = _write(tmp_path / "client.safetensors", mlp_arch(5, [7], 3), 1)
+    files = [client, *(tmp_path / f / "fused.safetensors" for f in ("pfnm", "runs/x/nafi"))]
+    result = CliRunner().invoke(app, ["evaluate", *map(str, files), "--data", "synthetic",
+                                      "--samples", "300", "--features", "5", "--classes", "3",
+                                      "--device", "cpu", "--json"])
+    assert result.exit_code == 0, result.output
+    names = [s["name"] for s in json.loads(result.stdout)["scores"]]
+    assert names == ["client.safetensors", "pfnm/fused.safetensors", "nafi/fused.safetensors"]
+    assert distinct_names([Path("a/b/c"), Path("x/b/c"), Path("c/d"), None, Path("b/c")]) == [
+        "a/b/c", "x/b/c", "d", "model 3", "b/c"]
+    assert distinct_names([Path("s/f"), Path("s/f")]) == ["s/f", "s/f"]  # one file twice

@@ -13,6 +13,7 @@ import logging
 import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -206,11 +207,12 @@ def evaluate_checkpoints(
     evaluator = Evaluator(dataset, device, batch_size)
     report = EvaluationReport(data=dataset.name, device=str(evaluator.device))
     client_logits = []
-    for item in checkpoints:
+    names = distinct_names([item.path if isinstance(item, Checkpoint) else Path(item)
+                            for item in checkpoints])
+    for item, name in zip(checkpoints, names, strict=True):
         ckpt, logits = evaluator.logits(item)
         method = ckpt.metadata.get(METHOD)
         kind = "fused" if method else "client"
-        name = ckpt.path.name if ckpt.path is not None else f"model {len(report.scores)}"
         report.scores.append(evaluator.score(logits, name, kind, method))
         if kind == "client":
             client_logits.append(logits)
@@ -218,3 +220,20 @@ def evaluate_checkpoints(
         report.scores.append(evaluator.ensemble(client_logits))
         report.scores.append(evaluator.softmax_ensemble(client_logits))
     return report
+
+
+def distinct_names(paths: Sequence[Path | None]) -> list[str]:
+    """Each path's shortest trailing part that no other path ends with (``pfnm/fused.safetensors``
+    beside ``nafi/fused.safetensors``, ``a.safetensors`` alone); ``model i`` without a path."""
+    parts = [p.parts if p is not None else None for p in paths]
+
+    def shortest(i: int) -> str:
+        own = parts[i]
+        for k in range(1, len(own)):
+            if not any(other is not None and j != i and other[-k:] == own[-k:]
+                       for j, other in enumerate(parts)):
+                return str(Path(*own[-k:]))
+        return str(paths[i])
+
+    return [shortest(i) if p is not None else f"model {i}" for i, p in enumerate(parts)]
+
