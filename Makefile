@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 # already installed in .venv).
 TORCH  ?= torch==2.13.0
 
-.PHONY: install demo flower-demo test bench clean
+.PHONY: install demo flower-demo test bench clean FORCE
 
 $(PY):
 	@echo "==> creating $(VENV)"
@@ -14,18 +14,33 @@ $(PY):
 	$(PY) -m pip install --quiet --upgrade pip
 
 # torch is pinned first, so the package's own range (torch>=2.2) installs nothing more.
-# pip's own lines show progress: the C++ core takes about two minutes to build.
-install: $(PY)
-	@echo "==> installing $(TORCH) and fusekit with its C++ core into $(VENV) (about 2 minutes)"
-	$(PY) -m pip install --progress-bar on "$(TORCH)" -e ".[test,bench,serve,flower]"
-	@echo "==> installed: $$($(PY) -m fusekit --version | tr '\n' ' ')"
+# pip's own lines show progress: building the C++ core takes about 15 s of the install.
+# `make install` always installs; demo and flower-demo install only when $(STAMP) is older
+# than what the install builds from (or the C++ core is missing), and skip it otherwise.
+STAMP  := $(VENV)/.fusekit-installed
+BUILT_FROM := pyproject.toml setup.py fusekit/_version.py $(wildcard csrc/*)
 
-demo: install
+define install-steps
+	@echo "==> installing $(TORCH) and fusekit with its C++ core into $(VENV) (about a minute on a fresh clone)"
+	$(PY) -m pip install --progress-bar on "$(TORCH)" -e ".[test,bench,serve,flower]"
+	@touch $(STAMP)
+	@echo "==> installed: $$($(PY) -m fusekit --version | tr '\n' ' ')"
+endef
+
+install: $(PY)
+	$(install-steps)
+
+$(STAMP): $(PY) $(BUILT_FROM) $(if $(wildcard fusekit/_core*.so),,FORCE)
+	$(install-steps)
+
+FORCE:
+
+demo: $(STAMP)
 	$(PY) -m fusekit demo
 
 # A Flower federation on this machine: a SuperLink and three SuperNodes on 127.0.0.1, one
 # round of examples/flower per method; every process it starts is stopped at the end.
-flower-demo: install
+flower-demo: $(STAMP)
 	$(PY) examples/flower/demo.py
 
 test:
