@@ -43,6 +43,10 @@ def serve(
     upload_idle: Annotated[float, typer.Option(
         "--upload-idle-timeout", min=0.001,
         help="Seconds an upload may send nothing before it is abandoned.")] = 60.0,
+    upload_min_rate: Annotated[float, typer.Option(
+        "--upload-min-rate", min=1,
+        help="Bytes per second an upload must average after its first "
+        "--upload-idle-timeout seconds, else it is abandoned.")] = 100_000.0,
 ) -> None:
     """Run the fusion service: the HTTP API and its worker processes, until Ctrl-C."""
     from fusekit.service.server import serve as run_server
@@ -50,7 +54,8 @@ def serve(
 
     settings = Settings(data_dir=data_dir.resolve(), broker=broker,
                         max_checkpoint_bytes=max_checkpoint_bytes, max_uploads=max_uploads,
-                        max_jobs=max_jobs, lease_s=lease, upload_idle_s=upload_idle)
+                        max_jobs=max_jobs, lease_s=lease, upload_idle_s=upload_idle,
+                        upload_min_rate=upload_min_rate)
     run_server(settings, host=host, port=port, workers=workers,
                announce=lambda line: stderr.print(line, highlight=False, soft_wrap=True))
 

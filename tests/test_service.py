@@ -4,6 +4,7 @@ requests; every process is stopped by process group and every wait is bounded.""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -32,6 +33,7 @@ from fusekit.service.auth import admin_token_hash, token_hash
 ADMIN = secrets.token_urlsafe(32)
 NAMES = ("hospital-a", "hospital-b", "hospital-c")
 IDLE_S = 3  # seconds a test server lets an upload send nothing
+MIN_RATE = 2000  # bytes/s a test server's uploads must average after their first IDLE_S
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +41,8 @@ def service(tmp_path_factory):
     data = tmp_path_factory.mktemp("service") / "data"
     server = ServiceProcess(data, options=("--max-uploads", "2", "--max-jobs", "40",
                                            "--max-checkpoint-bytes", str(2**20),
-                                           "--upload-idle-timeout", str(IDLE_S)),
+                                           "--upload-idle-timeout", str(IDLE_S),
+                                           "--upload-min-rate", str(MIN_RATE)),
                             env={"FUSEKIT_ADMIN_TOKEN": ADMIN})
     server.start()
     yield server
@@ -396,17 +399,61 @@ def test_a_stalled_upload_is_abandoned_and_stores_nothing(service, admin, models
             if not chunk:
                 break
             answer += chunk
-    assert answer.startswith(b"HTTP/1.1 400"), answer
+    assert answer.startswith(b"HTTP/1.1 408"), answer
     assert f"client 'a': no data for {IDLE_S} s".encode() in answer
     assert_nothing_stored(service, admin, job["id"])
 
 
-def send_partial(service, job_id, client, token, body, keep_open=False):
+def test_a_trickling_upload_is_abandoned_and_frees_its_place(service, admin, models):
+    """One byte every 0.2 s: refused once it falls behind the minimum rate (after the first
+    IDLE_S seconds), though it is never idle that long."""
+    job = admin.create_job("avg", ["a"])
+    body = models[0].read_bytes()
+    sock = send_partial(service, job["id"], "a", job["tokens"]["a"], body, keep_open=True,
+                        part=8)
+    answer, deadline = b"", time.monotonic() + IDLE_S + 20
+    with sock:
+        sock.settimeout(0.2)
+        for byte in body[8:]:
+            if time.monotonic() > deadline:
+                break
+            with contextlib.suppress(OSError):
+                sock.sendall(bytes([byte]))
+            with contextlib.suppress(TimeoutError):
+                answer += sock.recv(65536)
+            if answer.endswith(b"}"):
+                break
+    assert answer.startswith(b"HTTP/1.1 408"), answer
+    assert f"slower than {MIN_RATE} bytes/s after the first {IDLE_S} s".encode() in answer
+    assert_nothing_stored(service, admin, job["id"])
+
+
+def test_one_upload_at_a_time_per_slot(service, admin, models):
+    """A second upload into a slot while one is received is refused (429, Retry-After),
+    and takes no place from other clients."""
+    job = admin.create_job("avg", ["a", "b"])
+    body = models[0].read_bytes()
+    held = send_partial(service, job["id"], "a", job["tokens"]["a"], body, keep_open=True)
+    try:
+        deadline = time.monotonic() + 10
+        while True:  # until the held upload has reached the server
+            response = put(service, job["id"], "a", job["tokens"]["a"], body)
+            if response.status_code == 429 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        one_line_error(response, 429, "client 'a'", "one at a time per slot")
+        assert put(service, job["id"], "b", job["tokens"]["b"], body).status_code == 201
+    finally:
+        held.close()
+
+
+def send_partial(service, job_id, client, token, body, keep_open=False, part=None):
     """Send headers and half the body of an upload, then hang up (or keep the socket)."""
     sock = socket.create_connection(("127.0.0.1", service.port), timeout=10)
     sock.sendall(f"PUT /v1/jobs/{job_id}/clients/{client}/checkpoint HTTP/1.1\r\n"
                  f"Host: 127.0.0.1\r\nAuthorization: Bearer {token}\r\n"
-                 f"Content-Length: {len(body)}\r\n\r\n".encode() + body[: len(body) // 2])
+                 f"Content-Length: {len(body)}\r\n\r\n".encode()
+                 + body[: len(body) // 2 if part is None else part])
     if keep_open:
         return sock
     time.sleep(0.2)

@@ -62,7 +62,7 @@ def create_app(settings: Settings) -> FastAPI:
     store = JobStore(settings.data_dir)
     admin_hash, admin_file = admin_token_hash(settings.data_dir)
     huey, run_job_task = make_queue(settings)
-    uploads = {"in_flight": 0}
+    receiving_slots: set[tuple[str, str]] = set()  # (job, client) of uploads in progress
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -123,11 +123,15 @@ def create_app(settings: Settings) -> FastAPI:
         if declared.isdigit() and int(declared) > limit:
             raise TooLarge(f"client {client!r}: Content-Length {declared} is over {limit} "
                            "bytes, this job's limit")
-        if uploads["in_flight"] >= settings.max_uploads:
+        slot = (job_id, client)
+        if slot in receiving_slots:
+            raise Busy(f"client {client!r}: an upload into this slot is in progress; one at a "
+                       "time per slot")
+        if len(receiving_slots) >= settings.max_uploads:
             raise Busy(f"uploads: {settings.max_uploads} in progress, the server's limit; "
                        "retry later")
-        receiving = Upload(store.upload_folder(job_id), client, limit, settings.upload_idle_s)
-        uploads["in_flight"] += 1
+        receiving = Upload(store.upload_folder(job_id), client, limit, settings)
+        receiving_slots.add(slot)
         try:
             await receiving.receive(request.stream())
             job = await run_in_threadpool(
@@ -137,7 +141,7 @@ def create_app(settings: Settings) -> FastAPI:
             raise ServiceError(f"client {client!r}: the upload was interrupted; nothing "
                                "stored") from None
         finally:
-            uploads["in_flight"] -= 1
+            receiving_slots.discard(slot)
             receiving.discard()
         log.info("job %s: checkpoint of %s accepted (%d bytes)", job_id, client, receiving.size)
         if job["state"] == "queued":  # auto_run, and this upload filled the last slot

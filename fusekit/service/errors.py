@@ -23,6 +23,12 @@ class NotFound(ServiceError, LookupError):
     status = 404
 
 
+class TooSlow(ServiceError):
+    """An upload that stalled or fell below the minimum transfer rate."""
+
+    status = 408
+
+
 class Conflict(ServiceError):
     status = 409
 

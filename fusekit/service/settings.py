@@ -32,6 +32,9 @@ class Settings:
         lease_s: a running job whose worker has not signalled for this long is taken to be
             dead and is run again (at most ``max_attempts`` runs in all).
         upload_idle_s: an upload that sends nothing for this long is abandoned.
+        upload_min_rate: bytes per second an upload must average once its first
+            ``upload_idle_s`` seconds are over (``size >= rate * (elapsed - idle_s)``),
+            else it is abandoned: a client trickling bytes cannot hold an upload place.
     """
 
     data_dir: Path
@@ -42,15 +45,16 @@ class Settings:
     lease_s: float = 30.0
     max_attempts: int = 3
     upload_idle_s: float = 60.0
+    upload_min_rate: float = 100_000.0
 
     def __post_init__(self) -> None:
         for name in ("max_checkpoint_bytes", "max_uploads", "max_jobs", "max_attempts"):
             if getattr(self, name) < 1:
                 raise ParameterError(f"{name}: expected a positive integer, found "
                                      f"{getattr(self, name)}")
-        for name in ("lease_s", "upload_idle_s"):
+        for name in ("lease_s", "upload_idle_s", "upload_min_rate"):
             if not getattr(self, name) > 0:
-                raise ParameterError(f"{name}: expected seconds > 0, found "
+                raise ParameterError(f"{name}: expected a number > 0, found "
                                      f"{getattr(self, name)}")
         if self.broker and not self.broker.startswith(("redis://", "rediss://", "unix://")):
             raise ParameterError(
@@ -70,7 +74,7 @@ class Settings:
             if raw is None:
                 continue
             kind = {"data_dir": Path, "broker": str, "lease_s": float,
-                    "upload_idle_s": float}.get(f.name, int)
+                    "upload_idle_s": float, "upload_min_rate": float}.get(f.name, int)
             try:
                 values[f.name] = kind(raw)
             except ValueError:

@@ -15,6 +15,7 @@ import asyncio
 import hashlib
 import os
 import secrets
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -30,15 +31,17 @@ from fusekit.core.checkpoint import (
     load_checkpoint,
 )
 from fusekit.core.errors import CheckpointError
-from fusekit.service.errors import ServiceError, TooLarge
+from fusekit.service.errors import ServiceError, TooLarge, TooSlow
+from fusekit.service.settings import Settings
 
 
 
 class Upload:
-    """One checkpoint being received for ``client``, at most ``limit`` bytes."""
+    """One checkpoint being received for ``client``, at most ``limit`` bytes, within the
+    time limits of ``settings`` (``upload_idle_s``, ``upload_min_rate``)."""
 
-    def __init__(self, folder: Path, client: str, limit: int, idle_s: float) -> None:
-        self.client, self.limit, self.idle_s = client, limit, idle_s
+    def __init__(self, folder: Path, client: str, limit: int, settings: Settings) -> None:
+        self.client, self.limit, self.settings = client, limit, settings
         self.label = f"client {client!r}"
         self.part = folder / f"{client}.{secrets.token_hex(8)}.part"
         self.size, self.expected = 0, None
@@ -49,7 +52,7 @@ class Upload:
         """Write the body to ``self.part``; on any failure, nothing is left behind."""
         try:
             with open(self.part, "xb") as f:
-                async for chunk in self._until_idle(chunks):
+                async for chunk in self._in_time(chunks):
                     self._take(chunk)
                     f.write(chunk)
                 await run_in_threadpool(_sync, f)
@@ -59,19 +62,28 @@ class Upload:
             self.discard()
             raise
 
-    async def _until_idle(self, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-        """The chunks, until the client sends nothing for ``idle_s`` seconds: a stalled
-        upload must not hold one of the server's upload slots for ever."""
-        iterator = aiter(chunks)
+    async def _in_time(self, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        """The chunks, until the client sends nothing for ``upload_idle_s`` seconds or falls
+        behind ``upload_min_rate``: a stalled or trickling upload must not hold one of the
+        server's upload places for ever."""
+        idle_s, rate = self.settings.upload_idle_s, self.settings.upload_min_rate
+        iterator, start = aiter(chunks), time.monotonic()
         while True:
+            # The moment the bytes so far stop being enough for the minimum rate.
+            behind_at = start + idle_s + self.size / rate
+            wait = min(idle_s, behind_at - time.monotonic())
             try:
-                chunk = await asyncio.wait_for(anext(iterator), self.idle_s)
+                chunk = await asyncio.wait_for(anext(iterator), max(wait, 0.0))
             except StopAsyncIteration:
                 return
             except asyncio.TimeoutError:
-                raise ServiceError(f"{self.label}: no data for {self.idle_s:g} s after "
-                                   f"{self.size} bytes; upload abandoned, nothing stored"
-                                   ) from None
+                if wait >= idle_s:
+                    raise TooSlow(f"{self.label}: no data for {idle_s:g} s after {self.size} "
+                                  "bytes; upload abandoned, nothing stored") from None
+                raise TooSlow(f"{self.label}: {self.size} bytes in "
+                              f"{time.monotonic() - start:.0f} s, slower than {rate:g} "
+                              f"bytes/s after the first {idle_s:g} s (the server's minimum); "
+                              "upload abandoned, nothing stored") from None
             yield chunk
 
     def discard(self) -> None:
