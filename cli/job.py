@@ -12,7 +12,7 @@ import typer
 from rich.table import Table
 
 from fusekit._cli.options import Command, Group, JsonOption
-from fusekit._cli.output import emit_json, handle_errors, stdout
+from fusekit._cli.output import emit_json, handle_errors, stderr, stdout
 from fusekit.core.checkpoint import check_output_path
 from fusekit.core.errors import ParameterError
 
@@ -47,7 +47,8 @@ def admin(server: str, token_file: Path | None):
     if not token:
         raise ParameterError("admin token: expected FUSEKIT_ADMIN_TOKEN, FUSEKIT_ADMIN_TOKEN_FILE "
                              "or --admin-token-file, found none")
-    return Client(server, token)
+    return Client(server, token, on_retry=lambda line: stderr.print(
+        line, highlight=False, soft_wrap=True))
 
 
 @command("create")

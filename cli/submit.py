@@ -31,12 +31,16 @@ def submit(
     """Upload a checkpoint into your slot of a job (resumable).
 
     Run it again after an interruption: a file the slot already holds (same SHA-256) is
-    not sent again, and a service that does not answer is tried again a few times."""
+    not sent again, and a service that does not answer is tried again a few times. A busy
+    service (HTTP 429/503) is tried again after the wait it asks for, with backoff, for up
+    to 10 minutes; a line on stderr says each time."""
     from fusekit.client import Client
 
     columns = ("{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                TimeRemainingColumn())
-    with Client(server, token) as service, Progress(*columns, console=stderr) as bar:
+    with (Progress(*columns, console=stderr) as bar,
+          Client(server, token, on_retry=lambda line: bar.console.print(
+              line, highlight=False, soft_wrap=True)) as service):
         task = bar.add_task(f"{checkpoint.name} → {client}", total=checkpoint.stat().st_size
                             if checkpoint.is_file() else None)
         slot = service.submit(job, client, checkpoint,

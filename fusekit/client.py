@@ -10,34 +10,45 @@ Submitting is resumable: a submit first asks the service which file the slot hol
 file whose SHA-256 is already accepted there is not sent again (so re-running an interrupted
 or repeated submit costs one request); an interrupted transfer is sent again from its start
 (the server keeps nothing of a partial upload), up to ``retries`` times.
+
+A busy service (HTTP 429 or 503) is asked again, every request, after the ``Retry-After`` it
+names or an exponential backoff with jitter, whichever is longer, until ``busy_timeout``
+seconds have passed; each wait is logged and told to ``on_retry`` (a progress line).
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
+import random
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
 from fusekit.core.checkpoint import load_checkpoint
 from fusekit.core.errors import FusekitError
 
+log = logging.getLogger(__name__)
+
 CHUNK = 1024 * 1024
 FINISHED = ("succeeded", "failed", "cancelled")
+BUSY = (429, 503)  # the service asks to be asked again later
+MAX_BACKOFF_S = 30.0
+T = TypeVar("T")
 
 
 class ServiceError(FusekitError):
     """The service refused a request; ``status`` is the HTTP status, the message its reason."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, retry_after: float | None = None) -> None:
         super().__init__(message)
-        self.status = status
+        self.status, self.retry_after = status, retry_after
 
 
 class Unreachable(ServiceError):
@@ -51,9 +62,11 @@ class Unreachable(ServiceError):
 class Client:
     """One service, one token (the admin's or a client's)."""
 
-    def __init__(self, url: str, token: str, *, timeout: float = 60.0, retries: int = 3) -> None:
+    def __init__(self, url: str, token: str, *, timeout: float = 60.0, retries: int = 3,
+                 busy_timeout: float = 600.0,
+                 on_retry: Callable[[str], None] | None = None) -> None:
         self.url = url.rstrip("/")
-        self.retries = retries
+        self.retries, self.busy_timeout, self.on_retry = retries, busy_timeout, on_retry
         self._http = httpx.Client(base_url=self.url, timeout=timeout,
                                   headers={"Authorization": f"Bearer {token}"})
 
@@ -123,33 +136,61 @@ class Client:
         path = Path(path)
         load_checkpoint(path)  # refuse locally what the server would refuse
         size, digest = path.stat().st_size, _sha256(path)
-        for attempt in range(self.retries + 1):
-            try:
-                slot = self._slot(job, client)
-                if slot.get("sha256") == digest:
-                    if progress:
-                        progress(size, size)
-                    return slot
-                return self._json(
-                    "PUT", f"/v1/jobs/{job}/clients/{client}/checkpoint",
-                    content=_chunks(path, size, progress),
-                    headers={"Content-Length": str(size),
-                             "Content-Type": "application/octet-stream"})
-            except Unreachable:
-                if attempt == self.retries:
-                    raise
-                time.sleep(min(2.0**attempt, 10.0))
-        raise AssertionError("unreachable")
+
+        def attempt() -> dict[str, Any]:
+            slot = self._slot(job, client)
+            if slot.get("sha256") == digest:
+                if progress:
+                    progress(size, size)
+                return slot
+            return self._json_once(
+                "PUT", f"/v1/jobs/{job}/clients/{client}/checkpoint",
+                content=_chunks(path, size, progress),
+                headers={"Content-Length": str(size),
+                         "Content-Type": "application/octet-stream"})
+
+        return self._patiently(f"client {client}: submit", attempt, unreachable=self.retries)
 
     def _slot(self, job: str, client: str) -> dict[str, Any]:
-        state = self.status(job)
+        state = self._json_once("GET", f"/v1/jobs/{job}")
         return state["slot"] if "slot" in state else state["slots"][client]
 
     def _json(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
+        return self._patiently(f"{method} {path}",
+                               lambda: self._json_once(method, path, **kwargs))
+
+    def _json_once(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
         with self._reaching():
             response = self._http.request(method, path, **kwargs)
         _raise_for(response)
         return response.json()
+
+    def _patiently(self, what: str, call: Callable[[], T], unreachable: int = 0) -> T:
+        """``call()``, again while the service is busy (until ``busy_timeout``) or, up to
+        ``unreachable`` times, while it does not answer."""
+        deadline = time.monotonic() + self.busy_timeout
+        busy = lost = 0
+        while True:
+            try:
+                return call()
+            except Unreachable:
+                if lost == unreachable:
+                    raise
+                delay, lost = min(2.0**lost, 10.0), lost + 1
+                reason = "the service does not answer"
+            except ServiceError as exc:
+                delay = backoff(busy, exc.retry_after)
+                if exc.status not in BUSY or time.monotonic() + delay > deadline:
+                    raise
+                busy += 1
+                reason = f"the service is busy (HTTP {exc.status})"
+            self._tell(f"{what}: {reason}; trying again in {delay:.1f} s")
+            time.sleep(delay)
+
+    def _tell(self, line: str) -> None:
+        log.info("%s", line)
+        if self.on_retry is not None:
+            self.on_retry(line)
 
     @contextlib.contextmanager
     def _reaching(self) -> Iterator[None]:
@@ -157,6 +198,14 @@ class Client:
             yield
         except httpx.TransportError as exc:
             raise Unreachable(self.url, exc) from None
+
+
+def backoff(attempt: int, retry_after: float | None) -> float:
+    """Seconds to wait before busy try ``attempt`` + 1: exponential (1, 2, 4 ... at most
+    ``MAX_BACKOFF_S``) with jitter (50-100%), so that clients refused together do not come
+    back together; never less than the service's ``Retry-After``."""
+    exponential = min(2.0**attempt, MAX_BACKOFF_S) * random.uniform(0.5, 1.0)
+    return max(exponential, retry_after or 0.0)
 
 
 def _raise_for(response: httpx.Response) -> None:
@@ -167,7 +216,16 @@ def _raise_for(response: httpx.Response) -> None:
         message = response.json()["error"]
     except (ValueError, KeyError, TypeError):
         message = response.text.strip() or response.reason_phrase
-    raise ServiceError(response.status_code, f"{message} (HTTP {response.status_code})")
+    raise ServiceError(response.status_code, f"{message} (HTTP {response.status_code})",
+                       retry_after=_seconds(response.headers.get("Retry-After")))
+
+
+def _seconds(retry_after: str | None) -> float | None:
+    """A ``Retry-After`` of seconds (an HTTP date, which fusekit never sends, is ignored)."""
+    try:
+        return min(float(retry_after), MAX_BACKOFF_S) if retry_after else None
+    except ValueError:
+        return None
 
 
 def _chunks(path: Path, size: int, progress: Callable[[int, int], None] | None

@@ -442,6 +442,7 @@ def test_one_upload_at_a_time_per_slot(service, admin, models):
                 break
             time.sleep(0.05)
         one_line_error(response, 429, "client 'a'", "one at a time per slot")
+        assert response.headers["Retry-After"] == "5"
         assert put(service, job["id"], "b", job["tokens"]["b"], body).status_code == 201
     finally:
         held.close()
@@ -474,6 +475,7 @@ def test_upload_and_job_limits_answer_429(service, admin, models):
                 break
             time.sleep(0.05)
         one_line_error(response, 429, "uploads", "2")
+        assert response.headers["Retry-After"] == "1"
     finally:
         for sock in held:
             sock.close()
@@ -485,12 +487,65 @@ def test_upload_and_job_limits_answer_429(service, admin, models):
             break
         created.append(response.json()["id"])
     one_line_error(response, 429, "40")
+    assert response.headers["Retry-After"] == "30"
     for job_id in created:
         admin.delete(job_id)
     one_line_error(httpx.get(f"{service.url}/v1/jobs/{created[0]}",
                              headers={"Authorization": f"Bearer {ADMIN}"}), 404)
     assert not (service.data_dir / "jobs" / created[0]).exists()
     assert not any((service.data_dir / "trash").iterdir())
+
+
+def test_forty_concurrent_submits_all_succeed_through_busy_answers(service, admin, models):
+    """The server takes 2 uploads at once; 40 clients submitting together each wait out
+    the 429s (Retry-After, backoff with jitter) and every slot is filled."""
+    names = [f"c{i}" for i in range(40)]
+    job = admin.create_job("avg", names)
+    lines: list[str] = []
+
+    def submit(name: str) -> dict:
+        with Client(service.url, job["tokens"][name], on_retry=lines.append) as client:
+            return client.submit(job["id"], name, models[0])
+
+    with ThreadPoolExecutor(40) as pool:
+        slots = list(pool.map(submit, names))
+    assert all(slot["sha256"] == sha256(models[0]) for slot in slots)
+    assert all(s["filled"] for s in admin.status(job["id"])["slots"].values())
+    assert lines, "no submit was ever refused as busy: the test did not test"
+    assert all("the service is busy (HTTP 429); trying again in" in line for line in lines)
+    admin.delete(job["id"])
+
+
+def test_backoff_grows_with_jitter_and_honours_retry_after():
+    from fusekit.client import MAX_BACKOFF_S, backoff
+
+    for attempt in range(8):
+        waits = [backoff(attempt, None) for _ in range(200)]
+        top = min(2.0**attempt, MAX_BACKOFF_S)
+        assert all(top / 2 <= w <= top for w in waits) and len(set(waits)) > 100
+        assert all(backoff(attempt, 40.0) >= 40.0 for _ in range(10))
+
+
+def test_cli_submit_waits_while_the_service_is_busy(service, admin, models, monkeypatch):
+    job = admin.create_job("avg", ["a", "b", "c"])
+    body = models[0].read_bytes()
+    held = [send_partial(service, job["id"], c, job["tokens"][c], body, keep_open=True)
+            for c in ("b", "c")]
+    deadline = time.monotonic() + 10
+    while put(service, job["id"], "a", job["tokens"]["a"], body).status_code != 429:
+        assert time.monotonic() < deadline, "the held uploads never reached the server"
+        time.sleep(0.05)
+    monkeypatch.setenv("FUSEKIT_TOKEN", job["tokens"]["a"])
+    with ThreadPoolExecutor(1) as pool:
+        submitted = pool.submit(cli, "submit", service.url, models[1], "--job", job["id"],
+                                "--client", "a")
+        time.sleep(1.5)  # refused while both upload places are held
+        for sock in held:
+            sock.close()
+        result = submitted.result(timeout=120)
+    assert result.exit_code == 0, result.output
+    assert "client a: submit: the service is busy (HTTP 429); trying again in" in result.stderr
+    assert admin.status(job["id"])["slots"]["a"]["sha256"] == sha256(models[1])
 
 
 def test_healthz_and_openapi(service):

@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 # OT's activation provider, which would read data of the server's choosing).
 REQUEST_KINDS = tuple(kind for kind in TEXT_KINDS if kind != "path")
 
+RETRY_LATER = (429, 503)  # answered with Retry-After
 MAX_REQUEST_BYTES = 1024 * 1024  # a job request: names of up to 1000 clients, parameters
 
 Auth = Annotated[str | None, Header(alias="Authorization", include_in_schema=False)]
@@ -126,7 +127,7 @@ def create_app(settings: Settings) -> FastAPI:
         slot = (job_id, client)
         if slot in receiving_slots:
             raise Busy(f"client {client!r}: an upload into this slot is in progress; one at a "
-                       "time per slot")
+                       "time per slot", retry_after=5)
         if len(receiving_slots) >= settings.max_uploads:
             raise Busy(f"uploads: {settings.max_uploads} in progress, the server's limit; "
                        "retry later")
@@ -244,15 +245,22 @@ def _add_error_handlers(app: FastAPI, data_dir: Path) -> None:
             status = 422
         else:
             status = 400
-        headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+        headers = {}
+        if status == 401:
+            headers["WWW-Authenticate"] = "Bearer"
+        if status in RETRY_LATER:  # clients wait at least this long before they try again
+            headers["Retry-After"] = str(getattr(exc, "retry_after", 1))
         message = _one_line(without_paths(str(exc), data_dir))
         return JSONResponse({"error": message}, status_code=status,
                             headers=headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        headers = dict(exc.headers or {})
+        if exc.status_code in RETRY_LATER:
+            headers.setdefault("Retry-After", "1")
         return JSONResponse({"error": f"{request.url.path}: {exc.detail}"},
-                            status_code=exc.status_code, headers=exc.headers)
+                            status_code=exc.status_code, headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -38,4 +38,10 @@ class TooLarge(ServiceError):
 
 
 class Busy(ServiceError):
+    """Refused for now: answered 429 with ``Retry-After: <retry_after>`` (seconds)."""
+
     status = 429
+
+    def __init__(self, message: str, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after

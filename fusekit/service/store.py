@@ -141,7 +141,7 @@ class JobStore:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if len(self.ids()) >= max_jobs:
                 raise Busy(f"jobs: the service holds {max_jobs} jobs, its limit; delete "
-                           "finished ones first")
+                           "finished ones first", retry_after=30)
             tokens = {client: new_token() for client in clients}
             job = {
                 "id": uuid.uuid4().hex, "method": method, "params": params, "spec": spec,
