@@ -513,10 +513,35 @@ def test_infeasible_message_names_the_forbidden_value_of_the_direction():
      np.array([[b"x"]])],
 )
 def test_non_numeric_input_is_a_type_error(bad):
-    assert isinstance(scipy_error(bad), TypeError)
+    expected = scipy_error(bad)
+    assert isinstance(expected, TypeError)
     with pytest.raises(TypeError, match="expected a real numeric matrix") as raised:
         solve_assignment(bad)
     assert isinstance(raised.value, ParameterError)
+    assert str(expected) in str(raised.value)
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (8, 8), (3, 5), (5, 3), (200, 40)])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.int64, bool])
+@pytest.mark.parametrize("maximize", [False, True])
+def test_constant_matrices_get_scipys_identity_assignment(shape, dtype, maximize):
+    cost = np.full(shape, 7, dtype=dtype)
+    rows, cols, (u, v) = solve_assignment(cost, maximize, return_duals=True)
+    expected = linear_sum_assignment(cost, maximize)
+    np.testing.assert_array_equal(rows, expected[0])
+    np.testing.assert_array_equal(cols, expected[1])
+    assert rows.dtype == cols.dtype == np.int64
+    check_duals(cost.astype(np.float64), rows, cols, u, v, maximize)
+    assert not np.delete(u, rows).any() and not np.delete(v, cols).any()  # unassigned: 0
+
+
+def test_constant_forbidden_or_invalid_matrices_are_still_refused():
+    with pytest.raises(InfeasibleAssignmentError):
+        solve_assignment(np.full((3, 3), np.inf))
+    with pytest.raises(ParameterError, match="invalid numeric entries"):
+        solve_assignment(np.full((3, 3), np.nan))
+    with pytest.raises(ParameterError, match="invalid numeric entries"):
+        solve_assignment(np.full((3, 3), -np.inf))
 
 
 def test_maximize_positionally_and_boolean_matrices():

@@ -39,12 +39,39 @@ def _as_cost_matrix(cost, maximize: bool) -> np.ndarray:
         raise ParameterError(f"cost: expected a matrix (2-D array), got a {array.ndim} array")
     if array.dtype.char not in "fd":  # not float32 or float64
         if array.dtype.kind not in "fiub":
-            raise ParameterTypeError(
-                f"cost: expected a real numeric matrix, got dtype {array.dtype}")
+            raise ParameterTypeError(  # ends with SciPy's wording
+                f"cost: expected a real numeric matrix, got dtype {array.dtype}: Cannot cast "
+                f"array data from {array.dtype!r} to dtype('float64') according to the rule "
+                "'safe'")
         array = array.astype(np.float64)
     if maximize:
         array = -array  # -inf, forbidden when maximising, becomes +inf
     return array
+
+
+def _is_constant(matrix: np.ndarray) -> bool:
+    """Whether every entry is one finite value; the corners are compared first, so that
+    other matrices cost no pass over their entries (almost always)."""
+    if matrix.size == 0:
+        return False
+    first = matrix[0, 0]
+    return bool(matrix[-1, -1] == first and matrix[0, -1] == first and matrix[-1, 0] == first
+                and np.isfinite(first) and (matrix == first).all())
+
+
+def _identity_assignment(matrix: np.ndarray):
+    """SciPy's answer to a constant matrix (every assignment is optimal): row i to column i,
+    with duals that certify it (the constant on the rows of a wide or square matrix, on the
+    columns of a tall one, so that unassigned rows and columns keep 0)."""
+    n, m = matrix.shape
+    pairs = np.arange(min(n, m), dtype=np.int64)
+    value = float(matrix[0, 0])
+    u, v = np.zeros(n), np.zeros(m)
+    if n <= m:
+        u[:] = value
+    else:
+        v[:] = value
+    return pairs, pairs.copy(), u, v
 
 
 def solve_assignment(cost, maximize: bool = False, *, return_duals: bool = False):
@@ -52,9 +79,10 @@ def solve_assignment(cost, maximize: bool = False, *, return_duals: bool = False
 
     A drop-in for SciPy's ``linear_sum_assignment(cost, maximize=False)``: the same
     arguments (``maximize`` also positionally), inputs (any real or boolean array_like,
-    any strides), outputs, error classes and messages. Among several optimal assignments
-    the columns may differ from SciPy's (ties are broken differently); the total is the
-    same optimum.
+    any strides), outputs, error classes and messages; SciPy's own test file passes
+    against it. Among several optimal assignments the columns may differ from SciPy's
+    (ties are broken differently; a constant matrix gets SciPy's row i to column i); the
+    total is the same optimum.
 
     Parameters
     ----------
@@ -111,7 +139,10 @@ def solve_assignment(cost, maximize: bool = False, *, return_duals: bool = False
     entries). The values are checked in a pass each solver makes anyway.
     """
     matrix = _as_cost_matrix(cost, maximize)
-    rows, cols, u, v = core().solve_assignment(matrix, return_duals, maximize)
+    if _is_constant(matrix):
+        rows, cols, u, v = _identity_assignment(matrix)
+    else:
+        rows, cols, u, v = core().solve_assignment(matrix, return_duals, maximize)
     if not return_duals:
         return rows, cols
     if maximize:
