@@ -107,10 +107,10 @@ def predict(x):
 '''
 
 
-def model_card(result, recipe: dict[str, Any]) -> str:
-    """Markdown: method, parameters, inputs with content hashes, widths, a loader."""
+def model_card(result, recipe: dict[str, Any], clients: list[str]) -> str:
+    """Markdown: method, parameters, inputs (``clients``: their paths as the card names
+    them, in the order of the result's report) with content hashes, widths, a loader."""
     hashes = json.loads(result.metadata.get(meta.INPUTS, "[]"))
-    clients = result.report.get("clients", [])
     inputs = "\n".join(f"| {label} | `{digest}` |" for label, digest in zip(clients, hashes,
                                                                              strict=False))
     params = "\n".join(f"| `{k}` | `{json.dumps(v, default=str)}` |"

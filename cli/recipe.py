@@ -196,10 +196,11 @@ def write_folder(path: Path, result, recipe: Recipe, summary: dict[str, Any], *,
     try:
         os.chmod(staging, 0o777 & ~_umask())
         result.save(staging / "fused.safetensors", force=True)
-        as_run = _as_run(recipe, result)
+        as_run = _as_run(recipe, result, path)
         (staging / "recipe.yaml").write_text(yaml.safe_dump(as_run, sort_keys=False))
         (staging / "report.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
-        (staging / "README.md").write_text(model_card(result, as_run))
+        clients = [_from_folder(p, path) for p in result.report.get("clients", [])]
+        (staging / "README.md").write_text(model_card(result, as_run, clients))
         _swap_in(staging, path, force=force)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -221,27 +222,36 @@ def _swap_in(staging: Path, path: Path, *, force: bool) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _as_run(recipe: Recipe, result) -> dict[str, Any]:
-    """The recipe that reproduces this run: every parameter at the value the method used."""
+def _as_run(recipe: Recipe, result, folder: Path) -> dict[str, Any]:
+    """The recipe that reproduces this run: every parameter at the value the method used,
+    files named relative to ``folder`` (where the recipe goes), so that the folder moved
+    with its inputs beside it still reruns."""
     declared = {p.name for p in method_params(METHODS[result.method])}
     parameters = {k: v for k, v in result.params.items() if k in declared and k != "activations"}
     as_run: dict[str, Any] = {
         "method": result.method,
-        "inputs": [os.path.abspath(p) for p in recipe.inputs],
+        "inputs": [_from_folder(p, folder) for p in recipe.inputs],
         "parameters": parameters,
     }
     if recipe.spec is not None:
-        as_run["spec"] = os.path.abspath(recipe.spec)
+        as_run["spec"] = _from_folder(recipe.spec, folder)
     if recipe.activations:
-        as_run["activations"] = {k: _absolute_if_path(v) for k, v in recipe.activations.items()}
+        as_run["activations"] = {k: _from_folder(v, folder) if _is_file_path(v) else v
+                                 for k, v in recipe.activations.items()}
     return as_run
 
 
-def _absolute_if_path(value: Any) -> Any:
-    """Files keep working from the recipe's folder; data-set names and numbers stay."""
-    if isinstance(value, (str, os.PathLike)) and os.path.exists(value):
-        return os.path.abspath(value)
-    return value
+def _is_file_path(value: Any) -> bool:
+    """Files and folders are rewritten; data-set names and numbers stay."""
+    return isinstance(value, (str, os.PathLike)) and os.path.exists(value)
+
+
+def _from_folder(path: str | os.PathLike[str], folder: Path) -> str:
+    """``path`` relative to ``folder`` (absolute where no relative path leads there)."""
+    try:
+        return os.path.relpath(os.path.abspath(path), os.path.abspath(folder))
+    except ValueError:  # another drive (Windows)
+        return os.path.abspath(path)
 
 
 def _umask() -> int:

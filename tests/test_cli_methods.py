@@ -20,13 +20,14 @@ import yaml
 from typer.testing import CliRunner
 
 import fusekit
-from conftest import write
+from conftest import mlp, write
 from fusekit._cli.app import app
 from fusekit._cli.fuse import fuse_command, method_options
 from fusekit._cli.output import handle_errors
 from fusekit.core.arch import mlp_arch, validate_arch
 from fusekit.core.checkpoint import load_checkpoint, save_checkpoint
 from fusekit.core.errors import CheckpointError, ParameterError
+from fusekit.core.spec import infer_spec
 from fusekit.methods import METHODS
 from fusekit.methods.base import FusionMethod
 from fusekit.methods.params import method_params, parameter_reference
@@ -276,6 +277,36 @@ def test_output_folder_and_a_loader_without_fusekit(mlp_clients, tmp_path, metho
                                       load_checkpoint(folder / "fused.safetensors").tensor(name))
 
 
+def test_an_output_folder_moved_with_its_inputs_still_reruns(tmp_path, monkeypatch):
+    import shutil
+
+    work = tmp_path / "work"
+    (work / "ckpts").mkdir(parents=True)
+    (work / "runs").mkdir()
+    clients = [write(work / "ckpts" / f"c{i}.safetensors", mlp((6, 8, 3), seed=i),
+                     num_samples=10) for i in range(2)]
+    spec = work / "spec.json"
+    spec.write_text(json.dumps(infer_spec(load_checkpoint(clients[0]).state_dict()).to_json()))
+    monkeypatch.chdir(work)
+    result = run("fuse", *clients, "-m", "pfnm", "--spec", spec, "-o", "runs/pfnm/")
+    assert result.exit_code == 0, result.output
+    as_run = yaml.safe_load((work / "runs/pfnm/recipe.yaml").read_text())
+    assert as_run["inputs"] == ["../../ckpts/c0.safetensors", "../../ckpts/c1.safetensors"]
+    assert as_run["spec"] == "../../spec.json"
+    card = (work / "runs/pfnm/README.md").read_text()
+    assert "| ../../ckpts/c0.safetensors |" in card and str(tmp_path) not in card
+    moved = tmp_path / "elsewhere" / "moved"
+    moved.parent.mkdir()
+    shutil.move(work, moved)
+    monkeypatch.chdir(tmp_path)
+    rerun = run("fuse", "--config", moved / "runs/pfnm/recipe.yaml", "-o", "again.safetensors")
+    assert rerun.exit_code == 0, rerun.output
+    first = load_checkpoint(moved / "runs/pfnm/fused.safetensors")
+    again = load_checkpoint(tmp_path / "again.safetensors")
+    for name in first.tensors:
+        np.testing.assert_array_equal(first.tensor(name), again.tensor(name))
+
+
 def _run_card_loader(folder: Path, x: torch.Tensor, monkeypatch) -> torch.Tensor:
     card = (folder / "README.md").read_text()
     snippet = card.split("```python\n")[1].split("```")[0]
@@ -373,8 +404,7 @@ def test_ot_activation_recipe_reruns_from_anywhere(mlp_clients, tmp_path, monkey
                  "--activation-samples", 20, "--activation-seed", 3, "-o", "ot/")
     assert result.exit_code == 0, result.output
     as_run = yaml.safe_load((tmp_path / "ot" / "recipe.yaml").read_text())
-    assert as_run["activations"] == {"source": str(tmp_path / "inputs.npy"), "samples": 20,
-                                     "seed": 3}
+    assert as_run["activations"] == {"source": "../inputs.npy", "samples": 20, "seed": 3}
     (tmp_path / "elsewhere").mkdir()
     monkeypatch.chdir(tmp_path / "elsewhere")
     rerun = run("fuse", "--config", "../ot/recipe.yaml", "-o", "again.safetensors", "--json")
