@@ -258,5 +258,22 @@ def _print_summary(summary: dict[str, Any]) -> None:
         if "transport" in layer:
             details.append(f"transport {', '.join(layer['transport'])}")
         table.add_row(f"layer {layer['layer']}", ", ".join(details))
+    differ = summary["report"].get("heterogeneity")
+    if differ is not None:
+        table.add_row("clients", heterogeneity_line(differ))
     stdout.print(table)
+
+
+def heterogeneity_line(differ: dict[str, Any]) -> str:
+    """The report's ``heterogeneity`` in words (what the clients' checkpoints tell)."""
+    parts = []
+    if differ["matched_share"] is not None:
+        parts.append(f"{differ['matched_share']:.0%} of neurons matched across clients")
+    if differ["class_contrast"] is not None:
+        parts.append(f"class contrast {differ['class_contrast']:.2f}")
+    if differ["classes_without_contrast"]:
+        parts.append(f"classes held only by one-class clients {differ['classes_without_contrast']}")
+    if not differ["compact_ok"]:
+        parts.append("too different for a compact fused model: compare with ams")
+    return ", ".join(parts) or "-"
 

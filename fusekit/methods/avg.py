@@ -71,11 +71,24 @@ def average_tensor(arrays: Sequence[np.ndarray], weights: np.ndarray, name: str)
 
 def class_shares(checkpoints: Sequence[Checkpoint], n_classes: int) -> np.ndarray:
     """f_sk = N_sk / Σ_s N_sk, shape (S, K); a class no client saw gets uniform shares."""
+    counts = class_counts_matrix(checkpoints, n_classes)
+    totals = counts.sum(axis=0)
+    uniform = np.full_like(counts, 1.0 / len(checkpoints))
+    return np.where(totals > 0, counts / np.where(totals > 0, totals, 1.0), uniform)
+
+
+def class_counts_matrix(checkpoints: Sequence[Checkpoint], n_classes: int) -> np.ndarray:
+    """(S, K) float64 class counts N_sk of every client (``fusekit.class_counts``).
+
+    Raises:
+        ParameterError: a client without class counts.
+        IncompatibleModelsError: a client whose counts do not have one entry per class.
+    """
     counts = []
     for c in checkpoints:
         if c.class_counts is None:
             raise ParameterError(
-                f"class_weighted averaging needs {CLASS_COUNTS} metadata; {c.label} has none"
+                f"class-weighted fusion needs {CLASS_COUNTS} metadata; {c.label} has none"
             )
         if c.class_counts.size != n_classes:
             raise IncompatibleModelsError(
@@ -83,10 +96,27 @@ def class_shares(checkpoints: Sequence[Checkpoint], n_classes: int) -> np.ndarra
                 f"{n_classes}, the number of outputs"
             )
         counts.append(c.class_counts)
-    counts = np.stack(counts)
-    totals = counts.sum(axis=0)
-    uniform = np.full_like(counts, 1.0 / len(checkpoints))
-    return np.where(totals > 0, counts / np.where(totals > 0, totals, 1.0), uniform)
+    return np.stack(counts).astype(np.float64)
+
+
+def information_shares(checkpoints: Sequence[Checkpoint], n_classes: int) -> np.ndarray:
+    """g_sk = I_sk / sum_s I_sk with I_sk = N_sk (1 - N_sk / N_s), shape (S, K).
+
+    I_sk is the Fisher information client s's labels carry about class k against the rest
+    (N_s pi(1 - pi) at its base rate pi = N_sk / N_s, ALGORITHMS.md §3): a client that saw
+    only class k learnt "everything is k" and gets no weight for k, however many samples
+    it has. A class on which no client has information (only one-class clients hold it)
+    gets the sample shares N_s / N, as coordinate averaging would give it.
+    """
+    information = class_information(class_counts_matrix(checkpoints, n_classes))
+    totals = information.sum(axis=0)
+    samples = np.repeat(sample_weights(checkpoints)[:, None], n_classes, axis=1)
+    return np.where(totals > 0, information / np.where(totals > 0, totals, 1.0), samples)
+
+
+def class_information(counts: np.ndarray) -> np.ndarray:
+    """I_sk = N_sk (1 - N_sk / N_s) from (S, K) class counts (see :func:`information_shares`)."""
+    return counts * (1.0 - counts / np.maximum(counts.sum(axis=1, keepdims=True), 1.0))
 
 
 def check_equal_shapes(checkpoints: Sequence[Checkpoint]) -> None:

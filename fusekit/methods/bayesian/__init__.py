@@ -23,6 +23,7 @@ from fusekit.methods.bayesian.layer import (
     matching_purity,
 )
 from fusekit.methods.bayesian.network import (
+    CLASS_WEIGHTS,
     DEFAULT_WIDTH_RATIO,
     UNLIMITED,
     UNOBSERVED,
@@ -101,6 +102,11 @@ class BayesianMatching(FusionMethod):
             help="class-share precision of outgoing weights and class-share averaging of the "
             "output layer", paper="NAFI Algorithm 2",
             default_text="on when every client has class counts")] = None,
+        class_weights: Annotated[str, Param(
+            help="per-class client weights of class_share: information (N_sk (1 - N_sk/N_s): "
+            "a client that saw only class k gets no weight for k) or counts (N_sk, the "
+            "paper's class shares)", paper="NAFI Algorithm 2, line 7 (counts)",
+            choices=CLASS_WEIGHTS)] = "information",
         unobserved: Annotated[str, Param(
             help="mask: coordinates a client lacks are unobserved; zeros: observed zeros at "
             "full precision, as the authors' code", choices=UNOBSERVED)] = "mask",
@@ -140,6 +146,10 @@ class BayesianMatching(FusionMethod):
             seed: seeds the client order of the sweeps (layer l uses seed + l).
             class_share: outgoing weights get precision f_sk/sigma^2 and the output layer
                 class-share weights; default: on when every client has class counts.
+            class_weights: the per-class client weights class_share uses: "information"
+                (g_sk proportional to N_sk (1 - N_sk / N_s), the one-against-the-rest
+                information of client s's labels, ALGORITHMS.md §3) or "counts" (f_sk =
+                N_sk / sum_s N_sk, NAFI Algorithm 2).
             unobserved: "mask" (coordinates a client lacks have precision 0, ALGORITHMS §2)
                 or "zeros" (observed zeros at full precision, as the authors' code does).
             variance_units: units of a given sigma / sigma0: "relative" (multiples of the
@@ -155,6 +165,7 @@ class BayesianMatching(FusionMethod):
             lam=self.default_lam if lam is None else float(lam), width=as_width(width),
             width_ratio=width_ratio, sigma=as_sigma(sigma), sigma0=sigma0, gamma=gamma,
             mu0=mu0, sweeps=sweeps, seed=seed, class_share=class_share,
+            class_weights=class_weights,
             unobserved=unobserved, variance_units=variance_units, backend=backend,
         )
         fuse = fuse_groups if isinstance(specs[0], GraphSpec) else fuse_network

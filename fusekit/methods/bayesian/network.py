@@ -23,7 +23,13 @@ import numpy as np
 
 from fusekit.core import neurons
 from fusekit.core.errors import IncompatibleModelsError, ParameterError
-from fusekit.methods.avg import average_tensor, class_shares
+from fusekit.methods.avg import (
+    average_tensor,
+    class_counts_matrix,
+    class_information,
+    class_shares,
+    information_shares,
+)
 from fusekit.methods.base import sample_weights
 from fusekit.methods.bayesian import empirical
 from fusekit.methods.bayesian.layer import check_width, match_neurons
@@ -32,6 +38,13 @@ logger = logging.getLogger(__name__)
 
 VARIANCE_UNITS = ("relative", "absolute")
 UNOBSERVED = ("mask", "zeros")
+#: Per-class client weights of the output layer (ALGORITHMS.md §3): ``information``
+#: N_sk (1 - N_sk / N_s), normalised over clients; ``counts`` the NAFI paper's N_sk.
+CLASS_WEIGHTS = ("information", "counts")
+#: Below this class contrast (see :func:`heterogeneity`) the clients' output layers hold
+#: too little one-against-the-rest evidence for any compact fused model to match an
+#: ensemble of the clients (benchmarks/RESULTS.md, "Non-iid floor").
+LOW_CLASS_CONTRAST = 0.5
 UNLIMITED = "unlimited"
 #: Default fused width, relative to the widest client (see the README, "PFNM and NAFI").
 DEFAULT_WIDTH_RATIO = 1.5
@@ -55,6 +68,7 @@ class BayesianParams:
     sweeps: int = 5
     seed: int = 0
     class_share: bool | None = None
+    class_weights: str = "information"
     unobserved: str = "mask"
     variance_units: str = "relative"
     backend: str = "core"
@@ -161,12 +175,48 @@ def _client_sigmas(sigma: float | Sequence[float], n_clients: int) -> np.ndarray
     return np.broadcast_to(values, (n_clients,)).copy()
 
 
-def _class_shares(checkpoints, n_classes: int, wanted: bool | None) -> np.ndarray | None:
-    """(S, K) class shares f_sk when class-share weighting is on, else None."""
-    have = all(c.class_counts is not None for c in checkpoints)
+def _class_shares(checkpoints, n_classes: int, params: BayesianParams) -> np.ndarray | None:
+    """(S, K) per-class client weights when class-share weighting is on, else None:
+    information shares or the NAFI paper's class shares f_sk (``params.class_weights``)."""
+    wanted = params.class_share
     if wanted is None:
-        wanted = have
-    return class_shares(checkpoints, n_classes) if wanted else None
+        wanted = all(c.class_counts is not None for c in checkpoints)
+    if not wanted:
+        return None
+    if params.class_weights not in CLASS_WEIGHTS:
+        raise ParameterError(f"class_weights: expected one of {', '.join(CLASS_WEIGHTS)}, "
+                             f"found {params.class_weights!r}")
+    rule = information_shares if params.class_weights == "information" else class_shares
+    return rule(checkpoints, n_classes)
+
+
+def heterogeneity(checkpoints, n_classes: int, last_layer: dict[str, Any]) -> dict[str, Any]:
+    """How different the clients are, from what the checkpoints carry (no data).
+
+    ``matched_share``: share of the last hidden layer's client neurons that share a fused
+    neuron with another client's. ``class_contrast``: sum_sk N_sk (1 - N_sk / N_s) over
+    N (1 - 1/K), the clients' one-against-the-rest evidence relative to balanced clients
+    (1: every client balanced; 0: every client holds one class); None without class counts.
+    ``classes_without_contrast``: classes held only by one-class clients (no client's
+    output layer separates them from the rest). ``compact_ok`` is False when the class
+    contrast is below :data:`LOW_CLASS_CONTRAST` or some class has no contrast: no compact
+    fused model is then expected to reach an ensemble of the clients.
+    """
+    clients = last_layer.get("clients", [])
+    total = sum(c["width"] for c in clients)
+    out: dict[str, Any] = {
+        "matched_share": sum(c["matched"] for c in clients) / total if total else None,
+        "class_contrast": None, "classes_without_contrast": [], "compact_ok": True,
+    }
+    if any(c.class_counts is None for c in checkpoints) or n_classes < 2:
+        return out
+    counts = class_counts_matrix(checkpoints, n_classes)
+    information = class_information(counts)
+    contrast = information.sum() / max(counts.sum() * (1.0 - 1.0 / n_classes), 1e-300)
+    blind = np.flatnonzero((counts.sum(axis=0) > 0) & (information.sum(axis=0) == 0))
+    out.update(class_contrast=float(contrast), classes_without_contrast=blind.tolist(),
+               compact_ok=bool(contrast >= LOW_CLASS_CONTRAST and blind.size == 0))
+    return out
 
 
 def _hyperparameters(params, sigmas, vecs, observed, unit, index):
@@ -234,7 +284,7 @@ def fuse_network(checkpoints, specs, params: BayesianParams, method: str):
     widths = layer_widths(params, [sp.hidden_widths for sp in specs])
     clients = [neurons.client_layers(c, sp) for c, sp in zip(checkpoints, specs, strict=True)]
     n_hidden = len(spec.layers) - 1
-    shares = _class_shares(checkpoints, spec.out_features, params.class_share)
+    shares = _class_shares(checkpoints, spec.out_features, params)
     alphas = sample_weights(checkpoints)
     fused: list[neurons.UnitLayer] = []
     below: list[np.ndarray | None] = [None] * n_clients
@@ -281,8 +331,9 @@ def fuse_network(checkpoints, specs, params: BayesianParams, method: str):
     fused.append(_output_layer(head, below, n_below, outgoing if n_hidden == 1 else None,
                                shares, alphas))
     fused_spec = spec.with_hidden_widths([layer.out_features for layer in fused[:-1]])
-    return _state_dict(checkpoints, spec, fused, alphas), fused_spec, _report(layer_reports,
-                                                                               shares)
+    report = _report(layer_reports, shares,
+                     heterogeneity(checkpoints, spec.out_features, layer_reports[-1]))
+    return _state_dict(checkpoints, spec, fused, alphas), fused_spec, report
 
 
 def _state_dict(checkpoints, spec, fused, alphas) -> dict[str, np.ndarray]:
@@ -292,10 +343,16 @@ def _state_dict(checkpoints, spec, fused, alphas) -> dict[str, np.ndarray]:
     return state_dict
 
 
-def _report(layer_reports, shares) -> dict[str, Any]:
+def _report(layer_reports, shares, clients_differ: dict[str, Any]) -> dict[str, Any]:
+    if not clients_differ["compact_ok"]:
+        logger.warning("clients too different for a compact fused model: class contrast "
+                       "%.2f, classes only one-class clients hold: %s; an ensemble (ams) "
+                       "keeps what they know", clients_differ["class_contrast"],
+                       clients_differ["classes_without_contrast"] or "none")
     return {
         "layers": layer_reports,
         "class_share": shares is not None,
+        "heterogeneity": clients_differ,
         "time_cost_s": sum(r["time_cost_s"] for r in layer_reports),
         "time_assignment_s": sum(r["time_assignment_s"] for r in layer_reports),
     }
@@ -387,7 +444,7 @@ def fuse_groups(checkpoints, specs, params: BayesianParams, method: str):
                     spec.group_names[group], result.width, result.report["inferred_width"],
                     time.perf_counter() - start)
         del result  # its posterior arrays: one group's worth of memory
-    shares = _class_shares(checkpoints, spec.out_features, params.class_share)
+    shares = _class_shares(checkpoints, spec.out_features, params)
     alphas = sample_weights(checkpoints)
     fused = [_fuse_layer(checkpoints, specs, index, assignments, fused_widths, relative,
                          params.mu0, shares, alphas) for index in range(len(spec.layers))]
@@ -395,7 +452,8 @@ def fuse_groups(checkpoints, specs, params: BayesianParams, method: str):
     state_dict = _state_dict(checkpoints, spec, fused, alphas)
     for checkpoint in checkpoints:
         checkpoint.release()
-    return state_dict, fused_spec, _report(reports, shares)
+    return state_dict, fused_spec, _report(
+        reports, shares, heterogeneity(checkpoints, spec.out_features, reports[-1]))
 
 
 def _match_group(checkpoints, specs, group, assignments, fused_widths, params, sigmas,
