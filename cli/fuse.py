@@ -43,12 +43,12 @@ _TEXT_TYPES: dict[str, tuple[Any, str]] = {
 def fuse(
     checkpoints: Annotated[
         list[Path] | None,
-        typer.Argument(help="Client checkpoints (.safetensors); or give them in --config.",
-                       metavar="CHECKPOINT", show_default=False),
+        typer.Argument(help="One or more client checkpoints (.safetensors); or give them "
+                       "in --config.", metavar="CHECKPOINTS...", show_default=False),
     ] = None,
     method: Annotated[
         str | None,
-        typer.Option("--method", "-m", metavar="|".join(sorted(METHODS)),
+        typer.Option("--method", "-m", metavar="NAME",
                      help="Fusion method \\[default: avg]: " + "; ".join(
                          f"{name}: {cls.summary}" for name, cls in sorted(METHODS.items())) + ".",
                      show_default=False),
@@ -193,7 +193,7 @@ def _option(name: str, entries: list[tuple[str, ParamSpec]]) -> inspect.Paramete
         flags = [f"{spec.flag}/--no-{spec.flag[2:]}"]
     help_text = spec.param.help[:1].upper() + spec.param.help[1:]
     if spec.param.choices:
-        metavar = "|".join([metavar] * (spec.kind == "ints") + list(spec.param.choices))
+        metavar, help_text = _with_choices(metavar, help_text, spec)
     bounds = spec.describe_bounds()
     if bounds:
         help_text += f"; {bounds}"
@@ -204,6 +204,22 @@ def _option(name: str, entries: list[tuple[str, ParamSpec]]) -> inspect.Paramete
                           show_default=False, rich_help_panel=" / ".join(methods) + " options")
     return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY,
                              annotation=Annotated[annotation, option], default=None)
+
+
+# Longer metavars would be wrapped mid-word in an 80-column --help.
+_MAX_METAVAR = 17
+
+
+def _with_choices(metavar: str, help_text: str, spec: ParamSpec) -> tuple[str, str]:
+    """The choices in the metavar (``top1|topk|full``) where they fit, else in the help."""
+    choices = list(spec.param.choices or ())
+    joined = "|".join([metavar] * (spec.kind == "ints") + choices)
+    if len(joined) <= _MAX_METAVAR:
+        return joined, help_text
+    missing = [c for c in choices if repr(c) not in help_text]
+    if missing:
+        help_text += "; or " + " or ".join(map(repr, missing))
+    return metavar, help_text
 
 
 def fuse_command():

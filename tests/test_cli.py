@@ -231,3 +231,17 @@ def test_summary_shows_the_widths_delivered_never_none(tmp_path):
     assert "sigma=auto" in text
     asked = run("fuse", *clients, "-m", "pfnm", "--width", "9", "-o", tmp_path / "c.safetensors")
     assert "width=9" in asked.stdout and "width_ratio=auto" in asked.stdout
+
+
+@pytest.mark.parametrize("columns", [80, 100])
+def test_fuse_help_keeps_every_metavar_whole(columns):
+    import typer.main
+
+    result = runner.invoke(app, ["fuse", "--help"], env={"COLUMNS": str(columns)})
+    assert result.exit_code == 0
+    assert "Usage: fusekit fuse [OPTIONS] [CHECKPOINTS...]" in result.stdout
+    command = typer.main.get_command(app).commands["fuse"]
+    metavars = {p.metavar for p in command.params if p.metavar}
+    assert {"NAME", "N|N1,N2,...", "top1|topk|full"} <= metavars
+    for metavar in metavars:
+        assert metavar in result.stdout, metavar
