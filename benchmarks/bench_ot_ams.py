@@ -45,7 +45,7 @@ def _fuse_ot(clients: Sequence[Checkpoint], solver: str, inputs: np.ndarray | No
 
         pre = [hidden_preactivations(c, s, inputs) for c, s in zip(clients, specs, strict=True)]
     layers = [neurons.client_layers(c, s) for c, s in zip(clients, specs, strict=True)]
-    aligned, _ = align_to_anchor(layers, 0, pre, solver=solver)
+    aligned, _, _ = align_to_anchor(layers, 0, pre, solver=solver)
     weights = sample_weights(clients)
     fused = [average_layers([a[i] for a in aligned], weights) for i in range(len(layers[0]))]
     return neurons.to_state_dict(clients, specs[0], fused)

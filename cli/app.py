@@ -11,7 +11,17 @@ import logging
 import typer
 from rich.logging import RichHandler
 
-from fusekit._cli import demo, evaluate, fuse, inspect, job, serve, simulate, submit
+from fusekit._cli import (
+    calibrate,
+    demo,
+    evaluate,
+    fuse,
+    inspect,
+    job,
+    serve,
+    simulate,
+    submit,
+)
 from fusekit._cli.options import Command, Group
 from fusekit._cli.output import VerboseOption, handle_errors, set_verbose, stderr, stdout
 from fusekit._version import __version__
@@ -52,6 +62,8 @@ app.command("fuse", cls=Command)(handle_errors(fuse.fuse_command()))
 app.command("inspect", cls=Command)(handle_errors(inspect.inspect))
 app.command("simulate", cls=Command)(handle_errors(simulate.simulate))
 app.command("evaluate", cls=Command)(handle_errors(evaluate.evaluate))
+app.command("stats", cls=Command)(handle_errors(calibrate.stats))
+app.command("calibrate", cls=Command)(handle_errors(calibrate.calibrate))
 app.command("demo", cls=Command)(handle_errors(demo.demo))
 app.command("serve", cls=Command)(handle_errors(serve.serve))
 app.command("worker", cls=Command)(handle_errors(serve.worker))

@@ -25,6 +25,11 @@ def demo(
         typer.Option("--method", "-m", help="Only these methods [default: every registered one]."),
     ] = None,
     device: DeviceOption = "auto",
+    batchnorm: Annotated[
+        bool, typer.Option("--batchnorm", help="MLP clients with BatchNorm.")] = False,
+    calibrate: Annotated[bool, typer.Option(
+        "--calibrate", help="Also calibrate each fused model with the clients' statistics "
+        "(fusekit stats / calibrate, layer by layer) and show its accuracy.")] = False,
     out: Annotated[
         Path | None, typer.Option("--out", "-o", help="Keep client and fused checkpoints here.")
     ] = None,
@@ -42,6 +47,8 @@ def demo(
         seed=seed,
         methods=method or None,
         device=device,
+        batchnorm=batchnorm,
+        calibrate=calibrate,
     )
     with stderr.status("starting") as status:
         report = run_demo(config, out_dir=out, force=force, on_step=status.update)
@@ -59,14 +66,13 @@ def demo(
 
 def demo_table(report) -> Table:
     c = report.config
+    columns = ["model", "accuracy", "loss", "widths", "time"]
+    extra = [""] if c.calibrate else []
     table = Table(
-        "model",
-        "accuracy",
-        "loss",
-        "widths",
-        "time",
-        title=f"{c.clients} clients on {c.data}, {c.partition} alpha={c.alpha}, {c.arch}, "
-        f"{c.epochs} epochs, seed {c.seed} ({report.device})",
+        *columns, *(["calibrated"] if c.calibrate else []),
+        title=f"{c.clients} clients on {c.data}, {c.partition} alpha={c.alpha}, {c.arch}"
+        f"{' + BatchNorm' if c.batchnorm else ''}, {c.epochs} epochs, seed {c.seed} "
+        f"({report.device})",
     )
     accs = [s.accuracy for s in report.clients]
     table.add_row(
@@ -75,6 +81,7 @@ def demo_table(report) -> Table:
         f"{sum(s.loss for s in report.clients) / len(report.clients):.4f}",
         f"{min(accs):.0%}..{max(accs):.0%} acc",
         f"{report.simulate_time_s:.1f} s train",
+        *extra,
     )
     if report.ensemble is not None:
         table.add_row(
@@ -83,17 +90,21 @@ def demo_table(report) -> Table:
             f"{report.ensemble.loss:.4f}",
             "",
             "",
+            *extra,
         )
     table.add_section()
     for run in report.methods:
         if run.error is not None:
-            table.add_row(escape(run.method), "[red]failed[/]", "", escape(run.error[:60]), "")
+            table.add_row(escape(run.method), "[red]failed[/]", "", escape(run.error[:60]), "",
+                          *extra)
             continue
+        calibrated = (f"{run.calibrated.accuracy:.2%}" if run.calibrated else "-")
         table.add_row(
             run.method,
             f"{run.score.accuracy:.2%}",
             f"{run.score.loss:.4f}",
             ", ".join(map(str, run.widths)),
             f"{run.fuse_time_s:.3f} s",
+            *([calibrated] if c.calibrate else []),
         )
     return table

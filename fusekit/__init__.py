@@ -4,12 +4,14 @@
     >>> result = fusekit.fuse(["a.safetensors", "b.safetensors"], method="avg")
     >>> result.save("fused.safetensors")
     >>> model = fusekit.load_fused("fused.safetensors")  # a torch module (imports torch)
+    >>> fusekit.calibrate("fused.safetensors", ["a.stats.safetensors", "b.stats.safetensors"]
+    ...                   ).save("calibrated.safetensors")
 """
 
 from typing import Any
 
 from fusekit._version import __version__
-from fusekit.api import fuse
+from fusekit.api import calibrate, fuse
 from fusekit.core.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from fusekit.core.spec import PermutationSpec, infer_spec
 from fusekit.methods import METHODS, FusionResult
@@ -20,6 +22,7 @@ __all__ = [
     "FusionResult",
     "PermutationSpec",
     "__version__",
+    "calibrate",
     "fuse",
     "infer_spec",
     "load_checkpoint",

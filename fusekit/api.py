@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import time
@@ -14,7 +15,12 @@ from typing import Any
 
 from fusekit.core import metadata as meta
 from fusekit.core.checkpoint import Checkpoint, load_checkpoint
-from fusekit.core.errors import CheckpointError, IncompatibleModelsError, ParameterError
+from fusekit.core.errors import (
+    CheckpointError,
+    IncompatibleModelsError,
+    ParameterError,
+    StatisticsError,
+)
 from fusekit.core.metadata import load_json
 from fusekit.core.spec import (
     GraphSpec,
@@ -24,7 +30,16 @@ from fusekit.core.spec import (
     spec_from_json,
 )
 from fusekit.methods import METHODS, get_method
-from fusekit.methods.base import FusionMethod, FusionResult, provenance
+from fusekit.core.stats import (
+    DEFAULT_MIN_SAMPLES,
+    Statistics,
+    check_statistics,
+    load_statistics,
+    pool,
+    statistic_points,
+)
+from fusekit.methods import calibration
+from fusekit.methods.base import FusionMethod, FusionResult, provenance, sample_weights
 from fusekit.methods.params import ParamSpec, method_params, validate
 
 log = logging.getLogger(__name__)
@@ -98,7 +113,117 @@ def fuse(
     result.report.setdefault("peak_memory_mb", peak["mb"])
     result.report.setdefault("clients", [c.label for c in checkpoints])
     provenance(result, checkpoints)
+    _calibration_metadata(result, fusion, checkpoints, specs)
     return result
+
+
+def _calibration_metadata(result: FusionResult, fusion: FusionMethod,
+                          checkpoints: Sequence[Checkpoint], specs: Sequence[PermutationSpec]
+                          ) -> None:
+    """What calibration needs from the fusion (ALGORITHMS §12): the fused neuron of every
+    client neuron and, where the method folded BatchNorms, the matched clients' affine."""
+    if result.assignments is None:
+        return
+    result.metadata[meta.ASSIGNMENTS] = calibration.assignments_json(result.assignments)
+    if fusion.folds_batchnorm and any(layer.norm for layer in specs[0].layers):
+        targets = calibration.norm_targets(checkpoints, specs, result.spec, result.assignments,
+                                           sample_weights(checkpoints))
+        result.metadata[meta.NORM_TARGETS] = json.dumps(targets, separators=(",", ":"))
+        for checkpoint in checkpoints:
+            checkpoint.release()
+
+
+StatisticsLike = str | os.PathLike[str] | Statistics
+
+
+def calibrate(
+    fused: CheckpointLike,
+    statistics: Sequence[StatisticsLike],
+    *,
+    targets: Sequence[StatisticsLike] = (),
+    layers: Sequence[str] | None = None,
+    min_samples: int = DEFAULT_MIN_SAMPLES,
+) -> FusionResult:
+    """Calibrate a fused model with statistics its clients computed on their own data.
+
+    Args:
+        fused: the fused checkpoint (path or :class:`Checkpoint`).
+        statistics: each client's statistics of ``fused`` (``fusekit stats FUSED ...``, or
+            :func:`fusekit.toolkit.calibration.client_statistics`), pooled exactly.
+        targets: clients' statistics of their own models (the fusion's inputs): REPAIR's
+            targets for layers without BatchNorm (which are left as they are without).
+        layers: calibrate only these layers (layer-by-layer rounds); default all.
+        min_samples: refuse statistics over fewer inputs.
+
+    Returns:
+        A FusionResult holding the calibrated model (same tensors, names and widths) and
+        the fused model's metadata plus ``fusekit.calibration``; ``report["calibration"]``.
+
+    Raises:
+        StatisticsError: a statistics file that is malformed, of another model, of a
+            model that is not one of the fusion's inputs, or over too few samples.
+        CheckpointError: the fused file is unreadable or its calibration metadata malformed.
+    """
+    checkpoint = fused if isinstance(fused, Checkpoint) else load_checkpoint(fused)
+    spec = fused_spec(checkpoint)
+    points = statistic_points(spec)
+    stats = [_statistics(s, checkpoint.content_hash, points, min_samples) for s in statistics]
+    pooled = pool(stats)
+    repair = _repair_targets(checkpoint, spec, targets, min_samples) if targets else None
+    state_dict = calibration.calibrated_state_dict(
+        checkpoint.state_dict(), spec, pooled,
+        norm_targets=calibration.read_norm_targets(checkpoint, spec), targets=repair,
+        layers=layers)
+    report = {"clients": len(stats), "samples": sum(s.num_samples for s in stats),
+              "mode": stats[0].mode, "repair": repair is not None,
+              "layers": list(layers) if layers is not None else "all"}
+    metadata = dict(checkpoint.metadata)
+    metadata[meta.CALIBRATION] = json.dumps(report)
+    inputs = [p for p in [checkpoint.path, *statistics, *targets] if isinstance(p, (str, Path))]
+    return FusionResult(state_dict=state_dict, method=metadata.get(meta.METHOD, "unknown"),
+                        params={}, widths=spec.hidden_widths, report={"calibration": report},
+                        metadata=metadata, inputs=[Path(p).absolute() for p in inputs],
+                        spec=spec)
+
+
+def fused_spec(checkpoint: Checkpoint) -> PermutationSpec | GraphSpec:
+    """A fused (or client) model's spec: the one in its metadata, else inferred."""
+    shapes = {name: info.shape for name, info in checkpoint.tensors.items()}
+    raw = checkpoint.metadata.get(meta.SPEC)
+    if raw is None:
+        return infer_spec(shapes, label=checkpoint.label)
+    return spec_from_json(meta.parse_json_object(raw, meta.SPEC, checkpoint.label), shapes,
+                          label=checkpoint.label)
+
+
+def _statistics(source: StatisticsLike, model: str, points: Mapping[str, int],
+                min_samples: int) -> Statistics:
+    if isinstance(source, Statistics):
+        check_statistics(source, model=model, points=points, min_samples=min_samples)
+        return source
+    return load_statistics(source, model=model, points=points, min_samples=min_samples)
+
+
+def _repair_targets(checkpoint: Checkpoint, spec, targets: Sequence[StatisticsLike],
+                    min_samples: int) -> dict[str, Any]:
+    """REPAIR's targets from clients' statistics of their own models, through the fusion's
+    assignments (each file names its model, which must be one of the fusion's inputs)."""
+    assignments = calibration.read_assignments(checkpoint, spec)
+    inputs = load_json(checkpoint.metadata.get(meta.INPUTS, "[]"),
+                       f"{checkpoint.label}: metadata {meta.INPUTS}")
+    if assignments is None or not isinstance(inputs, list) or len(inputs) != len(assignments):
+        raise CheckpointError(
+            f"{checkpoint.label}: REPAIR targets need the fusion's {meta.ASSIGNMENTS} and "
+            f"{meta.INPUTS} metadata (a fusion by a method that matches neurons); found none")
+    stats = [_statistics(s, None, None, min_samples) for s in targets]
+    chosen = []
+    for s in stats:
+        if s.model not in inputs:
+            raise StatisticsError(
+                f"{s.label}: computed for model {s.model[:16]}..., which is not one of the "
+                f"fusion's inputs; targets are the clients' statistics of their own models")
+        chosen.append(assignments[inputs.index(s.model)])
+    return calibration.neuron_targets(spec, stats, chosen)
 
 
 @contextlib.contextmanager

@@ -52,3 +52,8 @@ class NonFiniteOutputError(FusekitError, ValueError):
 
 class ParameterTypeError(ParameterError, TypeError):
     """An argument has a type fusekit cannot use (e.g. a non-numeric array)."""
+
+
+class StatisticsError(FusekitError, ValueError):
+    """A statistics file (calibration) is unreadable, malformed, for another model, or
+    computed over too few samples."""

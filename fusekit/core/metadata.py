@@ -35,6 +35,16 @@ SPEC = "fusekit.spec"
 SIMULATION = "fusekit.simulation"
 AMS = "fusekit.ams"
 AMS_FORMAT = "fusekit.ams/1"
+#: Per client and permutation group, the fused neuron of each client neuron (calibration).
+ASSIGNMENTS = "fusekit.assignments"
+#: Per BatchNorm of a fused model whose BatchNorms were folded: the affine (|gamma|, beta)
+#: of the client neurons matched into each fused neuron, restored by calibration.
+NORM_TARGETS = "fusekit.norm_targets"
+#: A statistics file's description: format, model content hash, samples, mode.
+STATS = "fusekit.stats"
+STATS_FORMAT = "fusekit.stats/1"
+#: What calibration did to a calibrated model: clients, samples, mode, layers.
+CALIBRATION = "fusekit.calibration"
 
 
 # Bounds on every JSON value fusekit parses (metadata values, spec files): far above what

@@ -56,7 +56,9 @@ class Average(FusionMethod):
                 stacked = np.stack([c.tensor(name) for c in checkpoints]).astype(np.float64)
                 rows = np.einsum("sk,sk...->k...", shares, stacked)
                 fused[name] = rows.astype(checkpoints[0].tensor(name).dtype)
-        return self.result(fused, checkpoints, specs[0], {"class_weighted": class_weighted})
+        identity = [np.arange(width) for width in specs[0].hidden_widths]
+        return self.result(fused, checkpoints, specs[0], {"class_weighted": class_weighted},
+                           assignments=[identity] * len(checkpoints))
 
 
 def average_tensor(arrays: Sequence[np.ndarray], weights: np.ndarray, name: str) -> np.ndarray:

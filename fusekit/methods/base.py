@@ -34,6 +34,9 @@ class FusionResult:
         report: per-method details (timings, per-layer matching statistics), JSON-able.
         metadata: safetensors metadata written by :meth:`save` (arch, provenance).
         inputs: the input files, which :meth:`save` refuses to replace.
+        assignments: for methods that match neurons, per client (canonical order) and per
+            permutation group, the fused neuron each client neuron went into ((J_s,) int,
+            -1 for none); calibration takes its targets through them (ALGORITHMS §12).
     """
 
     state_dict: dict[str, np.ndarray]
@@ -43,6 +46,8 @@ class FusionResult:
     report: dict[str, Any] = field(default_factory=dict)
     metadata: dict[str, str] = field(default_factory=dict)
     inputs: list[Path] = field(default_factory=list)
+    assignments: list[list[np.ndarray]] | None = None
+    spec: Any = None  # the fused model's PermutationSpec / GraphSpec
 
     def save(self, path: str | Path, *, force: bool = False) -> Path:
         """Write the fused model as safetensors, atomically; see :func:`save_checkpoint`."""
@@ -71,6 +76,9 @@ class FusionMethod(ABC):
     #: The ``fusekit.arch`` entry every client must have (``"fed2"`` for Fed² models), or
     #: None for methods that fuse any model; front doors that train plain clients skip it.
     client_structure: ClassVar[str | None] = None
+    #: True for methods that fold BatchNorms into their layers and write them back as the
+    #: identity (ALGORITHMS §2): fusion then records the affine calibration restores.
+    folds_batchnorm: ClassVar[bool] = False
 
     @abstractmethod
     def fuse(
@@ -97,6 +105,7 @@ class FusionMethod(ABC):
         spec: PermutationSpec,
         params: dict[str, Any],
         report: dict[str, Any] | None = None,
+        assignments: list[list[np.ndarray]] | None = None,
     ) -> FusionResult:
         """Package a fused state_dict with its metadata (fused spec and architecture)."""
         from fusekit.core.arch import infer_arch
@@ -114,6 +123,8 @@ class FusionMethod(ABC):
             widths=spec.hidden_widths,
             report=report or {},
             metadata=metadata,
+            assignments=assignments,
+            spec=spec,
         )
 
 def _arch_with_widths(arch: dict[str, Any], widths: list[int]) -> dict[str, Any]:

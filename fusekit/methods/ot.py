@@ -63,6 +63,7 @@ class OptimalTransport(FusionMethod):
     summary = ("optimal-transport alignment to an anchor client, then weighted averaging "
                "(Singh & Jaggi); fused widths = the anchor's")
     permutes_neurons = True
+    folds_batchnorm = True
     handles_groups = True
 
     def fuse(
@@ -117,11 +118,12 @@ class OptimalTransport(FusionMethod):
             if activations is not None:
                 raise ParameterError("activations: the activation cost needs a sequential "
                                      "network; residual networks use the weight cost")
-            state_dict, client_reports = fuse_aligned(checkpoints, specs, anchor_index,
-                                                      align_groups)
+            state_dict, client_reports, assignments = fuse_aligned(
+                checkpoints, specs, anchor_index, align_groups)
             report = {"anchor": checkpoints[anchor_index].label, "cost": "weights",
                       "alignment": client_reports, "align_time_s": time.perf_counter() - start}
-            return self.result(state_dict, checkpoints, specs[anchor_index], params, report)
+            return self.result(state_dict, checkpoints, specs[anchor_index], params, report,
+                               assignments)
         preactivations = None
         if activations is not None:
             preactivations = [_checked_preactivations(activations(c, s), c, s)
@@ -133,7 +135,8 @@ class OptimalTransport(FusionMethod):
                     f"samples per layer {sorted(samples)}"
                 )
         clients = [neurons.client_layers(c, s) for c, s in zip(checkpoints, specs, strict=True)]
-        aligned, layer_reports = align_to_anchor(clients, anchor_index, preactivations)
+        aligned, layer_reports, assignments = align_to_anchor(clients, anchor_index,
+                                                              preactivations)
         weights = sample_weights(checkpoints)
         fused = [average_layers([client[li] for client in aligned], weights)
                  for li in range(len(specs[0].layers))]
@@ -145,7 +148,7 @@ class OptimalTransport(FusionMethod):
             "layers": layer_reports,
             "align_time_s": time.perf_counter() - start,
         }
-        return self.result(state_dict, checkpoints, spec, params, report)
+        return self.result(state_dict, checkpoints, spec, params, report, assignments)
 
 
 def _checked_preactivations(arrays: Sequence[np.ndarray], checkpoint: Checkpoint,
@@ -218,12 +221,15 @@ def align_to_anchor(
         solver: see :func:`transport_plan` (``"emd"`` is the benchmarks' peer).
 
     Returns:
-        (aligned, reports): per client its layers at the anchor's widths, and per hidden
-        layer a dict with the transport kind and the mean plan cost ⟨T, M⟩ per client.
+        (aligned, reports, assignments): per client its layers at the anchor's widths; per
+        hidden layer a dict with the transport kind and the mean plan cost ⟨T, M⟩ per
+        client; per client and hidden layer the anchor neuron each of its neurons sends
+        most of its mass to.
     """
     n_layers = len(clients[anchor])
     aligned: list[list[neurons.UnitLayer]] = [[] for _ in clients]
     maps: list[np.ndarray | None] = [None] * len(clients)  # T̂ of the layer below
+    assignments: list[list[np.ndarray]] = [[] for _ in clients]
     reports = []
     for li in range(n_layers):
         kinds, costs = set(), []
@@ -231,6 +237,8 @@ def align_to_anchor(
             layer = align_incoming(layers[li], maps[s])
             if s == anchor or li == n_layers - 1:
                 aligned[s].append(layer)
+                if li < n_layers - 1:
+                    assignments[s].append(np.arange(layer.out_features))
                 continue
             anchor_layer = clients[anchor][li]
             if preactivations is None:
@@ -242,6 +250,7 @@ def align_to_anchor(
             costs.append(float((plan * cost).sum()))
             normalised = plan / plan.sum(axis=0, keepdims=True)  # T diag(1/β)
             maps[s] = normalised
+            assignments[s].append(plan.argmax(axis=1))
             aligned[s].append(neurons.UnitLayer(
                 weight=np.tensordot(normalised, layer.weight, axes=(0, 0)),  # (G, U, B)
                 bias=normalised.T @ layer.bias,
@@ -249,7 +258,7 @@ def align_to_anchor(
         if li < n_layers - 1:
             reports.append({"layer": li, "width": clients[anchor][li].out_features,
                             "transport": sorted(kinds), "mean_cost": costs})
-    return aligned, reports
+    return aligned, reports, assignments
 
 
 def align_groups(anchor: Sequence[neurons.UnitLayer], layers: Sequence[neurons.UnitLayer],
@@ -263,11 +272,13 @@ def align_groups(anchor: Sequence[neurons.UnitLayer], layers: Sequence[neurons.U
 
     Returns:
         (the client's layers at the anchor's widths, {"transport": kinds used,
-        "mean_cost": per group ⟨T, M⟩}).
+        "mean_cost": per group ⟨T, M⟩, "assignment": per group, the anchor neuron each
+        client neuron sends most of its mass to}).
     """
     order = sorted(range(len(spec.group_names)), key=spec.writes.index)
     done: set[int] = set()
     kinds, costs = set(), []
+    assignment: list[np.ndarray] = [np.empty(0, np.int64)] * len(order)
     for group in order:
         ready = [i for i, g in enumerate(spec.writes)
                  if g == group and (spec.reads[i] is None or spec.reads[i] in done)]
@@ -281,8 +292,10 @@ def align_groups(anchor: Sequence[neurons.UnitLayer], layers: Sequence[neurons.U
         costs.append(float((plan * cost).sum()))
         mapping = plan.argmax(axis=0) if kind == "assignment" else plan / plan.sum(0)
         layers = neurons.move_group(layers, spec, group, mapping)
+        assignment[group] = plan.argmax(axis=1)
         done.add(group)
-    return list(layers), {"transport": sorted(kinds), "mean_cost": costs}
+    return list(layers), {"transport": sorted(kinds), "mean_cost": costs,
+                          "assignment": assignment}
 
 
 def fuse_aligned(checkpoints: Sequence[Checkpoint], specs: Sequence[PermutationSpec | GraphSpec],
@@ -300,7 +313,9 @@ def fuse_aligned(checkpoints: Sequence[Checkpoint], specs: Sequence[PermutationS
             report dict)``, unit-form layers in and out.
 
     Returns:
-        (fused state_dict with the anchor's widths, per non-anchor client its report).
+        (fused state_dict with the anchor's widths, per non-anchor client its report, per
+        client and group the anchor neuron each of its neurons went to: ``align``'s
+        report's "assignment", taken out of the report).
     """
     weights = sample_weights(checkpoints)
     spec = specs[anchor]
@@ -309,6 +324,8 @@ def fuse_aligned(checkpoints: Sequence[Checkpoint], specs: Sequence[PermutationS
     total = [neurons.UnitLayer(weights[anchor] * layer.weight, weights[anchor] * layer.bias)
              for layer in anchor_layers]
     reports = []
+    identity = [np.arange(width) for width in spec.hidden_widths]
+    assignments = [identity] * len(checkpoints)
     for s, (checkpoint, client_spec) in enumerate(zip(checkpoints, specs, strict=True)):
         if s == anchor:
             continue
@@ -321,6 +338,7 @@ def fuse_aligned(checkpoints: Sequence[Checkpoint], specs: Sequence[PermutationS
             into.weight += weights[s] * layer.weight
             into.bias += weights[s] * layer.bias
         del aligned
+        assignments[s] = report.pop("assignment")
         reports.append({"client": checkpoint.label, **report,
                         "time_s": time.perf_counter() - start})
     state_dict = neurons.to_state_dict(checkpoints, spec, total)
@@ -329,7 +347,7 @@ def fuse_aligned(checkpoints: Sequence[Checkpoint], specs: Sequence[PermutationS
                        for name in spec.other})
     for checkpoint in checkpoints:
         checkpoint.release()
-    return state_dict, reports
+    return state_dict, reports, assignments
 
 
 def average_layers(layers: Sequence[neurons.UnitLayer], weights: np.ndarray) -> neurons.UnitLayer:

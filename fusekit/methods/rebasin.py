@@ -36,6 +36,7 @@ class ReBasin(FusionMethod):
     summary = ("weight matching of every permutation group to an anchor client (Git "
                "Re-Basin), then weighted averaging; equal widths")
     permutes_neurons = True
+    folds_batchnorm = True
     handles_groups = True
 
     def fuse(
@@ -95,12 +96,13 @@ class ReBasin(FusionMethod):
             return weight_matching(anchor_layers, layers, spec, max_sweeps=max_sweeps, rng=rng,
                                    solver=solver)
 
-        state_dict, reports = fuse_aligned(checkpoints, specs, anchor_index, align)
+        state_dict, reports, assignments = fuse_aligned(checkpoints, specs, anchor_index, align)
         params = {"anchor": checkpoints[anchor_index].label if anchor is not None else None,
                   "max_sweeps": max_sweeps, "seed": seed, "backend": backend}
         report = {"anchor": checkpoints[anchor_index].label, "alignment": reports,
                   "align_time_s": time.perf_counter() - start}
-        return self.result(state_dict, checkpoints, specs[anchor_index], params, report)
+        return self.result(state_dict, checkpoints, specs[anchor_index], params, report,
+                           assignments)
 
 
 def weight_matching(
@@ -123,12 +125,14 @@ def weight_matching(
         solver: ``solver(matrix, maximize=True) -> (rows, cols)`` (SciPy's contract).
 
     Returns:
-        (the permuted layers, {"sweeps", "similarity_before", "similarity_after"}).
+        (the permuted layers, {"sweeps", "similarity_before", "similarity_after",
+        "assignment": per group, the anchor neuron each client neuron went to}).
     """
     rng = np.random.default_rng(0) if rng is None else rng
     layers = list(layers)
     n_groups = len(spec.group_names)
     before = total_similarity(anchor, layers, spec)
+    order = [np.arange(layers[spec.writes.index(g)].out_features) for g in range(n_groups)]
     sweeps = 0
     for sweep in range(1, max_sweeps + 1):
         sweeps, changed = sweep, False
@@ -139,11 +143,13 @@ def weight_matching(
             best = float(similarity[np.arange(cols.size), cols].sum())
             if best > current + 1e-12 * max(abs(current), 1.0):
                 layers = neurons.move_group(layers, spec, group, cols)
+                order[group] = order[group][cols]
                 changed = True
         if not changed:
             break
     return layers, {"sweeps": sweeps, "similarity_before": before,
-                    "similarity_after": total_similarity(anchor, layers, spec)}
+                    "similarity_after": total_similarity(anchor, layers, spec),
+                    "assignment": [np.argsort(o) for o in order]}
 
 
 def assignment_solver(backend: str) -> Callable[..., tuple]:

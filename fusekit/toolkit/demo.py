@@ -36,6 +36,9 @@ class DemoConfig:
             batch 32; 20 epochs at 3e-3 bring digits clients close to zero training loss).
         methods: fusion methods to run; None = every method in ``fusekit.METHODS``.
         device: ``auto``, ``cpu`` or ``cuda`` for training and evaluation.
+        batchnorm: MLP clients with BatchNorm after each hidden layer.
+        calibrate: also calibrate each fused model with the clients' statistics of their
+            own training data, layer by layer (ALGORITHMS §12), and score it.
     """
 
     data: str = "digits"
@@ -48,6 +51,8 @@ class DemoConfig:
     seed: int = 0
     methods: Sequence[str] | None = None
     device: str = "auto"
+    batchnorm: bool = False
+    calibrate: bool = False
 
     def simulation(self) -> SimulationConfig:
         return SimulationConfig(
@@ -55,6 +60,7 @@ class DemoConfig:
             partition=self.partition,
             alpha=self.alpha,
             arch=self.arch,
+            batchnorm=self.batchnorm,
             seed=self.seed,
             train=TrainConfig(epochs=self.epochs, batch_size=32, lr=self.lr, optimizer="adam"),
         )
@@ -62,18 +68,20 @@ class DemoConfig:
 
 @dataclass
 class MethodRun:
-    """One fusion method's outcome: its score, fusion time and fused widths, or the error
-    that stopped it."""
+    """One fusion method's outcome: its score, fusion time and fused widths (and, with
+    calibration, the calibrated model's score), or the error that stopped it."""
 
     method: str
     fuse_time_s: float | None = None
     widths: list[int] | None = None
     score: Score | None = None
     error: str | None = None
+    calibrated: Score | None = None
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["score"] = self.score.as_dict() if self.score else None
+        out["calibrated"] = self.calibrated.as_dict() if self.calibrated else None
         return out
 
 
@@ -208,9 +216,28 @@ def _run(
             fused_path = result.save(folder / f"fused-{method}.safetensors", force=force)
             _, logits = evaluator.logits(fused_path)
             run.score = evaluator.score(logits, fused_path.name, "fused", method)
+            if config.calibrate and result.assignments is not None:
+                step(f"calibrating the {method} model")
+                run.calibrated = _calibrated_score(fused_path, clients, dataset, evaluator,
+                                                   force)
         except Exception as exc:  # one failing method must not hide the others
             logger.debug("method %s failed", method, exc_info=True)
             run.error = f"{type(exc).__name__}: {exc}"
             logger.error("method %s failed: %s", method, run.error)
         report.methods.append(run)
     return report
+
+
+def _calibrated_score(fused_path: Path, clients, dataset, evaluator: Evaluator,
+                      force: bool) -> Score:
+    """Calibrate a fused file with every client's statistics of its own training data
+    (and of its own model: REPAIR's targets), layer by layer; score the result."""
+    from fusekit.toolkit.calibration import calibrate_locally
+
+    inputs = [dataset.x_train[c.indices] for c in clients]
+    result = calibrate_locally(fused_path, inputs, clients=[c.checkpoint for c in clients],
+                               min_samples=min(len(x) for x in inputs), device="cpu")
+    path = result.save(fused_path.with_name(fused_path.stem + "-calibrated.safetensors"),
+                       force=force)
+    _, logits = evaluator.logits(path)
+    return evaluator.score(logits, path.name, "fused", result.method)

@@ -58,6 +58,7 @@ class BayesianMatching(FusionMethod):
     """Bayesian neuron matching; ``default_lam`` tells PFNM (0) from NAFI (> 0)."""
 
     permutes_neurons = True
+    folds_batchnorm = True
     handles_groups = True
     default_lam: ClassVar[float] = 0.0
 
@@ -169,8 +170,9 @@ class BayesianMatching(FusionMethod):
             unobserved=unobserved, variance_units=variance_units, backend=backend,
         )
         fuse = fuse_groups if isinstance(specs[0], GraphSpec) else fuse_network
-        state_dict, fused_spec, report = fuse(checkpoints, specs, params, self.name)
-        return self.result(state_dict, checkpoints, fused_spec, params.as_json(), report)
+        state_dict, fused_spec, report, assignments = fuse(checkpoints, specs, params, self.name)
+        return self.result(state_dict, checkpoints, fused_spec, params.as_json(), report,
+                           assignments)
 
 
 @register

@@ -271,7 +271,8 @@ def fuse_network(checkpoints, specs, params: BayesianParams, method: str):
         method: name used in messages.
 
     Returns:
-        (state_dict, fused PermutationSpec, report dict).
+        (state_dict, fused PermutationSpec, report dict, assignments: per client, per
+        hidden layer, the global index of each of its neurons).
 
     Raises:
         IncompatibleModelsError: PAN checkpoints, or tensors outside the layers that differ.
@@ -291,6 +292,7 @@ def fuse_network(checkpoints, specs, params: BayesianParams, method: str):
     n_below = spec.in_features
     layer_reports = []
     outgoing = None
+    assignments: list[list[np.ndarray]] = [[] for _ in range(n_clients)]
     for index in range(n_hidden):
         start = time.perf_counter()
         last = index == n_hidden - 1
@@ -327,13 +329,15 @@ def fuse_network(checkpoints, specs, params: BayesianParams, method: str):
                     time.perf_counter() - start,
                     extra={"layer": (index + 1, n_hidden)})  # progress, for front doors
         below, n_below = result.assignments, result.width
+        for s, assigned in enumerate(below):
+            assignments[s].append(assigned)
     head = [c[-1] for c in clients]
     fused.append(_output_layer(head, below, n_below, outgoing if n_hidden == 1 else None,
                                shares, alphas))
     fused_spec = spec.with_hidden_widths([layer.out_features for layer in fused[:-1]])
     report = _report(layer_reports, shares,
                      heterogeneity(checkpoints, spec.out_features, layer_reports[-1]))
-    return _state_dict(checkpoints, spec, fused, alphas), fused_spec, report
+    return _state_dict(checkpoints, spec, fused, alphas), fused_spec, report, assignments
 
 
 def _state_dict(checkpoints, spec, fused, alphas) -> dict[str, np.ndarray]:
@@ -417,7 +421,7 @@ def fuse_groups(checkpoints, specs, params: BayesianParams, method: str):
     every client and its posterior, then the fused model, never every client's model.
 
     Returns:
-        (state_dict, fused GraphSpec, report dict).
+        (state_dict, fused GraphSpec, report dict, assignments per client and group).
     """
     neurons.refuse_position_aware(checkpoints, specs, method)
     n_clients = len(checkpoints)
@@ -453,7 +457,7 @@ def fuse_groups(checkpoints, specs, params: BayesianParams, method: str):
     for checkpoint in checkpoints:
         checkpoint.release()
     return state_dict, fused_spec, _report(
-        reports, shares, heterogeneity(checkpoints, spec.out_features, reports[-1]))
+        reports, shares, heterogeneity(checkpoints, spec.out_features, reports[-1])), assignments
 
 
 def _match_group(checkpoints, specs, group, assignments, fused_widths, params, sigmas,

@@ -1,0 +1,114 @@
+"""``fusekit stats`` (run by a client on its own data) and ``fusekit calibrate`` (run by
+whoever fused): calibration from per-channel statistics, ALGORITHMS.md §12."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from fusekit._cli.options import (
+    ClassesOption,
+    DataDirOption,
+    DataPathOption,
+    DeviceOption,
+    FeaturesOption,
+    JsonOption,
+    SamplesOption,
+)
+from fusekit._cli.output import emit_json, stdout
+from fusekit.core.stats import DEFAULT_MIN_SAMPLES, MODES
+
+OutputOption = Annotated[
+    Path, typer.Option("--output", "-o", help="The .safetensors file to write.",
+                       show_default=False)
+]
+ForceOption = Annotated[bool, typer.Option("--force", help="Replace an existing output file.")]
+MinSamplesOption = Annotated[
+    int, typer.Option("--min-samples", help="Refuse statistics over fewer inputs (privacy: "
+                      "the moments of a few samples reveal them).")
+]
+
+
+def stats(
+    model: Annotated[Path, typer.Argument(help="The model (.safetensors): the fused model "
+                                          "sent back for calibration, or the client's own "
+                                          "model (REPAIR's targets).", show_default=False)],
+    output: OutputOption,
+    data: Annotated[str | None, typer.Option(
+        "--data", help="digits (embedded), mnist, fashion-mnist, cifar10, npz or synthetic "
+        "[default: npz with --data-path, else digits]; its training inputs are used.",
+        show_default=False)] = None,
+    data_dir: DataDirOption = None,
+    data_path: DataPathOption = None,
+    samples: SamplesOption = 10_000,
+    features: FeaturesOption = 20,
+    classes: ClassesOption = 10,
+    seed: Annotated[int, typer.Option("--seed", help="synthetic: the data seed.")] = 0,
+    mode: Annotated[str, typer.Option(
+        "--mode", metavar="|".join(MODES),
+        help="eval: the model as it is (exact once the layers below are calibrated); batch: "
+        "every BatchNorm normalised with the batch's statistics (one-pass calibration).")
+    ] = "eval",
+    batch_size: Annotated[int, typer.Option("--batch-size", help="Inputs per forward pass.")
+                          ] = 1024,
+    device: DeviceOption = "cpu",
+    force: ForceOption = False,
+    as_json: JsonOption = False,
+) -> None:
+    """Per-channel count, mean and variance of MODEL's layers on this client's data.
+
+    Every hidden pre-activation and BatchNorm input: all that leaves the client."""
+    from fusekit.core.stats import save_statistics
+    from fusekit.toolkit.calibration import client_statistics
+    from fusekit.toolkit.data import load_dataset
+
+    name = data if data is not None else ("npz" if data_path is not None else "digits")
+    dataset = load_dataset(name, data_dir=data_dir, path=data_path, samples=samples,
+                           features=features, classes=classes, seed=seed)
+    result = client_statistics(model, dataset.x_train, mode=mode, batch_size=batch_size,
+                               device=device)
+    written = save_statistics(output, result, force=force)
+    summary = {"output": str(written), "model": result.model, "samples": result.num_samples,
+               "mode": result.mode, "points": len(result.points)}
+    if as_json:
+        emit_json(summary)
+    else:
+        stdout.print(f"wrote {written}: {len(result.points)} points over {result.num_samples} "
+                     f"inputs of {dataset.name} (model {result.model[:12]})", highlight=False)
+
+
+def calibrate(
+    fused: Annotated[Path, typer.Argument(help="The fused model (.safetensors).",
+                                          show_default=False)],
+    statistics: Annotated[list[Path], typer.Argument(
+        help="Each client's statistics of FUSED (fusekit stats FUSED ...).",
+        metavar="STATS...", show_default=False)],
+    output: OutputOption,
+    targets: Annotated[list[Path] | None, typer.Option(
+        "--targets", help="A client's statistics of its own model (repeat per client): "
+        "REPAIR's targets for layers without BatchNorm.", show_default=False)] = None,
+    layers: Annotated[str | None, typer.Option(
+        "--layers", help="Comma-separated layer names to calibrate (one layer-by-layer "
+        "round); default: all.", show_default=False)] = None,
+    min_samples: MinSamplesOption = DEFAULT_MIN_SAMPLES,
+    force: ForceOption = False,
+    as_json: JsonOption = False,
+) -> None:
+    """Calibrate a fused model with its clients' statistics (BatchNorms restored, REPAIR).
+
+    Pools the statistics exactly; --targets adds REPAIR to the layers without BatchNorm."""
+    import fusekit
+
+    result = fusekit.calibrate(fused, statistics, targets=targets or (),
+                               layers=layers.split(",") if layers else None,
+                               min_samples=min_samples)
+    written = result.save(output, force=force)
+    report = {"output": str(written), **result.report["calibration"]}
+    if as_json:
+        emit_json(report)
+    else:
+        stdout.print(f"wrote {written}: calibrated with {report['clients']} client(s), "
+                     f"{report['samples']} inputs ({report['mode']} statistics"
+                     f"{', REPAIR targets' if report['repair'] else ''})", highlight=False)

@@ -1,0 +1,233 @@
+"""Statistics files: what a client sends for calibration (ALGORITHMS.md §12).
+
+A statistics file holds, for one model run on one client's data, per channel of every
+*point* of the network its sample count, mean and (population) variance, float64:
+
+- ``preactivation:<layer>``: a hidden layer's pre-activation (its output after the
+  BatchNorm, if any, before the ReLU);
+- ``bn_input:<batchnorm>``: a BatchNorm's input.
+
+Conv layers count every spatial position of a channel as one sample. Tensors are named
+``<point>.count``, ``<point>.mean``, ``<point>.var``; the metadata ``fusekit.stats`` names
+the model by its canonical content hash, the number of inputs run and the mode (``eval``:
+the model as it is; ``batch``: every BatchNorm normalised with the batch's statistics).
+Nothing else leaves a client: no input, no label, no per-sample value.
+
+Statistics files are untrusted input: :func:`load_statistics` checks them against the
+model they are meant for. :func:`pool` combines clients exactly (Chan et al.'s update), as
+one pass over the union of their data would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from fusekit.core import metadata as meta
+from fusekit.core.checkpoint import load_checkpoint, save_checkpoint
+from fusekit.core.errors import CheckpointError, StatisticsError
+
+PREACTIVATION = "preactivation"
+BN_INPUT = "bn_input"
+FIELDS = ("count", "mean", "var")
+MODES = ("eval", "batch")
+#: Statistics over fewer inputs than this are refused: per-channel moments of a handful
+#: of samples come close to revealing the samples themselves.
+DEFAULT_MIN_SAMPLES = 32
+
+
+@dataclass
+class Moments:
+    """Per-channel sample count, mean and population variance, float64 (C,) each."""
+
+    count: np.ndarray
+    mean: np.ndarray
+    var: np.ndarray
+
+    @property
+    def std(self) -> np.ndarray:
+        return np.sqrt(self.var)
+
+    @property
+    def unbiased_var(self) -> np.ndarray:
+        """The variance torch's BatchNorm stores as ``running_var``: sum of squares / (n-1)."""
+        return self.var * self.count / np.maximum(self.count - 1, 1)
+
+
+@dataclass
+class Statistics:
+    """One client's statistics of one model (see the module docstring)."""
+
+    model: str  # canonical content hash of the model
+    num_samples: int
+    mode: str
+    points: dict[str, Moments]
+    label: str = "<in-memory statistics>"
+
+
+def preactivation_point(layer_name: str) -> str:
+    return f"{PREACTIVATION}:{layer_name}"
+
+
+def bn_input_point(norm_prefix: str) -> str:
+    return f"{BN_INPUT}:{norm_prefix}"
+
+
+def statistic_points(spec) -> dict[str, int]:
+    """Every point a statistics file of a model with this spec holds, with its width."""
+    points = {}
+    for layer in spec.layers[:-1]:
+        points[preactivation_point(layer.name)] = layer.out_features
+        if layer.norm is not None:
+            points[bn_input_point(layer.norm.prefix)] = layer.out_features
+    return points
+
+
+def save_statistics(path: str | os.PathLike[str], stats: Statistics, *,
+                    force: bool = False) -> Path:
+    """Write ``stats`` as safetensors, atomically (see :func:`save_checkpoint`)."""
+    tensors = {f"{point}.{name}": np.asarray(getattr(moments, name), np.float64)
+               for point, moments in stats.points.items() for name in FIELDS}
+    description = {"format": meta.STATS_FORMAT, "model": stats.model,
+                   "num_samples": stats.num_samples, "mode": stats.mode}
+    metadata = {meta.STATS: json.dumps(description), meta.NUM_SAMPLES: str(stats.num_samples)}
+    return save_checkpoint(path, tensors, metadata, force=force)
+
+
+def load_statistics(path: str | os.PathLike[str], *, model: str | None = None,
+                    points: Mapping[str, int] | None = None,
+                    min_samples: int = DEFAULT_MIN_SAMPLES) -> Statistics:
+    """Read and check a statistics file.
+
+    Args:
+        path: the file.
+        model: the content hash it must name (None: any model).
+        points: the points it must hold, with their widths (None: whatever it holds).
+        min_samples: refuse statistics over fewer inputs.
+
+    Raises:
+        StatisticsError: one line naming the file: unreadable, not a statistics file, for
+            another model, missing or misshapen points, counts not positive or not a
+            multiple of the inputs run, non-finite means, negative or non-finite
+            variances, or fewer than ``min_samples`` inputs.
+    """
+    try:
+        checkpoint = load_checkpoint(path)
+        raw = checkpoint.metadata.get(meta.STATS)
+        if raw is None:
+            raise StatisticsError(f"{path}: not a statistics file (no {meta.STATS} metadata)")
+        description = meta.load_json(raw, f"{path}: metadata {meta.STATS}", StatisticsError)
+        tensors = {name: np.asarray(checkpoint.tensor(name)) for name in checkpoint.tensors}
+    except CheckpointError as exc:
+        raise StatisticsError(f"statistics file {exc}") from None
+    stats = _parse(description, tensors, str(path))
+    check_statistics(stats, model=model, points=points, min_samples=min_samples)
+    return stats
+
+
+def _parse(description: object, tensors: Mapping[str, np.ndarray], label: str) -> Statistics:
+    if (not isinstance(description, dict) or description.get("format") != meta.STATS_FORMAT
+            or not isinstance(description.get("model"), str)
+            or description.get("mode") not in MODES
+            or not isinstance(description.get("num_samples"), int)
+            or isinstance(description.get("num_samples"), bool)):
+        raise StatisticsError(
+            f"{label}: metadata {meta.STATS} must be {{\"format\": \"{meta.STATS_FORMAT}\", "
+            f"\"model\": <hash>, \"num_samples\": <int>, \"mode\": eval|batch}}, found "
+            f"{json.dumps(description)[:120]}"
+        )
+    grouped: dict[str, dict[str, np.ndarray]] = {}
+    for name, array in tensors.items():
+        point, _, field = name.rpartition(".")
+        if field not in FIELDS or not point:
+            raise StatisticsError(f"{label}: tensor {name!r} is not <point>.count/mean/var")
+        grouped.setdefault(point, {})[field] = array
+    points = {}
+    for point, fields in grouped.items():
+        missing = [f for f in FIELDS if f not in fields]
+        if missing:
+            raise StatisticsError(f"{label}: point {point!r} lacks {', '.join(missing)}")
+        points[point] = Moments(*(np.asarray(fields[f], np.float64) for f in FIELDS))
+    return Statistics(description["model"], description["num_samples"], description["mode"],
+                      points, label)
+
+
+def check_statistics(stats: Statistics, *, model: str | None = None,
+                     points: Mapping[str, int] | None = None,
+                     min_samples: int = DEFAULT_MIN_SAMPLES) -> None:
+    """The checks of :func:`load_statistics`, for statistics from any source."""
+    label = stats.label
+    if model is not None and stats.model != model:
+        raise StatisticsError(
+            f"{label}: computed for model {stats.model[:16]}..., expected {model[:16]}... "
+            "(run `fusekit stats` on this model)")
+    if stats.num_samples < min_samples:
+        raise StatisticsError(
+            f"{label}: statistics over {stats.num_samples} inputs; at least {min_samples} are "
+            "required (moments of a few samples reveal them)")
+    if points is not None:
+        absent = sorted(set(points) - set(stats.points))
+        extra = sorted(set(stats.points) - set(points))
+        if absent or extra:
+            found = f"missing {absent[:3]}" if absent else f"unexpected {extra[:3]}"
+            raise StatisticsError(f"{label}: points do not match the model: {found}")
+    for point, moments in stats.points.items():
+        _check_moments(label, point, moments, None if points is None else points[point],
+                       stats.num_samples)
+
+
+def _check_moments(label: str, point: str, moments: Moments, width: int | None,
+                   num_samples: int) -> None:
+    shapes = {f: getattr(moments, f).shape for f in FIELDS}
+    if len(set(shapes.values())) != 1 or len(shapes["count"]) != 1 or (
+            width is not None and shapes["count"] != (width,)):
+        raise StatisticsError(
+            f"{label}: point {point!r}: expected count, mean and var of shape ({width},), "
+            f"found {shapes}")
+    count = moments.count
+    if not (np.all(count > 0) and np.all(count == np.round(count))
+            and np.all(count % num_samples == 0)):
+        raise StatisticsError(
+            f"{label}: point {point!r}: expected positive counts that are multiples of the "
+            f"{num_samples} inputs, found {np.unique(count)[:4].tolist()}")
+    if not np.all(np.isfinite(moments.mean)):
+        raise StatisticsError(f"{label}: point {point!r}: means must be finite")
+    if not np.all(np.isfinite(moments.var) & (moments.var >= 0)):
+        raise StatisticsError(
+            f"{label}: point {point!r}: variances must be finite and >= 0, found "
+            f"{moments.var[~(np.isfinite(moments.var) & (moments.var >= 0))][:3].tolist()}")
+
+
+def pool(clients: Sequence[Statistics]) -> dict[str, Moments]:
+    """Combine clients' statistics of the same model and points, exactly.
+
+    Chan et al.'s update: n = Σ n_s, mean = Σ n_s mean_s / n,
+    M2 = Σ n_s var_s + Σ n_s (mean_s - mean)²; var = M2 / n (population). Equal to one pass
+    over the union of the clients' data, without the cancellation of Σx² - n·mean².
+
+    Raises:
+        StatisticsError: no statistics, or statistics of different models, modes or points.
+    """
+    if not clients:
+        raise StatisticsError("calibration: expected at least one statistics file, got none")
+    first = clients[0]
+    for other in clients[1:]:
+        if (other.model, other.mode, set(other.points)) != (first.model, first.mode,
+                                                              set(first.points)):
+            raise StatisticsError(
+                f"{other.label}: not pooled with {first.label}: expected the same model, "
+                f"mode and points, found model {other.model[:16]}... vs {first.model[:16]}..., "
+                f"mode {other.mode} vs {first.mode}")
+    pooled = {}
+    for point in first.points:
+        parts = [c.points[point] for c in clients]
+        count = sum(p.count for p in parts)
+        mean = sum(p.count * p.mean for p in parts) / count
+        m2 = sum(p.count * p.var + p.count * (p.mean - mean) ** 2 for p in parts)
+        pooled[point] = Moments(count, mean, m2 / count)
+    return pooled

@@ -1,0 +1,249 @@
+"""Calibration of a fused model from its clients' statistics (ALGORITHMS.md §12).
+
+Numpy only: the forward passes that compute statistics run in :mod:`fusekit.toolkit`.
+
+- A BatchNorm layer is restored as a real BatchNorm: running mean and variance are the
+  pooled statistics of its input (torch's eval-mode convention: the unbiased variance),
+  its affine the matched clients' (|gamma|, beta) recorded at fusion
+  (``fusekit.norm_targets``), or, for a model whose BatchNorms were not folded (avg), its
+  own affine.
+- A layer without BatchNorm, given the clients' statistics of their own models, gets
+  REPAIR's correction: each fused neuron's pre-activation is rescaled and shifted to the
+  mean and standard deviation of the client neurons matched into it (sample-weighted).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from fusekit.core import metadata as meta
+from fusekit.core.checkpoint import Checkpoint
+from fusekit.core.errors import CheckpointError, StatisticsError
+from fusekit.core.spec import Layer
+from fusekit.core.stats import Moments, Statistics, bn_input_point, preactivation_point
+
+log = logging.getLogger(__name__)
+
+#: A fused neuron whose pooled standard deviation is below this keeps its scale (REPAIR).
+MIN_STD = 1e-8
+
+Target = tuple[np.ndarray, np.ndarray]  # (mean, std) per fused neuron, NaN where unknown
+
+
+def matched_average(values: Sequence[np.ndarray], assignments: Sequence[np.ndarray],
+                    weights: Sequence[float], width: int) -> np.ndarray:
+    """Per fused neuron, the weighted average of the client values matched into it.
+
+    Args:
+        values: per client, (J_s,) one value per client neuron.
+        assignments: per client, (J_s,) the fused neuron of each client neuron (-1: none).
+        weights: per client, its weight (sample share).
+        width: the number of fused neurons.
+
+    Returns:
+        (width,) float64; NaN for a fused neuron no client neuron went into.
+    """
+    total, mass = np.zeros(width), np.zeros(width)
+    for value, assigned, weight in zip(values, assignments, weights, strict=True):
+        assigned = np.asarray(assigned, np.int64)
+        keep = assigned >= 0
+        np.add.at(total, assigned[keep], weight * np.asarray(value, np.float64)[keep])
+        np.add.at(mass, assigned[keep], weight)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(mass > 0, total / np.where(mass > 0, mass, 1.0), np.nan)
+
+
+def assignments_json(assignments: Sequence[Sequence[np.ndarray]]) -> str:
+    """``fusekit.assignments``: per client, per group, the fused index of each neuron."""
+    return json.dumps([[np.asarray(a).astype(int).tolist() for a in client]
+                       for client in assignments], separators=(",", ":"))
+
+
+def norm_targets(checkpoints: Sequence[Checkpoint], specs: Sequence, fused_spec,
+                 assignments: Sequence[Sequence[np.ndarray]],
+                 weights: Sequence[float]) -> dict[str, dict[str, list[float]]]:
+    """Per BatchNorm of the fused model, (|gamma|, beta) of the client neurons matched into
+    each fused neuron: the standard deviation and mean each client's BatchNorm gives its
+    neurons, which calibration restores (a neuron no client went into gets (1, 0)).
+
+    Args:
+        checkpoints, specs: the clients, canonical order.
+        fused_spec: the fused model's spec (its widths).
+        assignments: per client and group, as :attr:`FusionResult.assignments`.
+        weights: per client, its sample share.
+    """
+    out = {}
+    for index, layer in enumerate(fused_spec.layers[:-1]):
+        if layer.norm is None:
+            continue
+        group = fused_spec.writes[index]
+        scales, shifts = [], []
+        for checkpoint, spec in zip(checkpoints, specs, strict=True):
+            norm = spec.layers[index].norm
+            width = spec.layers[index].out_features
+            scales.append(np.abs(checkpoint.tensor(norm.weight)) if norm.weight
+                          else np.ones(width))
+            shifts.append(checkpoint.tensor(norm.bias) if norm.bias else np.zeros(width))
+        chosen = [a[group] for a in assignments]
+        scale = matched_average(scales, chosen, weights, layer.out_features)
+        shift = matched_average(shifts, chosen, weights, layer.out_features)
+        out[layer.norm.prefix] = {"weight": np.nan_to_num(scale, nan=1.0).tolist(),
+                                  "bias": np.nan_to_num(shift, nan=0.0).tolist()}
+    return out
+
+
+def read_norm_targets(checkpoint: Checkpoint, spec) -> dict[str, Target] | None:
+    """The ``fusekit.norm_targets`` of a fused checkpoint as (bias, weight) arrays per
+    BatchNorm prefix, checked against its spec; None when absent.
+
+    Raises:
+        CheckpointError: malformed, or widths that do not match the model.
+    """
+    raw = checkpoint.metadata.get(meta.NORM_TARGETS)
+    if raw is None:
+        return None
+    value = meta.parse_json_object(raw, meta.NORM_TARGETS, checkpoint.label)
+    widths = {layer.norm.prefix: layer.out_features for layer in spec.layers[:-1] if layer.norm}
+    out = {}
+    for prefix, width in widths.items():
+        entry = value.get(prefix)
+        try:
+            mean = np.asarray(entry["bias"], np.float64)
+            std = np.asarray(entry["weight"], np.float64)
+        except (TypeError, KeyError, ValueError):
+            mean = std = np.empty(0)
+        if mean.shape != (width,) or std.shape != (width,) or not (
+                np.isfinite(mean).all() and np.isfinite(std).all()):
+            raise CheckpointError(
+                f"{checkpoint.label}: metadata {meta.NORM_TARGETS}[{prefix!r}]: expected finite "
+                f"\"weight\" and \"bias\" lists of {width} numbers")
+        out[prefix] = (mean, std)
+    return out
+
+
+def read_assignments(checkpoint: Checkpoint, spec,
+                     client_widths: Sequence[Sequence[int]] | None = None) -> list | None:
+    """The ``fusekit.assignments`` of a fused checkpoint, checked: per client and group an
+    int array of fused indices in [-1, width). None when absent.
+
+    Raises:
+        CheckpointError: malformed, or indices outside the fused widths.
+    """
+    raw = checkpoint.metadata.get(meta.ASSIGNMENTS)
+    if raw is None:
+        return None
+    value = meta.load_json(raw, f"{checkpoint.label}: metadata {meta.ASSIGNMENTS}")
+    widths = spec.hidden_widths
+    try:
+        out = [[np.asarray(group, dtype=np.int64) for group in client] for client in value]
+        ok = all(len(client) == len(widths) and all(
+            a.ndim == 1 and a.size and a.min() >= -1 and a.max() < w
+            for a, w in zip(client, widths, strict=True)) for client in out)
+    except (TypeError, ValueError, OverflowError):
+        ok = False
+    if not ok:
+        raise CheckpointError(
+            f"{checkpoint.label}: metadata {meta.ASSIGNMENTS}: expected per client one list "
+            f"of fused indices per group, within the widths {widths}")
+    return out
+
+
+def neuron_targets(spec, client_stats: Sequence[Statistics],
+                   assignments: Sequence[Sequence[np.ndarray]]) -> dict[str, Target]:
+    """REPAIR's targets: per hidden layer of the fused model, the mean and standard
+    deviation of the client neurons matched into each fused neuron, weighted by the
+    clients' sample counts (ALGORITHMS §12).
+
+    Args:
+        spec: the fused model's spec.
+        client_stats: each client's statistics of its own model.
+        assignments: for each of those clients, per group, its neurons' fused indices.
+
+    Raises:
+        StatisticsError: a client's statistics do not fit its assignments.
+    """
+    weights = [s.num_samples for s in client_stats]
+    out = {}
+    for index, layer in enumerate(spec.layers[:-1]):
+        point = preactivation_point(layer.name)
+        group = spec.writes[index]
+        chosen = [a[group] for a in assignments]
+        moments = [s.points.get(point) for s in client_stats]
+        for stats, m, assigned in zip(client_stats, moments, chosen, strict=True):
+            if m is None or m.mean.shape != assigned.shape:
+                raise StatisticsError(
+                    f"{stats.label}: point {point!r} has {None if m is None else m.mean.size} "
+                    f"channels; the fusion matched {assigned.size} neurons of that client")
+        mean = matched_average([m.mean for m in moments], chosen, weights, layer.out_features)
+        std = matched_average([m.std for m in moments], chosen, weights, layer.out_features)
+        out[point] = (mean, std)
+    return out
+
+
+def calibrated_state_dict(state_dict: Mapping[str, np.ndarray], spec,
+                          pooled: Mapping[str, Moments], *,
+                          norm_targets: Mapping[str, Target] | None = None,
+                          targets: Mapping[str, Target] | None = None,
+                          layers: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+    """The fused model with BatchNorms restored and REPAIR applied (module docstring).
+
+    Args:
+        state_dict: the fused model's tensors (not modified).
+        spec: its spec.
+        pooled: pooled statistics of the fused model (:func:`fusekit.core.stats.pool`).
+        norm_targets: per BatchNorm prefix (mean, std) to restore (None: the model's own
+            affine).
+        targets: REPAIR's targets per pre-activation point (:func:`neuron_targets`); None:
+            layers without BatchNorm are left as they are.
+        layers: calibrate only these layers (by name; layer-by-layer rounds), else all.
+
+    Returns:
+        A new state_dict, same names, shapes and dtypes.
+    """
+    out = dict(state_dict)
+    chosen = None if layers is None else set(layers)
+    for layer in spec.layers[:-1]:
+        if chosen is not None and layer.name not in chosen:
+            continue
+        if layer.norm is not None:
+            _restore_norm(out, layer, pooled[bn_input_point(layer.norm.prefix)],
+                          None if norm_targets is None else norm_targets[layer.norm.prefix])
+        elif targets is not None:
+            _repair(out, layer, pooled[preactivation_point(layer.name)],
+                    targets[preactivation_point(layer.name)])
+    return out
+
+
+def _restore_norm(out: dict[str, np.ndarray], layer: Layer, moments: Moments,
+                  target: Target | None) -> None:
+    norm = layer.norm
+    dtype = out[norm.running_mean].dtype
+    out[norm.running_mean] = moments.mean.astype(dtype)
+    out[norm.running_var] = moments.unbiased_var.astype(dtype)
+    if target is None:
+        return
+    mean, std = target
+    if norm.weight is None or norm.bias is None:
+        log.warning("%s: a BatchNorm without affine parameters keeps unit scale", norm.prefix)
+        return
+    out[norm.weight] = np.where(np.isnan(std), out[norm.weight], std).astype(dtype)
+    out[norm.bias] = np.where(np.isnan(mean), out[norm.bias], mean).astype(dtype)
+
+
+def _repair(out: dict[str, np.ndarray], layer: Layer, moments: Moments, target: Target) -> None:
+    """W <- a W, b <- a (b - mean) + target mean, a = target std / std, per neuron."""
+    if layer.bias is None:
+        log.warning("%s: no bias to shift; REPAIR skipped for this layer", layer.name)
+        return
+    mean, std = target
+    known = ~np.isnan(mean) & (moments.std > MIN_STD)
+    scale = np.where(known, std / np.where(known, moments.std, 1.0), 1.0)
+    shift = np.where(known, mean - scale * moments.mean, 0.0)
+    weight, bias = out[layer.weight], out[layer.bias]
+    shape = (-1,) + (1,) * (weight.ndim - 1)
+    out[layer.weight] = (weight.astype(np.float64) * scale.reshape(shape)).astype(weight.dtype)
+    out[layer.bias] = (bias.astype(np.float64) * scale + shift).astype(bias.dtype)

@@ -1,0 +1,221 @@
+"""The forward passes of calibration (ALGORITHMS.md §12): a client's statistics of a model
+on its own data, and the calibration of a fused model in rounds run locally.
+
+Only per-channel count, mean and variance leave :func:`client_statistics`; the inputs
+never do.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from fusekit import api
+from fusekit.core import metadata as meta
+from fusekit.core.checkpoint import Checkpoint, load_checkpoint
+from fusekit.core.errors import DataError, ParameterError
+from fusekit.core.stats import (
+    DEFAULT_MIN_SAMPLES,
+    MODES,
+    Moments,
+    Statistics,
+    bn_input_point,
+    preactivation_point,
+)
+from fusekit.methods.base import FusionResult
+from fusekit.methods.calibration import read_norm_targets
+from fusekit.toolkit.nn.fused import load_fused, preactivation_modules
+
+log = logging.getLogger(__name__)
+
+#: How a fused model is calibrated locally: one round per calibrated layer (exact), or
+#: one pass with every BatchNorm normalised by the batch's statistics (approximate).
+ROUNDS = ("layerwise", "one-pass")
+DEFAULT_BATCH_SIZE = 1024
+
+
+class _Accumulator:
+    """Per-channel count, mean and M2 of a stream of (samples, C) batches (Chan's update)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.mean: np.ndarray | None = None
+        self.m2: np.ndarray | None = None
+
+    def add(self, value: torch.Tensor) -> None:
+        if value.dim() == 4:  # (N, C, H, W): every position of a channel is a sample
+            value = value.transpose(0, 1).reshape(value.shape[1], -1).T
+        x = value.detach().double()
+        n = x.shape[0]
+        mean = x.mean(0)
+        m2 = ((x - mean) ** 2).sum(0)
+        mean, m2 = mean.numpy(), m2.numpy()
+        if self.mean is None:
+            self.count, self.mean, self.m2 = n, mean, m2
+            return
+        total = self.count + n
+        delta = mean - self.mean
+        self.mean = self.mean + delta * n / total
+        self.m2 = self.m2 + m2 + delta ** 2 * self.count * n / total
+        self.count = total
+
+    def moments(self) -> Moments:
+        width = self.mean.size
+        return Moments(np.full(width, float(self.count)), self.mean, self.m2 / self.count)
+
+
+def client_statistics(
+    model: Checkpoint | str | os.PathLike[str],
+    inputs: np.ndarray,
+    *,
+    mode: str = "eval",
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    device: str = "cpu",
+) -> Statistics:
+    """One client's statistics of ``model`` on its own ``inputs``.
+
+    Args:
+        model: the model (a fused model, or the client's own for REPAIR's targets).
+        inputs: (N, ...) inputs the model accepts.
+        mode: ``eval`` runs the model as it is (exact for the layers whose inputs are
+            already calibrated); ``batch`` normalises every BatchNorm with the batch's
+            statistics and the affine calibration will give it (one-pass calibration).
+        batch_size: inputs per forward pass (in ``batch`` mode also the BatchNorm batch).
+        device: where the model runs.
+
+    Returns:
+        :class:`Statistics` naming the model by its content hash.
+
+    Raises:
+        DataError: inputs that do not fit the model, or none.
+        ParameterError: an unknown mode or a batch size < 1.
+    """
+    if mode not in MODES:
+        raise ParameterError(f"mode: expected one of {list(MODES)}, found {mode!r}")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ParameterError(f"batch_size: expected an integer >= 1, found {batch_size!r}")
+    checkpoint = model if isinstance(model, Checkpoint) else load_checkpoint(model)
+    inputs = np.asarray(inputs)
+    if inputs.ndim < 2 or len(inputs) == 0:
+        raise DataError(f"statistics: expected inputs of shape (N, ...) with N >= 1, found "
+                        f"{inputs.shape}")
+    spec = api.fused_spec(checkpoint)
+    network = load_fused(checkpoint, device)
+    if mode == "batch":
+        _batch_mode(network, checkpoint, spec)
+    accumulators: dict[str, _Accumulator] = {}
+    hooks = []
+    for layer, module in zip(spec.layers[:-1], preactivation_modules(network, spec)[:-1],
+                             strict=True):
+        hooks.append(_hook(module, accumulators, preactivation_point(layer.name), "output"))
+        if layer.norm is not None:
+            norm = network.get_submodule(layer.norm.prefix)
+            hooks.append(_hook(norm, accumulators, bn_input_point(layer.norm.prefix), "input"))
+    try:
+        with torch.no_grad():
+            for start in range(0, len(inputs), batch_size):
+                batch = torch.from_numpy(np.ascontiguousarray(
+                    inputs[start:start + batch_size], dtype=np.float32)).to(device)
+                network(batch)
+    except RuntimeError as exc:
+        raise DataError(f"statistics: inputs of shape {tuple(inputs.shape)} do not fit "
+                        f"{checkpoint.label} ({str(exc).splitlines()[0]})") from None
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return Statistics(model=checkpoint.content_hash, num_samples=len(inputs), mode=mode,
+                      points={p: a.moments() for p, a in accumulators.items()},
+                      label=f"statistics of {checkpoint.label}")
+
+
+def _hook(module: nn.Module, accumulators: dict[str, _Accumulator], point: str, side: str):
+    accumulator = accumulators.setdefault(point, _Accumulator())
+
+    def record(_module, args, output):
+        accumulator.add(args[0] if side == "input" else output)
+
+    return module.register_forward_hook(record)
+
+
+def _batch_mode(network: nn.Module, checkpoint: Checkpoint, spec) -> None:
+    """BatchNorms normalise with batch statistics and the affine calibration restores."""
+    targets = read_norm_targets(checkpoint, spec) or {}
+    for layer in spec.layers[:-1]:
+        if layer.norm is None:
+            continue
+        norm = network.get_submodule(layer.norm.prefix)
+        norm.train()
+        if layer.norm.prefix in targets and norm.affine:
+            mean, std = targets[layer.norm.prefix]
+            with torch.no_grad():
+                norm.weight.copy_(torch.from_numpy(std))
+                norm.bias.copy_(torch.from_numpy(mean))
+
+
+def calibration_layers(spec, *, repair: bool) -> list[str]:
+    """The layers calibration changes, input to output: those with a BatchNorm, and with
+    REPAIR's targets every other hidden layer too."""
+    return [layer.name for layer in spec.layers[:-1] if layer.norm is not None or repair]
+
+
+def calibrate_locally(
+    fused: Checkpoint | str | os.PathLike[str],
+    client_inputs: Sequence[np.ndarray],
+    *,
+    clients: Sequence[Checkpoint] | None = None,
+    rounds: str = "layerwise",
+    min_samples: int = DEFAULT_MIN_SAMPLES,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    device: str = "cpu",
+) -> FusionResult:
+    """Run the calibration protocol with every client's data at hand (simulations, demos,
+    benchmarks): each round, each client computes statistics of the current model on its
+    own inputs and :func:`fusekit.calibrate` pools them.
+
+    Args:
+        fused: the fused model.
+        client_inputs: per client, its inputs.
+        clients: the clients' own models, in the order of ``client_inputs``: their
+            statistics become REPAIR's targets for layers without BatchNorm.
+        rounds: ``layerwise`` (one round per calibrated layer, input to output; each
+            layer's statistics are taken with the layers below already calibrated: exact)
+            or ``one-pass`` (one round in ``batch`` mode: approximate, see §12).
+        min_samples, batch_size, device: see :func:`fusekit.calibrate` and
+            :func:`client_statistics`.
+
+    Returns:
+        The calibrated model; ``report["calibration"]["rounds"]`` counts the rounds.
+    """
+    if rounds not in ROUNDS:
+        raise ParameterError(f"rounds: expected one of {list(ROUNDS)}, found {rounds!r}")
+    current = fused if isinstance(fused, Checkpoint) else load_checkpoint(fused)
+    targets = [client_statistics(c, x, batch_size=batch_size, device=device)
+               for c, x in zip(clients, client_inputs, strict=True)] if clients else []
+
+    def one_round(model: Checkpoint, mode: str, layers: list[str] | None) -> FusionResult:
+        stats = [client_statistics(model, x, mode=mode, batch_size=batch_size, device=device)
+                 for x in client_inputs]
+        return api.calibrate(model, stats, targets=targets, layers=layers,
+                             min_samples=min_samples)
+
+    if rounds == "one-pass":
+        result = one_round(current, "batch", None)
+        result.report["calibration"]["rounds"] = 1
+        return result
+    names = calibration_layers(api.fused_spec(current), repair=bool(targets))
+    result = None
+    for name in names:
+        result = one_round(current, "eval", [name])
+        current = Checkpoint.from_state_dict(result.state_dict, result.metadata,
+                                             source=f"{current.label} (calibrating)")
+    if result is None:
+        result = one_round(current, "eval", [])
+    result.report["calibration"].update(rounds=len(names), layers="all")
+    result.metadata[meta.CALIBRATION] = json.dumps(result.report["calibration"])
+    return result

@@ -1,0 +1,256 @@
+"""Calibration from client statistics: pooling, validation, BatchNorm restoration, REPAIR,
+the CLI and strict loading (ALGORITHMS.md §12)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import safetensors.numpy
+import torch
+from torch import nn
+from typer.testing import CliRunner
+
+import fusekit
+from conftest import mlp, numpy_state, write
+from fusekit._cli.app import app
+from fusekit.core.arch import named_arch
+from fusekit.core.checkpoint import Checkpoint, load_checkpoint
+from fusekit.core.errors import StatisticsError
+from fusekit.core.stats import (
+    Moments,
+    Statistics,
+    load_statistics,
+    pool,
+    save_statistics,
+    statistic_points,
+)
+from fusekit.methods.calibration import neuron_targets, read_assignments
+from fusekit.toolkit.calibration import calibrate_locally, client_statistics
+from fusekit.toolkit.nn import build_model
+
+runner = CliRunner()
+
+
+def _inputs(n, features=6, seed=0):
+    return np.random.default_rng(seed).normal(size=(n, features)).astype(np.float32)
+
+
+def _clients(batchnorm, n=3, widths=(6, 8, 7, 3)):
+    return [Checkpoint.from_state_dict(numpy_state(mlp(widths, batchnorm=batchnorm, seed=s)),
+                                       {"fusekit.num_samples": str(100 + 10 * s)})
+            for s in range(n)]
+
+
+def _fused(clients, method="pfnm", **params):
+    result = fusekit.fuse(clients, method, **params)
+    return Checkpoint.from_state_dict(result.state_dict, result.metadata)
+
+
+def _outputs(checkpoint, x):
+    with torch.no_grad():
+        return fusekit.load_fused(checkpoint, "cpu")(torch.from_numpy(x)).numpy()
+
+
+def test_pooled_statistics_equal_one_pass_over_the_union():
+    fused = _fused(_clients(batchnorm=True))
+    parts = [_inputs(n, seed=i) * (i + 1) + i for i, n in enumerate((40, 70, 55))]
+    pooled = pool([client_statistics(fused, x, batch_size=16) for x in parts])
+    union = client_statistics(fused, np.concatenate(parts), batch_size=1000)
+    assert set(pooled) == set(union.points) == set(statistic_points(fusekit.api.fused_spec(fused)))
+    for point, moments in union.points.items():
+        for field in ("count", "mean", "var"):
+            np.testing.assert_allclose(getattr(pooled[point], field), getattr(moments, field),
+                                       rtol=1e-10, atol=1e-12)
+
+
+def test_statistics_files_round_trip_and_name_their_model(tmp_path):
+    fused = _fused(_clients(batchnorm=True))
+    stats = client_statistics(fused, _inputs(64))
+    path = save_statistics(tmp_path / "s.safetensors", stats)
+    back = load_statistics(path, model=fused.content_hash,
+                           points=statistic_points(fusekit.api.fused_spec(fused)))
+    assert back.model == fused.content_hash and back.num_samples == 64
+    for point, moments in stats.points.items():
+        np.testing.assert_array_equal(back.points[point].var, moments.var)
+
+
+def _tampered(stats, point, field, value):
+    moments = stats.points[point]
+    changed = {f: getattr(moments, f).copy() for f in ("count", "mean", "var")}
+    changed[field][0] = value
+    return Statistics(stats.model, stats.num_samples, stats.mode,
+                      {**stats.points, point: Moments(**changed)})
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("count", 0, "positive counts"),
+    ("count", 65, "multiples of the 64 inputs"),
+    ("var", -1.0, "variances must be finite and >= 0"),
+    ("var", np.inf, "non-finite value"),
+    ("mean", np.nan, "non-finite value"),
+])
+def test_bad_statistics_are_refused_naming_the_file(tmp_path, field, value, message):
+    fused = _fused(_clients(batchnorm=True))
+    stats = client_statistics(fused, _inputs(64))
+    point = next(iter(stats.points))
+    bad = _tampered(stats, point, field, value)
+    path = tmp_path / "bad.safetensors"
+    arrays = {f"{p}.{f}": getattr(m, f) for p, m in bad.points.items()
+              for f in ("count", "mean", "var")}
+    safetensors.numpy.save_file(arrays, path, {"fusekit.stats": json.dumps(
+        {"format": "fusekit.stats/1", "model": stats.model, "num_samples": 64,
+         "mode": "eval"})})
+    with pytest.raises(StatisticsError, match=message) as info:
+        fusekit.calibrate(fused, [path])
+    assert str(path) in str(info.value) and "\n" not in str(info.value)
+
+
+def test_statistics_of_another_model_too_few_samples_or_wrong_shape_are_refused(tmp_path):
+    clients = _clients(batchnorm=True)
+    fused = _fused(clients)
+    other = client_statistics(clients[0], _inputs(64))
+    path = save_statistics(tmp_path / "other.safetensors", other)
+    with pytest.raises(StatisticsError, match="computed for model"):
+        fusekit.calibrate(fused, [path])
+    few = save_statistics(tmp_path / "few.safetensors", client_statistics(fused, _inputs(8)))
+    with pytest.raises(StatisticsError, match="over 8 inputs; at least 32"):
+        fusekit.calibrate(fused, [few])
+    fusekit.calibrate(fused, [few], min_samples=8)  # configurable
+    with pytest.raises(StatisticsError, match="not a statistics file"):
+        fusekit.calibrate(fused, [write(tmp_path / "model.safetensors", mlp())])
+    wider = _fused(clients, width_ratio=2.0)
+    stats = client_statistics(wider, _inputs(64))
+    stats.model = fused.content_hash
+    with pytest.raises(StatisticsError, match=r"expected count, mean and var of shape \(\d+,\)"):
+        fusekit.calibrate(fused, [stats])
+
+
+def _recomputed_batchnorm(fused: Checkpoint, x: np.ndarray) -> nn.Module:
+    """The reference: torch itself recomputes every BatchNorm's running statistics on
+    ``x``, input to output, after giving it the affine recorded at fusion."""
+    model = fusekit.load_fused(fused, "cpu")
+    targets = json.loads(fused.metadata["fusekit.norm_targets"])
+    norms = [m for m in model.modules() if isinstance(m, nn.BatchNorm1d)]
+    names = {id(m): n for n, m in model.named_modules()}
+    for norm in norms:
+        with torch.no_grad():
+            norm.weight.copy_(torch.tensor(targets[names[id(norm)]]["weight"]))
+            norm.bias.copy_(torch.tensor(targets[names[id(norm)]]["bias"]))
+        norm.reset_running_stats()
+        norm.momentum = None
+        norm.train()
+        with torch.no_grad():
+            model(torch.from_numpy(x))
+        norm.eval()
+    return model
+
+
+def test_layerwise_calibration_equals_batchnorm_recomputed_on_the_union():
+    fused = _fused(_clients(batchnorm=True))
+    parts = [_inputs(n, seed=i) for i, n in enumerate((60, 90))]
+    calibrated = calibrate_locally(fused, parts, rounds="layerwise")
+    assert calibrated.report["calibration"]["rounds"] == 2
+    mine = _outputs(Checkpoint.from_state_dict(calibrated.state_dict, calibrated.metadata),
+                    _inputs(50, seed=9))
+    reference = _recomputed_batchnorm(fused, np.concatenate(parts))
+    with torch.no_grad():
+        expected = reference(torch.from_numpy(_inputs(50, seed=9))).numpy()
+    np.testing.assert_allclose(mine, expected, rtol=1e-4, atol=1e-4)
+    before = _outputs(fused, _inputs(50, seed=9))
+    assert not np.allclose(before, expected, atol=1e-2)  # calibration changed the model
+
+
+def test_one_pass_differs_from_layerwise_and_stays_close():
+    fused = _fused(_clients(batchnorm=True))
+    parts = [_inputs(60, seed=1) + 1.0, _inputs(90, seed=2) - 1.0]
+    layerwise = calibrate_locally(fused, parts, rounds="layerwise")
+    one_pass = calibrate_locally(fused, parts, rounds="one-pass")
+    assert one_pass.report["calibration"]["rounds"] == 1
+    names = [n for n in layerwise.state_dict if n.endswith("running_var")]
+    # The first BatchNorm sees the same inputs either way; deeper ones differ (§12).
+    np.testing.assert_allclose(one_pass.state_dict[names[0]], layerwise.state_dict[names[0]],
+                               rtol=1e-5)
+    assert not np.allclose(one_pass.state_dict[names[-1]], layerwise.state_dict[names[-1]],
+                           rtol=1e-6)
+
+
+def test_repair_gives_each_fused_neuron_its_matched_clients_moments():
+    clients = _clients(batchnorm=False)
+    fused = _fused(clients, "ot")
+    parts = [_inputs(80, seed=s) for s in range(len(clients))]
+    calibrated = calibrate_locally(fused, parts, clients=clients)
+    spec = fusekit.api.fused_spec(fused)
+    own = [client_statistics(c, x) for c, x in zip(clients, parts, strict=True)]
+    inputs = json.loads(fused.metadata["fusekit.inputs"])
+    assignments = read_assignments(fused, spec)
+    targets = neuron_targets(spec, own, [assignments[inputs.index(s.model)] for s in own])
+    result = Checkpoint.from_state_dict(calibrated.state_dict, calibrated.metadata)
+    after = pool([client_statistics(result, x) for x in parts])
+    for point, (mean, std) in targets.items():
+        np.testing.assert_allclose(after[point].mean, mean, atol=1e-4)
+        np.testing.assert_allclose(after[point].std, std, rtol=1e-4, atol=1e-5)
+    np.testing.assert_array_equal(calibrated.state_dict["2.weight"] != 0,
+                                  fused.tensor("2.weight") != 0)
+
+
+def test_repair_needs_the_fusion_assignments(tmp_path):
+    clients = _clients(batchnorm=False)
+    fused = _fused(clients, "ot")
+    bare = Checkpoint.from_state_dict(fused.state_dict(), {
+        k: v for k, v in fused.metadata.items() if k != "fusekit.assignments"})
+    parts = [_inputs(64, seed=s) for s in range(3)]
+    with pytest.raises(ValueError, match="fusekit.assignments"):
+        fusekit.calibrate(bare, [client_statistics(bare, x) for x in parts],
+                          targets=[client_statistics(c, x) for c, x in zip(clients, parts)])
+
+
+def test_cli_round_trip(tmp_path):
+    paths = [write(tmp_path / f"c{i}.safetensors", mlp((6, 8, 3), batchnorm=True, seed=i),
+                   num_samples=80) for i in range(2)]
+    fused = tmp_path / "fused.safetensors"
+    assert runner.invoke(app, ["fuse", *map(str, paths), "-m", "rebasin", "-o", str(fused)]
+                         ).exit_code == 0
+    stats = []
+    for i in range(2):
+        data = tmp_path / f"d{i}.npz"
+        np.savez(data, x_train=_inputs(80, seed=i), y_train=np.zeros(80, np.int64),
+                 x_test=_inputs(5), y_test=np.zeros(5, np.int64))
+        stats.append(tmp_path / f"s{i}.safetensors")
+        result = runner.invoke(app, ["stats", str(fused), "--data-path", str(data),
+                                     "-o", str(stats[-1])])
+        assert result.exit_code == 0, result.output
+    out = tmp_path / "calibrated.safetensors"
+    result = runner.invoke(app, ["calibrate", str(fused), *map(str, stats), "-o", str(out),
+                                 "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["samples"] == 160
+    calibrated = load_checkpoint(out)
+    assert json.loads(calibrated.metadata["fusekit.calibration"])["clients"] == 2
+    expected = fusekit.calibrate(fused, stats).state_dict
+    for name, value in expected.items():
+        np.testing.assert_array_equal(calibrated.tensor(name), value)
+    bad = runner.invoke(app, ["calibrate", str(fused), str(paths[0]), "-o",
+                              str(tmp_path / "x.safetensors")])
+    assert bad.exit_code == 2 and "not a statistics file" in bad.stderr
+    assert not (tmp_path / "x.safetensors").exists()
+
+
+def test_calibrated_resnet_loads_strictly_into_the_torchvision_module():
+    arch = named_arch("resnet20", 10, in_channels=1)
+    clients = [Checkpoint.from_state_dict(numpy_state(build_model(arch, seed=s)),
+                                          {"fusekit.num_samples": "64"}) for s in range(2)]
+    fused = _fused(clients, "rebasin")
+    parts = [np.random.default_rng(s).normal(size=(40, 1, 8, 8)).astype(np.float32)
+             for s in range(2)]
+    calibrated = calibrate_locally(fused, parts, rounds="one-pass", min_samples=16)
+    module = build_model(arch)
+    module.load_state_dict({k: torch.from_numpy(np.array(v))
+                            for k, v in calibrated.state_dict.items()}, strict=True)
+    loaded = fusekit.load_fused(Checkpoint.from_state_dict(calibrated.state_dict,
+                                                           calibrated.metadata), "cpu")
+    x = torch.from_numpy(parts[0])
+    with torch.no_grad():
+        np.testing.assert_allclose(loaded(x).numpy(), module.eval()(x).numpy(), rtol=1e-5,
+                                   atol=1e-5)
