@@ -22,7 +22,7 @@ BUILT_FROM := pyproject.toml setup.py fusekit/_version.py $(wildcard csrc/*)
 
 define install-steps
 	@echo "==> installing $(TORCH) and fusekit with its C++ core into $(VENV) (about a minute on a fresh clone)"
-	$(PY) -m pip install --progress-bar on "$(TORCH)" -e ".[test,bench,serve,flower]"
+	$(PY) -m pip install --progress-bar on "$(TORCH)" -e ".[test,bench,serve,flower,hf]"
 	@touch $(STAMP)
 	@echo "==> installed: $$($(PY) -m fusekit --version | tr '\n' ' ')"
 endef

@@ -115,10 +115,7 @@ def model_card(result, recipe: dict[str, Any], clients: list[str]) -> str:
                                                                              strict=False))
     params = "\n".join(f"| `{k}` | `{json.dumps(v, default=str)}` |"
                        for k, v in result.params.items()) or "| (none) | |"
-    models, k = loader_models(result)
-    # str.replace, not str.format: the snippet's own f-strings hold braces.
-    forward = _FORWARD.replace("{models}", pprint.pformat(models, width=88, sort_dicts=False))
-    forward = forward.replace("{k}", str(k))
+    loading = _hf_loading(result) if result.config is not None else _torch_loading(result)
     widths = ", ".join(map(str, result.widths)) or "per sub-model: " + "; ".join(
         str(w) for w in result.report.get("hidden_widths", []))
     return f"""# Fused model ({result.method})
@@ -144,7 +141,15 @@ Made by fusekit from {len(hashes)} client checkpoint(s) in one shot, without dat
 `recipe.yaml` reruns this fusion (`fusekit fuse --config recipe.yaml`); `report.json` is the
 full report.
 
-## Loading without fusekit
+{loading}"""
+
+
+def _torch_loading(result) -> str:
+    models, k = loader_models(result)
+    # str.replace, not str.format: the snippet's own f-strings hold braces.
+    forward = _FORWARD.replace("{models}", pprint.pformat(models, width=88, sort_dicts=False))
+    forward = forward.replace("{k}", str(k))
+    return f"""## Loading without fusekit
 
 Only `torch` and `safetensors` are needed:
 
@@ -154,6 +159,23 @@ logits = predict(torch.zeros(2, {_input_size(models[0])}))
 ```
 
 With fusekit: `fusekit.load_fused("fused.safetensors")`.
+"""
+
+
+def _hf_loading(result) -> str:
+    """A Hugging Face model folder: config.json and model.safetensors, for transformers."""
+    name = (result.config.get("architectures") or ["AutoModel"])[0]
+    return f"""## Loading
+
+A Hugging Face model folder (`config.json`, `model.safetensors`), for `transformers`:
+
+```python
+from transformers import {name}
+
+model = {name}.from_pretrained("path/to/this/folder")
+```
+
+With fusekit: `fusekit.load_fused("path/to/this/folder")` (needs the `[hf]` extra).
 """
 
 

@@ -30,7 +30,12 @@ from pathlib import Path
 from typing import Any
 
 from fusekit._cli.card import model_card
-from fusekit.core.checkpoint import check_output_path
+from fusekit.core.checkpoint import (
+    check_output_folder,
+    check_output_path,
+    swap_in_folder,
+    write_model_files,
+)
 from fusekit.core.errors import OutputError, ParameterError
 from fusekit.methods import METHODS
 from fusekit.methods.params import method_params
@@ -172,17 +177,7 @@ def resolve_output(output: str | None, method: str, *, force: bool,
             )
         check_output_path(path, force=force, inputs=inputs)
         return OutputTarget(path, folder=False)
-    parent = path.parent if str(path.parent) else Path(".")
-    if not parent.is_dir():
-        raise OutputError(f"{path}: output directory {parent} does not exist")
-    if path.exists() and not path.is_dir():
-        raise OutputError(f"{output}: exists and is not a folder")
-    for source in inputs:
-        if path.exists() and Path(source).resolve().is_relative_to(path.resolve()):
-            raise OutputError(f"{output}: the output folder holds the input {source}; expected "
-                              "another folder (inputs are never replaced, even with --force)")
-    if path.exists() and not force:
-        raise OutputError(f"{path}: output folder exists; pass --force to replace it")
+    check_output_folder(path, force=force, inputs=inputs)
     return OutputTarget(path, folder=True)
 
 
@@ -195,31 +190,19 @@ def write_folder(path: Path, result, recipe: Recipe, summary: dict[str, Any], *,
     staging = Path(tempfile.mkdtemp(dir=parent, prefix=f".{path.name}.", suffix=".tmp"))
     try:
         os.chmod(staging, 0o777 & ~_umask())
-        result.save(staging / "fused.safetensors", force=True)
+        if result.config is not None:  # a Hugging Face model folder
+            write_model_files(staging, result.state_dict, result.metadata, result.config)
+        else:
+            result.save(staging / "fused.safetensors", force=True)
         as_run = _as_run(recipe, result, path)
         (staging / "recipe.yaml").write_text(yaml.safe_dump(as_run, sort_keys=False))
         (staging / "report.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
         clients = [_from_folder(p, path) for p in result.report.get("clients", [])]
         (staging / "README.md").write_text(model_card(result, as_run, clients))
-        _swap_in(staging, path, force=force)
+        swap_in_folder(staging, path, force=force)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-
-
-def _swap_in(staging: Path, path: Path, *, force: bool) -> None:
-    if not path.exists():
-        try:
-            os.rename(staging, path)
-        except OSError as exc:
-            raise OutputError(f"{path}: cannot write the output folder ({exc.strerror})") from None
-        return
-    if not force:
-        raise OutputError(f"{path}: output folder exists; pass --force to replace it")
-    old = staging.with_name(staging.name + ".old")
-    os.rename(path, old)
-    os.rename(staging, path)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def _as_run(recipe: Recipe, result, folder: Path) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from fusekit.core.spec import (
     load_spec_file,
     spec_from_json,
 )
+from fusekit.core.transformer import TransformerSpec, infer_transformer
 from fusekit.methods import METHODS, get_method
 from fusekit.core.stats import (
     DEFAULT_MIN_SAMPLES,
@@ -92,6 +93,14 @@ def fuse(
     specs = [client_spec(c, spec) for c in checkpoints]
     if fusion.requires_same_architecture:
         check_compatible(checkpoints, specs)
+    transformers = [c for c, s in zip(checkpoints, specs, strict=True)
+                    if isinstance(s, TransformerSpec)]
+    if transformers and not fusion.handles_transformers:
+        fusing = [name for name, cls in sorted(METHODS.items()) if cls.handles_transformers]
+        raise IncompatibleModelsError(
+            f"{transformers[0].label}: a transformer; method {method!r} does not fuse "
+            f"transformers; use one of {', '.join(fusing)}"
+        )
     if not fusion.handles_groups and any(isinstance(s, GraphSpec) for s in specs):
         fusing = [name for name, cls in sorted(METHODS.items()) if cls.handles_groups]
         raise IncompatibleModelsError(
@@ -307,11 +316,14 @@ def _in_canonical_order(params: dict[str, Any], names: Sequence[str],
 
 
 def client_spec(checkpoint: Checkpoint, spec: SpecLike | None) -> PermutationSpec:
-    """The permutation spec of one client: given, stored in its metadata, or inferred."""
+    """The permutation spec of one client: given, or inferred (from config.json for a
+    Hugging Face model folder, from names and shapes otherwise)."""
     shapes = {name: info.shape for name, info in checkpoint.tensors.items()}
+    if spec is None and checkpoint.config is not None:
+        return infer_transformer(checkpoint.config, shapes, label=checkpoint.label)
     if spec is None:
         return infer_spec(shapes, label=checkpoint.label)
-    if isinstance(spec, (PermutationSpec, GraphSpec)):
+    if isinstance(spec, (PermutationSpec, GraphSpec, TransformerSpec)):
         return spec_from_json(spec.to_json(), shapes, label=checkpoint.label)
     if isinstance(spec, Mapping):
         return spec_from_json(spec, shapes, label=checkpoint.label)
@@ -322,17 +334,10 @@ def check_compatible(checkpoints: Sequence[Checkpoint], specs: Sequence[Permutat
     """Every client must have the same tensors and the same layer structure."""
     first, first_spec = checkpoints[0], specs[0]
     for other, spec in zip(checkpoints[1:], specs[1:], strict=True):
-        if len(first_spec.layers) != len(spec.layers):
-            raise IncompatibleModelsError(
-                f"architectures cannot be fused: {first.label} has {len(first_spec.layers)} "
-                f"layers, {other.label} has {len(spec.layers)}"
-            )
-        for mine, theirs in zip(first_spec.structure(), spec.structure(), strict=True):
-            if mine != theirs:
-                raise IncompatibleModelsError(
-                    f"architectures cannot be fused: {first.label} has {_describe(mine)} "
-                    f"where {other.label} has {_describe(theirs)}"
-                )
+        if isinstance(first_spec, TransformerSpec) or isinstance(spec, TransformerSpec):
+            _check_same_transformer(first, first_spec, other, spec)
+        else:
+            _check_same_layers(first, first_spec, other, spec)
         missing = sorted(set(first.tensors) - set(other.tensors))
         extra = sorted(set(other.tensors) - set(first.tensors))
         if missing or extra:
@@ -341,6 +346,47 @@ def check_compatible(checkpoints: Sequence[Checkpoint], specs: Sequence[Permutat
                 f"tensor {name!r} is in {where.label} but missing from {lacks.label}; "
                 "expected every client to have the same tensors"
             )
+
+
+def _check_same_layers(first: Checkpoint, first_spec: Any, other: Checkpoint,
+                       spec: Any) -> None:
+    if len(first_spec.layers) != len(spec.layers):
+        raise IncompatibleModelsError(
+            f"architectures cannot be fused: {first.label} has {len(first_spec.layers)} "
+            f"layers, {other.label} has {len(spec.layers)}"
+        )
+    for mine, theirs in zip(first_spec.structure(), spec.structure(), strict=True):
+        if mine != theirs:
+            raise IncompatibleModelsError(
+                f"architectures cannot be fused: {first.label} has {_describe(mine)} "
+                f"where {other.label} has {_describe(theirs)}"
+            )
+
+
+def _check_same_transformer(first: Checkpoint, first_spec: Any, other: Checkpoint,
+                            spec: Any) -> None:
+    """Same family, same groups with the same sizes (MLP widths aside), same slots."""
+    if not (isinstance(first_spec, TransformerSpec) and isinstance(spec, TransformerSpec)):
+        mixed = first if isinstance(first_spec, TransformerSpec) else other
+        raise IncompatibleModelsError(f"architectures cannot be fused: {mixed.label} is a "
+                                      "transformer and the other client is not")
+    mine, theirs = first_spec.structure(), spec.structure()
+    for a, b in zip(mine, theirs, strict=False):
+        if a != b:
+            raise IncompatibleModelsError(
+                f"architectures cannot be fused: {first.label} has {_group_text(a)} where "
+                f"{other.label} has {_group_text(b)}")
+    if len(mine) != len(theirs):
+        raise IncompatibleModelsError(
+            f"architectures cannot be fused: {first.label} has {len(mine) - 1} permutation "
+            f"groups, {other.label} has {len(theirs) - 1} (a different depth or head count)")
+
+
+def _group_text(row: tuple[Any, ...]) -> str:
+    if row[0] == "family":
+        return f"model type {row[1]!r}"
+    name, kind, size = row[:3]
+    return f"group {name} ({kind}{f', {size} units' if size is not None else ''})"
 
 
 def _describe(row: tuple[Any, ...]) -> str:

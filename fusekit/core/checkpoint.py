@@ -20,6 +20,7 @@ import io
 import json
 import math
 import os
+import shutil
 import signal
 import struct
 import tempfile
@@ -67,6 +68,10 @@ FLOAT_DTYPES = ("F16", "F32", "F64", "BF16", "F8_E4M3", "F8_E5M2")
 # Values at each end of a tensor that Checkpoint.sample_hash covers: enough to tell
 # clients apart in practice, few enough to read in microseconds.
 SAMPLE_VALUES = 32
+# A Hugging Face model folder: its config, its weights, or the index of its shards.
+HF_CONFIG = "config.json"
+HF_WEIGHTS = "model.safetensors"
+HF_INDEX = "model.safetensors.index.json"
 # Elements checked at a time for NaN/Inf, so a check never allocates a tensor-sized mask.
 _CHUNK = 1 << 22
 # Bytes written at a time, so a signal during a large write is handled promptly.
@@ -98,6 +103,10 @@ class Checkpoint:
     source: str | None = None
     #: Absolute byte range of each tensor in the file.
     _offsets: dict[str, tuple[int, int]] = field(default_factory=dict, repr=False)
+    #: A Hugging Face model folder's config.json (``path`` is then the folder).
+    config: dict[str, Any] | None = None
+    #: The file holding each tensor, where it is not ``path`` (a folder's shards).
+    _files: dict[str, Path] = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_state_dict(
@@ -221,7 +230,7 @@ class Checkpoint:
         are when the tensor is read."""
         digest = hashlib.sha256()
         with contextlib.ExitStack() as stack:
-            handle = None
+            handles: dict[Path | None, io.FileIO] = {}  # one open file per shard
             for name in sorted(self.tensors):
                 count = math.prod(self.tensors[name].shape)
                 spans = ([(0, count)] if count <= 2 * SAMPLE_VALUES
@@ -230,8 +239,10 @@ class Checkpoint:
                 if array is not None:
                     values = np.concatenate([array.flat[a:b] for a, b in spans])
                 else:
-                    if handle is None:  # one open file for all the tensors' samples
-                        handle = stack.enter_context(self._open(name))
+                    file = self._files.get(name, self.path)
+                    if file not in handles:
+                        handles[file] = stack.enter_context(self._open(name))
+                    handle = handles[file]
                     values = np.concatenate([self._read_span(handle, name, a, b)
                                              for a, b in spans])
                 _hash_values(digest, name, values, self.tensors[name].shape)
@@ -281,7 +292,7 @@ class Checkpoint:
     def _open(self, name: str) -> io.FileIO:
         """The file, unbuffered, to read tensor ``name`` (named if it cannot be opened)."""
         try:
-            return open(self.path, "rb", buffering=0)
+            return open(self._files.get(name, self.path), "rb", buffering=0)
         except OSError as exc:
             raise CheckpointError(
                 f"{self.label}: cannot read tensor {name!r} ({exc.strerror or exc})"
@@ -385,7 +396,8 @@ def _as_numpy(value: Any) -> np.ndarray:
 
 
 def load_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
-    """Open and validate a safetensors checkpoint without reading its tensors.
+    """Open and validate a safetensors checkpoint without reading its tensors; a folder
+    with a ``config.json`` is a Hugging Face model folder (:func:`load_model_folder`).
 
     Raises:
         CheckpointNotFoundError: the path does not exist or is not a regular file (a
@@ -394,6 +406,8 @@ def load_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
             unsupported dtypes, zero-size or malformed tensors, or malformed fusekit metadata.
     """
     path = Path(path)
+    if path.is_dir() and (path / HF_CONFIG).exists():
+        return load_model_folder(path)
     meta.check_regular_file(path, "checkpoint file", CheckpointNotFoundError)
     header_len = _check_header_length(path)
     with safetensors_errors(path):
@@ -405,6 +419,126 @@ def load_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
                 tensors[name] = TensorInfo(sl.get_dtype(), tuple(sl.get_shape()))
         offsets = _data_offsets(path, header_len)
     return _validate(Checkpoint(path=path, metadata=metadata, tensors=tensors, _offsets=offsets))
+
+
+def load_model_folder(path: Path) -> Checkpoint:
+    """A Hugging Face model folder as one checkpoint: ``config.json`` beside
+    ``model.safetensors``, or beside shards listed by ``model.safetensors.index.json``.
+
+    Raises:
+        CheckpointError: config.json is not a JSON object, neither weights file is there,
+            the index is malformed or names a tensor its shard lacks, or two shards hold
+            the same tensor; and whatever :func:`load_checkpoint` raises for a shard.
+    """
+    config = meta.read_json_file(path / HF_CONFIG, "model config", CheckpointError)
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path / HF_CONFIG}: expected a JSON object, found "
+                              f"{type(config).__name__}")
+    if (path / HF_WEIGHTS).exists():
+        shards = [load_checkpoint(path / HF_WEIGHTS)]
+    elif (path / HF_INDEX).exists():
+        shards = [load_checkpoint(path / name) for name in _shard_names(path / HF_INDEX)]
+    else:
+        raise CheckpointError(f"{path}: a model folder (it has {HF_CONFIG}) without weights: "
+                              f"expected {HF_WEIGHTS} or {HF_INDEX} with its shards")
+    folder = Checkpoint(path=path, metadata=dict(shards[0].metadata), tensors={},
+                        config=config)
+    for shard in shards:
+        for name, info in shard.tensors.items():
+            if name in folder.tensors:
+                raise CheckpointError(f"{shard.path}: tensor {name!r} is also in "
+                                      f"{folder._files[name]}; expected it in one shard")
+            folder.tensors[name] = info
+            folder._offsets[name] = shard._offsets[name]
+            folder._files[name] = shard.path
+    return _validate(folder)
+
+
+def _shard_names(index: Path) -> list[str]:
+    """The shard files an index names (each once, in order), checked to stay in its folder."""
+    data = meta.read_json_file(index, "weights index", CheckpointError)
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map or not all(
+            isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{index}: expected a JSON object with a \"weight_map\" of "
+                              "tensor names to shard file names")
+    names = list(dict.fromkeys(weight_map.values()))
+    for name in names:
+        if Path(name).name != name:
+            raise CheckpointError(f"{index}: shard {name!r}: expected a file name in the "
+                                  "model folder")
+    return names
+
+
+def save_model_folder(path: str | os.PathLike[str], tensors: Mapping[str, Any],
+                      metadata: Mapping[str, str], config: Mapping[str, Any], *,
+                      force: bool = False,
+                      inputs: Sequence[str | os.PathLike[str]] = ()) -> Path:
+    """Write a Hugging Face model folder (``config.json``, ``model.safetensors``) beside
+    the target, then rename it into place: a failed write leaves no partial folder.
+
+    Raises:
+        OutputError: the parent folder is missing; the folder exists and not ``force``;
+            it is or holds an input (even with ``force``).
+    """
+    path = Path(path)
+    parent = path.parent if str(path.parent) else Path(".")
+    check_output_folder(path, force=force, inputs=inputs)
+    staging = Path(tempfile.mkdtemp(dir=parent, prefix=f".{path.name}.", suffix=".tmp"))
+    try:
+        os.chmod(staging, 0o777 & ~_umask())
+        write_model_files(staging, tensors, metadata, config)
+        swap_in_folder(staging, path, force=force)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return path
+
+
+def write_model_files(folder: Path, tensors: Mapping[str, Any], metadata: Mapping[str, str],
+                      config: Mapping[str, Any]) -> None:
+    """``model.safetensors`` (with ``format: pt``, which transformers expects) and
+    ``config.json`` into an existing folder."""
+    save_checkpoint(folder / HF_WEIGHTS, tensors, {**metadata, "format": "pt"}, force=True)
+    write_atomic(folder / HF_CONFIG, (json.dumps(config, indent=2, sort_keys=True)
+                                      + "\n").encode())
+
+
+def check_output_folder(path: Path, *, force: bool,
+                        inputs: Sequence[str | os.PathLike[str]] = ()) -> None:
+    """Refuse an output folder whose parent is missing, which exists (without ``force``),
+    is not a folder, or is or holds one of ``inputs`` (whatever ``force`` says).
+
+    Raises:
+        OutputError: naming the folder and what is wrong.
+    """
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise OutputError(f"{path}: output directory {parent} does not exist")
+    if path.exists() and not path.is_dir():
+        raise OutputError(f"{path}: exists and is not a folder")
+    for source in inputs:
+        if path.exists() and Path(source).resolve().is_relative_to(path.resolve()):
+            raise OutputError(f"{path}: the output folder holds the input {source}; expected "
+                              "another folder (inputs are never replaced, even with --force)")
+    if path.exists() and not force:
+        raise OutputError(f"{path}: output folder exists; pass --force to replace it")
+
+
+def swap_in_folder(staging: Path, path: Path, *, force: bool) -> None:
+    """Rename a fully written folder into place (replacing ``path`` with ``force``)."""
+    if not path.exists():
+        try:
+            os.rename(staging, path)
+        except OSError as exc:
+            raise OutputError(f"{path}: cannot write the output folder ({exc.strerror})") from None
+        return
+    if not force:
+        raise OutputError(f"{path}: output folder exists; pass --force to replace it")
+    old = staging.with_name(staging.name + ".old")
+    os.rename(path, old)
+    os.rename(staging, path)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _validate(ckpt: Checkpoint) -> Checkpoint:

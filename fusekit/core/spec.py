@@ -43,7 +43,9 @@ ResNets (BasicBlock and Bottleneck, ``conv1``/``bn1``/``layerN.M.convK``/``bnK``
          "writes": null}]}
 
 Layers are listed in the order data flows; every group must be written before it is read.
-``fusekit.spec/1`` files keep working unchanged.
+``fusekit.spec/1`` files keep working unchanged. Transformers (attention heads, LayerNorms,
+tied embeddings) are described by groups of tensor slots instead: ``fusekit.spec/3``, see
+:mod:`fusekit.core.transformer`.
 """
 
 from __future__ import annotations
@@ -60,6 +62,11 @@ import numpy as np
 
 from fusekit.core.errors import SpecError
 from fusekit.core.metadata import read_json_file
+from fusekit.core.transformer import (
+    TRANSFORMER_FORMAT,
+    TransformerSpec,
+    transformer_from_json,
+)
 
 SPEC_FORMAT = "fusekit.spec/1"
 GRAPH_FORMAT = "fusekit.spec/2"
@@ -279,7 +286,7 @@ class GraphSpec:
                                       strict=True)]
 
 
-Spec = PermutationSpec | GraphSpec
+Spec = PermutationSpec | GraphSpec | TransformerSpec
 
 
 def _layer_json(layer: Layer) -> dict[str, Any]:
@@ -583,12 +590,16 @@ def spec_from_json(data: Mapping[str, Any], state_dict: Mapping[str, Any], *,
                    label: str = "spec") -> Spec:
     """Build a spec from its JSON form (see module docstring), checked against the shapes:
     a :class:`PermutationSpec` from ``fusekit.spec/1``, a :class:`GraphSpec` from
-    ``fusekit.spec/2``."""
+    ``fusekit.spec/2``, a :class:`~fusekit.core.transformer.TransformerSpec` from
+    ``fusekit.spec/3``."""
+    if data.get("format") == TRANSFORMER_FORMAT:
+        return transformer_from_json(data, shapes_of(state_dict), label=label)
     if data.get("format") not in (SPEC_FORMAT, GRAPH_FORMAT) \
             or not isinstance(data.get("layers"), list):
         raise SpecError(
-            f"{label}: expected a JSON object with \"format\": \"{SPEC_FORMAT}\" or "
-            f"\"{GRAPH_FORMAT}\" and a \"layers\" list, found keys {sorted(data)}"
+            f"{label}: expected a JSON object with \"format\": \"{SPEC_FORMAT}\", "
+            f"\"{GRAPH_FORMAT}\" (with a \"layers\" list) or \"{TRANSFORMER_FORMAT}\", "
+            f"found keys {sorted(data)}"
         )
     shapes = shapes_of(state_dict)
     modules: dict[str, dict[str, tuple[int, ...]]] = {}

@@ -11,6 +11,7 @@ from fusekit.core.checkpoint import Checkpoint, is_integer_buffer
 from fusekit.core.errors import IncompatibleModelsError, ParameterError
 from fusekit.core.metadata import CLASS_COUNTS
 from fusekit.core.spec import PermutationSpec
+from fusekit.core.transformer import TransformerSpec
 from fusekit.methods.base import FusionMethod, FusionResult, register, sample_weights
 from fusekit.methods.params import Param
 
@@ -20,6 +21,7 @@ class Average(FusionMethod):
     name = "avg"
     summary = "coordinate averaging weighted by sample counts (FedAvg)"
     handles_groups = True
+    handles_transformers = True
 
     def fuse(
         self,
@@ -50,6 +52,9 @@ class Average(FusionMethod):
             for checkpoint in checkpoints:
                 checkpoint.release(name)
         if class_weighted:
+            if isinstance(specs[0], TransformerSpec):
+                raise ParameterError("class_weighted: averages a sequential network's output "
+                                     "rows; not available for transformers")
             head = specs[0].layers[-1]
             shares = class_shares(checkpoints, head.out_features)
             for name in filter(None, (head.weight, head.bias)):

@@ -14,10 +14,11 @@ import numpy as np
 
 from fusekit._version import __version__
 from fusekit.core import metadata as meta
-from fusekit.core.checkpoint import Checkpoint, save_checkpoint
+from fusekit.core.checkpoint import Checkpoint, save_checkpoint, save_model_folder
 from fusekit.core.errors import UnknownMethodError
 from fusekit.core.neurons import refuse_position_aware
 from fusekit.core.spec import PermutationSpec
+from fusekit.core.transformer import TransformerSpec, config_with_widths
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,8 @@ class FusionResult:
         assignments: for methods that match neurons, per client (canonical order) and per
             permutation group, the fused neuron each client neuron went into ((J_s,) int,
             -1 for none); calibration takes its targets through them (ALGORITHMS §12).
+        config: for Hugging Face model folders, the fused model's config.json (widths
+            updated); :meth:`save` then writes a model folder.
     """
 
     state_dict: dict[str, np.ndarray]
@@ -48,9 +51,16 @@ class FusionResult:
     inputs: list[Path] = field(default_factory=list)
     assignments: list[list[np.ndarray]] | None = None
     spec: Any = None  # the fused model's PermutationSpec / GraphSpec
+    config: dict[str, Any] | None = None
 
     def save(self, path: str | Path, *, force: bool = False) -> Path:
-        """Write the fused model as safetensors, atomically; see :func:`save_checkpoint`."""
+        """Write the fused model atomically: a safetensors file (see
+        :func:`save_checkpoint`), or, when the clients were Hugging Face model folders, a
+        folder with ``config.json`` and ``model.safetensors`` that ``from_pretrained``
+        loads (see :func:`save_model_folder`)."""
+        if self.config is not None:
+            return save_model_folder(path, self.state_dict, self.metadata, self.config,
+                                     force=force, inputs=self.inputs)
         return save_checkpoint(path, self.state_dict, self.metadata, force=force,
                                inputs=self.inputs)
 
@@ -73,6 +83,9 @@ class FusionMethod(ABC):
     #: True for methods that fuse residual networks (GraphSpec: permutation groups shared
     #: by several layers); the others refuse them.
     handles_groups: ClassVar[bool] = False
+    #: True for methods that fuse transformers (TransformerSpec: heads, LayerNorms, a
+    #: residual stream; Hugging Face model folders); the others refuse them.
+    handles_transformers: ClassVar[bool] = False
     #: The ``fusekit.arch`` entry every client must have (``"fed2"`` for Fed² models), or
     #: None for methods that fuse any model; front doors that train plain clients skip it.
     client_structure: ClassVar[str | None] = None
@@ -116,6 +129,9 @@ class FusionMethod(ABC):
             {name: info.shape for name, info in first.tensors.items()})
         if arch is not None:
             metadata[meta.ARCH] = json.dumps(_arch_with_widths(arch, spec.hidden_widths))
+        config = None
+        if first.config is not None and isinstance(spec, TransformerSpec):
+            config = config_with_widths(first.config, spec)
         return FusionResult(
             state_dict=state_dict,
             method=self.name,
@@ -125,6 +141,7 @@ class FusionMethod(ABC):
             metadata=metadata,
             assignments=assignments,
             spec=spec,
+            config=config,
         )
 
 def _arch_with_widths(arch: dict[str, Any], widths: list[int]) -> dict[str, Any]:

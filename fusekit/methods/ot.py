@@ -41,10 +41,12 @@ from fusekit.core import neurons
 from fusekit.core.checkpoint import Checkpoint
 from fusekit.core.errors import DataError, ParameterError
 from fusekit.core.spec import GraphSpec, PermutationSpec
+from fusekit.core.transformer import TransformerSpec
 from fusekit.engine.matching import solve_assignment, sqeuclidean_cost
 from fusekit.methods.avg import average_tensor, check_same_shapes
 from fusekit.methods.base import FusionMethod, FusionResult, register, sample_weights
 from fusekit.methods.params import Param
+from fusekit.methods.transformer import check_equal_widths, fuse_transformers
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +67,7 @@ class OptimalTransport(FusionMethod):
     permutes_neurons = True
     folds_batchnorm = True
     handles_groups = True
+    handles_transformers = True
 
     def fuse(
         self,
@@ -114,6 +117,9 @@ class OptimalTransport(FusionMethod):
                             if activations is not None else None),
         }
         start = time.perf_counter()
+        if isinstance(specs[0], TransformerSpec):
+            return self._fuse_transformers(checkpoints, specs, anchor_index, params,
+                                           activations)
         if isinstance(specs[0], GraphSpec):
             if activations is not None:
                 raise ParameterError("activations: the activation cost needs a sequential "
@@ -149,6 +155,22 @@ class OptimalTransport(FusionMethod):
             "align_time_s": time.perf_counter() - start,
         }
         return self.result(state_dict, checkpoints, spec, params, report, assignments)
+
+
+    def _fuse_transformers(self, checkpoints, specs, anchor_index, params,
+                           activations) -> FusionResult:
+        """One pass over the groups in data-flow order (:mod:`fusekit.methods.transformer`):
+        with equal widths and uniform masses the transport plan is a permutation."""
+        if activations is not None:
+            raise ParameterError("activations: transformers are aligned by their weights; "
+                                 "leave --activations out")
+        check_equal_widths(checkpoints, specs, anchor_index, self.name)
+        start = time.perf_counter()
+        state_dict, reports = fuse_transformers(checkpoints, specs, anchor_index, sweeps=0,
+                                                rng=None, solver=solve_assignment)
+        report = {"anchor": checkpoints[anchor_index].label, "cost": "weights",
+                  "alignment": reports, "align_time_s": time.perf_counter() - start}
+        return self.result(state_dict, checkpoints, specs[anchor_index], params, report)
 
 
 def _checked_preactivations(arrays: Sequence[np.ndarray], checkpoint: Checkpoint,

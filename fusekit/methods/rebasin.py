@@ -23,11 +23,13 @@ from fusekit.core import neurons
 from fusekit.core.checkpoint import Checkpoint
 from fusekit.core.errors import IncompatibleModelsError, ParameterError
 from fusekit.core.spec import GraphSpec, PermutationSpec
+from fusekit.core.transformer import TransformerSpec
 from fusekit.engine.matching import solve_assignment
 from fusekit.methods.base import FusionMethod, FusionResult, register
 from fusekit.methods.bayesian import BACKENDS
 from fusekit.methods.ot import ANCHOR_HELP, fuse_aligned, resolve_anchor
 from fusekit.methods.params import Param
+from fusekit.methods.transformer import check_equal_widths, fuse_transformers
 
 
 @register
@@ -38,6 +40,7 @@ class ReBasin(FusionMethod):
     permutes_neurons = True
     folds_batchnorm = True
     handles_groups = True
+    handles_transformers = True
 
     def fuse(
         self,
@@ -81,6 +84,8 @@ class ReBasin(FusionMethod):
         neurons.refuse_position_aware(checkpoints, specs, self.name)
         anchor_index = resolve_anchor(checkpoints, anchor)
         widths = specs[anchor_index].hidden_widths
+        if isinstance(specs[anchor_index], TransformerSpec):
+            check_equal_widths(checkpoints, specs, anchor_index, self.name)
         for checkpoint, spec in zip(checkpoints, specs, strict=True):
             if spec.hidden_widths != widths:
                 raise IncompatibleModelsError(
@@ -91,6 +96,14 @@ class ReBasin(FusionMethod):
         solver = assignment_solver(backend)
         rng = np.random.default_rng(seed)
         start = time.perf_counter()
+        params = {"anchor": checkpoints[anchor_index].label if anchor is not None else None,
+                  "max_sweeps": max_sweeps, "seed": seed, "backend": backend}
+        if isinstance(specs[anchor_index], TransformerSpec):
+            state_dict, reports = fuse_transformers(checkpoints, specs, anchor_index,
+                                                    sweeps=max_sweeps, rng=rng, solver=solver)
+            report = {"anchor": checkpoints[anchor_index].label, "alignment": reports,
+                      "align_time_s": time.perf_counter() - start}
+            return self.result(state_dict, checkpoints, specs[anchor_index], params, report)
 
         def align(anchor_layers, layers, spec):
             return weight_matching(anchor_layers, layers, spec, max_sweeps=max_sweeps, rng=rng,
@@ -99,6 +112,7 @@ class ReBasin(FusionMethod):
         state_dict, reports, assignments = fuse_aligned(checkpoints, specs, anchor_index, align)
         params = {"anchor": checkpoints[anchor_index].label if anchor is not None else None,
                   "max_sweeps": max_sweeps, "seed": seed, "backend": backend}
+        state_dict, reports = fuse_aligned(checkpoints, specs, anchor_index, align)
         report = {"anchor": checkpoints[anchor_index].label, "alignment": reports,
                   "align_time_s": time.perf_counter() - start}
         return self.result(state_dict, checkpoints, specs[anchor_index], params, report,

@@ -45,7 +45,8 @@ def load_fused(
     """Load a fused (or client) checkpoint as a torch module in eval mode.
 
     Args:
-        path_or_checkpoint: a safetensors path or a loaded :class:`Checkpoint`.
+        path_or_checkpoint: a safetensors path, a Hugging Face model folder (loaded by
+            ``transformers``, whose output object it returns) or a loaded :class:`Checkpoint`.
         device: ``auto`` (CUDA when available, else CPU), ``cpu`` or ``cuda[:N]``.
 
     Returns:
@@ -62,6 +63,10 @@ def load_fused(
     checkpoint = (path_or_checkpoint if isinstance(path_or_checkpoint, Checkpoint)
                   else load_checkpoint(path_or_checkpoint))
     target = resolve_device(device)
+    if checkpoint.config is not None:  # a Hugging Face model folder
+        from fusekit.toolkit.nn.hf import load_pretrained
+
+        return load_pretrained(checkpoint.path, target)
     if meta.AMS in checkpoint.metadata:
         model = _load_ams(checkpoint)
     else:

@@ -1,0 +1,182 @@
+"""Aligning transformers to an anchor and averaging them (rebasin and ot on
+:class:`~fusekit.core.transformer.TransformerSpec`); ALGORITHMS.md §12.
+
+A client is aligned group by group: the residual stream, each block's heads (as units),
+each head's q/k and v dimensions, each block's MLP hidden units. A group's permutation is
+the assignment that maximises the similarity of the anchor's units to the client's:
+
+- stream, MLP, qk, v groups: S[a, b] = Σ_slots ⟨unit a of the anchor, unit b of the
+  client⟩ over every slot of the group (rows written, columns read, LayerNorm entries);
+- heads: S[a, b] = ⟨Q̃_aᵀK̃_a, Q̃_bᵀK̃_b⟩ + ⟨Õ_aṼ_a, Õ_bṼ_b⟩, the heads' QK and OV circuits
+  (Q̃ = [W_q | b_q] of the head's rows, likewise K̃, Ṽ; Õ the output projection's columns
+  of the head), which no permutation of the head's own dimensions changes, so heads are
+  matched as wholes before their dimensions are.
+
+``ot`` visits the groups once, in data-flow order, each compared on the slots whose other
+axes are already aligned (OT fusion, layer by layer: with equal widths and uniform masses
+the optimal transport plan is a permutation, found as an assignment). ``rebasin`` starts
+from that pass, then sweeps over the groups in a seeded random order on all their slots
+until a sweep changes nothing (coordinate descent on Git Re-Basin's objective).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from fusekit.core.checkpoint import Checkpoint
+from fusekit.core.errors import IncompatibleModelsError
+from fusekit.core.transformer import (
+    Group,
+    Slot,
+    TransformerSpec,
+    permute_group,
+    unit_rows,
+)
+from fusekit.methods.base import sample_weights
+
+Solver = Callable[..., tuple]
+
+
+def check_equal_widths(checkpoints: Sequence[Checkpoint], specs: Sequence[TransformerSpec],
+                       anchor: int, method: str) -> None:
+    """Alignment permutes units: every group must have the anchor's size."""
+    sizes = [g.size for g in specs[anchor].groups]
+    for checkpoint, spec in zip(checkpoints, specs, strict=True):
+        for group, size in zip(spec.groups, sizes, strict=True):
+            if group.size != size:
+                raise IncompatibleModelsError(
+                    f"{checkpoint.label}: group {group.name!r} has {group.size} units but the "
+                    f"anchor {checkpoints[anchor].label} has {size}; {method!r} permutes "
+                    "units and needs equal widths (pfnm or nafi fuse unequal MLP widths)")
+
+
+def client_arrays(checkpoint: Checkpoint) -> dict[str, np.ndarray]:
+    """Every tensor of one client in float64 (counters as they are), released after."""
+    out = {}
+    for name in checkpoint.tensors:
+        array = checkpoint.tensor(name)
+        out[name] = array.astype(np.float64) if array.dtype.kind == "f" else array
+        checkpoint.release(name)
+    return out
+
+
+def circuits(state: dict[str, np.ndarray], group: Group) -> dict[str, np.ndarray]:
+    """Per role (q, k, v, o), the heads' (heads, head_dim, features) blocks, the bias as
+    one more feature."""
+    parts: dict[str, list[np.ndarray]] = {}
+    for slot in group.slots:
+        rows = unit_rows(state[slot.tensor], slot, group.size)
+        parts.setdefault(slot.role, []).append(rows.reshape(group.size, slot.block, -1))
+    return {role: np.concatenate(blocks, axis=2) for role, blocks in parts.items()}
+
+
+def group_similarity(anchor: dict[str, np.ndarray], client: dict[str, np.ndarray],
+                     group: Group, slots: Sequence[Slot] | None = None) -> np.ndarray:
+    """S[a, b]: how alike anchor unit a and client unit b are (module docstring), over
+    ``slots`` (default: all of the group's)."""
+    slots = group.slots if slots is None else slots
+    if group.kind == "heads" and {s.role for s in slots} >= {"q", "k", "v", "o"}:
+        mine, theirs = circuits(anchor, group), circuits(client, group)
+
+        def gram(role: str) -> np.ndarray:  # (a, b, i, j): ⟨row i of head a, row j of b⟩
+            return np.einsum("aif,bjf->abij", mine[role], theirs[role])
+
+        return ((gram("q") * gram("k")).sum(axis=(2, 3))
+                + (gram("v") * gram("o")).sum(axis=(2, 3)))
+    return sum(unit_rows(anchor[s.tensor], s, group.size)
+               @ unit_rows(client[s.tensor], s, group.size).T for s in slots)
+
+
+def settled_slots(spec: TransformerSpec, shapes: dict[str, tuple[int, ...]]
+                  ) -> list[list[Slot]]:
+    """Per group, the slots whose tensor's other axes belong to no group or to groups
+    earlier in data-flow order: the entries one pass can compare before the later groups
+    are aligned (all of the group's slots when none qualifies)."""
+    claims: dict[tuple[str, int], set[int]] = {}
+    for index, group in enumerate(spec.groups):
+        for slot in group.slots:
+            claims.setdefault((slot.tensor, slot.axis), set()).add(index)
+    out = []
+    for index, group in enumerate(spec.groups):
+        usable = [s for s in group.slots if all(
+            max(claims.get((s.tensor, axis), {-1})) < index
+            for axis in range(len(shapes[s.tensor])) if axis != s.axis)]
+        out.append(usable or list(group.slots))
+    return out
+
+
+def align_client(anchor: dict[str, np.ndarray], client: dict[str, np.ndarray],
+                 spec: TransformerSpec, *, sweeps: int, rng: np.random.Generator | None,
+                 solver: Solver) -> dict[str, Any]:
+    """Permute ``client`` (in place of its dict's arrays) onto the anchor, group by group.
+
+    First one pass in data-flow order, each group compared on its settled slots
+    (:func:`settled_slots`); then, with ``rng``, up to ``sweeps`` sweeps over the groups in
+    a random order on all their slots (Git Re-Basin's objective), stopping at a sweep that
+    changes nothing.
+    """
+    first_pass = settled_slots(spec, {name: a.shape for name, a in anchor.items()})
+    moved = sum(_align_group(anchor, client, group, solver, slots)
+                for group, slots in zip(spec.groups, first_pass, strict=True))
+    sweep = 0
+    while rng is not None and sweep < sweeps:
+        sweep += 1
+        changed = sum(_align_group(anchor, client, spec.groups[index], solver)
+                      for index in map(int, rng.permutation(len(spec.groups))))
+        moved += changed
+        if not changed:
+            break
+    return {"sweeps": sweep, "groups_moved": moved}
+
+
+def _align_group(anchor: dict[str, np.ndarray], client: dict[str, np.ndarray], group: Group,
+                 solver: Solver, slots: Sequence[Slot] | None = None) -> int:
+    """Permute one group of the client to its best assignment; 1 if it moved, else 0."""
+    similarity = group_similarity(anchor, client, group, slots)
+    current = float(np.trace(similarity))
+    _, cols = solver(similarity, maximize=True)
+    best = float(similarity[np.arange(cols.size), cols].sum())
+    if best > current + 1e-12 * max(abs(current), 1.0):
+        permute_group(client, group, cols)
+        return 1
+    return 0
+
+
+def fuse_transformers(checkpoints: Sequence[Checkpoint], specs: Sequence[TransformerSpec],
+                      anchor: int, *, sweeps: int, rng: np.random.Generator | None,
+                      solver: Solver) -> tuple[dict[str, np.ndarray], list[dict[str, Any]]]:
+    """Align every client to the anchor (:func:`align_client`) and average them with
+    sample-count weights; tensors in the clients' dtypes. Holds the anchor, one client and
+    the running sum."""
+    weights = sample_weights(checkpoints)
+    reference = client_arrays(checkpoints[anchor])
+    total = {name: weights[anchor] * a if a.dtype.kind == "f" else a
+             for name, a in reference.items()}
+    reports = []
+    for s, checkpoint in enumerate(checkpoints):
+        if s == anchor:
+            continue
+        start = time.perf_counter()
+        client = client_arrays(checkpoint)
+        report = align_client(reference, client, specs[s], sweeps=sweeps, rng=rng,
+                              solver=solver)
+        for name, array in client.items():
+            total[name] = (total[name] + weights[s] * array if array.dtype.kind == "f"
+                           else np.maximum(total[name], array))  # counters: the maximum
+        reports.append({"client": checkpoint.label, **report,
+                        "time_s": time.perf_counter() - start})
+    dtypes = {name: info.dtype for name, info in checkpoints[anchor].tensors.items()}
+    return {name: _cast(array, dtypes[name]) for name, array in total.items()}, reports
+
+
+def _cast(array: np.ndarray, dtype: str) -> np.ndarray:
+    """Back to the clients' storage dtype (BF16 and F8 were widened to float32)."""
+    target = {"F16": np.float16, "F64": np.float64}.get(dtype, np.float32)
+    if array.dtype.kind != "f":
+        return array
+    with np.errstate(over="ignore"):  # beyond the dtype's range: Inf, refused on save
+        return array.astype(target)

@@ -1,0 +1,209 @@
+"""Hugging Face transformers (BERT, ViT, GPT-2): model folders in and out, permutation
+groups, function preservation, fusion of permuted copies, refusals.
+
+Models are built from a tiny config in the test (no download, no network), their weights
+(LayerNorms included) set to random values so that every permutation shows, and saved
+with ``save_pretrained``. Tolerances: logits are O(1) in float32; a permuted copy matches
+the original to 1e-5, a fused model of permuted copies to 1e-4.
+"""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import safetensors.numpy
+import torch
+
+import fusekit
+from fusekit.core.checkpoint import load_checkpoint
+from fusekit.core.errors import CheckpointError, IncompatibleModelsError, SpecError
+from fusekit.core.transformer import infer_transformer, permute_transformer
+
+transformers = pytest.importorskip("transformers", reason="the [hf] extra is not installed")
+
+from fusekit.toolkit.nn.hf import load_pretrained  # noqa: E402
+
+ATOL_PERMUTED = 1e-5
+ATOL_FUSED = 1e-4
+
+
+def tiny_model(family: str, seed: int = 0, **changes):
+    """A tiny BERT / ViT / GPT-2 with a head, every weight random (LayerNorms too)."""
+    torch.manual_seed(seed)
+    if family == "bert":
+        config = transformers.BertConfig(**{
+            "vocab_size": 40, "hidden_size": 16, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "intermediate_size": 24, "max_position_embeddings": 16,
+            "num_labels": 3, **changes})
+        model = transformers.BertForSequenceClassification(config)
+    elif family == "vit":
+        config = transformers.ViTConfig(
+            image_size=8, patch_size=4, num_channels=1, hidden_size=16, num_hidden_layers=2,
+            num_attention_heads=2, intermediate_size=24, num_labels=3, **changes)
+        model = transformers.ViTForImageClassification(config)
+    else:
+        config = transformers.GPT2Config(vocab_size=40, n_positions=16, n_embd=16, n_layer=2,
+                                         n_head=4, bos_token_id=0, eos_token_id=0, **changes)
+        model = transformers.GPT2LMHeadModel(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn_like(param) * 0.3)
+    return model.eval()
+
+
+def model_inputs(family: str) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    if family == "vit":
+        return {"pixel_values": torch.randn(3, 1, 8, 8, generator=generator)}
+    return {"input_ids": torch.randint(0, 40, (3, 7), generator=generator)}
+
+
+def logits(folder, family: str) -> np.ndarray:
+    with torch.no_grad():
+        return load_pretrained(folder)(**model_inputs(family)).logits.numpy()
+
+
+def save(model, folder, **kwargs):
+    model.save_pretrained(folder, **kwargs)
+    return folder
+
+
+def spec_of(folder):
+    checkpoint = load_checkpoint(folder)
+    shapes = {name: info.shape for name, info in checkpoint.tensors.items()}
+    return infer_transformer(checkpoint.config, shapes, label=str(folder))
+
+
+def permuted_copy(source, target, seed: int):
+    """``source`` with every group permuted at random (stream, heads, each head's q/k and v
+    dimensions, MLP units, pooler), written as a model folder at ``target``."""
+    spec = spec_of(source)
+    rng = np.random.default_rng(seed)
+    perms = {g.name: rng.permutation(g.size) for g in spec.groups}
+    state = safetensors.numpy.load_file(source / "model.safetensors")
+    target.mkdir()
+    safetensors.numpy.save_file(permute_transformer(state, spec, perms),
+                                target / "model.safetensors", metadata={"format": "pt"})
+    shutil.copy(source / "config.json", target / "config.json")
+    return target
+
+
+FAMILIES = ["bert", "vit", "gpt2"]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_folders(request, tmp_path_factory):
+    """(family, original folder, two permuted copies)."""
+    family = request.param
+    root = tmp_path_factory.mktemp(family)
+    original = save(tiny_model(family), root / "original")
+    copies = [permuted_copy(original, root / f"permuted{i}", seed=i) for i in (1, 2)]
+    return family, original, copies
+
+
+def test_groups_cover_every_weight_with_a_hidden_axis(family_folders):
+    family, original, _ = family_folders
+    spec = spec_of(original)
+    kinds = {g.kind for g in spec.groups}
+    assert kinds >= {"stream", "heads", "qk", "v", "mlp"}
+    assert spec.other == (("classifier.bias",) if family != "gpt2" else ())
+    heads = spec.of_kind("heads")
+    assert len(heads) == 2 and len(spec.of_kind("qk")) == len(spec.of_kind("v")) == 2 * (
+        spec.groups[heads[0]].size)
+
+
+def test_permuted_copies_compute_the_same_function(family_folders):
+    family, original, copies = family_folders
+    expected = logits(original, family)
+    before = safetensors.numpy.load_file(original / "model.safetensors")
+    for copy in copies:
+        after = safetensors.numpy.load_file(copy / "model.safetensors")
+        moved = [n for n in before if not np.array_equal(before[n], after[n])]
+        assert len(moved) >= len(before) - 1  # every tensor with a hidden axis moved
+        np.testing.assert_allclose(logits(copy, family), expected, atol=ATOL_PERMUTED)
+
+
+@pytest.mark.parametrize("method", ["rebasin", "ot"])
+def test_fusing_permuted_copies_gives_back_the_model(family_folders, method, tmp_path):
+    family, original, copies = family_folders
+    result = fusekit.fuse([copies[0], original, copies[1]], method=method)
+    out = result.save(tmp_path / "fused")
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    np.testing.assert_allclose(logits(out, family), logits(original, family),
+                               atol=ATOL_FUSED)
+    groups_moved = [r["groups_moved"] for r in result.report["alignment"]]
+    assert min(groups_moved) > 0  # the copies were really permuted back
+
+
+def test_avg_of_a_shared_initialisation_is_the_coordinate_mean(tmp_path):
+    a = save(tiny_model("vit", seed=0), tmp_path / "a")
+    b = save(tiny_model("vit", seed=1), tmp_path / "b")
+    out = fusekit.fuse([a, b], method="avg").save(tmp_path / "avg")
+    fused = safetensors.numpy.load_file(out / "model.safetensors")
+    first = safetensors.numpy.load_file(a / "model.safetensors")
+    second = safetensors.numpy.load_file(b / "model.safetensors")
+    for name, array in fused.items():
+        np.testing.assert_allclose(array, (first[name] + second[name]) / 2, atol=1e-6)
+    load_pretrained(out)
+
+
+def test_sharded_folder_reads_as_the_single_file(tmp_path):
+    model = tiny_model("gpt2")
+    whole = load_checkpoint(save(model, tmp_path / "whole"))
+    sharded = load_checkpoint(save(model, tmp_path / "sharded", max_shard_size="20KB"))
+    assert len(list((tmp_path / "sharded").glob("model-*-of-*.safetensors"))) > 1
+    assert sharded.tensors == whole.tensors
+    assert sharded.content_hash == whole.content_hash
+    assert sharded.sample_hash == whole.sample_hash
+
+
+def test_cli_writes_a_folder_transformers_loads(tmp_path, family_folders):
+    from typer.testing import CliRunner
+
+    from fusekit._cli.app import app
+
+    family, original, copies = family_folders
+    out = tmp_path / "fused"
+    run = CliRunner().invoke(app, ["fuse", str(original), str(copies[0]), "-m", "rebasin",
+                                   "-o", f"{out}/"])
+    assert run.exit_code == 0, run.output
+    assert {p.name for p in out.iterdir()} == {"config.json", "model.safetensors", "README.md",
+                                               "recipe.yaml", "report.json"}
+    assert "from_pretrained" in (out / "README.md").read_text()
+    np.testing.assert_allclose(logits(out, family), logits(original, family),
+                               atol=ATOL_FUSED)
+
+
+def test_spec3_file_describes_the_same_groups(tmp_path, family_folders):
+    family, original, copies = family_folders
+    spec = spec_of(original)
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(spec.to_json()))
+    result = fusekit.fuse([original, copies[0]], method="ot", spec=path)
+    np.testing.assert_allclose(logits(result.save(tmp_path / "out"), family),
+                               logits(original, family), atol=ATOL_FUSED)
+
+
+def test_different_head_counts_are_refused_in_one_line(tmp_path):
+    a = save(tiny_model("bert"), tmp_path / "a")
+    b = save(tiny_model("bert", seed=1, num_attention_heads=2), tmp_path / "b")
+    with pytest.raises(IncompatibleModelsError, match=r"heads \(heads, 4 units\).*2 units"):
+        fusekit.fuse([a, b], method="ot")
+
+
+def test_unknown_family_and_unfit_methods_are_refused(tmp_path):
+    folder = save(tiny_model("gpt2"), tmp_path / "gpt2")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
+    with pytest.raises(SpecError, match="model_type 'llama'.*fusekit.spec/3"):
+        fusekit.fuse([folder, folder], method="avg")
+    other = save(tiny_model("gpt2"), tmp_path / "other")
+    with pytest.raises(IncompatibleModelsError, match="does not fuse transformers"):
+        fusekit.fuse([other, other], method="fed2")
+
+
+def test_folder_without_weights_is_named(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(CheckpointError, match="model.safetensors or model.safetensors.index"):
+        load_checkpoint(tmp_path)
