@@ -427,14 +427,16 @@ def describe_checkpoint(checkpoint: Checkpoint) -> dict[str, Any]:
     except ValueError as exc:
         info["problems"].append(str(exc))
         return info
-    info["layers"] = spec.describe()
+    if isinstance(spec, TransformerSpec):
+        info["family"] = spec.family
+        info["groups"] = spec.describe()
+        members = [group.slots for group in spec.groups]
+    else:
+        info["layers"] = spec.describe()
+        members = [spec.group(i) for i in range(len(spec.hidden_widths))]
     info["hidden_widths"] = spec.hidden_widths
     info["group_names"] = list(spec.group_names)
-    info["permutation_groups"] = [
-        [f"{a.tensor}[axis {a.axis}{', block ' + str(a.block) if a.block > 1 else ''}]"
-         for a in spec.group(i)]
-        for i in range(len(spec.hidden_widths))
-    ]
+    info["permutation_groups"] = [[_axis_text(a) for a in group] for group in members]
     info["other_tensors"] = list(spec.other)
     info["limits"] = _permutation_limits(checkpoint, spec)
     try:
@@ -443,6 +445,13 @@ def describe_checkpoint(checkpoint: Checkpoint) -> dict[str, Any]:
         info["problems"].append(str(exc))
     info["metadata"] = {k: _maybe_json(v) for k, v in checkpoint.metadata.items()}
     return info
+
+
+def _axis_text(ref: Any) -> str:
+    """``tensor[axis A, block B, from O]``: one member of a permutation group."""
+    extras = [f", block {ref.block}" if ref.block > 1 else "",
+              f", from {ref.offset}" if getattr(ref, "offset", 0) else ""]
+    return f"{ref.tensor}[axis {ref.axis}{''.join(extras)}]"
 
 
 def _describe_ams(checkpoint: Checkpoint, info: dict[str, Any]) -> dict[str, Any]:

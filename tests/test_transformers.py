@@ -207,3 +207,40 @@ def test_folder_without_weights_is_named(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(CheckpointError, match="model.safetensors or model.safetensors.index"):
         load_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("method", ["pfnm", "nafi"])
+def test_bayesian_matching_of_mlp_units_gives_back_the_model(family_folders, method, tmp_path):
+    family, original, copies = family_folders
+    result = fusekit.fuse([copies[0], original, copies[1]], method=method, width_ratio=1.0)
+    np.testing.assert_allclose(logits(result.save(tmp_path / "fused"), family),
+                               logits(original, family), atol=ATOL_FUSED)
+
+
+def test_bayesian_matching_widens_the_mlp_and_the_config(tmp_path):
+    a = save(tiny_model("gpt2", seed=0), tmp_path / "a")
+    b = save(tiny_model("gpt2", seed=1, n_inner=48), tmp_path / "b")
+    result = fusekit.fuse([a, b], method="pfnm", width=80)
+    out = result.save(tmp_path / "fused")
+    config = json.loads((out / "config.json").read_text())
+    assert config["n_inner"] == 80 and result.widths == [16, 80, 80]
+    model = load_pretrained(out)
+    assert model.transformer.h[1].mlp.c_fc.weight.shape == (16, 80)
+    with pytest.raises(IncompatibleModelsError, match="needs equal widths"):
+        fusekit.fuse([a, b], method="rebasin")
+
+
+def test_inspect_lists_the_groups(family_folders):
+    from typer.testing import CliRunner
+
+    from fusekit._cli.app import app
+
+    family, original, copies = family_folders
+    run = CliRunner().invoke(app, ["inspect", str(original), str(copies[0]), "--json"])
+    assert run.exit_code == 0, run.output
+    report = json.loads(run.stdout)
+    assert report["fusable_together"]
+    first = report["files"][0]
+    assert first["family"] == family and "stream" in first["group_names"]
+    assert any("[axis 0, block 8]" in m or "[axis 1, block 8]" in m or "block 4" in m
+               for members in first["permutation_groups"] for m in members)

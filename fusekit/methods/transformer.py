@@ -111,22 +111,26 @@ def settled_slots(spec: TransformerSpec, shapes: dict[str, tuple[int, ...]]
 
 def align_client(anchor: dict[str, np.ndarray], client: dict[str, np.ndarray],
                  spec: TransformerSpec, *, sweeps: int, rng: np.random.Generator | None,
-                 solver: Solver) -> dict[str, Any]:
+                 solver: Solver, skip: frozenset[int] | set[int] = frozenset()
+                 ) -> dict[str, Any]:
     """Permute ``client`` (in place of its dict's arrays) onto the anchor, group by group.
 
     First one pass in data-flow order, each group compared on its settled slots
     (:func:`settled_slots`); then, with ``rng``, up to ``sweeps`` sweeps over the groups in
     a random order on all their slots (Git Re-Basin's objective), stopping at a sweep that
-    changes nothing.
+    changes nothing. Groups in ``skip`` are left as they are (PFNM / NAFI match them).
     """
     first_pass = settled_slots(spec, {name: a.shape for name, a in anchor.items()})
     moved = sum(_align_group(anchor, client, group, solver, slots)
-                for group, slots in zip(spec.groups, first_pass, strict=True))
+                for index, (group, slots) in enumerate(zip(spec.groups, first_pass,
+                                                           strict=True))
+                if index not in skip)
     sweep = 0
     while rng is not None and sweep < sweeps:
         sweep += 1
         changed = sum(_align_group(anchor, client, spec.groups[index], solver)
-                      for index in map(int, rng.permutation(len(spec.groups))))
+                      for index in map(int, rng.permutation(len(spec.groups)))
+                      if index not in skip)
         moved += changed
         if not changed:
             break
@@ -170,10 +174,10 @@ def fuse_transformers(checkpoints: Sequence[Checkpoint], specs: Sequence[Transfo
         reports.append({"client": checkpoint.label, **report,
                         "time_s": time.perf_counter() - start})
     dtypes = {name: info.dtype for name, info in checkpoints[anchor].tensors.items()}
-    return {name: _cast(array, dtypes[name]) for name, array in total.items()}, reports
+    return {name: cast_like(array, dtypes[name]) for name, array in total.items()}, reports
 
 
-def _cast(array: np.ndarray, dtype: str) -> np.ndarray:
+def cast_like(array: np.ndarray, dtype: str) -> np.ndarray:
     """Back to the clients' storage dtype (BF16 and F8 were widened to float32)."""
     target = {"F16": np.float16, "F64": np.float64}.get(dtype, np.float32)
     if array.dtype.kind != "f":

@@ -13,6 +13,7 @@ from typing import Annotated, ClassVar
 
 from fusekit.core.checkpoint import Checkpoint
 from fusekit.core.spec import GraphSpec, PermutationSpec
+from fusekit.core.transformer import TransformerSpec
 from fusekit.methods.base import FusionMethod, FusionResult, register
 from fusekit.methods.bayesian.layer import (
     BACKENDS,
@@ -35,6 +36,7 @@ from fusekit.methods.bayesian.network import (
     fuse_network,
     ratio_width,
 )
+from fusekit.methods.bayesian.transformer import fuse_transformer_mlps
 from fusekit.methods.params import Param
 
 #: NAFI's default KL weight (ALGORITHMS.md §4 explains its scale).
@@ -60,6 +62,7 @@ class BayesianMatching(FusionMethod):
     permutes_neurons = True
     folds_batchnorm = True
     handles_groups = True
+    handles_transformers = True
     default_lam: ClassVar[float] = 0.0
 
     def fuse(
@@ -171,8 +174,13 @@ class BayesianMatching(FusionMethod):
         )
         fuse = fuse_groups if isinstance(specs[0], GraphSpec) else fuse_network
         state_dict, fused_spec, report, assignments = fuse(checkpoints, specs, params, self.name)
-        return self.result(state_dict, checkpoints, fused_spec, params.as_json(), report,
                            assignments)
+        if isinstance(specs[0], TransformerSpec):
+            fuse = fuse_transformer_mlps
+        else:
+            fuse = fuse_groups if isinstance(specs[0], GraphSpec) else fuse_network
+        state_dict, fused_spec, report = fuse(checkpoints, specs, params, self.name)
+        return self.result(state_dict, checkpoints, fused_spec, params.as_json(), report)
 
 
 @register

@@ -161,7 +161,7 @@ def layer_widths(
     return asked
 
 
-def _client_sigmas(sigma: float | Sequence[float], n_clients: int) -> np.ndarray:
+def client_sigmas(sigma: float | Sequence[float], n_clients: int) -> np.ndarray:
     values = np.atleast_1d(np.asarray(sigma, dtype=np.float64))
     if values.ndim != 1 or values.size not in (1, n_clients):
         raise ParameterError(
@@ -219,7 +219,7 @@ def heterogeneity(checkpoints, n_classes: int, last_layer: dict[str, Any]) -> di
     return out
 
 
-def _hyperparameters(params, sigmas, vecs, observed, unit, index):
+def hyperparameters(params, sigmas, vecs, observed, unit, index):
     """Per-client sigma^2 (S, P), sigma0^2 (P,), gamma0 and the report entry of one layer:
     given values as they are, the others estimated (:mod:`.empirical`, in units of v)."""
     scale = np.ones_like(unit) if params.variance_units == "relative" else 1.0 / unit
@@ -280,7 +280,7 @@ def fuse_network(checkpoints, specs, params: BayesianParams, method: str):
     """
     neurons.refuse_position_aware(checkpoints, specs, method)
     n_clients = len(checkpoints)
-    sigmas = None if params.sigma is None else _client_sigmas(params.sigma, n_clients)
+    sigmas = None if params.sigma is None else client_sigmas(params.sigma, n_clients)
     spec = specs[0]
     widths = layer_widths(params, [sp.hidden_widths for sp in specs])
     clients = [neurons.client_layers(c, sp) for c, sp in zip(checkpoints, specs, strict=True)]
@@ -304,7 +304,7 @@ def fuse_network(checkpoints, specs, params: BayesianParams, method: str):
             vecs.append(vec)
             observed.append(obs if params.unobserved == "mask" else np.ones(layout.size, bool))
         unit = neurons.block_variances(vecs, observed, layout)
-        sigma2, sigma0_2, gamma0, hyper = _hyperparameters(
+        sigma2, sigma0_2, gamma0, hyper = hyperparameters(
             params, sigmas, vecs, observed, unit, index)
         precisions = []
         for s in range(n_clients):
@@ -425,7 +425,7 @@ def fuse_groups(checkpoints, specs, params: BayesianParams, method: str):
     """
     neurons.refuse_position_aware(checkpoints, specs, method)
     n_clients = len(checkpoints)
-    sigmas = None if params.sigma is None else _client_sigmas(params.sigma, n_clients)
+    sigmas = None if params.sigma is None else client_sigmas(params.sigma, n_clients)
     spec = specs[0]
     n_groups = len(spec.group_names)
     widths = layer_widths(params, [sp.hidden_widths for sp in specs])
@@ -470,7 +470,7 @@ def _match_group(checkpoints, specs, group, assignments, fused_widths, params, s
     vecs = [v for v, _, _ in built]
     observed = [o if params.unobserved == "mask" else np.ones_like(o) for _, o, _ in built]
     unit = neurons.block_variances(vecs, observed, built[0][2])
-    sigma2, sigma0_2, gamma0, hyper = _hyperparameters(params, sigmas, vecs, observed, unit,
+    sigma2, sigma0_2, gamma0, hyper = hyperparameters(params, sigmas, vecs, observed, unit,
                                                        group)
     result = match_neurons(
         vecs, [o / s2 for o, s2 in zip(observed, sigma2, strict=True)], mu0=params.mu0,

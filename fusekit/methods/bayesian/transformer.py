@@ -1,0 +1,149 @@
+"""PFNM / NAFI on transformers: the MLP hidden units of each block matched across clients,
+everything else aligned to an anchor and averaged (ALGORITHMS.md §12).
+
+1. Every client's residual stream, heads, and heads' q/k and v dimensions are aligned to
+   the anchor (one pass in data-flow order, :func:`fusekit.methods.transformer.align_client`
+   without the MLP groups), so that the MLP units' rows and columns live in one stream
+   basis.
+2. Block by block, the MLP units' vectors [input row, bias, output column] of every client
+   are matched by :func:`~fusekit.methods.bayesian.layer.match_neurons` (PFNM's cost, or
+   NAFI's with λ > 0), σ², σ0², γ0 estimated per block as for any layer; the fused units
+   are the posterior means, at the width ``width`` / ``width_ratio`` asks (one width for
+   every block: config.json holds one).
+3. Every other tensor is the sample-weighted average of the aligned clients.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from fusekit.core import neurons
+from fusekit.core.checkpoint import Checkpoint
+from fusekit.core.errors import IncompatibleModelsError, ParameterError, SpecError
+from fusekit.core.transformer import Group, TransformerSpec, unit_rows
+from fusekit.engine.matching import solve_assignment
+from fusekit.methods.bayesian.layer import match_neurons
+from fusekit.methods.bayesian.network import (
+    BayesianParams,
+    client_sigmas,
+    hyperparameters,
+    layer_widths,
+)
+from fusekit.methods.base import sample_weights
+from fusekit.methods.ot import resolve_anchor
+from fusekit.methods.transformer import align_client, cast_like, client_arrays
+
+
+def fuse_transformer_mlps(checkpoints: Sequence[Checkpoint], specs: Sequence[TransformerSpec],
+                          params: BayesianParams, method: str
+                          ) -> tuple[dict[str, np.ndarray], TransformerSpec, dict[str, Any]]:
+    """Fuse transformer clients with PFNM / NAFI on their MLP units (module docstring).
+
+    Returns:
+        (state_dict, fused spec (the anchor's, MLP widths fused), report).
+
+    Raises:
+        IncompatibleModelsError: groups other than the MLPs of unequal sizes.
+        ParameterError: ``width="unlimited"`` (each block would infer its own width).
+    """
+    anchor = resolve_anchor(checkpoints, None)
+    mlps = specs[anchor].of_kind("mlp")
+    _check_aligned_sizes(checkpoints, specs, anchor, set(mlps), method)
+    widths = layer_widths(params, [[sp.groups[g].size for g in mlps] for sp in specs])
+    if None in widths or len(set(widths)) > 1:
+        raise ParameterError(f"width: {method} on a transformer needs one MLP width for every "
+                             "block (config.json holds one); give --width N or --width-ratio, "
+                             f"found {params.width!r}")
+    start = time.perf_counter()
+    clients = _aligned_clients(checkpoints, specs, anchor, set(mlps))
+    align_s = time.perf_counter() - start
+    sigmas = None if params.sigma is None else client_sigmas(params.sigma, len(checkpoints))
+    fused_sizes, reports, fused_tensors = {}, [], {}
+    for index in mlps:
+        groups = [sp.groups[index] for sp in specs]
+        means, report = _match_mlp(clients, groups, params, sigmas, widths[0], index)
+        fused_tensors.update(_write_back(means, groups[anchor], clients[anchor]))
+        fused_sizes[groups[anchor].name] = means.shape[0]
+        reports.append({"layer": groups[anchor].name, "width_asked": widths[0], **report})
+    weights = sample_weights(checkpoints)
+    state_dict = {}
+    for name, array in clients[anchor].items():
+        fused = fused_tensors.get(name)
+        if fused is None:
+            fused = (sum(w * c[name] for w, c in zip(weights, clients, strict=True))
+                     if array.dtype.kind == "f" else np.max([c[name] for c in clients], 0))
+        state_dict[name] = cast_like(fused, checkpoints[anchor].tensors[name].dtype)
+    report = {"anchor": checkpoints[anchor].label, "align_time_s": align_s,
+              "layers": reports}
+    return state_dict, specs[anchor].with_group_sizes(fused_sizes), report
+
+
+def _check_aligned_sizes(checkpoints, specs, anchor: int, matched: set[int],
+                         method: str) -> None:
+    """Groups other than the matched ones are aligned by permutations: equal sizes."""
+    for checkpoint, spec in zip(checkpoints, specs, strict=True):
+        for index, (group, mine) in enumerate(zip(spec.groups, specs[anchor].groups,
+                                                  strict=True)):
+            if index not in matched and group.size != mine.size:
+                raise IncompatibleModelsError(
+                    f"{checkpoint.label}: group {group.name!r} has {group.size} units but the "
+                    f"anchor {checkpoints[anchor].label} has {mine.size}; {method} matches MLP "
+                    "units of any number and aligns the rest, which needs equal sizes")
+
+
+def _aligned_clients(checkpoints, specs, anchor: int, skip: set[int]) -> list[dict]:
+    """Every client in float64, all groups but ``skip`` aligned to the anchor."""
+    reference = client_arrays(checkpoints[anchor])
+    clients = []
+    for s, (checkpoint, spec) in enumerate(zip(checkpoints, specs, strict=True)):
+        if s == anchor:
+            clients.append(reference)
+            continue
+        client = client_arrays(checkpoint)
+        align_client(reference, client, spec, sweeps=0, rng=None, solver=solve_assignment,
+                     skip=skip)
+        clients.append(client)
+    return clients
+
+
+def _match_mlp(clients: Sequence[dict], groups: Sequence[Group], params: BayesianParams,
+               sigmas, width: int, index: int) -> tuple[np.ndarray, dict[str, Any]]:
+    """One block's MLP units matched across clients: (fused width, P) posterior means."""
+    vecs, labels = [], None
+    for client, group in zip(clients, groups, strict=True):
+        parts = [unit_rows(client[slot.tensor], slot, group.size) for slot in group.slots]
+        vecs.append(np.hstack(parts))
+        labels = np.concatenate([np.full(p.shape[1], i) for i, p in enumerate(parts)])
+    observed = [np.ones(v.shape[1], dtype=bool) for v in vecs]
+    unit = neurons.block_variances(vecs, observed, labels)
+    sigma2, sigma0_2, gamma0, hyper = hyperparameters(params, sigmas, vecs, observed, unit,
+                                                      index)
+    result = match_neurons(vecs, [o / s2 for o, s2 in zip(observed, sigma2, strict=True)],
+                           mu0=params.mu0, sigma0_2=sigma0_2, gamma0=gamma0,
+                           sweeps=params.sweeps, seed=params.seed + index, lam=params.lam,
+                           width=width, backend=params.backend)
+    return result.means, {**result.report, "hyperparameters": hyper}
+
+
+def _write_back(means: np.ndarray, group: Group, like: dict[str, np.ndarray]
+                ) -> dict[str, np.ndarray]:
+    """The MLP tensors at the fused width from the matched units' vectors: each slot's
+    columns of ``means``, put back on the slot's axis (the tensors' other axes are the
+    anchor's, as in ``like``)."""
+    out, start = {}, 0
+    width = means.shape[0]
+    for slot in group.slots:
+        moved = np.moveaxis(like[slot.tensor], slot.axis, 0)
+        if slot.offset or group.size * slot.block != moved.shape[0]:
+            raise SpecError(f"group {group.name!r}: an MLP group must span all of axis "
+                            f"{slot.axis} of tensor {slot.tensor!r} to change its width")
+        rest = moved.shape[1:]
+        size = int(np.prod(rest, dtype=np.int64)) * slot.block
+        block = means[:, start:start + size].reshape(width * slot.block, *rest)
+        start += size
+        out[slot.tensor] = np.moveaxis(block, 0, slot.axis)
+    return out
