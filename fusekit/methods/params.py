@@ -138,6 +138,16 @@ class ParamSpec:
             what += ", or None"
         return what
 
+    def to_json(self) -> dict[str, Any]:
+        """The declaration as JSON, for forms built from it (the service's web page)."""
+        p = self.param
+        return {"name": self.name, "kind": self.kind, "optional": self.optional,
+                "default": self.default if self.kind in TEXT_KINDS else None,
+                "default_text": self.describe_default(), "help": p.help, "paper": p.paper,
+                "choices": list(p.choices) if p.choices is not None else None,
+                "minimum": p.minimum, "maximum": p.maximum, "above": p.above,
+                "expected": self.expected()}
+
 
 def method_params(method: Any) -> list[ParamSpec]:
     """The declared parameters of a method (class or instance), in signature order."""

@@ -31,6 +31,7 @@ from fusekit.service.errors import Busy, Conflict, Forbidden, NotFound, ServiceE
 from fusekit.service.settings import Settings
 from fusekit.service.store import JobStore, authorize, view, without_paths
 from fusekit.service.uploads import Upload
+from fusekit.service.web import add_web
 from fusekit.service.worker import REPORT, RESULT, make_queue, recover
 
 log = logging.getLogger(__name__)
@@ -180,6 +181,7 @@ def create_app(settings: Settings) -> FastAPI:
         await run_in_threadpool(store.delete, job_id)
         return {"id": job_id, "deleted": True}
 
+    add_web(app, store, admin_only, REQUEST_KINDS)
     return app
 
 

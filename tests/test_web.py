@@ -1,0 +1,347 @@
+"""The service's web page, in a real browser: Debian's headless ``chromium`` driven by
+Selenium through ``chromedriver``, against a real ``fusekit serve`` on 127.0.0.1 (the
+fixtures of test_service.py). Without the browser, the browser tests are skipped with the
+reason (``-ra`` prints it); the page's routes and JSON are tested over HTTP either way.
+
+``FUSEKIT_SCREENSHOTS=<folder>`` saves a screenshot of each page there (docs/images).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import hashlib
+import os
+import re
+import shutil
+import time
+import tomllib
+from pathlib import Path
+
+import httpx
+import pytest
+from bench_service import ServiceProcess
+from test_service import ADMIN, admin, models, one_line_error, put, service  # noqa: F401
+
+from conftest import mlp, write
+from fusekit.client import Client, ServiceError
+from fusekit.methods import METHODS
+from fusekit.methods.params import method_params
+from fusekit.service.app import REQUEST_KINDS
+from fusekit.service.web import STATIC
+from fusekit.toolkit.processes import end_groups
+
+ROOT = Path(__file__).resolve().parents[1]
+WAIT_S = 60  # the longest any one wait on the page may take
+SHOTS = os.environ.get("FUSEKIT_SCREENSHOTS")
+
+
+# -- over HTTP: the pages' routes and the JSON they use --------------------------------------
+
+def test_pages_and_their_files_are_served_from_this_server_only(service):
+    for path in ("/", "/upload"):
+        page = httpx.get(service.url + path)
+        assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+        assert "default-src 'self'" in page.headers["content-security-policy"]
+        linked = re.findall(r'(?:src|href)="([^"#]+)"', page.text)
+        assert linked and all(link.startswith("/static/") for link in linked), linked
+        for link in linked:
+            assert httpx.get(service.url + link).status_code == 200, link
+    for file in STATIC.iterdir():  # nothing fetched from elsewhere at run time
+        urls = set(re.findall(r"https?://[^\s\"'`)]+", file.read_text()))
+        assert urls <= {"http://www.w3.org/2000/svg"}, (file.name, urls)
+    one_line_error(httpx.get(service.url + "/static/nope.js"), 404, "/static/nope.js")
+
+
+def test_the_static_files_are_package_data():
+    """A wheel (not only an editable install) carries every file the page needs."""
+    patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-data"]["fusekit.service"]
+    for file in STATIC.rglob("*"):
+        name = str(file.relative_to(STATIC.parent))
+        assert file.is_dir() or any(fnmatch.fnmatch(name, p) for p in patterns), name
+
+
+def test_methods_lists_every_parameter_a_job_may_set_as_declared(service):
+    methods = httpx.get(f"{service.url}/v1/methods").json()["methods"]  # no token needed
+    assert [m["name"] for m in methods] == sorted(METHODS)
+    for listed in methods:
+        declared = [s.to_json() for s in method_params(METHODS[listed["name"]])
+                    if s.kind in REQUEST_KINDS]
+        assert listed["params"] == declared
+    ot = next(m for m in methods if m["name"] == "ot")
+    assert "activations" not in {p["name"] for p in ot["params"]}  # a Python object
+    sweeps = next(p for p in next(m for m in methods if m["name"] == "pfnm")["params"]
+                  if p["name"] == "sweeps")
+    assert sweeps == {**sweeps, "kind": "int", "default": 5, "minimum": 0, "maximum": 1000}
+
+
+def test_job_list_is_the_admins_only(service, admin, models):  # noqa: F811
+    job = admin.create_job("avg", ["a", "b"])
+    admin.submit(job["id"], "a", models[0])
+    url = f"{service.url}/v1/jobs"
+    one_line_error(httpx.get(url), 401, "Bearer")
+    one_line_error(httpx.get(url, headers={"Authorization": f"Bearer {job['tokens']['a']}"}),
+                   403, "admin")
+    jobs = httpx.get(url, headers={"Authorization": f"Bearer {ADMIN}"}).json()["jobs"]
+    mine = next(j for j in jobs if j["id"] == job["id"])
+    assert mine == {**mine, "method": "avg", "state": "collecting", "clients": 2, "filled": 1}
+    assert [j["created_at"] for j in jobs] == sorted((j["created_at"] for j in jobs),
+                                                     reverse=True)
+    admin.delete(job["id"])
+    jobs = httpx.get(url, headers={"Authorization": f"Bearer {ADMIN}"}).json()["jobs"]
+    assert job["id"] not in {j["id"] for j in jobs}
+
+
+# -- in the browser --------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    """Headless Chromium under chromedriver, each in its own process group (ended after)."""
+    webdriver = pytest.importorskip(
+        "selenium.webdriver", reason="selenium is not installed (the [test] extra has it)")
+    from selenium.common.exceptions import WebDriverException
+    from selenium.webdriver.chrome.service import Service
+
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    driver_path = shutil.which("chromedriver")
+    if not chromium or not driver_path:
+        pytest.skip("browser tests: Debian's chromium and chromium-driver are not installed "
+                    "(apt-get install chromium chromium-driver; .ci/run does)")
+    downloads = tmp_path_factory.mktemp("downloads")
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage",
+                     "--window-size=1100,800", "--no-first-run", "--disable-extensions",
+                     "--disable-background-networking", "--disable-component-update",
+                     "--disable-sync", "--lang=en-GB"):
+        options.add_argument(argument)
+    options.add_experimental_option("prefs", {"download.default_directory": str(downloads),
+                                              "download.prompt_for_download": False})
+    service = Service(driver_path, log_output=str(downloads.parent / "chromedriver.log"),
+                      popen_kw={"start_new_session": True})
+    try:
+        driver = webdriver.Chrome(options=options, service=service)
+    except WebDriverException as exc:
+        if service.process is not None:
+            end_groups([service.process])
+        pytest.skip(f"browser tests: chromium could not be started: {exc.msg}")
+    driver.set_page_load_timeout(WAIT_S)
+    driver.set_script_timeout(WAIT_S)
+    driver.downloads = downloads
+    try:
+        yield driver
+    finally:
+        with contextlib.suppress(WebDriverException):
+            driver.quit()
+        end_groups([service.process])  # chromium too, should quit have left it
+
+
+@pytest.fixture(scope="module")
+def big_service(tmp_path_factory):
+    """A server taking checkpoints large enough that fusion runs for seconds, long
+    enough for the page's progress to be seen."""
+    server = ServiceProcess(tmp_path_factory.mktemp("web") / "data",
+                            options=("--max-checkpoint-bytes", str(8 * 2**20)),
+                            env={"FUSEKIT_ADMIN_TOKEN": ADMIN})
+    server.start()
+    yield server
+    server.stop()
+
+
+def wait_for(driver, condition, what: str, timeout: float = WAIT_S):
+    from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    return WebDriverWait(driver, timeout, poll_frequency=0.05, ignored_exceptions=(
+        NoSuchElementException, StaleElementReferenceException)).until(condition, what)
+
+
+def by_id(driver, element_id: str):
+    from selenium.webdriver.common.by import By
+
+    return driver.find_element(By.ID, element_id)
+
+
+def select_all(driver, css: str):
+    from selenium.webdriver.common.by import By
+
+    return driver.find_elements(By.CSS_SELECTOR, css)
+
+
+def shoot(driver, name: str) -> None:
+    """A screenshot of the whole page into $FUSEKIT_SCREENSHOTS, when it is set."""
+    if not SHOTS:
+        return
+    height, chrome = driver.execute_script("return [document.documentElement.scrollHeight, "
+                                           "window.outerHeight - window.innerHeight]")
+    driver.set_window_size(1100, max(600, min(height, 2400)) + chrome)
+    time.sleep(0.2)
+    driver.save_screenshot(str(Path(SHOTS) / f"{name}.png"))
+    driver.set_window_size(1100, 800)
+
+
+def sign_in(driver, url: str, token: str) -> None:
+    driver.get(url + "/")
+    field = wait_for(driver, lambda d: by_id(d, "admin-token"), "the sign-in form")
+    field.send_keys(token)
+    select_all(driver, "#sign-in button")[0].click()
+
+
+def upload(driver, url: str, job: str, client: str, token: str, path: Path) -> str:
+    """The client's page: the link's address, the token typed, the file picked; the verdict."""
+    driver.get(f"{url}/upload?job={job}&client={client}")
+    by_id(driver, "token").send_keys(token)
+    by_id(driver, "file").send_keys(str(path))
+    by_id(driver, "send").click()
+    return wait_for(driver, lambda d: by_id(d, "verdict").get_attribute("class") in (
+        "accepted", "refused") and by_id(d, "verdict").text, "the server's verdict")
+
+
+def api_error(response: httpx.Response) -> str:
+    return f"{response.json()['error']} (HTTP {response.status_code})"
+
+
+def test_nothing_is_shown_before_the_admin_token_and_a_wrong_one_is_refused(browser, service):
+    browser.get(service.url + "/")
+    wait_for(browser, lambda d: by_id(d, "admin-token"), "the sign-in form")
+    shoot(browser, "sign-in")
+    assert not by_id(browser, "nav").is_displayed()
+    assert not select_all(browser, "#jobs, #create, #job")
+    sign_in(browser, service.url, "forged")
+    shown = wait_for(browser, lambda d: by_id(d, "sign-in-error").text, "the refusal")
+    expected = api_error(httpx.get(f"{service.url}/v1/jobs",
+                                   headers={"Authorization": "Bearer forged"}))
+    assert shown == expected
+    assert not select_all(browser, "#jobs")
+    assert browser.execute_script("return sessionStorage.length + localStorage.length") == 0
+
+
+def test_the_form_has_a_field_for_each_declared_parameter(browser, service):
+    from selenium.webdriver.support.ui import Select
+
+    sign_in(browser, service.url, ADMIN)
+    wait_for(browser, lambda d: by_id(d, "nav").is_displayed(), "signed in")
+    browser.get(service.url + "/#new")
+    method = Select(wait_for(browser, lambda d: by_id(d, "method"), "the form"))
+    for name, cls in METHODS.items():
+        method.select_by_value(name)
+        fields = {e.get_attribute("data-param") for e in select_all(browser, "[data-param]")}
+        assert fields == {s.name for s in method_params(cls) if s.kind in REQUEST_KINDS}, name
+
+
+def test_coordinator_and_two_clients_in_the_browser(browser, big_service, tmp_path):
+    url, driver = big_service.url, browser
+    names = ("hospital-a", "hospital-b")
+    paths = [write(tmp_path / f"{n}.safetensors", mlp((64, 400, 400, 400, 10), seed=i),
+                   num_samples=10 + i) for i, n in enumerate(names)]
+    sign_in(driver, url, ADMIN)
+    wait_for(driver, lambda d: by_id(d, "nav").is_displayed(), "signed in")
+    assert driver.execute_script(
+        "return [sessionStorage.getItem('fusekit.admin-token'), localStorage.length]") == [
+        ADMIN, 0]
+
+    driver.get(url + "/#new")
+    wait_for(driver, lambda d: by_id(d, "param-sweeps"), "the pfnm parameters")
+    by_id(driver, "clients").send_keys(", ".join(names))
+    by_id(driver, "param-sigma").send_keys("1.0")
+    by_id(driver, "param-sweeps").send_keys("3")
+    shoot(driver, "new-job")
+    select_all(driver, "#create button[type=submit]")[0].click()
+    table = wait_for(driver, lambda d: by_id(d, "tokens"), "the clients' tokens")
+    fields = [e.get_attribute("value") for e in table.find_elements("css selector", "input")]
+    tokens = dict(zip(names, fields[0::2], strict=True))
+    links = dict(zip(names, fields[1::2], strict=True))
+    job_id = re.fullmatch(r"Job ([0-9a-f]{32}) created", select_all(driver, "h2")[0].text)[1]
+    shoot(driver, "tokens")
+    with Client(url, ADMIN) as admin:
+        job = admin.status(job_id)
+        assert job["method"] == "pfnm" and job["params"] == {"sigma": 1.0, "sweeps": 3}
+        for name in names:
+            assert links[name] == f"{url}/upload?job={job_id}&client={name}"
+            assert tokens[name] not in links[name]
+            with Client(url, tokens[name]) as client:  # each token is that client's
+                assert client.status(job_id)["client"] == name
+
+        for name, path in zip(names, paths, strict=True):
+            verdict = upload(driver, url, job_id, name, tokens[name], path)
+            digest = hashlib.sha256(path.read_bytes()).hexdigest()
+            assert verdict.startswith(f"Accepted: {path.name}, {path.stat().st_size} bytes, "
+                                      f"SHA-256 {digest}"), verdict
+            assert by_id(driver, "progress").get_attribute("value") == str(path.stat().st_size)
+            assert "(100%)" in by_id(driver, "progress-text").text
+            assert admin.status(job_id)["slots"][name]["sha256"] == digest
+        shoot(driver, "upload")
+
+        driver.get(f"{url}/#job/{job_id}")
+        run = wait_for(driver, lambda d: by_id(d, "run").is_enabled() and by_id(d, "run"),
+                       "the Run button")
+        rows = select_all(driver, "#slots tbody tr")
+        assert [r.get_attribute("data-client") for r in rows] == list(names)
+        for row, path in zip(rows, paths, strict=True):
+            assert hashlib.sha256(path.read_bytes()).hexdigest() in row.text
+        shoot(driver, "job-collecting")
+        driver.execute_script(  # every progress text the page shows, as it polls
+            "window.seen = []; new MutationObserver(() => { const p = "
+            "document.getElementById('progress-text'); if (p) window.seen.push([p.textContent,"
+            " document.getElementById('job-progress')?.value]); })"
+            ".observe(document.getElementById('main'), {childList: true, subtree: true});")
+        run.click()
+        wait_for(driver, lambda d: by_id(d, "job").get_attribute("data-state") in (
+            "succeeded", "failed"), "the job to finish", timeout=120)
+        assert by_id(driver, "job").get_attribute("data-state") == "succeeded"
+        seen = driver.execute_script("return window.seen")
+        layers = [(text, value) for text, value in seen if "layer" in text]
+        assert layers, seen  # "fusing: layer i of 3 matched", with its bar at i
+        for text, value in layers:
+            assert re.fullmatch(r"fusing: layer ([123]) of 3 matched", text)[1] == str(value)
+
+        charts = wait_for(driver, lambda d: select_all(d, "#report svg.chart"), "the report")
+        titles = [c.find_element("css selector", "title").get_attribute("textContent")
+                  for c in charts]
+        assert titles == ["Fused width per layer", "Objective per sweep",
+                          "Matching time per layer"]
+        report = admin.report(job_id)
+        bars = charts[0].find_elements("css selector", "rect.bar title")
+        fused = [b.get_attribute("textContent") for b in bars if ", fused:" in b.get_attribute(
+            "textContent")]
+        assert fused == [f"layer {layer['layer']}, fused: {layer['width']}"
+                         for layer in report["report"]["layers"]]
+        assert len(charts[1].find_elements("css selector", "polyline")) == 3
+        shoot(driver, "job-succeeded")
+
+        by_id(driver, "download").click()
+        saved = driver.downloads / f"fused-{job_id}.safetensors"
+        wait_for(driver, lambda d: saved.exists() and not list(
+            driver.downloads.glob("*.crdownload")), "the download")
+        assert saved.read_bytes() == admin.result(job_id, tmp_path / "api.safetensors"
+                                                  ).read_bytes()
+
+        by_id(driver, "delete").click()
+        wait_for(driver, lambda d: d.switch_to.alert, "the confirmation").accept()
+        wait_for(driver, lambda d: select_all(d, "#jobs") or "No jobs" in d.page_source,
+                 "the jobs list")
+        with pytest.raises(ServiceError, match="no such job"):
+            admin.status(job_id)
+
+
+def test_the_upload_page_refuses_as_the_api_does(browser, service, admin, models):  # noqa: F811
+    job = admin.create_job("avg", ["a", "b"], max_checkpoint_bytes=300)
+    body = models[0].read_bytes()
+    assert len(body) > 300
+    cases = [  # (client page, token, what the API answers the same upload)
+        ("a", "forged", put(service, job["id"], "a", "forged", body)),
+        ("b", job["tokens"]["a"], put(service, job["id"], "b", job["tokens"]["a"], body)),
+        ("a", job["tokens"]["a"], put(service, job["id"], "a", job["tokens"]["a"], body)),
+    ]
+    assert [answer.status_code for *_, answer in cases] == [403, 403, 413]
+    for client, token, answer in cases:
+        verdict = upload(browser, service.url, job["id"], client, token, models[0])
+        assert verdict == f"Refused: {api_error(answer)}"
+        if answer.status_code == 413:
+            shoot(browser, "upload-refused")
+    assert not any(slot["filled"] for slot in admin.status(job["id"])["slots"].values())
+    browser.get(f"{service.url}/upload?job={job['id']}")  # a link without the client's name
+    verdict = wait_for(browser, lambda d: by_id(d, "verdict").text, "the page's answer")
+    assert "lacks the job id or the client name" in verdict
+    assert not by_id(browser, "upload-form").is_displayed()
