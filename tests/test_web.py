@@ -39,6 +39,7 @@ SHOTS = os.environ.get("FUSEKIT_SCREENSHOTS")
 # -- over HTTP: the pages' routes and the JSON they use --------------------------------------
 
 def test_pages_and_their_files_are_served_from_this_server_only(service):
+    assert f"web page: {service.url}/ " in service.log.read_text()  # fusekit serve says where
     for path in ("/", "/upload"):
         page = httpx.get(service.url + path)
         assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
@@ -170,7 +171,10 @@ def select_all(driver, css: str):
 
 
 def shoot(driver, name: str) -> None:
-    """A screenshot of the whole page into $FUSEKIT_SCREENSHOTS, when it is set."""
+    """A screenshot of the whole page into $FUSEKIT_SCREENSHOTS, when it is set; and no
+    page shows JavaScript's values for what is missing."""
+    text = by_id(driver, "main").text
+    assert not re.search(r"\bundefined\b|\bNaN\b|\[object |^(false|null)$", text, re.M), text
     if not SHOTS:
         return
     height, chrome = driver.execute_script("return [document.documentElement.scrollHeight, "
@@ -273,6 +277,10 @@ def test_coordinator_and_two_clients_in_the_browser(browser, big_service, tmp_pa
             assert admin.status(job_id)["slots"][name]["sha256"] == digest
         shoot(driver, "upload")
 
+        driver.get(f"{url}/#")
+        row = wait_for(driver, lambda d: select_all(d, f"tr[data-job='{job_id}']"), "the job")[0]
+        assert row.text.split()[:4] == [job_id[:8], "pfnm", "collecting", "2"], row.text
+        shoot(driver, "jobs")
         driver.get(f"{url}/#job/{job_id}")
         run = wait_for(driver, lambda d: by_id(d, "run").is_enabled() and by_id(d, "run"),
                        "the Run button")
@@ -287,6 +295,10 @@ def test_coordinator_and_two_clients_in_the_browser(browser, big_service, tmp_pa
             " document.getElementById('job-progress')?.value]); })"
             ".observe(document.getElementById('main'), {childList: true, subtree: true});")
         run.click()
+        if SHOTS:  # the bar while it runs, if a poll lands in time
+            with contextlib.suppress(Exception):
+                wait_for(driver, lambda d: by_id(d, "job-progress"), "progress", timeout=10)
+                shoot(driver, "job-running")
         wait_for(driver, lambda d: by_id(d, "job").get_attribute("data-state") in (
             "succeeded", "failed"), "the job to finish", timeout=120)
         assert by_id(driver, "job").get_attribute("data-state") == "succeeded"

@@ -26,6 +26,7 @@ def serve(settings: Settings, host: str = "127.0.0.1", port: int = 8420, workers
     token_file = app.state.admin_token_file
     announce("admin token: from FUSEKIT_ADMIN_TOKEN" if token_file is None
              else f"admin token: {token_file}")
+    announce(f"web page: http://{host}:{port}/ (coordinator; clients upload at /upload)")
     # uvicorn re-raises SIGTERM once it has shut down; as an exception it lets the workers
     # be stopped below instead of killing this process on the spot.
     signal.signal(signal.SIGTERM, _exit)

@@ -18,7 +18,7 @@
   const api = (method, path, body) => fk.json(method, path, token(), body);
 
   function show(...nodes) {
-    main.replaceChildren(...nodes);
+    main.replaceChildren(...nodes.filter(Boolean));
   }
 
   function poll(view, fn, ms) {
