@@ -5,7 +5,7 @@ positions, LayerNorms scale the residual stream, and several tensors hold severa
 at once. Its structure is therefore described by groups of *slots*: a slot is a span of
 one axis of one tensor, cut into ``size`` units of ``block`` consecutive entries starting
 at ``offset``; permuting a group re-orders the units of every slot of that group alike.
-Group kinds (ALGORITHMS.md §12):
+Group kinds (ALGORITHMS.md §13):
 
 - ``stream``: the residual stream: the embeddings' feature axes, every attention output
   projection's and MLP output's rows and bias, every LayerNorm weight and bias, the final

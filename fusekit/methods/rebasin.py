@@ -110,9 +110,6 @@ class ReBasin(FusionMethod):
                                    solver=solver)
 
         state_dict, reports, assignments = fuse_aligned(checkpoints, specs, anchor_index, align)
-        params = {"anchor": checkpoints[anchor_index].label if anchor is not None else None,
-                  "max_sweeps": max_sweeps, "seed": seed, "backend": backend}
-        state_dict, reports = fuse_aligned(checkpoints, specs, anchor_index, align)
         report = {"anchor": checkpoints[anchor_index].label, "alignment": reports,
                   "align_time_s": time.perf_counter() - start}
         return self.result(state_dict, checkpoints, specs[anchor_index], params, report,

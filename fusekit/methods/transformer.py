@@ -1,5 +1,5 @@
 """Aligning transformers to an anchor and averaging them (rebasin and ot on
-:class:`~fusekit.core.transformer.TransformerSpec`); ALGORITHMS.md §12.
+:class:`~fusekit.core.transformer.TransformerSpec`); ALGORITHMS.md §13.
 
 A client is aligned group by group: the residual stream, each block's heads (as units),
 each head's q/k and v dimensions, each block's MLP hidden units. A group's permutation is

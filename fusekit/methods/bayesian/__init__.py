@@ -172,15 +172,13 @@ class BayesianMatching(FusionMethod):
             class_weights=class_weights,
             unobserved=unobserved, variance_units=variance_units, backend=backend,
         )
-        fuse = fuse_groups if isinstance(specs[0], GraphSpec) else fuse_network
-        state_dict, fused_spec, report, assignments = fuse(checkpoints, specs, params, self.name)
-                           assignments)
         if isinstance(specs[0], TransformerSpec):
             fuse = fuse_transformer_mlps
         else:
             fuse = fuse_groups if isinstance(specs[0], GraphSpec) else fuse_network
-        state_dict, fused_spec, report = fuse(checkpoints, specs, params, self.name)
-        return self.result(state_dict, checkpoints, fused_spec, params.as_json(), report)
+        state_dict, fused_spec, report, assignments = fuse(checkpoints, specs, params, self.name)
+        return self.result(state_dict, checkpoints, fused_spec, params.as_json(), report,
+                           assignments)
 
 
 @register

@@ -1,5 +1,5 @@
 """PFNM / NAFI on transformers: the MLP hidden units of each block matched across clients,
-everything else aligned to an anchor and averaged (ALGORITHMS.md §12).
+everything else aligned to an anchor and averaged (ALGORITHMS.md §13).
 
 1. Every client's residual stream, heads, and heads' q/k and v dimensions are aligned to
    the anchor (one pass in data-flow order, :func:`fusekit.methods.transformer.align_client`
@@ -79,7 +79,7 @@ def fuse_transformer_mlps(checkpoints: Sequence[Checkpoint], specs: Sequence[Tra
         state_dict[name] = cast_like(fused, checkpoints[anchor].tensors[name].dtype)
     report = {"anchor": checkpoints[anchor].label, "align_time_s": align_s,
               "layers": reports}
-    return state_dict, specs[anchor].with_group_sizes(fused_sizes), report
+    return state_dict, specs[anchor].with_group_sizes(fused_sizes), report, None
 
 
 def _check_aligned_sizes(checkpoints, specs, anchor: int, matched: set[int],
