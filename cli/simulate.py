@@ -106,6 +106,14 @@ def simulate(
         int | None,
         typer.Option("--clients-per-round", help="--rounds: clients sampled per round [all]."),
     ] = None,
+    calibrate: Annotated[
+        bool,
+        typer.Option(
+            "--calibrate",
+            help="--rounds: calibrate each fused model with the sampled clients' statistics "
+            "of their own data (fusekit stats / calibrate, layer by layer).",
+        ),
+    ] = False,
     fednlr: Annotated[
         bool,
         typer.Option(
@@ -127,8 +135,9 @@ def simulate(
     """Train simulated clients and write their checkpoints, or run federated rounds (--rounds).
 
     Each client trains on its own part of the data (Dirichlet, label-skew or iid split)."""
-    if rounds is None and (method != "avg" or clients_per_round is not None):
-        raise ParameterError("--method and --clients-per-round: only with --rounds R")
+    if rounds is None and (method != "avg" or clients_per_round is not None or calibrate):
+        raise ParameterError("--method, --clients-per-round and --calibrate: only with "
+                             "--rounds R")
     from fusekit.toolkit.data import load_dataset  # torch: only for commands that train
     from fusekit.toolkit.rounds import RoundsConfig
     from fusekit.toolkit.simulate import SimulationConfig, client_archs, simulate_clients
@@ -170,7 +179,8 @@ def simulate(
     client_archs(config, dataset)  # reject a bad --arch before any training
     if rounds is not None:
         rounds_config = RoundsConfig(rounds=rounds, method=method,
-                                     clients_per_round=clients_per_round, simulation=config)
+                                     clients_per_round=clients_per_round, simulation=config,
+                                     calibrate=calibrate)
         _run_rounds(dataset, rounds_config, out, device, force, as_json)
         return
     columns = (
@@ -266,9 +276,13 @@ def _run_rounds(dataset: Dataset, config: RoundsConfig, out: Path, device: str, 
         return
     from rich.table import Table
 
-    table = Table("round", "method", "clients", "accuracy", "loss", "drift", "dislocated",
-                  title=f"{config.rounds} rounds on {dataset.name} -> {model_path}")
+    before = ["uncal."] if config.calibrate else []
+    table = Table("round", "method", "clients", *before, "accuracy", "loss", "drift",
+                  "dislocated", title=f"{config.rounds} rounds on {dataset.name} -> {model_path}")
     for log in result.rounds:
-        table.add_row(str(log.round), log.method, str(len(log.clients)), f"{log.accuracy:.4f}",
+        uncalibrated = ("-" if log.uncalibrated_accuracy is None
+                        else f"{log.uncalibrated_accuracy:.4f}")
+        table.add_row(str(log.round), log.method, str(len(log.clients)),
+                      *([uncalibrated] if config.calibrate else []), f"{log.accuracy:.4f}",
                       f"{log.loss:.4f}", f"{log.drift:.4f}", f"{100 * log.dislocated:.1f}%")
     stdout.print(table)

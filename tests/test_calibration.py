@@ -254,3 +254,28 @@ def test_calibrated_resnet_loads_strictly_into_the_torchvision_module():
     with torch.no_grad():
         np.testing.assert_allclose(loaded(x).numpy(), module.eval()(x).numpy(), rtol=1e-5,
                                    atol=1e-5)
+
+
+def test_simulate_rounds_calibrate_each_fused_model(tmp_path):
+    result = runner.invoke(app, [
+        "simulate", "-o", str(tmp_path / "sim"), "--rounds", "1", "--method", "ot",
+        "--calibrate", "--clients", "3", "--epochs", "1", "--batchnorm", "--arch", "mlp:16,16",
+        "--partition", "iid", "--device", "cpu", "--json"])
+    assert result.exit_code == 0, result.output
+    log = json.loads(result.stdout)["rounds"][0]
+    assert 0 <= log["uncalibrated_accuracy"] <= 1 and 0 <= log["accuracy"] <= 1
+    calibration = json.loads(load_checkpoint(tmp_path / "sim" / "global.safetensors")
+                             .metadata["fusekit.calibration"])
+    assert calibration["clients"] == 3 and calibration["rounds"] == 2
+    bad = runner.invoke(app, ["simulate", "-o", str(tmp_path / "x"), "--calibrate"])
+    assert bad.exit_code == 2 and "only with --rounds" in bad.stderr
+
+
+def test_demo_calibrate_scores_the_calibrated_models():
+    from fusekit.toolkit.demo import DemoConfig, run_demo
+
+    report = run_demo(DemoConfig(clients=3, epochs=1, arch="mlp:16,16", batchnorm=True,
+                                 methods=["ot", "ams"], device="cpu", calibrate=True))
+    runs = {run.method: run for run in report.methods}
+    assert runs["ot"].calibrated is not None and runs["ams"].calibrated is None
+    assert not report.failed

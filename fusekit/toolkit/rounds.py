@@ -7,6 +7,8 @@ Round r (1-based) of R:
    FedNLR neuron-wise rates or a Fed² structure: all are properties of the model and the
    training settings, see :mod:`fusekit.toolkit.train`);
 3. :func:`fuse_round` fuses the updates with ``fusekit.fuse`` into the next global model;
+   with ``calibrate``, the sampled clients then calibrate it with statistics of their own
+   data, layer by layer (ALGORITHMS §12);
 4. the global model is evaluated on the test split.
 
 :func:`fuse_round` is the whole server-side step (in-memory checkpoints in, one checkpoint
@@ -35,8 +37,10 @@ from typing import Any
 import numpy as np
 
 from fusekit.api import client_spec, fuse
+from fusekit.core import metadata as meta
 from fusekit.core.checkpoint import Checkpoint, is_integer_buffer
 from fusekit.core.errors import ParameterError
+from fusekit.core.stats import DEFAULT_MIN_SAMPLES
 from fusekit.engine.matching import solve_assignment, sqeuclidean_cost
 from fusekit.methods import METHODS, get_method
 from fusekit.toolkit.data import Dataset, partition
@@ -67,6 +71,8 @@ class RoundsConfig:
         clients_per_round: clients sampled each round; None = all S.
         simulation: data split, architecture (PANs, Fed²), local training and seed; every
             client starts each round from the global model.
+        calibrate: calibrate each fused model with the sampled clients' statistics of
+            their own data (fusions that record assignments; others are left as they are).
     """
 
     rounds: int = 10
@@ -74,6 +80,7 @@ class RoundsConfig:
     params: Mapping[str, Any] = field(default_factory=dict)
     clients_per_round: int | None = None
     simulation: SimulationConfig = field(default_factory=SimulationConfig)
+    calibrate: bool = False
 
     def __post_init__(self) -> None:
         if self.rounds < 1:
@@ -108,6 +115,7 @@ class RoundLog:
             (:func:`neuron_dislocation`): the dislocation PANs and Fed² guard against.
         widths: hidden widths of the global model.
         time_s: wall time of the round.
+        uncalibrated_accuracy: with calibration, the fused model's accuracy before it.
     """
 
     round: int
@@ -120,6 +128,7 @@ class RoundLog:
     dislocated: float
     widths: list[int]
     time_s: float
+    uncalibrated_accuracy: float | None = None
 
 
 @dataclass
@@ -158,6 +167,18 @@ def fuse_round(
         FusekitError: whatever ``fusekit.fuse`` raises for these inputs.
     """
     result = fuse(list(updates), method, **dict(params or {}))
+    return Checkpoint.from_state_dict(result.state_dict, result.metadata)
+
+
+def calibrate_round(fused: Checkpoint, updates: Sequence[Checkpoint],
+                    client_inputs: Sequence[np.ndarray]) -> Checkpoint:
+    """Calibrate a round's fused model layer by layer with the clients' statistics of their
+    own data (of the fused model, and of their updates: REPAIR's targets)."""
+    from fusekit.toolkit.calibration import calibrate_locally
+
+    result = calibrate_locally(fused, client_inputs, clients=updates,
+                               min_samples=min(DEFAULT_MIN_SAMPLES,
+                                               *(len(x) for x in client_inputs)))
     return Checkpoint.from_state_dict(result.state_dict, result.metadata)
 
 
@@ -223,11 +244,16 @@ def run_rounds(
         method = round_method(config.method, r)
         dislocated = neuron_dislocation(updates, current)
         current = fuse_round(updates, method, config.params if method == config.method else {})
+        before = None
+        if config.calibrate and meta.ASSIGNMENTS in current.metadata:
+            before = evaluator.score(evaluator.logits(current)[1], "", "fused").accuracy
+            current = calibrate_round(current, updates, [dataset.x_train[parts[i]]
+                                                         for i in chosen])
         _, logits = evaluator.logits(current)
         score = evaluator.score(logits, f"round {r}", "fused", method)
         log = RoundLog(r, method, chosen, score.accuracy, score.loss, float(np.mean(losses)),
                        client_drift(updates), dislocated, _widths(current),
-                       time.perf_counter() - start)
+                       time.perf_counter() - start, before)
         logger.debug("round %d/%d (%s): accuracy %.4f, drift %.4f", r, config.rounds, method,
                     log.accuracy, log.drift)
         logs.append(log)

@@ -1,0 +1,214 @@
+"""Calibration from client statistics (ALGORITHMS §12): accuracy of fused models before and
+after calibration, layer by layer (exact) and in one pass, and the cost of ``stats`` and
+``calibrate`` on resnet50.
+
+Accuracy cases (the bundled digits, clients trained here with Adam, batch 32): ResNet-20
+(one input channel) from independent and from one shared initialisation, iid and Dirichlet
+α = 0.5 clients; a VGG-11 with BatchNorm at 1/4 of the standard widths (digits upsampled
+to 32x32, classifier 128-128); MLPs 64-100-100-10 with BatchNorm; MLPs without BatchNorm
+(REPAIR with the clients' own statistics as targets). Each row: every client, the mean
+and best client, the softmax ensemble, and every fused model (named with its widths)
+uncalibrated, calibrated layer by layer, and calibrated in one pass. Clients compute their
+statistics on their own training split; accuracies are on the test split.
+
+Cost (``--cost``): random-weight resnet50 (10 classes), per client ``client_statistics`` on
+N 3x32x32 inputs, then ``fusekit.calibrate`` of the fused model with S statistics:
+time and peak resident memory above the resident size before the call.
+
+    python benchmarks/bench_calibration.py --cases resnet20,mlp_bn,mlp,vgg11_bn --cost
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from bench_support import machine_info, status_mb, write_json
+from threadpoolctl import threadpool_limits
+
+import fusekit
+from fusekit.core.arch import named_arch
+from fusekit.core.checkpoint import Checkpoint, save_checkpoint
+from fusekit.toolkit.calibration import calibrate_locally, client_statistics
+from fusekit.toolkit.data import load_dataset, partition
+from fusekit.toolkit.nn import build_model
+from fusekit.toolkit.train import TrainConfig, train_model
+
+METHODS = {  # label: (method, parameters)
+    "avg": ("avg", {}),
+    "ot": ("ot", {}),
+    "rebasin": ("rebasin", {}),
+    "pfnm 1.0x": ("pfnm", {"width_ratio": 1.0}),
+    "pfnm 1.5x": ("pfnm", {"width_ratio": 1.5}),
+}
+VGG11_QUARTER = {"type": "vgg", "name": "vgg11_bn", "batchnorm": True, "hidden": [128, 128],
+                 "config": [16, "M", 32, "M", 64, 64, "M", 128, 128, "M", 128, 128, "M"],
+                 "in_channels": 1, "out_features": 10}
+
+
+def mlp_arch(batchnorm: bool) -> dict[str, Any]:
+    return {"type": "mlp", "in_features": 64, "hidden": [100, 100], "out_features": 10,
+            "batchnorm": batchnorm}
+
+
+CASES = {  # name: (architecture, input shape, epochs)
+    "resnet20": (named_arch("resnet20", 10, in_channels=1), (1, 8, 8), 10),
+    "vgg11_bn": (VGG11_QUARTER, (1, 32, 32), 8),
+    "mlp_bn": (mlp_arch(True), (64,), 20),
+    "mlp": (mlp_arch(False), (64,), 20),
+}
+
+
+def inputs(x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """Digits (N, 64) in the case's input shape (upsampled 4x for 32x32)."""
+    images = x.reshape(-1, 1, 8, 8)
+    if shape == (1, 32, 32):
+        images = images.repeat(4, axis=2).repeat(4, axis=3)
+    return np.ascontiguousarray(images.reshape(-1, *shape), dtype=np.float32)
+
+
+def accuracy(model: torch.nn.Module, x: np.ndarray, y: np.ndarray) -> float:
+    with torch.no_grad():
+        logits = model.eval()(torch.from_numpy(x))
+    return round(float((logits.argmax(1).numpy() == y).mean()), 4)
+
+
+def loaded(result) -> torch.nn.Module:
+    return fusekit.load_fused(Checkpoint.from_state_dict(result.state_dict, result.metadata),
+                              device="cpu")
+
+
+def run_case(case: str, n_clients: int, split: str, init: str, seed: int,
+             methods: list[str]) -> dict[str, Any]:
+    """Train clients, fuse with each method, calibrate, evaluate (module docstring)."""
+    arch, shape, epochs = CASES[case]
+    data = load_dataset("digits")
+    x_train, x_test = inputs(data.x_train, shape), inputs(data.x_test, shape)
+    parts = partition(data.y_train, n_clients, split, alpha=0.5, seed=seed)
+    clients, client_inputs, scores, logits = [], [], [], []
+    start = time.perf_counter()
+    for s, index in enumerate(parts):
+        model = build_model(arch, seed=seed if init == "shared" else seed + 1 + s)
+        train_model(model, x_train[index], data.y_train[index],
+                    TrainConfig(epochs=epochs, batch_size=32, lr=3e-3), seed=seed + s)
+        state = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+        clients.append(Checkpoint.from_state_dict(
+            state, {"fusekit.num_samples": str(len(index)), "fusekit.arch": _json(arch)}))
+        client_inputs.append(x_train[index])
+        scores.append(accuracy(model, x_test, data.y_test))
+        with torch.no_grad():
+            logits.append(torch.softmax(model.eval()(torch.from_numpy(x_test)), 1))
+    ensemble = float((sum(logits).argmax(1).numpy() == data.y_test).mean())
+    row: dict[str, Any] = {
+        "case": case, "clients": n_clients, "split": split, "init": init, "seed": seed,
+        "client_accuracy": scores, "mean_client": round(float(np.mean(scores)), 4),
+        "best_client": max(scores), "ensemble_softmax": round(ensemble, 4),
+        "samples": [len(p) for p in parts], "train_s": round(time.perf_counter() - start, 1),
+        "fused": []}
+    smallest = min(len(p) for p in parts)
+    for label in methods:
+        method, params = METHODS[label]
+        result = fusekit.fuse(clients, method, **params)
+        entry = {"method": label, "widths": result.widths,
+                 "uncalibrated": accuracy(loaded(result), x_test, data.y_test)}
+        for rounds in ("layerwise", "one-pass"):
+            begin = time.perf_counter()
+            calibrated = calibrate_locally(
+                Checkpoint.from_state_dict(result.state_dict, result.metadata), client_inputs,
+                clients=clients, rounds=rounds, min_samples=min(32, smallest))
+            entry[rounds] = accuracy(loaded(calibrated), x_test, data.y_test)
+            entry[f"{rounds}_s"] = round(time.perf_counter() - begin, 2)
+            entry[f"{rounds}_rounds"] = calibrated.report["calibration"]["rounds"]
+        row["fused"].append(entry)
+        print(case, split, init, entry, flush=True)
+    return row
+
+
+def _json(arch: dict[str, Any]) -> str:
+    import json
+
+    return json.dumps(arch)
+
+
+class PeakMemory:
+    """Peak resident memory above the resident size at the start (VmHWM reset, Linux)."""
+
+    def __enter__(self) -> PeakMemory:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        self.before = status_mb("VmRSS")
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.seconds = round(time.perf_counter() - self.start, 2)
+        self.mb = round(status_mb("VmHWM") - self.before, 1)
+
+
+def cost(n_clients: int, samples: int) -> list[dict[str, Any]]:
+    """Time and peak memory of stats (per client) and calibrate on a random resnet50."""
+    torch.manual_seed(0)
+    arch = named_arch("resnet50", 10)
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        clients = []
+        for s in range(n_clients):
+            state = {k: v.numpy() for k, v in build_model(arch, seed=s).state_dict().items()}
+            clients.append(save_checkpoint(Path(folder) / f"c{s}.safetensors", state,
+                                           {"fusekit.num_samples": str(samples)}))
+        fused = fusekit.fuse(clients, "rebasin", max_sweeps=1)
+        fused_path = fused.save(Path(folder) / "fused.safetensors")
+        stats = []
+        rng = np.random.default_rng(0)
+        for s in range(n_clients):
+            x = rng.normal(size=(samples, 3, 32, 32)).astype(np.float32)
+            with PeakMemory() as peak:
+                stats.append(client_statistics(fused_path, x, batch_size=64))
+            rows.append({"step": f"stats (client {s})", "inputs": samples,
+                         "time_s": peak.seconds, "peak_mb": peak.mb})
+            print(rows[-1], flush=True)
+        with PeakMemory() as peak:
+            fusekit.calibrate(fused_path, stats).save(Path(folder) / "calibrated.safetensors")
+        rows.append({"step": f"calibrate ({n_clients} clients)", "inputs": samples * n_clients,
+                     "time_s": peak.seconds, "peak_mb": peak.mb})
+        print(rows[-1], flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", default="resnet20,mlp_bn,mlp,vgg11_bn")
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--clients", type=int, default=4)
+    parser.add_argument("--seeds", default="0")
+    parser.add_argument("--settings", default="iid/independent,iid/shared,dirichlet/independent,"
+                        "dirichlet/shared", help="split/init pairs")
+    parser.add_argument("--cost", action="store_true", help="also the resnet50 cost rows")
+    parser.add_argument("--cost-samples", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--json-out", default="benchmarks/results/bench_calibration.json")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    threadpool_limits(args.threads)
+    payload: dict[str, Any] = {"machine": machine_info(threads=args.threads), "cases": []}
+    for case in filter(None, args.cases.split(",")):
+        for setting in args.settings.split(","):
+            split, init = setting.split("/")
+            for seed in map(int, args.seeds.split(",")):
+                payload["cases"].append(run_case(case, args.clients, split, init, seed,
+                                                 args.methods.split(",")))
+                write_json(args.json_out, payload)
+    if args.cost:
+        payload["cost"] = cost(2, args.cost_samples)
+    write_json(args.json_out, payload)
+
+
+if __name__ == "__main__":
+    main()
