@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from fusekit._cli.output import stderr
+from fusekit.core.checkpoint import VALUE_CHECK_BYTES
 
 DataDir = Annotated[Path, typer.Option(
     "--data-dir", envvar="FUSEKIT_DATA_DIR",
@@ -47,6 +48,10 @@ def serve(
         "--upload-min-rate", min=1,
         help="Bytes per second an upload must average after its first "
         "--upload-idle-timeout seconds, else it is abandoned.")] = 100_000.0,
+    upload_check_bytes: Annotated[int, typer.Option(
+        "--upload-check-bytes", min=1024**2,
+        help="Memory one upload's value check works in, whatever the tensors' size.")
+                                  ] = VALUE_CHECK_BYTES,
 ) -> None:
     """Run the fusion service: the HTTP API and its worker processes, until Ctrl-C."""
     from fusekit.service.server import serve as run_server
@@ -55,7 +60,8 @@ def serve(
     settings = Settings(data_dir=data_dir.resolve(), broker=broker,
                         max_checkpoint_bytes=max_checkpoint_bytes, max_uploads=max_uploads,
                         max_jobs=max_jobs, lease_s=lease, upload_idle_s=upload_idle,
-                        upload_min_rate=upload_min_rate)
+                        upload_min_rate=upload_min_rate,
+                        upload_check_bytes=upload_check_bytes)
     run_server(settings, host=host, port=port, workers=workers,
                announce=lambda line: stderr.print(line, highlight=False, soft_wrap=True))
 

@@ -452,3 +452,45 @@ def test_sigterm_during_a_write_removes_the_temporary_file(tmp_path):
     assert done.returncode == 143, done.stderr
     assert "not reached" not in done.stdout
     assert list(tmp_path.iterdir()) == []
+
+
+def test_value_check_reads_a_large_tensor_in_pieces_of_its_budget(tmp_path):
+    """check_values holds about its budget, not the tensor (a service checks uploads so),
+    and counts culprits across pieces: NaN/Inf in the first and last piece, negative
+    variances in several."""
+    import tracemalloc
+
+    from fusekit.core.checkpoint import VALUE_CHECK_BYTES_PER_VALUE
+
+    budget = 1 << 20
+    step = budget // VALUE_CHECK_BYTES_PER_VALUE
+    big = np.ones(8 * 1024 * 1024, np.float32)  # 32 MB
+    path = safetensors_file(tmp_path / "big.safetensors", {"w": big})
+    tracemalloc.start()
+    load_checkpoint(path).check_values(budget)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 3 * budget, peak  # the whole tensor would be 32 MB
+    big[[0, -1]] = [np.nan, np.inf]
+    path = safetensors_file(tmp_path / "nan.safetensors", {"w": big})
+    with pytest.raises(CheckpointError, match=r"tensor 'w' has 2 non-finite value"):
+        load_checkpoint(path).check_values(budget)
+    var = np.ones(3 * step, np.float32)
+    var[[1, step + 1, 2 * step + 1]] = [-1.0, -3.0, -2.0]
+    path = safetensors_file(tmp_path / "var.safetensors", {"bn.running_var": var})
+    with pytest.raises(CheckpointError, match=r"'bn\.running_var' has 3 negative value\(s\) "
+                                              r"\(smallest -3\)"):
+        load_checkpoint(path).check_values(budget)
+    bf16 = np.full(2 * step + 5, 0x3F80, np.uint16)  # 1.0 in bfloat16
+    bf16[-1] = 0x7FC0  # NaN
+    path = tmp_path / "bf16.safetensors"
+    text = json.dumps({"w": {"dtype": "BF16", "shape": [bf16.size],
+                             "data_offsets": [0, bf16.nbytes]}}).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + bf16.tobytes())
+    with pytest.raises(CheckpointError, match=r"tensor 'w' has 1 non-finite value"):
+        load_checkpoint(path).check_values(budget)
+
+
+def safetensors_file(path, tensors):
+    path.write_bytes(safetensors.numpy.save(tensors))
+    return path

@@ -22,10 +22,11 @@ import numpy as np
 import pytest
 import torch
 from bench_service import ServiceProcess
+from bench_support import status_mb
 from typer.testing import CliRunner
 
 import fusekit
-from conftest import mlp, write
+from conftest import mlp, write, write_raw
 from fusekit._cli.app import app as cli_app
 from fusekit.client import Client, ServiceError
 from fusekit.service.auth import admin_token_hash, token_hash
@@ -548,6 +549,59 @@ def test_cli_submit_waits_while_the_service_is_busy(service, admin, models, monk
     assert admin.status(job["id"])["slots"]["a"]["sha256"] == sha256(models[1])
 
 
+@pytest.fixture(scope="module")
+def big_service(tmp_path_factory):
+    """A server for large uploads whose value checks work in 1 MiB."""
+    data = tmp_path_factory.mktemp("big-service") / "data"
+    server = ServiceProcess(data, options=("--max-checkpoint-bytes", str(64 * 2**20),
+                                           "--upload-check-bytes", str(2**20)),
+                            env={"FUSEKIT_ADMIN_TOKEN": ADMIN})
+    server.start()
+    yield server
+    server.stop()
+
+
+def test_a_large_tensor_is_checked_within_the_memory_budget(big_service, tmp_path):
+    """A 48 MB tensor: its values are checked in 1 MiB pieces in a checker process, so
+    neither that process nor the API server grows by anything near its size; a NaN in its
+    last piece is found, and refused naming the tensor."""
+    weights = np.ones(12 * 2**20, np.float32)
+    good = write_raw(tmp_path / "good.safetensors", {"w": weights})
+    weights[-1] = np.nan
+    bad = write_raw(tmp_path / "bad.safetensors", {"w": weights})
+    with Client(big_service.url, ADMIN) as admin:
+        job = admin.create_job("avg", ["a"])
+        admin.submit(job["id"], "a", good)  # the first check of a process sets it up
+        job = admin.create_job("avg", ["a"])
+        processes = [big_service.process.pid, *checkers(big_service.process.pid)]
+        assert len(processes) > 1, "no checker process"
+        before = {pid: status_mb("VmRSS", pid) for pid in processes}
+        for pid in processes:
+            Path(f"/proc/{pid}/clear_refs").write_text("5")  # peaks from now on
+        one_line_error(put(big_service, job["id"], "a", ADMIN, bad.read_bytes()), 400,
+                       "client 'a'", "tensor 'w' has 1 non-finite value")
+        assert admin.submit(job["id"], "a", good)["sha256"] == sha256(good)
+        grown = {pid: status_mb("VmHWM", pid) - before[pid] for pid in processes}
+    assert max(grown.values()) < 16, grown  # MB, against a 48 MB tensor read twice
+
+
+def test_healthz_answers_while_a_large_header_is_checked(big_service, tmp_path):
+    """100,000 tensors (a 7 MB header) take seconds to check; the server keeps answering."""
+    path = write_raw(tmp_path / "many.safetensors",
+                     {f"t{i}": np.ones(1, np.float32) for i in range(100_000)})
+    with Client(big_service.url, ADMIN) as admin, ThreadPoolExecutor(1) as pool:
+        job = admin.create_job("avg", ["a"])
+        upload = pool.submit(put, big_service, job["id"], "a", ADMIN, path.read_bytes())
+        answered_meanwhile = 0
+        for _ in range(2000):  # bounded: 2000 answers
+            assert httpx.get(f"{big_service.url}/healthz", timeout=30).status_code == 200
+            if upload.done():
+                break
+            answered_meanwhile += 1
+        assert upload.result(timeout=120).status_code == 201
+    assert answered_meanwhile > 0
+
+
 def test_healthz_and_openapi(service):
     assert httpx.get(f"{service.url}/healthz").json()["status"] == "ok"
     paths = httpx.get(f"{service.url}/openapi.json").json()["paths"]
@@ -623,11 +677,11 @@ def test_kill9_during_uploads_and_during_a_job_then_restart(tmp_path):
         for name, path in zip(NAMES, paths, strict=True):
             admin.submit(again["id"], name, path)
         wait_for_progress(admin, again["id"], "fusing: layer 1 of 2 matched")
-        (worker,) = children(server.process.pid)
+        (worker,) = workers(server.process.pid)
         os.kill(worker, signal.SIGKILL)
         state = admin.wait(again["id"], timeout=120, every=0.2)
         assert state["state"] == "succeeded" and state["attempts"] == 2, state
-        assert children(server.process.pid) != [worker]
+        assert workers(server.process.pid) != [worker]
         admin.close()
     finally:
         server.stop()
@@ -687,3 +741,15 @@ def children(pid: int) -> list[int]:
     """The live child processes of ``pid`` (Linux /proc)."""
     text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
     return [int(child) for child in text.split()]
+
+
+def checkers(pid: int) -> list[int]:
+    """The upload checker processes among them (multiprocessing's, not the workers)."""
+    return [child for child in children(pid) if b"multiprocessing" in
+            Path(f"/proc/{child}/cmdline").read_bytes() and child not in workers(pid)]
+
+
+def workers(pid: int) -> list[int]:
+    """The worker processes among them (the others check uploads)."""
+    return [child for child in children(pid) if b"fusekit.service.worker" in
+            Path(f"/proc/{child}/cmdline").read_bytes()]

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -30,7 +31,7 @@ from fusekit.service.auth import admin_token_hash, bearer, matches
 from fusekit.service.errors import Busy, Conflict, Forbidden, NotFound, ServiceError, TooLarge
 from fusekit.service.settings import Settings
 from fusekit.service.store import JobStore, authorize, view, without_paths
-from fusekit.service.uploads import Upload
+from fusekit.service.uploads import Checker, Upload
 from fusekit.service.web import add_web
 from fusekit.service.worker import REPORT, RESULT, make_queue, recover
 
@@ -66,11 +67,15 @@ def create_app(settings: Settings) -> FastAPI:
     huey, run_job_task = make_queue(settings)
     receiving_slots: set[tuple[str, str]] = set()  # (job, client) of uploads in progress
 
+    checker = Checker(min(settings.max_uploads, os.cpu_count() or 1))
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         task = asyncio.create_task(_recover_forever(settings, huey, run_job_task))
+        await checker.start()
         yield
         task.cancel()
+        checker.close()
 
     app = FastAPI(title="fusekit service", version=__version__, lifespan=lifespan,
                   description="Clients submit checkpoints; fusekit fuses them as a job.")
@@ -135,7 +140,7 @@ def create_app(settings: Settings) -> FastAPI:
         receiving = Upload(store.upload_folder(job_id), client, limit, settings)
         receiving_slots.add(slot)
         try:
-            await receiving.receive(request.stream())
+            await receiving.receive(request.stream(), checker)
             job = await run_in_threadpool(
                 store.accept, job_id, client, receiving.part, receiving.size,
                 receiving.sha256.hexdigest())

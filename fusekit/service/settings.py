@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from fusekit.core.checkpoint import VALUE_CHECK_BYTES
 from fusekit.core.errors import ParameterError
 
 GiB = 1024**3
@@ -35,6 +36,8 @@ class Settings:
         upload_min_rate: bytes per second an upload must average once its first
             ``upload_idle_s`` seconds are over (``size >= rate * (elapsed - idle_s)``),
             else it is abandoned: a client trickling bytes cannot hold an upload place.
+        upload_check_bytes: memory one upload's value check works in (tensors are read in
+            pieces), in a checker process; at most ``max_uploads`` checks run at once.
     """
 
     data_dir: Path
@@ -46,9 +49,11 @@ class Settings:
     max_attempts: int = 3
     upload_idle_s: float = 60.0
     upload_min_rate: float = 100_000.0
+    upload_check_bytes: int = VALUE_CHECK_BYTES
 
     def __post_init__(self) -> None:
-        for name in ("max_checkpoint_bytes", "max_uploads", "max_jobs", "max_attempts"):
+        for name in ("max_checkpoint_bytes", "max_uploads", "max_jobs", "max_attempts",
+                     "upload_check_bytes"):
             if getattr(self, name) < 1:
                 raise ParameterError(f"{name}: expected a positive integer, found "
                                      f"{getattr(self, name)}")

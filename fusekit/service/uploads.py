@@ -7,24 +7,30 @@ refused before its tensors are sent; the whole file is then validated as
 :func:`fusekit.load_checkpoint` validates it, every tensor's values too (NaN, Inf, negative
 variances: a file its job could not fuse is refused now, not when the job runs), fsynced,
 and only then renamed into the slot.
+
+Both checks run in :class:`Checker`'s processes, never in the API server's: parsing a header
+of many MB (json, safetensors) holds the interpreter's lock for seconds, which in a thread
+would stall the event loop and every other request with it. The value check reads each
+tensor in pieces, within ``Settings.upload_check_bytes`` of memory whatever its size.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import multiprocessing
 import os
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
+from typing import Any, TypeVar
 
 from starlette.concurrency import run_in_threadpool
 
 from fusekit.core.checkpoint import (
-    MAX_HEADER_BYTES,
-    PICKLE_MAGIC,
-    ZIP_MAGIC,
     check_header,
     header_length,
     is_pickle_or_torch_zip,
@@ -34,6 +40,9 @@ from fusekit.core.errors import CheckpointError
 from fusekit.service.errors import ServiceError, TooLarge, TooSlow
 from fusekit.service.settings import Settings
 
+T = TypeVar("T")
+# Checker processes start afresh: a fork of the server would copy its threads' locks.
+_SPAWN = multiprocessing.get_context("spawn")
 
 
 class Upload:
@@ -46,18 +55,23 @@ class Upload:
         self.part = folder / f"{client}.{secrets.token_hex(8)}.part"
         self.size, self.expected = 0, None
         self.sha256 = hashlib.sha256()
-        self._head = bytearray()
+        self._head = bytearray()  # the safetensors header, until it is checked
+        self._needed: int | None = None  # its length with the 8 bytes that give it
 
-    async def receive(self, chunks: AsyncIterator[bytes]) -> None:
+    async def receive(self, chunks: AsyncIterator[bytes], checker: Checker) -> None:
         """Write the body to ``self.part``; on any failure, nothing is left behind."""
         try:
             with open(self.part, "xb") as f:
                 async for chunk in self._in_time(chunks):
-                    self._take(chunk)
+                    header_complete = self._take(chunk)
                     f.write(chunk)
+                    if header_complete:  # parsed once, in a checker process
+                        self._declared(await checker.run(
+                            check_header, bytes(self._head[:self._needed]), self.label))
                 await run_in_threadpool(_sync, f)
             self._check_complete()
-            await run_in_threadpool(self._validate_file)
+            await checker.run(_validate_file, self.part, self.label,
+                              self.settings.upload_check_bytes)
         except BaseException:
             self.discard()
             raise
@@ -67,11 +81,11 @@ class Upload:
         behind ``upload_min_rate``: a stalled or trickling upload must not hold one of the
         server's upload places for ever."""
         idle_s, rate = self.settings.upload_idle_s, self.settings.upload_min_rate
-        iterator, start = aiter(chunks), time.monotonic()
+        iterator, waited = aiter(chunks), 0.0  # the client's time: not the server's checks
         while True:
-            # The moment the bytes so far stop being enough for the minimum rate.
-            behind_at = start + idle_s + self.size / rate
-            wait = min(idle_s, behind_at - time.monotonic())
+            # How long until the bytes so far stop being enough for the minimum rate.
+            wait = min(idle_s, idle_s + self.size / rate - waited)
+            start = time.monotonic()
             try:
                 chunk = await asyncio.wait_for(anext(iterator), max(wait, 0.0))
             except StopAsyncIteration:
@@ -80,45 +94,53 @@ class Upload:
                 if wait >= idle_s:
                     raise TooSlow(f"{self.label}: no data for {idle_s:g} s after {self.size} "
                                   "bytes; upload abandoned, nothing stored") from None
-                raise TooSlow(f"{self.label}: {self.size} bytes in "
-                              f"{time.monotonic() - start:.0f} s, slower than {rate:g} "
-                              f"bytes/s after the first {idle_s:g} s (the server's minimum); "
-                              "upload abandoned, nothing stored") from None
+                raise TooSlow(f"{self.label}: {self.size} bytes in {waited + wait:.0f} s, "
+                              f"slower than {rate:g} bytes/s after the first {idle_s:g} s "
+                              "(the server's minimum); upload abandoned, nothing stored"
+                              ) from None
+            waited += time.monotonic() - start
             yield chunk
 
     def discard(self) -> None:
         self.part.unlink(missing_ok=True)
 
-    def _take(self, chunk: bytes) -> None:
+    def _take(self, chunk: bytes) -> bool:
+        """Count and hash a chunk; True when it completes the safetensors header."""
         self.size += len(chunk)
         if self.size > self.limit:
             raise TooLarge(f"{self.label}: the checkpoint is over {self.limit} bytes, this "
                            "job's limit")
         self.sha256.update(chunk)
-        if self.expected is None:
-            self._head += chunk[: MAX_HEADER_BYTES + 8 - len(self._head)]
-            self._check_head()
-        elif self.size > self.expected:
-            raise ServiceError(f"{self.label}: the body runs past the {self.expected} bytes "
-                               "its safetensors header declares")
+        if self.expected is not None:
+            if self.size > self.expected:
+                raise ServiceError(f"{self.label}: the body runs past the {self.expected} "
+                                   "bytes its safetensors header declares")
+            return False
+        if self._needed is None:  # the first 9 bytes tell the format and the header's length
+            start = 9 - len(self._head)
+            self._head += chunk[:start]
+            chunk = chunk[start:]
+            self._check_start()
+        if self._needed is None:
+            return False
+        self._head += chunk[:max(0, self._needed - len(self._head))]  # never copied whole
+        return len(self._head) >= self._needed
 
-    def _check_head(self) -> None:
+    def _check_start(self) -> None:
         head = bytes(self._head)
-        if head.startswith((PICKLE_MAGIC, ZIP_MAGIC)) and len(head) < 9:
-            return  # pickle, zip or safetensors: byte 8 tells
+        if len(head) < 9:  # byte 8 tells a pickle or zip from a safetensors header
+            return
         if is_pickle_or_torch_zip(head):
             raise ServiceError(f"{self.label}: the body is a pickle or torch .pt file; expected "
                                "safetensors (pickles are never loaded)")
-        if len(head) < 8:
-            return
-        needed = 8 + header_length(head, self.label)
-        if needed > self.limit:
-            raise TooLarge(f"{self.label}: the safetensors header alone is {needed - 8} bytes; "
-                           f"expected a file of at most {self.limit}")
-        if needed > len(head):
-            return  # the rest of the header is still on its way
-        self.expected = check_header(head, self.label)
-        self._head = bytearray()
+        self._needed = 8 + header_length(head, self.label)
+        if self._needed > self.limit:
+            raise TooLarge(f"{self.label}: the safetensors header alone is "
+                           f"{self._needed - 8} bytes; expected a file of at most {self.limit}")
+
+    def _declared(self, expected: int) -> None:
+        """The file's size, as its checked header declares it."""
+        self.expected, self._head = expected, bytearray()
         if self.expected > self.limit:
             raise TooLarge(f"{self.label}: the safetensors header declares a file of "
                            f"{self.expected} bytes; expected at most {self.limit}")
@@ -132,11 +154,51 @@ class Upload:
             raise CheckpointError(f"{self.label}: truncated upload: {self.size} bytes"
                                   f"{declared}; expected a whole safetensors file")
 
-    def _validate_file(self) -> None:
+
+
+class Checker:
+    """Processes that check uploads (``processes`` at most, started when first needed)."""
+
+    def __init__(self, processes: int) -> None:
+        self.processes = processes
+        self._pool: ProcessPoolExecutor | None = None
+
+    async def start(self) -> None:
+        """Start the processes now, not during the first uploads."""
+        loop, pool = asyncio.get_running_loop(), self._started()
+        await asyncio.gather(*(loop.run_in_executor(pool, int) for _ in range(self.processes)))
+
+    def _started(self) -> ProcessPoolExecutor:
+        if self._pool is None:  # each process imports this module (the checks) as it starts
+            self._pool = ProcessPoolExecutor(self.processes, mp_context=_SPAWN,
+                                             initializer=_ready)
+        return self._pool
+
+    async def run(self, check: Callable[..., T], *args: Any) -> T:
+        pool = self._started()
         try:
-            load_checkpoint(self.part).check_values()
-        except CheckpointError as exc:
-            raise CheckpointError(str(exc).replace(str(self.part), self.label)) from None
+            return await asyncio.get_running_loop().run_in_executor(pool, check, *args)
+        except BrokenProcessPool:  # a checker killed (out of memory?): start others
+            if self._pool is pool:
+                self._pool = None
+            raise ServiceError("the upload's check stopped (the checking process was "
+                               "killed); try again") from None
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _ready() -> None:
+    """A checker process's start: importing this module (for ``initializer``) is the work."""
+
+
+def _validate_file(part: Path, label: str, budget: int) -> None:
+    """In a checker process: the whole file as load_checkpoint sees it, and its values."""
+    try:
+        load_checkpoint(part).check_values(budget)
+    except CheckpointError as exc:
+        raise CheckpointError(str(exc).replace(str(part), label)) from None
 
 
 def _sync(f) -> None:
