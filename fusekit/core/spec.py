@@ -592,22 +592,15 @@ def spec_from_json(data: Mapping[str, Any], state_dict: Mapping[str, Any], *,
     a :class:`PermutationSpec` from ``fusekit.spec/1``, a :class:`GraphSpec` from
     ``fusekit.spec/2``, a :class:`~fusekit.core.transformer.TransformerSpec` from
     ``fusekit.spec/3``."""
-    if data.get("format") == TRANSFORMER_FORMAT:
+    check_spec_format(data, label)
+    if data["format"] == TRANSFORMER_FORMAT:
         return transformer_from_json(data, shapes_of(state_dict), label=label)
-    if data.get("format") not in (SPEC_FORMAT, GRAPH_FORMAT) \
-            or not isinstance(data.get("layers"), list):
-        raise SpecError(
-            f"{label}: expected a JSON object with \"format\": \"{SPEC_FORMAT}\", "
-            f"\"{GRAPH_FORMAT}\" (with a \"layers\" list) or \"{TRANSFORMER_FORMAT}\", "
-            f"found keys {sorted(data)}"
-        )
     shapes = shapes_of(state_dict)
     modules: dict[str, dict[str, tuple[int, ...]]] = {}
     entries: list[tuple[str, str | None, Any, Any]] = []
     eps: dict[str, float] = {}
     names: dict[str, dict[str, str]] = {}
     for i, entry in enumerate(data["layers"]):
-        _check_entry(entry, f"{label}: layers[{i}]")
         prefix = entry.get("name", entry["weight"].rpartition(".")[0])
         parts = {"weight": entry["weight"], "bias": entry.get("bias")}
         names[prefix] = {k: v for k, v in parts.items() if v is not None}
@@ -631,20 +624,50 @@ def spec_from_json(data: Mapping[str, Any], state_dict: Mapping[str, Any], *,
     if data["format"] == SPEC_FORMAT:
         order = [p for prefix, norm, _, _ in entries for p in (prefix, norm) if p]
         return _build_spec(order, modules, shapes, label, eps, names)
+    groups = data["groups"]
+    index = {name: g for g, name in enumerate(groups)}
+    wired = [(prefix, norm, index.get(reads), index.get(writes))
+             for prefix, norm, reads, writes in entries]
+    return _build_graph(wired, groups, modules, shapes, label, eps, names)
+
+
+def check_spec_format(data: Any, label: str = "spec") -> None:
+    """What can be checked of a spec's JSON form without a checkpoint (a service checks a
+    job's spec so, before any client uploads): the format, each layer entry, and a graph's
+    groups and wiring.
+
+    Raises:
+        SpecError: naming the entry, what was expected and what was found.
+    """
+    if not isinstance(data, Mapping):
+        raise SpecError(f"{label}: expected a JSON object, found {type(data).__name__}")
+    if data.get("format") == TRANSFORMER_FORMAT:
+        return
+    if data.get("format") not in (SPEC_FORMAT, GRAPH_FORMAT) \
+            or not isinstance(data.get("layers"), list):
+        raise SpecError(
+            f"{label}: expected a JSON object with \"format\": \"{SPEC_FORMAT}\", "
+            f"\"{GRAPH_FORMAT}\" (with a \"layers\" list) or \"{TRANSFORMER_FORMAT}\", "
+            f"found keys {sorted(data)}"
+        )
+    for i, entry in enumerate(data["layers"]):
+        _check_entry(entry, f"{label}: layers[{i}]")
+    if data["format"] == GRAPH_FORMAT:
+        _check_wiring(data, label)
+
+
+def _check_wiring(data: Mapping[str, Any], label: str) -> None:
     groups = data.get("groups")
     if not isinstance(groups, list) or not all(isinstance(g, str) for g in groups) \
             or len(set(groups)) != len(groups):
         raise SpecError(f"{label}: \"groups\": expected a list of distinct group names, "
                         f"found {groups!r}")
-    index = {name: g for g, name in enumerate(groups)}
-    wired = []
-    for i, (prefix, norm, reads, writes) in enumerate(entries):
-        for key, value in (("reads", reads), ("writes", writes)):
-            if value is not None and value not in index:
+    for i, entry in enumerate(data["layers"]):
+        for key in ("reads", "writes"):
+            value = entry.get(key)
+            if value is not None and value not in groups:
                 raise SpecError(f"{label}: layers[{i}].{key}: expected null or one of the "
                                 f"groups {groups}, found {value!r}")
-        wired.append((prefix, norm, index.get(reads), index.get(writes)))
-    return _build_graph(wired, groups, modules, shapes, label, eps, names)
 
 
 def _check_entry(entry: Any, where: str) -> None:

@@ -26,6 +26,7 @@ from fusekit._version import __version__
 from fusekit.api import validate_params
 from fusekit.core.errors import FusekitError, ParameterError, SpecError, UnknownMethodError
 from fusekit.core.metadata import load_json
+from fusekit.core.spec import check_spec_format
 from fusekit.methods.params import TEXT_KINDS
 from fusekit.service.auth import admin_token_hash, bearer, matches
 from fusekit.service.errors import Busy, Conflict, Forbidden, NotFound, ServiceError, TooLarge
@@ -50,7 +51,8 @@ Auth = Annotated[str | None, Header(alias="Authorization", include_in_schema=Fal
 class JobRequest(BaseModel):
     """POST /v1/jobs: a fusion of one checkpoint per client."""
 
-    model_config = ConfigDict(extra="forbid")
+    # strict: no lenient conversions ("1000" for an integer, "yes" for a flag), as the CLI
+    model_config = ConfigDict(extra="forbid", strict=True)
     method: str = Field(description="a fusion method: avg, pfnm, nafi, ot, ams")
     params: dict[str, Any] = Field(
         default_factory=dict, description="the method's parameters, as fusekit.fuse takes them")
@@ -108,6 +110,9 @@ def create_app(settings: Settings) -> FastAPI:
             raise ParameterError(f"max_checkpoint_bytes: expected at most "
                                  f"{settings.max_checkpoint_bytes} (the server's limit), "
                                  f"found {limit}")
+        _check_widths(body.params, len(body.clients), limit)
+        if body.spec is not None:
+            check_spec_format(body.spec)
         job, tokens = await run_in_threadpool(
             store.create, method=body.method, params=body.params, spec=body.spec,
             clients=body.clients, max_checkpoint_bytes=limit, auto_run=body.auto_run,
@@ -218,6 +223,26 @@ def _check_params(method: str, params: dict[str, Any]) -> None:
             raise ParameterError(
                 f"parameter {spec.name}: takes {spec.expected()}, which a service job cannot "
                 "be given (no server-side paths or Python objects)")
+
+
+def _check_widths(params: dict[str, Any], clients: int, limit: int) -> None:
+    """Fused widths a job's clients could fill: a fused neuron holds at least two float32
+    weights (8 bytes), so no layer is wider than the clients' files together could make
+    (``width``); ``width_ratio`` (times the widest client) at most the number of clients,
+    the width of every client's neurons side by side. Wider would only add inert neurons,
+    and memory (cost matrices of every client's neurons by the fused width)."""
+    widest = clients * limit // 8
+    width = params.get("width")
+    widths = width if isinstance(width, list) else [width]
+    asked = max((w for w in widths if isinstance(w, int)), default=0)
+    if asked > widest:
+        raise ParameterError(f"width: expected at most {widest} per layer ({clients} "
+                             f"client(s) of at most {limit} bytes, 8 bytes per fused neuron), "
+                             f"found {asked}")
+    ratio = params.get("width_ratio")
+    if ratio is not None and ratio > clients:
+        raise ParameterError(f"width_ratio: expected at most {clients} (the number of "
+                             f"clients: their neurons side by side), found {ratio:g}")
 
 
 def _queue(store: JobStore, job_id: str, run_job_task: Any) -> dict[str, Any]:
