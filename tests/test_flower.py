@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import re
 
 import numpy as np
 import pytest
@@ -10,7 +12,15 @@ import torch
 
 pytest.importorskip("flwr", reason="needs the [flower] extra")
 
-from flwr.app import ConfigRecord, Error, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import (
+    ArrayRecord,
+    ConfigRecord,
+    Error,
+    Message,
+    MessageType,
+    MetricRecord,
+    RecordDict,
+)
 from flwr.supercore.task_identity import TaskIdentity
 
 import fusekit
@@ -28,6 +38,7 @@ from fusekit.flower import (
     FusekitStrategy,
     arrays_to_state_dict,
     global_model,
+    log_to_flower,
     train_reply,
 )
 from fusekit.toolkit.data import load_dataset
@@ -35,6 +46,8 @@ from fusekit.toolkit.nn import build_model, load_state_into
 from fusekit.toolkit.nn.fused import load_fused
 from fusekit.toolkit.simulate import SimulationConfig, simulate_clients
 from fusekit.toolkit.train import TrainConfig
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 @pytest.fixture(autouse=True)
@@ -282,3 +295,105 @@ def assert_nodes_rebuild_the_global_model(strategy, arrays, digits):
     server_model = load_fused(strategy.global_checkpoint(arrays), "cpu")
     for message in strategy.configure_evaluate(1, arrays, ConfigRecord(), NodeIds()):
         torch.testing.assert_close(global_model(message.content)(x), server_model(x))
+
+
+class Federation:
+    """A Grid stand-in for ``strategy.start``: nodes 10-12 answer each train message with
+    ``train(node, message)`` (a RecordDict or an Error); evaluate messages are not sent
+    (``fraction_evaluate=0``)."""
+
+    def __init__(self, train):
+        self.train = train
+
+    def get_node_ids(self):
+        return [10, 11, 12]
+
+    def send_and_receive(self, messages, timeout=None):
+        return [Message(self.train(m.metadata.dst_node_id, m), reply_to=m) for m in messages]
+
+
+def test_a_run_without_a_fused_round_returns_the_initial_model(trained):
+    clients, models = trained
+    initial = train_reply(models[0], 1)["arrays"]
+    strategy = FusekitStrategy("pfnm", arch=clients[0].checkpoint.arch, fraction_evaluate=0)
+    result = strategy.start(Federation(lambda node, _: Error(code=1, reason="no data")),
+                            initial, num_rounds=2)
+    assert strategy.fused_rounds == 0 and list(result.arrays) == list(initial)
+    checkpoint = strategy.global_checkpoint(result.arrays)
+    for name, value in arrays_to_state_dict(initial).items():
+        np.testing.assert_array_equal(checkpoint.tensor(name), value)
+    assert load_fused(checkpoint, "cpu").net[0].out_features == 32
+    with pytest.raises(CheckpointError, match="global model: the ArrayRecord is empty"):
+        strategy.global_checkpoint(type(initial)())
+
+
+def test_later_rounds_average_at_the_first_fusions_width(trained):
+    """PFNM fuses round 1 (32 -> 48 hidden units); the nodes train that model and rounds 2
+    and 3 average their updates (as simulate --rounds does): 48 wide, not 72 and 108. Those
+    rounds are screened as avg screens: a node replying its own 32-wide model is left out."""
+    clients, models = trained
+    sent = []
+
+    def train(node, message):
+        index = node - 10
+        if WIDTHS not in message.content["config"]:  # before a fusion: own models
+            return trained_replies(trained)[index].content
+        model = global_model(message.content)
+        sent.append(model.net[0].out_features)
+        if node == 12:
+            return train_reply(models[index], 10)
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.add_(0.01 * (index + 1))  # each node's "training"
+        return train_reply(model, 10 * (index + 1))
+
+    strategy = FusekitStrategy("pfnm", arch=clients[0].checkpoint.arch, fraction_evaluate=0)
+    initial = train_reply(models[0], 1)["arrays"]
+    result = strategy.start(Federation(train), initial, num_rounds=3)
+    widths = [result.train_metrics_clientapp[r]["pfnm.fused-widths"] for r in (1, 2, 3)]
+    assert widths == [[48], [48], [48]] and sent == [48] * 6 and strategy.fused_rounds == 3
+    assert result.train_metrics_clientapp[3]["pfnm.fused-replies"] == 2
+    assert "needs equal shapes" in strategy.left_out[12]
+    fused = arrays_to_state_dict(result.arrays)["net.0.weight"]
+    assert fused.shape == (48, 64)
+    assert strategy.round_fusion()[0].name == "avg" and strategy.round_fusion()[1] == {}
+    # avg fuses every round with its own parameters.
+    avg = FusekitStrategy("avg", {"class_weighted": True})
+    avg.fused_rounds = 4
+    assert avg.round_fusion()[0].name == "avg" and avg.round_fusion()[1] == {
+        "class_weighted": True}
+
+
+@pytest.fixture
+def flower_console():
+    """Flower's console handler writing to a buffer; the fusekit logger restored after."""
+    from io import StringIO
+
+    from flwr.common.logger import console_handler
+
+    logger = logging.getLogger("fusekit")
+    saved = (console_handler.stream, logger.level, logger.propagate, list(logger.handlers))
+    console_handler.stream = StringIO()
+    yield console_handler.stream
+    console_handler.stream = saved[0]
+    logger.setLevel(saved[1])
+    logger.propagate = saved[2]
+    logger.handlers[:] = saved[3]
+
+
+def test_log_to_flower_shows_fusekit_lines_with_their_level(flower_console):
+    strategy_log = logging.getLogger("fusekit.flower.strategy")
+    strategy_log.info("before: dropped")
+    log_to_flower()
+    log_to_flower()  # once is enough; twice does not double the lines
+    strategy_log.info("round %d: fused", 1)
+    strategy_log.warning("reply left out")
+    strategy_log.debug("not at INFO")
+    lines = [ANSI.sub("", line) for line in flower_console.getvalue().splitlines()]
+    assert [line.split(":", 1)[0].strip() for line in lines] == ["INFO", "WARNING"]
+    assert lines[0].endswith("round 1: fused") and lines[1].endswith("reply left out")
+
+
+def test_an_ensemble_method_runs_one_round_only():
+    with pytest.raises(ParameterError, match="num_rounds: method 'ams' returns an ensemble"):
+        FusekitStrategy("ams").start(Federation(None), ArrayRecord(), num_rounds=2)

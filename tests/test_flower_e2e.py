@@ -1,38 +1,110 @@
-"""A real Flower federation on 127.0.0.1: a SuperLink and three SuperNodes (Flower's own
-processes, deployment engine), the example app run with ``flwr run`` once fused by FedAvg
-(fusekit's avg) and once by PFNM; and a run that cannot finish, stopped at its timeout.
-About 100 s on two cores for both; deselect with ``-m "not flower_e2e"``."""
+"""Real Flower federations on 127.0.0.1: a SuperLink and SuperNodes (Flower's own
+processes, deployment engine) and apps run with ``flwr run``. On three SuperNodes: the
+example app fused by FedAvg (fusekit's avg) and by PFNM, and the app the README's Flower
+section writes, file by file, over two rounds. On one SuperNode: a run whose round cannot
+fuse (the initial model comes back) and a run that cannot finish, stopped at its timeout.
+Each test checks that every process the federation started has ended. About 4 minutes on
+two busy cores; progress lines are printed as the runs go. Deselect with
+``-m "not flower_e2e"``."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
+import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("flwr", reason="needs the [flower] extra")
 
-from fusekit.flower.local import LocalFederation
-from fusekit.toolkit.processes import descendant_groups, group_alive
+import fusekit
+from fusekit.flower.local import LocalFederation, progress_lines
+from fusekit.toolkit.data import load_dataset
+from fusekit.toolkit.nn import build_model
+from fusekit.toolkit.processes import descendant_groups, group_alive, groups_with_env
 
-APP = Path(__file__).resolve().parents[1] / "examples" / "flower"
+ROOT = Path(__file__).resolve().parents[1]
+APP = ROOT / "examples" / "flower"
 
 pytestmark = pytest.mark.flower_e2e
 
 
-def test_one_round_pfnm_federation_beats_fedavg_of_the_same_federation(tmp_path):
-    results = {}
-    with LocalFederation(nodes=3, workdir=tmp_path / "federation") as federation:
+@pytest.fixture
+def progress(request):
+    """Writes a line to the terminal at once, output capture or not."""
+    plugins = request.config.pluginmanager
+    reporter, capture = plugins.get_plugin("terminalreporter"), plugins.get_plugin(
+        "capturemanager")
+
+    def write(line: str) -> None:
+        with capture.global_and_fixture_disabled():
+            reporter.write_line(f"    [flower] {line}")
+
+    return write
+
+
+class Federation:
+    """A LocalFederation whose every process is checked to have ended once it stops."""
+
+    def __init__(self, workdir: Path, nodes: int, progress):
+        self.progress = progress
+        self.federation = LocalFederation(nodes=nodes, workdir=workdir)
+
+    def __enter__(self) -> LocalFederation:
+        self.progress(f"starting a SuperLink and {self.federation.nodes} SuperNode(s)")
+        return self.federation.__enter__()
+
+    def __exit__(self, *exc_info) -> None:
+        federation = self.federation
         leaders = [p.pid for p in federation.processes]
+        groups = set(leaders) | descendant_groups(leaders) | federation.leftover_groups()
+        # The SuperLink's SuperExec has a session of its own.
+        started_more = len(groups) > len(leaders)
+        self.progress("stopping every process the federation started")
+        federation.__exit__(*exc_info)
+        if exc_info[0] is None:
+            assert started_more
+            assert not any(group_alive(group) for group in groups)
+            assert not groups_with_env("FLWR_HOME", str(federation.home))
+
+
+def run(federation: LocalFederation, app: Path, config: dict, progress, timeout=420):
+    progress(f"flwr run {app.name} {config}")
+    return federation.run(app, config, timeout=timeout, on_line=progress_lines(progress))
+
+
+def readme_app(folder: Path) -> Path:
+    """The files the README's Flower section gives (each block after a line naming it),
+    written as they stand, and the empty package file it asks for."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Flower\n"):readme.index("### What the strategy does")]
+    blocks = re.findall(r"^`([\w./]+)`(?: \([^)]*\))?:\n\n((?:    .*\n|\n)+)", section, re.M)
+    names = [name for name, _ in blocks]
+    assert names == ["pyproject.toml", "my_fusion/task.py", "my_fusion/server_app.py",
+                     "my_fusion/client_app.py"]
+    for name, block in blocks:
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text(textwrap.dedent(block).strip() + "\n")
+    (folder / "my_fusion" / "__init__.py").write_text("")
+    return folder
+
+
+def test_three_nodes_run_the_example_and_the_readme_app(tmp_path, progress):
+    with Federation(tmp_path / "federation", 3, progress) as federation:
+        results = {}
         for method, evaluate in (("avg", 0.0), ("pfnm", 1.0)):
             result_file = tmp_path / f"{method}.json"
-            federation.run(APP, {"method": method, "epochs": 10, "fraction-evaluate": evaluate,
-                                 "result-file": str(result_file)}, timeout=420)
+            run(federation, APP, {"method": method, "epochs": 10,
+                                  "fraction-evaluate": evaluate,
+                                  "result-file": str(result_file)}, progress)
             results[method] = json.loads(result_file.read_text())
-        groups = set(leaders) | descendant_groups(leaders)
-        assert len(groups) > len(leaders)  # the SuperLink's SuperExec has a session of its own
-    assert not any(group_alive(group) for group in groups)  # every process it started ended
+        model_file = tmp_path / "readme-global.safetensors"
+        readme = run(federation, readme_app(tmp_path / "readme-app"),
+                     {"model-file": str(model_file)}, progress).stdout
+
     avg, pfnm = results["avg"], results["pfnm"]
     assert avg["hidden_widths"] == [100]
     assert pfnm["hidden_widths"] == [150]  # the default fused width: 1.5 × the widest node
@@ -44,14 +116,42 @@ def test_one_round_pfnm_federation_beats_fedavg_of_the_same_federation(tmp_path)
     # The nodes rebuilt the fused model from the widths in the ConfigRecord and scored it.
     assert pfnm["client_evaluation"]["1"]["accuracy"] > 0.8
 
+    # The README's app: fusekit's lines with their level, no evaluate failures, PFNM's
+    # width kept by the averaged second round (the nodes trained the 150-wide model).
+    lines = [re.sub(r"\x1b\[[0-9;]*m", "", line) for line in readme.splitlines()]
+    assert any(re.match(r"INFO\s*:\s+round 1: pfnm fused 3 models .* \[150\]$", line)
+               for line in lines)
+    assert any(re.match(r"INFO\s*:\s+round 2: avg fused 3 models .* \[150\]$", line)
+               for line in lines)
+    assert "No evaluate function registered" not in readme
+    assert "Received 3 results and 0 failures" in readme
+    assert fusekit.load_checkpoint(model_file).tensors["0.weight"].shape == (150, 64)
+    model = fusekit.load_fused(model_file, "cpu")
+    digits = load_dataset("digits")
+    with torch.no_grad():
+        predicted = model(torch.as_tensor(digits.x_test)).argmax(dim=1).numpy()
+    assert not model.training and (predicted == digits.y_test).mean() > 0.8
 
-def test_a_run_that_cannot_finish_is_stopped_at_its_timeout(tmp_path):
-    """Two nodes required, one started: the ServerApp would wait for ever; the run is
-    stopped on the SuperLink at its timeout and leaving the block ends every process."""
-    with LocalFederation(nodes=1, workdir=tmp_path / "federation") as federation:
-        leaders = [p.pid for p in federation.processes]
+
+def test_one_node_a_round_that_cannot_fuse_and_a_run_that_cannot_finish(tmp_path, progress):
+    """One reply is fewer than the two a round fuses: the round fails and the run hands
+    back the initial model. Two nodes required, one started: the ServerApp would wait for
+    ever; the run is stopped on the SuperLink at its timeout."""
+    with Federation(tmp_path / "federation", 1, progress) as federation:
+        result_file, model_file = tmp_path / "one.json", tmp_path / "one.safetensors"
+        run(federation, APP, {"min-nodes": 1, "epochs": 1, "fraction-evaluate": 0.0,
+                              "result-file": str(result_file),
+                              "model-file": str(model_file)}, progress)
         with pytest.raises(subprocess.TimeoutExpired):
-            federation.run(APP, {"min-nodes": 2}, timeout=20)
-        assert [run["status"] for run in federation.runs()] == ["finished:stopped"]
-        groups = set(leaders) | descendant_groups(leaders)
-    assert not any(group_alive(group) for group in groups)
+            run(federation, APP, {"min-nodes": 2}, progress, timeout=20)
+        assert sorted(r["status"] for r in federation.runs()) == ["finished:completed",
+                                                                   "finished:stopped"]
+    result = json.loads(result_file.read_text())
+    assert result["fused_rounds"] == 0 and result["train_metrics"] == {}
+    assert result["hidden_widths"] == [100]
+    initial = fusekit.load_checkpoint(model_file)
+    assert initial.arch["hidden"] == [100]
+    # The ServerApp's initial model: build_model(arch, seed=0), the run config's seed.
+    expected = build_model(initial.arch, seed=0).state_dict()
+    for name, tensor in expected.items():
+        assert (initial.tensor(name) == tensor.numpy()).all(), name

@@ -1,10 +1,11 @@
 """Run the app on a Flower deployment on this machine and compare fusion methods.
 
 Starts one SuperLink and three SuperNodes on 127.0.0.1 (``fusekit.flower.local``), runs the
-same one-round federation once per method with ``flwr run``, prints each fused global
-model's test accuracy with its hidden widths, and stops every process it started.
+federation once per entry of ``--runs`` (``method`` or ``method:rounds``) with ``flwr run``,
+shows each run's progress (rounds, fusions, scores) as it goes, prints each global model's
+test accuracy and hidden widths per round, and stops every process it started.
 
-    python examples/flower/demo.py [--methods avg,pfnm,nafi] [--nodes 3] [--epochs 20]
+    python examples/flower/demo.py [--runs avg,pfnm,nafi,pfnm:3] [--nodes 3] [--epochs 20]
 """
 
 from __future__ import annotations
@@ -16,43 +17,70 @@ import time
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
-from fusekit.flower.local import LocalFederation
+from fusekit.flower.local import LocalFederation, progress_lines
 
 APP = Path(__file__).resolve().parent
 
 
+def parse_runs(text: str) -> list[tuple[str, int]]:
+    """``avg,pfnm:3`` -> [("avg", 1), ("pfnm", 3)]."""
+    runs = []
+    for entry in text.split(","):
+        method, _, rounds = entry.strip().partition(":")
+        runs.append((method, int(rounds or 1)))
+    return runs
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--methods", default="avg,pfnm,nafi",
-                        help="comma-separated fusekit methods (avg is FedAvg)")
+    parser.add_argument("--runs", default="avg,pfnm,nafi,pfnm:3",
+                        help="comma-separated method[:rounds] (avg is FedAvg)")
     parser.add_argument("--nodes", type=int, default=3, help="SuperNodes (one per partition)")
     parser.add_argument("--epochs", type=int, default=20, help="local training epochs")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per run")
+    parser.add_argument("--json", type=Path, help="also write every run's results here")
     args = parser.parse_args(argv)
-    console = Console(stderr=True)
+    console = Console(stderr=True, highlight=False)
+
+    progress = progress_lines(lambda line: console.print(f"    {escape(line)}"))
     rows = []
+    console.print(f"starting a SuperLink and {args.nodes} SuperNodes on 127.0.0.1 ...")
     with LocalFederation(nodes=args.nodes) as federation:
         console.print(f"SuperLink on 127.0.0.1:{federation.port}, {args.nodes} SuperNodes")
-        for method in args.methods.split(","):
-            console.print(f"flwr run: one round fused with [bold]{method}[/]")
+        for method, rounds in parse_runs(args.runs):
+            console.print(f"flwr run: {rounds} round(s) fused with [bold]{method}[/] "
+                          f"(each node trains {args.epochs} epochs per round)")
             start = time.perf_counter()
-            result_file = federation.workdir / f"{method}.json"
+            result_file = federation.workdir / f"{method}-{rounds}.json"
             federation.run(APP, {"method": method, "min-nodes": args.nodes,
-                                 "epochs": args.epochs, "result-file": str(result_file)},
-                           timeout=args.timeout)
+                                 "num-server-rounds": rounds, "epochs": args.epochs,
+                                 "result-file": str(result_file)},
+                           timeout=args.timeout, on_line=progress)
             rows.append((json.loads(result_file.read_text()), time.perf_counter() - start))
-    table = Table(title=f"Flower federation, {args.nodes} SuperNodes, non-iid digits, one round")
-    for column in ("method", "test accuracy", "hidden widths", "nodes' own data", "run (s)"):
+        console.print("stopping the SuperLink, its SuperExec and the SuperNodes")
+    Console().print(results_table(rows, args.nodes))
+    if args.json:
+        args.json.write_text(json.dumps([result for result, _ in rows], indent=2))
+    return 0
+
+
+def results_table(rows: list[tuple[dict, float]], nodes: int) -> Table:
+    table = Table(title=f"Flower federation, {nodes} SuperNodes, non-iid digits")
+    for column in ("method", "rounds", "test accuracy", "hidden widths", "nodes' own data",
+                   "run (s)"):
         table.add_column(column)
     for result, seconds in rows:
-        own = result["client_evaluation"].get("1", {}).get("accuracy")
+        per_round = [result["per_round"][str(r)] for r in range(1, result["rounds"] + 1)]
+        own = result["client_evaluation"].get(str(result["rounds"]), {}).get("accuracy")
         table.add_row("FedAvg (avg)" if result["method"] == "avg" else result["method"],
-                      f"{result['accuracy']:.4f}", str(result["hidden_widths"]),
+                      str(result["rounds"]),
+                      " → ".join(f"{r['accuracy']:.4f}" for r in per_round),
+                      " → ".join(str(r["hidden_widths"]) for r in per_round),
                       "-" if own is None else f"{own:.4f}", f"{seconds:.0f}")
-    Console().print(table)
-    return 0
+    return table
 
 
 if __name__ == "__main__":

@@ -2,16 +2,20 @@
 
 Server side, in a ServerApp::
 
-    from fusekit.flower import FusekitStrategy
-    strategy = FusekitStrategy("pfnm", {"width": 150}, min_available_nodes=3)
-    result = strategy.start(grid=grid, initial_arrays=arrays, num_rounds=1,
+    from fusekit.flower import FusekitStrategy, log_to_flower
+    log_to_flower()  # fusekit's INFO lines among Flower's
+    strategy = FusekitStrategy("pfnm", min_available_nodes=3)
+    result = strategy.start(grid=grid, initial_arrays=arrays, num_rounds=3,
                             evaluate_fn=strategy.evaluate_fn(dataset))
+    fused = strategy.global_checkpoint(result.arrays)
 
 Client side, in a ClientApp: ``train_reply(model, num_examples, class_counts)`` is the reply's
-content; ``global_model(msg.content)`` rebuilds the global model with its fused widths.
+content; ``global_model(msg.content)`` rebuilds the global model with its fused widths (the
+message's ConfigRecord has ``fusekit-widths`` once a round fused).
 """
 
 from fusekit.flower.client import global_model, train_reply
+from fusekit.flower.logs import log_to_flower
 from fusekit.flower.records import (
     ARCH,
     CLASS_COUNTS,
@@ -30,6 +34,7 @@ __all__ = [
     "FusekitStrategy",
     "arrays_to_state_dict",
     "global_model",
+    "log_to_flower",
     "state_dict_to_arrays",
     "train_reply",
 ]

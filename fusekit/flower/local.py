@@ -3,8 +3,11 @@
 The processes are Flower's own (``flower-superlink``, ``flower-supernode``), started
 ``--insecure`` with a private ``FLWR_HOME``, each in its own process group, and apps run on
 them with ``flwr run``. Every wait is bounded; leaving the ``with`` block ends every process
-group it started. Nothing here is needed on a real multi-host deployment, where each
-organisation starts its own SuperNode (see examples/flower/README.md).
+group it started, those of their descendants (the SuperLink starts ``flower-superexec`` in a
+session of its own, which starts the ServerApp processes) and of any process left with this
+federation's ``FLWR_HOME`` in its environment (one whose parent ended first). Nothing here
+is needed on a real multi-host deployment, where each organisation starts its own SuperNode
+(see examples/flower/README.md).
 """
 
 from __future__ import annotations
@@ -13,22 +16,41 @@ import contextlib
 import json
 import logging
 import os
+import re
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from fusekit.toolkit.processes import end_groups
+from fusekit.toolkit.processes import end_groups, groups_with_env
 
 log = logging.getLogger(__name__)
 
 CONNECTION = "fusekit-local"
+#: The lines of a ServerApp's log that tell a run's progress: rounds, node sampling,
+#: fusekit's fusions and scores, problems.
+PROGRESS = re.compile(r"\[ROUND|configure_(train|evaluate)|round \d+: |fusekit |left out|"
+                      r"failed|ERROR|WARNING")
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def progress_lines(write: Callable[[str], None]) -> Callable[[str], None]:
+    """An ``on_line`` for :meth:`LocalFederation.run` that passes ``write`` the progress
+    lines of the run's output (:data:`PROGRESS`), colour codes removed."""
+
+    def on_line(line: str) -> None:
+        line = ANSI.sub("", line).strip()
+        if PROGRESS.search(line):
+            write(line)
+
+    return on_line
 
 
 def free_port() -> int:
@@ -81,12 +103,17 @@ class LocalFederation:
         self.stop()
 
     @property
+    def home(self) -> Path:
+        """This federation's FLWR_HOME (its processes carry it in their environment)."""
+        return self.workdir / "flwr-home"
+
+    @property
     def env(self) -> dict[str, str]:
         """The environment of every Flower process: private FLWR_HOME, no telemetry, and
-        this interpreter's scripts first on PATH (the SuperLink and SuperNodes start
-        ``flwr-serverapp`` and ``flwr-clientapp`` from it)."""
+        this interpreter's scripts first on PATH (the SuperLink starts
+        ``flower-superexec`` from it, the SuperNodes ``flwr-clientapp``)."""
         bin_dir = str(Path(sys.executable).parent)
-        return {**os.environ, "FLWR_HOME": str(self.workdir / "flwr-home"),
+        return {**os.environ, "FLWR_HOME": str(self.home),
                 "FLWR_TELEMETRY_ENABLED": "0",
                 "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
 
@@ -131,9 +158,8 @@ class LocalFederation:
                            f"see {self.log('superlink')}")
 
     def _write_connection(self) -> None:
-        home = self.workdir / "flwr-home"
-        home.mkdir(exist_ok=True)
-        (home / "config.toml").write_text(
+        self.home.mkdir(exist_ok=True)
+        (self.home / "config.toml").write_text(
             f'[superlink]\ndefault = "{CONNECTION}"\n\n'
             f'[superlink.{CONNECTION}]\naddress = "127.0.0.1:{self.port}"\ninsecure = true\n'
         )
@@ -143,8 +169,13 @@ class LocalFederation:
         return self.workdir / f"{name}.log"
 
     def run(self, app: str | os.PathLike[str], run_config: Mapping[str, Any] | None = None,
-            timeout: float = 600.0) -> subprocess.CompletedProcess[str]:
+            timeout: float = 600.0, on_line: Callable[[str], None] | None = None
+            ) -> subprocess.CompletedProcess[str]:
         """``flwr run <app> --stream`` on this federation; its output is returned.
+
+        Args:
+            on_line: called with each line of the output as it comes (the ServerApp's log:
+                rounds, fusions, evaluations), for progress.
 
         Raises:
             subprocess.TimeoutExpired: the run took longer than ``timeout`` (the run is
@@ -154,14 +185,21 @@ class LocalFederation:
         command = ["flwr", "run", str(app), CONNECTION, "--stream"]
         for key, value in (run_config or {}).items():
             command += ["--run-config", f"{key}={toml_value(value)}"]
+        lines: list[str] = []
         with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True, env=self.env, start_new_session=True) as process:
+            reader = threading.Thread(target=_read_lines, daemon=True,
+                                      args=(process.stdout, lines, on_line))
+            reader.start()
             try:
-                output, _ = process.communicate(timeout=timeout)
+                process.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
                 end_groups([process])  # first, so that it submits nothing more
                 self._stop_unfinished_runs()
                 raise
+            finally:
+                reader.join(timeout=10)
+        output = "".join(lines)
         if process.returncode != 0:
             raise RuntimeError(f"flwr run exited with code {process.returncode}:\n{output}")
         return subprocess.CompletedProcess(command, process.returncode, output, None)
@@ -186,9 +224,23 @@ class LocalFederation:
                               timeout=timeout, check=True)
 
     def stop(self) -> None:
-        """End every process group this federation started (SIGTERM, then SIGKILL)."""
-        end_groups(self.processes)
+        """End every process group this federation started, those of their descendants and
+        of every process with its FLWR_HOME (SIGTERM, then SIGKILL)."""
+        end_groups(self.processes, also=self.leftover_groups())
         self.processes.clear()
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
+
+    def leftover_groups(self) -> set[int]:
+        """The process groups of every process still running with this federation's
+        FLWR_HOME in its environment (none once it is stopped)."""
+        return groups_with_env("FLWR_HOME", str(self.home)) - {os.getpgrp()}
+
+
+def _read_lines(stream: Any, lines: list[str],
+                on_line: Callable[[str], None] | None) -> None:
+    for line in stream:
+        lines.append(line)
+        if on_line is not None:
+            on_line(line.rstrip("\n"))

@@ -4,6 +4,12 @@ Node sampling, configuration records, client-metric aggregation and the round lo
 (``strategy.start``) are FedAvg's; only the step that turns the clients' models into the
 global model changes. Each round is one call to :func:`fusekit.fuse` on the round's replies,
 so a Flower round and a ``fusekit fuse`` run on the same models give the same model.
+
+Rounds follow ``fusekit simulate --rounds`` (:func:`fusekit.toolkit.rounds.round_method`):
+a method that rematches neurons (PFNM, NAFI, OT) fuses the first round that fuses; the
+nodes then train that global model, whose neurons already correspond, and later rounds
+average them (avg) at the fused width, which therefore stays as the first fusion set it.
+Methods that keep the global model's coordinates (avg, Fed²) fuse every round.
 """
 
 from __future__ import annotations
@@ -17,17 +23,24 @@ from typing import Any
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import FedAvg
+from flwr.serverapp.strategy import FedAvg, Result
 
 import fusekit
 from fusekit.api import SpecLike, check_compatible, client_spec
 from fusekit.core import metadata as meta
 from fusekit.core.checkpoint import Checkpoint
-from fusekit.core.errors import FusekitError, IncompatibleModelsError, ParameterError
+from fusekit.core.errors import (
+    CheckpointError,
+    FusekitError,
+    IncompatibleModelsError,
+    ParameterError,
+)
 from fusekit.core.spec import PermutationSpec
 from fusekit.methods import FusionResult
+from fusekit.methods.avg import check_equal_shapes
 from fusekit.methods.base import FusionMethod, get_method
 from fusekit.methods.params import method_params, validate
+from fusekit.toolkit.rounds import ENSEMBLES, EVERY_ROUND, round_method
 
 from .records import (
     CLASS_COUNTS,
@@ -89,6 +102,8 @@ class FusekitStrategy(FedAvg):
         #: The last round's fusion, and why replies were left out of it (node id -> reason).
         self.last_fusion: FusionResult | None = None
         self.left_out: dict[int, str] = {}
+        #: How many rounds fused so far (failed rounds do not count).
+        self.fused_rounds = 0
 
     @property
     def method(self) -> str:
@@ -98,6 +113,40 @@ class FusekitStrategy(FedAvg):
         super().summary()
         log.info("fusekit: method %s, parameters %s, at least %d replies per round",
                  self.method, self.params, self.min_fused_replies)
+
+    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3,
+              timeout: float = 3600, train_config: ConfigRecord | None = None,
+              evaluate_config: ConfigRecord | None = None,
+              evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+              ) -> Result:
+        """FedAvg's round loop. Afterwards ``result.arrays`` holds the global model even
+        when no round fused (Flower's loop fills it only after a round that did): then it
+        is ``initial_arrays``, the global model the nodes were sent.
+
+        Raises:
+            ParameterError: more than one round of a method whose result is an ensemble
+                (AMS), which nodes cannot train.
+        """
+        if self.method in ENSEMBLES and num_rounds > 1:
+            raise ParameterError(
+                f"num_rounds: method {self.method!r} returns an ensemble of the nodes' "
+                f"models, which nodes cannot train in a next round; expected 1, found "
+                f"{num_rounds}")
+        result = super().start(grid, initial_arrays, num_rounds, timeout, train_config,
+                               evaluate_config, evaluate_fn)
+        if len(result.arrays) == 0:
+            log.warning("no round fused: the global model is the initial one")
+            result.arrays = initial_arrays
+        return result
+
+    def round_fusion(self) -> tuple[FusionMethod, dict[str, Any]]:
+        """The method and parameters of the next fusion: the strategy's own for its first
+        fusion and for methods that fuse every round; avg, without parameters, after a
+        method that rematches neurons (:func:`fusekit.toolkit.rounds.round_method`)."""
+        name = round_method(self.method, self.fused_rounds + 1)
+        if name == self.method:
+            return self.fusion, self.params
+        return get_method(name), {}
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
@@ -121,9 +170,11 @@ class FusekitStrategy(FedAvg):
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Fuse the replies' models with ``fusekit.fuse``.
 
-        Replies that carry an error or models fusekit cannot fuse are logged and left out
-        (``self.left_out`` keeps the reasons). With fewer than ``min_fused_replies`` left
-        the round fails: ``(None, None)``, and the global model stays as it was.
+        The round's method is :meth:`round_fusion`'s (the strategy's own, or avg on the
+        rounds after a method that rematches neurons). Replies that carry an error or
+        models that method cannot fuse are logged and left out (``self.left_out`` keeps the
+        reasons). With fewer than ``min_fused_replies`` left the round fails:
+        ``(None, None)``, and the global model stays as it was.
 
         Returns:
             The fused ArrayRecord (tensor names kept) and a MetricRecord with FedAvg's
@@ -135,7 +186,8 @@ class FusekitStrategy(FedAvg):
             FusekitError: the configured parameters do not suit the models.
         """
         replies = list(replies)
-        usable, self.left_out = self.usable_replies(replies)
+        fusion, params = self.round_fusion()
+        usable, self.left_out = self.usable_replies(replies, fusion)
         for node, reason in self.left_out.items():
             log.warning("round %d: reply of node %d left out: %s", server_round, node, reason)
         if len(usable) < self.min_fused_replies:
@@ -143,13 +195,21 @@ class FusekitStrategy(FedAvg):
                       "global model is unchanged", server_round, len(usable), len(replies),
                       self.min_fused_replies)
             return None, None
+        log.info("round %d: fusing %d models with %s", server_round, len(usable), fusion.name)
         start = time.perf_counter()
-        result = fusekit.fuse([checkpoint for checkpoint, _ in usable], method=self.method,
-                              spec=self.spec, **self.params)
+        result = fusekit.fuse([checkpoint for checkpoint, _ in usable], method=fusion.name,
+                              spec=self.spec, **params)
         elapsed = time.perf_counter() - start
         self.last_fusion, self.global_metadata = result, dict(result.metadata)
+        self.fused_rounds += 1
         log.info("round %d: %s fused %d models in %.2f s, hidden widths %s", server_round,
-                 self.method, len(usable), elapsed, result.widths)
+                 fusion.name, len(usable), elapsed, result.widths)
+        return state_dict_to_arrays(result.state_dict), self._round_metrics(usable, result,
+                                                                            elapsed)
+
+    def _round_metrics(self, usable: list[tuple[Checkpoint, RecordDict]],
+                       result: FusionResult, elapsed: float) -> MetricRecord:
+        """FedAvg's aggregate of the clients' metrics plus the fusion's own."""
         metrics = self.train_metrics_aggr_fn([content for _, content in usable],
                                              self.weighted_by_key)
         metrics.pop(CLASS_COUNTS, None)  # an average of class counts means nothing
@@ -159,13 +219,15 @@ class FusekitStrategy(FedAvg):
             f"{self.method}.fused-replies": len(usable),
             f"{self.method}.left-out-replies": len(self.left_out),
         })
-        return state_dict_to_arrays(result.state_dict), metrics
+        return metrics
 
     def usable_replies(
-        self, replies: Iterable[Message]
+        self, replies: Iterable[Message], fusion: FusionMethod | None = None
     ) -> tuple[list[tuple[Checkpoint, RecordDict]], dict[int, str]]:
-        """Split replies into (checkpoint, content) pairs fusekit can fuse together, and
-        the others' one-line reasons (those ``fusekit fuse`` gives), by node id."""
+        """Split replies into (checkpoint, content) pairs ``fusion`` (the strategy's
+        method if None) can fuse together, and the others' one-line reasons (those
+        ``fusekit fuse`` gives), by node id."""
+        fusion = fusion or self.fusion
         usable, reasons = {}, {}
         for reply in replies:
             node = reply.metadata.src_node_id
@@ -177,24 +239,27 @@ class FusekitStrategy(FedAvg):
                 checkpoint = reply_checkpoint(reply.content, f"node {node}",
                                               self.weighted_by_key)
                 spec = client_spec(checkpoint, self.spec)
-                self.fusion.check_client(checkpoint, spec)
+                fusion.check_client(checkpoint, spec)
             except FusekitError as exc:
                 reasons[node] = str(exc)
                 continue
             usable[node] = (checkpoint, spec, reply.content)
-        if self.fusion.requires_same_architecture:
-            reasons.update(self._other_architectures(usable))
+        if fusion.requires_same_architecture:
+            reasons.update(self._other_architectures(usable, fusion.name in EVERY_ROUND))
         return ([(checkpoint, content) for node, (checkpoint, _, content) in usable.items()
                  if node not in reasons], reasons)
 
     @staticmethod
     def _other_architectures(
-        usable: dict[int, tuple[Checkpoint, PermutationSpec, RecordDict]]
+        usable: dict[int, tuple[Checkpoint, PermutationSpec, RecordDict]], same_shapes: bool
     ) -> dict[int, str]:
-        """Why replies outside the most common architecture cannot join it, by node id."""
+        """Why replies outside the most common architecture cannot join it, by node id;
+        ``same_shapes``: every tensor's shape too (for methods that average coordinates)."""
         if not usable:
             return {}
-        shapes = {node: (tuple(spec.structure()), tuple(sorted(checkpoint.tensors)))
+        shapes = {node: (tuple(spec.structure()), tuple(sorted(checkpoint.tensors)),
+                         tuple(info.shape for _, info in sorted(checkpoint.tensors.items()))
+                         if same_shapes else ())
                   for node, (checkpoint, spec, _) in usable.items()}
         common = Counter(shapes.values()).most_common(1)[0][0]
         first, first_spec, _ = usable[next(n for n, shape in shapes.items() if shape == common)]
@@ -202,12 +267,23 @@ class FusekitStrategy(FedAvg):
         for node, (checkpoint, spec, _) in usable.items():
             try:
                 check_compatible([first, checkpoint], [first_spec, spec])
+                if same_shapes:
+                    check_equal_shapes([first, checkpoint])
             except IncompatibleModelsError as exc:
                 reasons[node] = str(exc)
         return reasons
 
     def global_checkpoint(self, arrays: ArrayRecord) -> Checkpoint:
-        """The global model as a fusekit checkpoint, with its (fused) architecture."""
+        """The global model (``result.arrays``) as a fusekit checkpoint, with its (fused)
+        architecture.
+
+        Raises:
+            CheckpointError: ``arrays`` is empty.
+        """
+        if len(arrays) == 0:
+            raise CheckpointError(
+                "global model: the ArrayRecord is empty; expected the global model's tensors "
+                "(strategy.start(...).arrays holds them after any run)")
         return Checkpoint.from_state_dict(arrays_to_state_dict(arrays), self.global_metadata,
                                           source="global model")
 

@@ -17,13 +17,15 @@ from pathlib import Path
 
 
 def end_groups(processes: list[subprocess.Popen], grace: float = 10.0, *,
-               terminate_first: bool = True) -> None:
-    """End the process groups ``processes`` lead and those of all their descendants (the
-    SuperLink starts its SuperExec in a session of its own): SIGTERM, then SIGKILL for
-    what is left after ``grace`` s, each followed by a bounded wait until no member is left.
-    ``terminate_first=False``: SIGKILL at once, as a crash of the machine would end them.
+               terminate_first: bool = True, also: Iterable[int] = ()) -> None:
+    """End the process groups ``processes`` lead, those of all their descendants (the
+    SuperLink starts its SuperExec in a session of its own) and the groups in ``also``:
+    SIGTERM, then SIGKILL for what is left after ``grace`` s, each followed by a bounded
+    wait until no member is left. ``terminate_first=False``: SIGKILL at once, as a crash of
+    the machine would end them.
     """
-    groups = {p.pid for p in processes} | descendant_groups(p.pid for p in processes)
+    groups = ({p.pid for p in processes} | descendant_groups(p.pid for p in processes)
+              | set(also))
     groups.discard(os.getpgrp())  # never the caller's own group
     signals = (signal.SIGTERM, signal.SIGKILL) if terminate_first else (signal.SIGKILL,)
     for sig in signals:
@@ -53,6 +55,20 @@ def descendant_groups(roots: Iterable[int]) -> set[int]:
                     if parent in frontier} - found
         found |= frontier
     return {parent_and_group[pid][1] for pid in found}
+
+
+def groups_with_env(name: str, value: str) -> set[int]:
+    """The process groups of every process whose environment (as it was started) holds
+    ``name=value``, read from /proc (Linux; an empty set elsewhere). Unlike
+    :func:`descendant_groups` this finds processes whose parent ended before them, which
+    the system has re-parented; give ``name`` a value private to what you started."""
+    entry = f"{name}={value}".encode()
+    groups = set()
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        with contextlib.suppress(OSError):
+            if entry in environ.read_bytes().split(b"\0"):
+                groups.add(os.getpgid(int(environ.parent.name)))
+    return groups
 
 
 def group_alive(pgid: int) -> bool:

@@ -1,5 +1,5 @@
-"""The ServerApp: one (or more) rounds of a federation whose aggregation is fusekit's, then
-the fused global model scored on the digits test split."""
+"""The ServerApp: rounds of a federation whose aggregation is fusekit's, the global model
+scored on the digits test split after each, and (optionally) saved at the end."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from pathlib import Path
 from flwr.app import ArrayRecord, Context
 from flwr.serverapp import Grid, ServerApp
 
+import fusekit
 from fusekit.core.checkpoint import write_atomic
-from fusekit.flower import FusekitStrategy
+from fusekit.flower import FusekitStrategy, log_to_flower
 from fusekit.toolkit.nn import build_model
 from fusekit_digits import task
 
@@ -21,11 +22,7 @@ log = logging.getLogger("flwr")
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    # fusekit logs with the standard logging module: show its lines among Flower's.
-    fusekit_log = logging.getLogger("fusekit")
-    fusekit_log.setLevel(logging.INFO)
-    for handler in log.handlers:
-        fusekit_log.addHandler(handler)
+    log_to_flower()  # fusekit's INFO lines (fusions, widths, accuracy) among Flower's
     config = context.run_config
     method = str(config["method"])
     nodes = int(config["min-nodes"])
@@ -40,21 +37,36 @@ def main(grid: Grid, context: Context) -> None:
     result = strategy.start(grid=grid, initial_arrays=initial, num_rounds=rounds,
                             evaluate_fn=strategy.evaluate_fn(data))
     final = result.evaluate_metrics_serverapp[rounds]
-    summary = {
-        "method": method,
+    log.info("fusekit %s: global model accuracy %.4f on the %s test split after %d "
+             "round(s), hidden widths %s", method, final["accuracy"], task.DATA, rounds,
+             final["hidden-widths"])
+    if config["model-file"]:
+        fused = strategy.global_checkpoint(result.arrays)
+        fusekit.save_checkpoint(str(config["model-file"]), fused.state_dict(),
+                                fused.metadata, force=True)
+    if config["result-file"]:
+        write_atomic(Path(str(config["result-file"])),
+                     json.dumps(summary(strategy, result, config), indent=2).encode())
+
+
+def summary(strategy: FusekitStrategy, result, config) -> dict:
+    """What the run did, per round: the server's score of the global model and its hidden
+    widths (round 0: the initial model), the nodes' aggregated metrics."""
+    rounds = int(config["num-server-rounds"])
+    server = result.evaluate_metrics_serverapp
+    return {
+        "method": strategy.method,
         "params": strategy.params,
         "rounds": rounds,
-        "nodes": nodes,
-        "accuracy": final["accuracy"],
-        "loss": final["loss"],
-        "hidden_widths": final["hidden-widths"],
+        "nodes": int(config["min-nodes"]),
+        "fused_rounds": strategy.fused_rounds,
+        "accuracy": server[rounds]["accuracy"],
+        "loss": server[rounds]["loss"],
+        "hidden_widths": server[rounds]["hidden-widths"],
+        "per_round": {r: {"accuracy": m["accuracy"], "hidden_widths": m["hidden-widths"]}
+                      for r, m in server.items()},
         "left_out": strategy.left_out,
         "train_metrics": {r: dict(m) for r, m in result.train_metrics_clientapp.items()},
         "client_evaluation": {r: dict(m)
                               for r, m in result.evaluate_metrics_clientapp.items()},
     }
-    log.info("fusekit %s: global model accuracy %.4f on the %s test split, hidden "
-                "widths %s", method, final["accuracy"], task.DATA, final["hidden-widths"])
-    if config["result-file"]:
-        write_atomic(Path(str(config["result-file"])),
-                     json.dumps(summary, indent=2).encode())
