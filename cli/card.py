@@ -10,6 +10,8 @@ from typing import Any
 from fusekit.core import metadata as meta
 from fusekit.core.arch import infer_arch, resnet_blocks
 from fusekit.core.spec import PermutationSpec, Spec, spec_from_json
+from fusekit.methods.ams import ams_class_counts, read_ams_metadata
+from fusekit.methods.avg import shares_of_counts
 
 #: Input size of the example call in the card for torchvision families (any size >= 32
 #: works for them: the pools are adaptive).
@@ -22,7 +24,9 @@ from safetensors.torch import load_file
 
 t = load_file("fused.safetensors")
 MODELS = {models}
-K = {k}  # logits summed per input: those of the K most confident models (AMS)
+K = {k}  # answers summed per input: those of the K most confident models (AMS)
+CONFIDENCE = {confidence}  # AMS: logit, probability or class-share
+SHARES = torch.tensor({shares})  # class-share: model s's share of class c's training samples
 
 
 def forward(model, x):
@@ -101,9 +105,18 @@ def forward_vgg(model, x):  # torchvision's VGG: features, 7x7 average pool, cla
 def predict(x):
     """Logits (B, C) of inputs x (B, ...)."""
     logits = torch.stack([forward(model, x) for model in MODELS])  # (S, B, C)
-    confidence = logits.amax(dim=2)  # most confident first, lower index on ties
-    chosen = torch.sort(confidence, dim=0, descending=True, stable=True).indices[:K]
-    return logits.gather(0, chosen[:, :, None].expand(-1, -1, logits.shape[2])).sum(0)
+    answers = logits
+    if CONFIDENCE == "class-share":
+        answers = SHARES[:, None, :] * logits.softmax(dim=2)
+    confidence = (logits.softmax(dim=2) if CONFIDENCE == "probability" else answers).amax(dim=2)
+    if K == len(MODELS):
+        chosen = torch.arange(K)[:, None].expand(K, len(x))
+    else:  # most confident first, lower index on ties
+        chosen = torch.sort(confidence, dim=0, descending=True, stable=True).indices[:K]
+    fused = answers.gather(0, chosen[:, :, None].expand(-1, -1, logits.shape[2])).sum(0)
+    if CONFIDENCE == "class-share":  # the log of the mixture
+        return fused.clamp_min(torch.finfo(fused.dtype).tiny).log()
+    return fused
 '''
 
 
@@ -145,10 +158,11 @@ full report.
 
 
 def _torch_loading(result) -> str:
-    models, k = loader_models(result)
+    models, rule = loader_models(result)
     # str.replace, not str.format: the snippet's own f-strings hold braces.
     forward = _FORWARD.replace("{models}", pprint.pformat(models, width=88, sort_dicts=False))
-    forward = forward.replace("{k}", str(k))
+    for key, value in rule.items():
+        forward = forward.replace("{" + key + "}", value)
     return f"""## Loading without fusekit
 
 Only `torch` and `safetensors` are needed:
@@ -179,21 +193,25 @@ With fusekit: `fusekit.load_fused("path/to/this/folder")` (needs the `[hf]` extr
 """
 
 
-def loader_models(result) -> tuple[list[dict[str, Any]], int]:
-    """The layer lists the loader snippet runs, and how many models' logits it sums."""
+def loader_models(result) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """The layer lists the loader snippet runs, and its selection rule as the snippet's
+    constants: ``k`` (models whose answers it sums), ``confidence`` and class ``shares``."""
     shapes = {name: tuple(a.shape) for name, a in result.state_dict.items()}
     if meta.AMS in result.metadata:
-        description = json.loads(result.metadata[meta.AMS])
+        description = read_ams_metadata(result.metadata, "fused")
         models = []
         for entry in description["models"]:
             own = {n[len(entry["prefix"]):]: s for n, s in shapes.items()
                    if n.startswith(entry["prefix"])}
             spec = spec_from_json(entry["spec"], own, label=entry["prefix"])
             models.append(_model(spec, entry.get("arch"), entry["prefix"], own))
-        return models, int(description["k"])
+        counts = ams_class_counts(description, "fused")
+        shares = [] if counts is None else shares_of_counts(counts).round(8).tolist()
+        return models, {"k": str(int(description["k"])),
+                        "confidence": repr(description["confidence"]), "shares": str(shares)}
     spec = spec_from_json(json.loads(result.metadata[meta.SPEC]), shapes, label="fused")
     arch = json.loads(result.metadata[meta.ARCH]) if meta.ARCH in result.metadata else None
-    return [_model(spec, arch, "", shapes)], 1
+    return [_model(spec, arch, "", shapes)], {"k": "1", "confidence": "'logit'", "shares": "[]"}
 
 
 def _model(spec: Spec, arch: dict[str, Any] | None, prefix: str,

@@ -310,3 +310,86 @@ def test_confidence_rule_is_stored_in_the_artefact_and_validated(tmp_path):
     assert loaded.set_mode("top1", confidence="logit").confidence == "logit"
     with pytest.raises(ParameterError, match="confidence: expected one of 'logit', 'probability'"):
         fusekit.fuse(paths, method="ams", confidence="loudest")
+
+
+# ---- the class-share rule ----
+
+def _one_class_and_informed_logits(batch=60, classes=4, seed=0):
+    """Model 0 saw only class 3 (a third of its samples) and answers 3 on every input with
+    near certainty; models 1 and 2 saw every class and give the truth probability ~0.87."""
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, classes, batch)
+    informed = np.full((2, batch, classes), -1.0)
+    informed[:, np.arange(batch), labels] = 2.0
+    loud = np.zeros((1, batch, classes))
+    loud[0, :, 3] = 12.0
+    logits = torch.from_numpy(np.concatenate([loud, informed]).astype(np.float32))
+    counts = np.array([[0, 0, 0, 30], [10, 10, 10, 30], [10, 10, 10, 30]], dtype=np.float64)
+    return logits, counts, labels
+
+
+def test_class_share_rule_follows_its_formula():
+    logits, counts, _ = _one_class_and_informed_logits()
+    shares = torch.tensor(counts / counts.sum(0), dtype=torch.float32)
+    weighted = shares.numpy()[:, None, :] * torch.softmax(logits, 2).numpy()
+    fused, chosen = select_logits(logits, 3, "class-share", shares)
+    np.testing.assert_allclose(fused.numpy(), np.log(weighted.sum(0)), rtol=1e-5)
+    for k in (1, 2):
+        fused, chosen = select_logits(logits, k, "class-share", shares)
+        expected = np.argsort(-weighted.max(axis=2), axis=0, kind="stable")[:k]
+        np.testing.assert_array_equal(chosen.numpy(), expected)
+        picked = np.take_along_axis(weighted, expected[:, :, None], 0).sum(0)
+        # Classes the chosen model never saw get the smallest positive float, not log 0.
+        np.testing.assert_allclose(np.exp(fused.numpy()), picked, rtol=1e-5, atol=1e-30)
+        assert np.isfinite(fused.numpy()).all()
+    with pytest.raises(ParameterError, match="expected class shares of shape"):
+        select_logits(logits, 3, "class-share")
+
+
+def test_a_one_class_client_no_longer_wins_every_input():
+    logits, counts, labels = _one_class_and_informed_logits()
+    shares = torch.tensor(counts / counts.sum(0), dtype=torch.float32)
+    for rule in ("logit", "probability"):  # the loud one-class model answers everything
+        assert (select_logits(logits, 1, rule)[1] == 0).all()
+    fused, _ = select_logits(logits, 3, "class-share", shares)
+    np.testing.assert_array_equal(fused.argmax(1).numpy(), labels)
+
+
+def _write_counts(tmp_path, name, model, counts):
+    return fusekit.save_checkpoint(tmp_path / name, _state(model),
+                                   {"fusekit.num_samples": str(sum(counts)),
+                                    "fusekit.class_counts": json.dumps(counts)})
+
+
+def test_class_share_is_the_default_with_class_counts_and_survives_loading(tmp_path):
+    counts = [[0, 0, 0, 30], [5, 5, 5, 5], [10, 0, 10, 0]]
+    paths = [_write_counts(tmp_path, f"c{i}.safetensors", mlp(1, i), c)
+             for i, c in enumerate(counts)]
+    result = fusekit.fuse(paths, method="ams")
+    assert result.params == {"mode": "full", "k": 3, "confidence": "class-share"}
+    saved = result.save(tmp_path / "ams.safetensors")
+    description = read_ams_metadata(load_checkpoint(saved).metadata, "saved")
+    assert sorted(m["class_counts"] for m in description["models"]) == sorted(counts)
+    loaded = fusekit.load_fused(saved, "cpu")
+    x = torch.randn(16, 12)
+    with torch.no_grad():
+        logits = loaded.all_logits(x)
+        own = np.array([m["class_counts"] for m in description["models"]], dtype=np.float64)
+        weighted = (own / own.sum(0))[:, None, :] * torch.softmax(logits, 2).numpy()
+        np.testing.assert_allclose(loaded(x).numpy(), np.log(weighted.sum(0)), rtol=1e-5)
+    # The paper's rules stay available by name, and the mode by its own default.
+    paper = fusekit.fuse(paths, method="ams", confidence="logit")
+    assert paper.params == {"mode": "top1", "k": 1, "confidence": "logit"}
+    assert loaded.set_mode("top1", confidence="logit").confidence == "logit"
+
+
+def test_class_share_needs_every_clients_class_counts(tmp_path):
+    paths = [_write_counts(tmp_path, "a.safetensors", mlp(1, 0), [1, 2, 3, 4]),
+             _write(tmp_path, "b.safetensors", mlp(1, 1), 10)]
+    assert fusekit.fuse(paths, method="ams").params["confidence"] == "logit"
+    with pytest.raises(ParameterError, match="needs fusekit.class_counts"):
+        fusekit.fuse(paths, method="ams", confidence="class-share")
+    loaded = fusekit.load_fused(fusekit.fuse(paths, method="ams").save(
+        tmp_path / "ams.safetensors"), "cpu")
+    with pytest.raises(ParameterError, match="needs every model's class counts"):
+        loaded.set_mode("full", confidence="class-share")

@@ -5,12 +5,13 @@ input is answered by the model(s) with the largest "absolute confidence" max_c f
 The artefact is one safetensors file: client i's tensors under ``models.<i>.`` (clients in
 fusekit's canonical order) and the metadata key ``fusekit.ams``::
 
-    {"format": "fusekit.ams/1", "mode": "top1", "k": 1, "confidence": "logit",
+    {"format": "fusekit.ams/1", "mode": "full", "k": 10, "confidence": "class-share",
      "models": [{"prefix": "models.0.", "arch": {...} | null, "spec": {...},
-                 "num_samples": 600 | null}, ...]}
+                 "num_samples": 600 | null, "class_counts": [60, 0, ...] | null}, ...]}
 
 ``arch`` is the client's ``fusekit.arch`` (how :func:`fusekit.load_fused` rebuilds it) and
 ``spec`` its permutation spec JSON (the fallback for clients without ``arch``);
+``class_counts`` its ``fusekit.class_counts`` (what the ``class-share`` rule weighs by);
 ``confidence`` is absent from artefacts written before it existed (read as ``logit``). The
 selection itself runs in torch (:mod:`fusekit.toolkit.nn.ams`).
 """
@@ -26,6 +27,7 @@ import numpy as np
 from fusekit.core import metadata as meta
 from fusekit.core.checkpoint import Checkpoint
 from fusekit.core.errors import CheckpointError, IncompatibleModelsError, ParameterError
+from fusekit.methods.avg import class_counts_matrix
 from fusekit.core.spec import PermutationSpec
 from fusekit.methods.base import FusionMethod, FusionResult, register
 from fusekit.methods.params import Param
@@ -33,8 +35,10 @@ from fusekit.methods.params import Param
 MODES = ("top1", "topk", "full")
 #: How a model's confidence on an input is measured (ALGORITHMS.md §6): ``logit`` is the AMS
 #: paper's max logit; ``probability`` the max softmax probability, which does not depend on
-#: the scale of a model's logits.
-CONFIDENCES = ("logit", "probability")
+#: the scale of a model's logits; ``class-share`` each model's probability of class c
+#: weighted by its share of class c's training samples (needs every model's class counts).
+CONFIDENCES = ("logit", "probability", "class-share")
+CLASS_SHARE = "class-share"
 
 
 def check_confidence(confidence: str) -> str:
@@ -68,20 +72,24 @@ class AdaptiveModelSelection(FusionMethod):
         checkpoints: Sequence[Checkpoint],
         specs: Sequence[PermutationSpec],
         *,
-        mode: Annotated[str, Param(
+        mode: Annotated[str | None, Param(
             help="top1 (the most confident model answers), topk (sum of the k most "
             "confident models' logits) or full (sum of all)",
             paper="AMS paper §5, Eq. 7-9", choices=MODES,
-        )] = "top1",
+            default_text="full with confidence class-share, else top1",
+        )] = None,
         k: Annotated[int | None, Param(
             help="models summed by mode topk, at most the number of clients", minimum=1,
             default_text="1 for top1, all for full",
         )] = None,
-        confidence: Annotated[str, Param(
-            help="how the most confident models are chosen: logit (largest max logit, the "
-            "paper's rule) or probability (largest max softmax probability, one scale for "
-            "every model)", paper="AMS paper Eq. 8", choices=CONFIDENCES,
-        )] = "logit",
+        confidence: Annotated[str | None, Param(
+            help="how the models are weighed: logit (largest max logit, the paper's rule), "
+            "probability (largest max softmax probability, one scale for every model) or "
+            "class-share (each model's probability of class c weighted by its share of "
+            "class c's training samples)", paper="AMS paper Eq. 8 (logit)",
+            choices=CONFIDENCES,
+            default_text="class-share when every client has class counts, else logit",
+        )] = None,
     ) -> FusionResult:
         """Pack every client into one AMS artefact (AMS paper Algorithm 2).
 
@@ -92,14 +100,19 @@ class AdaptiveModelSelection(FusionMethod):
                 MLP or CNN) as long as every model has the same number of outputs.
             mode: ``top1`` (answer with the most confident model, AMS-top1), ``topk`` (sum
                 the logits of the k most confident models) or ``full`` (sum all S logits,
-                AMS-full).
+                AMS-full). Default: ``full`` under ``class-share``, else ``top1``.
             k: number of models summed by ``topk``, 1 <= k <= S; implied by the other modes
                 (1 for top1, S for full) and may only be given with them if it agrees.
             confidence: how the most confident models are chosen: ``logit`` (the largest
                 max logit, AMS paper Eq. 8) or ``probability`` (the largest max softmax
                 probability). ``logit`` lets a model with much larger logits than the others
                 (a client trained on one class) win every input; ``probability`` compares
-                models on one scale.
+                models on one scale. ``class-share``: model s contributes
+                f_sc softmax(z_s(x))_c to class c, f_sc = N_sc / sum_s' N_s'c (its share of
+                class c's training samples), and the fused logits are the log of the sum
+                over the chosen models (all, with ``full``; the k with the largest
+                max_c f_sc p_sc(x) otherwise). Default: ``class-share`` when every client
+                carries ``fusekit.class_counts``, else ``logit``.
 
         Returns:
             FusionResult whose state_dict holds ``models.<i>.<name>`` for every client
@@ -107,23 +120,31 @@ class AdaptiveModelSelection(FusionMethod):
             ``widths`` is empty (there is no single fused layer structure).
 
         Raises:
-            ParameterError: unknown mode or confidence, or k missing/out of range/contradicting
-                the mode.
+            ParameterError: unknown mode or confidence, k missing/out of range/contradicting
+                the mode, or ``class-share`` with a client that has no class counts.
             IncompatibleModelsError: the models do not all have the same number of outputs,
                 or do not all take the same inputs.
         """
-        k = resolve_k(mode, k, len(checkpoints))
-        check_confidence(confidence)
         check_same_outputs(checkpoints, specs)
         check_same_inputs(checkpoints, specs)
+        if confidence is None:
+            confidence = CLASS_SHARE if all(c.class_counts is not None for c in checkpoints) \
+                else "logit"
+        if check_confidence(confidence) == CLASS_SHARE:
+            class_counts_matrix(checkpoints, specs[0].out_features)  # every client has them
+        if mode is None:
+            mode = "full" if confidence == CLASS_SHARE else "top1"
+        k = resolve_k(mode, k, len(checkpoints))
         state_dict: dict[str, np.ndarray] = {}
         models = []
         for index, (checkpoint, spec) in enumerate(zip(checkpoints, specs, strict=True)):
             prefix = model_prefix(index)
             for name in checkpoint.tensors:
                 state_dict[prefix + name] = checkpoint.tensor(name)
+            counts = checkpoint.class_counts
             models.append({"prefix": prefix, "arch": checkpoint.arch, "spec": spec.to_json(),
-                           "num_samples": checkpoint.num_samples})
+                           "num_samples": checkpoint.num_samples,
+                           "class_counts": None if counts is None else counts.tolist()})
         description = {"format": meta.AMS_FORMAT, "mode": mode, "k": k,
                        "confidence": confidence, "models": models}
         report = {
@@ -218,4 +239,30 @@ def read_ams_metadata(metadata: Mapping[str, str], label: str) -> dict[str, Any]
         check_confidence(description["confidence"])
     except ParameterError as exc:
         raise CheckpointError(f"{label}: metadata {meta.AMS}: {exc}") from None
+    if description["confidence"] == CLASS_SHARE:
+        ams_class_counts(description, label)
     return description
+
+
+def ams_class_counts(description: Mapping[str, Any], label: str) -> np.ndarray | None:
+    """(S, C) class counts of an AMS artefact's models, or None when any model lacks them.
+
+    Raises:
+        CheckpointError: counts that are not lists of non-negative numbers of one length, or
+            missing counts under the ``class-share`` rule.
+    """
+    found = [m.get("class_counts") if isinstance(m, Mapping) else None
+             for m in description["models"]]
+    if any(c is None for c in found):
+        if description.get("confidence") == CLASS_SHARE:
+            raise CheckpointError(f"{label}: metadata {meta.AMS}: confidence {CLASS_SHARE!r} "
+                                  "needs class_counts for every model")
+        return None
+    try:
+        counts = np.asarray(found, dtype=np.float64)
+    except (TypeError, ValueError):
+        counts = np.empty(0)
+    if counts.ndim != 2 or not (np.isfinite(counts).all() and (counts >= 0).all()):
+        raise CheckpointError(f"{label}: metadata {meta.AMS}: class_counts: expected one "
+                              "list of non-negative counts of the same length per model")
+    return counts

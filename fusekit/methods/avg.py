@@ -78,9 +78,14 @@ def average_tensor(arrays: Sequence[np.ndarray], weights: np.ndarray, name: str)
 
 def class_shares(checkpoints: Sequence[Checkpoint], n_classes: int) -> np.ndarray:
     """f_sk = N_sk / Σ_s N_sk, shape (S, K); a class no client saw gets uniform shares."""
-    counts = class_counts_matrix(checkpoints, n_classes)
+    return shares_of_counts(class_counts_matrix(checkpoints, n_classes))
+
+
+def shares_of_counts(counts: np.ndarray) -> np.ndarray:
+    """f_sk = N_sk / Σ_s N_sk of (S, K) class counts; a class no client saw: uniform 1/S."""
+    counts = np.asarray(counts, dtype=np.float64)
     totals = counts.sum(axis=0)
-    uniform = np.full_like(counts, 1.0 / len(checkpoints))
+    uniform = np.full_like(counts, 1.0 / len(counts))
     return np.where(totals > 0, counts / np.where(totals > 0, totals, 1.0), uniform)
 
 

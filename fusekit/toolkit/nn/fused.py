@@ -30,7 +30,7 @@ from fusekit.core.arch import infer_arch
 from fusekit.core.checkpoint import Checkpoint, load_checkpoint
 from fusekit.core.errors import CheckpointError, DataError, SpecError
 from fusekit.core.spec import PermutationSpec, infer_spec, shapes_of, spec_from_json
-from fusekit.methods.ams import read_ams_metadata
+from fusekit.methods.ams import ams_class_counts, read_ams_metadata
 from fusekit.toolkit.nn.ams import AMSModel
 from fusekit.toolkit.nn.modules import build_model, load_state_into, state_dict_to_torch
 from fusekit.toolkit.train import resolve_device
@@ -103,7 +103,8 @@ def _load_ams(checkpoint: Checkpoint) -> AMSModel:
             "every tensor under a models.<i>. prefix listed in the metadata"
         )
     return AMSModel(models, mode=description["mode"], k=description["k"],
-                    confidence=description["confidence"])
+                    confidence=description["confidence"],
+                    class_counts=ams_class_counts(description, checkpoint.label))
 
 
 def build_plain_model(
