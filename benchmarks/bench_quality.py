@@ -99,7 +99,7 @@ def variants() -> dict[str, tuple[str, dict[str, Any]]]:
         if name == "avg":
             out["avg-cw"] = ("avg", {"class_weighted": True})
         if name == "ams":
-            out["ams-full"] = ("ams", {"mode": "full"})
+            out["ams-full"] = ("ams", {"mode": "full", "confidence": "logit"})
     return out
 
 
