@@ -18,7 +18,7 @@ from rich.table import Table
 
 import fusekit
 from fusekit._cli.options import JsonOption
-from fusekit._cli.output import emit_json, stdout
+from fusekit._cli.output import emit_json, private_files, stdout
 from fusekit._cli.recipe import Recipe, load_recipe, resolve_output, write_folder
 from fusekit.api import fusion_summary
 from fusekit.core.errors import FusekitError, OutputError, ParameterError
@@ -122,10 +122,12 @@ def fuse(
     summary = fusion_summary(result, str(target.path) + ("/" if target.folder else ""),
                              time.perf_counter() - start)
     try:
-        if target.folder:
-            write_folder(target.path, result, recipe, summary, force=force)
-        else:
-            result.save(target.path, force=force)
+        with private_files():
+            if target.folder:
+                write_folder(target.path, result, recipe, summary, force=force)
+            else:
+                result.save(target.path, force=force)
+        if not target.folder:
             _warn_about_suffix(target.path)
     except OSError as exc:
         if isinstance(exc, FusekitError):

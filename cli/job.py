@@ -12,7 +12,7 @@ import typer
 from rich.table import Table
 
 from fusekit._cli.options import Command, Group, JsonOption
-from fusekit._cli.output import emit_json, handle_errors, stderr, stdout
+from fusekit._cli.output import emit_json, handle_errors, private_files, stderr, stdout
 from fusekit.core.checkpoint import check_output_path
 from fusekit.core.errors import ParameterError
 
@@ -143,7 +143,7 @@ def result(job: JobId, output: Annotated[Path, typer.Option("--output", "-o",
            server: Server = DEFAULT_SERVER, token_file: TokenFile = None) -> None:
     """Download the fused checkpoint of a job that succeeded."""
     check_output_path(output, force=force)
-    with admin(server, token_file) as service:
+    with admin(server, token_file) as service, private_files():
         service.result(job, output)
     stdout.print(f"wrote {output}", highlight=False)
 

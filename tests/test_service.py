@@ -728,6 +728,10 @@ def test_cli_coordinator_and_clients_end_to_end(service, models, tmp_path, monke
     assert waited.exit_code == 0 and "succeeded" in waited.stdout
     out = tmp_path / "fused.safetensors"
     assert cli("job", "result", job["id"], "-o", out).exit_code == 0
+    assert stat.S_IMODE(out.stat().st_mode) == 0o600
+    local = cli("fuse", *models, "--method", "pfnm", "-o", tmp_path / "local.safetensors")
+    assert local.exit_code == 0, local.output
+    assert stat.S_IMODE((tmp_path / "local.safetensors").stat().st_mode) == 0o600
     expected = fusekit.fuse(models, "pfnm", sigma=1.0, sweeps=2)
     for name, array in expected.state_dict.items():
         np.testing.assert_array_equal(fusekit.load_checkpoint(out).tensor(name), array)
@@ -744,6 +748,33 @@ def test_cli_coordinator_and_clients_end_to_end(service, models, tmp_path, monke
     monkeypatch.setenv("FUSEKIT_TOKEN", "forged")
     forged = cli("submit", service.url, models[0], "--job", job["id"], "--client", NAMES[0])
     assert forged.exit_code == 2 and "token" in forged.output and "403" in forged.output
+
+
+def test_the_data_folder_is_private_to_the_service(service, tmp_path):
+    """Every folder 0700 and file 0600 after jobs ran (module's service), and a folder of
+    an earlier version opened up (0755, 0644) made private at start."""
+    assert_private(service.data_dir)
+    data = tmp_path / "data"
+    (data / "jobs" / "old").mkdir(parents=True)
+    (data / "jobs" / "old" / "job.json").write_text("{}")
+    for path, mode in ((data, 0o755), (data / "jobs" / "old", 0o755),
+                       (data / "jobs" / "old" / "job.json", 0o644)):
+        os.chmod(path, mode)
+    server = ServiceProcess(data, options=("--workers", "0"))
+    server.start()
+    try:
+        assert_private(data)
+    finally:
+        server.stop()
+
+
+def assert_private(data: Path) -> None:
+    modes = {p: stat.S_IMODE(p.stat().st_mode) for p in [data, *data.rglob("*")]
+             if not p.is_symlink()}
+    assert len(modes) > 3
+    wrong = {str(p): oct(m) for p, m in modes.items()
+             if m != (0o700 if p.is_dir() else 0o600)}
+    assert not wrong, wrong
 
 
 def wait_for_progress(admin: Client, job_id: str, progress: str, timeout: float = 60) -> None:

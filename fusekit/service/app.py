@@ -31,7 +31,7 @@ from fusekit.methods.params import TEXT_KINDS
 from fusekit.service.auth import admin_token_hash, bearer, matches
 from fusekit.service.errors import Busy, Conflict, Forbidden, NotFound, ServiceError, TooLarge
 from fusekit.service.settings import Settings
-from fusekit.service.store import JobStore, authorize, view, without_paths
+from fusekit.service.store import JobStore, authorize, make_private, view, without_paths
 from fusekit.service.uploads import Checker, Upload
 from fusekit.service.web import add_web
 from fusekit.service.worker import REPORT, RESULT, make_queue, recover
@@ -63,7 +63,7 @@ class JobRequest(BaseModel):
 
 
 def create_app(settings: Settings) -> FastAPI:
-    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    make_private(settings.data_dir)
     store = JobStore(settings.data_dir)
     admin_hash, admin_file = admin_token_hash(settings.data_dir)
     huey, run_job_task = make_queue(settings)

@@ -295,6 +295,26 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def make_private(data_dir: Path) -> None:
+    """The data folder and all in it readable by the service's user only: what this process
+    creates from now on (0700 folders, 0600 files: umask 077), and what is already there
+    (clients' checkpoints, results, job records)."""
+    os.umask(os.umask(0o077) | 0o077)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    os.chmod(data_dir, 0o700)
+    for folder, subfolders, files in os.walk(data_dir):
+        for name in subfolders:
+            _chmod(Path(folder) / name, 0o700)
+        for name in files:
+            _chmod(Path(folder) / name, 0o600)
+
+
+def _chmod(path: Path, mode: int) -> None:
+    with contextlib.suppress(FileNotFoundError):  # removed meanwhile (a finished upload)
+        if not path.is_symlink():
+            os.chmod(path, mode)
+
+
 def _save(folder: Path, job: dict[str, Any]) -> None:
     """Replace ``job.json``: the commit point of every change (under the job's lock)."""
     write_atomic(folder / "job.json", json.dumps(job, indent=1).encode())

@@ -28,7 +28,7 @@ from fusekit.api import fusion_summary
 from fusekit.core.checkpoint import write_atomic
 from fusekit.core.errors import FusekitError
 from fusekit.service.settings import Settings
-from fusekit.service.store import JobStore, without_paths
+from fusekit.service.store import JobStore, make_private, without_paths
 
 log = logging.getLogger(__name__)
 
@@ -185,6 +185,7 @@ def _requeue(store: JobStore, settings: Settings, job_id: str, huey: Huey,
 
 def work(settings: Settings, parent: int | None = None) -> None:
     """Run one worker process until SIGINT/SIGTERM (or until ``parent`` exits)."""
+    make_private(settings.data_dir)
     huey, _ = make_queue(settings)
     # Polls the SQLite queue at most every half second when idle (Redis blocks instead).
     consumer = huey.create_consumer(workers=1, worker_type="thread", periodic=False,
