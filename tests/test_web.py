@@ -9,13 +9,13 @@ reason (``-ra`` prints it); the page's routes and JSON are tested over HTTP eith
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import hashlib
 import os
 import re
 import shutil
+import subprocess
+import sys
 import time
-import tomllib
 from pathlib import Path
 
 import httpx
@@ -54,13 +54,17 @@ def test_pages_and_their_files_are_served_from_this_server_only(service):
     one_line_error(httpx.get(service.url + "/static/nope.js"), 404, "/static/nope.js")
 
 
-def test_the_static_files_are_package_data():
-    """A wheel (not only an editable install) carries every file the page needs."""
-    patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
-        "package-data"]["fusekit.service"]
-    for file in STATIC.rglob("*"):
-        name = str(file.relative_to(STATIC.parent))
-        assert file.is_dir() or any(fnmatch.fnmatch(name, p) for p in patterns), name
+def test_the_static_files_are_package_data(tmp_path):
+    """What a wheel holds (setuptools' build_py, which a wheel is made of), not only an
+    editable install, carries every file the page needs."""
+    built = subprocess.run(
+        [sys.executable, "-c", "from setuptools import setup; "
+         f"setup(script_args=['-q', 'egg_info', '--egg-base', {str(tmp_path)!r}, "
+         f"'build_py', '-d', {str(tmp_path)!r}])"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert built.returncode == 0, built.stderr
+    packaged = tmp_path / "fusekit" / "service" / "static"
+    assert sorted(p.name for p in packaged.iterdir()) == sorted(p.name for p in STATIC.iterdir())
 
 
 def test_methods_lists_every_parameter_a_job_may_set_as_declared(service):
@@ -187,6 +191,8 @@ def shoot(driver, name: str) -> None:
 
 def sign_in(driver, url: str, token: str) -> None:
     driver.get(url + "/")
+    driver.execute_script("sessionStorage.clear()")  # signed out, whatever came before
+    driver.refresh()
     field = wait_for(driver, lambda d: by_id(d, "admin-token"), "the sign-in form")
     field.send_keys(token)
     select_all(driver, "#sign-in button")[0].click()
@@ -257,6 +263,13 @@ def test_coordinator_and_two_clients_in_the_browser(browser, big_service, tmp_pa
     tokens = dict(zip(names, fields[0::2], strict=True))
     links = dict(zip(names, fields[1::2], strict=True))
     job_id = re.fullmatch(r"Job ([0-9a-f]{32}) created", select_all(driver, "h2")[0].text)[1]
+    driver.execute_cdp_cmd("Browser.grantPermissions", {
+        "origin": url, "permissions": ["clipboardReadWrite", "clipboardSanitizedWrite"]})
+    copy = table.find_elements("css selector", "button.copy")[0]
+    copy.click()
+    wait_for(driver, lambda d: copy.text == "Copied", "the token copied")
+    assert driver.execute_async_script(
+        "navigator.clipboard.readText().then(arguments[0])") == tokens[names[0]]
     shoot(driver, "tokens")
     with Client(url, ADMIN) as admin:
         job = admin.status(job_id)
@@ -357,3 +370,21 @@ def test_the_upload_page_refuses_as_the_api_does(browser, service, admin, models
     verdict = wait_for(browser, lambda d: by_id(d, "verdict").text, "the page's answer")
     assert "lacks the job id or the client name" in verdict
     assert not by_id(browser, "upload-form").is_displayed()
+
+
+def test_a_failed_job_shows_its_error(browser, service, admin, tmp_path):  # noqa: F811
+    a = write(tmp_path / "a.safetensors", mlp((6, 5, 3), seed=0))
+    b = write(tmp_path / "b.safetensors", mlp((6, 5, 4, 3), seed=1))  # another architecture
+    job = admin.create_job("avg", ["a", "b"], auto_run=True)
+    for name, path in (("a", a), ("b", b)):
+        admin.submit(job["id"], name, path)
+    error = admin.wait(job["id"], timeout=60, every=0.1)["error"]
+    assert error
+    sign_in(browser, service.url, ADMIN)
+    wait_for(browser, lambda d: by_id(d, "nav").is_displayed(), "signed in")
+    browser.get(f"{service.url}/#job/{job['id']}")
+    assert wait_for(browser, lambda d: by_id(d, "job-error").text, "the error") == error
+    assert by_id(browser, "job").get_attribute("data-state") == "failed"
+    assert not by_id(browser, "download").is_enabled() and not by_id(browser, "run").is_enabled()
+    assert not select_all(browser, "#report")
+    shoot(browser, "job-failed")
