@@ -128,7 +128,12 @@ def model_card(result, recipe: dict[str, Any], clients: list[str]) -> str:
                                                                              strict=False))
     params = "\n".join(f"| `{k}` | `{json.dumps(v, default=str)}` |"
                        for k, v in result.params.items()) or "| (none) | |"
-    loading = _hf_loading(result) if result.config is not None else _torch_loading(result)
+    if result.config is not None:
+        loading = _hf_loading(result)
+    elif _packs_transformers(result):
+        loading = _hf_ams_loading()
+    else:
+        loading = _torch_loading(result)
     widths = ", ".join(map(str, result.widths)) or "per sub-model: " + "; ".join(
         str(w) for w in result.report.get("hidden_widths", []))
     return f"""# Fused model ({result.method})
@@ -173,6 +178,27 @@ logits = predict(torch.zeros(2, {_input_size(models[0])}))
 ```
 
 With fusekit: `fusekit.load_fused("fused.safetensors")`.
+"""
+
+
+def _packs_transformers(result) -> bool:
+    """An AMS artefact of Hugging Face classifiers (each rebuilt from its config)."""
+    if meta.AMS not in result.metadata:
+        return False
+    return any("config" in m for m in json.loads(result.metadata[meta.AMS])["models"])
+
+
+def _hf_ams_loading() -> str:
+    return """## Loading
+
+Every client's classifier, rebuilt by `transformers` from the config stored with it, behind
+the selection rule (needs fusekit's `[hf]` extra):
+
+```python
+import fusekit
+
+model = fusekit.load_fused("fused.safetensors")  # inputs (B, ...) -> logits (B, classes)
+```
 """
 
 

@@ -22,6 +22,9 @@ from fusekit.core.transformer import infer_transformer, permute_transformer
 
 transformers = pytest.importorskip("transformers", reason="the [hf] extra is not installed")
 
+from typer.testing import CliRunner  # noqa: E402
+
+from fusekit._cli.app import app  # noqa: E402
 from fusekit.toolkit.nn.hf import load_pretrained  # noqa: E402
 
 ATOL_PERMUTED = 1e-5
@@ -159,10 +162,6 @@ def test_sharded_folder_reads_as_the_single_file(tmp_path):
 
 
 def test_cli_writes_a_folder_transformers_loads(tmp_path, family_folders):
-    from typer.testing import CliRunner
-
-    from fusekit._cli.app import app
-
     family, original, copies = family_folders
     out = tmp_path / "fused"
     run = CliRunner().invoke(app, ["fuse", str(original), str(copies[0]), "-m", "rebasin",
@@ -231,10 +230,6 @@ def test_bayesian_matching_widens_the_mlp_and_the_config(tmp_path):
 
 
 def test_inspect_lists_the_groups(family_folders):
-    from typer.testing import CliRunner
-
-    from fusekit._cli.app import app
-
     family, original, copies = family_folders
     run = CliRunner().invoke(app, ["inspect", str(original), str(copies[0]), "--json"])
     assert run.exit_code == 0, run.output
@@ -244,3 +239,25 @@ def test_inspect_lists_the_groups(family_folders):
     assert first["family"] == family and "stream" in first["group_names"]
     assert any("[axis 0, block 8]" in m or "[axis 1, block 8]" in m or "block 4" in m
                for members in first["permutation_groups"] for m in members)
+
+
+def test_ams_keeps_every_classifier_and_answers_with_the_most_confident(tmp_path):
+    a = save(tiny_model("vit", seed=0), tmp_path / "a")
+    b = save(tiny_model("vit", seed=1), tmp_path / "b")
+    result = fusekit.fuse([a, b], method="ams", mode="top1", confidence="probability")
+    result.save(tmp_path / "ams.safetensors")
+    packed = fusekit.load_fused(tmp_path / "ams.safetensors", device="cpu")
+    x = model_inputs("vit")["pixel_values"]
+    with torch.no_grad():
+        fused = packed(x).numpy()
+    clients = np.stack([logits(folder, "vit") for folder in (a, b)])
+    chosen = np.take_along_axis(clients, np.argmax(
+        np.max(torch.tensor(clients).softmax(-1).numpy(), axis=2), axis=0)[None, :, None], 0)
+    np.testing.assert_allclose(fused, chosen[0], atol=1e-5)
+    run = CliRunner().invoke(app, ["fuse", str(a), str(b), "-m", "ams", "-o",
+                                   f"{tmp_path / 'out'}/"])
+    assert run.exit_code == 0, run.output
+    assert "fusekit.load_fused" in (tmp_path / "out" / "README.md").read_text()
+    lm = save(tiny_model("gpt2"), tmp_path / "lm")
+    with pytest.raises(IncompatibleModelsError, match="classifiers.*GPT2LMHeadModel"):
+        fusekit.fuse([lm, lm], method="ams")

@@ -27,8 +27,9 @@ import numpy as np
 from fusekit.core import metadata as meta
 from fusekit.core.checkpoint import Checkpoint
 from fusekit.core.errors import CheckpointError, IncompatibleModelsError, ParameterError
-from fusekit.methods.avg import class_counts_matrix
 from fusekit.core.spec import PermutationSpec
+from fusekit.core.transformer import TransformerSpec
+from fusekit.methods.avg import class_counts_matrix
 from fusekit.methods.base import FusionMethod, FusionResult, register
 from fusekit.methods.params import Param
 
@@ -66,6 +67,7 @@ class AdaptiveModelSelection(FusionMethod):
                "the most confident one(s) (top1 | topk | full); any architectures")
     requires_same_architecture = False
     handles_groups = True
+    handles_transformers = True
 
     def fuse(
         self,
@@ -125,13 +127,17 @@ class AdaptiveModelSelection(FusionMethod):
             IncompatibleModelsError: the models do not all have the same number of outputs,
                 or do not all take the same inputs.
         """
-        check_same_outputs(checkpoints, specs)
-        check_same_inputs(checkpoints, specs)
+        if any(isinstance(spec, TransformerSpec) for spec in specs):
+            outputs = check_same_classifiers(checkpoints, specs)
+        else:
+            check_same_outputs(checkpoints, specs)
+            check_same_inputs(checkpoints, specs)
+            outputs = specs[0].out_features
         if confidence is None:
             confidence = CLASS_SHARE if all(c.class_counts is not None for c in checkpoints) \
                 else "logit"
         if check_confidence(confidence) == CLASS_SHARE:
-            class_counts_matrix(checkpoints, specs[0].out_features)  # every client has them
+            class_counts_matrix(checkpoints, outputs)  # every client has them
         if mode is None:
             mode = "full" if confidence == CLASS_SHARE else "top1"
         k = resolve_k(mode, k, len(checkpoints))
@@ -145,6 +151,8 @@ class AdaptiveModelSelection(FusionMethod):
             models.append({"prefix": prefix, "arch": checkpoint.arch, "spec": spec.to_json(),
                            "num_samples": checkpoint.num_samples,
                            "class_counts": None if counts is None else counts.tolist()})
+            if checkpoint.config is not None:  # rebuilt by transformers from its config
+                models[-1]["config"] = checkpoint.config
         description = {"format": meta.AMS_FORMAT, "mode": mode, "k": k,
                        "confidence": confidence, "models": models}
         report = {
@@ -186,6 +194,41 @@ def resolve_k(mode: str, k: int | None, n_models: int) -> int:
     if not 1 <= k <= n_models:
         raise ParameterError(f"k: expected 1 <= k <= {n_models} (the number of models), got {k}")
     return int(k)
+
+
+#: Hugging Face heads whose logits are (batch, classes), and the tensor holding their rows.
+CLASSIFIER_HEADS = {"ForImageClassification": "classifier.weight",
+                    "ForSequenceClassification": "classifier.weight"}
+
+
+def check_same_classifiers(checkpoints: Sequence[Checkpoint], specs: Sequence[Any]) -> int:
+    """AMS on transformers: every client a Hugging Face classifier (logits (batch, classes))
+    of one model type, with the same number of classes; returns that number.
+
+    Raises:
+        IncompatibleModelsError: a client that is not a transformer classifier (an LM head
+            answers per token, not per input), another model type, or other classes.
+    """
+    found = []
+    for checkpoint, spec in zip(checkpoints, specs, strict=True):
+        config = checkpoint.config or {}
+        name = (config.get("architectures") or ["?"])[0]
+        head = next((t for suffix, t in CLASSIFIER_HEADS.items() if name.endswith(suffix)),
+                    None)
+        if head is not None and head not in checkpoint.tensors:
+            head = "score.weight" if "score.weight" in checkpoint.tensors else None
+        if not isinstance(spec, TransformerSpec) or head is None:
+            raise IncompatibleModelsError(
+                f"{checkpoint.label}: AMS on transformers takes Hugging Face classifiers "
+                f"(*ForSequenceClassification, *ForImageClassification); found {name}")
+        found.append((checkpoint, config.get("model_type"), checkpoint.tensors[head].shape[0]))
+    for checkpoint, family, classes in found[1:]:
+        if (family, classes) != found[0][1:]:
+            raise IncompatibleModelsError(
+                f"{checkpoint.label} is a {family} with {classes} classes but "
+                f"{found[0][0].label} is a {found[0][1]} with {found[0][2]}; AMS needs every "
+                "model to answer the same inputs with the same classes")
+    return found[0][2]
 
 
 def check_same_outputs(checkpoints: Sequence[Checkpoint],

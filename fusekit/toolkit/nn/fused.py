@@ -94,8 +94,13 @@ def _load_ams(checkpoint: Checkpoint) -> AMSModel:
                 f"{checkpoint.label}: AMS sub-model {index} has no tensors under {prefix!r}"
             )
         claimed.update(prefix + name for name in own)
-        models.append(build_plain_model(own, entry.get("arch"), entry.get("spec"),
-                                        f"{checkpoint.label} [{prefix}*]"))
+        label = f"{checkpoint.label} [{prefix}*]"
+        if isinstance(entry.get("config"), Mapping):  # a Hugging Face classifier
+            from fusekit.toolkit.nn.hf import classifier_from_tensors
+
+            models.append(classifier_from_tensors(entry["config"], own, label))
+            continue
+        models.append(build_plain_model(own, entry.get("arch"), entry.get("spec"), label))
     stray = sorted(set(tensors) - claimed)
     if stray:
         raise CheckpointError(

@@ -7,10 +7,16 @@ with numpy (:mod:`fusekit.core.checkpoint`, :mod:`fusekit.core.transformer`).
 from __future__ import annotations
 
 import os
+import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from fusekit.core.checkpoint import HF_CONFIG
+import numpy as np
+import torch
+from torch import nn
+
+from fusekit.core.checkpoint import HF_CONFIG, write_model_files
 from fusekit.core.errors import CheckpointError
 from fusekit.core.metadata import read_json_file
 
@@ -24,15 +30,62 @@ def load_pretrained(folder: str | os.PathLike[str], device: Any = "cpu"):
         CheckpointError: transformers is not installed, or the config names a class it
             does not have.
     """
+    config = read_json_file(Path(folder) / HF_CONFIG, "model config", CheckpointError)
+    return model_class(config, str(folder)).from_pretrained(folder).to(device).eval()
+
+
+def model_class(config: Mapping[str, Any], label: str) -> Any:
+    """The transformers class a config names (``architectures[0]``, else ``AutoModel``).
+
+    Raises:
+        CheckpointError: transformers is not installed, or has no such class.
+    """
+    transformers = _transformers(label)
+    name = (config.get("architectures") or ["AutoModel"])[0]
+    cls = getattr(transformers, name, None)
+    if cls is None:
+        raise CheckpointError(f"{label}: config.json names the class {name!r}, which "
+                              f"transformers {transformers.__version__} does not have")
+    return cls
+
+
+def _transformers(label: str) -> Any:
     try:
         import transformers
     except ImportError:
-        raise CheckpointError(f"{folder}: loading a Hugging Face model folder needs the "
-                              "transformers package: pip install 'fusekit-oneshot[hf]'") from None
-    config = read_json_file(Path(folder) / HF_CONFIG, "model config", CheckpointError)
-    names = config.get("architectures") or ["AutoModel"]
-    cls = getattr(transformers, names[0], None)
-    if cls is None:
-        raise CheckpointError(f"{folder}: config.json names the class {names[0]!r}, which "
-                              f"transformers {transformers.__version__} does not have")
-    return cls.from_pretrained(folder).to(device).eval()
+        raise CheckpointError(f"{label}: a Hugging Face model needs the transformers "
+                              "package: pip install 'fusekit-oneshot[hf]'") from None
+    return transformers
+
+
+class ClassifierLogits(nn.Module):
+    """A transformers classifier as a module from its one input tensor (``pixel_values``
+    or ``input_ids``) to logits (batch, classes): how an AMS artefact runs it."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(**{self.model.main_input_name: x}).logits
+
+
+def classifier_from_tensors(config: Mapping[str, Any], tensors: Mapping[str, np.ndarray],
+                            label: str) -> ClassifierLogits:
+    """A classifier built from its config.json and its tensors (an AMS sub-model), through
+    a model folder written aside: ``from_pretrained`` is what maps the saved tensor names
+    to the module's (transformers renames some modules in memory).
+
+    Raises:
+        CheckpointError: transformers is missing, or cannot load the tensors as the
+            config's model.
+    """
+    model_class(config, label)  # a clear error before anything is written
+    with tempfile.TemporaryDirectory(prefix="fusekit-hf-") as folder:
+        write_model_files(Path(folder), tensors, {}, config)
+        try:
+            model = load_pretrained(folder)
+        except (OSError, ValueError, RuntimeError) as exc:
+            raise CheckpointError(f"{label}: transformers cannot load it as the model its "
+                                  f"config describes ({str(exc).splitlines()[0]})") from None
+    return ClassifierLogits(model)
