@@ -56,6 +56,7 @@ bench:
 	$(PY) benchmarks/bench_rounds.py
 	$(PY) benchmarks/bench_resnet.py
 	$(PY) benchmarks/bench_service.py
+	$(PY) benchmarks/bench_cli.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info fusekit/_core*.so

@@ -1,14 +1,18 @@
 """The ``fusekit`` command: a thin front door over the Python API (no fusion logic here).
 
-Only what a command needs is imported when it runs: ``fusekit --help`` and ``--version``
-never import torch, POT or scikit-learn.
+Only what a command needs is imported when it runs (the command modules import SciPy,
+torch and the methods inside their functions): ``fusekit --help``, ``--version`` and the
+commands' help import none of them; ``fuse --help`` imports the methods, whose
+parameter declarations are its options.
 """
 
 from __future__ import annotations
 
 import logging
 
+import click
 import typer
+import typer.main
 from rich.logging import RichHandler
 
 from fusekit._cli import (
@@ -26,8 +30,35 @@ from fusekit._cli.options import Command, Group
 from fusekit._cli.output import VerboseOption, handle_errors, set_verbose, stderr, stdout
 from fusekit._version import __version__
 
+
+class _Commands(Group):
+    """fusekit's commands, ``fuse`` built only when it runs or shows its own help: its
+    options come from every method's parameter declarations, which import the methods
+    (SciPy, POT). ``fusekit --help`` lists it by its docstring alone."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return ["fuse", *(name for name in super().list_commands(ctx) if name != "fuse")]
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name == "fuse" and name not in self.commands:
+            return click.Command("fuse", help=fuse.fuse.__doc__)  # listed, never run
+        return super().get_command(ctx, name)
+
+    def resolve_command(self, ctx: click.Context, args: list[str]):
+        name, command, rest = super().resolve_command(ctx, args)
+        if name == "fuse" and "fuse" not in self.commands:
+            command = self.commands["fuse"] = _fuse_command()
+        return name, command, rest
+
+
+def _fuse_command() -> click.Command:
+    alone = typer.Typer(pretty_exceptions_enable=False, add_completion=False)
+    alone.command("fuse", cls=Command)(handle_errors(fuse.fuse_command()))
+    return typer.main.get_command(alone)
+
+
 app = typer.Typer(
-    cls=Group,
+    cls=_Commands,
     name="fusekit",
     help="One-shot, data-free fusion of neural networks (PFNM, NAFI, OT, AMS, averaging).",
     no_args_is_help=True,
@@ -58,7 +89,6 @@ def _main(
     set_verbose(verbose)
 
 
-app.command("fuse", cls=Command)(handle_errors(fuse.fuse_command()))
 app.command("inspect", cls=Command)(handle_errors(inspect.inspect))
 app.command("simulate", cls=Command)(handle_errors(simulate.simulate))
 app.command("evaluate", cls=Command)(handle_errors(evaluate.evaluate))

@@ -11,7 +11,7 @@ import inspect
 import logging
 import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.table import Table
@@ -19,11 +19,11 @@ from rich.table import Table
 import fusekit
 from fusekit._cli.options import JsonOption
 from fusekit._cli.output import emit_json, private_files, stdout
-from fusekit._cli.recipe import Recipe, load_recipe, resolve_output, write_folder
-from fusekit.api import fusion_summary
 from fusekit.core.errors import FusekitError, OutputError, ParameterError
-from fusekit.methods import METHODS
-from fusekit.methods.params import ParamSpec, from_text, method_params
+
+if TYPE_CHECKING:
+    from fusekit._cli.recipe import Recipe
+    from fusekit.methods.params import ParamSpec
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,13 @@ _TEXT_TYPES: dict[str, tuple[Any, str]] = {
 }
 
 
+def _method_help() -> str:
+    from fusekit.methods import METHODS
+
+    return "Fusion method \\[default: avg]: " + "; ".join(
+        f"{name}: {cls.summary}" for name, cls in sorted(METHODS.items())) + "."
+
+
 def fuse(
     checkpoints: Annotated[
         list[Path] | None,
@@ -48,9 +55,7 @@ def fuse(
     ] = None,
     method: Annotated[
         str | None,
-        typer.Option("--method", "-m", metavar="NAME",
-                     help="Fusion method \\[default: avg]: " + "; ".join(
-                         f"{name}: {cls.summary}" for name, cls in sorted(METHODS.items())) + ".",
+        typer.Option("--method", "-m", metavar="NAME", help=_method_help(),
                      show_default=False),
     ] = None,
     output: Annotated[
@@ -105,6 +110,8 @@ def fuse(
     **method_values: Any,
 ) -> None:
     """Fuse client checkpoints into one model, in one shot and without data."""
+    from fusekit._cli.recipe import Recipe, load_recipe
+
     recipe = load_recipe(config) if config is not None else Recipe()
     recipe = recipe.override(
         inputs=checkpoints or None, method=method, output=output, spec=spec,
@@ -116,6 +123,9 @@ def fuse(
     if not recipe.inputs:
         raise ParameterError("CHECKPOINT: expected at least one checkpoint (on the command "
                              "line or as inputs: in --config), found none")
+    from fusekit._cli.recipe import resolve_output, write_folder
+    from fusekit.api import fusion_summary
+
     target = resolve_output(recipe.output, recipe.method, force=force, inputs=recipe.inputs)
     start = time.perf_counter()
     result = _run(recipe)
@@ -147,6 +157,9 @@ def _warn_about_suffix(path: Path) -> None:
 
 
 def _run(recipe: Recipe):
+    from fusekit.methods import METHODS
+    from fusekit.methods.params import from_text, method_params
+
     params = dict(recipe.parameters)
     for spec in method_params(METHODS[recipe.method]) if recipe.method in METHODS else ():
         if spec.kind == "ints" and isinstance(params.get(spec.name), str):  # N or N1,N2
@@ -175,6 +188,9 @@ def method_options() -> list[inspect.Parameter]:
     method's own default applies when the option is not given). Parameters no text can
     spell (callables) are Python-only.
     """
+    from fusekit.methods import METHODS
+    from fusekit.methods.params import method_params
+
     declared: dict[str, list[tuple[str, ParamSpec]]] = {}
     for name in sorted(METHODS):
         for spec in method_params(METHODS[name]):

@@ -11,8 +11,6 @@ from rich.table import Table
 
 from fusekit._cli.options import JsonOption
 from fusekit._cli.output import emit_json, stdout
-from fusekit.api import check_compatible, client_spec, describe_checkpoint
-from fusekit.core.checkpoint import load_checkpoint
 from fusekit.core.errors import FusekitError
 
 
@@ -23,6 +21,9 @@ def inspect(
     as_json: JsonOption = False,
 ) -> None:
     """Show layers, widths, permutation groups and metadata; exit 2 if fusion is blocked."""
+    from fusekit.api import describe_checkpoint
+    from fusekit.core.checkpoint import load_checkpoint
+
     reports, loaded = [], []
     for path in files:
         try:
@@ -47,6 +48,8 @@ def inspect(
 
 
 def _fusion_problem(checkpoints) -> str | None:
+    from fusekit.api import check_compatible, client_spec
+
     try:
         check_compatible(checkpoints, [client_spec(c, None) for c in checkpoints])
     except FusekitError as exc:

@@ -37,8 +37,6 @@ from fusekit.core.checkpoint import (
     write_model_files,
 )
 from fusekit.core.errors import OutputError, ParameterError
-from fusekit.methods import METHODS
-from fusekit.methods.params import method_params
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +135,9 @@ def _refuse_unknown(path: Path, prefix: str, data: dict[str, Any], known) -> Non
 
 def _from_text(method: str, parameters: dict[str, Any]) -> dict[str, Any]:
     """YAML 1.1 reads ``1e-3`` as text: read such values of float parameters as numbers."""
+    from fusekit.methods import METHODS
+    from fusekit.methods.params import method_params
+
     if method not in METHODS:
         return parameters
     floats = {p.name for p in method_params(METHODS[method]) if p.kind in ("float", "floats")}
@@ -209,6 +210,9 @@ def _as_run(recipe: Recipe, result, folder: Path) -> dict[str, Any]:
     """The recipe that reproduces this run: every parameter at the value the method used,
     files named relative to ``folder`` (where the recipe goes), so that the folder moved
     with its inputs beside it still reruns."""
+    from fusekit.methods import METHODS
+    from fusekit.methods.params import method_params
+
     declared = {p.name for p in method_params(METHODS[result.method])}
     parameters = {k: v for k, v in result.params.items() if k in declared and k != "activations"}
     as_run: dict[str, Any] = {

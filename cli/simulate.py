@@ -22,7 +22,6 @@ from fusekit._cli.options import (
     SamplesOption,
 )
 from fusekit._cli.output import emit_json, stderr, stdout
-from fusekit.core.arch import describe_arch
 from fusekit.core.errors import ParameterError
 
 if TYPE_CHECKING:
@@ -199,6 +198,8 @@ def simulate(
             force=force,
             on_client=lambda _client: progress.advance(task),
         )
+    from fusekit.core.arch import describe_arch
+
     rows = [
         {
             "path": str(c.path),

@@ -8,34 +8,44 @@
     ...                   ).save("calibrated.safetensors")
 """
 
-from typing import Any
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
 
 from fusekit._version import __version__
-from fusekit.api import calibrate, fuse
-from fusekit.core.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
-from fusekit.core.spec import PermutationSpec, infer_spec
-from fusekit.methods import METHODS, FusionResult
 
-__all__ = [
-    "METHODS",
-    "Checkpoint",
-    "FusionResult",
-    "PermutationSpec",
-    "__version__",
-    "calibrate",
-    "fuse",
-    "infer_spec",
-    "load_checkpoint",
-    "load_fused",
-    "save_checkpoint",
-]
+if TYPE_CHECKING:
+    from fusekit.api import calibrate, fuse
+    from fusekit.core.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+    from fusekit.core.spec import PermutationSpec, infer_spec
+    from fusekit.methods import METHODS, FusionResult
+    from fusekit.toolkit.nn.fused import load_fused
+
+# Each name is imported from its module on first use: `import fusekit` (and with it every
+# `fusekit.*` module, the command line's included) pays for SciPy, POT and torch only when
+# a name that needs them is used.
+_HOMES = {
+    "calibrate": "fusekit.api",
+    "fuse": "fusekit.api",
+    "Checkpoint": "fusekit.core.checkpoint",
+    "load_checkpoint": "fusekit.core.checkpoint",
+    "save_checkpoint": "fusekit.core.checkpoint",
+    "PermutationSpec": "fusekit.core.spec",
+    "infer_spec": "fusekit.core.spec",
+    "METHODS": "fusekit.methods",
+    "FusionResult": "fusekit.methods",
+    "load_fused": "fusekit.toolkit.nn.fused",
+}
+
+__all__ = ["__version__", *sorted(_HOMES)]
 
 
 def __getattr__(name: str) -> Any:
-    # load_fused needs torch; importing it lazily keeps `import fusekit` (and the fusion
-    # path) free of torch's import time.
-    if name == "load_fused":
-        from fusekit.toolkit.nn.fused import load_fused
+    if name not in _HOMES:
+        raise AttributeError(f"module 'fusekit' has no attribute {name!r}")
+    value = getattr(import_module(_HOMES[name]), name)
+    globals()[name] = value  # later uses skip this function
+    return value
 
-        return load_fused
-    raise AttributeError(f"module 'fusekit' has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_HOMES})

@@ -235,13 +235,51 @@ def test_summary_shows_the_widths_delivered_never_none(tmp_path):
 
 @pytest.mark.parametrize("columns", [80, 100])
 def test_fuse_help_keeps_every_metavar_whole(columns):
+    import click
     import typer.main
 
     result = runner.invoke(app, ["fuse", "--help"], env={"COLUMNS": str(columns)})
     assert result.exit_code == 0
     assert "Usage: fusekit fuse [OPTIONS] [CHECKPOINTS...]" in result.stdout
-    command = typer.main.get_command(app).commands["fuse"]
+    group = typer.main.get_command(app)
+    command = group.resolve_command(click.Context(group), ["fuse"])[1]
     metavars = {p.metavar for p in command.params if p.metavar}
     assert {"NAME", "N|N1,N2,...", "top1|topk|full"} <= metavars
     for metavar in metavars:
         assert metavar in result.stdout, metavar
+
+
+# What only running a command may import: `fusekit --help` and each command's help start
+# in a fraction of a second (`fuse --help` needs the methods' declarations, so SciPy).
+HEAVY = ("torch", "scipy", "ot", "sklearn", "fusekit.methods", "fusekit.api", "fastapi",
+         "flwr")
+
+
+@pytest.mark.parametrize("args", [["--help"], ["--version"], ["job", "--help"],
+                                  ["inspect", "--help"], ["simulate", "--help"],
+                                  ["calibrate", "--help"],
+                                  ["fuse", "--help"]])
+def test_help_imports_nothing_heavy(args):
+    import subprocess
+    import sys
+
+    code = ("import atexit, sys\n"
+            "atexit.register(lambda: print('loaded:', *sorted(m for m in "
+            f"{HEAVY!r} if m in sys.modules)))\n"
+            f"sys.argv = ['fusekit', *{args!r}]\n"
+            "from fusekit._cli.app import main\n"
+            "main()\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    loaded = result.stdout.rsplit("loaded:", 1)[1].split()
+    assert loaded == (["fusekit.methods", "scipy"] if args[0] == "fuse" else [])
+
+
+def test_startup_benchmark_runs(tmp_path):
+    from bench_cli import main
+
+    json_out = tmp_path / "cli.json"
+    assert main(["--runs", "1", "--no-write", "--json-out", str(json_out)]) == 0
+    times = json.loads(json_out.read_text())["times"]
+    assert len(times) == 5 and all(len(t) == 1 and t[0] > 0 for t in times.values())
