@@ -480,40 +480,6 @@ def test_permuted_copies_fuse_back_with_estimated_hyperparameters(method):
 # --- Empirical Bayes (ALGORITHMS.md §3, "Empirical Bayes") -------------------------------
 
 
-def ibp_clients(n_clients, gamma, dim, sigma, sigma0, seed):
-    """Clients drawn from the model itself: an Indian buffet process of mass gamma over
-    global neurons theta ~ N(0, sigma0^2 I), local neurons theta + N(0, sigma^2 I)."""
-    rng = np.random.default_rng(seed)
-    atoms, counts, vectors = [], [], []
-    for s in range(1, n_clients + 1):
-        ids = [i for i, m in enumerate(counts) if rng.random() < m / s]
-        for _ in range(rng.poisson(gamma / s)):
-            atoms.append(rng.normal(0, sigma0, dim))
-            counts.append(0)
-            ids.append(len(atoms) - 1)
-        for i in ids:
-            counts[i] += 1
-        vectors.append(np.array([atoms[i] for i in ids]) + rng.normal(0, sigma, (len(ids), dim)))
-    return vectors, len(atoms)
-
-
-@pytest.mark.parametrize("seed", [0, 2])
-def test_empirical_bayes_recovers_the_generating_hyperparameters(seed):
-    from fusekit.methods.bayesian import empirical
-
-    vectors, n_atoms = ibp_clients(8, gamma=20.0, dim=30, sigma=0.1, sigma0=1.0, seed=seed)
-    dim = vectors[0].shape[1]
-    found = empirical.estimate(vectors, [np.ones(dim, bool)] * 8, np.ones(dim), backend=NUMPY)
-    # Stated tolerances: sigma^2 within 10 %, sigma0^2 within 15 %; gamma0 is the maximum-
-    # likelihood value for the number of global neurons the clients hold (J / H_S with the
-    # true J: every pool neuron recovered), itself within 25 % of the generating 20.
-    assert found.sigma2 == pytest.approx(0.1**2, rel=0.10)
-    assert found.sigma0_2 == pytest.approx(1.0, rel=0.15)
-    assert found.gamma0 * empirical.harmonic(8) == pytest.approx(n_atoms)
-    assert found.gamma0 == pytest.approx(20.0, rel=0.25)
-    assert found.estimated == ("sigma", "sigma0", "gamma") and found.rounds >= 2
-
-
 def test_given_hyperparameters_override_the_estimates_and_are_reported():
     clients = two_layer_clients()
     result = fusekit.fuse(clients, method="pfnm", sigma0=2.0, gamma=3.0, sweeps=1)

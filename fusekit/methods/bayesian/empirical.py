@@ -1,22 +1,29 @@
-"""Empirical-Bayes hyperparameters of one layer: sigma^2, sigma0^2 and gamma0 from the clients.
+"""Empirical-Bayes hyperparameters of one layer: sigma^2, sigma0^2 and gamma0, estimated
+while the layer is matched.
 
-Hard EM over the assignments (docs/ALGORITHMS.md §3, "Empirical Bayes"): starting from
-sigma^2 = sigma0^2 = v/2 (v: the per-coordinate variance of the layer's neuron vectors, so
-the marginal variance sigma0^2 + sigma^2 starts at v) and gamma0 = 1, repeat
+Hard (classification) EM over the assignments (docs/ALGORITHMS.md §3, "Empirical Bayes"),
+run inside the layer's own matching: the matching passes are the E-steps and
+:class:`Refit` is the M-step :func:`~fusekit.methods.bayesian.layer.match_neurons` calls
+between them (in the greedy pass after 2, 4, 8, ... clients and after it, then after
+every sweep). Starting from sigma^2 = sigma0^2 = v/2 (v: the per-coordinate variance of
+the layer's neuron vectors, so the marginal variance sigma0^2 + sigma^2 starts at v) and
+gamma0 = 1:
 
-* E-step: match the layer (width inferred) with the current values, with PFNM's cost plus
-  the log-determinant terms Eq. 5 leaves out, so that the assignments maximise the model's
-  marginal likelihood (without them a true match of a tight global costs more than a new
-  neuron when sigma^2 << sigma0^2, and the estimate of sigma^2 collapses);
-* M-step: the maximum-likelihood values given those assignments, with the small-sample
+* E-step: the matching pass, with PFNM's cost plus the log-determinant terms Eq. 5 leaves
+  out, so that every assignment maximises the model's marginal likelihood given the
+  values (without them a true match of a tight global costs as much as a new neuron
+  when sigma^2 << sigma0^2 and nearly every neuron opens a global of its own);
+* M-step: the maximum-likelihood values given the assignment, with the small-sample
   corrections of a one-way random-effects model:
   sigma^2  = sum_i sum_{members} (w - mean_i)^2 / sum_i (n_i - 1)   (within globals),
   sigma0^2 = mean_i [ (mean_i - mu0)^2 - sigma^2 / n_i ]            (between globals),
   gamma0   = J / H_S                                                (IBP: E[J] = gamma0 H_S),
-  per coordinate in units of v, pooled over the coordinates of the layer;
+  per coordinate in units of v, pooled over the coordinates of the layer (S: the clients
+  matched so far).
 
-until the values move by less than 1 % or after ``MAX_ROUNDS`` rounds. Values the user
-gives are kept fixed (and not estimated).
+The values are fixed once an M-step moves none of them by more than 1 % and a sweep moves
+no neuron; the final assignment is the matching's result (no second matching). Values the
+user gives are kept fixed (and not estimated).
 """
 
 from __future__ import annotations
@@ -27,15 +34,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fusekit.methods.bayesian.layer import MatchingBackend, match_neurons
+from fusekit.engine import matching
+from fusekit.methods.bayesian.layer import LayerMatching, MatchingBackend, Prior, match_neurons
 
 logger = logging.getLogger(__name__)
 
-MAX_ROUNDS = 25
 TOLERANCE = 1e-2
-#: sigma0^2 never goes below this share of v (a prior of zero variance would pin every
-#: global neuron to mu0).
+#: sigma^2 and sigma0^2 never go below this share of v (a variance of zero would pin
+#: every global neuron to mu0, or make every distance infinite).
 MIN_RELATIVE_VARIANCE = 1e-4
+#: Starting values in units of v: sigma^2 + sigma0^2 = v, the marginal variance observed.
+START = (0.5, 0.5, 1.0)
 
 
 @dataclass(frozen=True)
@@ -43,11 +52,13 @@ class Hyperparameters:
     """One layer's hyperparameters, sigma^2 and sigma0^2 in units of the layer's variance v.
 
     Attributes:
-        sigma2: client noise variance sigma^2 / v (shared by the clients).
+        sigma2: client noise variance sigma^2 / v (shared by the clients; the mean of the
+            given values when the user gave them).
         sigma0_2: prior variance sigma0^2 / v.
         gamma0: Beta-process mass.
-        rounds: EM rounds run (0 when nothing was estimated).
+        rounds: M-steps run (0 when nothing was estimated).
         estimated: the names of the values estimated (the others were given).
+        converged: the last M-step moved no value by more than the tolerance.
     """
 
     sigma2: float
@@ -55,6 +66,7 @@ class Hyperparameters:
     gamma0: float
     rounds: int = 0
     estimated: tuple[str, ...] = ()
+    converged: bool = True
 
 
 def harmonic(n: int) -> float:
@@ -69,87 +81,176 @@ def moments(
     assignments: Sequence[np.ndarray],
     n_global: int,
     mu0: float,
-) -> tuple[float | None, float]:
-    """(sigma^2, sigma0^2 + E[sigma^2/n_i]) moments of an assignment, in units of ``unit``.
+) -> tuple[float | None, float, float]:
+    """Moments of an assignment in units of ``unit``: within- and between-global variance.
 
-    Returns the within-global variance (None when no global has two members observing a
-    coordinate) and the mean squared distance of the member means to mu0.
+    Args:
+        vectors, observed, assignments: per client, (J_s, P) neuron vectors, (P,) bool
+            observed coordinates and (J_s,) global index of each neuron (unique).
+        unit: (P,) positive variance unit v.
+        n_global: number of globals the assignments index.
+        mu0: prior mean (weight units).
+
+    Returns:
+        The pooled within-global variance (None when no global has two members observing a
+        coordinate), the mean of (member mean - mu0)^2 and the mean of 1/n over the
+        (global, coordinate) pairs observed (E[(mean - mu0)^2] = sigma0^2 + sigma^2 / n).
     """
     n_coords = unit.size
     sums = np.zeros((n_global, n_coords))
     squares = np.zeros((n_global, n_coords))
     counts = np.zeros((n_global, n_coords))
+    scale = 1.0 / np.sqrt(unit)
     for vec, obs, rows in zip(vectors, observed, assignments, strict=True):
-        seen = np.broadcast_to(obs, vec.shape)
-        scaled = np.where(seen, vec / np.sqrt(unit), 0.0)
-        np.add.at(sums, rows, scaled)
-        np.add.at(squares, rows, scaled * scaled)
-        np.add.at(counts, rows, seen.astype(np.float64))
+        seen = obs.astype(np.float64)
+        scaled = np.ascontiguousarray(vec * scale)
+        matching.add_rows(sums, rows, scaled, 1.0, seen)
+        matching.add_rows(squares, rows, scaled * scaled, 1.0, seen)
+        matching.add_rows(counts, rows, seen)
     has = counts > 0
-    means = np.where(has, sums / np.maximum(counts, 1), 0.0)
+    means = sums / np.maximum(counts, 1)
     within = squares - counts * means * means
     dof = float(np.sum(np.maximum(counts - 1, 0)))
     sigma2 = float(within.sum() / dof) if dof > 0 else None
-    centred = means - mu0 / np.sqrt(unit)
-    between = float(np.sum(np.where(has, centred * centred, 0.0)) / max(int(has.sum()), 1))
-    inverse_n = float(np.sum(np.where(has, 1.0 / np.maximum(counts, 1), 0.0))
-                      / max(int(has.sum()), 1))
-    return sigma2, between - (sigma2 or 0.0) * inverse_n
+    centred = np.where(has, means - mu0 * scale, 0.0)
+    n_seen = max(int(has.sum()), 1)
+    between = float(np.sum(centred * centred)) / n_seen
+    inverse_n = float(np.sum(np.where(has, 1.0 / np.maximum(counts, 1), 0.0))) / n_seen
+    return sigma2, between, inverse_n
 
 
-def estimate(
-    vectors: Sequence[np.ndarray],
-    observed: Sequence[np.ndarray],
-    unit: np.ndarray,
-    *,
-    sigma2: float | None = None,
-    sigma0_2: float | None = None,
-    gamma0: float | None = None,
-    mu0: float = 0.0,
-    sweeps: int = 5,
-    seed: int = 0,
-    backend: str | MatchingBackend = "core",
-) -> Hyperparameters:
-    """Empirical-Bayes sigma^2, sigma0^2, gamma0 of one layer (module docstring).
+class Refit:
+    """The M-step of one layer and the values in use (module docstring).
 
     Args:
         vectors: per client, (J_s, P) neuron vectors.
         observed: per client, (P,) bool, the coordinates the client observes.
-        unit: (P,) positive per-coordinate variance unit v (all results are in units of v).
-        sigma2, sigma0_2, gamma0: given values (relative to v for the variances), kept
-            fixed; None: estimated.
+        unit: (P,) positive per-coordinate variance unit v.
+        weights: per client, (P,) precision factors (1 where observed, 0 where not, the
+            class share on outgoing weights): client s's precision is weights[s] / sigma_s^2.
+        sigma2: given (S, P) noise variances in units of v, kept fixed; None: estimated.
+        sigma0_2: given (P,) prior variance in units of v; None: estimated.
+        gamma0: given Beta-process mass; None: estimated.
         mu0: prior mean (weight units).
-        sweeps, seed, backend: as :func:`match_neurons` for the E-steps.
+    """
+
+    def __init__(self, vectors, observed, unit, *, weights, sigma2=None, sigma0_2=None,
+                 gamma0=None, mu0=0.0):
+        self.vectors, self.observed, self.unit, self.weights = vectors, observed, unit, weights
+        self.given = (sigma2, sigma0_2, gamma0)
+        self.mu0 = mu0
+        self.estimated = tuple(name for name, value in zip(("sigma", "sigma0", "gamma"),
+                                                           self.given, strict=True)
+                               if value is None)
+        self.current = [START[k] if value is None else value
+                        for k, value in enumerate(self.given)]
+        self.rounds = 0
+        self.converged = not self.estimated
+
+    @property
+    def estimates_variances(self) -> bool:
+        """sigma^2 or sigma0^2 is estimated (the matching then needs the log-determinants)."""
+        return "sigma" in self.estimated or "sigma0" in self.estimated
+
+    def variances(self) -> tuple[np.ndarray, np.ndarray]:
+        """(S, P) noise variances sigma_s^2 and (P,) prior variance sigma0^2 in use, in
+        weight units."""
+        sigma2, sigma0_2, _ = self.current
+        shape = (len(self.vectors), self.unit.size)
+        return (np.broadcast_to(np.asarray(sigma2, dtype=np.float64) * self.unit, shape),
+                np.broadcast_to(np.asarray(sigma0_2, dtype=np.float64) * self.unit,
+                                self.unit.shape))
+
+    def prior(self) -> Prior:
+        """Per-client precisions, sigma0^2 (P,) in weight units and gamma0 in use."""
+        noise, sigma0_2 = self.variances()
+        precisions = [w / n for w, n in zip(self.weights, noise, strict=True)]
+        return Prior(precisions, np.array(sigma0_2), float(self.current[2]))
+
+    def __call__(self, assignments: Sequence[np.ndarray], n_global: int,
+                 clients: Sequence[int]) -> Prior | None:
+        """M-step on the assignment of ``clients``; the new values when one moved by more
+        than the tolerance, else None (the values in use stay)."""
+        given_sigma2, given_sigma0_2, given_gamma0 = self.given
+        within, between, inverse_n = moments(
+            [self.vectors[s] for s in clients], [self.observed[s] for s in clients],
+            self.unit, [assignments[s] for s in clients], n_global, self.mu0)
+        sigma2 = self.current[0] if given_sigma2 is not None or within is None else max(
+            within, MIN_RELATIVE_VARIANCE)
+        new = [sigma2,
+               self.current[1] if given_sigma0_2 is not None
+               else max(between - float(np.mean(sigma2)) * inverse_n, MIN_RELATIVE_VARIANCE),
+               self.current[2] if given_gamma0 is not None
+               else n_global / harmonic(len(clients))]
+        self.rounds += 1
+        change = max(_relative_change(x, y) for x, y in zip(new, self.current, strict=True))
+        logger.debug("empirical Bayes round %d (%d clients): sigma^2/v=%.4g sigma0^2/v=%.4g "
+                     "gamma0=%.4g (width %d)", self.rounds, len(clients),
+                     float(np.mean(new[0])), float(np.mean(new[1])), new[2], n_global)
+        self.converged = change < TOLERANCE
+        if self.converged:
+            return None
+        self.current = new
+        return self.prior()
+
+    def result(self) -> Hyperparameters:
+        """The values in use, sigma^2 and sigma0^2 as their means over the coordinates."""
+        sigma2, sigma0_2, gamma0 = self.current
+        return Hyperparameters(float(np.mean(sigma2)), float(np.mean(sigma0_2)), float(gamma0),
+                               rounds=self.rounds, estimated=self.estimated,
+                               converged=self.converged)
+
+
+def _relative_change(new, old) -> float:
+    new, old = np.asarray(new, dtype=np.float64), np.asarray(old, dtype=np.float64)
+    return float(np.max(np.abs(new - old) / np.maximum(np.abs(old), 1e-12)))
+
+
+def estimate_and_match(
+    vectors: Sequence[np.ndarray],
+    observed: Sequence[np.ndarray],
+    unit: np.ndarray,
+    *,
+    weights: Sequence[np.ndarray] | None = None,
+    sigma2: float | np.ndarray | None = None,
+    sigma0_2: float | np.ndarray | None = None,
+    gamma0: float | None = None,
+    mu0: float = 0.0,
+    sweeps: int = 5,
+    seed: int = 0,
+    lam: float = 0.0,
+    width: int | None = None,
+    backend: str | MatchingBackend = "core",
+    true_labels: Sequence[np.ndarray] | None = None,
+) -> tuple[LayerMatching, Refit]:
+    """Match one layer, estimating the values not given while matching (module docstring).
+
+    Args:
+        vectors: per client, (J_s, P) neuron vectors.
+        observed: per client, (P,) bool, the coordinates the client observes.
+        unit: (P,) positive per-coordinate variance unit v.
+        weights: per client, (P,) precision factors (default: the observed masks).
+        sigma2: given noise variance in units of v: a scalar, (P,) or (S, P); None:
+            estimated.
+        sigma0_2: given prior variance in units of v, scalar or (P,); None: estimated.
+        gamma0: given Beta-process mass; None: estimated.
+        mu0, sweeps, seed, lam, width, backend, true_labels: as :func:`match_neurons`.
 
     Returns:
-        Hyperparameters.
+        The LayerMatching and the :class:`Refit` holding the values used
+        (``refit.result()``, ``refit.variances()``). When sigma^2 or sigma0^2 is estimated
+        the matching uses the marginal-likelihood cost (``log_det``) and outputs the
+        members' means (``shrink=False``); when both are given, the papers' cost and
+        posterior means (Eq. 5, Eq. 4).
     """
-    wanted = tuple(name for name, value in
-                   (("sigma", sigma2), ("sigma0", sigma0_2), ("gamma", gamma0)) if value is None)
-    current = [0.5 if sigma2 is None else sigma2, 0.5 if sigma0_2 is None else sigma0_2,
-               1.0 if gamma0 is None else gamma0]
-    if not wanted:
-        return Hyperparameters(*current)
-    n_clients = len(vectors)
-    rounds = 0
-    for rounds in range(1, MAX_ROUNDS + 1):
-        a, b, g = current
-        precisions = [obs / (a * unit) for obs in observed]
-        result = match_neurons(vectors, precisions, mu0=mu0, sigma0_2=b * unit, gamma0=g,
-                               sweeps=sweeps, seed=seed, log_det=True, backend=backend)
-        within, spread = moments(vectors, observed, unit, result.assignments, result.width,
-                                 mu0)
-        new = list(current)
-        if sigma2 is None and within is not None:
-            new[0] = max(within, MIN_RELATIVE_VARIANCE)
-        if sigma0_2 is None:
-            new[1] = max(spread, MIN_RELATIVE_VARIANCE)
-        if gamma0 is None:
-            new[2] = result.width / harmonic(n_clients)
-        logger.debug("empirical Bayes round %d: sigma^2/v=%.4g sigma0^2/v=%.4g gamma0=%.4g "
-                     "(width %d)", rounds, *new, result.width)
-        change = max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(new, current, strict=True))
-        current = new
-        if change < TOLERANCE:
-            break
-    return Hyperparameters(*current, rounds=rounds, estimated=wanted)
+    refit = Refit(vectors, observed, unit,
+                  weights=weights if weights is not None
+                  else [np.asarray(o, dtype=np.float64) for o in observed],
+                  sigma2=sigma2, sigma0_2=sigma0_2, gamma0=gamma0, mu0=mu0)
+    start = refit.prior()
+    result = match_neurons(
+        vectors, start.precisions, mu0=mu0, sigma0_2=start.sigma0_2, gamma0=start.gamma0,
+        sweeps=sweeps, seed=seed, lam=lam, width=width, log_det=refit.estimates_variances,
+        refit=refit if refit.estimated else None, shrink=not refit.estimates_variances,
+        backend=backend, true_labels=true_labels)
+    return result, refit

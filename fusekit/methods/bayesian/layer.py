@@ -13,7 +13,8 @@ Eq. 5, and Eq. 14 for NAFI (docs/ALGORITHMS.md §3-4):
    largest posterior mass survive, every client is re-matched against them with at most
    ``width`` globals open, and a model that merged more than asked has its worst-fitting
    members split off, so the layer has exactly ``width`` neurons.
-4. The result is the posterior mean of every global neuron (Eq. 4).
+4. The result is the posterior mean of every global neuron (Eq. 4), or with
+   ``shrink=False`` the precision-weighted mean of its members.
 
 Everything works on per-coordinate (diagonal) precisions: a client's precision vector
 ``s`` (P,) is ``1/sigma_s^2`` per coordinate and 0 where the client does not observe the
@@ -91,12 +92,33 @@ def get_backend(backend: str | MatchingBackend = "core") -> MatchingBackend:
     raise ParameterError(f"backend: expected one of {BACKENDS}, found {backend!r}")
 
 
+@dataclass(frozen=True)
+class Prior:
+    """Values a matching runs with, as a refit hands them over between passes.
+
+    Attributes:
+        precisions: per client, (P,) observation precisions (0: unobserved).
+        sigma0_2: (P,) prior variance.
+        gamma0: Beta-process mass.
+    """
+
+    precisions: list[np.ndarray]
+    sigma0_2: np.ndarray
+    gamma0: float
+
+
+#: ``refit(assignments, n_global, clients)``: new values from the assignment of the
+#: clients matched so far, or None to keep those in use (:mod:`.empirical`).
+Refit = Callable[[list[np.ndarray], int, list[int]], Prior | None]
+
+
 @dataclass
 class LayerMatching:
     """Result of matching one layer.
 
     Attributes:
-        means: (J, P) float64 posterior means of the J global neurons (Eq. 4).
+        means: (J, P) float64 posterior means of the J global neurons (Eq. 4), or their
+            members' means (``match_neurons(shrink=False)``).
         precisions: (J, P) float64 posterior precisions (including ``1/sigma0^2``).
         counts: (J,) int number of local neurons (= clients) in each global neuron.
         assignments: per client (in the order given), (J_s,) int global index of each
@@ -253,19 +275,43 @@ class _Matcher:
     """One layer's matching run: the global state, the assignments and the kernels."""
 
     def __init__(self, vecs, precs, *, mu0, sigma0_2, gamma0, lam, kernels, log_det):
-        self.vecs, self.precs = vecs, precs
+        self.vecs, self.mu0 = vecs, mu0
         self.log_det = log_det
-        self.sigma0_2 = sigma0_2
         self.n_clients = len(vecs)
-        self.gamma0, self.lam, self.kernels = gamma0, lam, kernels
-        prior_precision = 1.0 / sigma0_2
-        self.state = _GlobalState(vecs[0].shape[1], mu0 * prior_precision, prior_precision)
+        self.lam, self.kernels = lam, kernels
+        self.state = _GlobalState(vecs[0].shape[1], mu0 / sigma0_2, 1.0 / sigma0_2)
         self.assignments: list[np.ndarray] = [np.empty(0, dtype=np.int64)] * self.n_clients
-        self.cost_kwargs = dict(n_clients=self.n_clients, mu0=mu0, sigma0_2=sigma0_2,
-                                gamma0=gamma0)
         self.timing = {"cost": 0.0, "assignment": 0.0, "n": 0}
+        self._set_values(Prior(precs, sigma0_2, gamma0))
+
+    def _set_values(self, prior: Prior) -> None:
+        self.precs, self.sigma0_2, self.gamma0 = prior.precisions, prior.sigma0_2, prior.gamma0
+        self.cost_kwargs = dict(n_clients=self.n_clients, mu0=self.mu0,
+                                sigma0_2=self.sigma0_2, gamma0=self.gamma0)
         # sum_p s_p w_p^2 as (w * s) * w, the order of the posterior sums (same rounding).
-        self.data_term = sum(float(np.sum(v * p * v)) for v, p in zip(vecs, precs, strict=True))
+        self.data_term = sum(float(np.sum(v * p * v))
+                             for v, p in zip(self.vecs, self.precs, strict=True))
+
+    def refit(self, refit: Refit, clients: list[int]) -> bool:
+        """Ask ``refit`` for new values given the assignment of ``clients`` (the others are
+        not placed); with new values, rebuild the posteriors. Returns whether they changed."""
+        prior = refit(self.assignments, self.state.size, clients)
+        if prior is None:
+            return False
+        self._set_values(Prior([np.ascontiguousarray(p, dtype=np.float64)
+                                for p in prior.precisions],
+                               np.ascontiguousarray(prior.sigma0_2, dtype=np.float64),
+                               float(prior.gamma0)))
+        state = self.state
+        state.prior_precision = 1.0 / self.sigma0_2
+        state.prior_sum = self.mu0 * state.prior_precision
+        placed = [s for s in clients if self.assignments[s].size]
+        sums, precisions, _ = _posterior_sums(
+            state.prior_sum, state.prior_precision, [self.vecs[s] for s in placed],
+            [self.precs[s] for s in placed], [self.assignments[s] for s in placed], state.size)
+        state.sums[: state.size] = sums
+        state.precisions[: state.size] = precisions
+        return True
 
     def assign(self, s: int, cap: int | None) -> float:
         """Match client s (not in the state) against the globals; at most ``cap`` globals
@@ -323,12 +369,19 @@ class _Matcher:
                 self.assignments[other] = remap[self.assignments[other]]
         return remap[mine]
 
-    def greedy(self) -> float:
+    def greedy(self, refit: Refit | None = None) -> float:
+        """The greedy pass; with ``refit``, new values after 2, 4, 8, ... clients and at
+        the end (the later clients are matched with values from the earlier ones)."""
         order = sorted(range(self.n_clients), key=lambda s: -self.vecs[s].shape[0])
         first = order[0]
         self.assignments[first] = np.arange(self.vecs[first].shape[0], dtype=np.int64)
         self.state.add(self.assignments[first], self.vecs[first], self.precs[first])
-        return sum(self.assign(s, None) for s in order[1:])
+        total = 0.0
+        for done, s in enumerate(order[1:], start=2):
+            total += self.assign(s, None)
+            if refit is not None and (done & (done - 1) == 0 or done == self.n_clients):
+                self.refit(refit, order[:done])
+        return total
 
     def sweep(self, rng: np.random.Generator, cap: int | None) -> tuple[float, int]:
         """One refinement sweep; returns (total assignment cost, local neurons moved)."""
@@ -412,6 +465,8 @@ def match_neurons(
     lam: float = 0.0,
     width: int | None = None,
     log_det: bool = False,
+    refit: Refit | None = None,
+    shrink: bool = True,
     backend: str | MatchingBackend = "core",
     true_labels: Sequence[np.ndarray] | None = None,
 ) -> LayerMatching:
@@ -434,14 +489,22 @@ def match_neurons(
             step 3).
         log_det: add the log-determinant terms of the Gaussian marginal likelihood that
             Eq. 5 leaves out (ALGORITHMS.md §3, "Empirical Bayes"): the exact marginal
-            likelihood, which the empirical-Bayes E-step needs; the methods match with
-            the papers' cost (False).
+            likelihood, which estimated values need; with values the user gives the
+            methods match with the papers' cost (False).
+        refit: estimate values while matching (:mod:`.empirical`): called in the greedy
+            pass and after every sweep before the width is imposed; the values it returns
+            replace ``precisions``, ``sigma0_2`` and ``gamma0`` (which are the starting
+            values). Those sweeps then stop at a fixed point of the assignment and the
+            values, still after at most ``sweeps``.
+        shrink: output the posterior means (Eq. 4, pulled towards mu0 by the prior);
+            False: the members' precision-weighted means (ALGORITHMS.md §3, "Empirical
+            Bayes"; mu0 where no member observes a coordinate).
         backend: ``"core"`` (C++), ``"numpy"`` (reference + SciPy) or a MatchingBackend.
         true_labels: optional per-client (J_s,) ground-truth neuron identities (synthetic
             data): the report then gives the matching purity.
 
     Returns:
-        LayerMatching. ``report`` holds ``width``, ``inferred_width`` (before the width was
+        LayerMatching (``means`` as ``shrink`` says). ``report`` holds ``width``, ``inferred_width`` (before the width was
         imposed), ``pruned`` / ``split`` (globals dropped / opened to reach ``width``),
         ``clients`` (per client in the order given: ``width``, ``matched`` = local neurons
         that share their global neuron with another client, ``new`` = the others),
@@ -474,21 +537,22 @@ def match_neurons(
                    lam=float(lam), kernels=get_backend(backend), log_det=log_det)
     objective, lap_totals, moves = [], [], []
 
-    def refine(cap: int | None, at_least_one: bool) -> None:
+    def refine(cap: int | None, at_least_one: bool, refit: Refit | None = None) -> None:
         rng = np.random.default_rng(seed)
         n_sweeps = int(sweeps) if n_clients > 1 else 0
         for _ in range(max(n_sweeps, 1 if at_least_one else 0)):
             total, moved = run.sweep(rng, cap)
+            changed = refit is not None and run.refit(refit, list(range(n_clients)))
             objective.append(run.objective())
             lap_totals.append(total)
             moves.append(moved)
-            if moved == 0:
+            if moved == 0 and not changed:
                 # A fixed point: every client's assignment is optimal given the others.
                 break
 
-    lap_totals.append(run.greedy())
+    lap_totals.append(run.greedy(refit))
     objective.append(run.objective())
-    refine(None, False)
+    refine(None, False, refit)
     inferred = run.state.size
     pruned = split = padded = 0
     if width is not None:
@@ -498,7 +562,8 @@ def match_neurons(
         refine(width, pruned > 0)
         split, padded = run.fill(width)
 
-    means, final_precisions, counts = _final_posterior(run.state, vecs, precs, run.assignments)
+    means, final_precisions, counts = _final_posterior(run.state, vecs, run.precs,
+                                                    run.assignments, shrink)
     report = _report(run.assignments, counts, objective, lap_totals, run.timing,
                      run.kernels.name, true_labels)
     report.update(inferred_width=inferred, pruned=pruned, split=split, padded=padded,
@@ -514,17 +579,42 @@ def _final_posterior(
     vecs: list[np.ndarray],
     precs: list[np.ndarray],
     assignments: list[np.ndarray],
+    shrink: bool,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Posterior means recomputed from the assignments (no drift from add/remove)."""
-    n_global = state.size
-    sums = np.tile(state.prior_sum, (n_global, 1))
-    precisions = np.tile(state.prior_precision, (n_global, 1))
+    """Means, posterior precisions and member counts recomputed from the assignments (no
+    drift from add/remove). The means are the posterior means (Eq. 4), or without
+    ``shrink`` the members' precision-weighted means (mu0 where no member observes a
+    coordinate)."""
+    sums, precisions, counts = _posterior_sums(state.prior_sum, state.prior_precision, vecs,
+                                               precs, assignments, state.size)
+    if shrink:
+        return sums / precisions, precisions, counts
+    zero = np.zeros_like(state.prior_sum)
+    member_sums, member_precisions, _ = _posterior_sums(zero, zero, vecs, precs, assignments,
+                                                        state.size)
+    return (member_means(member_sums, member_precisions, state.prior_sum / state.prior_precision),
+            precisions, counts)
+
+
+def member_means(sums: np.ndarray, precisions: np.ndarray, fallback: np.ndarray) -> np.ndarray:
+    """Precision-weighted member means ``sums / precisions``, ``fallback`` (a (P,) prior
+    mean) where no member observes a coordinate (precision 0)."""
+    seen = precisions > 0
+    means = np.divide(sums, precisions, out=np.zeros_like(sums), where=seen)
+    return np.where(seen, means, fallback)
+
+
+def _posterior_sums(prior_sum, prior_precision, vecs, precs, assignments, n_global):
+    """(J, P) sums and precisions (starting from the prior's) and (J,) member counts of
+    the globals, from the clients' assignments."""
+    sums = np.tile(prior_sum, (n_global, 1))
+    precisions = np.tile(prior_precision, (n_global, 1))
     counts = np.zeros(n_global, dtype=np.int64)
     for rows, v, p in zip(assignments, vecs, precs, strict=True):
         matching.add_rows(sums, rows, v, 1.0, p)
         matching.add_rows(precisions, rows, p, 1.0)
         counts[rows] += 1
-    return sums / precisions, precisions, counts
+    return sums, precisions, counts
 
 
 def _objective(state: _GlobalState, data_term: float, n_clients: int, gamma0: float) -> float:

@@ -32,7 +32,7 @@ from fusekit.methods.avg import (
 )
 from fusekit.methods.base import sample_weights
 from fusekit.methods.bayesian import empirical
-from fusekit.methods.bayesian.layer import check_width, match_neurons
+from fusekit.methods.bayesian.layer import check_width, member_means
 
 logger = logging.getLogger(__name__)
 
@@ -219,33 +219,36 @@ def heterogeneity(checkpoints, n_classes: int, last_layer: dict[str, Any]) -> di
     return out
 
 
-def hyperparameters(params, sigmas, vecs, observed, unit, index):
-    """Per-client sigma^2 (S, P), sigma0^2 (P,), gamma0 and the report entry of one layer:
-    given values as they are, the others estimated (:mod:`.empirical`, in units of v)."""
+def match_layer(params, sigmas, vecs, observed, unit, index, width, weights=None):
+    """Match one layer: given values as they are, the others estimated while matching
+    (:func:`.empirical.estimate_and_match`, in units of v).
+
+    Args:
+        weights: per client, (P,) precision factors (default: the observed masks).
+
+    Returns:
+        (LayerMatching, per-client sigma^2 (S, P) and sigma0^2 (P,) in weight units, the
+        report entry of the hyperparameters).
+    """
     scale = np.ones_like(unit) if params.variance_units == "relative" else 1.0 / unit
-    given_sigma = None if sigmas is None else sigmas[:, None] * scale  # (S, P) in units of v
-    given_sigma0 = None if params.sigma0 is None else params.sigma0 * scale
-    # The estimator works with scalars in units of v: a given per-coordinate value
-    # (absolute units) enters as its mean over the layer.
-    found = empirical.estimate(
-        vecs, observed, unit,
-        sigma2=None if given_sigma is None else float(given_sigma.mean()),
-        sigma0_2=None if given_sigma0 is None else float(np.mean(given_sigma0)),
+    result, refit = empirical.estimate_and_match(
+        vecs, observed, unit, weights=weights,
+        sigma2=None if sigmas is None else sigmas[:, None] * scale,
+        sigma0_2=None if params.sigma0 is None else params.sigma0 * scale,
         gamma0=params.gamma, mu0=params.mu0, sweeps=params.sweeps, seed=params.seed + index,
-        backend=params.backend,
+        lam=params.lam, width=width, backend=params.backend,
     )
-    shape = (len(vecs), unit.size)
-    sigma2 = unit * (np.full(shape, found.sigma2) if given_sigma is None
-                     else np.broadcast_to(given_sigma, shape))
-    sigma0_2 = unit * (np.full(unit.size, found.sigma0_2) if given_sigma0 is None
-                       else np.broadcast_to(given_sigma0, unit.shape))
+    found = refit.result()
+    sigma2, sigma0_2 = refit.variances()
     report = {
         "sigma2": float(np.mean(sigma2)), "sigma0_2": float(np.mean(sigma0_2)),
         "sigma2_relative": float(np.mean(sigma2 / unit)),
         "sigma0_2_relative": float(np.mean(sigma0_2 / unit)),
         "gamma0": found.gamma0, "estimated": list(found.estimated), "em_rounds": found.rounds,
+        "em_converged": found.converged,
+        "means": "members" if refit.estimates_variances else "posterior",
     }
-    return sigma2, sigma0_2, found.gamma0, report
+    return result, sigma2, sigma0_2, report
 
 
 def fuse_network(checkpoints, specs, params: BayesianParams, method: str):
@@ -304,19 +307,12 @@ def fuse_network(checkpoints, specs, params: BayesianParams, method: str):
             vecs.append(vec)
             observed.append(obs if params.unobserved == "mask" else np.ones(layout.size, bool))
         unit = neurons.block_variances(vecs, observed, layout)
-        sigma2, sigma0_2, gamma0, hyper = hyperparameters(
-            params, sigmas, vecs, observed, unit, index)
-        precisions = []
-        for s in range(n_clients):
-            precision = observed[s] / sigma2[s]
-            if last and shares is not None:
-                precision[layout.outgoing] *= np.repeat(shares[s], layout.block_out)
-            precisions.append(precision)
-        result = match_neurons(
-            vecs, precisions, mu0=params.mu0, sigma0_2=sigma0_2, gamma0=gamma0,
-            sweeps=params.sweeps, seed=params.seed + index, lam=params.lam,
-            width=widths[index], backend=params.backend,
-        )
+        weights = [o.astype(np.float64) for o in observed]
+        if last and shares is not None:
+            for s in range(n_clients):
+                weights[s][layout.outgoing] *= np.repeat(shares[s], layout.block_out)
+        result, _, _, hyper = match_layer(params, sigmas, vecs, observed, unit, index,
+                                           widths[index], weights)
         incoming, bias, outgoing = layout.split(result.means)
         fused.append(neurons.UnitLayer(incoming, bias))
         layer_reports.append({"layer": spec.layers[index].name, "width_asked": widths[index],
@@ -325,7 +321,7 @@ def fuse_network(checkpoints, specs, params: BayesianParams, method: str):
         logger.info("%s: hidden layer %d/%d (%s): width %d (inferred %d), sigma^2/v=%.3g, "
                     "sigma0^2/v=%.3g, gamma0=%.3g, %.2f s", method, index + 1, n_hidden,
                     spec.layers[index].name, result.width, result.report["inferred_width"],
-                    hyper["sigma2_relative"], hyper["sigma0_2_relative"], gamma0,
+                    hyper["sigma2_relative"], hyper["sigma0_2_relative"], hyper["gamma0"],
                     time.perf_counter() - start,
                     extra={"layer": (index + 1, n_hidden)})  # progress, for front doors
         below, n_below = result.assignments, result.width
@@ -414,7 +410,8 @@ def fuse_groups(checkpoints, specs, params: BayesianParams, method: str):
     with the group. Once every group is matched, each layer is fused once, at the
     fused widths of the groups it reads and writes: hidden layers as posterior means
     (prior mu0, precisions from the group's sigma^2 and sigma0^2 relative to the layer's
-    own variance unit, so only their ratio matters), the classifier as in
+    own variance unit, so only their ratio matters; the members' means when sigma^2 or
+    sigma0^2 was estimated, as :func:`.empirical.estimate_and_match`), the classifier as in
     :func:`fuse_network` (class or sample shares over the clients observing a column).
 
     Clients' tensors are read per group and released after, so memory holds one group of
@@ -470,14 +467,11 @@ def _match_group(checkpoints, specs, group, assignments, fused_widths, params, s
     vecs = [v for v, _, _ in built]
     observed = [o if params.unobserved == "mask" else np.ones_like(o) for _, o, _ in built]
     unit = neurons.block_variances(vecs, observed, built[0][2])
-    sigma2, sigma0_2, gamma0, hyper = hyperparameters(params, sigmas, vecs, observed, unit,
-                                                       group)
-    result = match_neurons(
-        vecs, [o / s2 for o, s2 in zip(observed, sigma2, strict=True)], mu0=params.mu0,
-        sigma0_2=sigma0_2, gamma0=gamma0, sweeps=params.sweeps, seed=params.seed + group,
-        lam=params.lam, width=width, backend=params.backend)
-    relative = ((sigma2 / unit).mean(axis=1), float(np.mean(sigma0_2 / unit)))
-    return result, relative, hyper
+    result, sigma2, sigma0_2, hyper = match_layer(params, sigmas, vecs, observed, unit, group,
+                                                   width)
+    # sigma0^2 = inf: no prior term in the fused means (the members' means, as the matching).
+    prior = float(np.mean(sigma0_2 / unit)) if hyper["means"] == "posterior" else math.inf
+    return result, ((sigma2 / unit).mean(axis=1), prior), hyper
 
 
 def _read_layer(checkpoint, layer) -> neurons.UnitLayer:
@@ -537,7 +531,7 @@ def _fuse_layer(checkpoints, specs, index, assignments, fused_widths, relative, 
     for s, (checkpoint, spec) in enumerate(zip(checkpoints, specs, strict=True)):
         layer = _read_layer(checkpoint, spec.layers[index])
         mapped, seen = neurons.map_incoming(layer.weight, below[s], n_below)
-        if total is None:  # the prior: mean mu0 at precision 1/sigma0^2
+        if total is None:  # the prior: mean mu0 at precision 1/sigma0^2 (0 when inf)
             total = np.full((width, *mapped.shape[1:]), mu0 / prior)
             precision = np.full((width, n_below), 1.0 / prior)
             bias_total, bias_precision = np.full(width, mu0 / prior), np.full(width, 1.0 / prior)
@@ -546,4 +540,6 @@ def _fuse_layer(checkpoints, specs, index, assignments, fused_widths, relative, 
         precision[rows] += weight * seen
         bias_total[rows] += weight * layer.bias
         bias_precision[rows] += weight
-    return neurons.UnitLayer(total / precision[:, :, None], bias_total / bias_precision)
+    precision = np.broadcast_to(precision[:, :, None], total.shape)
+    return neurons.UnitLayer(member_means(total, precision, np.float64(mu0)),
+                             member_means(bias_total, bias_precision, np.float64(mu0)))

@@ -6,9 +6,10 @@ everything else aligned to an anchor and averaged (ALGORITHMS.md §13).
    without the MLP groups), so that the MLP units' rows and columns live in one stream
    basis.
 2. Block by block, the MLP units' vectors [input row, bias, output column] of every client
-   are matched by :func:`~fusekit.methods.bayesian.layer.match_neurons` (PFNM's cost, or
-   NAFI's with λ > 0), σ², σ0², γ0 estimated per block as for any layer; the fused units
-   are the posterior means, at the width ``width`` / ``width_ratio`` asks (one width for
+   are matched by :func:`~fusekit.methods.bayesian.network.match_layer` as any layer
+   (PFNM's cost, or NAFI's with λ > 0; σ², σ0², γ0 estimated per block while matching,
+   ALGORITHMS.md §3); the fused units are the posterior means (the members' means with
+   estimated values), at the width ``width`` / ``width_ratio`` asks (one width for
    every block: config.json holds one).
 3. Every other tensor is the sample-weighted average of the aligned clients.
 """
@@ -26,12 +27,11 @@ from fusekit.core.checkpoint import Checkpoint
 from fusekit.core.errors import IncompatibleModelsError, ParameterError, SpecError
 from fusekit.core.transformer import Group, TransformerSpec, unit_rows
 from fusekit.engine.matching import solve_assignment
-from fusekit.methods.bayesian.layer import match_neurons
 from fusekit.methods.bayesian.network import (
     BayesianParams,
     client_sigmas,
-    hyperparameters,
     layer_widths,
+    match_layer,
 )
 from fusekit.methods.base import sample_weights
 from fusekit.methods.ot import resolve_anchor
@@ -112,7 +112,7 @@ def _aligned_clients(checkpoints, specs, anchor: int, skip: set[int]) -> list[di
 
 def _match_mlp(clients: Sequence[dict], groups: Sequence[Group], params: BayesianParams,
                sigmas, width: int, index: int) -> tuple[np.ndarray, dict[str, Any]]:
-    """One block's MLP units matched across clients: (fused width, P) posterior means."""
+    """One block's MLP units matched across clients: (fused width, P) fused unit vectors."""
     vecs, labels = [], None
     for client, group in zip(clients, groups, strict=True):
         parts = [unit_rows(client[slot.tensor], slot, group.size) for slot in group.slots]
@@ -120,12 +120,7 @@ def _match_mlp(clients: Sequence[dict], groups: Sequence[Group], params: Bayesia
         labels = np.concatenate([np.full(p.shape[1], i) for i, p in enumerate(parts)])
     observed = [np.ones(v.shape[1], dtype=bool) for v in vecs]
     unit = neurons.block_variances(vecs, observed, labels)
-    sigma2, sigma0_2, gamma0, hyper = hyperparameters(params, sigmas, vecs, observed, unit,
-                                                      index)
-    result = match_neurons(vecs, [o / s2 for o, s2 in zip(observed, sigma2, strict=True)],
-                           mu0=params.mu0, sigma0_2=sigma0_2, gamma0=gamma0,
-                           sweeps=params.sweeps, seed=params.seed + index, lam=params.lam,
-                           width=width, backend=params.backend)
+    result, _, _, hyper = match_layer(params, sigmas, vecs, observed, unit, index, width)
     return result.means, {**result.report, "hyperparameters": hyper}
 
 
