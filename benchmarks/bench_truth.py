@@ -176,7 +176,8 @@ def truth_table(rows: list[dict[str, Any]]) -> list[str]:
             f"{d['time_s'] / f['time_s']:.2f} | {f['inferred']} | "
             f"{100 * f['recovered']:.1f} % | {d['sigma2_relative']:.4f} | "
             f"{d['sigma0_2_relative']:.3f} | "
-            f"{d['gamma0']:.1f} | {d['em_rounds']}{'' if d['em_converged'] else ' (not converged)'} |")
+            f"{d['gamma0']:.1f} | {d['em_rounds']}"
+            f"{'' if d['em_converged'] else ' (not converged)'} |")
     return lines
 
 
@@ -271,7 +272,8 @@ def render(payload: dict[str, Any]) -> str:
         "",
         "Every client draws 100 of 150 true neurons (incoming and bias N(0, 0.1²), bias "
         "mean 0.1, outgoing N(0, 0.3²)), adds N(0, 0.02²) noise and shuffles them; Dirichlet "
-        "α = 0.5 class counts. Default = `fusekit fuse --method pfnm` (estimated σ², σ0², γ0, "
+        "α = 0.5 class counts. Default = `fusekit fuse --method pfnm` (estimated σ², σ0², "
+        "γ0, "
         "width 1.5 x 100 = 150); fixed σ = `--sigma 1 --sigma0 1 --gamma 1 "
         "--variance-units absolute` (the authors' values). Inferred width: `--width "
         "unlimited`. Recovered: a fused neuron within half the pool's spread of the true one "
@@ -283,6 +285,12 @@ def render(payload: dict[str, Any]) -> str:
         *truth_table(payload["truth"]),
         "",
         *truth_checks(payload["truth"]),
+        "",
+        "Before the estimator ran inside the matching (EM rounds of full matchings, then a "
+        "final matching with Eq. 5's cost and the estimated values), the same setting gave "
+        "inferred widths 555 / 1,342 / 3,886 / 10,247 at S = 10 / 30 / 100 / 300, 85 % "
+        "recovered at S = 30, and 3-70x the fixed-σ time (measured on the previous "
+        "version, same kind of machine).",
     ]
     if payload.get("grid"):
         summary = grid_summary(payload["grid"])

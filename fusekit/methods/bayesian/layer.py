@@ -504,8 +504,9 @@ def match_neurons(
             data): the report then gives the matching purity.
 
     Returns:
-        LayerMatching (``means`` as ``shrink`` says). ``report`` holds ``width``, ``inferred_width`` (before the width was
-        imposed), ``pruned`` / ``split`` (globals dropped / opened to reach ``width``),
+        LayerMatching (``means`` as ``shrink`` says). ``report`` holds ``width``,
+        ``inferred_width`` (before the width was imposed), ``pruned`` / ``split`` (globals
+        dropped / opened to reach ``width``),
         ``clients`` (per client in the order given: ``width``, ``matched`` = local neurons
         that share their global neuron with another client, ``new`` = the others),
         ``objective`` (per pass: 2 x negative log posterior up to constants, Eq. 3 with
