@@ -129,9 +129,12 @@ def wait(job: JobId, timeout: Annotated[float, typer.Option(
     """Wait until the job has finished; exit 1 when it failed."""
     with admin(server, token_file) as service:
         state = service.wait(job, timeout=timeout)
-    stdout.print(f"job {job}: {state['state']}", highlight=False)
-    if state["state"] != "succeeded":
-        raise typer.Exit(1)
+    if state["state"] == "succeeded":
+        stdout.print(f"job {job}: succeeded", highlight=False)
+        return
+    reason = f": {state['error']}" if state.get("error") else ""
+    stdout.print(f"job {job}: {state['state']}{reason}", highlight=False, soft_wrap=True)
+    raise typer.Exit(1)
 
 
 @command("result")

@@ -203,7 +203,8 @@ def test_no_job_error_names_a_server_path(tmp_path):
 
 
 def test_auto_run_and_incompatible_checkpoints_fail_with_the_cli_message(service, admin,
-                                                                         tmp_path):
+                                                                         tmp_path,
+                                                                         monkeypatch):
     a = write(tmp_path / "a.safetensors", mlp((6, 5, 3), seed=0))
     b = write(tmp_path / "b.safetensors", mlp((6, 5, 4, 3), seed=1))  # another architecture
     with pytest.raises(fusekit.core.errors.FusekitError) as expected:
@@ -216,6 +217,10 @@ def test_auto_run_and_incompatible_checkpoints_fail_with_the_cli_message(service
     assert state["error"] == str(expected.value).replace(f"{tmp_path}{os.sep}", "")
     assert all(name in state["error"] for name in ["a.safetensors", "b.safetensors"]), \
         state["error"]
+    monkeypatch.setenv("FUSEKIT_ADMIN_TOKEN", ADMIN)
+    waited = cli("job", "wait", job["id"], "--server", service.url)
+    assert waited.exit_code == 1
+    assert waited.stdout.strip() == f"job {job['id']}: failed: {state['error']}"
     with pytest.raises(ServiceError, match=r"is failed.*\(HTTP 409\)"):
         admin.result(job["id"], tmp_path / "none.safetensors")
 
@@ -345,6 +350,12 @@ GOOD = {"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}
      ["declares a file of"]),
     (b"\x80\x04\x95" + b"\0" * 64, 400, ["pickle"]),
     (header(GOOD) + struct.pack("<2f", 1.0, float("nan")), 400, ["'w'", "1 non-finite"]),
+    (header(GOOD) + struct.pack("<2f", float("inf"), float("-inf")), 400,
+     ["'w'", "2 non-finite"]),
+    (header({"w": {"dtype": "F16", "shape": [2], "data_offsets": [0, 4]}})
+     + np.array([1, np.inf], np.float16).tobytes(), 400, ["'w'", "1 non-finite"]),
+    (header({"w": {"dtype": "BF16", "shape": [2], "data_offsets": [0, 4]}})
+     + np.array([0x3F80, 0x7FC0], np.uint16).tobytes(), 400, ["'w'", "1 non-finite"]),
     (header({"bn.running_var": GOOD["w"]}) + struct.pack("<2f", 1.0, -2.0), 400,
      ["'bn.running_var'", "negative", "-2"]),
 ])
