@@ -34,13 +34,14 @@ from fusekit.service.auth import admin_token_hash, token_hash
 ADMIN = secrets.token_urlsafe(32)
 NAMES = ("hospital-a", "hospital-b", "hospital-c")
 IDLE_S = 3  # seconds a test server lets an upload send nothing
+MAX_JOBS = 150  # jobs a test server keeps
 MIN_RATE = 2000  # bytes/s a test server's uploads must average after their first IDLE_S
 
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
     data = tmp_path_factory.mktemp("service") / "data"
-    server = ServiceProcess(data, options=("--max-uploads", "2", "--max-jobs", "40",
+    server = ServiceProcess(data, options=("--max-uploads", "2", "--max-jobs", str(MAX_JOBS),
                                            "--max-checkpoint-bytes", str(2**20),
                                            "--upload-idle-timeout", str(IDLE_S),
                                            "--upload-min-rate", str(MIN_RATE)),
@@ -508,13 +509,13 @@ def test_upload_and_job_limits_answer_429(service, admin, models):
         for sock in held:
             sock.close()
     created = []
-    for _ in range(40):  # the server keeps at most 40 jobs
+    for _ in range(MAX_JOBS):  # the server keeps at most MAX_JOBS jobs
         response = httpx.post(f"{service.url}/v1/jobs", json={"method": "avg", "clients": ["a"]},
                               headers={"Authorization": f"Bearer {ADMIN}"})
         if response.status_code != 201:
             break
         created.append(response.json()["id"])
-    one_line_error(response, 429, "40")
+    one_line_error(response, 429, str(MAX_JOBS))
     assert response.headers["Retry-After"] == "30"
     for job_id in created:
         admin.delete(job_id)
@@ -600,7 +601,7 @@ def test_a_large_tensor_is_checked_within_the_memory_budget(big_service, tmp_pat
         job = admin.create_job("avg", ["a"])
         admin.submit(job["id"], "a", good)  # the first check of a process sets it up
         job = admin.create_job("avg", ["a"])
-        processes = [big_service.process.pid, *checkers(big_service.process.pid)]
+        processes = [big_service.process.pid, *spawned(big_service.process.pid)]
         assert len(processes) > 1, "no checker process"
         before = {pid: status_mb("VmRSS", pid) for pid in processes}
         for pid in processes:
@@ -714,6 +715,39 @@ def test_kill9_during_uploads_and_during_a_job_then_restart(tmp_path):
         server.stop()
 
 
+def test_deleting_a_running_job_stops_its_fusion(service, admin, tmp_path):
+    """The fusion runs in a process of the worker's, killed when the job is deleted (a
+    fusion of a minute or more here); the worker then runs the next job."""
+    paths = [write(tmp_path / f"{n}.safetensors", mlp((64, 200, 200, 10), seed=i),
+                   num_samples=10 + i) for i, n in enumerate(NAMES)]
+    job = admin.create_job("pfnm", list(NAMES), params={"sweeps": 1000}, auto_run=True)
+    for name, path in zip(NAMES, paths, strict=True):
+        admin.submit(job["id"], name, path)
+    wait_for_progress(admin, job["id"], "fusing", prefix=True)
+    (worker,) = workers(service.process.pid)
+    deadline = time.monotonic() + 60
+    while not (fusions := spawned(worker)):  # the job's fusion process, starting
+        assert time.monotonic() < deadline, "no fusion process"
+        time.sleep(0.05)
+    assert len(fusions) == 1 and admin.status(job["id"])["state"] == "running"
+    admin.delete(job["id"])
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{fusions[0]}").exists() and b"Z" not in proc_state(fusions[0]):
+        assert time.monotonic() < deadline, "the deleted job's fusion still runs"
+        time.sleep(0.1)
+    small = admin.create_job("avg", ["a"], auto_run=True)
+    admin.submit(small["id"], "a", paths[0])
+    assert admin.wait(small["id"], timeout=120, every=0.1)["state"] == "succeeded"
+
+
+def proc_state(pid: int) -> bytes:
+    """The state letter of a process (Z: exited, not yet reaped), b"" once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_bytes().rpartition(b")")[2].split()[0]
+    except (FileNotFoundError, IndexError):
+        return b""
+
+
 def cli(*args):
     return CliRunner().invoke(cli_app, [str(a) for a in args])
 
@@ -788,23 +822,26 @@ def assert_private(data: Path) -> None:
     assert not wrong, wrong
 
 
-def wait_for_progress(admin: Client, job_id: str, progress: str, timeout: float = 60) -> None:
+def wait_for_progress(admin: Client, job_id: str, progress: str, timeout: float = 60,
+                      prefix: bool = False) -> None:
     deadline = time.monotonic() + timeout
-    while admin.status(job_id)["progress"] != progress:
+    while not ((admin.status(job_id)["progress"] or "").startswith(progress) if prefix
+               else admin.status(job_id)["progress"] == progress):
         assert time.monotonic() < deadline, admin.status(job_id)
         time.sleep(0.01)
 
 
 def children(pid: int) -> list[int]:
-    """The live child processes of ``pid`` (Linux /proc)."""
-    text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
-    return [int(child) for child in text.split()]
+    """The live child processes of ``pid``, started by any of its threads (Linux /proc)."""
+    return sorted(int(child) for task in Path(f"/proc/{pid}/task").iterdir()
+                  for child in (task / "children").read_text().split())
 
 
-def checkers(pid: int) -> list[int]:
-    """The upload checker processes among them (multiprocessing's, not the workers)."""
-    return [child for child in children(pid) if b"multiprocessing" in
-            Path(f"/proc/{child}/cmdline").read_bytes() and child not in workers(pid)]
+def spawned(pid: int) -> list[int]:
+    """The processes ``pid`` started through multiprocessing: a server's upload checkers,
+    a worker's fusion (not multiprocessing's resource tracker)."""
+    return [child for child in children(pid)
+            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes()]
 
 
 def workers(pid: int) -> list[int]:

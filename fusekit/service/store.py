@@ -237,6 +237,14 @@ class JobStore:
         except FileNotFoundError:
             return float("inf")
 
+    def runs(self, job_id: str, attempt: int) -> bool:
+        """Whether the job is still running this attempt (not cancelled, deleted, re-run)."""
+        try:
+            job = self.read(job_id)
+        except NotFound:
+            return False
+        return job["state"] == "running" and job["attempts"] == attempt
+
     def update(self, job_id: str, attempt: int, **changes: Any) -> bool:
         """Change a running job, if it is still this attempt's (not cancelled or re-run)."""
         try:

@@ -1,5 +1,6 @@
 """The job queue and the workers: fusion runs here, in worker processes, never in the API
-server's event loop.
+server's event loop; each job's fusion in a process of its own, which its worker kills
+when the job is deleted while it runs.
 
 The queue is huey's: SQLite in the data folder by default (API server and workers on one
 machine), Redis when workers run on several machines. A job is queued by id only; its state
@@ -9,15 +10,15 @@ lives in the job store, so a message lost with a killed worker is found again by
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
+import multiprocessing
 import os
 import shutil
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,10 @@ log = logging.getLogger(__name__)
 
 RESULT, REPORT = "result.safetensors", "report.json"
 TASK = "fusekit.run_job"
+CANCEL_CHECK_S = 0.5  # how often a worker looks whether its running job was cancelled
+LOG_FORMAT = "%(asctime)s %(name)s: %(message)s"
+# Fusion processes start afresh: a fork would copy the worker's threads' locks.
+_SPAWN = multiprocessing.get_context("spawn")
 
 
 def make_queue(settings: Settings) -> tuple[Huey, Any]:
@@ -78,18 +83,14 @@ def _fuse(store: JobStore, job: dict[str, Any], attempt: int) -> dict[str, Any]:
     try:
         paths = _link_inputs(store, job, run)
         store.update(job["id"], attempt, progress="fusing")
-        start = time.perf_counter()
-        with _layer_progress(store, job["id"], attempt):
-            result = fusekit.fuse(paths, method=job["method"], spec=job["spec"], **job["params"])
-        seconds = time.perf_counter() - start
-        if not store.update(job["id"], attempt, progress="writing the result"):
+        report = _fuse_apart(store, job, attempt, paths, run / RESULT)
+        if report is None or not store.update(job["id"], attempt,
+                                              progress="writing the result"):
             return {"state": "cancelled"}
-        result.save(folder / RESULT, force=True)
-        report = fusion_summary(result, RESULT, seconds)
-        public = without_paths(json.dumps(report, default=_jsonable), store.data_dir)
-        write_atomic(folder / REPORT, public.encode())
+        os.replace(run / RESULT, folder / RESULT)
+        write_atomic(folder / REPORT, without_paths(report, store.data_dir).encode())
         return {"state": "succeeded", "error": None}
-    except FusekitError as exc:
+    except (FusekitError, _FusionFailed) as exc:
         return {"state": "failed", "error": without_paths(str(exc), store.data_dir)}
     except Exception as exc:  # a bug, not bad input: keep the traceback in the worker's log
         log.exception("job %s failed", job["id"])
@@ -99,30 +100,85 @@ def _fuse(store: JobStore, job: dict[str, Any], attempt: int) -> dict[str, Any]:
         shutil.rmtree(run, ignore_errors=True)
 
 
-@contextlib.contextmanager
-def _layer_progress(store: JobStore, job_id: str, attempt: int) -> Iterator[None]:
-    """The job's progress follows the layers a method logs as fused (log records with a
-    ``layer`` attribute: (i, L))."""
-    handler = _LayerProgress(store, job_id, attempt)
-    logger = logging.getLogger("fusekit")
-    logger.addHandler(handler)
+class _FusionFailed(Exception):
+    """The fusion process's one-line reason for failing, or its death."""
+
+
+def _fuse_apart(store: JobStore, job: dict[str, Any], attempt: int, paths: list[Path],
+                output: Path) -> str | None:
+    """``fusekit.fuse`` in a process of its own, writing ``output``: a fusion cannot be
+    stopped in a thread, a process can be killed, so a job deleted (cancelled) or taken
+    over while it fuses stops within ``CANCEL_CHECK_S``. Returns the report (JSON), or
+    None when the job is no longer this attempt's.
+
+    Raises:
+        _FusionFailed: the fusion's error message, or the process died.
+    """
+    receiver, sender = _SPAWN.Pipe(duplex=False)
+    process = _SPAWN.Process(target=_fusion, daemon=True, name=f"fusion {job['id']}", args=(
+        sender, [str(p) for p in paths], job["method"], job["spec"], job["params"],
+        str(output)))
+    process.start()
+    sender.close()  # the child holds the only sending end: its death reads as EOF
     try:
-        yield
+        while True:
+            if not receiver.poll(CANCEL_CHECK_S):
+                if not store.runs(job["id"], attempt):  # cancelled, deleted, taken over
+                    return None
+                continue
+            try:
+                kind, payload = receiver.recv()
+            except EOFError:
+                process.join(10)
+                raise _FusionFailed(f"the fusion process stopped (exit code "
+                                    f"{process.exitcode}: killed, or out of memory)") from None
+            if kind == "succeeded":
+                return payload
+            if kind == "failed":
+                raise _FusionFailed(payload)
+            if not store.update(job["id"], attempt, progress=payload):
+                return None
     finally:
-        logger.removeHandler(handler)
+        if process.is_alive():
+            process.kill()
+        process.join()
+        receiver.close()
+
+
+def _fusion(sender: Connection, paths: list[str], method: str, spec: Any,
+            params: dict[str, Any], output: str) -> None:
+    """A fusion process: fuse, write ``output``, and send the worker ("progress", text)
+    for each layer, then ("succeeded", report JSON) or ("failed", message)."""
+    threading.Thread(target=_exit_with, args=(os.getppid(),), daemon=True).start()
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    logging.getLogger("fusekit").addHandler(_LayerProgress(sender))
+    try:
+        start = time.perf_counter()
+        result = fusekit.fuse(paths, method=method, spec=spec, **params)
+        seconds = time.perf_counter() - start
+        result.save(output, force=True)
+        report = json.dumps(fusion_summary(result, RESULT, seconds), default=_jsonable)
+        sender.send(("succeeded", report))
+    except FusekitError as exc:
+        sender.send(("failed", str(exc)))
+    except Exception as exc:  # a bug, not bad input: the traceback goes to the log
+        log.exception("fusion of %s failed", paths)
+        sender.send(("failed", f"internal error: {type(exc).__name__}: {exc}"))
 
 
 class _LayerProgress(logging.Handler):
-    def __init__(self, store: JobStore, job_id: str, attempt: int) -> None:
+    """The job's progress follows the layers a method logs as fused (log records with a
+    ``layer`` attribute: (i, L)), sent to the worker."""
+
+    def __init__(self, sender: Connection) -> None:
         super().__init__(logging.INFO)
-        self.store, self.job_id, self.attempt = store, job_id, attempt
+        self.sender = sender
 
     def emit(self, record: logging.LogRecord) -> None:
         layer = getattr(record, "layer", None)
         if layer is not None:
             done, total = layer
-            self.store.update(self.job_id, self.attempt,
-                              progress=f"fusing: layer {done} of {total} matched")
+            self.sender.send(("progress", f"fusing: layer {done} of {total} matched"))
 
 
 def _link_inputs(store: JobStore, job: dict[str, Any], run: Path) -> list[Path]:
@@ -204,7 +260,7 @@ def _exit_with(parent: int) -> None:
 
 def main() -> None:
     """How ``fusekit serve`` starts its workers: settings from the environment."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     parent = os.environ.get("FUSEKIT_PARENT_PID")
     work(Settings.from_env(), parent=int(parent) if parent else None)
 
