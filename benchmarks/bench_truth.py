@@ -133,8 +133,8 @@ def grid_variants() -> dict[str, tuple[str, dict[str, Any]]]:
     out: dict[str, tuple[str, dict[str, Any]]] = {"pfnm": ("pfnm", {}), "nafi": ("nafi", {})}
     for sigma in GRID_SIGMA:
         for sigma0 in GRID_SIGMA0:
-            out[f"s{sigma:g}/s0 {sigma0:g}"] = ("pfnm", {"sigma": sigma, "sigma0": sigma0,
-                                                        "gamma": 1.0})
+            out[f"fixed-{sigma:g}-{sigma0:g}"] = ("pfnm", {"sigma": sigma, "sigma0": sigma0,
+                                                          "gamma": 1.0})
     out["authors"] = ("pfnm", AUTHORS)
     out["avg"] = ("avg", {})
     out["ot"] = ("ot", {})
@@ -213,7 +213,7 @@ def grid_summary(rows: list[dict[str, Any]]) -> dict[tuple, dict[str, list]]:
 
 
 def fixed_labels(labels) -> list[str]:
-    return [lab for lab in labels if lab.startswith("s") and "/" in lab] + ["authors"]
+    return [lab for lab in labels if lab.startswith("fixed-")] + ["authors"]
 
 
 def grid_table(summary) -> list[str]:
@@ -301,7 +301,7 @@ def render(payload: dict[str, Any]) -> str:
             f"Test accuracy (%) mean over {payload['seeds']} seeds, fused hidden width in "
             "parentheses (clients: one hidden layer of 100, independent initialisations, "
             "trained as in the quality study). pfnm / nafi = defaults (estimated values, "
-            "width 1.5x); `sσ/s0 σ0` = pfnm with `--sigma σ --sigma0 σ0 --gamma 1` in "
+            "width 1.5x); `fixed-σ-σ0` = pfnm with `--sigma σ --sigma0 σ0 --gamma 1` in "
             "relative units (multiples of the layer's per-coordinate weight variance); "
             "authors = `--sigma 1 --sigma0 1 --gamma 1 --variance-units absolute`; "
             "ensemble-softmax keeps every client (S x 100 neurons).",
