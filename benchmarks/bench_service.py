@@ -11,6 +11,24 @@ corrupted uploads (each slot's SHA-256 against the file sent), and the fusion's 
 time. Then the same with the queue on a real Redis server (``redis-server`` on an
 ephemeral port, started and stopped here) when one is installed.
 
+Then the hostile cases (``--cases``), each on a server of its own:
+
+- ``reuploads``: 15 threads upload three different files in turn into one slot, for several
+  rounds; after each round the slot's record must name the one file on disk, with its
+  SHA-256 (mismatches and lost slots reported; 429s of the one-upload-per-slot rule too);
+- ``slow``: 16 uploads trickling one byte a second with one client token, while 8 other
+  clients upload normally: how many trickles were refused at once (one upload per slot),
+  how long the one let in held its place before the minimum rate cut it (408), and the
+  other clients' 429s and latency;
+- ``big-tensor``: one checkpoint holding a single F32 tensor of ``--big-tensor-mb`` MB
+  (1024: 1 GiB), uploaded once;
+- ``big-header``: one checkpoint of ``--header-tensors`` one-element tensors (200,000: a
+  header of about 14 MB).
+
+For the last two: the API server's and the checker processes' peak resident memory above
+what they held before, the upload's time, and ``/healthz`` latency (median, p99, max)
+sampled every 20 ms while the upload runs.
+
 ``ServiceProcess`` (start, wait healthy, kill -9, stop by process group) is shared with the
 tests.
 """
@@ -20,6 +38,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import json
+import multiprocessing
 import os
 import secrets
 import shutil
@@ -35,11 +55,15 @@ from typing import Any
 
 import httpx
 import numpy as np
+import safetensors.numpy
 from bench_support import machine_info, status_mb, write_json
 
 from fusekit.client import Client
 from fusekit.core.checkpoint import save_checkpoint
 from fusekit.toolkit.processes import end_groups
+
+
+HOSTILE = ("reuploads", "slow", "big-tensor", "big-header")
 
 
 def free_port() -> int:
@@ -184,6 +208,226 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+# ---- hostile cases ----
+
+def spawned(pid: int) -> list[int]:
+    """Processes ``pid`` started through multiprocessing (a server's upload checkers)."""
+    children = [int(c) for task in Path(f"/proc/{pid}/task").iterdir()
+                for c in (task / "children").read_text().split()]
+    return [c for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+
+
+def _folder(workdir: Path, name: str) -> Path:
+    (workdir / name).mkdir(exist_ok=True)
+    return workdir / name
+
+
+def hostile_service(workdir: Path, name: str, admin: str, *options: str) -> ServiceProcess:
+    return ServiceProcess(workdir / f"data-{name}", options=options,
+                          env={"FUSEKIT_ADMIN_TOKEN": admin}).start()
+
+
+def put(service: ServiceProcess, job: str, client: str, token: str, body: Any,
+        timeout: float = 600) -> httpx.Response:
+    return httpx.put(f"{service.url}/v1/jobs/{job}/clients/{client}/checkpoint", content=body,
+                     headers={"Authorization": f"Bearer {token}"}, timeout=timeout)
+
+
+def reuploads_case(workdir: Path, rounds: int = 10) -> dict[str, Any]:
+    admin = secrets.token_urlsafe(32)
+    paths = write_clients(_folder(workdir, "reuploads"), 3, 0.05)
+    bodies = [p.read_bytes() for p in paths]
+    service = hostile_service(workdir, "reuploads", admin)
+    statuses: list[int] = []
+    mismatches = lost = 0
+    try:
+        with Client(service.url, admin) as coordinator:
+            job = coordinator.create_job("avg", ["a"])
+
+            def upload(i: int) -> None:
+                for _ in range(400):  # bounded: a busy slot answers 429
+                    status = put(service, job["id"], "a", job["tokens"]["a"],
+                                 bodies[i % 3]).status_code
+                    statuses.append(status)
+                    if status != 429:
+                        return
+                    time.sleep(0.01)
+
+            for _ in range(rounds):
+                with ThreadPoolExecutor(15) as pool:
+                    list(pool.map(upload, range(15)))
+                folder = service.data_dir / "jobs" / job["id"]
+                record = json.loads((folder / "job.json").read_text())["slots"].get("a")
+                files = sorted((folder / "clients").iterdir())
+                lost += record is None or not files
+                mismatches += bool(record and (
+                    [f.name for f in files] != [record["file"]]
+                    or _sha256(files[0]) != record["sha256"]))
+    finally:
+        service.stop()
+    return {"case": "reuploads", "rounds": rounds, "uploads": 15 * rounds,
+            "accepted": statuses.count(201), "busy_429": statuses.count(429),
+            "other_statuses": sorted(set(statuses) - {201, 429}),
+            "slot_mismatches": mismatches, "slots_lost": lost}
+
+
+def slow_case(workdir: Path, trickles: int = 16, others: int = 8) -> dict[str, Any]:
+    """Trickling uploads against a server cutting uploads below 1000 bytes/s after 3 s."""
+    admin = secrets.token_urlsafe(32)
+    paths = write_clients(_folder(workdir, "slow"), others + 1, 0.05)
+    service = hostile_service(workdir, "slow", admin, "--upload-idle-timeout", "3",
+                              "--upload-min-rate", "1000")
+    body = paths[0].read_bytes()
+    try:
+        with Client(service.url, admin) as coordinator:
+            job = coordinator.create_job("avg", ["slow", *[f"c{i}" for i in range(others)]])
+        answers: list[tuple[int, float]] = []
+
+        def trickle() -> None:
+            start = time.perf_counter()
+            with socket.create_connection(("127.0.0.1", service.port), timeout=30) as sock:
+                sock.sendall(f"PUT /v1/jobs/{job['id']}/clients/slow/checkpoint HTTP/1.1\r\n"
+                             f"Host: x\r\nAuthorization: Bearer {job['tokens']['slow']}\r\n"
+                             f"Content-Length: {len(body)}\r\n\r\n".encode())
+                sock.settimeout(1.0)
+                for byte in body[:120]:  # one byte a second, at most two minutes
+                    with contextlib.suppress(OSError):
+                        sock.sendall(bytes([byte]))
+                    with contextlib.suppress(TimeoutError):
+                        answer = sock.recv(65536)
+                        if answer:
+                            answers.append((int(answer.split()[1]),
+                                            time.perf_counter() - start))
+                            return
+                answers.append((0, time.perf_counter() - start))
+
+        latencies, busy = [], []
+
+        def normal(i: int) -> None:
+            time.sleep(1.0)  # once the trickles hold what they can
+            with Client(service.url, job["tokens"][f"c{i}"], on_retry=busy.append) as client:
+                start = time.perf_counter()
+                client.submit(job["id"], f"c{i}", paths[i + 1])
+                latencies.append(time.perf_counter() - start)
+
+        with ThreadPoolExecutor(trickles + others) as pool:
+            futures = [pool.submit(trickle) for _ in range(trickles)]
+            futures += [pool.submit(normal, i) for i in range(others)]
+            for future in futures:
+                future.result()
+    finally:
+        service.stop()
+    held = [seconds for status, seconds in answers if status == 408]
+    return {"case": "slow", "trickles": trickles,
+            "refused_at_once_429": sum(status == 429 for status, _ in answers),
+            "cut_by_min_rate_408": len(held),
+            "held_place_s": round(max(held), 1) if held else None,
+            "never_answered": sum(status == 0 for status, _ in answers),
+            "other_clients": others, "other_clients_429": len(busy),
+            "other_upload_p50_ms": round(1e3 * float(np.percentile(latencies, 50)), 1),
+            "other_upload_max_ms": round(1e3 * max(latencies), 1)}
+
+
+def big_file_case(workdir: Path, case: str, tensors: dict[str, Any]) -> dict[str, Any]:
+    """One upload of ``tensors``: memory of the API server and its checkers, /healthz."""
+    admin = secrets.token_urlsafe(32)
+    path = workdir / f"{case}.safetensors"
+    write_start = time.perf_counter()
+    safetensors.numpy.save_file(tensors, path)
+    write_s = time.perf_counter() - write_start
+    del tensors
+    size = path.stat().st_size
+    service = hostile_service(workdir, case, admin,
+                              "--max-checkpoint-bytes", str(size + 2**20))
+    try:
+        with Client(service.url, admin) as coordinator:
+            job = coordinator.create_job("avg", ["a"])
+        processes = {"api": service.process.pid,
+                     **{f"checker{i}": pid for i, pid in
+                        enumerate(spawned(service.process.pid))}}
+        before = {name: status_mb("VmRSS", pid) for name, pid in processes.items()}
+        for pid in processes.values():
+            Path(f"/proc/{pid}/clear_refs").write_text("5")
+        idle = probe_healthz(service.url, lambda: time.sleep(3))  # the peer: no upload
+        timing: dict[str, float] = {}
+
+        def upload() -> None:
+            start = time.perf_counter()
+            with Client(service.url, admin, timeout=600) as client:
+                client.submit(job["id"], "a", path)
+            timing["upload_s"] = time.perf_counter() - start
+
+        busy = probe_healthz(service.url, upload)
+        grown = {name: round(status_mb("VmHWM", pid) - before[name], 1)
+                 for name, pid in processes.items()}
+    finally:
+        service.stop()
+        path.unlink(missing_ok=True)
+    return {"case": case, "file_mb": round(size / 1e6, 1), "write_s": round(write_s, 1),
+            "upload_and_check_s": round(timing["upload_s"], 1),
+            "api_rss_before_mb": round(before["api"], 1),
+            "api_peak_growth_mb": grown["api"],
+            "checker_peak_growth_mb": max(v for k, v in grown.items() if k != "api"),
+            **_latencies("healthz_idle", idle), **_latencies("healthz_during_upload", busy)}
+
+
+def probe_healthz(url: str, during: Any) -> list[float]:
+    """/healthz latencies (s), asked every 20 ms by a process of its own (this one's GIL,
+    busy hashing and checking the upload's file, must not delay the answers) while
+    ``during()`` runs here."""
+    context = multiprocessing.get_context("spawn")
+    ready, stop, results = context.Event(), context.Event(), context.Queue()
+    prober = context.Process(target=_probe, args=(url, ready, stop, results))
+    prober.start()
+    try:
+        if not ready.wait(120):
+            raise TimeoutError("the /healthz prober did not start")
+        during()
+    finally:
+        stop.set()
+        latencies = results.get(timeout=120)
+        prober.join(30)
+    return latencies
+
+
+def _probe(url: str, ready: Any, stop: Any, results: Any) -> None:
+    latencies = []
+    with httpx.Client(timeout=60) as http:
+        http.get(f"{url}/healthz").raise_for_status()  # connected
+        ready.set()
+        while not stop.is_set():
+            asked = time.perf_counter()
+            http.get(f"{url}/healthz").raise_for_status()
+            latencies.append(time.perf_counter() - asked)
+            time.sleep(0.02)
+    results.put(latencies)
+
+
+def _latencies(name: str, seconds: list[float]) -> dict[str, Any]:
+    ms = 1e3 * np.array(seconds)
+    return {f"{name}_samples": len(ms), f"{name}_p50_ms": round(float(np.median(ms)), 1),
+            f"{name}_p99_ms": round(float(np.percentile(ms, 99)), 1),
+            f"{name}_max_ms": round(float(ms.max()), 1)}
+
+
+def hostile(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
+    cases = {
+        "reuploads": lambda: reuploads_case(workdir),
+        "slow": lambda: slow_case(workdir),
+        "big-tensor": lambda: big_file_case(workdir, "big-tensor", {
+            "w": np.ones(args.big_tensor_mb * 2**20 // 4, np.float32)}),
+        "big-header": lambda: big_file_case(workdir, "big-header", {
+            f"layer.{i}.w": np.ones(1, np.float32) for i in range(args.header_tensors)}),
+    }
+    rows = []
+    for name in args.cases:
+        if name in cases:
+            row = cases[name]()
+            print(row, flush=True)
+            rows.append(row)
+    return rows
+
+
 def run(args: argparse.Namespace, broker: str, workdir: Path) -> list[dict[str, Any]]:
     admin = secrets.token_urlsafe(32)
     service = ServiceProcess(workdir / f"data-{broker.split(':')[0] or 'sqlite'}",
@@ -213,19 +457,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-uploads", type=int, default=16)
     parser.add_argument("--redis", default=shutil.which("redis-server") or "",
                         help="redis-server binary for the second run ('' to skip)")
+    parser.add_argument("--cases", nargs="+", default=["load", *HOSTILE],
+                        choices=["load", *HOSTILE], help="what to run (default: all)")
+    parser.add_argument("--big-tensor-mb", type=int, default=1024)
+    parser.add_argument("--header-tensors", type=int, default=200_000)
     parser.add_argument("--json-out", default="benchmarks/results/bench_service.json")
     args = parser.parse_args(argv)
     load_before = os.getloadavg()
+    rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="fusekit-bench-service-") as tmp:
         workdir = Path(tmp)
-        rows = run(args, "", workdir)
-        if args.redis:
-            with redis_server(args.redis, workdir) as url:
-                rows += run(args, url, workdir)
+        if "load" in args.cases:
+            rows += run(args, "", workdir)
+            if args.redis:
+                with redis_server(args.redis, workdir) as url:
+                    rows += run(args, url, workdir)
+        hostile_rows = hostile(args, workdir)
     machine = machine_info(load_average_before=load_before, load_average_after=os.getloadavg())
     write_json(args.json_out, {"machine": machine,
                                "clients": args.clients, "max_uploads": args.max_uploads,
-                               "rows": rows})
+                               "rows": rows, "hostile": hostile_rows})
 
 
 if __name__ == "__main__":
