@@ -210,11 +210,17 @@ def _sha256(path: Path) -> str:
 
 # ---- hostile cases ----
 
+def children(pid: int) -> list[int]:
+    """The live child processes of ``pid``, started by any of its threads (Linux /proc)."""
+    return sorted(int(child) for task in Path(f"/proc/{pid}/task").iterdir()
+                  for child in (task / "children").read_text().split())
+
+
 def spawned(pid: int) -> list[int]:
-    """Processes ``pid`` started through multiprocessing (a server's upload checkers)."""
-    children = [int(c) for task in Path(f"/proc/{pid}/task").iterdir()
-                for c in (task / "children").read_text().split()]
-    return [c for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    """The processes ``pid`` started through multiprocessing: a server's upload checkers,
+    a worker's fusion (not multiprocessing's resource tracker)."""
+    return [child for child in children(pid)
+            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes()]
 
 
 def _folder(workdir: Path, name: str) -> Path:
