@@ -21,7 +21,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from bench_service import ServiceProcess
+from bench_service import ServiceProcess, children, spawned
 from bench_support import status_mb
 from typer.testing import CliRunner
 
@@ -831,20 +831,7 @@ def wait_for_progress(admin: Client, job_id: str, progress: str, timeout: float 
         time.sleep(0.01)
 
 
-def children(pid: int) -> list[int]:
-    """The live child processes of ``pid``, started by any of its threads (Linux /proc)."""
-    return sorted(int(child) for task in Path(f"/proc/{pid}/task").iterdir()
-                  for child in (task / "children").read_text().split())
-
-
-def spawned(pid: int) -> list[int]:
-    """The processes ``pid`` started through multiprocessing: a server's upload checkers,
-    a worker's fusion (not multiprocessing's resource tracker)."""
-    return [child for child in children(pid)
-            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes()]
-
-
 def workers(pid: int) -> list[int]:
-    """The worker processes among them (the others check uploads)."""
+    """The worker processes among the children of a server."""
     return [child for child in children(pid) if b"fusekit.service.worker" in
             Path(f"/proc/{child}/cmdline").read_bytes()]
