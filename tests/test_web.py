@@ -3,7 +3,7 @@ Selenium through ``chromedriver``, against a real ``fusekit serve`` on 127.0.0.1
 fixtures of test_service.py). Without the browser, the browser tests are skipped with the
 reason (``-ra`` prints it); the page's routes and JSON are tested over HTTP either way.
 
-``FUSEKIT_SCREENSHOTS=<folder>`` saves a screenshot of each page there (docs/images).
+``FUSEKIT_SCREENSHOTS=docs/images`` saves a screenshot of each page there (the README's).
 """
 
 from __future__ import annotations
@@ -175,17 +175,22 @@ def select_all(driver, css: str):
 
 
 def shoot(driver, name: str) -> None:
-    """A screenshot of the whole page into $FUSEKIT_SCREENSHOTS, when it is set; and no
-    page shows JavaScript's values for what is missing."""
+    """A screenshot of the whole page into $FUSEKIT_SCREENSHOTS (as web-<name>.png, in 64
+    colours), when it is set; and no page shows JavaScript's values for what is missing."""
     text = by_id(driver, "main").text
     assert not re.search(r"\bundefined\b|\bNaN\b|\[object |^(false|null)$", text, re.M), text
     if not SHOTS:
         return
-    height, chrome = driver.execute_script("return [document.documentElement.scrollHeight, "
-                                           "window.outerHeight - window.innerHeight]")
-    driver.set_window_size(1100, max(600, min(height, 2400)) + chrome)
+    from PIL import Image  # matplotlib's, in the [bench] extra
+
+    height, chrome = driver.execute_script(
+        "return [document.body.scrollHeight, window.outerHeight - window.innerHeight]")
+    driver.set_window_size(1100, min(height, 2400) + chrome)
     time.sleep(0.2)
-    driver.save_screenshot(str(Path(SHOTS) / f"{name}.png"))
+    path = Path(SHOTS) / f"web-{name}.png"
+    driver.save_screenshot(str(path))
+    Image.open(path).convert("RGB").quantize(64, dither=Image.Dither.NONE).save(path,
+                                                                                 optimize=True)
     driver.set_window_size(1100, 800)
 
 
