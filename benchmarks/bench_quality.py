@@ -10,11 +10,14 @@ Studies (each cell: mean ± std over seeds):
   mnist    (only with --data-dir holding the MNIST files) hetero-dir 0.5 and hetero-label
   full     (only with --full) data x partition x S in {5, 10, 20} x {1, 2} hidden layers
   frontier (only with --frontier, which runs it alone) accuracy against the fused width:
-           pfnm and nafi at width ratio 1.0, 1.25, 1.5, 2 and unlimited, ot and avg (the
-           clients' width), next to the softmax and logit ensembles, AMS (max logit and max
+           pfnm and nafi at width ratio 1.0, 1.25, 1.5, 2 and unlimited (pfnm at 1.5 also
+           with the paper's class shares), ot and avg (the clients' width), next to the
+           softmax and logit ensembles, AMS (class-share mixture, max logit, max
            probability) and the mean client; data digits / synthetic / npz (--data-path),
-           Dirichlet alpha 0.1 / 0.5 / 1.0 and label skew, S = 10 and 20; NAFI's lambda
-           at ratio 1.0 on digits, alpha 0.5, S = 10
+           Dirichlet alpha 0.05 / 0.1 / 0.5 / 1.0, label skew (3-6 and 1-3 classes per
+           client), S = 10 and 20; the non-iid floor (pfnm/nafi at the default width against
+           avg/ot, AMS against the softmax ensemble) on alpha <= 0.1 and 1-3 classes; NAFI's
+           lambda at ratio 1.0 on digits, alpha 0.5, S = 10
 
 Every method in fusekit.METHODS at run time is included with its default parameters, plus
 variants: avg with the class-weighted output layer, and AMS-full next to AMS's default.
@@ -70,6 +73,16 @@ PARTITIONS = {
     "dir-1.0": {"partition": "dirichlet", "alpha": 1.0},
     "labels": {"partition": "labels", "min_classes": 3, "max_classes": 6},
 }
+#: The frontier's strongly non-iid cells (with dir-0.1): where the floor and AMS targets of
+#: the "Non-iid floor" checks apply.
+NONIID_PARTITIONS = {
+    "dir-0.05": {"partition": "dirichlet", "alpha": 0.05},
+    "labels-1-3": {"partition": "labels", "min_classes": 1, "max_classes": 3},
+}
+ALL_PARTITIONS = {**PARTITIONS, **NONIID_PARTITIONS}
+NONIID = ("dir-0.05", "dir-0.1", "labels-1-3")
+DEFAULT_RATIO_LABELS = ("pfnm@1.5", "nafi@1.5")  # the default width, 1.5 x the widest client
+AMS_RULES = {"ams-class": "class-share", "ams-logit": "logit", "ams-prob": "probability"}
 EPOCHS = {"digits": 20, "synthetic": 10, "mnist": 3, "npz": 3}
 LR = 3e-3  # Adam; brings digits clients close to zero training loss in 20 epochs
 
@@ -157,7 +170,7 @@ class Runner:
             shared_init=cell.shared_init,
             min_samples=10,
             train=TrainConfig(epochs=EPOCHS[cell.data], batch_size=32, lr=LR),
-            **PARTITIONS[cell.partition],
+            **ALL_PARTITIONS[cell.partition],
         )
         folder = self.workspace / f"cell{len(self.clients)}"
         start = time.perf_counter()
@@ -198,10 +211,19 @@ class Runner:
             layers = result.report.get("layers", [])
             return {"accuracy": accuracy, "time_s": seconds, "widths": list(result.widths),
                     "inferred": [layer["inferred_width"] for layer in layers
-                                 if "inferred_width" in layer]}
+                                 if "inferred_width" in layer],
+                    **clients_differ(result.report)}
         except Exception as exc:  # a failing method is reported, not hidden
             log.error("%s on %s: %s: %s", label, cell, type(exc).__name__, exc)
             return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def clients_differ(report: dict[str, Any]) -> dict[str, Any]:
+    """The class contrast and compact_ok of a PFNM/NAFI report (empty for other methods)."""
+    differ = report.get("heterogeneity")
+    if not differ:
+        return {}
+    return {"class_contrast": differ["class_contrast"], "compact_ok": differ["compact_ok"]}
 
 
 def grid(quick: bool, full: bool, seeds: int, have_mnist: bool) -> dict[str, list[Cell]]:
@@ -443,17 +465,18 @@ def ratio_label(method: str, ratio: float | str) -> str:
 
 
 def frontier_variants() -> dict[str, tuple[str, dict[str, Any]]]:
-    """pfnm / nafi at every width ratio, ot / avg (the clients' width, ratio 1), and the
-    data-free baselines that keep every client (AMS by max logit and by max probability)."""
+    """pfnm / nafi at every width ratio, pfnm at the default width with the NAFI paper's
+    class shares, ot / avg (the clients' width, ratio 1), and the data-free baselines that
+    keep every client (AMS under each confidence rule)."""
     out: dict[str, tuple[str, dict[str, Any]]] = {}
     for method in ("pfnm", "nafi"):
         for ratio in RATIOS:
             width = {"width_ratio": ratio} if isinstance(ratio, float) else {"width": ratio}
             out[ratio_label(method, ratio)] = (method, width)
+    out["pfnm-counts@1.5"] = ("pfnm", {"class_weights": "counts"})  # the paper's shares
     out["ot@1"] = ("ot", {})
     out["avg@1"] = ("avg", {})
-    out["ams"] = ("ams", {})
-    out["ams-prob"] = ("ams", {"confidence": "probability"})
+    out.update({label: ("ams", {"confidence": rule}) for label, rule in AMS_RULES.items()})
     return out
 
 
@@ -512,6 +535,100 @@ def frontier_checks(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def noniid_section(rows: list[dict[str, Any]]) -> list[str]:
+    """The "Non-iid floor" subsection: its table and its two targets, cell by cell (empty
+    when the run has none of the non-iid cells)."""
+    keys = ("data", "partition", "clients")
+    summary = {k: v for k, v in summarise(rows, keys).items() if k[1] in NONIID}
+    all_cells = summarise(rows, keys)
+    if not summary:
+        return []
+    widths = mean_widths(rows, keys)
+    contrast = mean_contrast(rows, keys)
+    return ["", "### Non-iid floor", "",
+            "Strongly non-iid cells, same runs as above; accuracy (%) mean ± std over seeds "
+            "with the fused hidden width in brackets; class contrast = the PFNM report's "
+            "`heterogeneity.class_contrast` (1: balanced clients, 0: one class each) and how "
+            "many seeds its `compact_ok` flag was false (clients too different for a compact "
+            "model):", "",
+            noniid_table(summary, widths, contrast), "",
+            "Targets, cell by cell (mean over seeds):", "",
+            *floor_checks(summary), *ams_checks(all_cells)]
+
+
+NONIID_COLUMNS = ("ensemble-softmax", *AMS_RULES, *DEFAULT_RATIO_LABELS, "pfnm-counts@1.5",
+                  "pfnm@1", "nafi@1", "avg@1", "ot@1")
+
+
+def noniid_table(summary: dict[tuple, dict], widths: dict[tuple, dict[str, float]],
+                 contrast: dict[tuple, tuple[float, int, int]]) -> str:
+    lines = ["| data | partition | S | class contrast (not ok) | " + " | ".join(NONIID_COLUMNS)
+             + " |", "|" + "---|" * (4 + len(NONIID_COLUMNS))]
+    for key, cells in sorted(summary.items()):
+        value, flagged, seeds = contrast.get(key, (math.nan, 0, 0))
+        entries = []
+        for label in NONIID_COLUMNS:
+            mean, std = cells.get(label, (math.nan, math.nan))[:2]
+            width = widths.get(key, {}).get(label)
+            entries.append(f"{100 * mean:.1f} ± {100 * std:.1f}"
+                           + (f" ({width:.0f})" if width else ""))
+        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {value:.2f} ({flagged}/{seeds}) | "
+                     + " | ".join(entries) + " |")
+    return "\n".join(lines)
+
+
+def floor_checks(summary: dict[tuple, dict]) -> list[str]:
+    """pfnm and nafi at the default width against the better of avg and ot."""
+    lines = []
+    for key, cells in sorted(summary.items()):
+        rival = max(("avg@1", "ot@1"), key=lambda m: cells.get(m, (-1.0,))[0])
+        for label in DEFAULT_RATIO_LABELS:
+            if label not in cells or rival not in cells:
+                continue
+            gap = 100 * (cells[label][0] - cells[rival][0])
+            lines.append(f"- floor, {key[0]} {key[1]} S={key[2]}: {label} - {rival} = "
+                         f"{gap:+.1f} points ({'met' if gap >= 0 else 'NOT met'})")
+    return lines
+
+
+def ams_checks(summary: dict[tuple, dict]) -> list[str]:
+    """AMS's default rule with class counts (ams-class) against the softmax ensemble, in
+    every cell of the run."""
+    lines = []
+    for key, cells in sorted(summary.items()):
+        if "ams-class" not in cells or "ensemble-softmax" not in cells:
+            continue
+        gap = 100 * (cells["ams-class"][0] - cells["ensemble-softmax"][0])
+        lines.append(f"- AMS, {key[0]} {key[1]} S={key[2]}: ams-class - ensemble-softmax = "
+                     f"{gap:+.1f} points ({'met' if gap >= 0 else 'NOT met'})")
+    return lines
+
+
+def mean_widths(rows: list[dict[str, Any]], keys: tuple[str, ...]) -> dict[tuple, dict]:
+    """(cell fields) -> label -> mean delivered width of the first hidden layer."""
+    found: dict[tuple, dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
+    for row in rows:
+        key = tuple(row["cell"][f] for f in keys)
+        for label, res in row["methods"].items():
+            if res.get("widths"):
+                found[key][label].append(res["widths"][0])
+    return {k: {lab: float(np.mean(v)) for lab, v in cells.items()} for k, cells in found.items()}
+
+
+def mean_contrast(rows: list[dict[str, Any]], keys: tuple[str, ...]
+                  ) -> dict[tuple, tuple[float, int, int]]:
+    """(cell fields) -> (mean class contrast, seeds flagged not compact_ok, seeds), from
+    the default pfnm's report."""
+    found: dict[tuple, list[tuple[float, bool]]] = defaultdict(list)
+    for row in rows:
+        res = row["methods"].get(DEFAULT_RATIO_LABELS[0], {})
+        if res.get("class_contrast") is not None:
+            found[tuple(row["cell"][f] for f in keys)].append(
+                (res["class_contrast"], res["compact_ok"]))
+    return {k: (float(np.mean([c for c, _ in v])), sum(not ok for _, ok in v), len(v))
+            for k, v in found.items()}
+
+
 def plot_frontier(rows: list[dict[str, Any]], path: Path) -> bool:
     """Accuracy against the fused width, one panel per (data, partition), at the smallest S."""
     plt = pyplot()
@@ -520,7 +637,7 @@ def plot_frontier(rows: list[dict[str, Any]], path: Path) -> bool:
     fewest = min(r["cell"]["clients"] for r in rows)
     rows = [r for r in rows if r["cell"]["clients"] == fewest]
     summary = summarise(rows, ("data", "partition"))
-    widths = frontier_mean_widths(rows)
+    widths = mean_widths(rows, ("data", "partition"))
     keys = sorted(summary)
     fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 4), squeeze=False)
     for ax, key in zip(axes[0], keys, strict=True):
@@ -544,17 +661,6 @@ def plot_frontier(rows: list[dict[str, Any]], path: Path) -> bool:
     axes[0][-1].legend(fontsize=7, loc="lower right")
     save_figure(fig, path)
     return True
-
-
-def frontier_mean_widths(rows: list[dict[str, Any]]) -> dict[tuple, dict[str, float]]:
-    """(data, partition) -> label -> mean delivered width."""
-    found: dict[tuple, dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
-    for row in rows:
-        key = (row["cell"]["data"], row["cell"]["partition"])
-        for label, res in row["methods"].items():
-            if res.get("widths"):
-                found[key][label].append(res["widths"][0])
-    return {k: {lab: float(np.mean(v)) for lab, v in cells.items()} for k, cells in found.items()}
 
 
 def run_frontier(args: argparse.Namespace) -> int:
@@ -611,9 +717,13 @@ def render_frontier(rows: dict[str, list], payload: dict[str, Any], plot: Path |
         f"{CLIENT_WIDTH}, independent initialisations, Adam as in the quality study. A label "
         "`method@r` is the method at fused width r x the widest client (`@1.25` = 125 "
         "neurons, `@unlimited` = the width the posterior infers; ot and avg keep the "
-        "clients' 100). ensemble-softmax / ensemble = mean of the clients' probabilities / "
-        "logits; ams = AMS-top1 by max logit, ams-prob by max softmax probability; these "
-        "keep all S client models (S x 100 hidden neurons). "
+        "clients' 100); pfnm-counts@1.5 = pfnm at the default width with the NAFI paper's "
+        "class shares N_sk instead of N_sk (1 - N_sk / N_s). ensemble-softmax / ensemble = "
+        "mean of the clients' probabilities / logits; ams-class = AMS's class-share mixture "
+        "(its default with class counts), ams-logit = AMS-top1 by max logit (the paper's), "
+        "ams-prob = AMS-top1 by max softmax probability; these keep all S client models "
+        "(S x 100 hidden neurons). Partitions: dir-α = Dirichlet(α) class shares; labels = "
+        "3-6 classes per client; labels-1-3 = 1-3 classes per client. "
         f"{m['platform']}, torch {m['torch']}, {m['core']}; total {payload['elapsed_s']:.0f} s."
         + (f" {note}" if note else ""),
         "",
@@ -627,6 +737,7 @@ def render_frontier(rows: dict[str, list], payload: dict[str, Any], plot: Path |
         "Targets, cell by cell:",
         "",
         *frontier_checks(rows["frontier"]),
+        *noniid_section(rows["frontier"]),
     ]
     if plot is not None:
         parts += ["", f"![accuracy against fused width](results/{plot.name})"]
@@ -693,8 +804,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="frontier: data sets [digits]")
     parser.add_argument("--data-path", type=Path, default=None,
                         help="frontier: the MNIST-format .npz for --data npz")
-    parser.add_argument("--partitions", nargs="+", default=list(PARTITIONS),
-                        choices=list(PARTITIONS), help="frontier: partitions [all]")
+    parser.add_argument("--partitions", nargs="+", default=list(ALL_PARTITIONS),
+                        choices=list(ALL_PARTITIONS), help="frontier: partitions [all]")
     parser.add_argument("--clients", nargs="+", type=int, default=[10, 20],
                         help="frontier: numbers of clients [10 20]")
     parser.add_argument("--note", default="", help="frontier: a sentence added to RESULTS.md "

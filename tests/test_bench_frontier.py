@@ -63,3 +63,27 @@ def test_the_section_names_every_width_and_plots(tmp_path):
     # Writing again replaces the section instead of appending a second one.
     bq.publish_frontier(payload, args)
     assert args.results_md.read_text().count("fusion-frontier-digits:begin") == 1
+
+
+def test_noniid_floor_and_ams_targets_are_checked_with_widths(tmp_path):
+    noniid = {**GOOD, "pfnm@1.5": 0.5, "nafi@1.5": 0.72, "ot@1": 0.71, "avg@1": 0.3,
+              "ams-class": 0.95, "ams-logit": 0.6, "ams-prob": 0.7}
+    rows = [row("dir-0.05", 10, s, noniid) for s in range(2)]
+    rows += [row("dir-0.5", 10, 0, {**GOOD, "ams-class": 0.85})]
+    for r in rows:
+        r["methods"]["pfnm@1.5"].update(class_contrast=0.4, compact_ok=False)
+    lines = "\n".join(bq.noniid_section(rows)).splitlines()
+    assert "### Non-iid floor" in lines
+    table = next(line for line in lines if line.startswith("| digits | dir-0.05 |"))
+    assert "| 0.40 (2/2) |" in table and "50.0 ± 0.0 (150)" in table  # width in brackets
+    assert "dir-0.5 | 10 |" not in "\n".join(lines[:lines.index("Targets, cell by cell "
+                                                              "(mean over seeds):")])
+    assert ("- floor, digits dir-0.05 S=10: pfnm@1.5 - ot@1 = -21.0 points (NOT met)"
+            in lines)
+    assert "- floor, digits dir-0.05 S=10: nafi@1.5 - ot@1 = +1.0 points (met)" in lines
+    # AMS is checked in every cell of the run, the iid-er ones included.
+    assert ("- AMS, digits dir-0.05 S=10: ams-class - ensemble-softmax = +5.0 points (met)"
+            in lines)
+    assert ("- AMS, digits dir-0.5 S=10: ams-class - ensemble-softmax = -5.0 points (NOT met)"
+            in lines)
+    assert bq.noniid_section([row("dir-0.5", 10, 0, GOOD)]) == []
