@@ -13,6 +13,9 @@ from fusekit._cli.options import JsonOption
 from fusekit._cli.output import emit_json, stdout
 from fusekit.core.errors import FusekitError
 
+#: Longer metadata values are cut in the text output.
+METADATA_CHARS = 300
+
 
 def inspect(
     files: Annotated[
@@ -81,7 +84,10 @@ def _print_report(report: dict[str, Any]) -> None:
     if report.get("other_tensors"):
         stdout.print("not permuted: " + ", ".join(report["other_tensors"]), highlight=False)
     for key, value in report["metadata"].items():
-        stdout.print(f"[dim]{key}[/] = {escape(str(value))}", highlight=False)
+        text = str(value)
+        if len(text) > METADATA_CHARS:  # e.g. fusekit.assignments: one index per neuron
+            text = f"{text[:METADATA_CHARS]}... ({len(text):,} characters; --json shows all)"
+        stdout.print(f"[dim]{key}[/] = {escape(text)}", highlight=False)
 
 
 def _layer_table(layers: list[dict[str, Any]], title: str | None = None) -> Table:

@@ -279,3 +279,12 @@ def test_demo_calibrate_scores_the_calibrated_models():
     runs = {run.method: run for run in report.methods}
     assert runs["ot"].calibrated is not None and runs["ams"].calibrated is None
     assert not report.failed
+
+
+def test_inspect_cuts_long_metadata(tmp_path):
+    paths = [write(tmp_path / f"c{i}.safetensors", mlp((6, 200, 3), seed=i), num_samples=9)
+             for i in range(2)]
+    fused = fusekit.fuse(paths, "rebasin").save(tmp_path / "fused.safetensors")
+    result = runner.invoke(app, ["inspect", str(fused)])
+    assert result.exit_code == 0, result.output
+    assert "characters; --json shows all" in result.stdout
