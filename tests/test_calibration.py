@@ -288,3 +288,12 @@ def test_inspect_cuts_long_metadata(tmp_path):
     result = runner.invoke(app, ["inspect", str(fused)])
     assert result.exit_code == 0, result.output
     assert "characters; --json shows all" in result.stdout
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_statistics_on_cuda_equal_cpu():
+    fused = _fused(_clients(batchnorm=True))
+    x = _inputs(100)
+    on_gpu, on_cpu = client_statistics(fused, x, device="cuda"), client_statistics(fused, x)
+    for point, moments in on_cpu.points.items():
+        np.testing.assert_allclose(on_gpu.points[point].var, moments.var, rtol=1e-4, atol=1e-6)

@@ -55,7 +55,7 @@ class _Accumulator:
         n = x.shape[0]
         mean = x.mean(0)
         m2 = ((x - mean) ** 2).sum(0)
-        mean, m2 = mean.numpy(), m2.numpy()
+        mean, m2 = mean.cpu().numpy(), m2.cpu().numpy()
         if self.mean is None:
             self.count, self.mean, self.m2 = n, mean, m2
             return
