@@ -54,6 +54,7 @@ def stats(
     batch_size: Annotated[int, typer.Option("--batch-size", help="Inputs per forward pass.")
                           ] = 1024,
     device: DeviceOption = "cpu",
+    min_samples: MinSamplesOption = DEFAULT_MIN_SAMPLES,
     force: ForceOption = False,
     as_json: JsonOption = False,
 ) -> None:
@@ -68,7 +69,7 @@ def stats(
     dataset = load_dataset(name, data_dir=data_dir, path=data_path, samples=samples,
                            features=features, classes=classes, seed=seed)
     result = client_statistics(model, dataset.x_train, mode=mode, batch_size=batch_size,
-                               device=device)
+                               device=device, min_samples=min_samples)
     written = save_statistics(output, result, force=force)
     summary = {"output": str(written), "model": result.model, "samples": result.num_samples,
                "mode": result.mode, "points": len(result.points)}

@@ -114,7 +114,10 @@ def test_statistics_of_another_model_too_few_samples_or_wrong_shape_are_refused(
     path = save_statistics(tmp_path / "other.safetensors", other)
     with pytest.raises(StatisticsError, match="computed for model"):
         fusekit.calibrate(fused, [path])
-    few = save_statistics(tmp_path / "few.safetensors", client_statistics(fused, _inputs(8)))
+    with pytest.raises(ValueError, match=r"N >= 32 \(--min-samples\)"):
+        client_statistics(fused, _inputs(8))  # refused where the data is, too
+    few = save_statistics(tmp_path / "few.safetensors",
+                          client_statistics(fused, _inputs(8), min_samples=8))
     with pytest.raises(StatisticsError, match="over 8 inputs; at least 32"):
         fusekit.calibrate(fused, [few])
     fusekit.calibrate(fused, [few], min_samples=8)  # configurable

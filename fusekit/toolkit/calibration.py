@@ -77,6 +77,7 @@ def client_statistics(
     mode: str = "eval",
     batch_size: int = DEFAULT_BATCH_SIZE,
     device: str = "cpu",
+    min_samples: int = DEFAULT_MIN_SAMPLES,
 ) -> Statistics:
     """One client's statistics of ``model`` on its own ``inputs``.
 
@@ -88,12 +89,14 @@ def client_statistics(
             statistics and the affine calibration will give it (one-pass calibration).
         batch_size: inputs per forward pass (in ``batch`` mode also the BatchNorm batch).
         device: where the model runs.
+        min_samples: refuse to compute statistics over fewer inputs (they would come close
+            to revealing them; :func:`fusekit.calibrate` refuses them too).
 
     Returns:
         :class:`Statistics` naming the model by its content hash.
 
     Raises:
-        DataError: inputs that do not fit the model, or none.
+        DataError: inputs that do not fit the model, or fewer than ``min_samples``.
         ParameterError: an unknown mode or a batch size < 1.
     """
     if mode not in MODES:
@@ -102,9 +105,9 @@ def client_statistics(
         raise ParameterError(f"batch_size: expected an integer >= 1, found {batch_size!r}")
     checkpoint = model if isinstance(model, Checkpoint) else load_checkpoint(model)
     inputs = np.asarray(inputs)
-    if inputs.ndim < 2 or len(inputs) == 0:
-        raise DataError(f"statistics: expected inputs of shape (N, ...) with N >= 1, found "
-                        f"{inputs.shape}")
+    if inputs.ndim < 2 or len(inputs) < max(min_samples, 1):
+        raise DataError(f"statistics: expected inputs of shape (N, ...) with N >= "
+                        f"{max(min_samples, 1)} (--min-samples), found {inputs.shape}")
     spec = api.fused_spec(checkpoint)
     network = load_fused(checkpoint, device)
     if mode == "batch":
@@ -195,12 +198,13 @@ def calibrate_locally(
     if rounds not in ROUNDS:
         raise ParameterError(f"rounds: expected one of {list(ROUNDS)}, found {rounds!r}")
     current = fused if isinstance(fused, Checkpoint) else load_checkpoint(fused)
-    targets = [client_statistics(c, x, batch_size=batch_size, device=device)
+    targets = [client_statistics(c, x, batch_size=batch_size, device=device,
+                                 min_samples=min_samples)
                for c, x in zip(clients, client_inputs, strict=True)] if clients else []
 
     def one_round(model: Checkpoint, mode: str, layers: list[str] | None) -> FusionResult:
-        stats = [client_statistics(model, x, mode=mode, batch_size=batch_size, device=device)
-                 for x in client_inputs]
+        stats = [client_statistics(model, x, mode=mode, batch_size=batch_size, device=device,
+                                   min_samples=min_samples) for x in client_inputs]
         return api.calibrate(model, stats, targets=targets, layers=layers,
                              min_samples=min_samples)
 
