@@ -159,6 +159,15 @@ def test_sharded_folder_reads_as_the_single_file(tmp_path):
     assert sharded.tensors == whole.tensors
     assert sharded.content_hash == whole.content_hash
     assert sharded.sample_hash == whole.sample_hash
+    for name, array in sharded.state_dict().items():
+        np.testing.assert_array_equal(array, whole.tensor(name))
+    last = sorted((tmp_path / "sharded").glob("model-*-of-*.safetensors"))[-1]
+    tensors = safetensors.numpy.load_file(last)
+    name = sorted(tensors)[-1]
+    tensors[name] = np.full_like(tensors[name], np.nan)
+    safetensors.numpy.save_file(tensors, last, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=f"{name}.*non-finite"):
+        load_checkpoint(tmp_path / "sharded").check_values(budget=4096)  # read from its shard
 
 
 def test_cli_writes_a_folder_transformers_loads(tmp_path, family_folders):

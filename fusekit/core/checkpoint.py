@@ -194,13 +194,12 @@ class Checkpoint:
         (its raw values, their float32 widening and masks) whatever the tensor's size."""
         step = max(1, budget // VALUE_CHECK_BYTES_PER_VALUE)
         with contextlib.ExitStack() as stack:
-            handle = None
+            handles: dict[Path | None, io.FileIO] = {}
             for name in self.tensors:
                 if self.path is None or name in self._arrays:  # in memory: checked whole
                     self.tensor(name)
                     continue
-                if handle is None:  # one open file for all the tensors
-                    handle = stack.enter_context(self._open(name))
+                handle = self._handle(name, handles, stack)
                 count = math.prod(self.tensors[name].shape)
                 self._check_pieces(name, (
                     self._read_span(handle, name, first, min(count, first + step))
@@ -259,7 +258,7 @@ class Checkpoint:
         are when the tensor is read."""
         digest = hashlib.sha256()
         with contextlib.ExitStack() as stack:
-            handles: dict[Path | None, io.FileIO] = {}  # one open file per shard
+            handles: dict[Path | None, io.FileIO] = {}
             for name in sorted(self.tensors):
                 count = math.prod(self.tensors[name].shape)
                 spans = ([(0, count)] if count <= 2 * SAMPLE_VALUES
@@ -268,10 +267,7 @@ class Checkpoint:
                 if array is not None:
                     values = np.concatenate([array.flat[a:b] for a, b in spans])
                 else:
-                    file = self._files.get(name, self.path)
-                    if file not in handles:
-                        handles[file] = stack.enter_context(self._open(name))
-                    handle = handles[file]
+                    handle = self._handle(name, handles, stack)
                     values = np.concatenate([self._read_span(handle, name, a, b)
                                              for a, b in spans])
                 _hash_values(digest, name, values, self.tensors[name].shape)
@@ -317,6 +313,15 @@ class Checkpoint:
             raise CheckpointError(
                 f"{self.label}: cannot read tensor {name!r} ({exc.strerror or exc})"
             ) from None
+
+    def _handle(self, name: str, handles: dict[Path | None, io.FileIO],
+                stack: contextlib.ExitStack) -> io.FileIO:
+        """The open file holding tensor ``name`` during a pass over the tensors: one open
+        file per file (a model folder's shards), closed with ``stack``."""
+        file = self._files.get(name, self.path)
+        if file not in handles:
+            handles[file] = stack.enter_context(self._open(name))
+        return handles[file]
 
     def _open(self, name: str) -> io.FileIO:
         """The file, unbuffered, to read tensor ``name`` (named if it cannot be opened)."""
