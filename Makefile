@@ -55,6 +55,7 @@ bench:
 	$(PY) benchmarks/bench_quality.py --frontier --data synthetic
 	$(PY) benchmarks/bench_rounds.py
 	$(PY) benchmarks/bench_resnet.py
+	$(PY) benchmarks/bench_transformers.py
 	$(PY) benchmarks/bench_service.py
 	$(PY) benchmarks/bench_cli.py
 
