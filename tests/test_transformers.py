@@ -211,6 +211,26 @@ def test_unknown_family_and_unfit_methods_are_refused(tmp_path):
         fusekit.fuse([other, other], method="fed2")
 
 
+def test_a_head_fusekit_does_not_know_is_refused_not_averaged(tmp_path):
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1,
+                                     num_attention_heads=2, intermediate_size=24,
+                                     max_position_embeddings=16)
+    folder = save(transformers.BertForMaskedLM(config), tmp_path / "mlm")
+    with pytest.raises(SpecError, match=r"cls\.predictions.*no permutation group.*spec/3"):
+        fusekit.fuse([folder, folder], method="ot")
+
+
+def test_position_ids_saved_by_older_transformers_are_read_past(tmp_path):
+    folder = save(tiny_model("bert"), tmp_path / "bert")
+    tensors = safetensors.numpy.load_file(folder / "model.safetensors")
+    tensors["bert.embeddings.position_ids"] = np.arange(16, dtype=np.int64)[None]
+    safetensors.numpy.save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    assert "bert.embeddings.position_ids" not in load_checkpoint(folder).tensors
+    out = fusekit.fuse([folder, folder], method="avg").save(tmp_path / "out")
+    np.testing.assert_allclose(logits(out, "bert"), logits(folder, "bert"), atol=1e-6)
+
+
 def test_folder_without_weights_is_named(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(CheckpointError, match="model.safetensors or model.safetensors.index"):

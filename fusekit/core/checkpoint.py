@@ -72,6 +72,9 @@ SAMPLE_VALUES = 32
 HF_CONFIG = "config.json"
 HF_WEIGHTS = "model.safetensors"
 HF_INDEX = "model.safetensors.index.json"
+# Integer buffers older transformers saved with the weights (BERT's position_ids): indices
+# the model rebuilds, read past in a model folder rather than refused as non-weights.
+DERIVED_BUFFERS = ("position_ids",)
 # Elements checked at a time for NaN/Inf, so a check never allocates a tensor-sized mask.
 _CHUNK = 1 << 22
 # Memory Checkpoint.check_values works in by default (a service checks each upload so), and
@@ -442,6 +445,12 @@ def load_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     path = Path(path)
     if path.is_dir() and (path / HF_CONFIG).exists():
         return load_model_folder(path)
+    return _validate(_read_header(path))
+
+
+def _read_header(path: Path) -> Checkpoint:
+    """A safetensors file's tensors (dtypes, shapes, byte ranges) and metadata, as read:
+    the file checked, its tensors and metadata not yet (:func:`_validate`)."""
     meta.check_regular_file(path, "checkpoint file", CheckpointNotFoundError)
     header_len = _check_header_length(path)
     with safetensors_errors(path):
@@ -452,26 +461,27 @@ def load_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
                 sl = f.get_slice(name)
                 tensors[name] = TensorInfo(sl.get_dtype(), tuple(sl.get_shape()))
         offsets = _data_offsets(path, header_len)
-    return _validate(Checkpoint(path=path, metadata=metadata, tensors=tensors, _offsets=offsets))
+    return Checkpoint(path=path, metadata=metadata, tensors=tensors, _offsets=offsets)
 
 
 def load_model_folder(path: Path) -> Checkpoint:
     """A Hugging Face model folder as one checkpoint: ``config.json`` beside
-    ``model.safetensors``, or beside shards listed by ``model.safetensors.index.json``.
+    ``model.safetensors``, or beside shards listed by ``model.safetensors.index.json``
+    (integer ``position_ids`` buffers left out: transformers rebuilds them).
 
     Raises:
         CheckpointError: config.json is not a JSON object, neither weights file is there,
             the index is malformed or names a tensor its shard lacks, or two shards hold
-            the same tensor; and whatever :func:`load_checkpoint` raises for a shard.
+            the same tensor; and whatever :func:`load_checkpoint` raises for a file.
     """
     config = meta.read_json_file(path / HF_CONFIG, "model config", CheckpointError)
     if not isinstance(config, dict):
         raise CheckpointError(f"{path / HF_CONFIG}: expected a JSON object, found "
                               f"{type(config).__name__}")
     if (path / HF_WEIGHTS).exists():
-        shards = [load_checkpoint(path / HF_WEIGHTS)]
+        shards = [_read_header(path / HF_WEIGHTS)]
     elif (path / HF_INDEX).exists():
-        shards = [load_checkpoint(path / name) for name in _shard_names(path / HF_INDEX)]
+        shards = [_read_header(path / name) for name in _shard_names(path / HF_INDEX)]
     else:
         raise CheckpointError(f"{path}: a model folder (it has {HF_CONFIG}) without weights: "
                               f"expected {HF_WEIGHTS} or {HF_INDEX} with its shards")
@@ -479,6 +489,8 @@ def load_model_folder(path: Path) -> Checkpoint:
                         config=config)
     for shard in shards:
         for name, info in shard.tensors.items():
+            if name.endswith(DERIVED_BUFFERS):  # 0, 1, 2, ...: rebuilt by transformers
+                continue
             if name in folder.tensors:
                 raise CheckpointError(f"{shard.path}: tensor {name!r} is also in "
                                       f"{folder._files[name]}; expected it in one shard")

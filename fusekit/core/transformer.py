@@ -172,9 +172,22 @@ class _Builder:
         groups = tuple(Group(name, kind, size, tuple(slots))
                        for name, (kind, size, slots) in self.groups.items())
         used = {s.tensor for g in groups for s in g.slots}
-        spec = TransformerSpec(family, groups, tuple(sorted(set(self.shapes) - used)))
+        other = sorted(set(self.shapes) - used)
+        unknown = [name for name in other if not name.endswith(_UNPERMUTED)]
+        if unknown:  # they may hold a permuted axis: averaging them as they are is wrong
+            raise SpecError(
+                f"{self.label}: tensor(s) {unknown[:3]} are in no permutation group fusekit "
+                f"infers for {family} (a head it does not know, such as a masked-LM head); "
+                "describe the model with a fusekit.spec/3 file (--spec)")
+        spec = TransformerSpec(family, groups, tuple(other))
         check_slots(spec, self.shapes, self.label)
         return spec
+
+
+#: Tensors outside every group that the families hold: output biases (classes) and GPT-2's
+#: causal-mask buffers (positions), the same in every client.
+_UNPERMUTED = ("classifier.bias", "score.bias", "lm_head.bias", ".attn.bias",
+               ".attn.masked_bias")
 
 
 def infer_transformer(config: Mapping[str, Any], shapes: Shapes, *,
