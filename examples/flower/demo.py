@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     console = Console(stderr=True, highlight=False)
 
-    progress = progress_lines(lambda line: console.print(f"    {escape(line)}"))
+    progress = progress_lines(lambda line: console.print(f"    {escape(line)}", soft_wrap=True))
     rows = []
     console.print(f"starting a SuperLink and {args.nodes} SuperNodes on 127.0.0.1 ...")
     with LocalFederation(nodes=args.nodes) as federation:
@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
                            timeout=args.timeout, on_line=progress)
             rows.append((json.loads(result_file.read_text()), time.perf_counter() - start))
         console.print("stopping the SuperLink, its SuperExec and the SuperNodes")
-    Console().print(results_table(rows, args.nodes))
+    # Wide enough for three rounds on one line where the output is not a terminal.
+    Console(width=None if sys.stdout.isatty() else 110).print(results_table(rows, args.nodes))
     if args.json:
         args.json.write_text(json.dumps([result for result, _ in rows], indent=2))
     return 0
