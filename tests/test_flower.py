@@ -397,3 +397,16 @@ def test_log_to_flower_shows_fusekit_lines_with_their_level(flower_console):
 def test_an_ensemble_method_runs_one_round_only():
     with pytest.raises(ParameterError, match="num_rounds: method 'ams' returns an ensemble"):
         FusekitStrategy("ams").start(Federation(None), ArrayRecord(), num_rounds=2)
+
+
+def test_a_strategy_started_again_starts_from_its_initial_model(trained):
+    """The second run's first round fuses with PFNM again (its nodes send their own
+    models), not with the average that follows the first run's fusion."""
+    clients, models = trained
+    strategy = FusekitStrategy("pfnm", arch=clients[0].checkpoint.arch, fraction_evaluate=0)
+    initial = train_reply(models[0], 1)["arrays"]
+    own_models = Federation(lambda node, _: trained_replies(trained)[node - 10].content)
+    for _ in range(2):
+        result = strategy.start(own_models, initial, num_rounds=1)
+        assert strategy.fused_rounds == 1
+        assert result.train_metrics_clientapp[1]["pfnm.fused-widths"] == [48]

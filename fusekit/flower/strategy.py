@@ -97,12 +97,17 @@ class FusekitStrategy(FedAvg):
                                  f"{min_fused_replies!r}")
         self.spec = spec
         self.min_fused_replies = min_fused_replies
+        self.initial_metadata = {meta.ARCH: json.dumps(dict(arch))} if arch else {}
+        self._begin()
+
+    def _begin(self) -> None:
+        """The state of a run that has not fused yet."""
         #: The global model's fusekit metadata (architecture, spec): rebuilds it anywhere.
-        self.global_metadata: dict[str, str] = {meta.ARCH: json.dumps(dict(arch))} if arch else {}
+        self.global_metadata: dict[str, str] = dict(self.initial_metadata)
         #: The last round's fusion, and why replies were left out of it (node id -> reason).
         self.last_fusion: FusionResult | None = None
         self.left_out: dict[int, str] = {}
-        #: How many rounds fused so far (failed rounds do not count).
+        #: How many rounds of this run fused so far (failed rounds do not count).
         self.fused_rounds = 0
 
     @property
@@ -132,6 +137,7 @@ class FusekitStrategy(FedAvg):
                 f"num_rounds: method {self.method!r} returns an ensemble of the nodes' "
                 f"models, which nodes cannot train in a next round; expected 1, found "
                 f"{num_rounds}")
+        self._begin()  # a strategy started again starts from initial_arrays
         result = super().start(grid, initial_arrays, num_rounds, timeout, train_config,
                                evaluate_config, evaluate_fn)
         if len(result.arrays) == 0:
