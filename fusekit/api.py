@@ -196,7 +196,18 @@ def calibrate(
 
 
 def fused_spec(checkpoint: Checkpoint) -> PermutationSpec | GraphSpec:
-    """A fused (or client) model's spec: the one in its metadata, else inferred."""
+    """A fused (or client) model's spec for calibration: the one in its metadata, else
+    inferred.
+
+    Raises:
+        IncompatibleModelsError: a transformer (a Hugging Face model folder), whose
+            LayerNorms calibration does not cover.
+    """
+    if checkpoint.config is not None:
+        raise IncompatibleModelsError(
+            f"{checkpoint.label}: a transformer; calibration restores BatchNorm and "
+            "REPAIRs the ReLU layers of MLPs, CNNs and ResNets, and does not cover "
+            "transformers' LayerNorms")
     shapes = {name: info.shape for name, info in checkpoint.tensors.items()}
     raw = checkpoint.metadata.get(meta.SPEC)
     if raw is None:

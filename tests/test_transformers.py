@@ -231,6 +231,15 @@ def test_position_ids_saved_by_older_transformers_are_read_past(tmp_path):
     np.testing.assert_allclose(logits(out, "bert"), logits(folder, "bert"), atol=1e-6)
 
 
+def test_calibration_refuses_a_transformer_in_one_line(tmp_path):
+    folder = save(tiny_model("vit"), tmp_path / "vit")
+    run = CliRunner().invoke(app, ["stats", str(folder), "--data", "digits",
+                                   "-o", str(tmp_path / "stats.safetensors")])
+    assert run.exit_code == 2 and "does not cover transformers' LayerNorms" in run.output
+    with pytest.raises(IncompatibleModelsError, match="a transformer; calibration"):
+        fusekit.calibrate(folder, [tmp_path / "missing.safetensors"])
+
+
 def test_folder_without_weights_is_named(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(CheckpointError, match="model.safetensors or model.safetensors.index"):
