@@ -122,3 +122,14 @@ def test_estimated_values_give_the_members_means():
     counts = np.bincount(rows)
     expected = (0.5 + stacked[rows == 0].sum(0)) / (1 + counts[0])
     np.testing.assert_allclose(fixed.means[0], expected, atol=1e-12)
+
+
+def test_nafi_estimates_with_the_models_cost_then_refines_with_its_own(authors_setting):
+    """NAFI's KL penalty is no part of the model: its values are PFNM's estimates, and its
+    own cost refines the matching afterwards (more sweeps)."""
+    clients, _ = authors_setting
+    pfnm = fusekit.fuse(clients, method="pfnm", width="unlimited").report["layers"][0]
+    nafi = fusekit.fuse(clients, method="nafi", width="unlimited").report["layers"][0]
+    for key in ("sigma2_relative", "sigma0_2_relative", "gamma0"):
+        assert nafi["hyperparameters"][key] == pfnm["hyperparameters"][key]
+    assert nafi["sweeps_run"] > pfnm["sweeps_run"]

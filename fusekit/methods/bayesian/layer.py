@@ -495,7 +495,9 @@ def match_neurons(
             pass and after every sweep before the width is imposed; the values it returns
             replace ``precisions``, ``sigma0_2`` and ``gamma0`` (which are the starting
             values). Those sweeps then stop at a fixed point of the assignment and the
-            values, still after at most ``sweeps``.
+            values, still after at most ``sweeps``. They use PFNM's cost (the model's);
+            with ``lam > 0`` up to ``sweeps`` more sweeps with NAFI's cost follow, at the
+            values found.
         shrink: output the posterior means (Eq. 4, pulled towards mu0 by the prior);
             False: the members' precision-weighted means (ALGORITHMS.md §3, "Empirical
             Bayes"; mu0 where no member observes a coordinate).
@@ -535,7 +537,8 @@ def match_neurons(
         raise ParameterError(f"lam: expected a finite value >= 0, found {lam}")
     check_width(width, max(v.shape[0] for v in vecs))
     run = _Matcher(vecs, precs, mu0=mu0_vec, sigma0_2=sigma0_vec, gamma0=gamma0,
-                   lam=float(lam), kernels=get_backend(backend), log_det=log_det)
+                   lam=0.0 if refit is not None else float(lam), kernels=get_backend(backend),
+                   log_det=log_det)
     objective, lap_totals, moves = [], [], []
 
     def refine(cap: int | None, at_least_one: bool, refit: Refit | None = None) -> None:
@@ -554,6 +557,11 @@ def match_neurons(
     lap_totals.append(run.greedy(refit))
     objective.append(run.objective())
     refine(None, False, refit)
+    if refit is not None and lam:
+        # NAFI's KL penalty is no part of the model whose likelihood the values maximise:
+        # they are estimated with PFNM's cost, then NAFI's refines at the values found.
+        run.lam = float(lam)
+        refine(None, False)
     inferred = run.state.size
     pruned = split = padded = 0
     if width is not None:
