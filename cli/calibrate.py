@@ -12,6 +12,7 @@ from fusekit._cli.options import (
     ClassesOption,
     DataDirOption,
     DataPathOption,
+    DataSeedOption,
     DeviceOption,
     FeaturesOption,
     JsonOption,
@@ -45,7 +46,7 @@ def stats(
     samples: SamplesOption = 10_000,
     features: FeaturesOption = 20,
     classes: ClassesOption = 10,
-    seed: Annotated[int, typer.Option("--seed", help="synthetic: the data seed.")] = 0,
+    seed: DataSeedOption = 0,
     mode: Annotated[str, typer.Option(
         "--mode", metavar="|".join(MODES),
         help="eval: the model as it is (exact once the layers below are calibrated); batch: "

@@ -26,6 +26,7 @@ DataPathOption = Annotated[Path | None, typer.Option("--data-path", help="The .n
 SamplesOption = Annotated[int, typer.Option("--samples", help="synthetic: number of samples.")]
 FeaturesOption = Annotated[int, typer.Option("--features", help="synthetic: input dimension.")]
 ClassesOption = Annotated[int, typer.Option("--classes", help="synthetic: number of classes.")]
+DataSeedOption = Annotated[int, typer.Option("--seed", help="synthetic: the data seed.")]
 DeviceOption = Annotated[
     str, typer.Option("--device", help="auto (cuda when available), cpu or cuda.")
 ]
