@@ -410,3 +410,27 @@ def test_a_strategy_started_again_starts_from_its_initial_model(trained):
         result = strategy.start(own_models, initial, num_rounds=1)
         assert strategy.fused_rounds == 1
         assert result.train_metrics_clientapp[1]["pfnm.fused-widths"] == [48]
+
+
+def test_later_rounds_can_rematch_at_the_global_models_widths(trained):
+    clients, models = trained
+
+    def train(node, message):
+        if WIDTHS not in message.content["config"]:
+            return trained_replies(trained)[node - 10].content
+        model = global_model(message.content)
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.add_(0.01 * (node - 9))
+        return train_reply(model, 10)
+
+    strategy = FusekitStrategy("pfnm", {"width_ratio": 2.0}, later_rounds="rematch",
+                               arch=clients[0].checkpoint.arch, fraction_evaluate=0)
+    result = strategy.start(Federation(train), train_reply(models[0], 1)["arrays"],
+                            num_rounds=3)
+    widths = [result.train_metrics_clientapp[r]["pfnm.fused-widths"] for r in (1, 2, 3)]
+    assert widths == [[64], [64], [64]]
+    fusion, params = strategy.round_fusion()
+    assert fusion.name == "pfnm" and params == {"width": [64]}
+    with pytest.raises(ParameterError, match="later_rounds: expected one of"):
+        FusekitStrategy("pfnm", later_rounds="pfnm")

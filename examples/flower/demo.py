@@ -1,7 +1,8 @@
 """Run the app on a Flower deployment on this machine and compare fusion methods.
 
 Starts one SuperLink and three SuperNodes on 127.0.0.1 (``fusekit.flower.local``), runs the
-federation once per entry of ``--runs`` (``method`` or ``method:rounds``) with ``flwr run``,
+federation once per entry of ``--runs`` (``method``, ``method:rounds`` or
+``method:rounds:rematch``, later rounds fused by the method again) with ``flwr run``,
 shows each run's progress (rounds, fusions, scores) as it goes, prints each global model's
 test accuracy and hidden widths per round, and stops every process it started.
 
@@ -21,16 +22,18 @@ from rich.markup import escape
 from rich.table import Table
 
 from fusekit.flower.local import LocalFederation, progress_lines
+from fusekit.toolkit.rounds import EVERY_ROUND
 
 APP = Path(__file__).resolve().parent
 
 
-def parse_runs(text: str) -> list[tuple[str, int]]:
-    """``avg,pfnm:3`` -> [("avg", 1), ("pfnm", 3)]."""
+def parse_runs(text: str) -> list[tuple[str, int, str]]:
+    """``avg,pfnm:3,pfnm:3:rematch`` -> [("avg", 1, "avg"), ("pfnm", 3, "avg"),
+    ("pfnm", 3, "rematch")]: method, rounds, what fuses the later rounds."""
     runs = []
     for entry in text.split(","):
-        method, _, rounds = entry.strip().partition(":")
-        runs.append((method, int(rounds or 1)))
+        method, rounds, later = (entry.strip().split(":") + ["", ""])[:3]
+        runs.append((method, int(rounds or 1), later or "avg"))
     return runs
 
 
@@ -50,14 +53,15 @@ def main(argv: list[str] | None = None) -> int:
     console.print(f"starting a SuperLink and {args.nodes} SuperNodes on 127.0.0.1 ...")
     with LocalFederation(nodes=args.nodes) as federation:
         console.print(f"SuperLink on 127.0.0.1:{federation.port}, {args.nodes} SuperNodes")
-        for method, rounds in parse_runs(args.runs):
+        for method, rounds, later in parse_runs(args.runs):
             console.print(f"flwr run: {rounds} round(s) fused with [bold]{method}[/] "
-                          f"(each node trains {args.epochs} epochs per round)")
+                          f"(later rounds: {later}; each node trains {args.epochs} epochs "
+                          f"per round)")
             start = time.perf_counter()
-            result_file = federation.workdir / f"{method}-{rounds}.json"
+            result_file = federation.workdir / f"{method}-{rounds}-{later}.json"
             federation.run(APP, {"method": method, "min-nodes": args.nodes,
-                                 "num-server-rounds": rounds, "epochs": args.epochs,
-                                 "result-file": str(result_file)},
+                                 "num-server-rounds": rounds, "later-rounds": later,
+                                 "epochs": args.epochs, "result-file": str(result_file)},
                            timeout=args.timeout, on_line=progress)
             rows.append((json.loads(result_file.read_text()), time.perf_counter() - start))
         console.print("stopping the SuperLink, its SuperExec and the SuperNodes")
@@ -68,6 +72,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def run_label(result: dict) -> str:
+    """The table's name of a run: FedAvg (avg), pfnm, pfnm then avg, pfnm rematched."""
+    if result["method"] == "avg":
+        return "FedAvg (avg)"
+    if result["rounds"] == 1 or result["method"] in EVERY_ROUND:
+        return result["method"]
+    later = "then avg" if result.get("later_rounds", "avg") == "avg" else "every round"
+    return f"{result['method']} {later}"
+
+
 def results_table(rows: list[tuple[dict, float]], nodes: int) -> Table:
     table = Table(title=f"Flower federation, {nodes} SuperNodes, non-iid digits")
     for column in ("method", "rounds", "test accuracy", "hidden widths", "nodes' own data",
@@ -76,7 +90,7 @@ def results_table(rows: list[tuple[dict, float]], nodes: int) -> Table:
     for result, seconds in rows:
         per_round = [result["per_round"][str(r)] for r in range(1, result["rounds"] + 1)]
         own = result["client_evaluation"].get(str(result["rounds"]), {}).get("accuracy")
-        table.add_row("FedAvg (avg)" if result["method"] == "avg" else result["method"],
+        table.add_row(run_label(result),
                       str(result["rounds"]),
                       " → ".join(f"{r['accuracy']:.4f}" for r in per_round),
                       " → ".join(str(r["hidden_widths"]) for r in per_round),

@@ -52,6 +52,9 @@ from .records import (
 
 log = logging.getLogger(__name__)
 
+#: What fuses the rounds after a method that rematches neurons has fused one.
+LATER_ROUNDS = ("avg", "rematch")
+
 
 class FusekitStrategy(FedAvg):
     """One-shot model fusion (PFNM, NAFI, OT, AMS, Fed², averaging) as a Flower strategy.
@@ -66,6 +69,10 @@ class FusekitStrategy(FedAvg):
             the first round (later rounds use the fused architecture).
         min_fused_replies: the fewest usable replies a round fuses; with fewer the round
             fails and the global model stays as it was.
+        later_rounds: after a method that rematches neurons (PFNM, NAFI, OT) has fused a
+            round, ``"avg"`` averages the later rounds (as ``fusekit simulate --rounds``);
+            ``"rematch"`` fuses them with the method again, PFNM and NAFI at the global
+            model's widths (``width`` replaces ``width_ratio``), so the width holds too.
         **fedavg: FedAvg's own arguments (``fraction_train``, ``min_train_nodes``,
             ``min_available_nodes``, ``weighted_by_key``, ...).
 
@@ -84,6 +91,7 @@ class FusekitStrategy(FedAvg):
         spec: SpecLike | None = None,
         arch: Mapping[str, Any] | None = None,
         min_fused_replies: int = 2,
+        later_rounds: str = "avg",
         **fedavg: Any,
     ) -> None:
         super().__init__(**fedavg)
@@ -97,6 +105,10 @@ class FusekitStrategy(FedAvg):
                                  f"{min_fused_replies!r}")
         self.spec = spec
         self.min_fused_replies = min_fused_replies
+        if later_rounds not in LATER_ROUNDS:
+            raise ParameterError(f"later_rounds: expected one of {list(LATER_ROUNDS)}, found "
+                                 f"{later_rounds!r}")
+        self.later_rounds = later_rounds
         self.initial_metadata = {meta.ARCH: json.dumps(dict(arch))} if arch else {}
         self._begin()
 
@@ -147,12 +159,23 @@ class FusekitStrategy(FedAvg):
 
     def round_fusion(self) -> tuple[FusionMethod, dict[str, Any]]:
         """The method and parameters of the next fusion: the strategy's own for its first
-        fusion and for methods that fuse every round; avg, without parameters, after a
-        method that rematches neurons (:func:`fusekit.toolkit.rounds.round_method`)."""
+        fusion and for methods that fuse every round; after a method that rematches
+        neurons, avg without parameters (:func:`fusekit.toolkit.rounds.round_method`) or,
+        with ``later_rounds="rematch"``, the method at the global model's widths."""
         name = round_method(self.method, self.fused_rounds + 1)
         if name == self.method:
             return self.fusion, self.params
+        if self.later_rounds == "rematch":
+            return self.fusion, self._at_global_widths()
         return get_method(name), {}
+
+    def _at_global_widths(self) -> dict[str, Any]:
+        """The method's parameters with ``width`` set to the global model's hidden widths,
+        for methods that take one (PFNM, NAFI); as they are for the others (OT)."""
+        if "width" not in {spec.name for spec in method_params(self.fusion)}:
+            return self.params
+        params = {k: v for k, v in self.params.items() if k not in ("width", "width_ratio")}
+        return {**params, "width": [int(w) for w in self.last_fusion.widths]}
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:

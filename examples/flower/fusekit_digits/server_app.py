@@ -31,7 +31,8 @@ def main(grid: Grid, context: Context) -> None:
     strategy = FusekitStrategy(
         method, task.method_params(config, method), arch=arch,
         min_train_nodes=nodes, min_available_nodes=nodes, min_evaluate_nodes=nodes,
-        fraction_evaluate=float(config["fraction-evaluate"]))
+        fraction_evaluate=float(config["fraction-evaluate"]),
+        later_rounds=str(config["later-rounds"]))
     rounds = int(config["num-server-rounds"])
     initial = ArrayRecord(build_model(arch, seed=int(config["seed"])).state_dict())
     result = strategy.start(grid=grid, initial_arrays=initial, num_rounds=rounds,
@@ -58,6 +59,7 @@ def summary(strategy: FusekitStrategy, result, config) -> dict:
         "method": strategy.method,
         "params": strategy.params,
         "rounds": rounds,
+        "later_rounds": strategy.later_rounds,
         "nodes": int(config["min-nodes"]),
         "fused_rounds": strategy.fused_rounds,
         "accuracy": server[rounds]["accuracy"],
