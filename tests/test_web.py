@@ -248,7 +248,9 @@ def test_the_form_has_a_field_for_each_declared_parameter(browser, service):
 def test_coordinator_and_two_clients_in_the_browser(browser, big_service, tmp_path):
     url, driver = big_service.url, browser
     names = ("hospital-a", "hospital-b")
-    paths = [write(tmp_path / f"{n}.safetensors", mlp((64, 400, 400, 400, 10), seed=i),
+    # Wide enough that each layer's matching outlasts the page's poll (0.5 s) on a quiet
+    # machine: about 0.8 s a layer, so "layer i of 3" is on the page for two polls or more.
+    paths = [write(tmp_path / f"{n}.safetensors", mlp((64, 800, 800, 800, 10), seed=i),
                    num_samples=10 + i) for i, n in enumerate(names)]
     sign_in(driver, url, ADMIN)
     wait_for(driver, lambda d: by_id(d, "nav").is_displayed(), "signed in")
