@@ -29,8 +29,6 @@ from fusekit.core.spec import (
     load_spec_file,
     spec_from_json,
 )
-from fusekit.core.transformer import TransformerSpec, infer_transformer
-from fusekit.methods import METHODS, get_method
 from fusekit.core.stats import (
     DEFAULT_MIN_SAMPLES,
     Statistics,
@@ -39,7 +37,8 @@ from fusekit.core.stats import (
     pool,
     statistic_points,
 )
-from fusekit.methods import calibration
+from fusekit.core.transformer import TransformerSpec, infer_transformer
+from fusekit.methods import METHODS, calibration, get_method
 from fusekit.methods.base import FusionMethod, FusionResult, provenance, sample_weights
 from fusekit.methods.params import ParamSpec, method_params, validate
 
