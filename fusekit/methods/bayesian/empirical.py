@@ -221,7 +221,6 @@ def estimate_and_match(
     lam: float = 0.0,
     width: int | None = None,
     backend: str | MatchingBackend = "core",
-    true_labels: Sequence[np.ndarray] | None = None,
 ) -> tuple[LayerMatching, Refit]:
     """Match one layer, estimating the values not given while matching (module docstring).
 
@@ -234,7 +233,7 @@ def estimate_and_match(
             estimated.
         sigma0_2: given prior variance in units of v, scalar or (P,); None: estimated.
         gamma0: given Beta-process mass; None: estimated.
-        mu0, sweeps, seed, lam, width, backend, true_labels: as :func:`match_neurons`.
+        mu0, sweeps, seed, lam, width, backend: as :func:`match_neurons`.
 
     Returns:
         The LayerMatching and the :class:`Refit` holding the values used
@@ -252,5 +251,5 @@ def estimate_and_match(
         vectors, start.precisions, mu0=mu0, sigma0_2=start.sigma0_2, gamma0=start.gamma0,
         sweeps=sweeps, seed=seed, lam=lam, width=width, log_det=refit.estimates_variances,
         refit=refit if refit.estimated else None, shrink=not refit.estimates_variances,
-        backend=backend, true_labels=true_labels)
+        backend=backend)
     return result, refit
