@@ -8,8 +8,9 @@ so a Flower round and a ``fusekit fuse`` run on the same models give the same mo
 Rounds follow ``fusekit simulate --rounds`` (:func:`fusekit.toolkit.rounds.round_method`):
 a method that rematches neurons (PFNM, NAFI, OT) fuses the first round that fuses; the
 nodes then train that global model, whose neurons already correspond, and later rounds
-average them (avg) at the fused width, which therefore stays as the first fusion set it.
-Methods that keep the global model's coordinates (avg, Fed²) fuse every round.
+average them (avg) at the fused width, which therefore stays as the first fusion set it;
+with ``later_rounds="rematch"`` they fuse with the method again (PFNM and NAFI at the
+global model's widths). Methods that keep the global model's coordinates (avg, Fed²) fuse every round.
 """
 
 from __future__ import annotations
@@ -199,8 +200,9 @@ class FusekitStrategy(FedAvg):
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Fuse the replies' models with ``fusekit.fuse``.
 
-        The round's method is :meth:`round_fusion`'s (the strategy's own, or avg on the
-        rounds after a method that rematches neurons). Replies that carry an error or
+        The round's method is :meth:`round_fusion`'s (the strategy's own, or on the rounds
+        after a method that rematches neurons avg, or the method again with
+        ``later_rounds="rematch"``). Replies that carry an error or
         models that method cannot fuse are logged and left out (``self.left_out`` keeps the
         reasons). With fewer than ``min_fused_replies`` left the round fails:
         ``(None, None)``, and the global model stays as it was.
