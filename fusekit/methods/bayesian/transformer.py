@@ -40,11 +40,14 @@ from fusekit.methods.transformer import align_client, cast_like, client_arrays
 
 def fuse_transformer_mlps(checkpoints: Sequence[Checkpoint], specs: Sequence[TransformerSpec],
                           params: BayesianParams, method: str
-                          ) -> tuple[dict[str, np.ndarray], TransformerSpec, dict[str, Any]]:
+                          ) -> tuple[dict[str, np.ndarray], TransformerSpec, dict[str, Any],
+                                     None]:
     """Fuse transformer clients with PFNM / NAFI on their MLP units (module docstring).
 
     Returns:
-        (state_dict, fused spec (the anchor's, MLP widths fused), report).
+        (state_dict, fused spec (the anchor's, MLP widths fused), report, None): the
+        assignments of :func:`~fusekit.methods.bayesian.network.fuse_network`'s fourth
+        place are not recorded (calibration does not cover transformers).
 
     Raises:
         IncompatibleModelsError: groups other than the MLPs of unequal sizes.
