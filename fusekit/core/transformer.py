@@ -124,11 +124,6 @@ class TransformerSpec:
                 for g in self.groups]
 
 
-def is_transformer_spec(data: Any) -> bool:
-    return isinstance(data, TransformerSpec) or (
-        isinstance(data, Mapping) and data.get("format") == TRANSFORMER_FORMAT)
-
-
 # ---- inference from a Hugging Face config and tensor names ----------------------------
 
 Shapes = Mapping[str, tuple[int, ...]]
