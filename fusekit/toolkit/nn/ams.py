@@ -84,7 +84,8 @@ def select_logits(
     if k == n_models:
         chosen = torch.arange(n_models, device=logits.device)[:, None].expand(n_models, batch)
         return _fused(values.sum(dim=0), confidence), chosen
-    scores = confidences(logits, confidence, shares)
+    # Under class-share the confidence is the largest answer: reuse the answers computed.
+    scores = values.amax(dim=2) if confidence == CLASS_SHARE else confidences(logits, confidence)
     if k == 1:
         # argmax returns the first maximal index: the lower model index wins ties.
         chosen = scores.argmax(dim=0, keepdim=True)
