@@ -121,7 +121,7 @@ def fuse(
                      if v is not None},
     )
     if not recipe.inputs:
-        raise ParameterError("CHECKPOINT: expected at least one checkpoint (on the command "
+        raise ParameterError("CHECKPOINTS: expected at least one checkpoint (on the command "
                              "line or as inputs: in --config), found none")
     from fusekit._cli.recipe import resolve_output, write_folder
     from fusekit.api import fusion_summary
