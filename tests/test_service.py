@@ -464,17 +464,24 @@ def test_one_upload_at_a_time_per_slot(service, admin, models):
     body = models[0].read_bytes()
     held = send_partial(service, job["id"], "a", job["tokens"]["a"], body, keep_open=True)
     try:
-        deadline = time.monotonic() + 10
-        while True:  # until the held upload has reached the server
-            response = put(service, job["id"], "a", job["tokens"]["a"], body)
-            if response.status_code == 429 or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
+        # until the held upload has reached the server
+        response = put_until_refused(service, job, "a", body)
         one_line_error(response, 429, "client 'a'", "one at a time per slot")
         assert response.headers["Retry-After"] == "5"
         assert put(service, job["id"], "b", job["tokens"]["b"], body).status_code == 201
     finally:
         held.close()
+
+
+def put_until_refused(service, job, client, body) -> httpx.Response:
+    """PUT ``body`` into ``client``'s slot until the server answers 429 (uploads it holds
+    open have reached it), for at most 10 s; the last answer."""
+    deadline = time.monotonic() + 10
+    while True:
+        response = put(service, job["id"], client, job["tokens"][client], body)
+        if response.status_code == 429 or time.monotonic() > deadline:
+            return response
+        time.sleep(0.05)
 
 
 def send_partial(service, job_id, client, token, body, keep_open=False, part=None):
@@ -497,12 +504,8 @@ def test_upload_and_job_limits_answer_429(service, admin, models):
     held = [send_partial(service, job["id"], c, job["tokens"][c], body, keep_open=True)
             for c in ("a", "b")]
     try:
-        deadline = time.monotonic() + 10
-        while True:  # the two held uploads must have reached the server
-            response = put(service, job["id"], "c", job["tokens"]["c"], body)
-            if response.status_code == 429 or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
+        # the two held uploads must have reached the server
+        response = put_until_refused(service, job, "c", body)
         one_line_error(response, 429, "uploads", "2")
         assert response.headers["Retry-After"] == "1"
     finally:
