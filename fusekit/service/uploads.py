@@ -155,7 +155,6 @@ class Upload:
                                   f"{declared}; expected a whole safetensors file")
 
 
-
 class Checker:
     """Processes that check uploads (``processes`` at most, started when first needed)."""
 
