@@ -18,7 +18,8 @@ from rich.table import Table
 
 import fusekit
 from fusekit._cli.options import JsonOption
-from fusekit._cli.output import emit_json, private_files, stdout
+from fusekit._cli.output import emit_json, stdout
+from fusekit.core.checkpoint import private_files
 from fusekit.core.errors import FusekitError, OutputError, ParameterError
 
 if TYPE_CHECKING:

@@ -12,7 +12,7 @@ import typer
 from rich.table import Table
 
 from fusekit._cli.options import Command, Group, JsonOption
-from fusekit._cli.output import emit_json, handle_errors, private_files, stderr, stdout
+from fusekit._cli.output import emit_json, handle_errors, stderr, stdout
 from fusekit.core.errors import ParameterError
 
 app = typer.Typer(cls=Group, no_args_is_help=True,
@@ -144,7 +144,7 @@ def result(job: JobId, output: Annotated[Path, typer.Option("--output", "-o",
                             ] = False,
            server: Server = DEFAULT_SERVER, token_file: TokenFile = None) -> None:
     """Download the fused checkpoint of a job that succeeded."""
-    from fusekit.core.checkpoint import check_output_path
+    from fusekit.core.checkpoint import check_output_path, private_files
 
     check_output_path(output, force=force)
     with admin(server, token_file) as service, private_files():

@@ -7,14 +7,11 @@ progress and logs always go to stderr.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import json
 import logging
-import os
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -75,18 +72,6 @@ def fail(exc: Exception | str, code: int) -> None:
         stderr.print_exception()
     stderr.print("[bold red]error:[/]", escape(str(exc)), highlight=False, soft_wrap=True)
     raise typer.Exit(code)
-
-
-@contextlib.contextmanager
-def private_files() -> Iterator[None]:
-    """Files and folders created meanwhile are their owner's only (0600, 0700): a fused
-    model is as private as the clients' models it is made of."""
-    old = os.umask(0o077)
-    os.umask(old | 0o077)
-    try:
-        yield
-    finally:
-        os.umask(old)
 
 
 def emit_json(payload: Any) -> None:

@@ -898,6 +898,25 @@ def _umask() -> int:
     return mask
 
 
+def owner_only_umask() -> int:
+    """Files and folders this process creates from now on are their owner's only (0600,
+    0700: umask 077 added to the current one); returns the umask before."""
+    old = os.umask(0o077)
+    os.umask(old | 0o077)
+    return old
+
+
+@contextlib.contextmanager
+def private_files() -> Iterator[None]:
+    """Files and folders created meanwhile are their owner's only (0600, 0700): a fused
+    model is as private as the clients' models it is made of."""
+    old = owner_only_umask()
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
 def _fsync_directory(directory: Path) -> None:
     with contextlib.suppress(OSError):  # not every platform can open a directory
         fd = os.open(directory, os.O_RDONLY)

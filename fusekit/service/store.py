@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from fusekit.core.checkpoint import write_atomic
+from fusekit.core.checkpoint import owner_only_umask, write_atomic
 from fusekit.service.auth import matches, new_token, token_hash
 from fusekit.service.errors import Busy, Conflict, Forbidden, NotFound, ServiceError
 
@@ -307,7 +307,7 @@ def make_private(data_dir: Path) -> None:
     """The data folder and all in it readable by the service's user only: what this process
     creates from now on (0700 folders, 0600 files: umask 077), and what is already there
     (clients' checkpoints, results, job records)."""
-    os.umask(os.umask(0o077) | 0o077)
+    owner_only_umask()
     data_dir.mkdir(parents=True, exist_ok=True)
     os.chmod(data_dir, 0o700)
     for folder, subfolders, files in os.walk(data_dir):
