@@ -240,21 +240,24 @@ class JobStore:
     def runs(self, job_id: str, attempt: int) -> bool:
         """Whether the job is still running this attempt (not cancelled, deleted, re-run)."""
         try:
-            job = self.read(job_id)
+            return _runs(self.read(job_id), attempt)
         except NotFound:
             return False
-        return job["state"] == "running" and job["attempts"] == attempt
 
     def update(self, job_id: str, attempt: int, **changes: Any) -> bool:
         """Change a running job, if it is still this attempt's (not cancelled or re-run)."""
         try:
             with self.locked(job_id) as job:
-                if job["state"] != "running" or job["attempts"] != attempt:
+                if not _runs(job, attempt):
                     return False
                 job.update(changes)
             return True
         except NotFound:
             return False
+
+
+def _runs(job: dict[str, Any], attempt: int) -> bool:
+    return job["state"] == "running" and job["attempts"] == attempt
 
 
 def view(job: dict[str, Any], client: str | None = None) -> dict[str, Any]:
