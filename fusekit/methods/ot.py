@@ -46,7 +46,7 @@ from fusekit.engine.matching import solve_assignment, sqeuclidean_cost
 from fusekit.methods.avg import average_tensor, check_same_shapes
 from fusekit.methods.base import FusionMethod, FusionResult, register, sample_weights
 from fusekit.methods.params import Param
-from fusekit.methods.transformer import check_equal_widths, fuse_transformers
+from fusekit.methods.transformer import check_aligned_sizes, fuse_transformers
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +164,7 @@ class OptimalTransport(FusionMethod):
         if activations is not None:
             raise ParameterError("activations: transformers are aligned by their weights; "
                                  "leave --activations out")
-        check_equal_widths(checkpoints, specs, anchor_index, self.name)
+        check_aligned_sizes(checkpoints, specs, anchor_index, self.name)
         start = time.perf_counter()
         state_dict, reports = fuse_transformers(checkpoints, specs, anchor_index, sweeps=0,
                                                 rng=None, solver=solve_assignment)

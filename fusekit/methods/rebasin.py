@@ -29,7 +29,7 @@ from fusekit.methods.base import FusionMethod, FusionResult, register
 from fusekit.methods.bayesian import BACKENDS
 from fusekit.methods.ot import ANCHOR_HELP, fuse_aligned, resolve_anchor
 from fusekit.methods.params import Param
-from fusekit.methods.transformer import check_equal_widths, fuse_transformers
+from fusekit.methods.transformer import check_aligned_sizes, fuse_transformers
 
 
 @register
@@ -85,7 +85,7 @@ class ReBasin(FusionMethod):
         anchor_index = resolve_anchor(checkpoints, anchor)
         widths = specs[anchor_index].hidden_widths
         if isinstance(specs[anchor_index], TransformerSpec):
-            check_equal_widths(checkpoints, specs, anchor_index, self.name)
+            check_aligned_sizes(checkpoints, specs, anchor_index, self.name)
         for checkpoint, spec in zip(checkpoints, specs, strict=True):
             if spec.hidden_widths != widths:
                 raise IncompatibleModelsError(

@@ -22,7 +22,7 @@ until a sweep changes nothing (coordinate descent on Git Re-Basin's objective).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -36,22 +36,27 @@ from fusekit.core.transformer import (
     permute_group,
     unit_rows,
 )
+from fusekit.engine.matching import solve_assignment
 from fusekit.methods.base import sample_weights
 
 Solver = Callable[..., tuple]
 
 
-def check_equal_widths(checkpoints: Sequence[Checkpoint], specs: Sequence[TransformerSpec],
-                       anchor: int, method: str) -> None:
-    """Alignment permutes units: every group must have the anchor's size."""
-    sizes = [g.size for g in specs[anchor].groups]
+def check_aligned_sizes(checkpoints: Sequence[Checkpoint], specs: Sequence[TransformerSpec],
+                        anchor: int, method: str, matched: Collection[int] = frozenset()
+                        ) -> None:
+    """Alignment permutes units: every group but the ``matched`` ones (PFNM / NAFI match
+    MLP units of any number) must have the anchor's size."""
+    why = (f"{method} matches MLP units of any number and aligns the rest, which needs "
+           "equal sizes" if matched else f"{method!r} permutes units and needs equal widths "
+           "(pfnm or nafi fuse unequal MLP widths)")
     for checkpoint, spec in zip(checkpoints, specs, strict=True):
-        for group, size in zip(spec.groups, sizes, strict=True):
-            if group.size != size:
+        for index, (group, mine) in enumerate(zip(spec.groups, specs[anchor].groups,
+                                                  strict=True)):
+            if index not in matched and group.size != mine.size:
                 raise IncompatibleModelsError(
                     f"{checkpoint.label}: group {group.name!r} has {group.size} units but the "
-                    f"anchor {checkpoints[anchor].label} has {size}; {method!r} permutes "
-                    "units and needs equal widths (pfnm or nafi fuse unequal MLP widths)")
+                    f"anchor {checkpoints[anchor].label} has {mine.size}; {why}")
 
 
 def client_arrays(checkpoint: Checkpoint) -> dict[str, np.ndarray]:
@@ -150,6 +155,40 @@ def _align_group(anchor: dict[str, np.ndarray], client: dict[str, np.ndarray], g
     return 0
 
 
+def aligned_clients(checkpoints: Sequence[Checkpoint], specs: Sequence[TransformerSpec],
+                    anchor: int, *, sweeps: int = 0, rng: np.random.Generator | None = None,
+                    solver: Solver = solve_assignment, skip: Collection[int] = frozenset()
+                    ) -> Iterator[tuple[int, dict[str, np.ndarray], dict[str, Any] | None]]:
+    """(index, tensors in float64, alignment report) of every client, the anchor first
+    (report None), then the others in order, each aligned to the anchor by
+    :func:`align_client`; read one client at a time."""
+    reference = client_arrays(checkpoints[anchor])
+    yield anchor, reference, None
+    for s, checkpoint in enumerate(checkpoints):
+        if s == anchor:
+            continue
+        start = time.perf_counter()
+        client = client_arrays(checkpoint)
+        report = align_client(reference, client, specs[s], sweeps=sweeps, rng=rng,
+                              solver=solver, skip=frozenset(skip))
+        yield s, client, {"client": checkpoint.label, **report,
+                          "time_s": time.perf_counter() - start}
+
+
+def weighted_sum(clients: Iterable[tuple[float, dict[str, np.ndarray]]]
+                 ) -> dict[str, np.ndarray]:
+    """Σ_s w_s · tensor_s, name by name, over (weight, tensors) pairs taken one at a time;
+    integer counters take the maximum."""
+    total: dict[str, np.ndarray] = {}
+    for weight, client in clients:
+        for name, array in client.items():
+            if array.dtype.kind != "f":
+                total[name] = np.maximum(total[name], array) if name in total else array
+            else:
+                total[name] = total[name] + weight * array if name in total else weight * array
+    return total
+
+
 def fuse_transformers(checkpoints: Sequence[Checkpoint], specs: Sequence[TransformerSpec],
                       anchor: int, *, sweeps: int, rng: np.random.Generator | None,
                       solver: Solver) -> tuple[dict[str, np.ndarray], list[dict[str, Any]]]:
@@ -157,24 +196,23 @@ def fuse_transformers(checkpoints: Sequence[Checkpoint], specs: Sequence[Transfo
     sample-count weights; tensors in the clients' dtypes. Holds the anchor, one client and
     the running sum."""
     weights = sample_weights(checkpoints)
-    reference = client_arrays(checkpoints[anchor])
-    total = {name: weights[anchor] * a if a.dtype.kind == "f" else a
-             for name, a in reference.items()}
-    reports = []
-    for s, checkpoint in enumerate(checkpoints):
-        if s == anchor:
-            continue
-        start = time.perf_counter()
-        client = client_arrays(checkpoint)
-        report = align_client(reference, client, specs[s], sweeps=sweeps, rng=rng,
-                              solver=solver)
-        for name, array in client.items():
-            total[name] = (total[name] + weights[s] * array if array.dtype.kind == "f"
-                           else np.maximum(total[name], array))  # counters: the maximum
-        reports.append({"client": checkpoint.label, **report,
-                        "time_s": time.perf_counter() - start})
-    dtypes = {name: info.dtype for name, info in checkpoints[anchor].tensors.items()}
-    return {name: cast_like(array, dtypes[name]) for name, array in total.items()}, reports
+    reports: list[dict[str, Any]] = []
+
+    def weighted() -> Iterator[tuple[float, dict[str, np.ndarray]]]:
+        for s, client, report in aligned_clients(checkpoints, specs, anchor, sweeps=sweeps,
+                                                 rng=rng, solver=solver):
+            if report is not None:
+                reports.append(report)
+            yield weights[s], client
+
+    total = weighted_sum(weighted())
+    return cast_all(total, checkpoints[anchor]), reports
+
+
+def cast_all(state_dict: dict[str, np.ndarray], like: Checkpoint) -> dict[str, np.ndarray]:
+    """Every tensor back to ``like``'s storage dtype (:func:`cast_like`)."""
+    return {name: cast_like(array, like.tensors[name].dtype)
+            for name, array in state_dict.items()}
 
 
 def cast_like(array: np.ndarray, dtype: str) -> np.ndarray:

@@ -24,9 +24,8 @@ import numpy as np
 
 from fusekit.core import neurons
 from fusekit.core.checkpoint import Checkpoint
-from fusekit.core.errors import IncompatibleModelsError, ParameterError, SpecError
+from fusekit.core.errors import ParameterError, SpecError
 from fusekit.core.transformer import Group, TransformerSpec, unit_rows
-from fusekit.engine.matching import solve_assignment
 from fusekit.methods.bayesian.network import (
     BayesianParams,
     client_sigmas,
@@ -35,7 +34,12 @@ from fusekit.methods.bayesian.network import (
 )
 from fusekit.methods.base import sample_weights
 from fusekit.methods.ot import resolve_anchor
-from fusekit.methods.transformer import align_client, cast_like, client_arrays
+from fusekit.methods.transformer import (
+    aligned_clients,
+    cast_all,
+    check_aligned_sizes,
+    weighted_sum,
+)
 
 
 def fuse_transformer_mlps(checkpoints: Sequence[Checkpoint], specs: Sequence[TransformerSpec],
@@ -55,14 +59,16 @@ def fuse_transformer_mlps(checkpoints: Sequence[Checkpoint], specs: Sequence[Tra
     """
     anchor = resolve_anchor(checkpoints, None)
     mlps = specs[anchor].of_kind("mlp")
-    _check_aligned_sizes(checkpoints, specs, anchor, set(mlps), method)
+    check_aligned_sizes(checkpoints, specs, anchor, method, matched=set(mlps))
     widths = layer_widths(params, [[sp.groups[g].size for g in mlps] for sp in specs])
     if None in widths or len(set(widths)) > 1:
         raise ParameterError(f"width: {method} on a transformer needs one MLP width for every "
                              "block (config.json holds one); give --width N or --width-ratio, "
                              f"found {params.width!r}")
     start = time.perf_counter()
-    clients = _aligned_clients(checkpoints, specs, anchor, set(mlps))
+    clients: list[dict[str, np.ndarray]] = [{} for _ in checkpoints]
+    for s, client, _ in aligned_clients(checkpoints, specs, anchor, skip=set(mlps)):
+        clients[s] = client
     align_s = time.perf_counter() - start
     sigmas = None if params.sigma is None else client_sigmas(params.sigma, len(checkpoints))
     fused_sizes, reports, fused_tensors = {}, [], {}
@@ -73,44 +79,13 @@ def fuse_transformer_mlps(checkpoints: Sequence[Checkpoint], specs: Sequence[Tra
         fused_sizes[groups[anchor].name] = means.shape[0]
         reports.append({"layer": groups[anchor].name, "width_asked": widths[0], **report})
     weights = sample_weights(checkpoints)
-    state_dict = {}
-    for name, array in clients[anchor].items():
-        fused = fused_tensors.get(name)
-        if fused is None:
-            fused = (sum(w * c[name] for w, c in zip(weights, clients, strict=True))
-                     if array.dtype.kind == "f" else np.max([c[name] for c in clients], 0))
-        state_dict[name] = cast_like(fused, checkpoints[anchor].tensors[name].dtype)
+    averaged = weighted_sum((w, {n: a for n, a in c.items() if n not in fused_tensors})
+                            for w, c in zip(weights, clients, strict=True))
+    state_dict = cast_all({name: fused_tensors[name] if name in fused_tensors else averaged[name]
+                           for name in clients[anchor]}, checkpoints[anchor])
     report = {"anchor": checkpoints[anchor].label, "align_time_s": align_s,
               "layers": reports}
     return state_dict, specs[anchor].with_group_sizes(fused_sizes), report, None
-
-
-def _check_aligned_sizes(checkpoints, specs, anchor: int, matched: set[int],
-                         method: str) -> None:
-    """Groups other than the matched ones are aligned by permutations: equal sizes."""
-    for checkpoint, spec in zip(checkpoints, specs, strict=True):
-        for index, (group, mine) in enumerate(zip(spec.groups, specs[anchor].groups,
-                                                  strict=True)):
-            if index not in matched and group.size != mine.size:
-                raise IncompatibleModelsError(
-                    f"{checkpoint.label}: group {group.name!r} has {group.size} units but the "
-                    f"anchor {checkpoints[anchor].label} has {mine.size}; {method} matches MLP "
-                    "units of any number and aligns the rest, which needs equal sizes")
-
-
-def _aligned_clients(checkpoints, specs, anchor: int, skip: set[int]) -> list[dict]:
-    """Every client in float64, all groups but ``skip`` aligned to the anchor."""
-    reference = client_arrays(checkpoints[anchor])
-    clients = []
-    for s, (checkpoint, spec) in enumerate(zip(checkpoints, specs, strict=True)):
-        if s == anchor:
-            clients.append(reference)
-            continue
-        client = client_arrays(checkpoint)
-        align_client(reference, client, spec, sweeps=0, rng=None, solver=solve_assignment,
-                     skip=skip)
-        clients.append(client)
-    return clients
 
 
 def _match_mlp(clients: Sequence[dict], groups: Sequence[Group], params: BayesianParams,
