@@ -133,7 +133,8 @@ def _calibration_metadata(result: FusionResult, fusion: FusionMethod,
     if result.assignments is None:
         return
     result.metadata[meta.ASSIGNMENTS] = calibration.assignments_json(result.assignments)
-    if fusion.folds_batchnorm and any(layer.norm for layer in specs[0].layers):
+    if fusion.folds_batchnorm and not isinstance(specs[0], TransformerSpec) and any(
+            layer.norm for layer in specs[0].layers):
         targets = calibration.norm_targets(checkpoints, specs, result.spec, result.assignments,
                                            sample_weights(checkpoints))
         result.metadata[meta.NORM_TARGETS] = json.dumps(targets, separators=(",", ":"))

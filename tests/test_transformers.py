@@ -16,6 +16,7 @@ import safetensors.numpy
 import torch
 
 import fusekit
+from fusekit.core import metadata as meta
 from fusekit.core.checkpoint import load_checkpoint
 from fusekit.core.errors import CheckpointError, IncompatibleModelsError, SpecError
 from fusekit.core.transformer import infer_transformer, permute_transformer
@@ -78,12 +79,16 @@ def spec_of(folder):
     return infer_transformer(checkpoint.config, shapes, label=str(folder))
 
 
+def random_perms(spec, seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {g.name: rng.permutation(g.size) for g in spec.groups}
+
+
 def permuted_copy(source, target, seed: int):
     """``source`` with every group permuted at random (stream, heads, each head's q/k and v
     dimensions, MLP units, pooler), written as a model folder at ``target``."""
     spec = spec_of(source)
-    rng = np.random.default_rng(seed)
-    perms = {g.name: rng.permutation(g.size) for g in spec.groups}
+    perms = random_perms(spec, seed)
     state = safetensors.numpy.load_file(source / "model.safetensors")
     target.mkdir()
     safetensors.numpy.save_file(permute_transformer(state, spec, perms),
@@ -137,6 +142,25 @@ def test_fusing_permuted_copies_gives_back_the_model(family_folders, method, tmp
                                atol=ATOL_FUSED)
     groups_moved = [r["groups_moved"] for r in result.report["alignment"]]
     assert min(groups_moved) > 0  # the copies were really permuted back
+
+
+@pytest.mark.parametrize("method", ["rebasin", "pfnm"])
+def test_fusions_record_where_each_unit_went(family_folders, method):
+    """Unit u of copy i is unit perm_i[u] of the original: both must land on one fused unit
+    in the stream and in every MLP (what calibration maps its targets through)."""
+    family, original, copies = family_folders
+    spec = spec_of(original)
+    hidden = [g for g in spec.groups if g.kind in ("stream", "mlp")]
+    perms = {str(original): {g.name: np.arange(g.size) for g in hidden}}
+    perms.update({str(c): random_perms(spec, seed) for c, seed in zip(copies, (1, 2))})
+    result = fusekit.fuse([copies[0], original, copies[1]], method=method,
+                          **({"width_ratio": 1.0} if method == "pfnm" else {}))
+    by_client = dict(zip(result.report["clients"], result.assignments, strict=True))
+    reference = by_client[str(original)]
+    for label, assigned in by_client.items():
+        for k, group in enumerate(hidden):
+            np.testing.assert_array_equal(assigned[k], reference[k][perms[label][group.name]])
+    assert meta.ASSIGNMENTS in result.metadata
 
 
 def test_avg_of_a_shared_initialisation_is_the_coordinate_mean(tmp_path):

@@ -166,11 +166,12 @@ class OptimalTransport(FusionMethod):
                                  "leave --activations out")
         check_aligned_sizes(checkpoints, specs, anchor_index, self.name)
         start = time.perf_counter()
-        state_dict, reports = fuse_transformers(checkpoints, specs, anchor_index, sweeps=0,
-                                                rng=None, solver=solve_assignment)
+        state_dict, reports, assignments = fuse_transformers(
+            checkpoints, specs, anchor_index, sweeps=0, rng=None, solver=solve_assignment)
         report = {"anchor": checkpoints[anchor_index].label, "cost": "weights",
                   "alignment": reports, "align_time_s": time.perf_counter() - start}
-        return self.result(state_dict, checkpoints, specs[anchor_index], params, report)
+        return self.result(state_dict, checkpoints, specs[anchor_index], params, report,
+                           assignments)
 
 
 def _checked_preactivations(arrays: Sequence[np.ndarray], checkpoint: Checkpoint,

@@ -99,11 +99,12 @@ class ReBasin(FusionMethod):
         params = {"anchor": checkpoints[anchor_index].label if anchor is not None else None,
                   "max_sweeps": max_sweeps, "seed": seed, "backend": backend}
         if isinstance(specs[anchor_index], TransformerSpec):
-            state_dict, reports = fuse_transformers(checkpoints, specs, anchor_index,
-                                                    sweeps=max_sweeps, rng=rng, solver=solver)
+            state_dict, reports, assignments = fuse_transformers(
+                checkpoints, specs, anchor_index, sweeps=max_sweeps, rng=rng, solver=solver)
             report = {"anchor": checkpoints[anchor_index].label, "alignment": reports,
                       "align_time_s": time.perf_counter() - start}
-            return self.result(state_dict, checkpoints, specs[anchor_index], params, report)
+            return self.result(state_dict, checkpoints, specs[anchor_index], params, report,
+                               assignments)
 
         def align(anchor_layers, layers, spec):
             return weight_matching(anchor_layers, layers, spec, max_sweeps=max_sweeps, rng=rng,

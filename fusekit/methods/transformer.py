@@ -22,7 +22,7 @@ until a sweep changes nothing (coordinate descent on Git Re-Basin's objective).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -117,62 +117,84 @@ def settled_slots(spec: TransformerSpec, shapes: dict[str, tuple[int, ...]]
 def align_client(anchor: dict[str, np.ndarray], client: dict[str, np.ndarray],
                  spec: TransformerSpec, *, sweeps: int, rng: np.random.Generator | None,
                  solver: Solver, skip: frozenset[int] | set[int] = frozenset()
-                 ) -> dict[str, Any]:
+                 ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """Permute ``client`` (in place of its dict's arrays) onto the anchor, group by group.
 
     First one pass in data-flow order, each group compared on its settled slots
     (:func:`settled_slots`); then, with ``rng``, up to ``sweeps`` sweeps over the groups in
     a random order on all their slots (Git Re-Basin's objective), stopping at a sweep that
     changes nothing. Groups in ``skip`` are left as they are (PFNM / NAFI match them).
+
+    Returns:
+        (report, orders): orders[group name][u] is the client's original unit now at
+        position u, for every group that moved.
     """
+    orders: dict[str, np.ndarray] = {}
     first_pass = settled_slots(spec, {name: a.shape for name, a in anchor.items()})
-    moved = sum(_align_group(anchor, client, group, solver, slots)
+    moved = sum(_align_group(anchor, client, group, solver, orders, slots)
                 for index, (group, slots) in enumerate(zip(spec.groups, first_pass,
                                                            strict=True))
                 if index not in skip)
     sweep = 0
     while rng is not None and sweep < sweeps:
         sweep += 1
-        changed = sum(_align_group(anchor, client, spec.groups[index], solver)
+        changed = sum(_align_group(anchor, client, spec.groups[index], solver, orders)
                       for index in map(int, rng.permutation(len(spec.groups)))
                       if index not in skip)
         moved += changed
         if not changed:
             break
-    return {"sweeps": sweep, "groups_moved": moved}
+    return {"sweeps": sweep, "groups_moved": moved}, orders
 
 
 def _align_group(anchor: dict[str, np.ndarray], client: dict[str, np.ndarray], group: Group,
-                 solver: Solver, slots: Sequence[Slot] | None = None) -> int:
-    """Permute one group of the client to its best assignment; 1 if it moved, else 0."""
+                 solver: Solver, orders: dict[str, np.ndarray],
+                 slots: Sequence[Slot] | None = None) -> int:
+    """Permute one group of the client to its best assignment, noting it in ``orders``;
+    1 if it moved, else 0."""
     similarity = group_similarity(anchor, client, group, slots)
     current = float(np.trace(similarity))
     _, cols = solver(similarity, maximize=True)
     best = float(similarity[np.arange(cols.size), cols].sum())
     if best > current + 1e-12 * max(abs(current), 1.0):
         permute_group(client, group, cols)
+        orders[group.name] = orders.get(group.name, np.arange(group.size))[cols]
         return 1
     return 0
+
+
+def hidden_assignments(spec: TransformerSpec, orders: Mapping[str, np.ndarray]
+                       ) -> list[np.ndarray]:
+    """Per group of ``spec.hidden_widths`` (the stream, each block's MLP), the position
+    each of the client's units was aligned to (what calibration maps targets through)."""
+    out = []
+    for group in spec.groups:
+        if group.kind in ("stream", "mlp"):
+            assigned = np.empty(group.size, dtype=np.int64)
+            assigned[orders.get(group.name, np.arange(group.size))] = np.arange(group.size)
+            out.append(assigned)
+    return out
 
 
 def aligned_clients(checkpoints: Sequence[Checkpoint], specs: Sequence[TransformerSpec],
                     anchor: int, *, sweeps: int = 0, rng: np.random.Generator | None = None,
                     solver: Solver = solve_assignment, skip: Collection[int] = frozenset()
-                    ) -> Iterator[tuple[int, dict[str, np.ndarray], dict[str, Any] | None]]:
-    """(index, tensors in float64, alignment report) of every client, the anchor first
-    (report None), then the others in order, each aligned to the anchor by
+                    ) -> Iterator[tuple[int, dict[str, np.ndarray], dict[str, Any] | None,
+                                        dict[str, np.ndarray]]]:
+    """(index, tensors in float64, alignment report, orders) of every client, the anchor
+    first (report None, no orders), then the others in order, each aligned to the anchor by
     :func:`align_client`; read one client at a time."""
     reference = client_arrays(checkpoints[anchor])
-    yield anchor, reference, None
+    yield anchor, reference, None, {}
     for s, checkpoint in enumerate(checkpoints):
         if s == anchor:
             continue
         start = time.perf_counter()
         client = client_arrays(checkpoint)
-        report = align_client(reference, client, specs[s], sweeps=sweeps, rng=rng,
-                              solver=solver, skip=frozenset(skip))
+        report, orders = align_client(reference, client, specs[s], sweeps=sweeps, rng=rng,
+                                      solver=solver, skip=frozenset(skip))
         yield s, client, {"client": checkpoint.label, **report,
-                          "time_s": time.perf_counter() - start}
+                          "time_s": time.perf_counter() - start}, orders
 
 
 def weighted_sum(clients: Iterable[tuple[float, dict[str, np.ndarray]]]
@@ -191,22 +213,30 @@ def weighted_sum(clients: Iterable[tuple[float, dict[str, np.ndarray]]]
 
 def fuse_transformers(checkpoints: Sequence[Checkpoint], specs: Sequence[TransformerSpec],
                       anchor: int, *, sweeps: int, rng: np.random.Generator | None,
-                      solver: Solver) -> tuple[dict[str, np.ndarray], list[dict[str, Any]]]:
+                      solver: Solver) -> tuple[dict[str, np.ndarray], list[dict[str, Any]],
+                                               list[list[np.ndarray]]]:
     """Align every client to the anchor (:func:`align_client`) and average them with
     sample-count weights; tensors in the clients' dtypes. Holds the anchor, one client and
-    the running sum."""
+    the running sum.
+
+    Returns:
+        (state_dict, per client alignment reports, assignments: per client and group of
+        the stream and the MLPs, :func:`hidden_assignments`)."""
     weights = sample_weights(checkpoints)
     reports: list[dict[str, Any]] = []
+    assignments: list[list[np.ndarray]] = [[] for _ in checkpoints]
 
     def weighted() -> Iterator[tuple[float, dict[str, np.ndarray]]]:
-        for s, client, report in aligned_clients(checkpoints, specs, anchor, sweeps=sweeps,
-                                                 rng=rng, solver=solver):
+        for s, client, report, orders in aligned_clients(checkpoints, specs, anchor,
+                                                         sweeps=sweeps, rng=rng,
+                                                         solver=solver):
             if report is not None:
                 reports.append(report)
+            assignments[s] = hidden_assignments(specs[s], orders)
             yield weights[s], client
 
     total = weighted_sum(weighted())
-    return cast_all(total, checkpoints[anchor]), reports
+    return cast_all(total, checkpoints[anchor]), reports, assignments
 
 
 def cast_all(state_dict: dict[str, np.ndarray], like: Checkpoint) -> dict[str, np.ndarray]:

@@ -38,6 +38,7 @@ from fusekit.methods.transformer import (
     aligned_clients,
     cast_all,
     check_aligned_sizes,
+    hidden_assignments,
     weighted_sum,
 )
 
@@ -45,13 +46,13 @@ from fusekit.methods.transformer import (
 def fuse_transformer_mlps(checkpoints: Sequence[Checkpoint], specs: Sequence[TransformerSpec],
                           params: BayesianParams, method: str
                           ) -> tuple[dict[str, np.ndarray], TransformerSpec, dict[str, Any],
-                                     None]:
+                                     list[list[np.ndarray]]]:
     """Fuse transformer clients with PFNM / NAFI on their MLP units (module docstring).
 
     Returns:
-        (state_dict, fused spec (the anchor's, MLP widths fused), report, None): the
-        assignments of :func:`~fusekit.methods.bayesian.network.fuse_network`'s fourth
-        place are not recorded (calibration does not cover transformers).
+        (state_dict, fused spec (the anchor's, MLP widths fused), report, assignments):
+        per client, the fused unit of each of its units in the stream (the alignment's)
+        and in each block's MLP (the matching's), as calibration reads them.
 
     Raises:
         IncompatibleModelsError: groups other than the MLPs of unequal sizes.
@@ -59,6 +60,7 @@ def fuse_transformer_mlps(checkpoints: Sequence[Checkpoint], specs: Sequence[Tra
     """
     anchor = resolve_anchor(checkpoints, None)
     mlps = specs[anchor].of_kind("mlp")
+    hidden = specs[anchor].of_kind("stream", "mlp")  # the groups assignments are given for
     check_aligned_sizes(checkpoints, specs, anchor, method, matched=set(mlps))
     widths = layer_widths(params, [[sp.groups[g].size for g in mlps] for sp in specs])
     if None in widths or len(set(widths)) > 1:
@@ -67,14 +69,19 @@ def fuse_transformer_mlps(checkpoints: Sequence[Checkpoint], specs: Sequence[Tra
                              f"found {params.width!r}")
     start = time.perf_counter()
     clients: list[dict[str, np.ndarray]] = [{} for _ in checkpoints]
-    for s, client, _ in aligned_clients(checkpoints, specs, anchor, skip=set(mlps)):
+    assignments: list[list[np.ndarray]] = [[] for _ in checkpoints]
+    for s, client, _, orders in aligned_clients(checkpoints, specs, anchor, skip=set(mlps)):
         clients[s] = client
+        assignments[s] = hidden_assignments(specs[s], orders)  # MLPs replaced below
     align_s = time.perf_counter() - start
     sigmas = None if params.sigma is None else client_sigmas(params.sigma, len(checkpoints))
     fused_sizes, reports, fused_tensors = {}, [], {}
     for index in mlps:
         groups = [sp.groups[index] for sp in specs]
-        means, report = _match_mlp(clients, groups, params, sigmas, widths[0], index)
+        means, report, matched = _match_mlp(clients, groups, params, sigmas, widths[0],
+                                            index)
+        for client, assigned in zip(assignments, matched, strict=True):
+            client[hidden.index(index)] = assigned
         fused_tensors.update(_write_back(means, groups[anchor], clients[anchor]))
         fused_sizes[groups[anchor].name] = means.shape[0]
         reports.append({"layer": groups[anchor].name, "width_asked": widths[0], **report})
@@ -85,12 +92,14 @@ def fuse_transformer_mlps(checkpoints: Sequence[Checkpoint], specs: Sequence[Tra
                            for name in clients[anchor]}, checkpoints[anchor])
     report = {"anchor": checkpoints[anchor].label, "align_time_s": align_s,
               "layers": reports}
-    return state_dict, specs[anchor].with_group_sizes(fused_sizes), report, None
+    return state_dict, specs[anchor].with_group_sizes(fused_sizes), report, assignments
 
 
 def _match_mlp(clients: Sequence[dict], groups: Sequence[Group], params: BayesianParams,
-               sigmas, width: int, index: int) -> tuple[np.ndarray, dict[str, Any]]:
-    """One block's MLP units matched across clients: (fused width, P) fused unit vectors."""
+               sigmas, width: int, index: int
+               ) -> tuple[np.ndarray, dict[str, Any], list[np.ndarray]]:
+    """One block's MLP units matched across clients: (fused width, P) fused unit vectors,
+    the report, per client the fused unit of each of its units."""
     vecs, labels = [], None
     for client, group in zip(clients, groups, strict=True):
         parts = [unit_rows(client[slot.tensor], slot, group.size) for slot in group.slots]
@@ -99,7 +108,7 @@ def _match_mlp(clients: Sequence[dict], groups: Sequence[Group], params: Bayesia
     observed = [np.ones(v.shape[1], dtype=bool) for v in vecs]
     unit = neurons.block_variances(vecs, observed, labels)
     result, _, _, hyper = match_layer(params, sigmas, vecs, observed, unit, index, width)
-    return result.means, {**result.report, "hyperparameters": hyper}
+    return result.means, {**result.report, "hyperparameters": hyper}, result.assignments
 
 
 def _write_back(means: np.ndarray, group: Group, like: dict[str, np.ndarray]
