@@ -13,6 +13,7 @@ import torch
 pytest.importorskip("flwr", reason="needs the [flower] extra")
 
 from flwr.app import (
+    Array,
     ArrayRecord,
     ConfigRecord,
     Error,
@@ -28,6 +29,7 @@ from conftest import mlp, write, write_raw
 from fusekit.core.checkpoint import Checkpoint
 from fusekit.core.errors import (
     CheckpointError,
+    DataError,
     IncompatibleModelsError,
     ParameterError,
     UnknownMethodError,
@@ -39,8 +41,11 @@ from fusekit.flower import (
     arrays_to_state_dict,
     global_model,
     log_to_flower,
+    statistics_reply,
     train_reply,
 )
+from fusekit.flower.records import query_checkpoint, statistics_content, statistics_query
+from fusekit.toolkit.calibration import calibrate_locally, client_statistics
 from fusekit.toolkit.data import load_dataset
 from fusekit.toolkit.nn import build_model, load_state_into
 from fusekit.toolkit.nn.fused import load_fused
@@ -119,6 +124,7 @@ def test_avg_keeps_tensor_names_and_weights_by_num_examples():
     expected = (0.75 * models[0][0].weight + 0.25 * models[1][0].weight).detach().numpy()
     np.testing.assert_allclose(fused["0.weight"], expected, rtol=1e-6)
     assert fused["1.num_batches_tracked"].dtype == np.int64
+    assert fused["1.num_batches_tracked"].shape == ()  # as torch has it: nodes load it
     assert metrics["avg.fused-widths"] == [5]
     assert metrics["avg.fused-replies"] == 2 and metrics["avg.left-out-replies"] == 0
 
@@ -299,17 +305,24 @@ def assert_nodes_rebuild_the_global_model(strategy, arrays, digits):
 
 class Federation:
     """A Grid stand-in for ``strategy.start``: nodes 10-12 answer each train message with
-    ``train(node, message)`` (a RecordDict or an Error); evaluate messages are not sent
-    (``fraction_evaluate=0``)."""
+    ``train(node, message)`` and each query (calibration's) with ``query(node, message)``
+    (a RecordDict or an Error); evaluate messages are not sent (``fraction_evaluate=0``).
+    ``sent`` lists the type of every message sent."""
 
-    def __init__(self, train):
-        self.train = train
+    def __init__(self, train, query=None):
+        self.handlers = {MessageType.TRAIN: train, MessageType.QUERY: query}
+        self.sent = []
 
     def get_node_ids(self):
         return [10, 11, 12]
 
     def send_and_receive(self, messages, timeout=None):
-        return [Message(self.train(m.metadata.dst_node_id, m), reply_to=m) for m in messages]
+        answers = []
+        for m in messages:
+            self.sent.append(m.metadata.message_type)
+            handler = self.handlers[m.metadata.message_type.split(".")[0]]
+            answers.append(Message(handler(m.metadata.dst_node_id, m), reply_to=m))
+        return answers
 
 
 def test_a_run_without_a_fused_round_returns_the_initial_model(trained):
@@ -434,3 +447,164 @@ def test_later_rounds_can_rematch_at_the_global_models_widths(trained):
     assert fusion.name == "pfnm" and params == {"width": [64]}
     with pytest.raises(ParameterError, match="later_rounds: expected one of"):
         FusekitStrategy("pfnm", later_rounds="pfnm")
+
+
+@pytest.fixture(scope="module")
+def trained_bn(digits):
+    """Three BatchNorm MLP clients (64-16-16-10) from their own initial weights, non-iid."""
+    config = SimulationConfig(clients=3, partition="dirichlet", alpha=0.5, arch="mlp:16,16",
+                              batchnorm=True, train=TrainConfig(epochs=2))
+    return with_modules(simulate_clients(digits, config))
+
+
+def calibrating_federation(trained, digits, statistics=None):
+    """Nodes 10-12 reply their trained model, and to a statistics query
+    ``statistics(node, message, inputs)`` (default: ``statistics_reply`` on the node's
+    training inputs)."""
+    clients, _ = trained
+    inputs = {10 + c.index: digits.x_train[c.indices] for c in clients}
+    answer = statistics or (lambda node, m, x: statistics_reply(m.content, x))
+    replies = {message.metadata.src_node_id: message.content
+               for message in trained_replies(trained)}
+    return Federation(lambda node, _: replies[node],
+                      lambda node, m: answer(node, m, inputs[node])), inputs
+
+
+def calibrated_round(trained, digits, statistics):
+    """One PFNM round calibrated (one pass) with the answers of ``statistics``: the
+    strategy, its Result and each node's inputs."""
+    clients, _ = trained
+    grid, inputs = calibrating_federation(trained, digits, statistics)
+    strategy = FusekitStrategy("pfnm", arch=clients[0].checkpoint.arch, fraction_evaluate=0,
+                               calibrate=True)
+    result = strategy.start(grid, trained_replies(trained)[0].content["arrays"],
+                            num_rounds=1)
+    return strategy, result, inputs
+
+
+def fused_bn(trained):
+    clients, _ = trained
+    result = fusekit.fuse([c.checkpoint for c in clients], method="pfnm")
+    return Checkpoint.from_state_dict(result.state_dict, result.metadata)
+
+
+@pytest.mark.parametrize("rounds", ["one-pass", "layerwise"])
+def test_calibration_pools_the_nodes_statistics_into_the_global_model(trained_bn, digits,
+                                                                      rounds):
+    """The round's global model is the fusion calibrated with the nodes' statistics: what
+    ``calibrate_locally`` gives with the nodes' data at hand (one query round, or one per
+    BatchNorm layer); the nodes rebuild it, running statistics included."""
+    clients, _ = trained_bn
+    grid, inputs = calibrating_federation(trained_bn, digits)
+    strategy = FusekitStrategy("pfnm", arch=clients[0].checkpoint.arch, fraction_evaluate=0,
+                               calibrate=True, calibration_rounds=rounds)
+    result = strategy.start(grid, trained_replies(trained_bn)[0].content["arrays"],
+                            num_rounds=1)
+    queries = 1 if rounds == "one-pass" else 2  # two BatchNorm layers
+    assert grid.sent == ["train"] * 3 + ["query.statistics"] * 3 * queries
+    fused = fused_bn(trained_bn)
+    expected = calibrate_locally(fused, [inputs[n] for n in sorted(inputs)], rounds=rounds)
+    calibrated = arrays_to_state_dict(result.arrays)
+    assert list(calibrated) == list(expected.state_dict)
+    for name, value in expected.state_dict.items():
+        np.testing.assert_allclose(calibrated[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+    assert not np.allclose(calibrated["net.1.running_var"], fused.tensor("net.1.running_var"))
+    metrics = result.train_metrics_clientapp[1]
+    assert metrics["pfnm.calibrated"] == 1 and metrics["pfnm.calibration-nodes"] == 3
+    assert metrics["pfnm.calibration-rounds"] == queries
+    assert metrics["pfnm.calibration-samples"] == sum(len(x) for x in inputs.values())
+    assert json.loads(strategy.global_metadata["fusekit.calibration"])["clients"] == 3
+    assert_nodes_rebuild_the_global_model(strategy, result.arrays, digits)
+
+
+def test_bad_statistics_are_left_out_and_calibration_proceeds_with_the_rest(
+        trained_bn, digits, caplog):
+    """Too few inputs, a negative variance: each is logged and left out with the reason
+    ``fusekit calibrate`` gives; the model is calibrated with the good node's statistics."""
+
+    def answer(node, message, x):
+        if node == 10:
+            return statistics_reply(message.content, x[:8], min_samples=1)
+        content = statistics_reply(message.content, x)
+        if node == 11:
+            with_negative_variance(content)
+        return content
+
+    strategy, result, inputs = calibrated_round(trained_bn, digits, answer)
+    reasons = strategy.left_out_statistics
+    assert sorted(reasons) == [10, 11]
+    assert reasons[10] == ("node 10: statistics over 8 inputs; at least 32 are required "
+                           "(moments of a few samples reveal them)")
+    assert "variances must be finite and >= 0, found [-1.0]" in reasons[11]
+    assert all(f"statistics of node {n} left out: {r}" in caplog.text
+               for n, r in reasons.items())
+    fused = fused_bn(trained_bn)
+    good = client_statistics(fused, inputs[12], mode="batch")
+    calibrated = arrays_to_state_dict(result.arrays)
+    for name, value in fusekit.calibrate(fused, [good]).state_dict.items():
+        np.testing.assert_allclose(calibrated[name], value, rtol=1e-6, err_msg=name)
+    assert result.train_metrics_clientapp[1]["pfnm.calibration-nodes"] == 1
+
+
+def with_negative_variance(content):
+    statistics = content["statistics"]
+    var = statistics["bn_input:net.1.var"].numpy().copy()
+    var[0] = -1.0
+    statistics["bn_input:net.1.var"] = Array(var)
+
+
+def test_without_usable_statistics_the_round_keeps_the_uncalibrated_fusion(trained_bn, digits,
+                                                                           caplog):
+    """An error, statistics of another model, of the other mode: nothing to pool; the
+    round's global model is the fusion, and the failure is logged as an error."""
+    clients, models = trained_bn
+    other = Checkpoint.from_state_dict({k: v.numpy() for k, v in models[0].state_dict().items()},
+                                       {"fusekit.arch": json.dumps(clients[0].checkpoint.arch)})
+
+    def answer(node, message, x):
+        if node == 10:
+            return Error(code=3, reason="No query function registered with name 'statistics'")
+        if node == 11:
+            return statistics_content(client_statistics(other, x, mode="batch"))
+        return statistics_content(client_statistics(query_checkpoint(message.content)[0], x))
+
+    strategy, result, _ = calibrated_round(trained_bn, digits, answer)
+    reasons = strategy.left_out_statistics
+    assert "No query function registered" in reasons[10]
+    assert "computed for model" in reasons[11]
+    assert reasons[12] == "node 12: statistics in eval mode; the query asked for batch"
+    assert "calibration failed: no node sent usable statistics" in caplog.text
+    for name, value in fused_bn(trained_bn).state_dict().items():
+        np.testing.assert_array_equal(arrays_to_state_dict(result.arrays)[name], value)
+    metrics = result.train_metrics_clientapp[1]
+    assert metrics["pfnm.calibrated"] == 0 and "fusekit.calibration" not in (
+        strategy.global_metadata)
+
+
+def test_calibration_settings_and_models_it_leaves_alone(trained, caplog):
+    with pytest.raises(ParameterError, match="calibrate: method 'ams' returns an ensemble"):
+        FusekitStrategy("ams", calibrate=True)
+    with pytest.raises(ParameterError, match="calibration_rounds: expected one of"):
+        FusekitStrategy("pfnm", calibrate=True, calibration_rounds="two")
+    with pytest.raises(ParameterError, match="calibration_min_samples"):
+        FusekitStrategy("pfnm", calibrate=True, calibration_min_samples=0)
+    # A model without BatchNorm: no query is sent, the fusion is the global model.
+    caplog.set_level(logging.INFO, logger="fusekit")
+    grid = Federation(lambda node, _: trained_replies(trained)[node - 10].content)
+    strategy = FusekitStrategy("pfnm", fraction_evaluate=0, calibrate=True)
+    result = strategy.start(grid, trained_replies(trained)[0].content["arrays"], num_rounds=1)
+    assert grid.sent == ["train"] * 3
+    assert result.train_metrics_clientapp[1]["pfnm.calibrated"] == 0
+    assert "no BatchNorm layer: nothing to calibrate" in caplog.text
+
+
+def test_statistics_reply_refuses_too_few_inputs_and_other_messages(trained_bn, digits):
+    fused = fused_bn(trained_bn)
+    content = statistics_query(fused.state_dict(), fused.metadata, [24, 24], "batch")
+    with pytest.raises(DataError, match="N >= 32"):
+        statistics_reply(content, digits.x_train[:31])
+    with pytest.raises(CheckpointError, match="statistics query: expected"):
+        statistics_reply(RecordDict({"config": ConfigRecord()}), digits.x_train)
+    sent = statistics_reply(content, torch.as_tensor(digits.x_train[:40]))
+    assert sorted(sent) == ["fusekit-stats", "statistics"]  # nothing but the aggregates
+    assert all(a.numpy().shape == (24,) for a in sent["statistics"].values())

@@ -91,12 +91,34 @@ def statistic_points(spec) -> dict[str, int]:
 def save_statistics(path: str | os.PathLike[str], stats: Statistics, *,
                     force: bool = False) -> Path:
     """Write ``stats`` as safetensors, atomically (see :func:`save_checkpoint`)."""
-    tensors = {f"{point}.{name}": np.asarray(getattr(moments, name), np.float64)
-               for point, moments in stats.points.items() for name in FIELDS}
-    description = {"format": meta.STATS_FORMAT, "model": stats.model,
-                   "num_samples": stats.num_samples, "mode": stats.mode}
-    metadata = {meta.STATS: json.dumps(description), meta.NUM_SAMPLES: str(stats.num_samples)}
-    return save_checkpoint(path, tensors, metadata, force=force)
+    metadata = {meta.STATS: statistics_description(stats),
+                meta.NUM_SAMPLES: str(stats.num_samples)}
+    return save_checkpoint(path, statistics_tensors(stats), metadata, force=force)
+
+
+def statistics_tensors(stats: Statistics) -> dict[str, np.ndarray]:
+    """A statistics file's tensors: ``<point>.count``, ``.mean``, ``.var``, float64."""
+    return {f"{point}.{name}": np.asarray(getattr(moments, name), np.float64)
+            for point, moments in stats.points.items() for name in FIELDS}
+
+
+def statistics_description(stats: Statistics) -> str:
+    """A statistics file's ``fusekit.stats`` metadata (JSON): format, model, inputs, mode."""
+    return json.dumps({"format": meta.STATS_FORMAT, "model": stats.model,
+                       "num_samples": stats.num_samples, "mode": stats.mode})
+
+
+def parse_statistics(description: str, tensors: Mapping[str, np.ndarray],
+                     label: str) -> Statistics:
+    """Statistics from what a file holds (:func:`statistics_description`'s JSON and
+    :func:`statistics_tensors`) received by other means (a Flower message); checked for
+    form only: :func:`check_statistics` checks them against a model.
+
+    Raises:
+        StatisticsError: malformed description or tensor names (the message names ``label``).
+    """
+    parsed = meta.load_json(description, f"{label}: metadata {meta.STATS}", StatisticsError)
+    return _parse(parsed, tensors, label)
 
 
 def load_statistics(path: str | os.PathLike[str], *, model: str | None = None,
@@ -121,11 +143,10 @@ def load_statistics(path: str | os.PathLike[str], *, model: str | None = None,
         raw = checkpoint.metadata.get(meta.STATS)
         if raw is None:
             raise StatisticsError(f"{path}: not a statistics file (no {meta.STATS} metadata)")
-        description = meta.load_json(raw, f"{path}: metadata {meta.STATS}", StatisticsError)
         tensors = {name: np.asarray(checkpoint.tensor(name)) for name in checkpoint.tensors}
     except CheckpointError as exc:
         raise StatisticsError(f"statistics file {exc}") from None
-    stats = _parse(description, tensors, str(path))
+    stats = parse_statistics(raw, tensors, str(path))
     check_statistics(stats, model=model, points=points, min_samples=min_samples)
     return stats
 

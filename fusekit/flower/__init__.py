@@ -11,15 +11,21 @@ Server side, in a ServerApp::
 
 Client side, in a ClientApp: ``train_reply(model, num_examples, class_counts)`` is the reply's
 content; ``global_model(msg.content)`` rebuilds the global model with its fused widths (the
-message's ConfigRecord has ``fusekit-widths`` once a round fused).
+message's ConfigRecord has ``fusekit-widths`` once a round fused). With
+``FusekitStrategy(..., calibrate=True)`` the ClientApp also answers calibration's query::
+
+    @app.query(STATISTICS)  # "statistics"
+    def statistics(msg, context):
+        return Message(statistics_reply(msg.content, my_training_inputs), reply_to=msg)
 """
 
-from fusekit.flower.client import global_model, train_reply
+from fusekit.flower.client import global_model, statistics_reply, train_reply
 from fusekit.flower.logs import log_to_flower
 from fusekit.flower.records import (
     ARCH,
     CLASS_COUNTS,
     NUM_EXAMPLES,
+    STATISTICS,
     WIDTHS,
     arrays_to_state_dict,
     state_dict_to_arrays,
@@ -30,11 +36,13 @@ __all__ = [
     "ARCH",
     "CLASS_COUNTS",
     "NUM_EXAMPLES",
+    "STATISTICS",
     "WIDTHS",
     "FusekitStrategy",
     "arrays_to_state_dict",
     "global_model",
     "log_to_flower",
     "state_dict_to_arrays",
+    "statistics_reply",
     "train_reply",
 ]

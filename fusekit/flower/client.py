@@ -1,5 +1,6 @@
-"""The ClientApp side: pack a trained torch model into a train reply, and rebuild the global
-model the server sends (whose widths a PFNM/NAFI round changed)."""
+"""The ClientApp side: pack a trained torch model into a train reply, rebuild the global
+model the server sends (whose widths a PFNM/NAFI round changed), and answer calibration's
+statistics query."""
 
 from __future__ import annotations
 
@@ -7,12 +8,15 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from torch import nn
 
 from fusekit.core import metadata as meta
 from fusekit.core.checkpoint import Checkpoint
 from fusekit.core.errors import ParameterError
+from fusekit.core.stats import DEFAULT_MIN_SAMPLES
+from fusekit.toolkit.calibration import client_statistics
 from fusekit.toolkit.nn.fused import load_fused
 
 from .records import (
@@ -22,6 +26,8 @@ from .records import (
     NUM_EXAMPLES,
     arrays_to_state_dict,
     model_metadata,
+    query_checkpoint,
+    statistics_content,
 )
 
 
@@ -86,3 +92,34 @@ def global_model(content: RecordDict, arch: Mapping[str, Any] | None = None, *,
     checkpoint = Checkpoint.from_state_dict(
         arrays_to_state_dict(content.array_records[arrays_key]), metadata, source="global model")
     return load_fused(checkpoint, "cpu")
+
+
+def statistics_reply(content: RecordDict, inputs: Any, *, batch_size: int = 1024,
+                     min_samples: int = DEFAULT_MIN_SAMPLES, device: str = "cpu"
+                     ) -> RecordDict:
+    """The reply to :class:`FusekitStrategy`'s statistics query (``@app.query("statistics")``):
+    per-channel count, mean and variance of every hidden pre-activation and BatchNorm
+    input of the model the query carries, run on this node's ``inputs``
+    (:func:`fusekit.toolkit.calibration.client_statistics`). Only those aggregates leave
+    the node: no input, label or per-sample value.
+
+    Args:
+        content: the query message's content.
+        inputs: (N, ...) this node's inputs (numpy array or torch tensor), those the model
+            accepts (the training inputs: calibration matches the data the clients saw).
+        batch_size: inputs per forward pass (in one-pass calibration also the BatchNorm
+            batch).
+        min_samples: refuse to answer over fewer inputs (the moments of a few samples
+            reveal them); the strategy refuses such replies too.
+        device: where the model runs.
+
+    Raises:
+        CheckpointError: the content is not a statistics query.
+        DataError: inputs that do not fit the model, or fewer than ``min_samples``.
+    """
+    checkpoint, mode = query_checkpoint(content)
+    if hasattr(inputs, "detach"):  # a torch tensor
+        inputs = inputs.detach().cpu().numpy()
+    stats = client_statistics(checkpoint, np.asarray(inputs), mode=mode,
+                              batch_size=batch_size, device=device, min_samples=min_samples)
+    return statistics_content(stats)

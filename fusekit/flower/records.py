@@ -7,6 +7,13 @@ count per class) and, for fusekit models, a ``ConfigRecord`` with the architectu
 and evaluate ``ConfigRecord``, what ``fusekit.load_fused`` rebuilds the global model from:
 ``fusekit-arch``, ``fusekit-spec`` and ``fusekit-ams`` where the fused model has them, and
 ``fusekit-widths`` (the fused hidden widths, which PFNM/NAFI change).
+
+Calibration (``FusekitStrategy(calibrate=True)``) sends a ``query.statistics`` message
+with the model to calibrate, the same ConfigRecord plus ``fusekit-norm-targets`` and
+``fusekit-stats-mode``; the node replies with an ArrayRecord ``statistics`` holding per
+channel count, mean and variance of every point (a statistics file's tensors, float64) and
+a ConfigRecord ``fusekit-stats`` with the file's description (model hash, number of inputs,
+mode): nothing else, no input or label.
 """
 
 from __future__ import annotations
@@ -15,11 +22,17 @@ import json
 from collections.abc import Mapping
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, MessageType, RecordDict
 
 from fusekit.core import metadata as meta
 from fusekit.core.checkpoint import Checkpoint
-from fusekit.core.errors import CheckpointError
+from fusekit.core.errors import CheckpointError, StatisticsError
+from fusekit.core.stats import (
+    Statistics,
+    parse_statistics,
+    statistics_description,
+    statistics_tensors,
+)
 
 NUM_EXAMPLES = "num-examples"  # Flower's FedAvg weights replies by this key
 CLASS_COUNTS = "class-counts"
@@ -30,6 +43,13 @@ WIDTHS = "fusekit-widths"
 ARCH_RECORD = "fusekit"  # the reply's ConfigRecord carrying ARCH
 #: The fused model's metadata that rebuilds it, and the ConfigRecord keys it travels under.
 MODEL_KEYS = {meta.ARCH: ARCH, meta.SPEC: SPEC, meta.AMS: AMS}
+#: The query action of calibration: a ClientApp answers it in ``@app.query("statistics")``.
+STATISTICS = "statistics"
+STATISTICS_QUERY = f"{MessageType.QUERY}.{STATISTICS}"
+NORM_TARGETS = "fusekit-norm-targets"
+STATS_MODE = "fusekit-stats-mode"
+STATS_ARRAYS = "statistics"
+STATS_RECORD = "fusekit-stats"
 
 
 def arrays_to_state_dict(arrays: ArrayRecord) -> dict[str, np.ndarray]:
@@ -38,8 +58,9 @@ def arrays_to_state_dict(arrays: ArrayRecord) -> dict[str, np.ndarray]:
 
 
 def state_dict_to_arrays(state_dict: Mapping[str, np.ndarray]) -> ArrayRecord:
-    """A name -> numpy array mapping as an ArrayRecord (names and order kept)."""
-    return ArrayRecord({name: Array(np.ascontiguousarray(value))
+    """A name -> numpy array mapping as an ArrayRecord (names, order and shapes kept: a 0-d
+    tensor such as BatchNorm's ``num_batches_tracked`` stays 0-d)."""
+    return ArrayRecord({name: Array(np.require(value, requirements="C"))
                         for name, value in state_dict.items()})
 
 
@@ -86,6 +107,67 @@ def model_config(fused_metadata: Mapping[str, str], widths: list[int]) -> Config
 def model_metadata(config: ConfigRecord) -> dict[str, str]:
     """The fusekit metadata a :func:`model_config` record carries."""
     return {name: str(config[key]) for name, key in MODEL_KEYS.items() if key in config}
+
+
+def statistics_query(state_dict: Mapping[str, np.ndarray], metadata: Mapping[str, str],
+                     widths: list[int], mode: str) -> RecordDict:
+    """The content of a statistics query: the model to calibrate (``arrays``) and what
+    rebuilds it, its BatchNorms' targets and the mode (``config``)."""
+    config = model_config(metadata, widths)
+    if meta.NORM_TARGETS in metadata:
+        config[NORM_TARGETS] = metadata[meta.NORM_TARGETS]
+    config[STATS_MODE] = mode
+    return RecordDict({"arrays": state_dict_to_arrays(state_dict), "config": config})
+
+
+def query_checkpoint(content: RecordDict) -> tuple[Checkpoint, str]:
+    """The model a statistics query carries, and the mode to compute its statistics in.
+
+    Raises:
+        CheckpointError: the content is not a statistics query.
+    """
+    config = content.config_records.get("config", ConfigRecord())
+    if "arrays" not in content.array_records or STATS_MODE not in config:
+        raise CheckpointError(
+            f"statistics query: expected an ArrayRecord 'arrays' and a ConfigRecord 'config' "
+            f"with {STATS_MODE!r} (FusekitStrategy's calibration), found records "
+            f"{sorted(content)}")
+    metadata = model_metadata(config)
+    if NORM_TARGETS in config:
+        metadata[meta.NORM_TARGETS] = str(config[NORM_TARGETS])
+    checkpoint = Checkpoint.from_state_dict(arrays_to_state_dict(content["arrays"]), metadata,
+                                            source="model to calibrate")
+    return checkpoint, str(config[STATS_MODE])
+
+
+def statistics_content(stats: Statistics) -> RecordDict:
+    """A statistics reply: the per-channel aggregates and their description, nothing else."""
+    return RecordDict({
+        STATS_ARRAYS: state_dict_to_arrays(statistics_tensors(stats)),
+        STATS_RECORD: ConfigRecord({meta.STATS: statistics_description(stats)}),
+    })
+
+
+def reply_statistics(content: RecordDict, source: str) -> Statistics:
+    """A node's statistics reply, parsed (not yet checked against the model: see
+    :func:`fusekit.core.stats.check_statistics`).
+
+    Raises:
+        StatisticsError: the reply lacks its records or they are malformed (the message
+            names ``source``).
+    """
+    arrays = content.array_records.get(STATS_ARRAYS)
+    description = content.config_records.get(STATS_RECORD, ConfigRecord()).get(meta.STATS)
+    if arrays is None or not isinstance(description, str):
+        raise StatisticsError(
+            f"{source}: expected an ArrayRecord {STATS_ARRAYS!r} and a ConfigRecord "
+            f"{STATS_RECORD!r} with {meta.STATS!r} (fusekit.flower.statistics_reply), found "
+            f"records {sorted(content)}")
+    try:
+        return parse_statistics(description, arrays_to_state_dict(arrays), source)
+    except (TypeError, ValueError) as exc:  # arrays that are not numbers
+        raise StatisticsError(f"{source}: statistics that are not float arrays ({exc})"
+                              ) from None
 
 
 def _only(records: Mapping, kind: str, source: str):

@@ -10,7 +10,13 @@ a method that rematches neurons (PFNM, NAFI, OT) fuses the first round that fuse
 nodes then train that global model, whose neurons already correspond, and later rounds
 average them (avg) at the fused width, which therefore stays as the first fusion set it;
 with ``later_rounds="rematch"`` they fuse with the method again (PFNM and NAFI at the
-global model's widths). Methods that keep the global model's coordinates (avg, Fed²) fuse every round.
+global model's widths). Methods that keep the global model's coordinates (avg, Fed²)
+fuse every round.
+
+With ``calibrate=True`` each fused model is calibrated before it becomes the round's
+global model (ALGORITHMS.md §12): query rounds, no training, send it to the nodes whose
+models were fused; each replies with per-channel statistics of it on its own data
+(:func:`fusekit.flower.statistics_reply`) and :func:`fusekit.calibrate` pools them.
 """
 
 from __future__ import annotations
@@ -20,14 +26,14 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result
 
 import fusekit
-from fusekit.api import SpecLike, check_compatible, client_spec
+from fusekit.api import SpecLike, check_compatible, client_spec, fused_spec
 from fusekit.core import metadata as meta
 from fusekit.core.checkpoint import Checkpoint
 from fusekit.core.errors import (
@@ -35,26 +41,37 @@ from fusekit.core.errors import (
     FusekitError,
     IncompatibleModelsError,
     ParameterError,
+    StatisticsError,
 )
 from fusekit.core.spec import PermutationSpec
+from fusekit.core.stats import DEFAULT_MIN_SAMPLES, Statistics, check_statistics, statistic_points
 from fusekit.methods import FusionResult
 from fusekit.methods.avg import check_equal_shapes
 from fusekit.methods.base import FusionMethod, get_method
 from fusekit.methods.params import method_params, validate
+from fusekit.toolkit.calibration import calibration_layers
 from fusekit.toolkit.rounds import ENSEMBLES, EVERY_ROUND, round_method
 
 from .records import (
     CLASS_COUNTS,
+    STATISTICS_QUERY,
     arrays_to_state_dict,
     model_config,
     reply_checkpoint,
+    reply_statistics,
     state_dict_to_arrays,
+    statistics_query,
 )
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 #: What fuses the rounds after a method that rematches neurons has fused one.
 LATER_ROUNDS = ("avg", "rematch")
+#: How calibration queries the nodes: one round per BatchNorm layer, each with the layers
+#: below already calibrated (exact), or one round with every BatchNorm normalised by the
+#: node's batch statistics (approximate; as ``calibrate_locally``'s ``rounds``).
+CALIBRATION_ROUNDS = ("one-pass", "layerwise")
 
 
 class FusekitStrategy(FedAvg):
@@ -74,14 +91,24 @@ class FusekitStrategy(FedAvg):
             round, ``"avg"`` averages the later rounds (as ``fusekit simulate --rounds``);
             ``"rematch"`` fuses them with the method again, PFNM and NAFI at the global
             model's widths (``width`` replaces ``width_ratio``), so the width holds too.
+        calibrate: calibrate every fused model with the statistics the nodes whose models
+            it fused compute on their own data (query rounds after the fusion; the
+            ClientApp answers them with ``statistics_reply``): BatchNorm layers get the
+            pooled statistics. A model without BatchNorm is left as it is.
+        calibration_rounds: ``"one-pass"`` (default: one query round, each BatchNorm
+            normalised by the node's batch statistics) or ``"layerwise"`` (one query round
+            per BatchNorm layer, input to output: exact, one network round trip each).
+        calibration_min_samples: refuse a node's statistics over fewer inputs (they come
+            close to revealing them).
         **fedavg: FedAvg's own arguments (``fraction_train``, ``min_train_nodes``,
             ``min_available_nodes``, ``weighted_by_key``, ...).
 
     Raises:
         UnknownMethodError: ``method`` is not registered.
         ParameterError: ``params`` do not match the method's declaration (names, types,
-            choices, bounds), or give a per-client parameter one value per client; or
-            ``min_fused_replies`` is not a positive integer.
+            choices, bounds), or give a per-client parameter one value per client;
+            ``min_fused_replies`` is not a positive integer; calibration settings out of
+            range, or ``calibrate`` with a method whose result is an ensemble (AMS).
     """
 
     def __init__(
@@ -93,6 +120,9 @@ class FusekitStrategy(FedAvg):
         arch: Mapping[str, Any] | None = None,
         min_fused_replies: int = 2,
         later_rounds: str = "avg",
+        calibrate: bool = False,
+        calibration_rounds: str = "one-pass",
+        calibration_min_samples: int = DEFAULT_MIN_SAMPLES,
         **fedavg: Any,
     ) -> None:
         super().__init__(**fedavg)
@@ -110,8 +140,26 @@ class FusekitStrategy(FedAvg):
             raise ParameterError(f"later_rounds: expected one of {list(LATER_ROUNDS)}, found "
                                  f"{later_rounds!r}")
         self.later_rounds = later_rounds
+        self._set_calibration(calibrate, calibration_rounds, calibration_min_samples)
         self.initial_metadata = {meta.ARCH: json.dumps(dict(arch))} if arch else {}
         self._begin()
+
+    def _set_calibration(self, calibrate: bool, rounds: str, min_samples: int) -> None:
+        if not isinstance(calibrate, bool):
+            raise ParameterError(f"calibrate: expected true or false, found {calibrate!r}")
+        if calibrate and self.method in ENSEMBLES:
+            raise ParameterError(f"calibrate: method {self.method!r} returns an ensemble of "
+                                 "the nodes' models, which calibration does not cover")
+        if rounds not in CALIBRATION_ROUNDS:
+            raise ParameterError(f"calibration_rounds: expected one of "
+                                 f"{list(CALIBRATION_ROUNDS)}, found {rounds!r}")
+        if isinstance(min_samples, bool) or not (isinstance(min_samples, int)
+                                                 and min_samples >= 1):
+            raise ParameterError(f"calibration_min_samples: expected an integer >= 1, found "
+                                 f"{min_samples!r}")
+        self.calibrate = calibrate
+        self.calibration_rounds = rounds
+        self.calibration_min_samples = min_samples
 
     def _begin(self) -> None:
         """The state of a run that has not fused yet."""
@@ -122,6 +170,11 @@ class FusekitStrategy(FedAvg):
         self.left_out: dict[int, str] = {}
         #: How many rounds of this run fused so far (failed rounds do not count).
         self.fused_rounds = 0
+        #: Why nodes' statistics were left out of the last calibration (node id -> reason).
+        self.left_out_statistics: dict[int, str] = {}
+        #: The Grid of the round being run (calibration queries the nodes through it).
+        self._grid: Grid | None = None
+        self._timeout = 3600.0
 
     @property
     def method(self) -> str:
@@ -151,6 +204,7 @@ class FusekitStrategy(FedAvg):
                 f"models, which nodes cannot train in a next round; expected 1, found "
                 f"{num_rounds}")
         self._begin()  # a strategy started again starts from initial_arrays
+        self._timeout = timeout
         result = super().start(grid, initial_arrays, num_rounds, timeout, train_config,
                                evaluate_config, evaluate_fn)
         if len(result.arrays) == 0:
@@ -180,6 +234,7 @@ class FusekitStrategy(FedAvg):
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
+        self._grid = grid  # aggregate_train, which calibrates, is not given it
         return super().configure_train(server_round, arrays, self._with_global_model(config),
                                        grid)
 
@@ -231,12 +286,18 @@ class FusekitStrategy(FedAvg):
         result = fusekit.fuse([checkpoint for checkpoint, _ in usable], method=fusion.name,
                               spec=self.spec, **params)
         elapsed = time.perf_counter() - start
-        self.last_fusion, self.global_metadata = result, dict(result.metadata)
-        self.fused_rounds += 1
         log.info("round %d: %s fused %d models in %.2f s, hidden widths %s", server_round,
                  fusion.name, len(usable), elapsed, result.widths)
-        return state_dict_to_arrays(result.state_dict), self._round_metrics(usable, result,
-                                                                            elapsed)
+        calibration = {}
+        if self.calibrate:
+            fused_nodes = [reply.metadata.src_node_id for reply in replies
+                           if reply.metadata.src_node_id not in self.left_out]
+            result, calibration = self.calibrated(server_round, result, fused_nodes)
+        self.last_fusion, self.global_metadata = result, dict(result.metadata)
+        self.fused_rounds += 1
+        metrics = self._round_metrics(usable, result, elapsed)
+        metrics.update({f"{self.method}.{key}": value for key, value in calibration.items()})
+        return state_dict_to_arrays(result.state_dict), metrics
 
     def _round_metrics(self, usable: list[tuple[Checkpoint, RecordDict]],
                        result: FusionResult, elapsed: float) -> MetricRecord:
@@ -252,6 +313,105 @@ class FusekitStrategy(FedAvg):
         })
         return metrics
 
+    def calibrated(self, server_round: int, fused: FusionResult, nodes: Sequence[int]
+                   ) -> tuple[FusionResult, dict[str, Any]]:
+        """``fused`` calibrated with the statistics ``nodes`` compute of it on their own data,
+        in query rounds through the round's Grid (``calibration_rounds``): one pass, or one
+        round per BatchNorm layer, each on the model calibrated so far.
+
+        Statistics replies are screened as ``fusekit calibrate`` screens files; a reply that
+        fails (an error, malformed, another model, too few inputs) is logged and left out
+        (``self.left_out_statistics``). A query round without any usable reply ends the
+        calibration: the round's global model is then the uncalibrated fusion (logged as an
+        error). A model without BatchNorm is returned as it is, without a query.
+
+        Returns:
+            The calibrated model (the same names, shapes and widths; its metadata holds
+            ``fusekit.calibration``), and the round's calibration metrics: ``calibrated``
+            (1 or 0), ``calibration-rounds``, ``calibration-nodes`` (the nodes whose
+            statistics were pooled in the last query round), ``calibration-samples`` and
+            ``calibration-time-s``.
+        """
+        if self._grid is None:
+            raise ParameterError("calibrate: the strategy queries the nodes through the "
+                                 "round's Grid; run it with strategy.start(grid=...)")
+        start = time.perf_counter()
+        current = Checkpoint.from_state_dict(fused.state_dict, fused.metadata,
+                                             source=f"round {server_round}'s fusion")
+        layers = calibration_layers(fused_spec(current), repair=False)
+        if not layers:
+            log.info("round %d: the fused model has no BatchNorm layer: nothing to calibrate",
+                     server_round)
+            return fused, {"calibrated": 0, "calibration-rounds": 0}
+        steps = ([("batch", None)] if self.calibration_rounds == "one-pass"
+                 else [("eval", [name]) for name in layers])
+        self.left_out_statistics = {}
+        for number, (mode, chosen) in enumerate(steps, 1):
+            stats = self._query_statistics(server_round, current, mode, nodes)
+            if not stats:
+                log.error("round %d: calibration failed: no node sent usable statistics in "
+                          "query round %d of %d; the global model is the uncalibrated fusion",
+                          server_round, number, len(steps))
+                return fused, {"calibrated": 0, "calibration-rounds": number}
+            result = fusekit.calibrate(current, stats, layers=chosen,
+                                       min_samples=self.calibration_min_samples)
+            current = Checkpoint.from_state_dict(result.state_dict, result.metadata,
+                                                 source=f"round {server_round}'s fusion")
+        report = result.report["calibration"]
+        report.update(rounds=len(steps), layers="all")
+        result.metadata[meta.CALIBRATION] = json.dumps(report)
+        result.widths = fused.widths
+        elapsed = time.perf_counter() - start
+        log.info("round %d: calibrated with the statistics of %d node(s) over %d inputs "
+                 "(%s, %d query round(s)) in %.2f s", server_round, report["clients"],
+                 report["samples"], self.calibration_rounds, len(steps), elapsed)
+        return result, {"calibrated": 1, "calibration-rounds": len(steps),
+                        "calibration-nodes": report["clients"],
+                        "calibration-samples": report["samples"],
+                        "calibration-time-s": elapsed}
+
+    def _query_statistics(self, server_round: int, model: Checkpoint, mode: str,
+                          nodes: Sequence[int]) -> list[Statistics]:
+        """One query round: ``model`` to ``nodes``, their usable statistics back."""
+        spec = fused_spec(model)
+        content = statistics_query(model.state_dict(), model.metadata, spec.hidden_widths,
+                                   mode)
+        messages = [Message(content, dst_node_id=node, message_type=STATISTICS_QUERY)
+                    for node in nodes]
+        log.info("round %d: statistics query (%s mode) to %d node(s)", server_round, mode,
+                 len(messages))
+        replies = list(self._grid.send_and_receive(messages, timeout=self._timeout))
+        stats, reasons = self.usable_statistics(replies, model.content_hash,
+                                                statistic_points(spec), mode)
+        for node in nodes:
+            if node not in stats and node not in reasons:
+                reasons[node] = f"no reply within the round's timeout ({self._timeout:g} s)"
+        for node, reason in reasons.items():
+            log.warning("round %d: statistics of node %d left out: %s", server_round, node,
+                        reason)
+        self.left_out_statistics.update(reasons)
+        return [stats[node] for node in sorted(stats)]
+
+    def usable_statistics(self, replies: Iterable[Message], model: str,
+                          points: Mapping[str, int], mode: str
+                          ) -> tuple[dict[int, Statistics], dict[int, str]]:
+        """Split statistics replies into those calibration pools (by node id) and the
+        others' one-line reasons: an error, malformed records, statistics of another model
+        (``model``: its content hash) or other ``points``, in another ``mode``, over fewer
+        than ``calibration_min_samples`` inputs, or with values ``fusekit calibrate``
+        refuses (negative or non-finite variances, ...)."""
+
+        def parse(node: int, content: RecordDict) -> Statistics:
+            stats = reply_statistics(content, f"node {node}")
+            check_statistics(stats, model=model, points=points,
+                             min_samples=self.calibration_min_samples)
+            if stats.mode != mode:
+                raise StatisticsError(f"node {node}: statistics in {stats.mode} mode; the "
+                                      f"query asked for {mode}")
+            return stats
+
+        return screen_replies(replies, parse)
+
     def usable_replies(
         self, replies: Iterable[Message], fusion: FusionMethod | None = None
     ) -> tuple[list[tuple[Checkpoint, RecordDict]], dict[int, str]]:
@@ -259,22 +419,15 @@ class FusekitStrategy(FedAvg):
         method if None) can fuse together, and the others' one-line reasons (those
         ``fusekit fuse`` gives), by node id."""
         fusion = fusion or self.fusion
-        usable, reasons = {}, {}
-        for reply in replies:
-            node = reply.metadata.src_node_id
-            if reply.has_error():
-                reasons[node] = (f"the ClientApp failed (error {reply.error.code}: "
-                                 f"{reply.error.reason})")
-                continue
-            try:
-                checkpoint = reply_checkpoint(reply.content, f"node {node}",
-                                              self.weighted_by_key)
-                spec = client_spec(checkpoint, self.spec)
-                fusion.check_client(checkpoint, spec)
-            except FusekitError as exc:
-                reasons[node] = str(exc)
-                continue
-            usable[node] = (checkpoint, spec, reply.content)
+
+        def parse(node: int, content: RecordDict
+                  ) -> tuple[Checkpoint, PermutationSpec, RecordDict]:
+            checkpoint = reply_checkpoint(content, f"node {node}", self.weighted_by_key)
+            spec = client_spec(checkpoint, self.spec)
+            fusion.check_client(checkpoint, spec)
+            return checkpoint, spec, content
+
+        usable, reasons = screen_replies(replies, parse)
         if fusion.requires_same_architecture:
             reasons.update(self._other_architectures(usable, fusion.name in EVERY_ROUND))
         return ([(checkpoint, content) for node, (checkpoint, _, content) in usable.items()
@@ -341,6 +494,24 @@ class FusekitStrategy(FedAvg):
                                  "hidden-widths": widths})
 
         return evaluate
+
+
+def screen_replies(replies: Iterable[Message], parse: Callable[[int, RecordDict], T]
+                   ) -> tuple[dict[int, T], dict[int, str]]:
+    """Each reply's ``parse(node, content)`` by node id, and for the others the one-line
+    reason: the ClientApp's error, or the FusekitError ``parse`` raised."""
+    parsed, reasons = {}, {}
+    for reply in replies:
+        node = reply.metadata.src_node_id
+        if reply.has_error():
+            reasons[node] = (f"the ClientApp failed (error {reply.error.code}: "
+                             f"{reply.error.reason})")
+            continue
+        try:
+            parsed[node] = parse(node, reply.content)
+        except FusekitError as exc:
+            reasons[node] = str(exc)
+    return parsed, reasons
 
 
 def check_params(fusion: FusionMethod, params: Mapping[str, Any]) -> None:
