@@ -19,6 +19,7 @@ from fusekit._cli.options import (
     SamplesOption,
 )
 from fusekit._cli.output import emit_json, stdout
+from fusekit.core.errors import ParameterError
 from fusekit.core.stats import DEFAULT_MIN_SAMPLES, MODES
 
 OutputOption = Annotated[
@@ -33,13 +34,15 @@ MinSamplesOption = Annotated[
 
 
 def stats(
-    model: Annotated[Path, typer.Argument(help="The model (.safetensors): the fused model "
-                                          "sent back for calibration, or the client's own "
-                                          "model (REPAIR's targets).", show_default=False)],
+    model: Annotated[Path, typer.Argument(help="The model (.safetensors, or a Hugging Face "
+                                          "model folder): the fused model sent back for "
+                                          "calibration, or the client's own model (REPAIR's "
+                                          "targets).", show_default=False)],
     output: OutputOption,
     data: Annotated[str | None, typer.Option(
-        "--data", help="digits (embedded), mnist, fashion-mnist, cifar10, npz or synthetic "
-        "[default: npz with --data-path, else digits]; its training inputs are used.",
+        "--data", help="digits (embedded), mnist, fashion-mnist, cifar10, npz, synthetic, or "
+        "tokens (x_train of --data-path as token ids, for a token transformer) [default: npz "
+        "with --data-path, else digits]; its training inputs are used.",
         show_default=False)] = None,
     data_dir: DataDirOption = None,
     data_path: DataPathOption = None,
@@ -64,12 +67,17 @@ def stats(
     Every hidden pre-activation and BatchNorm input: all that leaves the client."""
     from fusekit.core.stats import save_statistics
     from fusekit.toolkit.calibration import client_statistics
-    from fusekit.toolkit.data import load_dataset
+    from fusekit.toolkit.data import load_dataset, token_ids
 
     name = data if data is not None else ("npz" if data_path is not None else "digits")
-    dataset = load_dataset(name, data_dir=data_dir, path=data_path, samples=samples,
-                           features=features, classes=classes, seed=seed)
-    result = client_statistics(model, dataset.x_train, mode=mode, batch_size=batch_size,
+    if name == "tokens":
+        if data_path is None:
+            raise ParameterError("--data tokens: give the .npz of token ids with --data-path")
+        inputs = token_ids(data_path)
+    else:
+        inputs = load_dataset(name, data_dir=data_dir, path=data_path, samples=samples,
+                              features=features, classes=classes, seed=seed).x_train
+    result = client_statistics(model, inputs, mode=mode, batch_size=batch_size,
                                device=device, min_samples=min_samples)
     written = save_statistics(output, result, force=force)
     summary = {"output": str(written), "model": result.model, "samples": result.num_samples,
@@ -78,22 +86,26 @@ def stats(
         emit_json(summary)
     else:
         stdout.print(f"wrote {written}: {len(result.points)} points over {result.num_samples} "
-                     f"inputs of {dataset.name} (model {result.model[:12]})", highlight=False)
+                     f"inputs of {name} (model {result.model[:12]})", highlight=False)
 
 
 def calibrate(
-    fused: Annotated[Path, typer.Argument(help="The fused model (.safetensors).",
-                                          show_default=False)],
+    fused: Annotated[Path, typer.Argument(help="The fused model (.safetensors, or a Hugging "
+                                          "Face model folder).", show_default=False)],
     statistics: Annotated[list[Path], typer.Argument(
         help="Each client's statistics of FUSED (fusekit stats FUSED ...).",
         metavar="STATS...", show_default=False)],
-    output: OutputOption,
+    output: Annotated[Path, typer.Option(
+        "--output", "-o", help="The .safetensors file to write (a folder for a Hugging Face "
+        "model).", show_default=False)],
     targets: Annotated[list[Path] | None, typer.Option(
         "--targets", help="A client's statistics of its own model (repeat per client): "
-        "REPAIR's targets for layers without BatchNorm.", show_default=False)] = None,
+        "REPAIR's targets for layers without BatchNorm (a transformer's MLPs and LayerNorms: "
+        "required there).", show_default=False)] = None,
     layers: Annotated[str | None, typer.Option(
         "--layers", help="Comma-separated layer names to calibrate (one layer-by-layer "
-        "round); default: all.", show_default=False)] = None,
+        "round; a transformer's MLP input layers and LayerNorms by their module names); "
+        "default: all.", show_default=False)] = None,
     min_samples: MinSamplesOption = DEFAULT_MIN_SAMPLES,
     force: ForceOption = False,
     as_json: JsonOption = False,

@@ -13,6 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from fusekit.core import metadata as meta
 from fusekit.core.checkpoint import Checkpoint, load_checkpoint
 from fusekit.core.errors import (
@@ -37,8 +39,13 @@ from fusekit.core.stats import (
     pool,
     statistic_points,
 )
-from fusekit.core.transformer import TransformerSpec, infer_transformer
-from fusekit.methods import METHODS, calibration, get_method
+from fusekit.core.transformer import (
+    CalibrationPoint,
+    TransformerSpec,
+    calibration_points,
+    infer_transformer,
+)
+from fusekit.methods import METHODS, calibration, get_method, transformer_calibration
 from fusekit.methods.base import FusionMethod, FusionResult, provenance, sample_weights
 from fusekit.methods.params import ParamSpec, method_params, validate
 
@@ -175,16 +182,25 @@ def calibrate(
     """
     checkpoint = fused if isinstance(fused, Checkpoint) else load_checkpoint(fused)
     spec = fused_spec(checkpoint)
-    points = statistic_points(spec)
+    transformer = isinstance(spec, TransformerSpec)
+    if transformer:
+        where = calibration_points(spec, _shapes(checkpoint))
+        points = {p.point: p.size for p in where}
+    else:
+        points = statistic_points(spec)
     stats = [_statistics(s, checkpoint.content_hash, points, min_samples) for s in statistics]
     pooled = pool(stats)
-    repair = _repair_targets(checkpoint, spec, targets, min_samples) if targets else None
-    state_dict = calibration.calibrated_state_dict(
-        checkpoint.state_dict(), spec, pooled,
-        norm_targets=calibration.read_norm_targets(checkpoint, spec), targets=repair,
-        layers=layers)
+    if transformer:
+        state_dict = _calibrated_transformer(checkpoint, spec, where, pooled, targets, layers,
+                                             min_samples)
+    else:
+        repair = _repair_targets(checkpoint, spec, targets, min_samples) if targets else None
+        state_dict = calibration.calibrated_state_dict(
+            checkpoint.state_dict(), spec, pooled,
+            norm_targets=calibration.read_norm_targets(checkpoint, spec), targets=repair,
+            layers=layers)
     report = {"clients": len(stats), "samples": sum(s.num_samples for s in stats),
-              "mode": stats[0].mode, "repair": repair is not None,
+              "mode": stats[0].mode, "repair": bool(targets),
               "layers": list(layers) if layers is not None else "all"}
     metadata = dict(checkpoint.metadata)
     metadata[meta.CALIBRATION] = json.dumps(report)
@@ -192,28 +208,45 @@ def calibrate(
     return FusionResult(state_dict=state_dict, method=metadata.get(meta.METHOD, "unknown"),
                         params={}, widths=spec.hidden_widths, report={"calibration": report},
                         metadata=metadata, inputs=[Path(p).absolute() for p in inputs],
-                        spec=spec)
+                        spec=spec, config=checkpoint.config)
 
 
-def fused_spec(checkpoint: Checkpoint) -> PermutationSpec | GraphSpec:
+def fused_spec(checkpoint: Checkpoint) -> PermutationSpec | GraphSpec | TransformerSpec:
     """A fused (or client) model's spec for calibration: the one in its metadata, else
-    inferred.
-
-    Raises:
-        IncompatibleModelsError: a transformer (a Hugging Face model folder), whose
-            LayerNorms calibration does not cover.
-    """
-    if checkpoint.config is not None:
-        raise IncompatibleModelsError(
-            f"{checkpoint.label}: a transformer; calibration restores BatchNorm and "
-            "REPAIRs the ReLU layers of MLPs, CNNs and ResNets, and does not cover "
-            "transformers' LayerNorms")
-    shapes = {name: info.shape for name, info in checkpoint.tensors.items()}
+    inferred (from config.json for a Hugging Face model folder)."""
+    shapes = _shapes(checkpoint)
     raw = checkpoint.metadata.get(meta.SPEC)
-    if raw is None:
-        return infer_spec(shapes, label=checkpoint.label)
-    return spec_from_json(meta.parse_json_object(raw, meta.SPEC, checkpoint.label), shapes,
-                          label=checkpoint.label)
+    if raw is not None:
+        return spec_from_json(meta.parse_json_object(raw, meta.SPEC, checkpoint.label),
+                              shapes, label=checkpoint.label)
+    if checkpoint.config is not None:
+        return infer_transformer(checkpoint.config, shapes, label=checkpoint.label)
+    return infer_spec(shapes, label=checkpoint.label)
+
+
+def _shapes(checkpoint: Checkpoint) -> dict[str, tuple[int, ...]]:
+    return {name: info.shape for name, info in checkpoint.tensors.items()}
+
+
+def _calibrated_transformer(checkpoint: Checkpoint, spec: TransformerSpec,
+                            where: Sequence[CalibrationPoint], pooled: Mapping[str, Any],
+                            targets: Sequence[StatisticsLike], layers: Sequence[str] | None,
+                            min_samples: int) -> dict[str, Any]:
+    """REPAIR of every MLP's hidden units and every LayerNorm (ALGORITHMS §13), towards the
+    clients' statistics of their own models."""
+    if not targets:
+        raise ParameterError(
+            f"targets: {checkpoint.label} is a transformer, which has no BatchNorm to "
+            "restore: give each client's statistics of its own model (--targets)")
+    modules = [p.module for p in where]
+    unknown = sorted(set(layers or ()) - set(modules))
+    if unknown:
+        raise ParameterError(f"layers: {unknown[:3]} are not calibration points of "
+                             f"{checkpoint.label}; expected some of {modules[:4]}...")
+    stats, chosen = _target_assignments(checkpoint, spec, targets, min_samples)
+    goals = transformer_calibration.point_targets(spec, where, stats, chosen)
+    return transformer_calibration.calibrated_transformer(
+        checkpoint.state_dict(), where, pooled, goals, modules=layers)
 
 
 def _statistics(source: StatisticsLike, model: str, points: Mapping[str, int],
@@ -227,15 +260,27 @@ def _statistics(source: StatisticsLike, model: str, points: Mapping[str, int],
 def _repair_targets(checkpoint: Checkpoint, spec, targets: Sequence[StatisticsLike],
                     min_samples: int) -> dict[str, Any]:
     """REPAIR's targets from clients' statistics of their own models, through the fusion's
-    assignments (each file names its model, which must be one of the fusion's inputs)."""
+    assignments (:func:`_target_assignments`)."""
+    stats, chosen = _target_assignments(checkpoint, spec, targets, min_samples)
+    return calibration.neuron_targets(spec, stats, chosen)
+
+
+def _target_assignments(checkpoint: Checkpoint, spec, targets: Sequence[StatisticsLike],
+                        min_samples: int) -> tuple[list[Statistics], list[Any]]:
+    """The clients' statistics of their own models, each with its assignments: the
+    fusion's for that client (each file names its model, which must be one of the fusion's
+    inputs), or the identity for statistics of the calibrated model itself."""
     assignments = calibration.read_assignments(checkpoint, spec)
     inputs = load_json(checkpoint.metadata.get(meta.INPUTS, "[]"),
                        f"{checkpoint.label}: metadata {meta.INPUTS}")
+    stats = [_statistics(s, None, None, min_samples) for s in targets]
+    if assignments is None and all(s.model == checkpoint.content_hash for s in stats):
+        identity = [np.arange(width) for width in spec.hidden_widths]
+        return stats, [identity] * len(stats)
     if assignments is None or not isinstance(inputs, list) or len(inputs) != len(assignments):
         raise CheckpointError(
             f"{checkpoint.label}: REPAIR targets need the fusion's {meta.ASSIGNMENTS} and "
             f"{meta.INPUTS} metadata (a fusion by a method that matches neurons); found none")
-    stats = [_statistics(s, None, None, min_samples) for s in targets]
     chosen = []
     for s in stats:
         if s.model not in inputs:
@@ -243,7 +288,7 @@ def _repair_targets(checkpoint: Checkpoint, spec, targets: Sequence[StatisticsLi
                 f"{s.label}: computed for model {s.model[:16]}..., which is not one of the "
                 f"fusion's inputs; targets are the clients' statistics of their own models")
         chosen.append(assignments[inputs.index(s.model)])
-    return calibration.neuron_targets(spec, stats, chosen)
+    return stats, chosen
 
 
 @contextlib.contextmanager
@@ -329,7 +374,7 @@ def _in_canonical_order(params: dict[str, Any], names: Sequence[str],
 def client_spec(checkpoint: Checkpoint, spec: SpecLike | None) -> PermutationSpec:
     """The permutation spec of one client: given, or inferred (from config.json for a
     Hugging Face model folder, from names and shapes otherwise)."""
-    shapes = {name: info.shape for name, info in checkpoint.tensors.items()}
+    shapes = _shapes(checkpoint)
     if spec is None and checkpoint.config is not None:
         return infer_transformer(checkpoint.config, shapes, label=checkpoint.label)
     if spec is None:

@@ -7,6 +7,7 @@ with ``save_pretrained``. Tolerances: logits are O(1) in float32; a permuted cop
 the original to 1e-5, a fused model of permuted copies to 1e-4.
 """
 
+import copy
 import json
 import shutil
 
@@ -18,14 +19,30 @@ import torch
 import fusekit
 from fusekit.core import metadata as meta
 from fusekit.core.checkpoint import load_checkpoint
-from fusekit.core.errors import CheckpointError, IncompatibleModelsError, SpecError
-from fusekit.core.transformer import infer_transformer, permute_transformer
+from fusekit.core.errors import (
+    CheckpointError,
+    DataError,
+    IncompatibleModelsError,
+    ParameterError,
+    SpecError,
+    StatisticsError,
+)
+from fusekit.core.stats import pool, save_statistics
+from fusekit.core.transformer import (
+    MLP_HIDDEN,
+    calibration_points,
+    infer_transformer,
+    permute_transformer,
+)
+from fusekit.methods.calibration import read_assignments
+from fusekit.methods.transformer_calibration import point_targets
 
 transformers = pytest.importorskip("transformers", reason="the [hf] extra is not installed")
 
 from typer.testing import CliRunner  # noqa: E402
 
 from fusekit._cli.app import app  # noqa: E402
+from fusekit.toolkit.calibration import calibrate_locally, client_statistics  # noqa: E402
 from fusekit.toolkit.nn.hf import load_pretrained  # noqa: E402
 
 ATOL_PERMUTED = 1e-5
@@ -73,10 +90,13 @@ def save(model, folder, **kwargs):
     return folder
 
 
+def shapes_of(folder):
+    return {name: info.shape for name, info in load_checkpoint(folder).tensors.items()}
+
+
 def spec_of(folder):
-    checkpoint = load_checkpoint(folder)
-    shapes = {name: info.shape for name, info in checkpoint.tensors.items()}
-    return infer_transformer(checkpoint.config, shapes, label=str(folder))
+    return infer_transformer(load_checkpoint(folder).config, shapes_of(folder),
+                             label=str(folder))
 
 
 def random_perms(spec, seed: int) -> dict[str, np.ndarray]:
@@ -255,13 +275,146 @@ def test_position_ids_saved_by_older_transformers_are_read_past(tmp_path):
     np.testing.assert_allclose(logits(out, "bert"), logits(folder, "bert"), atol=1e-6)
 
 
-def test_calibration_refuses_a_transformer_in_one_line(tmp_path):
-    folder = save(tiny_model("vit"), tmp_path / "vit")
-    run = CliRunner().invoke(app, ["stats", str(folder), "--data", "digits",
-                                   "-o", str(tmp_path / "stats.safetensors")])
-    assert run.exit_code == 2 and "does not cover transformers' LayerNorms" in run.output
-    with pytest.raises(IncompatibleModelsError, match="a transformer; calibration"):
-        fusekit.calibrate(folder, [tmp_path / "missing.safetensors"])
+# ---- calibration from client statistics ------------------------------------------------
+
+def client_inputs(family: str, n: int = 40, seed: int = 0) -> np.ndarray:
+    """Pixel values, or token ids with the last positions of every other sequence padding
+    (BERT's pad_token_id is 0; GPT-2 has none, so nothing is padding there)."""
+    rng = np.random.default_rng(seed)
+    if family == "vit":
+        return rng.normal(size=(n, 1, 8, 8)).astype(np.float32)
+    ids = rng.integers(1, 40, size=(n, 7))
+    ids[::2, 5:] = 0
+    return ids
+
+
+def test_statistics_count_every_token_but_padding(family_folders):
+    """Per channel moments of the last LayerNorm over the tokens counted, against the
+    model's own hidden states (BERT: its last block's output LayerNorm; GPT-2: ln_f)."""
+    family, original, _ = family_folders
+    x = client_inputs(family)
+    stats = client_statistics(original, x)
+    points = calibration_points(spec_of(original), shapes_of(original))
+    assert set(stats.points) == {p.point for p in points}
+    assert sum(p.kind == MLP_HIDDEN for p in points) == 2
+    model = load_pretrained(original)
+    with torch.no_grad():
+        if family == "vit":
+            hidden = model(pixel_values=torch.from_numpy(x), output_hidden_states=True)
+            last = model.vit.layernorm(hidden.hidden_states[-1]).reshape(-1, 16).numpy()
+        else:
+            ids = torch.from_numpy(x)
+            mask = ids != 0 if family == "bert" else torch.ones_like(ids, dtype=torch.bool)
+            out = model(input_ids=ids, attention_mask=mask.long(), output_hidden_states=True)
+            last = out.hidden_states[-1][mask].numpy()
+    tokens = {"vit": 40 * 5, "bert": 40 * 7 - 20 * 2, "gpt2": 40 * 7}[family]
+    moments = stats.points["layernorm:" + {"vit": "vit.layernorm", "gpt2": "transformer.ln_f",
+                                           "bert": "bert.encoder.layer.1.output.LayerNorm"}[family]]
+    assert last.shape[0] == tokens and set(moments.count) == {tokens}
+    np.testing.assert_allclose(moments.mean, last.mean(0), atol=1e-5)
+    np.testing.assert_allclose(moments.var, last.var(0), rtol=1e-4, atol=1e-6)
+
+
+def test_calibrating_with_its_own_statistics_changes_nothing(family_folders, tmp_path):
+    """An unfused model towards its own statistics, and a fusion of permuted copies of one
+    model (ot: the same function) towards the copies' statistics through its assignments:
+    every channel already has its target's mean and deviation."""
+    family, original, copies = family_folders
+    x = client_inputs(family)
+    own = client_statistics(original, x)
+    same = fusekit.calibrate(original, [own], targets=[own]).state_dict
+    before = load_checkpoint(original).state_dict()
+    for name, array in before.items():
+        np.testing.assert_allclose(same[name], array, rtol=1e-4, atol=1e-5)
+    fused = fusekit.fuse([copies[0], original, copies[1]], method="ot").save(tmp_path / "f")
+    targets = [client_statistics(folder, x) for folder in (copies[0], original, copies[1])]
+    calibrated = fusekit.calibrate(fused, [client_statistics(fused, x)], targets=targets)
+    out = calibrated.save(tmp_path / "calibrated")
+    assert json.loads((out / "config.json").read_text()) == json.loads(
+        (fused / "config.json").read_text())
+    np.testing.assert_allclose(logits(out, family), logits(original, family), atol=ATOL_FUSED)
+
+
+def test_layer_by_layer_calibration_gives_every_channel_its_target(tmp_path):
+    """Two different ViTs fused by pfnm at 1.5x: after one round per point, the calibrated
+    model's pooled statistics are the targets at every point (exact, §13)."""
+    a = save(tiny_model("vit", seed=0), tmp_path / "a")
+    b = save(tiny_model("vit", seed=1), tmp_path / "b")
+    fused = fusekit.fuse([a, b], method="pfnm", width_ratio=1.5).save(tmp_path / "fused")
+    x = [client_inputs("vit", seed=s) for s in (0, 1)]
+    result = calibrate_locally(fused, x, clients=[load_checkpoint(a), load_checkpoint(b)])
+    assert result.report["calibration"]["rounds"] == 7  # 2 x (2 LayerNorms, 1 MLP) + final
+    out = result.save(tmp_path / "calibrated")
+    model = load_pretrained(out)  # loads, at the fused width
+    assert model.vit.layers[0].mlp.fc1.weight.shape == (36, 16)
+    checkpoint = load_checkpoint(out)
+    spec = fusekit.api.fused_spec(checkpoint)
+    points = calibration_points(spec, shapes_of(out))
+    after = pool([client_statistics(out, inputs) for inputs in x])
+    own = [client_statistics(folder, inputs) for folder, inputs in zip((a, b), x)]
+    by_model = {c: assigned for c, assigned in zip(
+        json.loads(checkpoint.metadata[meta.INPUTS]),
+        read_assignments(checkpoint, spec), strict=True)}
+    goals = point_targets(spec, points, own, [by_model[s.model] for s in own])
+    for point in points:
+        mean, std = goals[point.point]
+        np.testing.assert_allclose(after[point.point].mean, mean, atol=1e-4)
+        np.testing.assert_allclose(after[point.point].std, std, rtol=1e-3, atol=1e-5)
+
+
+def test_cli_calibrates_a_model_folder(tmp_path):
+    """fusekit stats on model folders with token ids, fusekit calibrate to a folder that
+    from_pretrained loads."""
+    a = save(tiny_model("bert", seed=0), tmp_path / "a")
+    b = save(tiny_model("bert", seed=1), tmp_path / "b")
+    fused = tmp_path / "fused"
+    runner = CliRunner()
+    assert runner.invoke(app, ["fuse", str(a), str(b), "-m", "rebasin", "-o",
+                               f"{fused}/"]).exit_code == 0
+    data = tmp_path / "ids.npz"
+    np.savez(data, x_train=client_inputs("bert"))
+    files = []
+    for model in (fused, a, b):
+        path = tmp_path / f"{model.name}.stats.safetensors"
+        run = runner.invoke(app, ["stats", str(model), "--data", "tokens", "--data-path",
+                                  str(data), "-o", str(path)])
+        assert run.exit_code == 0, run.output
+        files.append(str(path))
+    run = runner.invoke(app, ["calibrate", str(fused), files[0], "--targets", files[1],
+                              "--targets", files[2], "-o", f"{tmp_path / 'out'}/", "--json"])
+    assert run.exit_code == 0, run.output
+    assert json.loads(run.stdout)["repair"] is True
+    assert np.all(np.isfinite(logits(tmp_path / "out", "bert")))
+
+
+def test_bad_statistics_of_a_transformer_are_refused_in_one_line(tmp_path):
+    folder = save(tiny_model("gpt2"), tmp_path / "gpt2")
+    other = save(tiny_model("gpt2", seed=1, n_inner=32), tmp_path / "other")
+    x = client_inputs("gpt2")
+    own = client_statistics(folder, x)
+    with pytest.raises(ParameterError, match="targets: .*transformer.*--targets"):
+        fusekit.calibrate(folder, [own])
+    with pytest.raises(StatisticsError, match="computed for model"):
+        fusekit.calibrate(folder, [client_statistics(other, x)], targets=[own])
+    point = "mlp_hidden:transformer.h.0.mlp.c_fc"
+    for field, value, message in (("var", -1.0, "variances must be finite"),
+                                  ("count", 2.5, "positive integer counts"),
+                                  ("mean", np.nan, "means must be finite")):
+        bad = copy.deepcopy(own)
+        getattr(bad.points[point], field)[3] = value
+        source = bad if field == "mean" else (  # a file cannot hold NaN: checked in memory
+            save_statistics(tmp_path / f"{field}.safetensors", bad))
+        with pytest.raises(StatisticsError, match=f"point '{point}'.*{message}"):
+            fusekit.calibrate(folder, [source], targets=[own])
+    with pytest.raises(ParameterError, match="no BatchNorm"):
+        client_statistics(folder, x, mode="batch")
+    with pytest.raises(DataError, match="integer token ids"):
+        client_statistics(folder, x + 0.5)
+    np.savez(tmp_path / "floats.npz", x_train=x + 0.5)
+    run = CliRunner().invoke(app, ["stats", str(folder), "--data", "tokens", "--data-path",
+                                   str(tmp_path / "floats.npz"), "-o", str(tmp_path / "s")])
+    assert run.exit_code == 2 and "integer token ids of shape (N, L)" in run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1
 
 
 def test_folder_without_weights_is_named(tmp_path):

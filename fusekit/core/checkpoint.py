@@ -123,8 +123,10 @@ class Checkpoint:
         metadata: Mapping[str, str] | None = None,
         *,
         source: str | None = None,
+        config: Mapping[str, Any] | None = None,
     ) -> Checkpoint:
-        """Wrap arrays in memory; ``source`` names them in messages (e.g. ``node 7``)."""
+        """Wrap arrays in memory; ``source`` names them in messages (e.g. ``node 7``);
+        ``config``: a Hugging Face model's config.json, when they are one's tensors."""
         arrays = {k: _as_numpy(v) for k, v in state_dict.items()}
         ckpt = cls(
             path=None,
@@ -132,6 +134,7 @@ class Checkpoint:
             tensors={k: TensorInfo(_dtype_name(a.dtype), a.shape) for k, a in arrays.items()},
             _arrays=arrays,
             source=source,
+            config=None if config is None else dict(config),
         )
         ckpt._validate_header()
         return ckpt

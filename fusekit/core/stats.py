@@ -5,7 +5,10 @@ A statistics file holds, for one model run on one client's data, per channel of 
 
 - ``preactivation:<layer>``: a hidden layer's pre-activation (its output after the
   BatchNorm, if any, before the ReLU);
-- ``bn_input:<batchnorm>``: a BatchNorm's input.
+- ``bn_input:<batchnorm>``: a BatchNorm's input;
+- for transformers, ``mlp_hidden:<module>`` (an MLP's hidden pre-activation) and
+  ``layernorm:<module>`` (a LayerNorm's output), over every token that is not padding:
+  their counts are token counts (:data:`TOKEN_POINTS`).
 
 Conv layers count every spatial position of a channel as one sample. Tensors are named
 ``<point>.count``, ``<point>.mean``, ``<point>.var``; the metadata ``fusekit.stats`` names
@@ -31,11 +34,14 @@ import numpy as np
 from fusekit.core import metadata as meta
 from fusekit.core.checkpoint import load_checkpoint, save_checkpoint
 from fusekit.core.errors import CheckpointError, StatisticsError
+from fusekit.core.transformer import LAYERNORM, MLP_HIDDEN
 
 PREACTIVATION = "preactivation"
 BN_INPUT = "bn_input"
 FIELDS = ("count", "mean", "var")
 MODES = ("eval", "batch")
+#: Point kinds whose samples are tokens (a count need not be a multiple of the inputs).
+TOKEN_POINTS = (MLP_HIDDEN, LAYERNORM)
 #: Statistics over fewer inputs than this are refused: per-channel moments of a handful
 #: of samples come close to revealing the samples themselves.
 DEFAULT_MIN_SAMPLES = 32
@@ -211,11 +217,13 @@ def _check_moments(label: str, point: str, moments: Moments, width: int | None,
             f"{label}: point {point!r}: expected count, mean and var of shape ({width},), "
             f"found {shapes}")
     count = moments.count
+    tokens = point.partition(":")[0] in TOKEN_POINTS
     if not (np.all(count > 0) and np.all(count == np.round(count))
-            and np.all(count % num_samples == 0)):
-        raise StatisticsError(
-            f"{label}: point {point!r}: expected positive counts that are multiples of the "
-            f"{num_samples} inputs, found {np.unique(count)[:4].tolist()}")
+            and np.all(count % (1 if tokens else num_samples) == 0)):
+        expected = "positive integer counts" if tokens else (
+            f"positive counts that are multiples of the {num_samples} inputs")
+        raise StatisticsError(f"{label}: point {point!r}: expected {expected}, found "
+                              f"{np.unique(count)[:4].tolist()}")
     if not np.all(np.isfinite(moments.mean)):
         raise StatisticsError(f"{label}: point {point!r}: means must be finite")
     if not np.all(np.isfinite(moments.var) & (moments.var >= 0)):

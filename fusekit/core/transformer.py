@@ -459,3 +459,52 @@ def config_with_widths(config: Mapping[str, Any], spec: TransformerSpec) -> dict
         if config.get(key) is not None or width != 4 * config.get("n_embd", 0):
             out[key] = width
     return out
+
+
+# ---- where calibration acts ------------------------------------------------------------
+
+#: Statistics point kinds of a transformer: an MLP's hidden pre-activations (the output of
+#: its input layer, before the activation) and a LayerNorm's output channels. Both count
+#: tokens, not inputs (ALGORITHMS.md §13, "Calibration").
+MLP_HIDDEN = "mlp_hidden"
+LAYERNORM = "layernorm"
+
+
+@dataclass(frozen=True)
+class CalibrationPoint:
+    """A place calibration rescales and shifts: the channels written by ``weight`` (rows
+    along ``weight.axis``) and ``bias``, which are the units of group ``group``."""
+
+    kind: str  # MLP_HIDDEN or LAYERNORM
+    module: str  # the module's name in the checkpoint (an MLP's input layer, a LayerNorm)
+    group: str
+    size: int
+    weight: Slot
+    bias: str
+
+    @property
+    def point(self) -> str:
+        """Its name in a statistics file: ``<kind>:<module>``."""
+        return f"{self.kind}:{self.module}"
+
+
+def calibration_points(spec: TransformerSpec, shapes: Shapes) -> list[CalibrationPoint]:
+    """Every MLP's hidden units (its input layer: the MLP group's slot with a bias) and
+    every LayerNorm on the residual stream (a 1-D weight and bias in the stream group)."""
+    out = []
+    for group in spec.groups:
+        if group.kind not in ("mlp", "stream"):
+            continue
+        tensors = {slot.tensor: slot for slot in group.slots}
+        for slot in group.slots:
+            module, _, part = slot.tensor.rpartition(".")
+            bias = f"{module}.bias"
+            if part != "weight" or bias not in tensors:
+                continue
+            if group.kind == "mlp":
+                out.append(CalibrationPoint(MLP_HIDDEN, module, group.name, group.size, slot,
+                                            bias))
+            elif len(shapes[slot.tensor]) == 1 and len(shapes[bias]) == 1:
+                out.append(CalibrationPoint(LAYERNORM, module, group.name, group.size, slot,
+                                            bias))
+    return out

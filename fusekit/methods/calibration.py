@@ -166,22 +166,32 @@ def neuron_targets(spec, client_stats: Sequence[Statistics],
     Raises:
         StatisticsError: a client's statistics do not fit its assignments.
     """
-    weights = [s.num_samples for s in client_stats]
     out = {}
     for index, layer in enumerate(spec.layers[:-1]):
         point = preactivation_point(layer.name)
-        group = spec.writes[index]
-        chosen = [a[group] for a in assignments]
-        moments = [s.points.get(point) for s in client_stats]
-        for stats, m, assigned in zip(client_stats, moments, chosen, strict=True):
-            if m is None or m.mean.shape != assigned.shape:
-                raise StatisticsError(
-                    f"{stats.label}: point {point!r} has {None if m is None else m.mean.size} "
-                    f"channels; the fusion matched {assigned.size} neurons of that client")
-        mean = matched_average([m.mean for m in moments], chosen, weights, layer.out_features)
-        std = matched_average([m.std for m in moments], chosen, weights, layer.out_features)
-        out[point] = (mean, std)
+        chosen = [a[spec.writes[index]] for a in assignments]
+        out[point] = point_target(point, client_stats, chosen, layer.out_features)
     return out
+
+
+def point_target(point: str, client_stats: Sequence[Statistics],
+                 chosen: Sequence[np.ndarray], width: int) -> Target:
+    """REPAIR's target of one point: per fused channel, the mean and standard deviation of
+    the client channels matched into it (``chosen``: per client, the fused channel of each
+    of its channels), weighted by the clients' sample counts.
+
+    Raises:
+        StatisticsError: a client's statistics do not fit its assignments.
+    """
+    moments = [s.points.get(point) for s in client_stats]
+    for stats, m, assigned in zip(client_stats, moments, chosen, strict=True):
+        if m is None or m.mean.shape != assigned.shape:
+            raise StatisticsError(
+                f"{stats.label}: point {point!r} has {None if m is None else m.mean.size} "
+                f"channels; the fusion matched {assigned.size} neurons of that client")
+    weights = [s.num_samples for s in client_stats]
+    return (matched_average([m.mean for m in moments], chosen, weights, width),
+            matched_average([m.std for m in moments], chosen, weights, width))
 
 
 def calibrated_state_dict(state_dict: Mapping[str, np.ndarray], spec,
@@ -235,15 +245,23 @@ def _restore_norm(out: dict[str, np.ndarray], layer: Layer, moments: Moments,
 
 
 def _repair(out: dict[str, np.ndarray], layer: Layer, moments: Moments, target: Target) -> None:
-    """W <- a W, b <- a (b - mean) + target mean, a = target std / std, per neuron."""
     if layer.bias is None:
         log.warning("%s: no bias to shift; REPAIR skipped for this layer", layer.name)
         return
+    out[layer.weight], out[layer.bias] = repair_affine(out[layer.weight], out[layer.bias], 0,
+                                                       moments, target)
+
+
+def repair_affine(weight: np.ndarray, bias: np.ndarray, axis: int, moments: Moments,
+                  target: Target) -> tuple[np.ndarray, np.ndarray]:
+    """REPAIR on the channels that ``weight`` (along ``axis``) and ``bias`` write:
+    W <- a W, b <- a (b - mean) + target mean, a = target std / std, per channel; a channel
+    without a target or with a vanishing std keeps its scale. Same dtypes."""
     mean, std = target
     known = ~np.isnan(mean) & (moments.std > MIN_STD)
     scale = np.where(known, std / np.where(known, moments.std, 1.0), 1.0)
     shift = np.where(known, mean - scale * moments.mean, 0.0)
-    weight, bias = out[layer.weight], out[layer.bias]
-    shape = (-1,) + (1,) * (weight.ndim - 1)
-    out[layer.weight] = (weight.astype(np.float64) * scale.reshape(shape)).astype(weight.dtype)
-    out[layer.bias] = (bias.astype(np.float64) * scale + shift).astype(bias.dtype)
+    shape = [1] * weight.ndim
+    shape[axis] = -1
+    scaled = (weight.astype(np.float64) * scale.reshape(shape)).astype(weight.dtype)
+    return scaled, (bias.astype(np.float64) * scale + shift).astype(bias.dtype)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -108,6 +108,13 @@ def client_statistics(
     if inputs.ndim < 2 or len(inputs) < max(min_samples, 1):
         raise DataError(f"statistics: expected inputs of shape (N, ...) with N >= "
                         f"{max(min_samples, 1)} (--min-samples), found {inputs.shape}")
+    if checkpoint.config is not None:  # a Hugging Face transformer: no BatchNorm
+        if mode == "batch":
+            raise ParameterError(f"mode: {checkpoint.label} is a transformer, which has no "
+                                 "BatchNorm to normalise with batch statistics; use eval")
+        from fusekit.toolkit.transformer_calibration import transformer_statistics
+        return transformer_statistics(checkpoint, inputs, mode=mode, batch_size=batch_size,
+                                      device=device)
     spec = api.fused_spec(checkpoint)
     network = load_fused(checkpoint, device)
     if mode == "batch":
@@ -120,13 +127,29 @@ def client_statistics(
         if layer.norm is not None:
             norm = network.get_submodule(layer.norm.prefix)
             hooks.append(_hook(norm, accumulators, bn_input_point(layer.norm.prefix), "input"))
+
+    def run(batch: np.ndarray) -> None:
+        network(torch.from_numpy(np.ascontiguousarray(batch, dtype=np.float32)).to(device))
+
+    return recorded_statistics(run, inputs, batch_size, hooks, accumulators, checkpoint, mode)
+
+
+def recorded_statistics(run: Callable[[np.ndarray], object], inputs: np.ndarray,
+                        batch_size: int, hooks: Sequence, accumulators: dict[str, _Accumulator],
+                        checkpoint: Checkpoint, mode: str) -> Statistics:
+    """Run ``run`` over ``inputs`` in batches without gradients while ``hooks`` fill
+    ``accumulators`` (the hooks are removed after), and return what they recorded.
+
+    Raises:
+        DataError: the model refuses the inputs.
+    """
     try:
         with torch.no_grad():
             for start in range(0, len(inputs), batch_size):
-                batch = torch.from_numpy(np.ascontiguousarray(
-                    inputs[start:start + batch_size], dtype=np.float32)).to(device)
-                network(batch)
-    except RuntimeError as exc:
+                run(inputs[start:start + batch_size])
+    except DataError:
+        raise
+    except (RuntimeError, IndexError, ValueError) as exc:  # IndexError: a token id too large
         raise DataError(f"statistics: inputs of shape {tuple(inputs.shape)} do not fit "
                         f"{checkpoint.label} ({str(exc).splitlines()[0]})") from None
     finally:
@@ -185,10 +208,12 @@ def calibrate_locally(
         fused: the fused model.
         client_inputs: per client, its inputs.
         clients: the clients' own models, in the order of ``client_inputs``: their
-            statistics become REPAIR's targets for layers without BatchNorm.
+            statistics become REPAIR's targets for layers without BatchNorm (a
+            transformer needs them: every MLP and LayerNorm is calibrated towards them).
         rounds: ``layerwise`` (one round per calibrated layer, input to output; each
             layer's statistics are taken with the layers below already calibrated: exact)
-            or ``one-pass`` (one round in ``batch`` mode: approximate, see §12).
+            or ``one-pass`` (one round in ``batch`` mode, for a transformer in ``eval``
+            mode: approximate, see §12).
         min_samples, batch_size, device: see :func:`fusekit.calibrate` and
             :func:`client_statistics`.
 
@@ -208,16 +233,21 @@ def calibrate_locally(
         return api.calibrate(model, stats, targets=targets, layers=layers,
                              min_samples=min_samples)
 
+    transformer = current.config is not None  # no BatchNorm: one pass runs it as it is
     if rounds == "one-pass":
-        result = one_round(current, "batch", None)
+        result = one_round(current, "eval" if transformer else "batch", None)
         result.report["calibration"]["rounds"] = 1
         return result
-    names = calibration_layers(api.fused_spec(current), repair=bool(targets))
+    if transformer and targets:  # its points, in the order the forward pass reached them
+        names = [point.partition(":")[2] for point in targets[0].points]
+    else:
+        names = calibration_layers(api.fused_spec(current), repair=bool(targets))
     result = None
     for name in names:
         result = one_round(current, "eval", [name])
         current = Checkpoint.from_state_dict(result.state_dict, result.metadata,
-                                             source=f"{current.label} (calibrating)")
+                                             source=f"{current.label} (calibrating)",
+                                             config=result.config)
     if result is None:
         result = one_round(current, "eval", [])
     result.report["calibration"].update(rounds=len(names), layers="all")

@@ -9,6 +9,7 @@ from fusekit.toolkit.data.datasets import (
     load_dataset,
     npz_dataset,
     synthetic,
+    token_ids,
 )
 from fusekit.toolkit.data.partitions import (
     PARTITIONS,
@@ -34,4 +35,5 @@ __all__ = [
     "npz_dataset",
     "partition",
     "synthetic",
+    "token_ids",
 ]

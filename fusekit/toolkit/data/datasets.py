@@ -160,15 +160,29 @@ def synthetic(
     )
 
 
-def npz_dataset(path: str | os.PathLike[str]) -> Dataset:
-    """Any .npz with ``x_train, y_train, x_test, y_test`` (labels integers 0..K-1)."""
+def token_ids(path: str | os.PathLike[str]) -> np.ndarray:
+    """A token model's inputs: ``x_train`` of an .npz, integer token ids (N, L), as they
+    are (not standardised; padding is the model's ``pad_token_id``).
+
+    Raises:
+        DataError: no readable file, no ``x_train``, or not a 2-D integer array.
+    """
     path = Path(path)
+    ids = _npz_arrays(path, ("x_train",)).get("x_train")
+    if ids is None or ids.ndim != 2 or ids.dtype.kind not in "iu" or not len(ids):
+        raise DataError(f"{path}: expected x_train, integer token ids of shape (N, L), found "
+                        f"{'none' if ids is None else f'{ids.dtype} {ids.shape}'}")
+    return ids.astype(np.int64)
+
+
+def _npz_arrays(path: Path, keys: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """Those of ``keys`` an .npz holds, read with :func:`read_npy`'s bounds."""
     if not path.is_file():
         raise DataError(f"{path}: npz data file does not exist")
     try:
         with zipfile.ZipFile(path) as archive:
             arrays = {}
-            for key in ("x_train", "y_train", "x_test", "y_test"):
+            for key in keys:
                 if f"{key}.npy" in archive.namelist():
                     with archive.open(f"{key}.npy") as f:
                         size = archive.getinfo(f"{key}.npy").file_size
@@ -177,6 +191,13 @@ def npz_dataset(path: str | os.PathLike[str]) -> Dataset:
         raise
     except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
         raise DataError(f"{path}: not a readable .npz file ({exc})") from None
+    return arrays
+
+
+def npz_dataset(path: str | os.PathLike[str]) -> Dataset:
+    """Any .npz with ``x_train, y_train, x_test, y_test`` (labels integers 0..K-1)."""
+    path = Path(path)
+    arrays = _npz_arrays(path, ("x_train", "y_train", "x_test", "y_test"))
     missing = sorted({"x_train", "y_train", "x_test", "y_test"} - set(arrays))
     if missing:
         raise DataError(

@@ -72,9 +72,16 @@ class ClassifierLogits(nn.Module):
 
 def classifier_from_tensors(config: Mapping[str, Any], tensors: Mapping[str, np.ndarray],
                             label: str) -> ClassifierLogits:
-    """A classifier built from its config.json and its tensors (an AMS sub-model), through
-    a model folder written aside: ``from_pretrained`` is what maps the saved tensor names
-    to the module's (transformers renames some modules in memory).
+    """A classifier built from its config.json and its tensors (an AMS sub-model): see
+    :func:`model_from_tensors`."""
+    return ClassifierLogits(model_from_tensors(config, tensors, label))
+
+
+def model_from_tensors(config: Mapping[str, Any], tensors: Mapping[str, np.ndarray],
+                       label: str, device: Any = "cpu"):
+    """The model a config.json describes, with these tensors, through a model folder
+    written aside: ``from_pretrained`` is what maps the saved tensor names to the
+    module's (transformers renames some modules in memory).
 
     Raises:
         CheckpointError: transformers is missing, or cannot load the tensors as the
@@ -84,8 +91,31 @@ def classifier_from_tensors(config: Mapping[str, Any], tensors: Mapping[str, np.
     with tempfile.TemporaryDirectory(prefix="fusekit-hf-") as folder:
         write_model_files(Path(folder), tensors, {}, config)
         try:
-            model = load_pretrained(folder)
+            return load_pretrained(folder, device)
         except (OSError, ValueError, RuntimeError) as exc:
             raise CheckpointError(f"{label}: transformers cannot load it as the model its "
                                   f"config describes ({str(exc).splitlines()[0]})") from None
-    return ClassifierLogits(model)
+
+
+def modules_by_saved_name(model: nn.Module) -> dict[str, nn.Module]:
+    """Every module that holds parameters, by the name ``save_pretrained`` writes its
+    tensors under (transformers 5 renames some modules in memory: a ViT's
+    ``encoder.layer.N.attention.attention.query`` is ``layers.N.attention.q_proj``)."""
+    names = [name for name, _ in model.named_parameters()]
+    saved = _saved_names(model, names)
+    return {saved.get(name, name).rpartition(".")[0]: model.get_submodule(name.rpartition(".")[0])
+            for name in names}
+
+
+def _saved_names(model: nn.Module, names: list[str]) -> dict[str, str]:
+    """Parameter name in memory -> name in model.safetensors, for the parameters
+    transformers saves one to one: each is replaced by a one-entry marker holding its index
+    and run through the conversion ``save_pretrained`` applies."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers before 5 saves parameters under their own names
+        return {}
+    markers = {name: torch.full((1,), float(i)) for i, name in enumerate(names)}
+    reverted = revert_weight_conversion(model, markers)
+    return {names[int(marker.reshape(-1)[0])]: name for name, marker in reverted.items()
+            if marker.numel() == 1}
