@@ -35,7 +35,8 @@ from threadpoolctl import threadpool_limits
 import fusekit
 from fusekit.core.arch import named_arch
 from fusekit.core.checkpoint import Checkpoint, save_checkpoint
-from fusekit.toolkit.calibration import calibrate_locally, client_statistics
+from fusekit.toolkit.alignment import align_locally
+from fusekit.toolkit.calibration import ROUNDS, calibrate_locally, client_statistics
 from fusekit.toolkit.data import load_dataset, partition
 from fusekit.toolkit.nn import build_model
 from fusekit.toolkit.train import TrainConfig, train_model
@@ -85,7 +86,8 @@ def loaded(result) -> torch.nn.Module:
 
 
 def run_case(case: str, n_clients: int, split: str, init: str, seed: int,
-             methods: list[str]) -> dict[str, Any]:
+             methods: list[str], protocols: tuple[str, ...] = ROUNDS,
+             alignment_rounds: int = 0) -> dict[str, Any]:
     """Train clients, fuse with each method, calibrate, evaluate (module docstring)."""
     arch, shape, epochs, lr = CASES[case]
     data = load_dataset("digits")
@@ -117,7 +119,7 @@ def run_case(case: str, n_clients: int, split: str, init: str, seed: int,
         result = fusekit.fuse(clients, method, **params)
         entry = {"method": label, "widths": result.widths,
                  "uncalibrated": accuracy(loaded(result), x_test, data.y_test)}
-        for rounds in ("layerwise", "one-pass"):
+        for rounds in protocols:
             begin = time.perf_counter()
             calibrated = calibrate_locally(
                 Checkpoint.from_state_dict(result.state_dict, result.metadata), client_inputs,
@@ -125,9 +127,32 @@ def run_case(case: str, n_clients: int, split: str, init: str, seed: int,
             entry[rounds] = accuracy(loaded(calibrated), x_test, data.y_test)
             entry[f"{rounds}_s"] = round(time.perf_counter() - begin, 2)
             entry[f"{rounds}_rounds"] = calibrated.report["calibration"]["rounds"]
+        if alignment_rounds:
+            entry.update(aligned(result, clients, client_inputs, alignment_rounds,
+                                 protocols[-1], min(32, smallest), x_test, data.y_test))
         row["fused"].append(entry)
         print(case, split, init, entry, flush=True)
     return row
+
+
+def aligned(result, clients, client_inputs, alignment_rounds: int, rounds: str,
+            min_samples: int, x_test: np.ndarray, y_test: np.ndarray) -> dict[str, Any]:
+    """Calibrated, then ``alignment_rounds`` alignment rounds each followed by calibration
+    (``rounds``): the accuracy after each round, its matched correlation, the time. Each
+    round is one ``align_locally`` call on the previous round's model (which calibrates
+    that already calibrated model once more before its cross statistics)."""
+    begin = time.perf_counter()
+    current = Checkpoint.from_state_dict(result.state_dict, result.metadata)
+    scores, correlations = [], []
+    for _ in range(alignment_rounds):
+        out = align_locally(current, clients, client_inputs, rounds=rounds,
+                            min_samples=min_samples)
+        scores.append(accuracy(loaded(out), x_test, y_test))
+        correlations.append(out.report["alignment"][0]["mean_correlation"])
+        current = Checkpoint.from_state_dict(out.state_dict, out.metadata)
+    return {"aligned": scores, "aligned_protocol": rounds,
+            "aligned_correlation": correlations,
+            "aligned_s": round(time.perf_counter() - begin, 2)}
 
 
 def _json(arch: dict[str, Any]) -> str:
@@ -190,6 +215,11 @@ def main() -> None:
     parser.add_argument("--seeds", default="0")
     parser.add_argument("--settings", default="iid/independent,iid/shared,dirichlet/independent,"
                         "dirichlet/shared", help="split/init pairs")
+    parser.add_argument("--protocols", default=",".join(ROUNDS),
+                        help="calibration protocols to measure (the last one also calibrates "
+                        "in the alignment rounds)")
+    parser.add_argument("--alignment-rounds", type=int, default=0,
+                        help="also measure 1..N alignment rounds (0: none)")
     parser.add_argument("--cost", action="store_true", help="also the resnet50 cost rows")
     parser.add_argument("--cost-samples", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1)
@@ -202,8 +232,9 @@ def main() -> None:
         for setting in args.settings.split(","):
             split, init = setting.split("/")
             for seed in map(int, args.seeds.split(",")):
-                payload["cases"].append(run_case(case, args.clients, split, init, seed,
-                                                 args.methods.split(",")))
+                payload["cases"].append(run_case(
+                    case, args.clients, split, init, seed, args.methods.split(","),
+                    tuple(args.protocols.split(",")), args.alignment_rounds))
                 write_json(args.json_out, payload)
     if args.cost:
         payload["cost"] = cost(2, args.cost_samples)

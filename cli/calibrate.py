@@ -59,14 +59,18 @@ def stats(
                           ] = 1024,
     device: DeviceOption = "cpu",
     min_samples: MinSamplesOption = DEFAULT_MIN_SAMPLES,
+    against: Annotated[Path | None, typer.Option(
+        "--against", help="The client's own model: write cross statistics of MODEL (the "
+        "reference sent for an alignment round) and this model instead (fusekit align).",
+        show_default=False)] = None,
     force: ForceOption = False,
     as_json: JsonOption = False,
 ) -> None:
     """Per-channel count, mean and variance of MODEL's layers on this client's data.
 
-    Every hidden pre-activation and BatchNorm input: all that leaves the client."""
-    from fusekit.core.stats import save_statistics
-    from fusekit.toolkit.calibration import client_statistics
+    Every hidden pre-activation and BatchNorm input: all that leaves the client. With
+    --against OWN_MODEL: per hidden layer, the covariances of MODEL's channels with
+    OWN_MODEL's (an alignment round)."""
     from fusekit.toolkit.data import load_dataset, token_ids
 
     name = data if data is not None else ("npz" if data_path is not None else "digits")
@@ -77,6 +81,16 @@ def stats(
     else:
         inputs = load_dataset(name, data_dir=data_dir, path=data_path, samples=samples,
                               features=features, classes=classes, seed=seed).x_train
+    if against is not None:
+        if mode != "eval":
+            raise ParameterError(f"--mode {mode}: cross statistics (--against) run both "
+                                 "models as they are; expected --mode eval")
+        _cross_stats(model, against, inputs, name, output, batch_size=batch_size,
+                     device=device, min_samples=min_samples, force=force, as_json=as_json)
+        return
+    from fusekit.core.stats import save_statistics
+    from fusekit.toolkit.calibration import client_statistics
+
     result = client_statistics(model, inputs, mode=mode, batch_size=batch_size,
                                device=device, min_samples=min_samples)
     written = save_statistics(output, result, force=force)
@@ -87,6 +101,26 @@ def stats(
     else:
         stdout.print(f"wrote {written}: {len(result.points)} points over {result.num_samples} "
                      f"inputs of {name} (model {result.model[:12]})", highlight=False)
+
+
+def _cross_stats(reference: Path, own: Path, inputs, name: str, output: Path, *,
+                 batch_size: int, device: str, min_samples: int, force: bool,
+                 as_json: bool) -> None:
+    from fusekit.core.cross_stats import save_cross_statistics
+    from fusekit.toolkit.alignment import cross_statistics
+
+    result = cross_statistics(reference, own, inputs, batch_size=batch_size,
+                              device=device, min_samples=min_samples)
+    written = save_cross_statistics(output, result, force=force)
+    summary = {"output": str(written), "reference": result.reference, "model": result.model,
+               "samples": result.num_samples, "points": len(result.points)}
+    if as_json:
+        emit_json(summary)
+    else:
+        stdout.print(f"wrote {written}: cross statistics of {len(result.points)} layers over "
+                     f"{result.num_samples} inputs of {name} (reference "
+                     f"{result.reference[:12]}, own model {result.model[:12]})",
+                     highlight=False)
 
 
 def calibrate(
@@ -126,3 +160,37 @@ def calibrate(
         stdout.print(f"wrote {written}: calibrated with {report['clients']} client(s), "
                      f"{report['samples']} inputs ({report['mode']} statistics"
                      f"{', REPAIR targets' if report['repair'] else ''})", highlight=False)
+
+
+def align(
+    reference: Annotated[Path, typer.Argument(
+        help="The fused model the clients ran (.safetensors; calibrate it first).",
+        show_default=False)],
+    clients: Annotated[list[Path], typer.Argument(
+        help="The clients' own models (the fusion's inputs).", metavar="CLIENTS...",
+        show_default=False)],
+    output: OutputOption,
+    cross_stats: Annotated[list[Path], typer.Option(
+        "--cross-stats", help="A client's cross statistics (fusekit stats REFERENCE "
+        "--against OWN_MODEL ...), one per client (repeat).", show_default=False)],
+    min_samples: MinSamplesOption = DEFAULT_MIN_SAMPLES,
+    force: ForceOption = False,
+    as_json: JsonOption = False,
+) -> None:
+    """Re-match every client to REFERENCE by activations and re-fuse (an alignment round).
+
+    Writes the re-fused model at REFERENCE's widths; calibrate it next (fusekit stats,
+    fusekit calibrate)."""
+    import fusekit
+
+    result = fusekit.align(reference, clients, cross_stats, min_samples=min_samples)
+    result.inputs += [path.absolute() for path in [reference, *cross_stats]]
+    written = result.save(output, force=force)
+    report = {"output": str(written), "clients": len(clients), "widths": result.widths,
+              "mean_correlation": result.report["alignment"]["mean_correlation"]}
+    if as_json:
+        emit_json(report)
+    else:
+        stdout.print(f"wrote {written}: {len(clients)} client(s) re-matched to {reference} "
+                     f"(mean matched correlation {report['mean_correlation']}), widths "
+                     f"{result.widths}; calibrate it next", highlight=False)

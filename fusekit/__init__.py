@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from fusekit._version import __version__
 
 if TYPE_CHECKING:
-    from fusekit.api import calibrate, fuse
+    from fusekit.api import align, calibrate, fuse
     from fusekit.core.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
     from fusekit.core.spec import PermutationSpec, infer_spec
     from fusekit.methods import METHODS, FusionResult
@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 # `fusekit.*` module, the command line's included) pays for SciPy, POT and torch only when
 # a name that needs them is used.
 _HOMES = {
+    "align": "fusekit.api",
     "calibrate": "fusekit.api",
     "fuse": "fusekit.api",
     "Checkpoint": "fusekit.core.checkpoint",

@@ -23,6 +23,11 @@ from fusekit.core.errors import (
     ParameterError,
     StatisticsError,
 )
+from fusekit.core.cross_stats import (
+    CrossStatistics,
+    check_cross_statistics,
+    load_cross_statistics,
+)
 from fusekit.core.metadata import load_json
 from fusekit.core.spec import (
     GraphSpec,
@@ -45,7 +50,7 @@ from fusekit.core.transformer import (
     calibration_points,
     infer_transformer,
 )
-from fusekit.methods import METHODS, calibration, get_method, transformer_calibration
+from fusekit.methods import METHODS, alignment, calibration, get_method, transformer_calibration
 from fusekit.methods.base import FusionMethod, FusionResult, provenance, sample_weights
 from fusekit.methods.params import ParamSpec, method_params, validate
 
@@ -289,6 +294,105 @@ def _target_assignments(checkpoint: Checkpoint, spec, targets: Sequence[Statisti
                 f"fusion's inputs; targets are the clients' statistics of their own models")
         chosen.append(assignments[inputs.index(s.model)])
     return stats, chosen
+
+
+CrossStatisticsLike = str | os.PathLike[str] | CrossStatistics
+
+
+def align(
+    reference: CheckpointLike,
+    clients: Sequence[CheckpointLike],
+    cross_statistics: Sequence[CrossStatisticsLike],
+    *,
+    min_samples: int = DEFAULT_MIN_SAMPLES,
+) -> FusionResult:
+    """Re-match every client to a reference by activations and re-fuse (an alignment
+    round, ALGORITHMS.md §12.4).
+
+    Args:
+        reference: the fused model the clients ran (best calibrated first: its
+            activations are then those of a working network).
+        clients: the clients' own models (the fusion's inputs).
+        cross_statistics: one per client, its cross statistics of ``reference`` and its own
+            model on its own data (``fusekit stats REFERENCE --against OWN_MODEL``, or
+            :func:`fusekit.toolkit.alignment.cross_statistics`).
+        min_samples: refuse statistics over fewer inputs.
+
+    Returns:
+        The re-fused model at the reference's widths, BatchNorms folded (calibrate it
+        next), with the fusion's assignments and norm targets; ``report["alignment"]``:
+        per client and group the mean correlation of the matched channels.
+
+    Raises:
+        StatisticsError: cross statistics that are malformed, against another reference,
+            of a model that is none of the clients, two for one client or none for one.
+        IncompatibleModelsError: clients whose layers are not the reference's.
+    """
+    reference = reference if isinstance(reference, Checkpoint) else load_checkpoint(reference)
+    reference_spec = fused_spec(reference)
+    checkpoints = [c if isinstance(c, Checkpoint) else load_checkpoint(c) for c in clients]
+    specs = [client_spec(c, None) for c in checkpoints]
+    order = canonical_order(checkpoints, specs)
+    checkpoints, specs = [checkpoints[i] for i in order], [specs[i] for i in order]
+    for checkpoint, spec in zip(checkpoints, specs, strict=True):
+        if [layer.name for layer in spec.layers] != [layer.name for layer in
+                                                     reference_spec.layers]:
+            raise IncompatibleModelsError(
+                f"{checkpoint.label}: its layers are not those of the reference "
+                f"{reference.label}")
+    by_model = _cross_statistics_by_client(reference, reference_spec, checkpoints, specs,
+                                           cross_statistics, min_samples)
+    weights = sample_weights(checkpoints)
+    state_dict, assignments, report = alignment.realign(
+        checkpoints, specs, reference_spec, [by_model[i] for i in range(len(checkpoints))],
+        weights)
+    report["reference"] = reference.content_hash
+    method = reference.metadata.get(meta.METHOD, "unknown")
+    result = FusionResult(state_dict=state_dict, method=method, params={},
+                          widths=reference_spec.hidden_widths, report={"alignment": report},
+                          metadata={key: reference.metadata[key] for key in (meta.SPEC, meta.ARCH)
+                                    if key in reference.metadata},
+                          assignments=assignments, spec=reference_spec)
+    provenance(result, checkpoints)
+    result.metadata[meta.PARAMS] = reference.metadata.get(meta.PARAMS, "{}")
+    result.metadata[meta.ALIGNMENT] = json.dumps({"reference": reference.content_hash,
+                                                  "mean_correlation": report["mean_correlation"]})
+    result.metadata[meta.ASSIGNMENTS] = calibration.assignments_json(assignments)
+    if any(layer.norm for layer in reference_spec.layers):
+        targets = calibration.norm_targets(checkpoints, specs, reference_spec, assignments,
+                                           weights)
+        result.metadata[meta.NORM_TARGETS] = json.dumps(targets, separators=(",", ":"))
+    return result
+
+
+def _cross_statistics_by_client(reference: Checkpoint, reference_spec: Any,
+                                checkpoints: Sequence[Checkpoint], specs: Sequence[Any],
+                                sources: Sequence[CrossStatisticsLike],
+                                min_samples: int) -> dict[int, CrossStatistics]:
+    """Each client's cross statistics, checked against the reference and that client."""
+    index = {c.content_hash: i for i, c in enumerate(checkpoints)}
+    models = {c.content_hash: alignment.cross_points(s)
+              for c, s in zip(checkpoints, specs, strict=True)}
+    widths = alignment.cross_points(reference_spec)
+    out: dict[int, CrossStatistics] = {}
+    for source in sources:
+        if isinstance(source, CrossStatistics):
+            check_cross_statistics(source, reference=reference.content_hash, models=models,
+                                   widths=widths, min_samples=min_samples)
+            stats = source
+        else:
+            stats = load_cross_statistics(source, reference=reference.content_hash,
+                                          models=models, widths=widths,
+                                          min_samples=min_samples)
+        if index[stats.model] in out:
+            raise StatisticsError(f"{stats.label}: a second cross statistics file for client "
+                                  f"{checkpoints[index[stats.model]].label}")
+        out[index[stats.model]] = stats
+    missing = [c.label for i, c in enumerate(checkpoints) if i not in out]
+    if missing:
+        raise StatisticsError(f"alignment: no cross statistics for client(s) "
+                              f"{', '.join(missing[:3])}; every client must send one")
+    return out
 
 
 @contextlib.contextmanager

@@ -45,6 +45,12 @@ STATS = "fusekit.stats"
 STATS_FORMAT = "fusekit.stats/1"
 #: What calibration did to a calibrated model: clients, samples, mode, layers.
 CALIBRATION = "fusekit.calibration"
+#: A cross statistics file's description (alignment round): format, the reference's and
+#: the own model's content hashes, samples, mode.
+CROSS_STATS = "fusekit.cross_stats"
+CROSS_STATS_FORMAT = "fusekit.cross_stats/1"
+#: What an alignment round did: the reference it matched to, clients, matched correlations.
+ALIGNMENT = "fusekit.alignment"
 
 
 # Bounds on every JSON value fusekit parses (metadata values, spec files): far above what

@@ -168,20 +168,32 @@ def _parse(description: object, tensors: Mapping[str, np.ndarray], label: str) -
             f"\"model\": <hash>, \"num_samples\": <int>, \"mode\": eval|batch}}, found "
             f"{json.dumps(description)[:120]}"
         )
+    points = {point: Moments(*arrays)
+              for point, arrays in point_fields(tensors, FIELDS, label).items()}
+    return Statistics(description["model"], description["num_samples"], description["mode"],
+                      points, label)
+
+
+def point_fields(tensors: Mapping[str, np.ndarray], fields: Sequence[str],
+                 label: str) -> dict[str, list[np.ndarray]]:
+    """Tensors named ``<point>.<field>`` grouped by point, float64, in ``fields``' order.
+
+    Raises:
+        StatisticsError: a tensor of another name, or a point that lacks a field.
+    """
     grouped: dict[str, dict[str, np.ndarray]] = {}
     for name, array in tensors.items():
         point, _, field = name.rpartition(".")
-        if field not in FIELDS or not point:
-            raise StatisticsError(f"{label}: tensor {name!r} is not <point>.count/mean/var")
+        if field not in fields or not point:
+            raise StatisticsError(f"{label}: tensor {name!r} is not <point>.{'/'.join(fields)}")
         grouped.setdefault(point, {})[field] = array
-    points = {}
-    for point, fields in grouped.items():
-        missing = [f for f in FIELDS if f not in fields]
+    out = {}
+    for point, found in grouped.items():
+        missing = [f for f in fields if f not in found]
         if missing:
             raise StatisticsError(f"{label}: point {point!r} lacks {', '.join(missing)}")
-        points[point] = Moments(*(np.asarray(fields[f], np.float64) for f in FIELDS))
-    return Statistics(description["model"], description["num_samples"], description["mode"],
-                      points, label)
+        out[point] = [np.asarray(found[f], np.float64) for f in fields]
+    return out
 
 
 def check_statistics(stats: Statistics, *, model: str | None = None,

@@ -1,0 +1,205 @@
+"""Cross statistics: what a client sends for an alignment round (ALGORITHMS.md §12.4).
+
+A client runs the *reference* (the fused model the server sent) and its *own* model on its
+own data, side by side, and records per hidden layer's pre-activation
+(``preactivation:<layer>``, the same points as :mod:`fusekit.core.stats`) the joint
+moments of the two models' channels, float64:
+
+- ``<point>.count`` (1,): samples (a conv layer counts every spatial position);
+- ``<point>.reference_mean``, ``<point>.reference_var`` (R,): the reference's channels;
+- ``<point>.own_mean``, ``<point>.own_var`` (O,): the client's own channels;
+- ``<point>.covariance`` (R, O): the (population) covariance of every reference channel
+  with every own channel.
+
+This is more than calibration's per-channel statistics (an R x O matrix per layer), and
+still aggregates: no input, no label, no per-sample value. The metadata
+``fusekit.cross_stats`` names both models by their content hash, the inputs run and the
+mode in which the reference ran. Cross statistics files are untrusted input:
+:func:`load_cross_statistics` checks them against the two models they name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from fusekit.core import metadata as meta
+from fusekit.core.checkpoint import load_checkpoint, save_checkpoint
+from fusekit.core.errors import CheckpointError, StatisticsError
+from fusekit.core.stats import DEFAULT_MIN_SAMPLES, MODES, point_fields
+
+FIELDS = ("count", "reference_mean", "reference_var", "own_mean", "own_var", "covariance")
+#: Covariances may exceed the Cauchy-Schwarz bound by this relative slack (rounding).
+SCHWARZ_SLACK = 1e-6
+
+
+@dataclass
+class CrossMoments:
+    """Joint moments of the reference's R and the own model's O channels at one point."""
+
+    count: np.ndarray  # (1,)
+    reference_mean: np.ndarray  # (R,)
+    reference_var: np.ndarray  # (R,)
+    own_mean: np.ndarray  # (O,)
+    own_var: np.ndarray  # (O,)
+    covariance: np.ndarray  # (R, O)
+
+    def correlation(self) -> np.ndarray:
+        """(R, O) Pearson correlations; 0 where either channel is constant."""
+        scale = np.sqrt(np.outer(self.reference_var, self.own_var))
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(scale > 0, self.covariance / np.where(scale > 0, scale, 1.0), 0.0)
+
+
+@dataclass
+class CrossStatistics:
+    """One client's cross statistics of a reference and its own model."""
+
+    reference: str  # content hash of the reference (the fused model sent)
+    model: str  # content hash of the client's own model
+    num_samples: int
+    mode: str  # how the reference ran: eval, or batch (BatchNorms on batch statistics)
+    points: dict[str, CrossMoments]
+    label: str = "<in-memory cross statistics>"
+
+
+def save_cross_statistics(path: str | os.PathLike[str], stats: CrossStatistics, *,
+                          force: bool = False) -> Path:
+    """Write ``stats`` as safetensors, atomically (see :func:`save_checkpoint`)."""
+    tensors = {f"{point}.{name}": np.asarray(getattr(moments, name), np.float64)
+               for point, moments in stats.points.items() for name in FIELDS}
+    description = {"format": meta.CROSS_STATS_FORMAT, "reference": stats.reference,
+                   "model": stats.model, "num_samples": stats.num_samples, "mode": stats.mode}
+    metadata = {meta.CROSS_STATS: json.dumps(description),
+                meta.NUM_SAMPLES: str(stats.num_samples)}
+    return save_checkpoint(path, tensors, metadata, force=force)
+
+
+def load_cross_statistics(path: str | os.PathLike[str], *, reference: str | None = None,
+                          models: Mapping[str, Mapping[str, int]] | None = None,
+                          widths: Mapping[str, int] | None = None,
+                          min_samples: int = DEFAULT_MIN_SAMPLES) -> CrossStatistics:
+    """Read and check a cross statistics file (see :func:`check_cross_statistics`).
+
+    Raises:
+        StatisticsError: one line naming the file.
+    """
+    try:
+        checkpoint = load_checkpoint(path)
+        raw = checkpoint.metadata.get(meta.CROSS_STATS)
+        if raw is None:
+            raise StatisticsError(
+                f"{path}: not a cross statistics file (no {meta.CROSS_STATS} metadata; "
+                "write one with `fusekit stats FUSED --against OWN_MODEL`)")
+        description = meta.load_json(raw, f"{path}: metadata {meta.CROSS_STATS}",
+                                     StatisticsError)
+        tensors = {name: np.asarray(checkpoint.tensor(name)) for name in checkpoint.tensors}
+    except CheckpointError as exc:
+        raise StatisticsError(f"cross statistics file {exc}") from None
+    stats = _parse(description, tensors, str(path))
+    check_cross_statistics(stats, reference=reference, models=models, widths=widths,
+                           min_samples=min_samples)
+    return stats
+
+
+def _parse(description: object, tensors: Mapping[str, np.ndarray],
+           label: str) -> CrossStatistics:
+    if (not isinstance(description, dict)
+            or description.get("format") != meta.CROSS_STATS_FORMAT
+            or not isinstance(description.get("reference"), str)
+            or not isinstance(description.get("model"), str)
+            or description.get("mode") not in MODES
+            or not isinstance(description.get("num_samples"), int)
+            or isinstance(description.get("num_samples"), bool)):
+        raise StatisticsError(
+            f"{label}: metadata {meta.CROSS_STATS} must be {{\"format\": "
+            f"\"{meta.CROSS_STATS_FORMAT}\", \"reference\": <hash>, \"model\": <hash>, "
+            f"\"num_samples\": <int>, \"mode\": eval|batch}}, found "
+            f"{json.dumps(description)[:120]}")
+    points = {point: CrossMoments(*arrays)
+              for point, arrays in point_fields(tensors, FIELDS, label).items()}
+    return CrossStatistics(description["reference"], description["model"],
+                           description["num_samples"], description["mode"], points, label)
+
+
+def check_cross_statistics(stats: CrossStatistics, *, reference: str | None = None,
+                           models: Mapping[str, Mapping[str, int]] | None = None,
+                           widths: Mapping[str, int] | None = None,
+                           min_samples: int = DEFAULT_MIN_SAMPLES) -> None:
+    """The checks of :func:`load_cross_statistics`, for cross statistics from any source.
+
+    Args:
+        stats: the statistics.
+        reference: the content hash of the reference they must be computed with.
+        models: per content hash of an accepted own model, its points and widths; the
+            statistics must name one of them and hold exactly its points.
+        widths: the reference's width at each point.
+        min_samples: refuse statistics over fewer inputs.
+
+    Raises:
+        StatisticsError: for another reference or an unknown model, too few inputs,
+            missing or misshapen points, counts that are not positive multiples of the
+            inputs, non-finite values, negative variances, or covariances beyond the
+            Cauchy-Schwarz bound.
+    """
+    label = stats.label
+    if reference is not None and stats.reference != reference:
+        raise StatisticsError(
+            f"{label}: computed against reference {stats.reference[:16]}..., expected "
+            f"{reference[:16]}... (run `fusekit stats FUSED --against OWN_MODEL` with the "
+            "reference that was sent)")
+    own_widths = None
+    if models is not None:
+        if stats.model not in models:
+            raise StatisticsError(
+                f"{label}: computed for model {stats.model[:16]}..., which is none of the "
+                f"{len(models)} client model(s) given")
+        own_widths = models[stats.model]
+    if stats.num_samples < min_samples:
+        raise StatisticsError(
+            f"{label}: cross statistics over {stats.num_samples} inputs; at least "
+            f"{min_samples} are required (moments of a few samples reveal them)")
+    expected = set(own_widths) if own_widths is not None else (
+        set(widths) if widths is not None else None)
+    if expected is not None and set(stats.points) != expected:
+        absent, extra = sorted(expected - set(stats.points)), sorted(set(stats.points) - expected)
+        found = f"missing {absent[:3]}" if absent else f"unexpected {extra[:3]}"
+        raise StatisticsError(f"{label}: points do not match the models: {found}")
+    for point, moments in stats.points.items():
+        _check_moments(label, point, moments, stats.num_samples,
+                       None if widths is None else widths[point],
+                       None if own_widths is None else own_widths[point])
+
+
+def _check_moments(label: str, point: str, moments: CrossMoments, num_samples: int,
+                   reference_width: int | None, own_width: int | None) -> None:
+    r = moments.reference_mean.shape[0] if moments.reference_mean.ndim == 1 else -1
+    o = moments.own_mean.shape[0] if moments.own_mean.ndim == 1 else -1
+    expected = {"count": (1,), "reference_mean": (r,), "reference_var": (r,),
+                "own_mean": (o,), "own_var": (o,), "covariance": (r, o)}
+    found = {f: getattr(moments, f).shape for f in FIELDS}
+    if (found != expected or r < 1 or o < 1
+            or (reference_width is not None and r != reference_width)
+            or (own_width is not None and o != own_width)):
+        raise StatisticsError(
+            f"{label}: point {point!r}: expected count (1,), reference (R={reference_width},), "
+            f"own (O={own_width},) and covariance (R, O), found {found}")
+    count = float(moments.count[0])
+    if not (count > 0 and count == round(count) and count % num_samples == 0):
+        raise StatisticsError(
+            f"{label}: point {point!r}: expected a positive count that is a multiple of the "
+            f"{num_samples} inputs, found {count}")
+    if not all(np.all(np.isfinite(getattr(moments, f))) for f in FIELDS[1:]):
+        raise StatisticsError(f"{label}: point {point!r}: every moment must be finite")
+    if np.any(moments.reference_var < 0) or np.any(moments.own_var < 0):
+        raise StatisticsError(f"{label}: point {point!r}: variances must be >= 0")
+    bound = np.sqrt(np.outer(moments.reference_var, moments.own_var))
+    if np.any(np.abs(moments.covariance) > bound * (1 + SCHWARZ_SLACK) + 1e-12):
+        raise StatisticsError(
+            f"{label}: point {point!r}: covariances exceed sqrt(var_ref * var_own) "
+            "(Cauchy-Schwarz): not the moments of any data")

@@ -1,0 +1,198 @@
+"""Alignment rounds (ALGORITHMS.md §12.4): cross statistics of a reference and a client's
+own model, activation matching to the reference, re-fusion, and the checks on untrusted
+cross statistics."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import safetensors.numpy
+import torch
+from typer.testing import CliRunner
+
+import fusekit
+from conftest import mlp, numpy_state, write
+from fusekit._cli.app import app
+from fusekit.core.arch import named_arch
+from fusekit.core.checkpoint import Checkpoint, load_checkpoint
+from fusekit.core.cross_stats import FIELDS, load_cross_statistics, save_cross_statistics
+from fusekit.core.errors import StatisticsError
+from fusekit.core.spec import infer_spec, permute
+from fusekit.methods.alignment import group_correlations, match_to_reference
+from fusekit.toolkit.alignment import align_locally, cross_statistics
+from fusekit.toolkit.calibration import calibrate_locally
+from fusekit.toolkit.nn import build_model
+
+runner = CliRunner()
+RESNET = named_arch("resnet20", 10, in_channels=1)
+
+
+def _model(kind: str) -> tuple[Checkpoint, np.ndarray]:
+    """A small model with random BatchNorm statistics and inputs it accepts."""
+    rng = np.random.default_rng(0)
+    if kind == "mlp":
+        state = numpy_state(mlp((6, 8, 7, 3), batchnorm=True, seed=0))
+        return (Checkpoint.from_state_dict(state, {"fusekit.num_samples": "64"}),
+                rng.normal(size=(64, 6)).astype(np.float32))
+    state = numpy_state(build_model(RESNET, seed=0))
+    return (Checkpoint.from_state_dict(state, {"fusekit.num_samples": "64",
+                                               "fusekit.arch": json.dumps(RESNET)}),
+            rng.normal(size=(64, 1, 8, 8)).astype(np.float32))
+
+
+def _permuted(model: Checkpoint, seed: int) -> tuple[Checkpoint, list[np.ndarray]]:
+    spec = infer_spec({k: v.shape for k, v in model.tensors.items()})
+    rng = np.random.default_rng(seed)
+    perms = [rng.permutation(w) for w in spec.hidden_widths]
+    return (Checkpoint.from_state_dict(permute(model.state_dict(), spec, perms),
+                                       {**model.metadata, "fusekit.num_samples": str(50 + seed)}),
+            perms)
+
+
+def _outputs(checkpoint: Checkpoint, x: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return fusekit.load_fused(checkpoint, "cpu")(torch.from_numpy(x)).numpy()
+
+
+@pytest.mark.parametrize("kind", ["mlp", "resnet"])
+def test_cross_statistics_against_a_permuted_copy_give_back_the_permutation(kind):
+    model, x = _model(kind)
+    copy, perms = _permuted(model, seed=1)
+    cross = cross_statistics(model, copy, x, batch_size=24)  # several batches: Chan's update
+    assert cross.reference == model.content_hash and cross.model == copy.content_hash
+    spec = fusekit.api.fused_spec(model)
+    assigned, correlation = match_to_reference(group_correlations(spec, cross))
+    for group, perm in enumerate(perms):
+        np.testing.assert_array_equal(assigned[group], perm)
+    writers = np.array([spec.writes.count(g) for g in range(len(perms))])
+    # 1 per writing layer (a residual stream sums them), less a constant channel's 0
+    assert np.all(correlation <= writers + 1e-9) and np.all(correlation > 0.9 * writers)
+
+
+@pytest.mark.parametrize("kind", ["mlp", "resnet"])
+def test_aligning_permuted_copies_gives_back_the_same_function(kind):
+    model, x = _model(kind)
+    clients = [model] + [_permuted(model, seed)[0] for seed in (1, 2)]
+    cross = [cross_statistics(model, c, x) for c in clients]
+    result = fusekit.align(model, clients, cross)
+    aligned = Checkpoint.from_state_dict(result.state_dict, result.metadata)
+    np.testing.assert_allclose(_outputs(aligned, x), _outputs(model, x), rtol=1e-4, atol=1e-4)
+    assert result.widths == infer_spec({k: v.shape for k, v in model.tensors.items()}).hidden_widths
+    assert result.report["alignment"]["mean_correlation"] > 0.999
+    assert json.loads(result.metadata["fusekit.alignment"])["reference"] == model.content_hash
+    assert "fusekit.assignments" in result.metadata and "fusekit.norm_targets" in result.metadata
+
+
+def test_align_locally_leaves_a_matched_family_as_calibration_does():
+    model, x = _model("mlp")
+    alone = fusekit.fuse([model], "rebasin")  # the model, BatchNorms calibrated on x
+    model = Checkpoint.from_state_dict(
+        calibrate_locally(Checkpoint.from_state_dict(alone.state_dict, alone.metadata), [x],
+                          rounds="layerwise").state_dict, {"fusekit.num_samples": "64"})
+    clients = [model] + [_permuted(model, seed)[0] for seed in (1, 2)]
+    fused = fusekit.fuse(clients, "rebasin")  # permuted copies: matched exactly
+    fused = Checkpoint.from_state_dict(fused.state_dict, fused.metadata)
+    result = align_locally(fused, clients, [x] * 3, alignment_rounds=2)
+    assert result.widths == infer_spec({k: v.shape for k, v in model.tensors.items()}
+                                       ).hidden_widths
+    assert [r["mean_correlation"] for r in result.report["alignment"]] == [1.0, 1.0]
+    assert json.loads(result.metadata["fusekit.alignment"])["rounds"] == 2
+    calibrated = calibrate_locally(fused, [x] * 3, clients=clients)
+    np.testing.assert_allclose(
+        _outputs(Checkpoint.from_state_dict(result.state_dict, result.metadata), x),
+        _outputs(Checkpoint.from_state_dict(calibrated.state_dict, calibrated.metadata), x),
+        rtol=1e-5, atol=1e-5)
+
+
+def _tampered(tmp_path, cross, field, value):
+    point = next(iter(cross.points))
+    arrays = {f"{p}.{f}": np.array(getattr(m, f)) for p, m in cross.points.items()
+              for f in FIELDS}
+    arrays[f"{point}.{field}"].flat[0] = value
+    path = tmp_path / "bad.safetensors"
+    safetensors.numpy.save_file(arrays, path, {"fusekit.cross_stats": json.dumps(
+        {"format": "fusekit.cross_stats/1", "reference": cross.reference, "model": cross.model,
+         "num_samples": cross.num_samples, "mode": "eval"})})
+    return path
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("count", 65, "multiple of the 64 inputs"),
+    ("count", 0, "positive count"),
+    ("covariance", np.nan, "non-finite value"),
+    ("own_var", -1.0, "variances must be >= 0"),
+    ("covariance", 1e6, "Cauchy-Schwarz"),
+])
+def test_bad_cross_statistics_are_refused_in_one_line_naming_the_file(tmp_path, field, value,
+                                                                      message):
+    model, x = _model("mlp")
+    copy, _ = _permuted(model, seed=1)
+    path = _tampered(tmp_path, cross_statistics(model, copy, x), field, value)
+    with pytest.raises(StatisticsError, match=message) as info:
+        fusekit.align(model, [copy], [path])
+    assert str(path) in str(info.value) and "\n" not in str(info.value)
+
+
+def test_cross_statistics_for_another_reference_client_or_too_few_samples_are_refused(tmp_path):
+    model, x = _model("mlp")
+    copy, _ = _permuted(model, seed=1)
+    other, _ = _permuted(model, seed=2)
+    good = save_cross_statistics(tmp_path / "good.safetensors", cross_statistics(model, copy, x))
+    back = load_cross_statistics(good, reference=model.content_hash)
+    assert back.num_samples == 64 and set(back.points) == set(cross_statistics(
+        model, copy, x).points)
+    cases = [
+        (copy, [copy], [cross_statistics(other, copy, x)], "computed against reference"),
+        (model, [other], [good], "none of the 1 client model"),
+        (model, [copy, other], [good], "no cross statistics for client"),
+        (model, [copy], [good, good], "a second cross statistics file"),
+        (model, [copy], [cross_statistics(model, copy, x[:8], min_samples=8)],
+         "over 8 inputs; at least 32"),
+        (model, [copy], [write(tmp_path / "m.safetensors", mlp())], "not a cross statistics"),
+    ]
+    for reference, clients, cross, message in cases:
+        with pytest.raises(StatisticsError, match=message):
+            fusekit.align(reference, clients, cross)
+    wide = cross_statistics(model, copy, x)
+    point = next(iter(wide.points))
+    wide.points[point].covariance = wide.points[point].covariance[:, :-1]
+    with pytest.raises(StatisticsError, match="expected count"):
+        fusekit.align(model, [copy], [wide])
+    with pytest.raises(ValueError, match=r"N >= 32"):
+        cross_statistics(model, copy, x[:8])
+
+
+def test_cli_stats_against_and_align(tmp_path):
+    paths = [write(tmp_path / f"c{i}.safetensors", mlp((6, 8, 3), batchnorm=True, seed=i),
+                   num_samples=80) for i in range(2)]
+    fused = tmp_path / "fused.safetensors"
+    assert runner.invoke(app, ["fuse", *map(str, paths), "-m", "pfnm", "--width-ratio", "1.5",
+                               "-o", str(fused)]).exit_code == 0
+    cross = []
+    for i, own in enumerate(paths):
+        data = tmp_path / f"d{i}.npz"
+        rng = np.random.default_rng(i)
+        np.savez(data, x_train=rng.normal(size=(80, 6)).astype(np.float32),
+                 y_train=np.zeros(80, np.int64), x_test=np.zeros((5, 6), np.float32),
+                 y_test=np.zeros(5, np.int64))
+        cross.append(tmp_path / f"x{i}.safetensors")
+        result = runner.invoke(app, ["stats", str(fused), "--against", str(own),
+                                     "--data-path", str(data), "-o", str(cross[-1])])
+        assert result.exit_code == 0, result.output
+    out = tmp_path / "aligned.safetensors"
+    result = runner.invoke(app, ["align", str(fused), *map(str, paths),
+                                 *[a for c in cross for a in ("--cross-stats", str(c))],
+                                 "-o", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["clients"] == 2
+    expected = fusekit.align(fused, paths, cross).state_dict
+    aligned = load_checkpoint(out)
+    assert [aligned.tensor(k).shape for k in expected] == [v.shape for v in expected.values()]
+    for name, value in expected.items():
+        np.testing.assert_array_equal(aligned.tensor(name), value)
+    bad = runner.invoke(app, ["align", str(fused), *map(str, paths), "--cross-stats",
+                              str(paths[0]), "-o", str(tmp_path / "y.safetensors")])
+    assert bad.exit_code == 2 and "not a cross statistics file" in bad.stderr
+    assert not (tmp_path / "y.safetensors").exists()
