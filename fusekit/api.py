@@ -326,10 +326,15 @@ def align(
     Raises:
         StatisticsError: cross statistics that are malformed, against another reference,
             of a model that is none of the clients, two for one client or none for one.
-        IncompatibleModelsError: clients whose layers are not the reference's.
+        IncompatibleModelsError: clients whose layers are not the reference's, or a
+            transformer.
     """
     reference = reference if isinstance(reference, Checkpoint) else load_checkpoint(reference)
     reference_spec = fused_spec(reference)
+    if isinstance(reference_spec, TransformerSpec):
+        raise IncompatibleModelsError(
+            f"{reference.label}: a transformer; alignment rounds re-match the ReLU units of "
+            "MLPs, CNNs and ResNets and do not cover transformers' heads and streams")
     checkpoints = [c if isinstance(c, Checkpoint) else load_checkpoint(c) for c in clients]
     specs = [client_spec(c, None) for c in checkpoints]
     order = canonical_order(checkpoints, specs)
