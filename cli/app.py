@@ -99,6 +99,7 @@ app.command("demo", cls=Command)(handle_errors(demo.demo))
 app.command("serve", cls=Command)(handle_errors(serve.serve))
 app.command("worker", cls=Command)(handle_errors(serve.worker))
 app.command("submit", cls=Command)(handle_errors(submit.submit))
+app.command("fetch", cls=Command)(handle_errors(submit.fetch))
 app.add_typer(job.app, name="job")
 
 

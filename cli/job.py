@@ -61,6 +61,9 @@ def create(
         "--max-checkpoint-bytes", min=1, help="Upload size limit of this job.")] = None,
     auto_run: Annotated[bool, typer.Option(
         "--auto-run", help="Run the job as soon as every client has submitted.")] = False,
+    calibrate: Annotated[bool, typer.Option(
+        "--calibrate", help="After fusion, calibrate the fused model with the statistics "
+        "each client computes of it on its own data (one round).")] = False,
     server: Server = DEFAULT_SERVER,
     token_file: TokenFile = None,
     as_json: JsonOption = False,
@@ -69,7 +72,8 @@ def create(
     params = dict(_param(p) for p in param or [])
     with admin(server, token_file) as service:
         job = service.create_job(method, [c.strip() for c in clients.split(",")], params=params,
-                                 max_checkpoint_bytes=max_checkpoint_bytes, auto_run=auto_run)
+                                 max_checkpoint_bytes=max_checkpoint_bytes, auto_run=auto_run,
+                                 calibrate=calibrate)
     if as_json:
         emit_json(job)
         return
@@ -91,7 +95,7 @@ def _param(text: str) -> tuple[str, Any]:
 @command("status")
 def status(job: JobId, server: Server = DEFAULT_SERVER, token_file: TokenFile = None,
            as_json: JsonOption = False) -> None:
-    """Which clients have submitted, and whether the job is queued, running or done."""
+    """Who has submitted, and whether the job is queued, running, calibrating or done."""
     with admin(server, token_file) as service:
         state = service.status(job)
     if as_json:
@@ -109,10 +113,17 @@ def status(job: JobId, server: Server = DEFAULT_SERVER, token_file: TokenFile = 
         table.add_row("attempts", str(state["attempts"]))
     if state["error"]:
         table.add_row("error", state["error"])
+    if state["fused"]:
+        table.add_row("fused model", _file(state["fused"]))
     for client, slot in state["slots"].items():
-        table.add_row(client, f"{slot['size']} bytes, sha256 {slot['sha256'][:16]}…"
-                      if slot["filled"] else "waiting")
+        table.add_row(client, _file(slot) if slot["filled"] else "waiting")
+    for client, slot in state.get("statistics", {}).items():
+        table.add_row(f"{client} statistics", _file(slot) if slot["filled"] else "waiting")
     stdout.print(table)
+
+
+def _file(slot: dict[str, Any]) -> str:
+    return f"{slot['size']} bytes, sha256 {slot['sha256'][:16]}…"
 
 
 @command("run")
@@ -126,29 +137,58 @@ def run(job: JobId, server: Server = DEFAULT_SERVER, token_file: TokenFile = Non
 def wait(job: JobId, timeout: Annotated[float, typer.Option(
         "--timeout", help="Seconds to wait at most.")] = 3600.0,
          server: Server = DEFAULT_SERVER, token_file: TokenFile = None) -> None:
-    """Wait until the job has finished; exit 1 when it failed."""
+    """Wait until the job has finished (exit 1: failed) or waits for statistics.
+
+    A job that calibrates waits, once fused, for its clients' statistics (calibrating)."""
     with admin(server, token_file) as service:
         state = service.wait(job, timeout=timeout)
     if state["state"] == "succeeded":
         stdout.print(f"job {job}: succeeded", highlight=False)
+        return
+    if state["state"] == "calibrating":
+        stdout.print(f"job {job}: calibrating: fused, waiting for the clients' statistics "
+                     "(fusekit job calibrate to go on with those received)", highlight=False)
         return
     reason = f": {state['error']}" if state.get("error") else ""
     stdout.print(f"job {job}: {state['state']}{reason}", highlight=False, soft_wrap=True)
     raise typer.Exit(1)
 
 
+Output = Annotated[Path, typer.Option("--output", "-o", help="Where to write it.")]
+Force = Annotated[bool, typer.Option("--force", help="Replace an existing file.")]
+
+
+@command("calibrate")
+def calibrate(job: JobId, server: Server = DEFAULT_SERVER, token_file: TokenFile = None
+              ) -> None:
+    """Calibrate now, with the statistics received so far.
+
+    A calibrating job calibrates by itself once every client's statistics are in."""
+    with admin(server, token_file) as service:
+        stdout.print(f"job {job}: {service.calibrate(job)['state']}", highlight=False)
+
+
 @command("result")
-def result(job: JobId, output: Annotated[Path, typer.Option("--output", "-o",
-                                                            help="Where to write it.")],
-           force: Annotated[bool, typer.Option("--force", help="Replace an existing file.")
-                            ] = False,
+def result(job: JobId, output: Output, force: Force = False,
            server: Server = DEFAULT_SERVER, token_file: TokenFile = None) -> None:
-    """Download the fused checkpoint of a job that succeeded."""
+    """Download the fused checkpoint of a job that succeeded (calibrated if it calibrates)."""
+    _download(job, output, force, server, token_file, "result")
+
+
+@command("fused")
+def fused(job: JobId, output: Output, force: Force = False,
+          server: Server = DEFAULT_SERVER, token_file: TokenFile = None) -> None:
+    """Download the fused model of a job that calibrates, before calibration."""
+    _download(job, output, force, server, token_file, "fused")
+
+
+def _download(job: str, output: Path, force: bool, server: str, token_file: Path | None,
+              which: str) -> None:
     from fusekit.core.checkpoint import check_output_path, private_files
 
     check_output_path(output, force=force)
     with admin(server, token_file) as service, private_files():
-        service.result(job, output)
+        getattr(service, which)(job, output)
     stdout.print(f"wrote {output}", highlight=False)
 
 

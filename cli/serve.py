@@ -10,6 +10,7 @@ import typer
 
 from fusekit._cli.output import stderr
 from fusekit.core.checkpoint import VALUE_CHECK_BYTES
+from fusekit.core.stats import DEFAULT_MIN_SAMPLES
 
 DataDir = Annotated[Path, typer.Option(
     "--data-dir", envvar="FUSEKIT_DATA_DIR",
@@ -52,6 +53,10 @@ def serve(
         "--upload-check-bytes", min=1024**2,
         help="Memory one upload's value check works in, whatever the tensors' size.")
                                   ] = VALUE_CHECK_BYTES,
+    min_stats_samples: Annotated[int, typer.Option(
+        "--min-stats-samples", min=1,
+        help="A calibrating job refuses statistics files over fewer inputs (the moments of a "
+        "few samples reveal them).")] = DEFAULT_MIN_SAMPLES,
 ) -> None:
     """Run the fusion service: the HTTP API and its worker processes, until Ctrl-C."""
     from fusekit.service.server import serve as run_server
@@ -61,7 +66,8 @@ def serve(
                         max_checkpoint_bytes=max_checkpoint_bytes, max_uploads=max_uploads,
                         max_jobs=max_jobs, lease_s=lease, upload_idle_s=upload_idle,
                         upload_min_rate=upload_min_rate,
-                        upload_check_bytes=upload_check_bytes)
+                        upload_check_bytes=upload_check_bytes,
+                        min_stats_samples=min_stats_samples)
     run_server(settings, host=host, port=port, workers=workers,
                announce=lambda line: stderr.print(line, highlight=False, soft_wrap=True))
 

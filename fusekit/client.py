@@ -6,6 +6,15 @@
     >>> Client(url, token=job["tokens"]["a"]).submit(job["id"], "a", "a.safetensors")
     >>> admin.run(job["id"]); admin.wait(job["id"]); admin.result(job["id"], "fused.safetensors")
 
+A job created with ``calibrate=True`` stops after fusion in the ``calibrating`` state: each
+client downloads the fused model with its own token, computes its statistics of it on its
+own data (``fusekit stats FUSED --mode batch``), and uploads them; the service calibrates
+once every client's are in (or when the admin calls :meth:`Client.calibrate`):
+
+    >>> me = Client(url, token=job["tokens"]["a"])
+    >>> me.wait(job["id"]); me.fused(job["id"], "fused.safetensors")
+    >>> me.submit_statistics(job["id"], "a", "a.stats.safetensors")
+
 Submitting is resumable: a submit first asks the service which file the slot holds, and a
 file whose SHA-256 is already accepted there is not sent again (so re-running an interrupted
 or repeated submit costs one request); an interrupted transfer is sent again from its start
@@ -33,11 +42,15 @@ import httpx
 
 from fusekit.core.checkpoint import load_checkpoint
 from fusekit.core.errors import FusekitError
+from fusekit.core.stats import load_statistics
 
 log = logging.getLogger(__name__)
 
 CHUNK = 1024 * 1024
 FINISHED = ("succeeded", "failed", "cancelled")
+#: Where :meth:`Client.wait` stops: the job has finished, or waits for its clients'
+#: statistics of its fused model.
+WAITING_ON_CLIENTS = "calibrating"
 BUSY = (429, 503)  # the service asks to be asked again later
 MAX_BACKOFF_S = 30.0
 T = TypeVar("T")
@@ -83,10 +96,14 @@ class Client:
 
     def create_job(self, method: str, clients: list[str], *, params: dict[str, Any] | None = None,
                    max_checkpoint_bytes: int | None = None, auto_run: bool = False,
-                   spec: dict[str, Any] | None = None) -> dict[str, Any]:
-        """A new job; returns ``{"id": ..., "tokens": {client: token}}`` (tokens shown once)."""
+                   spec: dict[str, Any] | None = None, calibrate: bool = False
+                   ) -> dict[str, Any]:
+        """A new job; returns ``{"id": ..., "tokens": {client: token}}`` (tokens shown once).
+
+        With ``calibrate``, the fused model is calibrated with the clients' statistics
+        before it becomes the result (module docstring)."""
         body = {"method": method, "clients": clients, "params": params or {},
-                "auto_run": auto_run, "spec": spec}
+                "auto_run": auto_run, "spec": spec, "calibrate": calibrate}
         if max_checkpoint_bytes is not None:
             body["max_checkpoint_bytes"] = max_checkpoint_bytes
         return self._json("POST", "/v1/jobs", json=body)
@@ -95,15 +112,13 @@ class Client:
         return self._json("POST", f"/v1/jobs/{job}/run")
 
     def result(self, job: str, output: str | os.PathLike[str]) -> Path:
-        """Download the fused checkpoint to ``output`` (atomically; validated on arrival)."""
-        output = Path(output)
-        with self._reaching(), self._http.stream("GET", f"/v1/jobs/{job}/result") as response:
-            _raise_for(response)
-            with _atomic_file(output) as f:
-                for chunk in response.iter_bytes(CHUNK):
-                    f.write(chunk)
-        load_checkpoint(output)
-        return output
+        """Download the fused (for a job that calibrates: calibrated) checkpoint to
+        ``output`` (atomically; validated on arrival)."""
+        return self._download(f"/v1/jobs/{job}/result", output)
+
+    def calibrate(self, job: str) -> dict[str, Any]:
+        """Calibrate a calibrating job now, with the statistics received so far."""
+        return self._json("POST", f"/v1/jobs/{job}/calibrate")
 
     def report(self, job: str) -> dict[str, Any]:
         return self._json("GET", f"/v1/jobs/{job}/report")
@@ -117,11 +132,12 @@ class Client:
         return self._json("GET", f"/v1/jobs/{job}")
 
     def wait(self, job: str, timeout: float = 3600.0, every: float = 0.5) -> dict[str, Any]:
-        """Poll until the job has succeeded, failed or been cancelled (at most ``timeout``)."""
+        """Poll until the job has succeeded, failed or been cancelled, or waits for its
+        clients' statistics (``calibrating``), at most ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
         while True:
             state = self.status(job)
-            if state["state"] in FINISHED:
+            if state["state"] in (*FINISHED, WAITING_ON_CLIENTS):
                 return state
             if time.monotonic() > deadline:
                 raise TimeoutError(f"job {job}: still {state['state']} after {timeout} s")
@@ -133,27 +149,57 @@ class Client:
 
         ``progress(sent, total)`` is called as bytes go out. Returns the slot's state.
         """
-        path = Path(path)
         load_checkpoint(path)  # refuse locally what the server would refuse
+        return self._upload(job, client, Path(path), "checkpoint", progress)
+
+    def fused(self, job: str, output: str | os.PathLike[str]) -> Path:
+        """Download the fused model of a job that calibrates (before calibration) to
+        ``output``: the model each client computes its statistics of."""
+        return self._download(f"/v1/jobs/{job}/fused", output)
+
+    def submit_statistics(self, job: str, client: str, path: str | os.PathLike[str],
+                          progress: Callable[[int, int], None] | None = None
+                          ) -> dict[str, Any]:
+        """Upload a statistics file of the job's fused model into ``client``'s statistics
+        slot, as :meth:`submit` uploads a checkpoint (resumable, a no-op when held)."""
+        load_statistics(path, min_samples=1)  # refuse locally what is no statistics file
+        return self._upload(job, client, Path(path), "statistics", progress)
+
+    def _upload(self, job: str, client: str, path: Path, kind: str,
+                progress: Callable[[int, int], None] | None) -> dict[str, Any]:
+        """PUT ``path`` to the client's ``kind`` (checkpoint, statistics) unless held."""
         size, digest = path.stat().st_size, _sha256(path)
 
         def attempt() -> dict[str, Any]:
-            slot = self._slot(job, client)
+            slot = self._slot(job, client, kind)
             if slot.get("sha256") == digest:
                 if progress:
                     progress(size, size)
                 return slot
             return self._json_once(
-                "PUT", f"/v1/jobs/{job}/clients/{client}/checkpoint",
+                "PUT", f"/v1/jobs/{job}/clients/{client}/{kind}",
                 content=_chunks(path, size, progress),
                 headers={"Content-Length": str(size),
                          "Content-Type": "application/octet-stream"})
 
         return self._patiently(f"client {client}: submit", attempt, unreachable=self.retries)
 
-    def _slot(self, job: str, client: str) -> dict[str, Any]:
+    def _slot(self, job: str, client: str, kind: str) -> dict[str, Any]:
+        """The client's slot of ``kind`` as the job's status shows it to this token."""
         state = self._json_once("GET", f"/v1/jobs/{job}")
-        return state["slot"] if "slot" in state else state["slots"][client]
+        if "client" in state:  # a client's view: its own slots
+            return state["slot"] if kind == "checkpoint" else state.get("statistics", {})
+        return state.get("slots" if kind == "checkpoint" else "statistics", {}).get(client, {})
+
+    def _download(self, path: str, output: str | os.PathLike[str]) -> Path:
+        output = Path(output)
+        with self._reaching(), self._http.stream("GET", path) as response:
+            _raise_for(response)
+            with _atomic_file(output) as f:
+                for chunk in response.iter_bytes(CHUNK):
+                    f.write(chunk)
+        load_checkpoint(output)
+        return output
 
     def _json(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
         return self._patiently(f"{method} {path}",

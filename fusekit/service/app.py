@@ -31,10 +31,20 @@ from fusekit.methods.params import TEXT_KINDS
 from fusekit.service.auth import admin_token_hash, bearer, matches
 from fusekit.service.errors import Busy, Conflict, Forbidden, NotFound, ServiceError, TooLarge
 from fusekit.service.settings import Settings
-from fusekit.service.store import JobStore, authorize, make_private, view, without_paths
-from fusekit.service.uploads import Checker, Upload
+from fusekit.service.store import (
+    CHECKPOINT,
+    STATISTICS,
+    JobStore,
+    SlotKind,
+    authorize,
+    check_accepting,
+    make_private,
+    view,
+    without_paths,
+)
+from fusekit.service.uploads import Checker, Upload, checkpoint_check, statistics_check
 from fusekit.service.web import add_web
-from fusekit.service.worker import REPORT, RESULT, make_queue, recover
+from fusekit.service.worker import FUSED, REPORT, RESULT, make_queue, recover
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +70,8 @@ class JobRequest(BaseModel):
     max_checkpoint_bytes: int | None = Field(None, ge=1, description="upload size limit")
     auto_run: bool = Field(False, description="queue the job when the last slot is filled")
     spec: dict[str, Any] | None = Field(None, description="a permutation spec (JSON object)")
+    calibrate: bool = Field(False, description="after fusion, calibrate the fused model with "
+                            "statistics each client computes of it on its own data")
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -116,49 +128,90 @@ def create_app(settings: Settings) -> FastAPI:
         job, tokens = await run_in_threadpool(
             store.create, method=body.method, params=body.params, spec=body.spec,
             clients=body.clients, max_checkpoint_bytes=limit, auto_run=body.auto_run,
-            max_jobs=settings.max_jobs)
+            max_jobs=settings.max_jobs, calibrate=body.calibrate,
+            min_stats_samples=settings.min_stats_samples)
         return {"id": job["id"], "tokens": tokens}
 
-    @app.put("/v1/jobs/{job_id}/clients/{client}/checkpoint", status_code=201)
-    async def upload(job_id: str, client: str, request: Request,
-                     authorization: Auth = None) -> dict[str, Any]:
+    async def receive(job_id: str, client: str, request: Request, authorization: str | None,
+                      kind: SlotKind) -> dict[str, Any]:
+        """Stream an upload of ``kind`` into the client's slot (module docstring of
+        :mod:`fusekit.service.uploads`); returns the job as it is once accepted."""
         token, admin = caller(authorization)
         job = store.read(job_id)
         authorize(job, token, admin, client)
         if client not in job["clients"]:
             raise NotFound(f"job {job_id}: no slot for client {client!r}")
-        if job["state"] != "collecting":
-            raise Conflict(f"job {job_id}: is {job['state']}; uploads are accepted only while "
-                           "it is collecting")
-        limit = job["max_checkpoint_bytes"]
+        check_accepting(job, kind)
+        limit, validate = _upload_rules(job, kind, settings)
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
             raise TooLarge(f"client {client!r}: Content-Length {declared} is over {limit} "
-                           "bytes, this job's limit")
-        slot = (job_id, client)
+                           f"bytes, this job's limit for a {kind.name}")
+        slot = (job_id, client, kind.name)
         if slot in receiving_slots:
             raise Busy(f"client {client!r}: an upload into this slot is in progress; one at a "
                        "time per slot", retry_after=5)
         if len(receiving_slots) >= settings.max_uploads:
             raise Busy(f"uploads: {settings.max_uploads} in progress, the server's limit; "
                        "retry later")
-        receiving = Upload(store.upload_folder(job_id), client, limit, settings)
+        receiving = Upload(store.upload_folder(job_id), client, limit, settings, validate,
+                           kind.name)
         receiving_slots.add(slot)
         try:
             await receiving.receive(request.stream(), checker)
             job = await run_in_threadpool(
                 store.accept, job_id, client, receiving.part, receiving.size,
-                receiving.sha256.hexdigest())
+                receiving.sha256.hexdigest(), kind)
         except ClientDisconnect:
             raise ServiceError(f"client {client!r}: the upload was interrupted; nothing "
                                "stored") from None
         finally:
             receiving_slots.discard(slot)
             receiving.discard()
-        log.info("job %s: checkpoint of %s accepted (%d bytes)", job_id, client, receiving.size)
-        if job["state"] == "queued":  # auto_run, and this upload filled the last slot
+        log.info("job %s: %s of %s accepted (%d bytes)", job_id, kind.name, client,
+                 receiving.size)
+        if job["state"] == "queued":  # this upload filled the last slot: the worker's turn
             await run_in_threadpool(run_job_task, job_id)
+        return job
+
+    @app.put("/v1/jobs/{job_id}/clients/{client}/checkpoint", status_code=201)
+    async def upload(job_id: str, client: str, request: Request,
+                     authorization: Auth = None) -> dict[str, Any]:
+        job = await receive(job_id, client, request, authorization, CHECKPOINT)
         return view(job, client)["slot"]
+
+    @app.put("/v1/jobs/{job_id}/clients/{client}/statistics", status_code=201)
+    async def upload_statistics(job_id: str, client: str, request: Request,
+                                authorization: Auth = None) -> dict[str, Any]:
+        """A client's statistics of the fused model (``fusekit stats FUSED --mode batch``),
+        while the job is calibrating; the last one queues the calibration."""
+        job = await receive(job_id, client, request, authorization, STATISTICS)
+        return view(job, client)["statistics"]
+
+    @app.get("/v1/jobs/{job_id}/fused")
+    async def fused(job_id: str, authorization: Auth = None) -> FileResponse:
+        """The uncalibrated fused model of a job that calibrates: for its clients (each
+        computes its statistics of it) and the admin, from the end of its fusion."""
+        token, admin = caller(authorization)
+        job = store.read(job_id)
+        authorize(job, token, admin)
+        if not job.get("calibrate"):
+            raise Conflict(f"job {job_id}: was not created to calibrate; its fused model is "
+                           "its result (GET /v1/jobs/{job_id}/result, the admin's)")
+        if not job.get("fused") or job["state"] == "cancelled":
+            raise Conflict(f"job {job_id}: is {job['state']}; the fused model is there once "
+                           "the fusion has finished (calibrating)")
+        return FileResponse(store.root / job_id / FUSED, media_type="application/octet-stream",
+                            filename=f"fused-{job_id}.safetensors")
+
+    @app.post("/v1/jobs/{job_id}/calibrate", status_code=202)
+    async def calibrate(job_id: str, authorization: Auth = None) -> Response:
+        """Calibrate now, with the statistics received so far (at least one client's)."""
+        admin_only(authorization)
+        job = await run_in_threadpool(store.finish_calibration, job_id)
+        await run_in_threadpool(run_job_task, job_id)
+        return JSONResponse(view(job), status_code=202,
+                            headers={"Location": f"/v1/jobs/{job_id}"})
 
     @app.post("/v1/jobs/{job_id}/run", status_code=202)
     async def run(job_id: str, authorization: Auth = None) -> Response:
@@ -193,6 +246,16 @@ def create_app(settings: Settings) -> FastAPI:
 
     add_web(app, store, admin_only, REQUEST_KINDS)
     return app
+
+
+def _upload_rules(job: dict[str, Any], kind: SlotKind, settings: Settings
+                  ) -> tuple[int, Any]:
+    """The size limit of an upload of ``kind`` into the job, and its check."""
+    if kind is CHECKPOINT:
+        return job["max_checkpoint_bytes"], checkpoint_check(settings)
+    fused = job["fused"]
+    return (min(fused["max_statistics_bytes"], job["max_checkpoint_bytes"]),
+            statistics_check(fused["model"], fused["points"], job["min_stats_samples"]))
 
 
 async def _job_request(request: Request) -> JobRequest:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from fusekit.core.checkpoint import VALUE_CHECK_BYTES
 from fusekit.core.errors import ParameterError
+from fusekit.core.stats import DEFAULT_MIN_SAMPLES
 
 GiB = 1024**3
 
@@ -38,6 +39,9 @@ class Settings:
             else it is abandoned: a client trickling bytes cannot hold an upload place.
         upload_check_bytes: memory one upload's value check works in (tensors are read in
             pieces), in a checker process; at most ``max_uploads`` checks run at once.
+        min_stats_samples: a calibrating job refuses statistics files over fewer inputs
+            (per-channel moments of a few samples come close to revealing them); a job
+            keeps the value it was created with.
     """
 
     data_dir: Path
@@ -50,10 +54,11 @@ class Settings:
     upload_idle_s: float = 60.0
     upload_min_rate: float = 100_000.0
     upload_check_bytes: int = VALUE_CHECK_BYTES
+    min_stats_samples: int = DEFAULT_MIN_SAMPLES
 
     def __post_init__(self) -> None:
         for name in ("max_checkpoint_bytes", "max_uploads", "max_jobs", "max_attempts",
-                     "upload_check_bytes"):
+                     "upload_check_bytes", "min_stats_samples"):
             if getattr(self, name) < 1:
                 raise ParameterError(f"{name}: expected a positive integer, found "
                                      f"{getattr(self, name)}")

@@ -2,8 +2,10 @@
 
     <data-dir>/jobs/<id>/job.json                  state, slots, token hashes (the commit point)
     <data-dir>/jobs/<id>/clients/<name>.<sha256>.safetensors   accepted checkpoints
+    <data-dir>/jobs/<id>/statistics/<name>.<sha256>.safetensors  accepted statistics files
     <data-dir>/jobs/<id>/uploads/<host>-<pid>/     uploads in flight, per server process
     <data-dir>/jobs/<id>/result.safetensors, report.json       written atomically by the worker
+    <data-dir>/jobs/<id>/fused.safetensors         the fused model of a job that calibrates
     <data-dir>/jobs/<id>/heartbeat                 touched by the worker running the job
     <data-dir>/trash/                              deleted jobs, while their files are removed
 
@@ -26,6 +28,7 @@ import socket
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,13 +36,29 @@ from fusekit.core.checkpoint import owner_only_umask, write_atomic
 from fusekit.service.auth import matches, new_token, token_hash
 from fusekit.service.errors import Busy, Conflict, Forbidden, NotFound, ServiceError
 
-STATES = ("collecting", "queued", "running", "succeeded", "failed", "cancelled")
+STATES = ("collecting", "queued", "running", "calibrating", "succeeded", "failed", "cancelled")
 FINISHED = ("succeeded", "failed", "cancelled")
 _JOB_ID = re.compile(r"[0-9a-f]{32}")
 # Letters, digits, '.', '_' and '-', not starting with '.' or '-': no separators, no
 # traversal, no control or look-alike characters, safe as a file name everywhere.
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _HOST = socket.gethostname()
+
+
+@dataclass(frozen=True)
+class SlotKind:
+    """What a client uploads into its slots: ``record`` is the slots' key in ``job.json``,
+    ``folder`` where accepted files live, ``state`` the job's state that takes them."""
+
+    name: str
+    record: str
+    folder: str
+    state: str
+
+
+CHECKPOINT = SlotKind("checkpoint", "slots", "clients", "collecting")
+STATISTICS = SlotKind("statistics file", "statistics", "statistics", "calibrating")
+KINDS = (CHECKPOINT, STATISTICS)
 
 
 def check_name(name: str, what: str = "client") -> str:
@@ -77,8 +96,9 @@ class JobStore:
         except FileNotFoundError:  # deleted meanwhile
             raise NotFound(f"job {job_id!r}: no such job") from None
 
-    def checkpoint(self, job: dict[str, Any], client: str) -> Path:
-        return self.root / job["id"] / "clients" / job["slots"][client]["file"]
+    def file(self, job: dict[str, Any], client: str, kind: SlotKind) -> Path:
+        """The client's accepted file of ``kind``."""
+        return self.root / job["id"] / kind.folder / job[kind.record][client]["file"]
 
     # -- changing ------------------------------------------------------------------------
 
@@ -117,10 +137,11 @@ class JobStore:
             for tmp in folder.glob(".*.tmp"):
                 if not running or tmp.name.startswith(".job.json."):
                     tmp.unlink(missing_ok=True)
-            named = {slot["file"] for slot in job["slots"].values()}
-            for stale in (folder / "clients").iterdir():  # replaced, then a crash
-                if stale.name not in named:
-                    stale.unlink(missing_ok=True)
+            for kind in KINDS:  # replaced, then a crash
+                named = {slot["file"] for slot in job.get(kind.record, {}).values()}
+                for stale in _files(folder / kind.folder):
+                    if stale.name not in named:
+                        stale.unlink(missing_ok=True)
             if not running:
                 shutil.rmtree(folder / "run", ignore_errors=True)
         with contextlib.suppress(FileNotFoundError):  # the job deleted meanwhile
@@ -131,8 +152,12 @@ class JobStore:
 
     def create(self, *, method: str, params: dict[str, Any], spec: dict[str, Any] | None,
                clients: list[str], max_checkpoint_bytes: int, auto_run: bool,
-               max_jobs: int) -> tuple[dict[str, Any], dict[str, str]]:
-        """A new job collecting one checkpoint per client; returns it and the tokens."""
+               max_jobs: int, calibrate: bool = False, min_stats_samples: int = 0
+               ) -> tuple[dict[str, Any], dict[str, str]]:
+        """A new job collecting one checkpoint per client; returns it and the tokens.
+
+        With ``calibrate``, the fused model is calibrated with statistics files of at least
+        ``min_stats_samples`` inputs each (the server's minimum when the job was made)."""
         for client in clients:
             check_name(client)
         if len(set(clients)) != len(clients):
@@ -147,40 +172,42 @@ class JobStore:
                 "id": uuid.uuid4().hex, "method": method, "params": params, "spec": spec,
                 "state": "collecting", "auto_run": auto_run,
                 "max_checkpoint_bytes": max_checkpoint_bytes,
-                "clients": clients, "slots": {}, "token_hashes": {
+                "calibrate": calibrate, "min_stats_samples": min_stats_samples, "fused": None,
+                "clients": clients, "slots": {}, "statistics": {}, "token_hashes": {
                     c: token_hash(t) for c, t in tokens.items()},
                 "created_at": time.time(), "queued_at": None, "started_at": None,
                 "finished_at": None, "attempts": 0, "progress": None, "error": None,
             }
             staging = self.root / f".new-{job['id']}"
-            for sub in ("clients", "uploads"):
+            for sub in ("clients", "statistics", "uploads"):
                 (staging / sub).mkdir(parents=True)
             write_atomic(staging / "job.json", json.dumps(job, indent=1).encode())
             os.rename(staging, self.root / job["id"])  # the job appears whole or not at all
         return job, tokens
 
-    def accept(self, job_id: str, client: str, part: Path, size: int, sha256: str
-               ) -> dict[str, Any]:
-        """Move a complete, validated, fsynced upload into the client's slot; an
-        ``auto_run`` job whose last slot this fills is queued in the same step."""
+    def accept(self, job_id: str, client: str, part: Path, size: int, sha256: str,
+               kind: SlotKind = CHECKPOINT) -> dict[str, Any]:
+        """Move a complete, validated, fsynced upload into the client's slot of ``kind``.
+        The job is queued in the same step when this fills its last slot: of checkpoints
+        if it is ``auto_run``, of statistics always (calibration follows)."""
         with self._flock(job_id) as folder:
             job = self.read(job_id)
-            if job["state"] != "collecting":
-                raise Conflict(f"job {job_id}: is {job['state']}; uploads are accepted only "
-                               "while it is collecting")
-            old = job["slots"].get(client)
+            check_accepting(job, kind)
+            slots = job.setdefault(kind.record, {})
+            old = slots.get(client)
             name = f"{client}.{sha256}.safetensors"
-            os.replace(part, folder / "clients" / name)
-            _fsync_dir(folder / "clients")
-            job["slots"][client] = {"file": name, "size": size, "sha256": sha256,
-                                    "uploaded_at": time.time()}
-            if job["auto_run"] and len(job["slots"]) == len(job["clients"]):
+            (folder / kind.folder).mkdir(exist_ok=True)  # a job of an earlier version
+            os.replace(part, folder / kind.folder / name)
+            _fsync_dir(folder / kind.folder)
+            slots[client] = {"file": name, "size": size, "sha256": sha256,
+                             "uploaded_at": time.time()}
+            if len(slots) == len(job["clients"]) and (kind is STATISTICS or job["auto_run"]):
                 job.update(state="queued", queued_at=time.time())
             _save(folder, job)
             # Once job.json no longer names it, and still under the lock: released first, a
             # later upload of the same file could be put in place and then removed here.
             if old and old["file"] != name:
-                (folder / "clients" / old["file"]).unlink(missing_ok=True)
+                (folder / kind.folder / old["file"]).unlink(missing_ok=True)
         return job
 
     def queue(self, job_id: str) -> dict[str, Any]:
@@ -191,6 +218,18 @@ class JobStore:
             missing = [c for c in job["clients"] if c not in job["slots"]]
             if missing:
                 raise Conflict(f"job {job_id}: no checkpoint yet from {', '.join(missing)}")
+            job.update(state="queued", queued_at=time.time())
+        return job
+
+    def finish_calibration(self, job_id: str) -> dict[str, Any]:
+        """calibrating -> queued, with the statistics received so far (at least one)."""
+        with self.locked(job_id) as job:
+            if job["state"] != "calibrating":
+                raise Conflict(f"job {job_id}: is {job['state']}; only a calibrating job can "
+                               "be calibrated")
+            if not job["statistics"]:
+                raise Conflict(f"job {job_id}: no statistics yet from any of its "
+                               f"{len(job['clients'])} clients; calibration needs at least one")
             job.update(state="queued", queued_at=time.time())
         return job
 
@@ -260,17 +299,42 @@ def _runs(job: dict[str, Any], attempt: int) -> bool:
     return job["state"] == "running" and job["attempts"] == attempt
 
 
+def check_accepting(job: dict[str, Any], kind: SlotKind) -> None:
+    """Refuse an upload of ``kind`` the job does not take now."""
+    if kind is STATISTICS and not job.get("calibrate"):
+        raise Conflict(f"job {job['id']}: was not created to calibrate; it takes no "
+                       "statistics files")
+    if job["state"] != kind.state:
+        raise Conflict(f"job {job['id']}: is {job['state']}; {kind.name} uploads are accepted "
+                       f"only while it is {kind.state}")
+
+
+def fused_model(job: dict[str, Any]) -> dict[str, Any] | None:
+    """What anyone with a token of a job that calibrates may know of its fused model (once
+    fused): size, SHA-256, content hash (which statistics files must name), when."""
+    fused = job.get("fused")
+    if fused is None:
+        return None
+    return {k: fused[k] for k in ("size", "sha256", "model", "fused_at")}
+
+
 def view(job: dict[str, Any], client: str | None = None) -> dict[str, Any]:
     """What GET /v1/jobs/{id} shows: all of it to the admin; to a client, the job's state
-    and its own slot only."""
+    and its own slots only."""
     public = {k: job[k] for k in ("id", "method", "state", "progress", "created_at",
                                   "queued_at", "started_at", "finished_at")}
+    calibrate = job.get("calibrate", False)
+    public.update(calibrate=calibrate, fused=fused_model(job))
     slots = {c: _slot(job["slots"].get(c)) for c in job["clients"]}
+    statistics = {c: _slot(job.get("statistics", {}).get(c)) for c in job["clients"]}
     if client is not None:
-        return {**public, "client": client, "slot": slots[client]}
+        mine = {"statistics": statistics[client]} if calibrate else {}
+        return {**public, "client": client, "slot": slots[client], **mine}
+    received = {"statistics": statistics,
+                "min_stats_samples": job["min_stats_samples"]} if calibrate else {}
     return {**public, "params": job["params"], "auto_run": job["auto_run"],
             "max_checkpoint_bytes": job["max_checkpoint_bytes"], "attempts": job["attempts"],
-            "error": job["error"], "slots": slots}
+            "error": job["error"], "slots": slots, **received}
 
 
 def _slot(slot: dict[str, Any] | None) -> dict[str, Any]:
@@ -337,6 +401,14 @@ def without_paths(text: str, data_dir: Path) -> str:
     shows where the server keeps it."""
     pattern = re.escape(str(data_dir)) + r"[^\s'\"]*"
     return re.sub(pattern, lambda match: os.path.basename(match.group()), text)
+
+
+def _files(folder: Path) -> list[Path]:
+    """The files in ``folder``; none when it does not exist (a job of an earlier version)."""
+    try:
+        return list(folder.iterdir())
+    except FileNotFoundError:
+        return []
 
 
 def _fsync_dir(folder: Path) -> None:

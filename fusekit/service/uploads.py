@@ -1,4 +1,5 @@
-"""Receiving one checkpoint: streamed to disk, checked as its bytes arrive, accepted whole.
+"""Receiving one upload (a checkpoint, or a statistics file for calibration): streamed to
+disk, checked as its bytes arrive, accepted whole.
 
 The body is never held in memory: chunks go to a temporary file in the job's ``uploads``
 folder while they are counted and hashed. The safetensors header is checked as soon as its
@@ -6,7 +7,8 @@ bytes are in (:func:`fusekit.core.checkpoint.check_header`), so a bad or oversiz
 refused before its tensors are sent; the whole file is then validated as
 :func:`fusekit.load_checkpoint` validates it, every tensor's values too (NaN, Inf, negative
 variances: a file its job could not fuse is refused now, not when the job runs), fsynced,
-and only then renamed into the slot.
+and only then renamed into the slot. A statistics file is validated as
+:func:`fusekit.calibrate` reads it, against the job's fused model (:func:`statistics_check`).
 
 Both checks run in :class:`Checker`'s processes, never in the API server's: parsing a header
 of many MB (json, safetensors) holds the interpreter's lock for seconds, which in a thread
@@ -17,6 +19,7 @@ tensor in pieces, within ``Settings.upload_check_bytes`` of memory whatever its 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import multiprocessing
 import os
@@ -36,7 +39,8 @@ from fusekit.core.checkpoint import (
     is_pickle_or_torch_zip,
     load_checkpoint,
 )
-from fusekit.core.errors import CheckpointError
+from fusekit.core.errors import CheckpointError, StatisticsError
+from fusekit.core.stats import load_statistics
 from fusekit.service.errors import ServiceError, TooLarge, TooSlow
 from fusekit.service.settings import Settings
 
@@ -45,12 +49,21 @@ T = TypeVar("T")
 _SPAWN = multiprocessing.get_context("spawn")
 
 
-class Upload:
-    """One checkpoint being received for ``client``, at most ``limit`` bytes, within the
-    time limits of ``settings`` (``upload_idle_s``, ``upload_min_rate``)."""
+#: The statistics of the one-pass protocol (ALGORITHMS §12): each BatchNorm normalised with
+#: the batch's statistics, so that one round calibrates every layer.
+ONE_PASS_MODE = "batch"
 
-    def __init__(self, folder: Path, client: str, limit: int, settings: Settings) -> None:
+
+class Upload:
+    """One file being received for ``client``, at most ``limit`` bytes, within the time
+    limits of ``settings`` (``upload_idle_s``, ``upload_min_rate``), and checked whole with
+    ``validate(part, label)`` (:func:`checkpoint_check`, :func:`statistics_check`) in a
+    checker process. ``what`` names it in refusals."""
+
+    def __init__(self, folder: Path, client: str, limit: int, settings: Settings,
+                 validate: Callable[[Path, str], None], what: str = "checkpoint") -> None:
         self.client, self.limit, self.settings = client, limit, settings
+        self.validate, self.what = validate, what
         self.label = f"client {client!r}"
         self.part = folder / f"{client}.{secrets.token_hex(8)}.part"
         self.size, self.expected = 0, None
@@ -70,8 +83,7 @@ class Upload:
                             check_header, bytes(self._head[:self._needed]), self.label))
                 await run_in_threadpool(_sync, f)
             self._check_complete()
-            await checker.run(_validate_file, self.part, self.label,
-                              self.settings.upload_check_bytes)
+            await checker.run(self.validate, self.part, self.label)
         except BaseException:
             self.discard()
             raise
@@ -108,7 +120,7 @@ class Upload:
         """Count and hash a chunk; True when it completes the safetensors header."""
         self.size += len(chunk)
         if self.size > self.limit:
-            raise TooLarge(f"{self.label}: the checkpoint is over {self.limit} bytes, this "
+            raise TooLarge(f"{self.label}: the {self.what} is over {self.limit} bytes, this "
                            "job's limit")
         self.sha256.update(chunk)
         if self.expected is not None:
@@ -192,12 +204,40 @@ def _ready() -> None:
     """A checker process's start: importing this module (for ``initializer``) is the work."""
 
 
-def _validate_file(part: Path, label: str, budget: int) -> None:
+def checkpoint_check(settings: Settings) -> Callable[[Path, str], None]:
+    return functools.partial(_validate_checkpoint, budget=settings.upload_check_bytes)
+
+
+def statistics_check(model: str, points: dict[str, int], min_samples: int
+                     ) -> Callable[[Path, str], None]:
+    """Statistics of the fused model with content hash ``model``: its ``points`` and their
+    widths, over at least ``min_samples`` inputs, in the one-pass mode."""
+    return functools.partial(_validate_statistics, model=model, points=points,
+                             min_samples=min_samples)
+
+
+def _validate_checkpoint(part: Path, label: str, budget: int) -> None:
     """In a checker process: the whole file as load_checkpoint sees it, and its values."""
     try:
         load_checkpoint(part).check_values(budget)
     except CheckpointError as exc:
         raise CheckpointError(str(exc).replace(str(part), label)) from None
+
+
+def _validate_statistics(part: Path, label: str, model: str, points: dict[str, int],
+                         min_samples: int) -> None:
+    """In a checker process: the file as fusekit.calibrate reads it, for the job's model."""
+    named = f"statistics of {label}"
+    try:
+        stats = load_statistics(part, model=model, points=points, min_samples=min_samples)
+    except StatisticsError as exc:
+        raise StatisticsError(str(exc).replace(f"statistics file {part}", named)
+                              .replace(str(part), named)) from None
+    if stats.mode != ONE_PASS_MODE:
+        raise StatisticsError(
+            f"{named}: computed in {stats.mode} mode; this job calibrates in one pass, from "
+            f"statistics in {ONE_PASS_MODE} mode (fusekit stats FUSED --mode {ONE_PASS_MODE} "
+            "...)")
 
 
 def _sync(f) -> None:

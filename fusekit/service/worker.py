@@ -2,6 +2,10 @@
 server's event loop; each job's fusion in a process of its own, which its worker kills
 when the job is deleted while it runs.
 
+A job that calibrates runs twice: its fusion, after which it waits (``calibrating``) for
+its clients' statistics of the fused model; then, queued again once they are in (or the
+admin says so), its calibration, in a process of its own too (ALGORITHMS §12, one pass).
+
 The queue is huey's: SQLite in the data folder by default (API server and workers on one
 machine), Redis when workers run on several machines. A job is queued by id only; its state
 lives in the job store, so a message lost with a killed worker is found again by
@@ -10,6 +14,7 @@ lives in the job store, so a message lost with a killed worker is found again by
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import multiprocessing
@@ -25,15 +30,25 @@ from typing import Any
 from huey import Huey, RedisHuey, SqliteHuey
 
 import fusekit
-from fusekit.api import fusion_summary
-from fusekit.core.checkpoint import write_atomic
+from fusekit.api import fused_spec, fusion_summary
+from fusekit.core.checkpoint import load_checkpoint, write_atomic
 from fusekit.core.errors import FusekitError
+from fusekit.core.stats import statistic_points
 from fusekit.service.settings import Settings
-from fusekit.service.store import JobStore, make_private, without_paths
+from fusekit.service.store import (
+    CHECKPOINT,
+    FINISHED,
+    STATISTICS,
+    JobStore,
+    SlotKind,
+    make_private,
+    without_paths,
+)
 
 log = logging.getLogger(__name__)
 
 RESULT, REPORT = "result.safetensors", "report.json"
+FUSED = "fused.safetensors"  # a calibrating job's fused model; its result is calibrated
 TASK = "fusekit.run_job"
 CANCEL_CHECK_S = 0.5  # how often a worker looks whether its running job was cancelled
 LOG_FORMAT = "%(asctime)s %(name)s: %(message)s"
@@ -57,7 +72,8 @@ def make_queue(settings: Settings) -> tuple[Huey, Any]:
 
 
 def run_job(settings: Settings, job_id: str) -> None:
-    """Run one queued job: fuse its checkpoints with ``fusekit.fuse`` and store the result."""
+    """Run one queued job: fuse its checkpoints with ``fusekit.fuse`` and store the result,
+    or, for a job that calibrates, calibrate its fused model with ``fusekit.calibrate``."""
     store = JobStore(settings.data_dir)
     job = store.claim(job_id)
     if job is None:
@@ -68,29 +84,26 @@ def run_job(settings: Settings, job_id: str) -> None:
     beat = threading.Thread(target=_heartbeat, args=(store, job_id, settings.lease_s / 5, stop),
                             daemon=True)
     beat.start()
+    step = _calibrate if job.get("fused") else _fuse
     try:
-        outcome = _fuse(store, job, attempt)
+        outcome = _run_step(store, job, attempt, step)
     finally:
         stop.set()
         beat.join()
-    store.update(job_id, attempt, finished_at=time.time(), progress=None, **outcome)
+    finished_at = time.time() if outcome["state"] in FINISHED else None
+    store.update(job_id, attempt, finished_at=finished_at, progress=None, **outcome)
     log.info("job %s: %s", job_id, outcome["state"])
 
 
-def _fuse(store: JobStore, job: dict[str, Any], attempt: int) -> dict[str, Any]:
-    folder = store.root / job["id"]
-    run = folder / "run"  # the clients' files under their own names, for fusekit's messages
+def _run_step(store: JobStore, job: dict[str, Any], attempt: int, step) -> dict[str, Any]:
+    """``step(store, job, attempt, run)`` with ``run`` a scratch folder of the job's, and
+    its failure as the job's outcome: the one-line reason, never a server path."""
+    run = store.root / job["id"] / "run"  # the clients' files under their own names
     try:
-        paths = _link_inputs(store, job, run)
-        store.update(job["id"], attempt, progress="fusing")
-        report = _fuse_apart(store, job, attempt, paths, run / RESULT)
-        if report is None or not store.update(job["id"], attempt,
-                                              progress="writing the result"):
-            return {"state": "cancelled"}
-        os.replace(run / RESULT, folder / RESULT)
-        write_atomic(folder / REPORT, without_paths(report, store.data_dir).encode())
-        return {"state": "succeeded", "error": None}
-    except (FusekitError, _FusionFailed) as exc:
+        shutil.rmtree(run, ignore_errors=True)  # what a killed attempt left
+        run.mkdir()
+        return step(store, job, attempt, run)
+    except (FusekitError, _StepFailed) as exc:
         return {"state": "failed", "error": without_paths(str(exc), store.data_dir)}
     except Exception as exc:  # a bug, not bad input: keep the traceback in the worker's log
         log.exception("job %s failed", job["id"])
@@ -100,24 +113,81 @@ def _fuse(store: JobStore, job: dict[str, Any], attempt: int) -> dict[str, Any]:
         shutil.rmtree(run, ignore_errors=True)
 
 
-class _FusionFailed(Exception):
-    """The fusion process's one-line reason for failing, or its death."""
+def _fuse(store: JobStore, job: dict[str, Any], attempt: int, run: Path) -> dict[str, Any]:
+    folder = store.root / job["id"]
+    paths = _link_inputs(store, job, run, CHECKPOINT, "safetensors")
+    store.update(job["id"], attempt, progress="fusing")
+    report = _apart(store, job, attempt, _fusion, [str(p) for p in paths], job["method"],
+                    job["spec"], job["params"], str(run / RESULT))
+    if report is None or not store.update(job["id"], attempt, progress="writing the result"):
+        return {"state": "cancelled"}
+    fused = _describe(run / RESULT) if job.get("calibrate") else None
+    os.replace(run / RESULT, folder / (FUSED if fused else RESULT))
+    write_atomic(folder / REPORT, without_paths(report, store.data_dir).encode())
+    if fused:
+        return {"state": "calibrating", "fused": fused, "error": None}
+    return {"state": "succeeded", "error": None}
 
 
-def _fuse_apart(store: JobStore, job: dict[str, Any], attempt: int, paths: list[Path],
-                output: Path) -> str | None:
-    """``fusekit.fuse`` in a process of its own, writing ``output``: a fusion cannot be
-    stopped in a thread, a process can be killed, so a job deleted (cancelled) or taken
-    over while it fuses stops within ``CANCEL_CHECK_S``. Returns the report (JSON), or
-    None when the job is no longer this attempt's.
+def _describe(path: Path) -> dict[str, Any]:
+    """What a job that calibrates records of its fused model: what statistics must name
+    (content hash, points and their widths), their size limit, the file's size and hash.
 
     Raises:
-        _FusionFailed: the fusion's error message, or the process died.
+        FusekitError: a model calibration does not cover (a transformer).
+    """
+    checkpoint = load_checkpoint(path)
+    points = statistic_points(fused_spec(checkpoint))
+    with open(path, "rb") as f:
+        sha256 = hashlib.file_digest(f, "sha256").hexdigest()
+    # Three float64 per channel and point, and a header naming three tensors per point.
+    limit = 24 * sum(points.values()) + 768 * len(points) + 4096
+    return {"model": checkpoint.content_hash, "points": points, "sha256": sha256,
+            "size": path.stat().st_size, "max_statistics_bytes": limit,
+            "fused_at": time.time()}
+
+
+def _calibrate(store: JobStore, job: dict[str, Any], attempt: int, run: Path
+               ) -> dict[str, Any]:
+    """Calibrate the fused model with the statistics received (all, or those the admin
+    finished with) and make it the result; the report says what calibration did."""
+    folder = store.root / job["id"]
+    fused = run / FUSED
+    os.link(folder / FUSED, fused)
+    paths = _link_inputs(store, job, run, STATISTICS, "stats.safetensors")
+    received = [c for c in job["clients"] if c in job["statistics"]]
+    store.update(job["id"], attempt, progress=f"calibrating with the statistics of "
+                 f"{len(received)} of {len(job['clients'])} clients")
+    calibration = _apart(store, job, attempt, _calibration, str(fused),
+                         [str(p) for p in paths], job["min_stats_samples"], str(run / RESULT))
+    if calibration is None or not store.update(job["id"], attempt,
+                                               progress="writing the result"):
+        return {"state": "cancelled"}
+    report = json.loads((folder / REPORT).read_text())
+    report["calibration"] = {**json.loads(calibration), "protocol": "one pass",
+                             "statistics_from": received,
+                             "missing": [c for c in job["clients"] if c not in received]}
+    os.replace(run / RESULT, folder / RESULT)
+    write_atomic(folder / REPORT, json.dumps(report).encode())
+    return {"state": "succeeded", "error": None}
+
+
+class _StepFailed(Exception):
+    """The fusion or calibration process's one-line reason for failing, or its death."""
+
+
+def _apart(store: JobStore, job: dict[str, Any], attempt: int, work, *args: Any) -> str | None:
+    """``work(*args)`` (:func:`_fusion`, :func:`_calibration`) in a process of its own: a
+    fusion cannot be stopped in a thread, a process can be killed, so a job deleted
+    (cancelled) or taken over meanwhile stops within ``CANCEL_CHECK_S``. Returns what
+    ``work`` returns (a report, JSON), or None when the job is no longer this attempt's.
+
+    Raises:
+        _StepFailed: the error message of ``work``, or the process died.
     """
     receiver, sender = _SPAWN.Pipe(duplex=False)
-    process = _SPAWN.Process(target=_fusion, daemon=True, name=f"fusion {job['id']}", args=(
-        sender, [str(p) for p in paths], job["method"], job["spec"], job["params"],
-        str(output)))
+    process = _SPAWN.Process(target=_child, daemon=True, name=f"{work.__name__[1:]} "
+                             f"{job['id']}", args=(sender, work, *args))
     process.start()
     sender.close()  # the child holds the only sending end: its death reads as EOF
     try:
@@ -130,12 +200,12 @@ def _fuse_apart(store: JobStore, job: dict[str, Any], attempt: int, paths: list[
                 kind, payload = receiver.recv()
             except EOFError:
                 process.join(10)
-                raise _FusionFailed(f"the fusion process stopped (exit code "
-                                    f"{process.exitcode}: killed, or out of memory)") from None
+                raise _StepFailed(f"the {work.__name__[1:]} process stopped (exit code "
+                                  f"{process.exitcode}: killed, or out of memory)") from None
             if kind == "succeeded":
                 return payload
             if kind == "failed":
-                raise _FusionFailed(payload)
+                raise _StepFailed(payload)
             if not store.update(job["id"], attempt, progress=payload):
                 return None
     finally:
@@ -145,25 +215,37 @@ def _fuse_apart(store: JobStore, job: dict[str, Any], attempt: int, paths: list[
         receiver.close()
 
 
-def _fusion(sender: Connection, paths: list[str], method: str, spec: Any,
-            params: dict[str, Any], output: str) -> None:
-    """A fusion process: fuse, write ``output``, and send the worker ("progress", text)
-    for each layer, then ("succeeded", report JSON) or ("failed", message)."""
+def _child(sender: Connection, work, *args: Any) -> None:
+    """A fusion or calibration process: run ``work(*args)`` and send the worker
+    ("progress", text) for each layer fused, then ("succeeded", what ``work`` returned) or
+    ("failed", message)."""
     threading.Thread(target=_exit_with, args=(os.getppid(),), daemon=True).start()
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     logging.getLogger("fusekit").addHandler(_LayerProgress(sender))
     try:
-        start = time.perf_counter()
-        result = fusekit.fuse(paths, method=method, spec=spec, **params)
-        seconds = time.perf_counter() - start
-        result.save(output, force=True)
-        report = json.dumps(fusion_summary(result, RESULT, seconds), default=_jsonable)
-        sender.send(("succeeded", report))
+        sender.send(("succeeded", work(*args)))
     except FusekitError as exc:
         sender.send(("failed", str(exc)))
     except Exception as exc:  # a bug, not bad input: the traceback goes to the log
-        log.exception("fusion of %s failed", paths)
+        log.exception("%s%s failed", work.__name__[1:], args)
         sender.send(("failed", f"internal error: {type(exc).__name__}: {exc}"))
+
+
+def _fusion(paths: list[str], method: str, spec: Any, params: dict[str, Any],
+            output: str) -> str:
+    """Fuse, write ``output``; the report as ``fusekit fuse --json`` prints it."""
+    start = time.perf_counter()
+    result = fusekit.fuse(paths, method=method, spec=spec, **params)
+    seconds = time.perf_counter() - start
+    result.save(output, force=True)
+    return json.dumps(fusion_summary(result, RESULT, seconds), default=_jsonable)
+
+
+def _calibration(fused: str, statistics: list[str], min_samples: int, output: str) -> str:
+    """Calibrate ``fused`` with ``statistics``, write ``output``; what calibration did."""
+    result = fusekit.calibrate(fused, statistics, min_samples=min_samples)
+    result.save(output, force=True)
+    return json.dumps(result.report["calibration"], default=_jsonable)
 
 
 class _LayerProgress(logging.Handler):
@@ -181,13 +263,16 @@ class _LayerProgress(logging.Handler):
             self.sender.send(("progress", f"fusing: layer {done} of {total} matched"))
 
 
-def _link_inputs(store: JobStore, job: dict[str, Any], run: Path) -> list[Path]:
-    run.mkdir(exist_ok=True)
+def _link_inputs(store: JobStore, job: dict[str, Any], run: Path, kind: SlotKind,
+                 suffix: str) -> list[Path]:
+    """The clients' accepted files of ``kind`` in ``run``, named ``<client>.<suffix>`` (as
+    messages name them), in the job's order of clients."""
     paths = []
     for client in job["clients"]:
-        path = run / f"{client}.safetensors"
-        path.unlink(missing_ok=True)
-        os.link(store.checkpoint(job, client), path)
+        if client not in job[kind.record]:
+            continue
+        path = run / f"{client}.{suffix}"
+        os.link(store.file(job, client, kind), path)
         paths.append(path)
     return paths
 

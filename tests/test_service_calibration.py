@@ -1,0 +1,311 @@
+"""Calibration through the service, end to end: a real ``fusekit serve`` with real workers
+(the fixtures of test_service.py); BatchNorm MLP clients fused, each client computing its
+statistics of the fused model on its own share of the embedded digits, the service
+calibrating; refusals of bad statistics; the admin finishing early; kill -9."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from bench_service import ServiceProcess
+from test_service import (  # noqa: F401
+    ADMIN,
+    admin,
+    cli,
+    files_in,
+    one_line_error,
+    service,
+    sha256,
+)
+
+import fusekit
+from conftest import mlp, write
+from fusekit.client import Client, ServiceError
+from fusekit.core.stats import Moments, Statistics, save_statistics
+from fusekit.toolkit.calibration import client_statistics
+from fusekit.toolkit.data import load_dataset
+
+NAMES = ("hospital-a", "hospital-b", "hospital-c")
+WIDTHS = (64, 24, 16, 10)  # a BatchNorm MLP on the digits' 8x8 pixels
+
+
+@pytest.fixture(scope="module")
+def digits() -> list[np.ndarray]:
+    """Each client's own inputs: a third of the digits' training images, flattened."""
+    x = load_dataset("digits").x_train
+    return np.array_split(x.reshape(len(x), -1), len(NAMES))
+
+
+@pytest.fixture(scope="module")
+def bn_models(tmp_path_factory) -> list[Path]:
+    folder = tmp_path_factory.mktemp("bn-clients")
+    return [write(folder / f"{name}.safetensors", mlp(WIDTHS, batchnorm=True, seed=i),
+                  num_samples=400 + i) for i, name in enumerate(NAMES)]
+
+
+def fused_job(admin, service, models, names=NAMES) -> dict:  # noqa: F811
+    """A job that calibrates, its checkpoints submitted, waiting for statistics."""
+    job = admin.create_job("pfnm", list(names), params={"sweeps": 2}, auto_run=True,
+                           calibrate=True)
+    for name, path in zip(names, models, strict=False):
+        with Client(service.url, job["tokens"][name]) as client:
+            client.submit(job["id"], name, path)
+    state = admin.wait(job["id"], timeout=120, every=0.1)
+    assert state["state"] == "calibrating" and state["progress"] is None, state
+    assert state["finished_at"] is None and state["fused"]["sha256"]
+    return job
+
+
+def statistics_file(fused: Path, inputs: np.ndarray, path: Path, **options) -> Path:
+    """What a client runs: ``fusekit stats FUSED --mode batch`` on its own inputs."""
+    return save_statistics(path, client_statistics(fused, inputs, **{"mode": "batch",
+                                                                      **options}))
+
+
+def put_statistics(service, job_id, client, token, body) -> httpx.Response:  # noqa: F811
+    return httpx.put(f"{service.url}/v1/jobs/{job_id}/clients/{client}/statistics",
+                     content=body, headers={"Authorization": f"Bearer {token}"}, timeout=30)
+
+
+def assert_same_tensors(path: Path, expected: dict) -> None:
+    got = fusekit.load_checkpoint(path)
+    assert sorted(got.tensors) == sorted(expected)
+    for name, array in expected.items():
+        np.testing.assert_array_equal(got.tensor(name), array, err_msg=name)
+
+
+def test_three_clients_calibrate_as_fusekit_calibrate_does(service, admin, bn_models,  # noqa: F811
+                                                           digits, tmp_path):
+    job = fused_job(admin, service, bn_models)
+    stats = []
+    for name, inputs in zip(NAMES, digits, strict=True):
+        with Client(service.url, job["tokens"][name]) as client:
+            mine = client.status(job["id"])
+            assert mine["calibrate"] and not mine["statistics"]["filled"]
+            fused = client.fused(job["id"], tmp_path / f"fused-{name}.safetensors")
+            assert sha256(fused) == mine["fused"]["sha256"]
+            assert fusekit.load_checkpoint(fused).content_hash == mine["fused"]["model"]
+            path = statistics_file(fused, inputs, tmp_path / f"{name}.stats.safetensors")
+            slot = client.submit_statistics(job["id"], name, path)
+            assert slot["filled"] and slot["sha256"] == sha256(path)
+            assert client.submit_statistics(job["id"], name, path) == slot  # sent once
+            stats.append(path)
+    state = admin.wait(job["id"], timeout=120, every=0.1)
+    assert state["state"] == "succeeded", state
+    assert all(slot["filled"] for slot in state["statistics"].values())
+
+    fused = admin.fused(job["id"], tmp_path / "fused.safetensors")
+    uncalibrated = fusekit.fuse(bn_models, "pfnm", sweeps=2)
+    assert_same_tensors(fused, uncalibrated.state_dict)
+    calibrated = admin.result(job["id"], tmp_path / "calibrated.safetensors")
+    expected = fusekit.calibrate(fused, stats)
+    assert_same_tensors(calibrated, expected.state_dict)
+    assert not np.array_equal(expected.state_dict["1.running_var"],
+                              uncalibrated.state_dict["1.running_var"])
+    report = admin.report(job["id"])
+    assert report["widths"] == uncalibrated.widths
+    assert report["calibration"] == {**expected.report["calibration"], "protocol": "one pass",
+                                     "statistics_from": list(NAMES), "missing": []}
+    assert report["calibration"]["samples"] == sum(len(x) for x in digits)
+    with Client(service.url, job["tokens"][NAMES[0]]) as client:
+        with pytest.raises(ServiceError, match=r"is succeeded; statistics file uploads are "
+                                               r"accepted only while it is calibrating"):
+            client.submit_statistics(job["id"], NAMES[0], stats[1])
+
+
+def tampered(stats: Statistics, point: str, **fields) -> Statistics:
+    moments = stats.points[point]
+    changed = Moments(**{f: fields.get(f, getattr(moments, f)) for f in ("count", "mean",
+                                                                         "var")})
+    return Statistics(stats.model, stats.num_samples, stats.mode,
+                      {**stats.points, point: changed})
+
+
+def test_statistics_refused_with_one_line_and_the_admin_finishes_early(
+        service, admin, bn_models, digits, tmp_path):  # noqa: F811
+    names = NAMES[:2]
+    job = fused_job(admin, service, bn_models[:2], names)
+    job_id, token = job["id"], job["tokens"][names[0]]
+    fused = admin.fused(job_id, tmp_path / "fused.safetensors")
+    good = client_statistics(fused, digits[0], mode="batch")
+    point = next(iter(good.points))
+
+    def refused(stats_or_body, status, *words):
+        body = stats_or_body
+        if isinstance(stats_or_body, Statistics):
+            path = save_statistics(tmp_path / "bad.stats.safetensors", stats_or_body,
+                                   force=True)
+            body = path.read_bytes()
+        one_line_error(put_statistics(service, job_id, names[0], token, body), status, *words)
+
+    bad_var = good.points[point].var.copy()
+    bad_var[0] = -1.0
+    refused(tampered(good, point, var=bad_var), 400, "statistics of client 'hospital-a'",
+            "variances must be finite and >= 0")
+    refused(tampered(good, point, count=np.zeros_like(good.points[point].count)), 400,
+            "statistics of client 'hospital-a'", "positive counts")
+    refused(tampered(good, point, mean=good.points[point].mean[:3],
+                     var=good.points[point].var[:3], count=good.points[point].count[:3]),
+            400, "statistics of client 'hospital-a'", "expected count, mean and var of shape")
+    refused(client_statistics(bn_models[0], digits[0], mode="batch"), 400,
+            "statistics of client 'hospital-a'", "computed for model")  # its own model
+    refused(client_statistics(fused, digits[0][:20], mode="batch", min_samples=1), 400,
+            "statistics over 20 inputs; at least 32 are required")
+    refused(client_statistics(fused, digits[0], mode="eval"), 400,
+            "computed in eval mode", "--mode batch")
+    refused(bn_models[0].read_bytes(), 413, "this job's limit for a statistics file")
+    small = write(tmp_path / "small.safetensors", mlp((3, 2, 2)))
+    refused(small.read_bytes(), 400, "statistics of client 'hospital-a'",
+            "not a statistics file")
+    good_path = save_statistics(tmp_path / "good.stats.safetensors", good)
+    other = job["tokens"][names[1]]
+    one_line_error(put_statistics(service, job_id, names[0], other, good_path.read_bytes()),
+                   403, f"client '{names[1]}': its token cannot act for client '{names[0]}'")
+    state = admin.status(job_id)
+    assert not any(slot["filled"] for slot in state["statistics"].values())
+    assert not files_in(service.data_dir / "jobs" / job_id / "statistics")
+
+    with pytest.raises(ServiceError, match=r"no statistics yet from any of its 2 clients; "
+                                           r"calibration needs at least one \(HTTP 409\)"):
+        admin.calibrate(job_id)
+    with Client(service.url, other) as client:
+        with pytest.raises(ServiceError, match="needs the admin token"):
+            client.calibrate(job_id)
+    with Client(service.url, token) as client:
+        client.submit_statistics(job_id, names[0], good_path)
+    assert admin.calibrate(job_id)["state"] == "queued"
+    state = admin.wait(job_id, timeout=120, every=0.1)
+    assert state["state"] == "succeeded", state
+    expected = fusekit.calibrate(fused, [good_path])
+    assert_same_tensors(admin.result(job_id, tmp_path / "calibrated.safetensors"),
+                        expected.state_dict)
+    report = admin.report(job_id)["calibration"]
+    assert report["statistics_from"] == [names[0]] and report["missing"] == [names[1]]
+    assert report["clients"] == 1 and report["samples"] == len(digits[0])
+
+
+def test_only_a_calibrating_job_takes_statistics(service, admin, bn_models, digits,  # noqa: F811
+                                                 tmp_path):
+    plain = admin.create_job("avg", ["a"])
+    stats = statistics_file(bn_models[0], digits[0], tmp_path / "s.safetensors")
+    one_line_error(put_statistics(service, plain["id"], "a", plain["tokens"]["a"],
+                                  stats.read_bytes()), 409, "was not created to calibrate")
+    with Client(service.url, plain["tokens"]["a"]) as client:
+        with pytest.raises(ServiceError, match="was not created to calibrate"):
+            client.fused(plain["id"], tmp_path / "f.safetensors")
+    early = admin.create_job("avg", ["a"], calibrate=True)
+    one_line_error(put_statistics(service, early["id"], "a", early["tokens"]["a"],
+                                  stats.read_bytes()), 409, "is collecting", "calibrating")
+    with Client(service.url, early["tokens"]["a"]) as client:
+        with pytest.raises(ServiceError, match="is collecting; the fused model is there once"):
+            client.fused(early["id"], tmp_path / "f.safetensors")
+    assert not (tmp_path / "f.safetensors").exists()
+
+
+def test_cli_calibrating_job_end_to_end(service, bn_models, digits, tmp_path,  # noqa: F811
+                                        monkeypatch):
+    """The README's flow: job create --calibrate; each client submit, fetch, stats --mode
+    batch, submit the statistics; job status, wait, result and fused."""
+    monkeypatch.setenv("FUSEKIT_SERVER", service.url)
+    monkeypatch.setenv("FUSEKIT_ADMIN_TOKEN", ADMIN)
+    names = NAMES[:2]
+    created = cli("job", "create", "--method", "avg", "--clients", ",".join(names),
+                  "--calibrate", "--auto-run", "--json")
+    assert created.exit_code == 0, created.output
+    job = json.loads(created.stdout)
+    for name, path in zip(names, bn_models, strict=False):
+        monkeypatch.setenv("FUSEKIT_TOKEN", job["tokens"][name])
+        assert cli("submit", service.url, path, "--job", job["id"], "--client", name
+                   ).exit_code == 0
+    waited = cli("job", "wait", job["id"], "--timeout", "120")
+    assert waited.exit_code == 0 and "calibrating" in waited.stdout, waited.output
+    none = cli("job", "calibrate", job["id"])
+    assert none.exit_code == 2 and "no statistics yet" in none.output
+    assert len(none.output.strip().splitlines()) == 1
+    stats = []
+    for name, inputs in zip(names, digits, strict=False):
+        monkeypatch.setenv("FUSEKIT_TOKEN", job["tokens"][name])
+        fused = tmp_path / f"{name}-fused.safetensors"
+        fetched = cli("fetch", service.url, "--job", job["id"], "--client", name, "-o", fused)
+        assert fetched.exit_code == 0, fetched.output
+        data = tmp_path / f"{name}.npz"
+        np.savez(data, x_train=inputs, y_train=np.zeros(len(inputs), np.int64),
+                 x_test=inputs[:10], y_test=np.zeros(10, np.int64))
+        stats.append(tmp_path / f"{name}.stats.safetensors")
+        computed = cli("stats", fused, "--mode", "batch", "--data-path", data, "-o", stats[-1])
+        assert computed.exit_code == 0, computed.output
+        if name == names[0]:
+            status = cli("job", "status", job["id"])
+            assert "calibrating" in status.stdout and f"{name} statistics" in status.stdout
+            assert "fused model" in status.stdout
+        sent = cli("submit", service.url, stats[-1], "--job", job["id"], "--client", name)
+        assert sent.exit_code == 0 and f"{name}: accepted statistics" in sent.stdout, sent.output
+    waited = cli("job", "wait", job["id"], "--timeout", "120")
+    assert waited.exit_code == 0 and "succeeded" in waited.stdout, waited.output
+    out, before = tmp_path / "calibrated.safetensors", tmp_path / "fused.safetensors"
+    assert cli("job", "result", job["id"], "-o", out).exit_code == 0
+    assert cli("job", "fused", job["id"], "-o", before).exit_code == 0
+    assert sha256(before) == sha256(tmp_path / f"{names[0]}-fused.safetensors")
+    assert_same_tensors(out, fusekit.calibrate(before, stats).state_dict)
+
+
+def send_partial_statistics(server, job_id, client, token, body) -> socket.socket:
+    """Headers and half the body of a statistics upload, the socket kept open."""
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    sock.sendall(f"PUT /v1/jobs/{job_id}/clients/{client}/statistics HTTP/1.1\r\n"
+                 f"Host: 127.0.0.1\r\nAuthorization: Bearer {token}\r\n"
+                 f"Content-Length: {len(body)}\r\n\r\n".encode() + body[: len(body) // 2])
+    return sock
+
+
+def test_kill9_during_and_after_statistics_uploads_loses_nothing_accepted(
+        bn_models, digits, tmp_path):
+    server = ServiceProcess(tmp_path / "data", env={"FUSEKIT_ADMIN_TOKEN": ADMIN})
+    server.start()
+    try:
+        with Client(server.url, ADMIN) as admin:  # noqa: F811
+            job = fused_job(admin, server, bn_models)
+            job_id = job["id"]
+            fused = admin.fused(job_id, tmp_path / "fused.safetensors")
+            paths = [statistics_file(fused, x, tmp_path / f"{n}.stats.safetensors")
+                     for n, x in zip(NAMES, digits, strict=True)]
+            with Client(server.url, job["tokens"][NAMES[0]]) as first:
+                accepted = first.submit_statistics(job_id, NAMES[0], paths[0])
+            partial = send_partial_statistics(server, job_id, NAMES[1],
+                                              job["tokens"][NAMES[1]], paths[1].read_bytes())
+            time.sleep(0.2)  # the partial upload is being received
+            server.kill()
+            partial.close()
+            server.start()
+            state = admin.status(job_id)
+            assert state["state"] == "calibrating"
+            assert state["statistics"][NAMES[0]] == accepted
+            assert not state["statistics"][NAMES[1]]["filled"]
+            folder = server.data_dir / "jobs" / job_id
+            (stored,) = files_in(folder / "statistics")
+            assert sha256(stored) == sha256(paths[0])
+            deadline = time.monotonic() + 30  # the dead server's partial upload is swept
+            while files_in(folder / "uploads") and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not files_in(folder / "uploads")
+
+            with Client(server.url, job["tokens"][NAMES[1]]) as second:
+                second.submit_statistics(job_id, NAMES[1], paths[1])
+            server.kill()  # right after an answered upload
+            server.start()
+            assert admin.status(job_id)["statistics"][NAMES[1]]["sha256"] == sha256(paths[1])
+            with Client(server.url, job["tokens"][NAMES[2]]) as third:
+                third.submit_statistics(job_id, NAMES[2], paths[2])
+            state = admin.wait(job_id, timeout=120, every=0.1)
+            assert state["state"] == "succeeded", state
+            assert_same_tensors(admin.result(job_id, tmp_path / "calibrated.safetensors"),
+                                fusekit.calibrate(fused, paths).state_dict)
+            assert not list(folder.glob(".*.tmp")) and not files_in(folder / "uploads")
+    finally:
+        server.stop()
