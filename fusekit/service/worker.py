@@ -32,8 +32,9 @@ from huey import Huey, RedisHuey, SqliteHuey
 import fusekit
 from fusekit.api import fused_spec, fusion_summary
 from fusekit.core.checkpoint import load_checkpoint, write_atomic
-from fusekit.core.errors import FusekitError
+from fusekit.core.errors import FusekitError, IncompatibleModelsError
 from fusekit.core.stats import statistic_points
+from fusekit.core.transformer import TransformerSpec
 from fusekit.service.settings import Settings
 from fusekit.service.store import (
     CHECKPOINT,
@@ -134,10 +135,17 @@ def _describe(path: Path) -> dict[str, Any]:
     (content hash, points and their widths), their size limit, the file's size and hash.
 
     Raises:
-        FusekitError: a model calibration does not cover (a transformer).
+        IncompatibleModelsError: a transformer, whose calibration needs the clients'
+            statistics of their own models, which a job does not collect.
     """
     checkpoint = load_checkpoint(path)
-    points = statistic_points(fused_spec(checkpoint))
+    spec = fused_spec(checkpoint)
+    if isinstance(spec, TransformerSpec):
+        raise IncompatibleModelsError(
+            "calibrate: the fused model is a transformer, whose calibration (REPAIR) needs "
+            "each client's statistics of its own model; a service job calibrates "
+            "BatchNorm networks from statistics of the fused model only")
+    points = statistic_points(spec)
     with open(path, "rb") as f:
         sha256 = hashlib.file_digest(f, "sha256").hexdigest()
     # Three float64 per channel and point, and a header naming three tensors per point.
