@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 from bench_service import ServiceProcess
 from test_service import ADMIN, admin, models, one_line_error, put, service  # noqa: F401
@@ -395,3 +396,67 @@ def test_a_failed_job_shows_its_error(browser, service, admin, tmp_path):  # noq
     assert not by_id(browser, "download").is_enabled() and not by_id(browser, "run").is_enabled()
     assert not select_all(browser, "#report")
     shoot(browser, "job-failed")
+
+
+def test_a_calibrating_job_in_the_browser(browser, service, admin, tmp_path):  # noqa: F811
+    """The form's calibrate box; a client fetching the fused model and uploading its
+    statistics on its page; the job page's statistics, Calibrate now and downloads."""
+    from fusekit.core.stats import save_statistics
+    from fusekit.toolkit.calibration import client_statistics
+
+    names = ("hospital-a", "hospital-b")
+    paths = [write(tmp_path / f"{n}.safetensors", mlp((6, 8, 5, 3), batchnorm=True, seed=i),
+                   num_samples=40 + i) for i, n in enumerate(names)]
+    sign_in(browser, service.url, ADMIN)
+    wait_for(browser, lambda d: by_id(d, "nav").is_displayed(), "signed in")
+    browser.get(service.url + "/#new")
+    wait_for(browser, lambda d: by_id(d, "param-sweeps"), "the form")
+    by_id(browser, "clients").send_keys(", ".join(names))
+    by_id(browser, "auto-run").click()
+    by_id(browser, "calibrate").click()
+    select_all(browser, "#create button[type=submit]")[0].click()
+    wait_for(browser, lambda d: by_id(d, "tokens"), "the clients' tokens")
+    job_id = re.fullmatch(r"Job ([0-9a-f]{32}) created", select_all(browser, "h2")[0].text)[1]
+    job = admin.status(job_id)
+    assert job["calibrate"] and job["auto_run"]
+    tokens = {}
+    for name, path in zip(names, paths, strict=True):  # the tokens shown, in page order
+        row = select_all(browser, "#tokens tbody tr")[names.index(name)]
+        tokens[name] = row.find_elements("css selector", "input")[0].get_attribute("value")
+        with Client(service.url, tokens[name]) as client:
+            client.submit(job_id, name, path)
+    assert admin.wait(job_id, timeout=60, every=0.1)["state"] == "calibrating"
+
+    browser.get(f"{service.url}/upload?job={job_id}&client={names[0]}")
+    by_id(browser, "token").send_keys(tokens[names[0]])
+    by_id(browser, "fetch-fused").click()
+    fused = browser.downloads / f"fused-{job_id}.safetensors"
+    wait_for(browser, lambda d: fused.exists() and not list(
+        browser.downloads.glob("*.crdownload")), "the fused model")
+    assert fused.read_bytes() == admin.fused(job_id, tmp_path / "f.safetensors").read_bytes()
+    inputs = np.random.default_rng(0).normal(size=(64, 6)).astype(np.float32)
+    stats = save_statistics(tmp_path / "a.stats.safetensors",
+                            client_statistics(fused, inputs, mode="batch"))
+    verdict = upload(browser, service.url, job_id, names[0], tokens[names[0]], stats)
+    assert verdict.startswith(f"Accepted: {stats.name}, {stats.stat().st_size} bytes"), verdict
+    assert "before the job calibrates" in verdict
+    assert admin.status(job_id)["statistics"][names[0]]["filled"]
+
+    browser.get(f"{service.url}/#job/{job_id}")
+    button = wait_for(browser, lambda d: by_id(d, "calibrate-now").is_enabled() and
+                      by_id(d, "calibrate-now"), "Calibrate now")
+    assert by_id(browser, "job").get_attribute("data-state") == "calibrating"
+    rows = select_all(browser, "#statistics tbody tr")
+    assert [r.get_attribute("class") for r in rows] == ["filled", "waiting"]
+    assert hashlib.sha256(stats.read_bytes()).hexdigest() in rows[0].text
+    shoot(browser, "job-calibrating")
+    button.click()
+    note = wait_for(browser, lambda d: by_id(d, "calibration").text, "the calibration report")
+    assert note.startswith(f"Calibrated (one pass) with the statistics of {names[0]}: 64 "
+                           f"inputs, batch mode; none from {names[1]}"), note
+    assert by_id(browser, "job").get_attribute("data-state") == "succeeded"
+    by_id(browser, "download").click()
+    saved = browser.downloads / f"calibrated-{job_id}.safetensors"
+    wait_for(browser, lambda d: saved.exists() and not list(
+        browser.downloads.glob("*.crdownload")), "the calibrated model")
+    assert saved.read_bytes() == admin.result(job_id, tmp_path / "c.safetensors").read_bytes()

@@ -53,7 +53,8 @@ def add_web(app: FastAPI, store: JobStore, admin_only: Callable[[str | None], No
 
     @app.get("/v1/jobs")
     async def jobs(authorization: Auth = None) -> dict[str, Any]:
-        """Every job, newest first: state, method, slots filled of total, times."""
+        """Every job, newest first: state, method, slots filled of total (checkpoints,
+        statistics), times."""
         admin_only(authorization)
         return {"jobs": await run_in_threadpool(job_list, store)}
 
@@ -82,5 +83,6 @@ def job_list(store: JobStore) -> list[dict[str, Any]]:
         listed.append({
             **{k: job[k] for k in ("id", "method", "state", "progress", "created_at",
                                    "finished_at")},
-            "clients": len(job["clients"]), "filled": len(job["slots"])})
+            "clients": len(job["clients"]), "filled": len(job["slots"]),
+            "statistics": len(job.get("statistics", {}))})
     return sorted(listed, key=lambda job: job["created_at"], reverse=True)

@@ -91,7 +91,8 @@
       el("td", {text: job.method}),
       el("td", {}, badge(job.state)),
       el("td", {class: "num", text: `${job.filled} of ${job.clients}`}),
-      el("td", {text: job.progress || ""}),
+      el("td", {text: job.state === "calibrating" ?
+        `statistics: ${job.statistics} of ${job.clients}` : job.progress || ""}),
       el("td", {title: fk.when(job.created_at), text: fk.age(job.created_at)})));
     show(el("section", {class: "card"},
       el("h2", {}, "Jobs ", el("a", {href: "#new", class: "button", text: "New job"})),
@@ -125,18 +126,22 @@
     const limit = el("input", {type: "text", id: "max-bytes", inputmode: "numeric",
                                placeholder: "the server's limit"});
     const autoRun = el("input", {type: "checkbox", id: "auto-run"});
+    const calibrate = el("input", {type: "checkbox", id: "calibrate"});
     const error = el("div", {id: "create-error"});
     const form = el("form", {id: "create", novalidate: true},
       el("label", {}, "Method ", method),
       el("label", {}, "Clients (one name each, separated by commas or lines) ", clients),
       el("label", {}, "Upload limit in bytes ", limit),
       el("label", {class: "inline"}, autoRun, " Run as soon as the last checkpoint arrives"),
+      el("label", {class: "inline"}, calibrate, " Calibrate the fused model with statistics " +
+         "the clients compute of it on their own data (one round after the fusion)"),
       fields, error,
       el("button", {type: "submit", text: "Create the job"}));
     form.addEventListener("submit", async (event) => {
       event.preventDefault();
       const body = {method: method.value, clients: clients.value.split(/[\s,]+/).filter(Boolean),
-                    params: readParams(fields), auto_run: autoRun.checked};
+                    params: readParams(fields), auto_run: autoRun.checked,
+                    calibrate: calibrate.checked};
       if (limit.value.trim()) body.max_checkpoint_bytes = number(limit.value.trim());
       try {
         const created = await api("POST", "/v1/jobs", body);
@@ -245,11 +250,14 @@
       job.error && el("p", {class: "error", id: "job-error", text: job.error}),
       actions(job, actionError), actionError,
       el("h3", {text: "Checkpoints"}),
-      slots(job)),
+      slots(job, "slots", "checkpoint"),
+      job.calibrate && el("h3", {text: "Statistics of the fused model"}),
+      job.calibrate && slots(job, "statistics", "statistics")),
       reports.has(id) && el("section", {class: "card", id: "report"},
         el("h3", {text: "Report"}), reportView(reports.get(id))));
     if (!["succeeded", "failed", "cancelled"].includes(job.state)) {
-      const ms = job.state === "collecting" ? POLL_MS : RUNNING_POLL_MS;
+      const waitsOnClients = ["collecting", "calibrating"].includes(job.state);
+      const ms = waitsOnClients ? POLL_MS : RUNNING_POLL_MS;
       poll(view, (v) => showJob(id, v).catch(failed), ms);
     }
   }
@@ -260,6 +268,10 @@
       ["parameters", Object.keys(job.params).length ? JSON.stringify(job.params) : "defaults"],
       ["upload limit", fk.bytes(job.max_checkpoint_bytes)],
       ["runs when full", job.auto_run ? "yes" : "no (Run below)"],
+      ["calibrates", job.calibrate ? "yes: with each client's statistics of the fused " +
+        "model (one round), once all are in or on Calibrate now" : ""],
+      ["fused", job.fused ? `${fk.when(job.fused.fused_at)}: ${fk.bytes(job.fused.size)}, ` +
+        `SHA-256 ${job.fused.sha256}` : ""],
       ["created", fk.when(job.created_at)],
       ["queued", fk.when(job.queued_at)],
       ["started", fk.when(job.started_at)],
@@ -281,6 +293,7 @@
 
   function actions(job, errorBox) {
     const filled = Object.values(job.slots).every((slot) => slot.filled);
+    const received = Object.values(job.statistics || {}).some((slot) => slot.filled);
     const act = (fn) => async () => {
       try {
         await fn();
@@ -295,8 +308,23 @@
                       await api("POST", `/v1/jobs/${job.id}/run`);
                       route();
                     })}),
+      job.calibrate && el("button", {
+        type: "button", id: "calibrate-now",
+        disabled: job.state !== "calibrating" || !received,
+        title: received ? "" : "at least one client's statistics must have arrived",
+        text: "Calibrate now", onclick: act(async () => {
+          await api("POST", `/v1/jobs/${job.id}/calibrate`);
+          route();
+        })}),
       el("button", {type: "button", id: "download", disabled: job.state !== "succeeded",
-                    text: "Download the fused model", onclick: act(() => download(job.id))}),
+                    text: job.calibrate ? "Download the calibrated model" :
+                      "Download the fused model",
+                    onclick: act(() => download(job.id, "result",
+                                                job.calibrate ? "calibrated" : "fused"))}),
+      job.calibrate && el("button", {
+        type: "button", id: "download-fused", disabled: !job.fused,
+        text: "Download the fused model (before calibration)",
+        onclick: act(() => download(job.id, "fused", "fused"))}),
       el("button", {type: "button", id: "delete", class: "danger", text: "Delete",
                     onclick: act(async () => {
                       if (!confirm(`Delete job ${job.id} with its checkpoints and result?`)) {
@@ -308,30 +336,31 @@
                     })}));
   }
 
-  /** The result needs the Bearer token, which a plain link cannot send: fetched, then
-   * handed to the browser's downloads as a file. */
-  async function download(id) {
-    const response = await fk.request("GET", `/v1/jobs/${id}/result`, token());
+  /** The result (or the fused model) needs the Bearer token, which a plain link cannot
+   * send: fetched, then handed to the browser's downloads as a file. */
+  async function download(id, which, name) {
+    const response = await fk.request("GET", `/v1/jobs/${id}/${which}`, token());
     const url = URL.createObjectURL(await response.blob());
-    const link = el("a", {href: url, download: `fused-${id}.safetensors`});
+    const link = el("a", {href: url, download: `${name}-${id}.safetensors`});
     document.body.append(link);
     link.click();
     link.remove();
     setTimeout(() => URL.revokeObjectURL(url), 60000);
   }
 
-  function slots(job) {
-    const rows = Object.entries(job.slots).map(([client, slot]) => el("tr",
+  /** The clients' slots of one kind: "slots" (checkpoints) or "statistics". */
+  function slots(job, kind, what) {
+    const rows = Object.entries(job[kind]).map(([client, slot]) => el("tr",
       {"data-client": client, class: slot.filled ? "filled" : "waiting"},
       el("td", {text: client}),
       el("td", {text: slot.filled ? "received" : "waiting"}),
       el("td", {class: "num", text: slot.filled ? fk.bytes(slot.size) : ""}),
       el("td", {}, slot.filled ? el("code", {class: "sha", text: slot.sha256}) : ""),
       el("td", {title: fk.when(slot.uploaded_at), text: fk.age(slot.uploaded_at)}),
-      el("td", {}, job.state === "collecting" ?
+      el("td", {}, job.state === (kind === "slots" ? "collecting" : "calibrating") ?
         fk.copyField(uploadLink(job.id, client), `upload link of ${client}`) : "")));
-    return el("table", {id: "slots"},
-      el("thead", {}, el("tr", {}, ["client", "checkpoint", "size", "SHA-256", "when",
+    return el("table", {id: kind},
+      el("thead", {}, el("tr", {}, ["client", what, "size", "SHA-256", "when",
                                     "upload link"].map((h) => el("th", {text: h})))),
       el("tbody", {}, rows));
   }
@@ -342,9 +371,14 @@
     const time = Number.isFinite(report.time_s) ? `${report.time_s.toFixed(2)} s` : "";
     const layers = (report.report && Array.isArray(report.report.layers)) ?
       report.report.layers : [];
+    const calibration = report.calibration;
     return el("div", {},
       el("p", {}, `${report.method}: fused hidden widths ${JSON.stringify(report.widths)}` +
                   (time ? `, fused in ${time}` : "")),
+      calibration && el("p", {id: "calibration"}, `Calibrated (${calibration.protocol}) ` +
+        `with the statistics of ${calibration.statistics_from.join(", ")}: ` +
+        `${calibration.samples} inputs, ${calibration.mode} mode` +
+        (calibration.missing.length ? `; none from ${calibration.missing.join(", ")}` : "")),
       el("div", {class: "charts"}, charts(layers)),
       el("details", {}, el("summary", {text: "The whole report (JSON)"}),
          el("pre", {text: JSON.stringify(report, null, 1)})));

@@ -1,7 +1,9 @@
 "use strict";
 // The client's upload page: /upload?job=<id>&client=<name>, the token typed (never in the
-// link). The file is sent as it is (XMLHttpRequest streams a File from disk; the page never
-// reads it), with the upload's progress, and the server's verdict shown in words.
+// link). The file is sent as it is (XMLHttpRequest streams a File from disk; the page reads
+// only its safetensors header, to tell a statistics file of a job that calibrates from a
+// checkpoint), with the upload's progress, and the server's verdict shown in words. For a
+// job that calibrates, the page also downloads the fused model with the token typed.
 
 (() => {
   const query = new URLSearchParams(location.search);
@@ -23,19 +25,34 @@
     $("progress-text").textContent = `${fk.bytes(sent)} of ${fk.bytes(total)} (${share}%)`;
   }
 
-  function accepted(slot, file) {
+  function accepted(slot, file, kind) {
+    const until = kind === "statistics" ? "the job calibrates" : "the job runs";
     say(`Accepted: ${file.name}, ${slot.size} bytes, SHA-256 ${slot.sha256}. ` +
-        "You are done; uploading again before the job runs replaces this file.", "accepted");
+        `You are done; uploading again before ${until} replaces this file.`, "accepted");
   }
 
-  function upload(event) {
+  /** "statistics" for a statistics file (its metadata names fusekit.stats), else
+   * "checkpoint": the server judges the rest. */
+  async function kindOf(file) {
+    try {
+      const length = new DataView(await file.slice(0, 8).arrayBuffer()).getBigUint64(0, true);
+      if (length > 100_000_000n) return "checkpoint";
+      const header = JSON.parse(await file.slice(8, 8 + Number(length)).text());
+      return "fusekit.stats" in (header.__metadata__ || {}) ? "statistics" : "checkpoint";
+    } catch {
+      return "checkpoint";
+    }
+  }
+
+  async function upload(event) {
     event.preventDefault();
     const file = $("file").files[0];
     const token = $("token").value.trim();
     if (!file || !token) return;
+    const kind = await kindOf(file);
     const xhr = new XMLHttpRequest();
     xhr.open("PUT", `/v1/jobs/${encodeURIComponent(job)}/clients/` +
-                    `${encodeURIComponent(client)}/checkpoint`);
+                    `${encodeURIComponent(client)}/${kind}`);
     xhr.setRequestHeader("Authorization", "Bearer " + token);
     xhr.setRequestHeader("Content-Type", "application/octet-stream");
     xhr.upload.addEventListener("progress", (e) => showProgress(e.loaded, e.total));
@@ -43,7 +60,7 @@
       $("send").disabled = false;
       if (xhr.status === 201) {
         showProgress(file.size, file.size);
-        accepted(JSON.parse(xhr.responseText), file);
+        accepted(JSON.parse(xhr.responseText), file, kind);
       } else { // the server may refuse before reading the body: no bar saying it was sent
         $("progress-box").hidden = true;
         say("Refused: " + fk.refusal(xhr.status, xhr.responseText), "refused");
@@ -68,6 +85,30 @@
         "ask the coordinator for your link.", "refused");
     return;
   }
+  /** The fused model of a job that calibrates, fetched with the token typed, then handed
+   * to the browser's downloads. */
+  async function fetchFused() {
+    const token = $("token").value.trim();
+    if (!token) return say("Type your token first.", "refused");
+    try {
+      const response = await fk.request("GET", `/v1/jobs/${encodeURIComponent(job)}/fused`,
+                                        token);
+      const url = URL.createObjectURL(await response.blob());
+      const link = document.createElement("a");
+      link.href = url;
+      link.download = `fused-${job}.safetensors`;
+      document.body.append(link);
+      link.click();
+      link.remove();
+      setTimeout(() => URL.revokeObjectURL(url), 60000);
+      say("The fused model is downloaded: compute your statistics of it on your own data " +
+          "(fusekit stats FUSED --mode batch ...) and upload them here.", "accepted");
+    } catch (err) {
+      say("Refused: " + err.message, "refused");
+    }
+  }
+
   $("target").textContent = `Checkpoint of client ${client} for job ${job}`;
   form.addEventListener("submit", upload);
+  $("fetch-fused").addEventListener("click", fetchFused);
 })();
