@@ -133,3 +133,16 @@ def test_nafi_estimates_with_the_models_cost_then_refines_with_its_own(authors_s
     for key in ("sigma2_relative", "sigma0_2_relative", "gamma0"):
         assert nafi["hyperparameters"][key] == pfnm["hyperparameters"][key]
     assert nafi["sweeps_run"] > pfnm["sweeps_run"]
+
+
+def test_sigma2_is_pooled_over_all_but_the_loosest_quarter_of_the_globals():
+    # Eight globals of 10 degrees of freedom each: six at variance 1, two at 9 (merges no
+    # common noise level explains). Pooled over all, 3.0; the upper quartile of the
+    # globals' own variances is 3.0, so the two loose ones are left out.
+    dof = np.full(8, 10.0)
+    scatter = dof * np.array([1, 1, 1, 1, 1, 1, 9, 9.0])
+    assert scatter.sum() / dof.sum() == pytest.approx(3.0)
+    assert empirical.trimmed_within(scatter, dof) == pytest.approx(1.0)
+    # Equal variances (the model's case) are all kept; no shared global gives None.
+    assert empirical.trimmed_within(np.array([4.0, 8.0]), np.array([2.0, 4.0])) == 2.0
+    assert empirical.trimmed_within(np.zeros(3), np.zeros(3)) is None

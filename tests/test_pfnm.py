@@ -539,3 +539,29 @@ def test_bad_vectors_and_priors_are_reported_in_one_line():
     with pytest.raises(ParameterError, match="expected values >= 0, found minimum -1") as caught:
         match_neurons(vectors, [1.0, np.full(300, -1.0)], backend=NUMPY)
     assert "\n" not in str(caught.value)
+
+
+def test_a_global_holding_two_groups_is_split_between_them():
+    """The fill's two-way split cuts a global between its groups (the split that removes
+    the most precision-weighted scatter), not one outlier off it."""
+    from fusekit.methods.bayesian.layer import best_split
+
+    rng = np.random.default_rng(0)
+    groups = np.r_[np.zeros(3), np.ones(2)]
+    points = groups[:, None] * 4.0 + rng.normal(0, 0.1, (5, 6))
+    points[0] += 0.5  # the worst-fitting member is in the larger group
+    weights = np.ones_like(points)
+    gain, leaving = best_split(points, weights)
+    np.testing.assert_array_equal(leaving, groups == 1)
+
+    def scatter(x):
+        return float(((x - x.mean(0)) ** 2).sum())
+
+    assert gain == pytest.approx(scatter(points) - scatter(points[:3]) - scatter(points[3:]))
+    # Unobserved coordinates (weight 0) neither place nor cost: large noise there changes
+    # nothing.
+    hidden = weights.copy()
+    hidden[:, :3] = 0.0
+    points[:, :3] = rng.normal(0, 5.0, (5, 3))
+    _, leaving = best_split(points, hidden)
+    np.testing.assert_array_equal(leaving, groups == 1)

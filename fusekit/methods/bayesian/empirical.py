@@ -15,7 +15,9 @@ gamma0 = 1:
   when sigma^2 << sigma0^2 and nearly every neuron opens a global of its own);
 * M-step: the maximum-likelihood values given the assignment, with the small-sample
   corrections of a one-way random-effects model:
-  sigma^2  = sum_i sum_{members} (w - mean_i)^2 / sum_i (n_i - 1)   (within globals),
+  sigma^2  = sum_i sum_{members} (w - mean_i)^2 / sum_i (n_i - 1)   (within globals, over
+             the globals whose own such estimate is at most the upper quartile of the
+             globals': :func:`trimmed_within`),
   sigma0^2 = mean_i [ (mean_i - mu0)^2 - sigma^2 / n_i ]            (between globals),
   gamma0   = J / H_S                                                (IBP: E[J] = gamma0 H_S),
   per coordinate in units of v, pooled over the coordinates of the layer (S: the clients
@@ -45,6 +47,9 @@ TOLERANCE = 1e-2
 MIN_RELATIVE_VARIANCE = 1e-4
 #: Starting values in units of v: sigma^2 + sigma0^2 = v, the marginal variance observed.
 START = (0.5, 0.5, 1.0)
+#: sigma^2 is pooled over the globals whose own within-global variance is at most this
+#: quantile of the globals' (the loosest quarter is left out; see :func:`trimmed_within`).
+TRIM = 0.75
 
 
 @dataclass(frozen=True)
@@ -92,8 +97,8 @@ def moments(
         mu0: prior mean (weight units).
 
     Returns:
-        The pooled within-global variance (None when no global has two members observing a
-        coordinate), the mean of (member mean - mu0)^2 and the mean of 1/n over the
+        The trimmed pooled within-global variance (:func:`trimmed_within`; None when no
+        global has two members observing a coordinate), the mean of (member mean - mu0)^2 and the mean of 1/n over the
         (global, coordinate) pairs observed (E[(mean - mu0)^2] = sigma0^2 + sigma^2 / n).
     """
     n_coords = unit.size
@@ -110,13 +115,34 @@ def moments(
     has = counts > 0
     means = sums / np.maximum(counts, 1)
     within = squares - counts * means * means
-    dof = float(np.sum(np.maximum(counts - 1, 0)))
-    sigma2 = float(within.sum() / dof) if dof > 0 else None
+    sigma2 = trimmed_within(within.sum(axis=1), np.maximum(counts - 1, 0).sum(axis=1))
     centred = np.where(has, means - mu0 * scale, 0.0)
     n_seen = max(int(has.sum()), 1)
     between = float(np.sum(centred * centred)) / n_seen
     inverse_n = float(np.sum(np.where(has, 1.0 / np.maximum(counts, 1), 0.0))) / n_seen
     return sigma2, between, inverse_n
+
+
+def trimmed_within(scatter: np.ndarray, dof: np.ndarray) -> float | None:
+    """Pooled within-global variance over the globals whose own estimate is at most the
+    :data:`TRIM` quantile of the globals' estimates (docs/ALGORITHMS.md §3, "Empirical
+    Bayes": the loosest globals hold members no common noise level explains).
+
+    Args:
+        scatter: (J,) per global, the sum of squared deviations of its members from their
+            mean (over coordinates).
+        dof: (J,) per global, its degrees of freedom (sum over coordinates of n - 1).
+
+    Returns:
+        sum scatter / sum dof over the globals kept; None when no global has two members.
+    """
+    shared = dof > 0
+    if not shared.any():
+        return None
+    scatter, dof = scatter[shared], dof[shared]
+    own = scatter / dof
+    kept = own <= np.quantile(own, TRIM)
+    return float(scatter[kept].sum() / dof[kept].sum())
 
 
 class Refit:

@@ -11,8 +11,9 @@ Eq. 5, and Eq. 14 for NAFI (docs/ALGORITHMS.md §3-4):
    are dropped), rebuild its cost matrix, solve the assignment, add it back.
 3. With a target ``width`` (ALGORITHMS.md §3, "Fused width"): the ``width`` globals with the
    largest posterior mass survive, every client is re-matched against them with at most
-   ``width`` globals open, and a model that merged more than asked has its worst-fitting
-   members split off, so the layer has exactly ``width`` neurons.
+   ``width`` globals open, and a model that merged more than asked has globals split in
+   two (the splits that remove the most within-global scatter), so the layer has exactly
+   ``width`` neurons.
 4. The result is the posterior mean of every global neuron (Eq. 4), or with
    ``shrink=False`` the precision-weighted mean of its members.
 
@@ -418,39 +419,100 @@ class _Matcher:
         return int(order.size - width)
 
     def fill(self, width: int) -> tuple[int, int]:
-        """Reach ``width`` globals when the model merged more than asked: split off the
-        worst-fitting member (largest precision-weighted squared distance to its global's
-        mean) of shared globals, one per global and round, into a new global; when no
-        global is shared any more, add globals at the prior (mu0 in, mu0 out: inert).
-        Returns (globals split off, globals padded)."""
+        """Reach ``width`` globals when the model merged more than asked: split, one at a
+        time, the shared global whose best two-way split of its members lowers the
+        precision-weighted within-global scatter most (:func:`best_split`; at fixed values
+        the Gaussian part of the objective, so the split that costs the least likelihood);
+        when no global is shared any more, add globals at the prior (mu0 in, mu0 out:
+        inert). Returns (globals split off, globals padded)."""
+        groups: dict[int, list[tuple[int, int]]] = {}
+        for s in range(self.n_clients):
+            for j, row in enumerate(self.assignments[s].tolist()):
+                groups.setdefault(row, []).append((s, j))
+        splits = {row: self._best_split(members) for row, members in groups.items()
+                  if len(members) > 1}
         split = 0
-        while self.state.size < width:
-            sums, precisions, counts = self.state.view()
-            means = sums / precisions
-            candidates = []
-            for s in range(self.n_clients):
-                rows = self.assignments[s]
-                diff = self.vecs[s] - means[rows]
-                misfit = np.einsum("jp,jp,p->j", diff, diff, self.precs[s])
-                candidates += [(-m, s, j) for j, m in enumerate(misfit) if counts[rows[j]] > 1]
-            if not candidates:
-                break
-            used: set[int] = set()
-            for _, s, j in sorted(candidates):
-                row = int(self.assignments[s][j])
-                if self.state.size == width or row in used:
-                    continue
-                used.add(row)
-                one = self.vecs[s][j : j + 1]
-                self.state.subtract(np.array([row]), one, self.precs[s])
-                self.assignments[s] = self.assignments[s].copy()
-                self.assignments[s][j] = self.state.size
-                self.state.add(self.assignments[s][j : j + 1], one, self.precs[s])
-                split += 1
+        while self.state.size < width and splits:
+            row = max(splits, key=lambda r: (splits[r][0], -r))
+            _, leaving = splits.pop(row)
+            new_row = self.state.size
+            for s, j in leaving:
+                self._move(s, j, row, new_row)
+            split += 1
+            groups[new_row] = leaving
+            groups[row] = [m for m in groups[row] if m not in leaving]
+            for changed in (row, new_row):
+                if len(groups[changed]) > 1:
+                    splits[changed] = self._best_split(groups[changed])
         padded = width - self.state.size
         if padded > 0:
             self.state.open_empty(padded)
         return split, padded
+
+    def _best_split(self, members: list[tuple[int, int]]) -> tuple[float, list[tuple[int, int]]]:
+        """(scatter removed, members of the smaller part) of a global's best two-way split."""
+        points = np.stack([self.vecs[s][j] for s, j in members])
+        weights = np.stack([self.precs[s] for s, _ in members])
+        gain, part = best_split(points, weights)
+        return gain, [m for m, leaves in zip(members, part, strict=True) if leaves]
+
+    def _move(self, s: int, j: int, old: int, new: int) -> None:
+        """Move local neuron j of client s from global ``old`` to ``new`` (new may open)."""
+        one = self.vecs[s][j : j + 1]
+        self.state.subtract(np.array([old]), one, self.precs[s])
+        self.assignments[s] = self.assignments[s].copy()
+        self.assignments[s][j] = new
+        self.state.add(self.assignments[s][j : j + 1], one, self.precs[s])
+
+
+#: Lloyd iterations of a two-way split (members are few: it settles in two or three).
+SPLIT_ITERATIONS = 10
+
+
+def best_split(points: np.ndarray, weights: np.ndarray) -> tuple[float, np.ndarray]:
+    """Two-means split of one global's members under per-coordinate precision weights.
+
+    Starts from the member farthest from the weighted mean and the member farthest from
+    that one, then alternates assignment and weighted means (at most
+    :data:`SPLIT_ITERATIONS` times).
+
+    Args:
+        points: (n, P) members, n >= 2.
+        weights: (n, P) their precisions (0: unobserved).
+
+    Returns:
+        The weighted scatter the split removes, sum w (x - mean)^2 of the whole minus that
+        of the two parts (>= 0), and an (n,) bool mask of the smaller part (the one that
+        leaves; with equal parts, the one without the first member).
+    """
+
+    def centre(mask):
+        w = weights[mask]
+        return (w * points[mask]).sum(0) / np.maximum(w.sum(0), 1e-300)
+
+    def distances(to):
+        return np.einsum("np,np->n", weights, (points - to) ** 2)
+
+    def scatter(mask):
+        return float(np.sum(weights[mask] * (points[mask] - centre(mask)) ** 2))
+
+    everyone = np.ones(len(points), dtype=bool)
+    far = int(np.argmax(distances(centre(everyone))))
+    other = int(np.argmax(distances(points[far])))
+    first, second = points[far], points[other]
+    part = None
+    for _ in range(SPLIT_ITERATIONS):
+        new = distances(first) < distances(second)
+        if new.all() or not new.any():  # identical members: peel the farthest one off
+            new = np.zeros(len(points), dtype=bool)
+            new[far] = True
+        if part is not None and np.array_equal(new, part):
+            break
+        part = new
+        first, second = centre(part), centre(~part)
+    gain = scatter(everyone) - scatter(part) - scatter(~part)
+    smaller = part if (part.sum(), part[0]) < ((~part).sum(), (~part)[0]) else ~part
+    return max(gain, 0.0), smaller
 
 
 def match_neurons(
