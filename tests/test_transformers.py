@@ -260,9 +260,36 @@ def test_a_head_fusekit_does_not_know_is_refused_not_averaged(tmp_path):
     config = transformers.BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1,
                                      num_attention_heads=2, intermediate_size=24,
                                      max_position_embeddings=16)
-    folder = save(transformers.BertForMaskedLM(config), tmp_path / "mlm")
-    with pytest.raises(SpecError, match=r"cls\.predictions.*no permutation group.*spec/3"):
+    folder = save(transformers.BertForQuestionAnswering(config), tmp_path / "qa")
+    with pytest.raises(SpecError, match=r"qa_outputs.*no permutation group.*spec/3"):
         fusekit.fuse([folder, folder], method="ot")
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_masked_lm_heads_move_with_the_model(tmp_path, tied):
+    """BertForMaskedLM: the head's transform and LayerNorm write the stream when the decoder
+    is the token embedding (tied), a group of their own that the decoder reads otherwise;
+    permuted copies compute the same logits and fuse back to them."""
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=2,
+                                     num_attention_heads=4, intermediate_size=24,
+                                     max_position_embeddings=16, tie_word_embeddings=tied)
+    model = transformers.BertForMaskedLM(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn_like(param) * 0.3)
+    original = save(model.eval(), tmp_path / "original")
+    spec = spec_of(original)
+    assert ("mlm_transform" in spec.group_names) is not tied
+    assert spec.other == ("cls.predictions.bias",) + (() if tied else (
+        "cls.predictions.decoder.bias",))
+    copies = [permuted_copy(original, tmp_path / f"permuted{i}", seed=i) for i in (1, 2)]
+    expected = logits(original, "bert")
+    for folder in copies:
+        np.testing.assert_allclose(logits(folder, "bert"), expected, atol=ATOL_PERMUTED)
+    fused = fusekit.fuse([copies[0], original, copies[1]], method="rebasin")
+    np.testing.assert_allclose(logits(fused.save(tmp_path / "fused"), "bert"), expected,
+                               atol=ATOL_FUSED)
 
 
 def test_position_ids_saved_by_older_transformers_are_read_past(tmp_path):

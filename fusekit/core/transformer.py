@@ -172,8 +172,8 @@ class _Builder:
         if unknown:  # they may hold a permuted axis: averaging them as they are is wrong
             raise SpecError(
                 f"{self.label}: tensor(s) {unknown[:3]} are in no permutation group fusekit "
-                f"infers for {family} (a head it does not know, such as a masked-LM head); "
-                "describe the model with a fusekit.spec/3 file (--spec)")
+                f"infers for {family} (a head it does not know, such as a question-answering "
+                "head); describe the model with a fusekit.spec/3 file (--spec)")
         spec = TransformerSpec(family, groups, tuple(other))
         check_slots(spec, self.shapes, self.label)
         return spec
@@ -182,7 +182,7 @@ class _Builder:
 #: Tensors outside every group that the families hold: output biases (classes) and GPT-2's
 #: causal-mask buffers (positions), the same in every client.
 _UNPERMUTED = ("classifier.bias", "score.bias", "lm_head.bias", ".attn.bias",
-               ".attn.masked_bias")
+               ".attn.masked_bias", "cls.predictions.bias", "cls.predictions.decoder.bias")
 
 
 def infer_transformer(config: Mapping[str, Any], shapes: Shapes, *,
@@ -265,7 +265,25 @@ def _bert(config: Mapping[str, Any], b: _Builder, label: str) -> TransformerSpec
         _heads_of(b, pooled, ("classifier",))
     else:
         _heads_of(b, stream, ("classifier",))
+    if f"{_MLM}.transform.dense.weight" in b.shapes:
+        _masked_lm_head(b, stream, hidden)
     return b.build("bert")
+
+
+_MLM = "cls.predictions"
+
+
+def _masked_lm_head(b: _Builder, stream: str, hidden: int) -> None:
+    """BERT's masked-LM head: a dense layer and a LayerNorm, then the decoder to the
+    vocabulary. Tied to the token embeddings (no ``decoder.weight`` saved), the decoder
+    reads the transform's output in the stream's basis, so the transform writes the
+    stream; untied, the transform writes a group of its own that the decoder reads."""
+    tied = f"{_MLM}.decoder.weight" not in b.shapes
+    out = stream if tied else b.group("mlm_transform", "other", hidden)
+    b.linear(f"{_MLM}.transform.dense", stream, out)
+    b.norm(f"{_MLM}.transform.LayerNorm", out)
+    if not tied:
+        b.add(out, f"{_MLM}.decoder.weight", 1)
 
 
 def _encoder_blocks(config: Mapping[str, Any], b: _Builder, label: str, p: str, stream: str,
