@@ -389,6 +389,21 @@ def test_layer_by_layer_calibration_gives_every_channel_its_target(tmp_path):
         np.testing.assert_allclose(after[point.point].std, std, rtol=1e-3, atol=1e-5)
 
 
+def test_calibration_of_chosen_layers_changes_only_them(tmp_path):
+    a = save(tiny_model("gpt2", seed=0), tmp_path / "a")
+    b = save(tiny_model("gpt2", seed=1), tmp_path / "b")
+    fused = fusekit.fuse([a, b], method="ot").save(tmp_path / "fused")
+    x = [client_inputs("gpt2", seed=s) for s in (0, 1)]
+    chosen = ["transformer.h.1.ln_2", "transformer.h.0.mlp.c_fc"]
+    result = calibrate_locally(fused, x, clients=[load_checkpoint(a), load_checkpoint(b)],
+                               layers=chosen)
+    assert result.report["calibration"]["rounds"] == 2
+    before = load_checkpoint(fused).state_dict()
+    changed = {name for name, array in result.state_dict.items()
+               if not np.array_equal(array, before[name])}
+    assert changed == {f"{module}.{part}" for module in chosen for part in ("weight", "bias")}
+
+
 def test_cli_calibrates_a_model_folder(tmp_path):
     """fusekit stats on model folders with token ids, fusekit calibrate to a folder that
     from_pretrained loads."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import numpy as np
 import torch
@@ -196,6 +196,7 @@ def calibrate_locally(
     *,
     clients: Sequence[Checkpoint] | None = None,
     rounds: str = "layerwise",
+    layers: Collection[str] | None = None,
     min_samples: int = DEFAULT_MIN_SAMPLES,
     batch_size: int = DEFAULT_BATCH_SIZE,
     device: str = "cpu",
@@ -214,6 +215,8 @@ def calibrate_locally(
             layer's statistics are taken with the layers below already calibrated: exact)
             or ``one-pass`` (one round in ``batch`` mode, for a transformer in ``eval``
             mode: approximate, see §12).
+        layers: calibrate only these layers (by name: a transformer's MLP input layers
+            and LayerNorms by module), in their order; default all.
         min_samples, batch_size, device: see :func:`fusekit.calibrate` and
             :func:`client_statistics`.
 
@@ -235,13 +238,16 @@ def calibrate_locally(
 
     transformer = current.config is not None  # no BatchNorm: one pass runs it as it is
     if rounds == "one-pass":
-        result = one_round(current, "eval" if transformer else "batch", None)
+        result = one_round(current, "eval" if transformer else "batch",
+                           None if layers is None else list(layers))
         result.report["calibration"]["rounds"] = 1
         return result
     if transformer and targets:  # its points, in the order the forward pass reached them
         names = [point.partition(":")[2] for point in targets[0].points]
     else:
         names = calibration_layers(api.fused_spec(current), repair=bool(targets))
+    if layers is not None:
+        names = [name for name in names if name in layers]
     result = None
     for name in names:
         result = one_round(current, "eval", [name])
