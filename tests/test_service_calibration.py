@@ -113,10 +113,10 @@ def test_three_clients_calibrate_as_fusekit_calibrate_does(service, admin, bn_mo
     assert report["calibration"] == {**expected.report["calibration"], "protocol": "one pass",
                                      "statistics_from": list(NAMES), "missing": []}
     assert report["calibration"]["samples"] == sum(len(x) for x in digits)
-    with Client(service.url, job["tokens"][NAMES[0]]) as client:
-        with pytest.raises(ServiceError, match=r"is succeeded; statistics file uploads are "
-                                               r"accepted only while it is calibrating"):
-            client.submit_statistics(job["id"], NAMES[0], stats[1])
+    with (Client(service.url, job["tokens"][NAMES[0]]) as client,
+          pytest.raises(ServiceError, match=r"is succeeded; statistics file uploads are "
+                                            r"accepted only while it is calibrating")):
+        client.submit_statistics(job["id"], NAMES[0], stats[1])
 
 
 def tampered(stats: Statistics, point: str, **fields) -> Statistics:
@@ -174,9 +174,9 @@ def test_statistics_refused_with_one_line_and_the_admin_finishes_early(
     with pytest.raises(ServiceError, match=r"no statistics yet from any of its 2 clients; "
                                            r"calibration needs at least one \(HTTP 409\)"):
         admin.calibrate(job_id)
-    with Client(service.url, other) as client:
-        with pytest.raises(ServiceError, match="needs the admin token"):
-            client.calibrate(job_id)
+    with (Client(service.url, other) as client,
+          pytest.raises(ServiceError, match="needs the admin token")):
+        client.calibrate(job_id)
     with Client(service.url, token) as client:
         client.submit_statistics(job_id, names[0], good_path)
     assert admin.calibrate(job_id)["state"] == "queued"
@@ -192,19 +192,22 @@ def test_statistics_refused_with_one_line_and_the_admin_finishes_early(
 
 def test_only_a_calibrating_job_takes_statistics(service, admin, bn_models, digits,  # noqa: F811
                                                  tmp_path):
+    with pytest.raises(ServiceError, match=r"calibrate: method 'ams' keeps every client's "
+                                           r"model .* \(HTTP 422\)"):
+        admin.create_job("ams", ["a"], calibrate=True)
     plain = admin.create_job("avg", ["a"])
     stats = statistics_file(bn_models[0], digits[0], tmp_path / "s.safetensors")
     one_line_error(put_statistics(service, plain["id"], "a", plain["tokens"]["a"],
                                   stats.read_bytes()), 409, "was not created to calibrate")
-    with Client(service.url, plain["tokens"]["a"]) as client:
-        with pytest.raises(ServiceError, match="was not created to calibrate"):
-            client.fused(plain["id"], tmp_path / "f.safetensors")
+    with (Client(service.url, plain["tokens"]["a"]) as client,
+          pytest.raises(ServiceError, match="was not created to calibrate")):
+        client.fused(plain["id"], tmp_path / "f.safetensors")
     early = admin.create_job("avg", ["a"], calibrate=True)
     one_line_error(put_statistics(service, early["id"], "a", early["tokens"]["a"],
                                   stats.read_bytes()), 409, "is collecting", "calibrating")
-    with Client(service.url, early["tokens"]["a"]) as client:
-        with pytest.raises(ServiceError, match="is collecting; the fused model is there once"):
-            client.fused(early["id"], tmp_path / "f.safetensors")
+    with (Client(service.url, early["tokens"]["a"]) as client,
+          pytest.raises(ServiceError, match="is collecting; the fused model is there once")):
+        client.fused(early["id"], tmp_path / "f.safetensors")
     assert not (tmp_path / "f.safetensors").exists()
 
 
@@ -269,7 +272,7 @@ def test_kill9_during_and_after_statistics_uploads_loses_nothing_accepted(
     server = ServiceProcess(tmp_path / "data", env={"FUSEKIT_ADMIN_TOKEN": ADMIN})
     server.start()
     try:
-        with Client(server.url, ADMIN) as admin:  # noqa: F811
+        with Client(server.url, ADMIN) as admin:
             job = fused_job(admin, server, bn_models)
             job_id = job["id"]
             fused = admin.fused(job_id, tmp_path / "fused.safetensors")

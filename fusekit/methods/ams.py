@@ -66,6 +66,7 @@ class AdaptiveModelSelection(FusionMethod):
     summary = ("adaptive model selection: keep every client model, answer each input with "
                "the most confident one(s) (top1 | topk | full); any architectures")
     requires_same_architecture = False
+    makes_one_network = False
     handles_groups = True
     handles_transformers = True
 

@@ -92,6 +92,9 @@ class FusionMethod(ABC):
     #: True for methods that fold BatchNorms into their layers and write them back as the
     #: identity (ALGORITHMS §2): fusion then records the affine calibration restores.
     folds_batchnorm: ClassVar[bool] = False
+    #: False for methods whose result is not one network (AMS keeps every client's side by
+    #: side): there is no fused network to calibrate (ALGORITHMS §12).
+    makes_one_network: ClassVar[bool] = True
 
     @abstractmethod
     def fuse(

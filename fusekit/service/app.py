@@ -27,6 +27,7 @@ from fusekit.api import validate_params
 from fusekit.core.errors import FusekitError, ParameterError, SpecError, UnknownMethodError
 from fusekit.core.metadata import load_json
 from fusekit.core.spec import check_spec_format
+from fusekit.methods import get_method
 from fusekit.methods.params import TEXT_KINDS
 from fusekit.service.auth import admin_token_hash, bearer, matches
 from fusekit.service.errors import Busy, Conflict, Forbidden, NotFound, ServiceError, TooLarge
@@ -117,6 +118,10 @@ def create_app(settings: Settings) -> FastAPI:
         admin_only(authorization)  # before reading a byte of the body
         body = await _job_request(request)
         _check_params(body.method, body.params)
+        if body.calibrate and not get_method(body.method).makes_one_network:
+            raise ParameterError(f"calibrate: method {body.method!r} keeps every client's model "
+                                 "(its result is not a single network to calibrate); expected a "
+                                 "method that fuses them into one")
         limit = body.max_checkpoint_bytes or settings.max_checkpoint_bytes
         if limit > settings.max_checkpoint_bytes:
             raise ParameterError(f"max_checkpoint_bytes: expected at most "
