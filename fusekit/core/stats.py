@@ -247,9 +247,8 @@ def _check_moments(label: str, point: str, moments: Moments, width: int | None,
 def pool(clients: Sequence[Statistics]) -> dict[str, Moments]:
     """Combine clients' statistics of the same model and points, exactly.
 
-    Chan et al.'s update: n = Σ n_s, mean = Σ n_s mean_s / n,
-    M2 = Σ n_s var_s + Σ n_s (mean_s - mean)²; var = M2 / n (population). Equal to one pass
-    over the union of the clients' data, without the cancellation of Σx² - n·mean².
+    Per point, :func:`combine` (Chan et al.'s update): equal to one pass over the union of
+    the clients' data, without the cancellation of Σx² - n·mean².
 
     Raises:
         StatisticsError: no statistics, or statistics of different models, modes or points.
@@ -264,11 +263,14 @@ def pool(clients: Sequence[Statistics]) -> dict[str, Moments]:
                 f"{other.label}: not pooled with {first.label}: expected the same model, "
                 f"mode and points, found model {other.model[:16]}... vs {first.model[:16]}..., "
                 f"mode {other.mode} vs {first.mode}")
-    pooled = {}
-    for point in first.points:
-        parts = [c.points[point] for c in clients]
-        count = sum(p.count for p in parts)
-        mean = sum(p.count * p.mean for p in parts) / count
-        m2 = sum(p.count * p.var + p.count * (p.mean - mean) ** 2 for p in parts)
-        pooled[point] = Moments(count, mean, m2 / count)
-    return pooled
+    return {point: combine([c.points[point] for c in clients]) for point in first.points}
+
+
+def combine(parts: Sequence[Moments]) -> Moments:
+    """The moments of the union of the samples ``parts`` were computed over (Chan et al.):
+    n = Σ n_s, mean = Σ n_s mean_s / n, M2 = Σ n_s var_s + Σ n_s (mean_s - mean)²,
+    var = M2 / n."""
+    count = sum(p.count for p in parts)
+    mean = sum(p.count * p.mean for p in parts) / count
+    m2 = sum(p.count * p.var + p.count * (p.mean - mean) ** 2 for p in parts)
+    return Moments(count, mean, m2 / count)

@@ -26,6 +26,7 @@ from fusekit.core.stats import (
     Moments,
     Statistics,
     bn_input_point,
+    combine,
     preactivation_point,
 )
 from fusekit.methods.base import FusionResult
@@ -41,33 +42,24 @@ DEFAULT_BATCH_SIZE = 1024
 
 
 class _Accumulator:
-    """Per-channel count, mean and M2 of a stream of (samples, C) batches (Chan's update)."""
+    """Per-channel moments of a stream of (samples, C) batches, merged batch by batch with
+    :func:`fusekit.core.stats.combine`."""
 
     def __init__(self) -> None:
-        self.count = 0
-        self.mean: np.ndarray | None = None
-        self.m2: np.ndarray | None = None
+        self.total: Moments | None = None
 
     def add(self, value: torch.Tensor) -> None:
         if value.dim() == 4:  # (N, C, H, W): every position of a channel is a sample
             value = value.transpose(0, 1).reshape(value.shape[1], -1).T
         x = value.detach().double()
-        n = x.shape[0]
         mean = x.mean(0)
-        m2 = ((x - mean) ** 2).sum(0)
-        mean, m2 = mean.cpu().numpy(), m2.cpu().numpy()
-        if self.mean is None:
-            self.count, self.mean, self.m2 = n, mean, m2
-            return
-        total = self.count + n
-        delta = mean - self.mean
-        self.mean = self.mean + delta * n / total
-        self.m2 = self.m2 + m2 + delta ** 2 * self.count * n / total
-        self.count = total
+        var = ((x - mean) ** 2).mean(0)
+        batch = Moments(np.full(x.shape[1], float(x.shape[0])), mean.cpu().numpy(),
+                        var.cpu().numpy())
+        self.total = batch if self.total is None else combine([self.total, batch])
 
     def moments(self) -> Moments:
-        width = self.mean.size
-        return Moments(np.full(width, float(self.count)), self.mean, self.m2 / self.count)
+        return self.total
 
 
 def client_statistics(
