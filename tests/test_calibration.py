@@ -300,3 +300,13 @@ def test_statistics_on_cuda_equal_cpu():
     on_gpu, on_cpu = client_statistics(fused, x, device="cuda"), client_statistics(fused, x)
     for point, moments in on_cpu.points.items():
         np.testing.assert_allclose(on_gpu.points[point].var, moments.var, rtol=1e-4, atol=1e-6)
+
+
+
+def test_one_pass_calibration_records_its_round_like_layerwise():
+    fused = _fused(_clients(batchnorm=True))
+    parts = [_inputs(40, seed=i) for i in range(3)]
+    one_pass = calibrate_locally(fused, parts, rounds="one-pass")
+    assert json.loads(one_pass.metadata["fusekit.calibration"])["rounds"] == 1
+    layerwise = calibrate_locally(fused, parts)
+    assert json.loads(layerwise.metadata["fusekit.calibration"])["rounds"] == 2

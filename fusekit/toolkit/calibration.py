@@ -230,10 +230,8 @@ def calibrate_locally(
 
     transformer = current.config is not None  # no BatchNorm: one pass runs it as it is
     if rounds == "one-pass":
-        result = one_round(current, "eval" if transformer else "batch",
-                           None if layers is None else list(layers))
-        result.report["calibration"]["rounds"] = 1
-        return result
+        return _with_rounds(one_round(current, "eval" if transformer else "batch",
+                                      None if layers is None else list(layers)), 1)
     if transformer and targets:  # its points, in the order the forward pass reached them
         names = [point.partition(":")[2] for point in targets[0].points]
     else:
@@ -248,6 +246,12 @@ def calibrate_locally(
                                              config=result.config)
     if result is None:
         result = one_round(current, "eval", [])
-    result.report["calibration"].update(rounds=len(names), layers="all")
+    result.report["calibration"]["layers"] = "all"
+    return _with_rounds(result, len(names))
+
+
+def _with_rounds(result: FusionResult, rounds: int) -> FusionResult:
+    """Record the number of rounds in the report and the ``fusekit.calibration`` metadata."""
+    result.report["calibration"]["rounds"] = rounds
     result.metadata[meta.CALIBRATION] = json.dumps(result.report["calibration"])
     return result
