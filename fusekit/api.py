@@ -170,7 +170,8 @@ def calibrate(
     Args:
         fused: the fused checkpoint (path or :class:`Checkpoint`).
         statistics: each client's statistics of ``fused`` (``fusekit stats FUSED ...``, or
-            :func:`fusekit.toolkit.calibration.client_statistics`), pooled exactly.
+            :func:`fusekit.toolkit.calibration.client_statistics`), pooled exactly; none
+            needed when ``layers`` is empty (the model comes back unchanged).
         targets: clients' statistics of their own models (the fusion's inputs): REPAIR's
             targets for layers without BatchNorm (which are left as they are without).
         layers: calibrate only these layers (layer-by-layer rounds); default all.
@@ -194,7 +195,8 @@ def calibrate(
     else:
         points = statistic_points(spec)
     stats = [_statistics(s, checkpoint.content_hash, points, min_samples) for s in statistics]
-    pooled = pool(stats)
+    nothing_to_calibrate = layers is not None and not layers
+    pooled = {} if nothing_to_calibrate and not stats else pool(stats)
     if transformer:
         state_dict = _calibrated_transformer(checkpoint, spec, where, pooled, targets, layers,
                                              min_samples)
@@ -205,7 +207,7 @@ def calibrate(
             norm_targets=calibration.read_norm_targets(checkpoint, spec), targets=repair,
             layers=layers)
     report = {"clients": len(stats), "samples": sum(s.num_samples for s in stats),
-              "mode": stats[0].mode, "repair": bool(targets),
+              "mode": stats[0].mode if stats else None, "repair": bool(targets),
               "layers": list(layers) if layers is not None else "all"}
     metadata = dict(checkpoint.metadata)
     metadata[meta.CALIBRATION] = json.dumps(report)

@@ -310,3 +310,14 @@ def test_one_pass_calibration_records_its_round_like_layerwise():
     assert json.loads(one_pass.metadata["fusekit.calibration"])["rounds"] == 1
     layerwise = calibrate_locally(fused, parts)
     assert json.loads(layerwise.metadata["fusekit.calibration"])["rounds"] == 2
+
+
+def test_local_calibration_runs_no_pass_when_no_layer_needs_one(monkeypatch):
+    plain = _fused(_clients(batchnorm=False))  # no BatchNorm and no targets: nothing to do
+    passes = []
+    monkeypatch.setattr("fusekit.toolkit.calibration.client_statistics",
+                        lambda *args, **kwargs: passes.append(args))
+    unchanged = calibrate_locally(plain, [_inputs(40, seed=i) for i in range(3)])
+    assert passes == [] and unchanged.report["calibration"]["rounds"] == 0
+    for name, tensor in plain.state_dict().items():
+        np.testing.assert_array_equal(unchanged.state_dict[name], tensor)

@@ -218,6 +218,11 @@ def calibrate_locally(
     if rounds not in ROUNDS:
         raise ParameterError(f"rounds: expected one of {list(ROUNDS)}, found {rounds!r}")
     current = fused if isinstance(fused, Checkpoint) else load_checkpoint(fused)
+    transformer = current.config is not None  # no BatchNorm: one pass runs it as it is
+    if not (clients if transformer else calibration_layers(api.fused_spec(current),
+                                                           repair=bool(clients))):
+        # nothing to calibrate (a transformer without targets is refused): no pass runs
+        return _with_rounds(api.calibrate(current, [], layers=[]), 0)
     targets = [client_statistics(c, x, batch_size=batch_size, device=device,
                                  min_samples=min_samples)
                for c, x in zip(clients, client_inputs, strict=True)] if clients else []
@@ -228,25 +233,23 @@ def calibrate_locally(
         return api.calibrate(model, stats, targets=targets, layers=layers,
                              min_samples=min_samples)
 
-    transformer = current.config is not None  # no BatchNorm: one pass runs it as it is
     if rounds == "one-pass":
         return _with_rounds(one_round(current, "eval" if transformer else "batch",
                                       None if layers is None else list(layers)), 1)
-    if transformer and targets:  # its points, in the order the forward pass reached them
+    if transformer:  # its points, in the order the forward pass reached them
         names = [point.partition(":")[2] for point in targets[0].points]
     else:
         names = calibration_layers(api.fused_spec(current), repair=bool(targets))
     if layers is not None:
         names = [name for name in names if name in layers]
-    result = None
+    if not names:  # none of the layers asked for: no pass runs
+        return _with_rounds(api.calibrate(current, [], targets=targets, layers=[]), 0)
     for name in names:
         result = one_round(current, "eval", [name])
         current = Checkpoint.from_state_dict(result.state_dict, result.metadata,
                                              source=f"{current.label} (calibrating)",
                                              config=result.config)
-    if result is None:
-        result = one_round(current, "eval", [])
-    result.report["calibration"]["layers"] = "all"
+    result.report["calibration"]["layers"] = "all" if layers is None else names
     return _with_rounds(result, len(names))
 
 
