@@ -134,6 +134,8 @@ def fuse(
     result.report.setdefault("clients", [c.label for c in checkpoints])
     provenance(result, checkpoints)
     _calibration_metadata(result, fusion, checkpoints, specs)
+    for checkpoint in checkpoints:  # the result holds its own arrays: the inputs' can go
+        checkpoint.release()
     return result
 
 
@@ -150,8 +152,6 @@ def _calibration_metadata(result: FusionResult, fusion: FusionMethod,
         targets = calibration.norm_targets(checkpoints, specs, result.spec, result.assignments,
                                            sample_weights(checkpoints))
         result.metadata[meta.NORM_TARGETS] = json.dumps(targets, separators=(",", ":"))
-        for checkpoint in checkpoints:
-            checkpoint.release()
 
 
 StatisticsLike = str | os.PathLike[str] | Statistics
