@@ -19,7 +19,7 @@ from fusekit._cli.options import (
     SamplesOption,
 )
 from fusekit._cli.output import emit_json, stdout
-from fusekit.core.errors import ParameterError
+from fusekit.core.errors import DataError, ParameterError
 from fusekit.core.stats import DEFAULT_MIN_SAMPLES, MODES
 
 OutputOption = Annotated[
@@ -91,8 +91,11 @@ def stats(
     from fusekit.core.stats import save_statistics
     from fusekit.toolkit.calibration import client_statistics
 
-    result = client_statistics(model, inputs, mode=mode, batch_size=batch_size,
-                               device=device, min_samples=min_samples)
+    try:
+        result = client_statistics(model, inputs, mode=mode, batch_size=batch_size,
+                                   device=device, min_samples=min_samples)
+    except DataError as exc:  # name the option, not the library's argument
+        raise DataError(str(exc).replace("(min_samples)", "(--min-samples)")) from None
     written = save_statistics(output, result, force=force)
     summary = {"output": str(written), "model": result.model, "samples": result.num_samples,
                "mode": result.mode, "points": len(result.points)}

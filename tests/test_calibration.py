@@ -114,7 +114,7 @@ def test_statistics_of_another_model_too_few_samples_or_wrong_shape_are_refused(
     path = save_statistics(tmp_path / "other.safetensors", other)
     with pytest.raises(StatisticsError, match="computed for model"):
         fusekit.calibrate(fused, [path])
-    with pytest.raises(ValueError, match=r"N >= 32 \(--min-samples\)"):
+    with pytest.raises(ValueError, match=r"N >= 32 \(min_samples\)"):
         client_statistics(fused, _inputs(8))  # refused where the data is, too
     few = save_statistics(tmp_path / "few.safetensors",
                           client_statistics(fused, _inputs(8), min_samples=8))
@@ -234,6 +234,9 @@ def test_cli_round_trip(tmp_path):
     expected = fusekit.calibrate(fused, stats).state_dict
     for name, value in expected.items():
         np.testing.assert_array_equal(calibrated.tensor(name), value)
+    few = runner.invoke(app, ["stats", str(fused), "--data-path", str(data), "-o",
+                              str(tmp_path / "x.safetensors"), "--min-samples", "81"])
+    assert few.exit_code == 2 and "N >= 81 (--min-samples)" in few.stderr
     bad = runner.invoke(app, ["calibrate", str(fused), str(paths[0]), "-o",
                               str(tmp_path / "x.safetensors")])
     assert bad.exit_code == 2 and "not a statistics file" in bad.stderr

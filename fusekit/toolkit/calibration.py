@@ -99,7 +99,7 @@ def client_statistics(
     inputs = np.asarray(inputs)
     if inputs.ndim < 2 or len(inputs) < max(min_samples, 1):
         raise DataError(f"statistics: expected inputs of shape (N, ...) with N >= "
-                        f"{max(min_samples, 1)} (--min-samples), found {inputs.shape}")
+                        f"{max(min_samples, 1)} (min_samples), found {inputs.shape}")
     if checkpoint.config is not None:  # a Hugging Face transformer: no BatchNorm
         if mode == "batch":
             raise ParameterError(f"mode: {checkpoint.label} is a transformer, which has no "
