@@ -10,6 +10,8 @@ import typer
 
 from fusekit._cli.options import (
     ClassesOption,
+    DATA_CHOICES,
+    DATA_DEFAULT,
     DataDirOption,
     DataPathOption,
     DataSeedOption,
@@ -40,9 +42,8 @@ def stats(
                                           "targets).", show_default=False)],
     output: OutputOption,
     data: Annotated[str | None, typer.Option(
-        "--data", help="digits (embedded), mnist, fashion-mnist, cifar10, npz, synthetic, or "
-        "tokens (x_train of --data-path as token ids, for a token transformer) [default: npz "
-        "with --data-path, else digits]; its training inputs are used.",
+        "--data", help=f"{DATA_CHOICES}, or tokens (x_train of --data-path as token ids, for "
+        f"a token transformer) {DATA_DEFAULT}; its training inputs are used.",
         show_default=False)] = None,
     data_dir: DataDirOption = None,
     data_path: DataPathOption = None,
@@ -66,14 +67,15 @@ def stats(
     force: ForceOption = False,
     as_json: JsonOption = False,
 ) -> None:
-    """Per-channel count, mean and variance of MODEL's layers on this client's data.
+    """Per-channel count, mean and variance of MODEL's layers on this client's data (its
+    training inputs).
 
     Every hidden pre-activation and BatchNorm input: all that leaves the client. With
     --against OWN_MODEL: per hidden layer, the covariances of MODEL's channels with
     OWN_MODEL's (an alignment round)."""
-    from fusekit.toolkit.data import load_dataset, token_ids
+    from fusekit.toolkit.data import dataset_name, load_dataset, token_ids
 
-    name = data if data is not None else ("npz" if data_path is not None else "digits")
+    name = dataset_name(data, data_path)
     if name == "tokens":
         if data_path is None:
             raise ParameterError("--data tokens: give the .npz of token ids with --data-path")

@@ -26,7 +26,7 @@ def evaluate(
     files: Annotated[
         list[Path], typer.Argument(help="Client and fused checkpoints.", show_default=False)
     ],
-    data: DataOption = "digits",
+    data: DataOption = None,
     data_dir: DataDirOption = None,
     data_path: DataPathOption = None,
     samples: SamplesOption = 10_000,

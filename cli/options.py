@@ -12,11 +12,11 @@ from typer.core import TyperCommand, TyperGroup
 JsonOption = Annotated[
     bool, typer.Option("--json", help="Print machine-readable JSON on stdout.")
 ]
+DATA_CHOICES = "digits (embedded), mnist, fashion-mnist, cifar10, npz or synthetic"
+DATA_DEFAULT = "(default: npz with --data-path, else digits)"  # toolkit.data.dataset_name
 DataOption = Annotated[
-    str,
-    typer.Option(
-        "--data", help="digits (embedded), mnist, fashion-mnist, cifar10, npz or synthetic."
-    ),
+    str | None,
+    typer.Option("--data", help=f"{DATA_CHOICES} {DATA_DEFAULT}.", show_default=False),
 ]
 DataDirOption = Annotated[
     Path | None,

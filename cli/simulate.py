@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 def simulate(
     out: Annotated[Path, typer.Option("--out", "-o", help="Output folder for the checkpoints.")],
-    data: DataOption = "digits",
+    data: DataOption = None,
     data_dir: DataDirOption = None,
     data_path: DataPathOption = None,
     clients: Annotated[int, typer.Option("--clients", help="Number of clients S.")] = 10,

@@ -112,6 +112,13 @@ def test_cli_evaluate_json_and_table(tmp_path):
     assert [s["kind"] for s in payload["scores"]] == ["client", "client", "ensemble", "ensemble"]
     table = CliRunner().invoke(app, common)
     assert table.exit_code == 0 and "ensemble" in table.stdout
+    data = tmp_path / "d.npz"  # --data-path alone means npz, as for `fusekit stats`
+    np.savez(data, x_train=DATA.x_train, y_train=DATA.y_train, x_test=DATA.x_test,
+             y_test=DATA.y_test)
+    npz = CliRunner().invoke(app, ["evaluate", str(p1), str(p2), "--data-path", str(data),
+                                   "--json"])
+    assert npz.exit_code == 0, npz.output
+    assert json.loads(npz.stdout)["scores"] == payload["scores"]
     missing = CliRunner().invoke(app, ["evaluate", str(tmp_path / "nope.safetensors")])
     assert missing.exit_code == 2 and "does not exist" in missing.output
 

@@ -72,8 +72,16 @@ class Dataset:
         )
 
 
+def dataset_name(name: str | None, path: str | os.PathLike[str] | None) -> str:
+    """The data set a front door means: ``name``, else ``npz`` when a file is given, else
+    the embedded ``digits``."""
+    if name is not None:
+        return name
+    return "npz" if path is not None else "digits"
+
+
 def load_dataset(
-    name: str,
+    name: str | None = None,
     *,
     data_dir: str | os.PathLike[str] | None = None,
     path: str | os.PathLike[str] | None = None,
@@ -85,7 +93,8 @@ def load_dataset(
     """Load a data set by name.
 
     Args:
-        name: one of ``digits, mnist, fashion-mnist, cifar10, npz, synthetic``.
+        name: one of ``digits, mnist, fashion-mnist, cifar10, npz, synthetic``; None:
+            ``npz`` when ``path`` is given, else ``digits``.
         data_dir: folder holding the mnist / fashion-mnist / cifar10 files.
         path: the .npz file for ``npz``.
         samples, features, classes, seed: size, dimension, class count and seed of
@@ -95,6 +104,7 @@ def load_dataset(
         DataError: files missing or malformed (the message lists the files needed).
         ParameterError: unknown name or invalid synthetic sizes.
     """
+    name = dataset_name(name, path)
     if name == "digits":
         return digits()
     if name in ("mnist", "fashion-mnist"):
