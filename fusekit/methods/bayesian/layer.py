@@ -656,13 +656,12 @@ def _final_posterior(
     drift from add/remove). The means are the posterior means (Eq. 4), or without
     ``shrink`` the members' precision-weighted means (mu0 where no member observes a
     coordinate)."""
-    sums, precisions, counts = _posterior_sums(state.prior_sum, state.prior_precision, vecs,
-                                               precs, assignments, state.size)
-    if shrink:
-        return sums / precisions, precisions, counts
     zero = np.zeros_like(state.prior_sum)
-    member_sums, member_precisions, _ = _posterior_sums(zero, zero, vecs, precs, assignments,
-                                                        state.size)
+    member_sums, member_precisions, counts = _posterior_sums(zero, zero, vecs, precs,
+                                                             assignments, state.size)
+    precisions = member_precisions + state.prior_precision
+    if shrink:
+        return (member_sums + state.prior_sum) / precisions, precisions, counts
     return (member_means(member_sums, member_precisions, state.prior_sum / state.prior_precision),
             precisions, counts)
 
