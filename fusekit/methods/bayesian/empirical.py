@@ -178,6 +178,12 @@ class Refit:
         """sigma^2 or sigma0^2 is estimated (the matching then needs the log-determinants)."""
         return "sigma" in self.estimated or "sigma0" in self.estimated
 
+    @property
+    def posterior_means(self) -> bool:
+        """Fused neurons are posterior means (Eq. 4) when sigma^2 and sigma0^2 are both
+        given; with either estimated, their members' means (docs/ALGORITHMS.md §3)."""
+        return not self.estimates_variances
+
     def variances(self) -> tuple[np.ndarray, np.ndarray]:
         """(S, P) noise variances sigma_s^2 and (P,) prior variance sigma0^2 in use, in
         weight units."""
@@ -276,6 +282,6 @@ def estimate_and_match(
     result = match_neurons(
         vectors, start.precisions, mu0=mu0, sigma0_2=start.sigma0_2, gamma0=start.gamma0,
         sweeps=sweeps, seed=seed, lam=lam, width=width, log_det=refit.estimates_variances,
-        refit=refit if refit.estimated else None, shrink=not refit.estimates_variances,
+        refit=refit if refit.estimated else None, shrink=refit.posterior_means,
         backend=backend)
     return result, refit

@@ -17,7 +17,7 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -32,7 +32,7 @@ from fusekit.methods.avg import (
 )
 from fusekit.methods.base import sample_weights
 from fusekit.methods.bayesian import empirical
-from fusekit.methods.bayesian.layer import check_width, member_means
+from fusekit.methods.bayesian.layer import LayerMatching, check_width, member_means
 
 logger = logging.getLogger(__name__)
 
@@ -219,16 +219,31 @@ def heterogeneity(checkpoints, n_classes: int, last_layer: dict[str, Any]) -> di
     return out
 
 
-def match_layer(params, sigmas, vecs, observed, unit, index, width, weights=None):
+class LayerFit(NamedTuple):
+    """One matched layer and the values it was matched with.
+
+    Attributes:
+        matching: the LayerMatching.
+        sigma2: (S, P) per-client sigma^2 in weight units.
+        sigma0_2: (P,) sigma0^2 in weight units.
+        posterior_means: the fused neurons are posterior means (Eq. 4); False: their
+            members' means (an estimated variance).
+        report: the report entry of the hyperparameters.
+    """
+
+    matching: LayerMatching
+    sigma2: np.ndarray
+    sigma0_2: np.ndarray
+    posterior_means: bool
+    report: dict[str, Any]
+
+
+def match_layer(params, sigmas, vecs, observed, unit, index, width, weights=None) -> LayerFit:
     """Match one layer: given values as they are, the others estimated while matching
     (:func:`.empirical.estimate_and_match`, in units of v).
 
     Args:
         weights: per client, (P,) precision factors (default: the observed masks).
-
-    Returns:
-        (LayerMatching, per-client sigma^2 (S, P) and sigma0^2 (P,) in weight units, the
-        report entry of the hyperparameters).
     """
     scale = np.ones_like(unit) if params.variance_units == "relative" else 1.0 / unit
     result, refit = empirical.estimate_and_match(
@@ -246,9 +261,9 @@ def match_layer(params, sigmas, vecs, observed, unit, index, width, weights=None
         "sigma0_2_relative": float(np.mean(sigma0_2 / unit)),
         "gamma0": found.gamma0, "estimated": list(found.estimated), "em_rounds": found.rounds,
         "em_converged": found.converged,
-        "means": "members" if refit.estimates_variances else "posterior",
+        "means": "posterior" if refit.posterior_means else "members",
     }
-    return result, sigma2, sigma0_2, report
+    return LayerFit(result, sigma2, sigma0_2, refit.posterior_means, report)
 
 
 def fuse_network(checkpoints, specs, params: BayesianParams, method: str):
@@ -311,8 +326,8 @@ def fuse_network(checkpoints, specs, params: BayesianParams, method: str):
         if last and shares is not None:
             for s in range(n_clients):
                 weights[s][layout.outgoing] *= np.repeat(shares[s], layout.block_out)
-        result, _, _, hyper = match_layer(params, sigmas, vecs, observed, unit, index,
-                                           widths[index], weights)
+        fit = match_layer(params, sigmas, vecs, observed, unit, index, widths[index], weights)
+        result, hyper = fit.matching, fit.report
         incoming, bias, outgoing = layout.split(result.means)
         fused.append(neurons.UnitLayer(incoming, bias))
         layer_reports.append({"layer": spec.layers[index].name, "width_asked": widths[index],
@@ -467,11 +482,10 @@ def _match_group(checkpoints, specs, group, assignments, fused_widths, params, s
     vecs = [v for v, _, _ in built]
     observed = [o if params.unobserved == "mask" else np.ones_like(o) for _, o, _ in built]
     unit = neurons.block_variances(vecs, observed, built[0][2])
-    result, sigma2, sigma0_2, hyper = match_layer(params, sigmas, vecs, observed, unit, group,
-                                                   width)
+    fit = match_layer(params, sigmas, vecs, observed, unit, group, width)
     # sigma0^2 = inf: no prior term in the fused means (the members' means, as the matching).
-    prior = float(np.mean(sigma0_2 / unit)) if hyper["means"] == "posterior" else math.inf
-    return result, ((sigma2 / unit).mean(axis=1), prior), hyper
+    prior = float(np.mean(fit.sigma0_2 / unit)) if fit.posterior_means else math.inf
+    return fit.matching, ((fit.sigma2 / unit).mean(axis=1), prior), fit.report
 
 
 def _read_layer(checkpoint, layer) -> neurons.UnitLayer:

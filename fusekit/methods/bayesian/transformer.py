@@ -107,8 +107,9 @@ def _match_mlp(clients: Sequence[dict], groups: Sequence[Group], params: Bayesia
         labels = np.concatenate([np.full(p.shape[1], i) for i, p in enumerate(parts)])
     observed = [np.ones(v.shape[1], dtype=bool) for v in vecs]
     unit = neurons.block_variances(vecs, observed, labels)
-    result, _, _, hyper = match_layer(params, sigmas, vecs, observed, unit, index, width)
-    return result.means, {**result.report, "hyperparameters": hyper}, result.assignments
+    fit = match_layer(params, sigmas, vecs, observed, unit, index, width)
+    result = fit.matching
+    return result.means, {**result.report, "hyperparameters": fit.report}, result.assignments
 
 
 def _write_back(means: np.ndarray, group: Group, like: dict[str, np.ndarray]
