@@ -3,9 +3,10 @@ while the layer is matched.
 
 Hard (classification) EM over the assignments (docs/ALGORITHMS.md §3, "Empirical Bayes"),
 run inside the layer's own matching: the matching passes are the E-steps and
-:class:`Refit` is the M-step :func:`~fusekit.methods.bayesian.layer.match_neurons` calls
-between them (in the greedy pass after 2, 4, 8, ... clients and after it, then after
-every sweep). Starting from sigma^2 = sigma0^2 = v/2 (v: the per-coordinate variance of
+:class:`EmpiricalBayes` holds the values in use and is the M-step
+(:data:`~fusekit.methods.bayesian.layer.MStep`) that
+:func:`~fusekit.methods.bayesian.layer.match_neurons` calls between them (in the greedy
+pass after 2, 4, 8, ... clients and after it, then after every sweep). Starting from sigma^2 = sigma0^2 = v/2 (v: the per-coordinate variance of
 the layer's neuron vectors, so the marginal variance sigma0^2 + sigma^2 starts at v) and
 gamma0 = 1:
 
@@ -145,8 +146,9 @@ def trimmed_within(scatter: np.ndarray, dof: np.ndarray) -> float | None:
     return float(scatter[kept].sum() / dof[kept].sum())
 
 
-class Refit:
-    """The M-step of one layer and the values in use (module docstring).
+class EmpiricalBayes:
+    """One layer's empirical-Bayes estimator: the values in use and the M-step that updates
+    them (module docstring).
 
     Args:
         vectors: per client, (J_s, P) neuron vectors.
@@ -253,7 +255,7 @@ def estimate_and_match(
     lam: float = 0.0,
     width: int | None = None,
     backend: str | MatchingBackend = "core",
-) -> tuple[LayerMatching, Refit]:
+) -> tuple[LayerMatching, EmpiricalBayes]:
     """Match one layer, estimating the values not given while matching (module docstring).
 
     Args:
@@ -268,16 +270,16 @@ def estimate_and_match(
         mu0, sweeps, seed, lam, width, backend: as :func:`match_neurons`.
 
     Returns:
-        The LayerMatching and the :class:`Refit` holding the values used
+        The LayerMatching and the :class:`EmpiricalBayes` holding the values used
         (``refit.result()``, ``refit.variances()``). When sigma^2 or sigma0^2 is estimated
         the matching uses the marginal-likelihood cost (``log_det``) and outputs the
         members' means (``shrink=False``); when both are given, the papers' cost and
         posterior means (Eq. 5, Eq. 4).
     """
-    refit = Refit(vectors, observed, unit,
-                  weights=weights if weights is not None
-                  else [np.asarray(o, dtype=np.float64) for o in observed],
-                  sigma2=sigma2, sigma0_2=sigma0_2, gamma0=gamma0, mu0=mu0)
+    refit = EmpiricalBayes(vectors, observed, unit,
+                           weights=weights if weights is not None
+                           else [np.asarray(o, dtype=np.float64) for o in observed],
+                           sigma2=sigma2, sigma0_2=sigma0_2, gamma0=gamma0, mu0=mu0)
     start = refit.prior()
     result = match_neurons(
         vectors, start.precisions, mu0=mu0, sigma0_2=start.sigma0_2, gamma0=start.gamma0,

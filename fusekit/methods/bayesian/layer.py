@@ -108,9 +108,10 @@ class Prior:
     gamma0: float
 
 
-#: ``refit(assignments, n_global, clients)``: new values from the assignment of the
-#: clients matched so far, or None to keep those in use (:mod:`.empirical`).
-Refit = Callable[[list[np.ndarray], int, list[int]], Prior | None]
+#: The M-step a matching calls between its passes (:class:`.empirical.EmpiricalBayes`):
+#: ``m_step(assignments, n_global, clients)`` gives new values from the assignment of the
+#: clients matched so far, or None to keep those in use.
+MStep = Callable[[list[np.ndarray], int, list[int]], Prior | None]
 
 
 @dataclass
@@ -293,7 +294,7 @@ class _Matcher:
         self.data_term = sum(float(np.sum(v * p * v))
                              for v, p in zip(self.vecs, self.precs, strict=True))
 
-    def refit(self, refit: Refit, clients: list[int]) -> bool:
+    def refit(self, refit: MStep, clients: list[int]) -> bool:
         """Ask ``refit`` for new values given the assignment of ``clients`` (the others are
         not placed); with new values, rebuild the posteriors. Returns whether they changed."""
         prior = refit(self.assignments, self.state.size, clients)
@@ -370,7 +371,7 @@ class _Matcher:
                 self.assignments[other] = remap[self.assignments[other]]
         return remap[mine]
 
-    def greedy(self, refit: Refit | None = None) -> float:
+    def greedy(self, refit: MStep | None = None) -> float:
         """The greedy pass; with ``refit``, new values after 2, 4, 8, ... clients and at
         the end (the later clients are matched with values from the earlier ones)."""
         order = sorted(range(self.n_clients), key=lambda s: -self.vecs[s].shape[0])
@@ -527,7 +528,7 @@ def match_neurons(
     lam: float = 0.0,
     width: int | None = None,
     log_det: bool = False,
-    refit: Refit | None = None,
+    refit: MStep | None = None,
     shrink: bool = True,
     backend: str | MatchingBackend = "core",
     true_labels: Sequence[np.ndarray] | None = None,
@@ -603,7 +604,7 @@ def match_neurons(
                    log_det=log_det)
     objective, lap_totals, moves = [], [], []
 
-    def refine(cap: int | None, at_least_one: bool, refit: Refit | None = None) -> None:
+    def refine(cap: int | None, at_least_one: bool, refit: MStep | None = None) -> None:
         rng = np.random.default_rng(seed)
         n_sweeps = int(sweeps) if n_clients > 1 else 0
         for _ in range(max(n_sweeps, 1 if at_least_one else 0)):
