@@ -39,8 +39,9 @@ demo: $(STAMP)
 	$(PY) -m fusekit demo
 
 # A Flower federation on this machine: a SuperLink and three SuperNodes on 127.0.0.1, one
-# round of examples/flower per method and three of PFNM, each run's progress shown as it
-# goes; every process it starts is stopped at the end.
+# round of examples/flower per method, three of PFNM and a BatchNorm MLP fused with and
+# without calibration, each run's progress shown as it goes; every process it starts is
+# stopped at the end.
 flower-demo: $(STAMP)
 	$(PY) examples/flower/demo.py
 

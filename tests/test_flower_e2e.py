@@ -1,7 +1,8 @@
 """Real Flower federations on 127.0.0.1: a SuperLink and SuperNodes (Flower's own
 processes, deployment engine) and apps run with ``flwr run``. On three SuperNodes: the
 example app fused by FedAvg (fusekit's avg) and by PFNM, and the app the README's Flower
-section writes, file by file, over two rounds. On one SuperNode: a run whose round cannot
+section writes, file by file, over two rounds, each fused model calibrated with the
+statistics the nodes send in a query round. On one SuperNode: a run whose round cannot
 fuse (the initial model comes back) and a run that cannot finish, stopped at its timeout.
 Each test checks that every process the federation started has ended. About 4 minutes on
 two busy cores; progress lines are printed as the runs go. Deselect with
@@ -9,6 +10,7 @@ two busy cores; progress lines are printed as the runs go. Deselect with
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import subprocess
@@ -125,12 +127,35 @@ def test_three_nodes_run_the_example_and_the_readme_app(tmp_path, progress):
                for line in lines)
     assert "No evaluate function registered" not in readme
     assert "Received 3 results and 0 failures" in readme
+    for round_ in (1, 2):  # each fused model calibrated with the three nodes' statistics
+        assert any(re.match(rf"INFO\s*:\s+round {round_}: calibrated with the statistics of "
+                            r"3 node\(s\) over 1347 inputs \(one-pass, 1 query round", line)
+                   for line in lines)
+    assert "left out" not in readme
     assert fusekit.load_checkpoint(model_file).tensors["0.weight"].shape == (150, 64)
     model = fusekit.load_fused(model_file, "cpu")
     digits = load_dataset("digits")
     with torch.no_grad():
         predicted = model(torch.as_tensor(digits.x_test)).argmax(dim=1).numpy()
     assert not model.training and (predicted == digits.y_test).mean() > 0.8
+    assert_running_statistics_are_the_nodes_pooled(model, tmp_path / "readme-app")
+
+
+def assert_running_statistics_are_the_nodes_pooled(model, app: Path) -> None:
+    """The global model's BatchNorm holds the mean and (unbiased) variance of its input
+    over the union of the three nodes' data, as one pass over it would give: its input,
+    the first layer's output, is the same in both calibration modes."""
+    spec = importlib.util.spec_from_file_location("readme_task", app / "my_fusion" / "task.py")
+    task = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(task)
+    x = torch.cat([task.node_data({"partition-id": i, "num-partitions": 3})[0]
+                   for i in range(3)])
+    assert len(x) == 1347
+    with torch.no_grad():
+        h = model.get_submodule("0")(x).double()
+    norm = model.get_submodule("1")
+    torch.testing.assert_close(norm.running_mean.double(), h.mean(0), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(norm.running_var.double(), h.var(0), rtol=1e-5, atol=1e-5)
 
 
 def test_one_node_a_round_that_cannot_fuse_and_a_run_that_cannot_finish(tmp_path, progress):

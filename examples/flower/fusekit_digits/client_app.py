@@ -1,12 +1,13 @@
 """The ClientApp: train on this node's part of the digits, reply with the model and its
-sample and class counts; evaluate the global model (fused widths) on the same data."""
+sample and class counts; evaluate the global model (fused widths) on the same data; answer
+calibration's statistics query with per-channel aggregates of that data (nothing else)."""
 
 from __future__ import annotations
 
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from fusekit.flower import WIDTHS, global_model, train_reply
+from fusekit.flower import STATISTICS, WIDTHS, global_model, statistics_reply, train_reply
 from fusekit.toolkit.data import class_counts
 from fusekit.toolkit.evaluate import predict_logits, score_logits
 from fusekit.toolkit.nn import build_model
@@ -49,6 +50,15 @@ def evaluate(msg: Message, context: Context) -> Message:
     metrics = MetricRecord({"accuracy": score.accuracy, "loss": score.loss,
                             "num-examples": len(indices)})
     return Message(RecordDict({"metrics": metrics}), reply_to=msg)
+
+
+@app.query(STATISTICS)
+def statistics(msg: Message, context: Context) -> Message:
+    """Calibration (the strategy's ``calibrate``): the model to calibrate run on this
+    node's training inputs; the reply holds per-channel count, mean and variance only."""
+    data = task.dataset()
+    indices = task.node_indices(context.run_config, context.node_config, data)
+    return Message(statistics_reply(msg.content, data.x_train[indices]), reply_to=msg)
 
 
 def _tensor(array):

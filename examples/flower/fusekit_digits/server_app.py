@@ -32,7 +32,8 @@ def main(grid: Grid, context: Context) -> None:
         method, task.method_params(config, method), arch=arch,
         min_train_nodes=nodes, min_available_nodes=nodes, min_evaluate_nodes=nodes,
         fraction_evaluate=float(config["fraction-evaluate"]),
-        later_rounds=str(config["later-rounds"]))
+        later_rounds=str(config["later-rounds"]), calibrate=bool(config["calibrate"]),
+        calibration_rounds=str(config["calibration-rounds"]))
     rounds = int(config["num-server-rounds"])
     initial = ArrayRecord(build_model(arch, seed=int(config["seed"])).state_dict())
     result = strategy.start(grid=grid, initial_arrays=initial, num_rounds=rounds,
@@ -60,6 +61,9 @@ def summary(strategy: FusekitStrategy, result, config) -> dict:
         "params": strategy.params,
         "rounds": rounds,
         "later_rounds": strategy.later_rounds,
+        "arch": str(config["arch"]),
+        "batchnorm": bool(config["batchnorm"]),
+        "calibration": strategy.calibration_rounds if strategy.calibrate else None,
         "nodes": int(config["min-nodes"]),
         "fused_rounds": strategy.fused_rounds,
         "accuracy": server[rounds]["accuracy"],
@@ -68,6 +72,7 @@ def summary(strategy: FusekitStrategy, result, config) -> dict:
         "per_round": {r: {"accuracy": m["accuracy"], "hidden_widths": m["hidden-widths"]}
                       for r, m in server.items()},
         "left_out": strategy.left_out,
+        "left_out_statistics": strategy.left_out_statistics,
         "train_metrics": {r: dict(m) for r, m in result.train_metrics_clientapp.items()},
         "client_evaluation": {r: dict(m)
                               for r, m in result.evaluate_metrics_clientapp.items()},

@@ -17,9 +17,11 @@ def dataset() -> Dataset:
 
 
 def architecture(run_config: dict[str, Any], data: Dataset) -> dict[str, Any]:
-    """The clients' model, from the run config's short form (``mlp:100``)."""
+    """The clients' model, from the run config's short form (``mlp:100``), with BatchNorm
+    after every hidden layer when ``batchnorm`` is set."""
     return parse_arch_string(str(run_config["arch"]), input_shape=data.input_shape,
-                             num_classes=data.num_classes)
+                             num_classes=data.num_classes,
+                             batchnorm=bool(run_config["batchnorm"]))
 
 
 def node_indices(run_config: dict[str, Any], node_config: dict[str, Any],
