@@ -87,7 +87,7 @@ def loaded(result) -> torch.nn.Module:
 
 def run_case(case: str, n_clients: int, split: str, init: str, seed: int,
              methods: list[str], protocols: tuple[str, ...] = ROUNDS,
-             alignment_rounds: int = 0) -> dict[str, Any]:
+             alignment_rounds: int = 0, ridges: tuple[float, ...] = ()) -> dict[str, Any]:
     """Train clients, fuse with each method, calibrate, evaluate (module docstring)."""
     arch, shape, epochs, lr = CASES[case]
     data = load_dataset("digits")
@@ -128,31 +128,40 @@ def run_case(case: str, n_clients: int, split: str, init: str, seed: int,
             entry[f"{rounds}_s"] = round(time.perf_counter() - begin, 2)
             entry[f"{rounds}_rounds"] = calibrated.report["calibration"]["rounds"]
         if alignment_rounds:
-            entry.update(aligned(result, clients, client_inputs, alignment_rounds,
+            entry.update(aligned(result, clients, client_inputs, alignment_rounds, ridges,
                                  protocols[-1], min(32, smallest), x_test, data.y_test))
         row["fused"].append(entry)
         print(case, split, init, entry, flush=True)
     return row
 
 
-def aligned(result, clients, client_inputs, alignment_rounds: int, rounds: str,
-            min_samples: int, x_test: np.ndarray, y_test: np.ndarray) -> dict[str, Any]:
-    """Calibrated, then ``alignment_rounds`` alignment rounds each followed by calibration
-    (``rounds``): the accuracy after each round, its matched correlation, the time. Each
-    round is one ``align_locally`` call on the previous round's model (which calibrates
-    that already calibrated model once more before its cross statistics)."""
+def aligned(result, clients, client_inputs, alignment_rounds: int, ridges: list[float],
+            rounds: str, min_samples: int, x_test: np.ndarray, y_test: np.ndarray
+            ) -> dict[str, Any]:
+    """Calibrated, then 1..``alignment_rounds`` alignment rounds each followed by calibration
+    (``rounds``): the accuracy after each round and its matched correlation; and one
+    alignment round followed by refit rounds, per ridge. Each calibrated round is one
+    ``align_locally`` call on the previous round's model (which calibrates that already
+    calibrated model once more before its cross statistics)."""
+    fused = Checkpoint.from_state_dict(result.state_dict, result.metadata)
     begin = time.perf_counter()
-    current = Checkpoint.from_state_dict(result.state_dict, result.metadata)
-    scores, correlations = [], []
+    current, scores, correlations = fused, [], []
     for _ in range(alignment_rounds):
-        out = align_locally(current, clients, client_inputs, rounds=rounds,
+        out = align_locally(current, clients, client_inputs, refit=False, rounds=rounds,
                             min_samples=min_samples)
         scores.append(accuracy(loaded(out), x_test, y_test))
         correlations.append(out.report["alignment"][0]["mean_correlation"])
         current = Checkpoint.from_state_dict(out.state_dict, out.metadata)
-    return {"aligned": scores, "aligned_protocol": rounds,
-            "aligned_correlation": correlations,
-            "aligned_s": round(time.perf_counter() - begin, 2)}
+    entry = {"aligned": scores, "aligned_protocol": rounds,
+             "aligned_correlation": correlations,
+             "aligned_s": round(time.perf_counter() - begin, 2), "refit": {}, "refit_s": {}}
+    for ridge in ridges:
+        begin = time.perf_counter()
+        out = align_locally(fused, clients, client_inputs, refit=True, ridge=ridge,
+                            rounds=rounds, min_samples=min_samples)
+        entry["refit"][str(ridge)] = accuracy(loaded(out), x_test, y_test)
+        entry["refit_s"][str(ridge)] = round(time.perf_counter() - begin, 2)
+    return entry
 
 
 def _json(arch: dict[str, Any]) -> str:
@@ -219,7 +228,9 @@ def main() -> None:
                         help="calibration protocols to measure (the last one also calibrates "
                         "in the alignment rounds)")
     parser.add_argument("--alignment-rounds", type=int, default=0,
-                        help="also measure 1..N alignment rounds (0: none)")
+                        help="also measure 1..N alignment rounds (0: none), and one round "
+                        "followed by refit rounds at each --ridges")
+    parser.add_argument("--ridges", default="0.1", help="the refits' relative ridges")
     parser.add_argument("--cost", action="store_true", help="also the resnet50 cost rows")
     parser.add_argument("--cost-samples", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1)
@@ -234,7 +245,8 @@ def main() -> None:
             for seed in map(int, args.seeds.split(",")):
                 payload["cases"].append(run_case(
                     case, args.clients, split, init, seed, args.methods.split(","),
-                    tuple(args.protocols.split(",")), args.alignment_rounds))
+                    tuple(args.protocols.split(",")), args.alignment_rounds,
+                    tuple(map(float, args.ridges.split(",")))))
                 write_json(args.json_out, payload)
     if args.cost:
         payload["cost"] = cost(2, args.cost_samples)

@@ -64,6 +64,9 @@ def stats(
         "--against", help="The client's own model: write cross statistics of MODEL (the "
         "reference sent for an alignment round) and this model instead (fusekit align).",
         show_default=False)] = None,
+    layer: Annotated[str | None, typer.Option(
+        "--layer", help="With --against: write refit statistics of this layer of MODEL "
+        "instead (one refit round, fusekit refit).", show_default=False)] = None,
     force: ForceOption = False,
     as_json: JsonOption = False,
 ) -> None:
@@ -72,7 +75,8 @@ def stats(
 
     Every hidden pre-activation and BatchNorm input: all that leaves the client. With
     --against OWN_MODEL: per hidden layer, the covariances of MODEL's channels with
-    OWN_MODEL's (an alignment round)."""
+    OWN_MODEL's (an alignment round); with --layer NAME as well: the moments that refit
+    that layer (a refit round)."""
     from fusekit.toolkit.data import dataset_name, load_dataset, token_ids
 
     name = dataset_name(data, data_path)
@@ -87,9 +91,12 @@ def stats(
         if mode != "eval":
             raise ParameterError(f"--mode {mode}: cross statistics (--against) run both "
                                  "models as they are; expected --mode eval")
-        _cross_stats(model, against, inputs, name, output, batch_size=batch_size,
+        _cross_stats(model, against, inputs, name, output, layer, batch_size=batch_size,
                      device=device, min_samples=min_samples, force=force, as_json=as_json)
         return
+    if layer is not None:
+        raise ParameterError("--layer: refit statistics pair MODEL with the client's own "
+                             "model; give it with --against OWN_MODEL")
     from fusekit.core.stats import save_statistics
     from fusekit.toolkit.calibration import client_statistics
 
@@ -108,23 +115,28 @@ def stats(
                      f"inputs of {name} (model {result.model[:12]})", highlight=False)
 
 
-def _cross_stats(reference: Path, own: Path, inputs, name: str, output: Path, *,
-                 batch_size: int, device: str, min_samples: int, force: bool,
-                 as_json: bool) -> None:
-    from fusekit.core.cross_stats import save_cross_statistics
-    from fusekit.toolkit.alignment import cross_statistics
+def _cross_stats(reference: Path, own: Path, inputs, name: str, output: Path,
+                 layer: str | None, *, batch_size: int, device: str, min_samples: int,
+                 force: bool, as_json: bool) -> None:
+    from fusekit.core.cross_stats import save_cross_statistics, save_refit_statistics
+    from fusekit.toolkit.alignment import cross_statistics, refit_statistics
 
-    result = cross_statistics(reference, own, inputs, batch_size=batch_size,
-                              device=device, min_samples=min_samples)
-    written = save_cross_statistics(output, result, force=force)
+    options = {"batch_size": batch_size, "device": device, "min_samples": min_samples}
+    if layer is None:
+        result = cross_statistics(reference, own, inputs, **options)
+        written = save_cross_statistics(output, result, force=force)
+        what = f"cross statistics of {len(result.points)} layers"
+    else:
+        result = refit_statistics(reference, own, inputs, layer, **options)
+        written = save_refit_statistics(output, result, force=force)
+        what = f"refit statistics of layer {layer}"
     summary = {"output": str(written), "reference": result.reference, "model": result.model,
-               "samples": result.num_samples, "points": len(result.points)}
+               "samples": result.num_samples, "layer": layer}
     if as_json:
         emit_json(summary)
     else:
-        stdout.print(f"wrote {written}: cross statistics of {len(result.points)} layers over "
-                     f"{result.num_samples} inputs of {name} (reference "
-                     f"{result.reference[:12]}, own model {result.model[:12]})",
+        stdout.print(f"wrote {written}: {what} over {result.num_samples} inputs of {name} "
+                     f"(fused model {result.reference[:12]}, own model {result.model[:12]})",
                      highlight=False)
 
 
@@ -199,3 +211,38 @@ def align(
         stdout.print(f"wrote {written}: {len(clients)} client(s) re-matched to {reference} "
                      f"(mean matched correlation {report['mean_correlation']}), widths "
                      f"{result.widths}; calibrate it next", highlight=False)
+
+
+def refit(
+    fused: Annotated[Path, typer.Argument(
+        help="The aligned fused model the clients ran (.safetensors).", show_default=False)],
+    clients: Annotated[list[Path], typer.Argument(
+        help="The clients' own models (the fusion's inputs).", metavar="CLIENTS...",
+        show_default=False)],
+    output: OutputOption,
+    refit_stats: Annotated[list[Path], typer.Option(
+        "--refit-stats", help="A client's refit statistics of one layer (fusekit stats FUSED "
+        "--against OWN_MODEL --layer NAME ...), one per client (repeat).",
+        show_default=False)],
+    ridge: Annotated[float, typer.Option(
+        "--ridge", help="Relative ridge towards the layer's current weights.")] = 0.1,
+    min_samples: MinSamplesOption = DEFAULT_MIN_SAMPLES,
+    force: ForceOption = False,
+    as_json: JsonOption = False,
+) -> None:
+    """Refit one layer of FUSED to the matched clients' pre-activations (a refit round).
+
+    One round per layer, input to output: the next layer's statistics are computed with
+    the model this writes."""
+    import fusekit
+
+    result = fusekit.refit(fused, clients, refit_stats, ridge=ridge, min_samples=min_samples)
+    result.inputs += [path.absolute() for path in [fused, *refit_stats]]
+    written = result.save(output, force=force)
+    report = {"output": str(written), **result.report["refit"]}
+    if as_json:
+        emit_json(report)
+    else:
+        stdout.print(f"wrote {written}: layer {report['layers'][-1]} refit from "
+                     f"{len(clients)} client(s); layers refit so far: {len(report['layers'])}",
+                     highlight=False)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from fusekit._version import __version__
 
 if TYPE_CHECKING:
-    from fusekit.api import align, calibrate, fuse
+    from fusekit.api import align, calibrate, fuse, refit
     from fusekit.core.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
     from fusekit.core.spec import PermutationSpec, infer_spec
     from fusekit.methods import METHODS, FusionResult
@@ -27,6 +27,7 @@ _HOMES = {
     "align": "fusekit.api",
     "calibrate": "fusekit.api",
     "fuse": "fusekit.api",
+    "refit": "fusekit.api",
     "Checkpoint": "fusekit.core.checkpoint",
     "load_checkpoint": "fusekit.core.checkpoint",
     "save_checkpoint": "fusekit.core.checkpoint",

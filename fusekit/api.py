@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from fusekit.core import metadata as meta
+from fusekit.core import neurons
 from fusekit.core.checkpoint import Checkpoint, load_checkpoint
 from fusekit.core.errors import (
     CheckpointError,
@@ -25,8 +26,11 @@ from fusekit.core.errors import (
 )
 from fusekit.core.cross_stats import (
     CrossStatistics,
+    RefitStatistics,
     check_cross_statistics,
+    check_refit_statistics,
     load_cross_statistics,
+    load_refit_statistics,
 )
 from fusekit.core.metadata import load_json
 from fusekit.core.spec import (
@@ -398,6 +402,111 @@ def _cross_statistics_by_client(reference: Checkpoint, reference_spec: Any,
     missing = [c.label for i, c in enumerate(checkpoints) if i not in out]
     if missing:
         raise StatisticsError(f"alignment: no cross statistics for client(s) "
+                              f"{', '.join(missing[:3])}; every client must send one")
+    return out
+
+
+RefitStatisticsLike = str | os.PathLike[str] | RefitStatistics
+#: Relative ridge of a refit: λ = ridge · mean diagonal of the pooled Gram matrix.
+DEFAULT_RIDGE = 0.1
+
+
+def refit(
+    fused: CheckpointLike,
+    clients: Sequence[CheckpointLike],
+    refit_statistics: Sequence[RefitStatisticsLike],
+    *,
+    ridge: float = DEFAULT_RIDGE,
+    min_samples: int = DEFAULT_MIN_SAMPLES,
+) -> FusionResult:
+    """Refit one layer of a fused model to the matched clients' pre-activations, by least
+    squares from the clients' moments (a refit round, ALGORITHMS.md §12).
+
+    Args:
+        fused: the fused model the clients ran (after an alignment round: its
+            ``fusekit.assignments`` say which client neuron each fused neuron fits).
+        clients: the clients' own models (the fusion's inputs).
+        refit_statistics: one per client, all for the same layer (``fusekit stats FUSED
+            --against OWN_MODEL --layer NAME``, or
+            :func:`fusekit.toolkit.alignment.refit_statistics`).
+        ridge: relative ridge towards the layer's current weights (> 0).
+        min_samples: refuse statistics over fewer inputs.
+
+    Returns:
+        The fused model with that layer refit (BatchNorms folded: the layer now emits the
+        clients' pre-activations itself); ``report["refit"]``.
+
+    Raises:
+        StatisticsError: statistics that are malformed, of another fused model, of a model
+            that is none of the clients, of different layers, two or none for a client.
+        CheckpointError: a fused model without ``fusekit.assignments``.
+        ParameterError: a ridge that is not > 0.
+    """
+    if isinstance(ridge, bool) or not isinstance(ridge, (int, float)) or not ridge > 0:
+        raise ParameterError(f"ridge: expected a number > 0, found {ridge!r}")
+    fused = fused if isinstance(fused, Checkpoint) else load_checkpoint(fused)
+    spec = fused_spec(fused)
+    assignments = calibration.read_assignments(fused, spec)
+    hashes = load_json(fused.metadata.get(meta.INPUTS, "[]"), f"{fused.label}: metadata "
+                       f"{meta.INPUTS}")
+    if assignments is None or not isinstance(hashes, list) or len(hashes) != len(assignments):
+        raise CheckpointError(f"{fused.label}: a refit needs the fusion's {meta.ASSIGNMENTS} "
+                              f"and {meta.INPUTS} metadata (run fusekit align first)")
+    checkpoints = {c.content_hash: c for c in (
+        c if isinstance(c, Checkpoint) else load_checkpoint(c) for c in clients)}
+    if set(checkpoints) != set(hashes):
+        raise IncompatibleModelsError(f"clients: expected the {len(hashes)} models "
+                                      f"{fused.label} was fused from, found others")
+    ordered = [checkpoints[h] for h in hashes]
+    specs = [client_spec(c, None) for c in ordered]
+    stats = _refit_statistics_by_client(fused, spec, ordered, specs, refit_statistics,
+                                        min_samples)
+    index = [layer.name for layer in spec.layers].index(stats[0].layer)
+    layers = neurons.client_layers(fused, spec)
+    group = spec.writes[index]
+    rows = [np.arange(spec.layers[index].out_features) if group is None else a[group]
+            for a in assignments]
+    weights = sample_weights(ordered)
+    layers[index] = alignment.refit_layer(layers[index], [s.gram for s in stats],
+                                          [s.cross for s in stats], rows, weights, ridge)
+    state_dict = neurons.to_state_dict(ordered, spec, layers)
+    state_dict.update({name: fused.tensor(name) for name in spec.other})
+    done = load_json(fused.metadata.get(meta.REFIT, "{}"), f"{fused.label}: metadata "
+                     f"{meta.REFIT}")
+    record = {"layers": [*(done.get("layers", []) if isinstance(done, dict) else []),
+                         stats[0].layer], "ridge": ridge}
+    metadata = {**fused.metadata, meta.REFIT: json.dumps(record)}
+    return FusionResult(state_dict=state_dict, method=fused.metadata.get(meta.METHOD, "unknown"),
+                        params={}, widths=spec.hidden_widths, report={"refit": record},
+                        metadata=metadata, assignments=assignments, spec=spec)
+
+
+def _refit_statistics_by_client(fused: Checkpoint, spec: Any, clients: Sequence[Checkpoint],
+                                specs: Sequence[Any], sources: Sequence[RefitStatisticsLike],
+                                min_samples: int) -> list[RefitStatistics]:
+    """Each client's refit statistics (clients' order), checked, all of one layer."""
+    index = {c.content_hash: i for i, c in enumerate(clients)}
+    models = {c.content_hash: {layer.name: layer.out_features for layer in s.layers}
+              for c, s in zip(clients, specs, strict=True)}
+    checks = {"reference": fused.content_hash, "models": models,
+              "inputs": alignment.layer_inputs(spec), "min_samples": min_samples}
+    out: list[RefitStatistics | None] = [None] * len(clients)
+    for source in sources:
+        if isinstance(source, RefitStatistics):
+            check_refit_statistics(source, **checks)
+            stats = source
+        else:
+            stats = load_refit_statistics(source, **checks)
+        if out[index[stats.model]] is not None:
+            raise StatisticsError(f"{stats.label}: a second refit statistics file for client "
+                                  f"{clients[index[stats.model]].label}")
+        if any(s is not None and s.layer != stats.layer for s in out):
+            raise StatisticsError(f"{stats.label}: layer {stats.layer!r}; the other files are "
+                                  "for another layer (one refit round refits one layer)")
+        out[index[stats.model]] = stats
+    missing = [c.label for c, s in zip(clients, out, strict=True) if s is None]
+    if missing:
+        raise StatisticsError(f"refit: no refit statistics for client(s) "
                               f"{', '.join(missing[:3])}; every client must send one")
     return out
 

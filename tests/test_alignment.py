@@ -17,11 +17,16 @@ from conftest import mlp, numpy_state, write
 from fusekit._cli.app import app
 from fusekit.core.arch import named_arch
 from fusekit.core.checkpoint import Checkpoint, load_checkpoint
-from fusekit.core.cross_stats import FIELDS, load_cross_statistics, save_cross_statistics
+from fusekit.core.cross_stats import (
+    FIELDS,
+    load_cross_statistics,
+    save_cross_statistics,
+    save_refit_statistics,
+)
 from fusekit.core.errors import StatisticsError
 from fusekit.core.spec import infer_spec, permute
 from fusekit.methods.alignment import group_correlations, match_to_reference
-from fusekit.toolkit.alignment import align_locally, cross_statistics
+from fusekit.toolkit.alignment import align_locally, cross_statistics, refit_statistics
 from fusekit.toolkit.calibration import calibrate_locally
 from fusekit.toolkit.nn import build_model
 
@@ -94,7 +99,7 @@ def test_align_locally_leaves_a_matched_family_as_calibration_does():
     clients = [model] + [_permuted(model, seed)[0] for seed in (1, 2)]
     fused = fusekit.fuse(clients, "rebasin")  # permuted copies: matched exactly
     fused = Checkpoint.from_state_dict(fused.state_dict, fused.metadata)
-    result = align_locally(fused, clients, [x] * 3, alignment_rounds=2)
+    result = align_locally(fused, clients, [x] * 3, alignment_rounds=2, refit=False)
     assert result.widths == infer_spec({k: v.shape for k, v in model.tensors.items()}
                                        ).hidden_widths
     assert [r["mean_correlation"] for r in result.report["alignment"]] == [1.0, 1.0]
@@ -104,6 +109,73 @@ def test_align_locally_leaves_a_matched_family_as_calibration_does():
         _outputs(Checkpoint.from_state_dict(result.state_dict, result.metadata), x),
         _outputs(Checkpoint.from_state_dict(calibrated.state_dict, calibrated.metadata), x),
         rtol=1e-5, atol=1e-5)
+
+
+def test_refit_rounds_on_a_permuted_family_give_back_the_function():
+    model, x = _model("mlp")  # (ResNet-20: 22 rounds, in bench_calibration.py)
+    clients = [model] + [_permuted(model, seed)[0] for seed in (1, 2)]
+    fused = fusekit.fuse(clients, "avg")  # the copies averaged unmatched: another function
+    fused = Checkpoint.from_state_dict(fused.state_dict, fused.metadata)
+    result = align_locally(fused, clients, [x] * 3, rounds="one-pass", min_samples=16)
+    assert json.loads(result.metadata["fusekit.refit"])["layers"] == [
+        layer.name for layer in fusekit.api.fused_spec(model).layers]
+    refit = Checkpoint.from_state_dict(result.state_dict, result.metadata)
+    np.testing.assert_allclose(_outputs(refit, x), _outputs(model, x), rtol=1e-3, atol=1e-3)
+
+
+def test_refit_statistics_are_the_moments_of_the_layer_inputs_and_outputs():
+    model, x = _model("mlp")
+    copy, perms = _permuted(model, seed=1)
+    stats = refit_statistics(model, copy, x, "0", batch_size=24)
+    rows = np.hstack([x, np.ones((len(x), 1))]).astype(np.float64)
+    np.testing.assert_allclose(stats.gram, rows.T @ rows / len(x), rtol=1e-6, atol=1e-9)
+    t = {k: copy.tensor(k).astype(np.float64) for k in copy.tensors}  # Linear, BatchNorm
+    own = ((x @ t["0.weight"].T + t["0.bias"] - t["1.running_mean"])
+           / np.sqrt(t["1.running_var"] + 1e-5) * t["1.weight"] + t["1.bias"])
+    np.testing.assert_allclose(stats.cross, own.T @ rows / len(x), rtol=1e-5, atol=1e-7)
+    assert stats.count == 64 and stats.layer == "0"
+
+
+def _refit_case(tmp_path):
+    model, x = _model("mlp")
+    copy, _ = _permuted(model, seed=1)
+    fused = fusekit.align(model, [copy], [cross_statistics(model, copy, x)])
+    fused = Checkpoint.from_state_dict(fused.state_dict, fused.metadata)
+    return fused, copy, refit_statistics(fused, copy, x, "3")
+
+
+def test_bad_refit_statistics_are_refused_in_one_line(tmp_path):
+    fused, copy, stats = _refit_case(tmp_path)
+    path = save_refit_statistics(tmp_path / "r.safetensors", stats)
+    fusekit.refit(fused, [copy], [path])  # the good file passes
+    broken = [("gram", lambda g: g + np.triu(np.ones_like(g), 1), "not the moments of any"),
+              ("gram", lambda g: g * 2.0, "not the moments of any"),
+              ("cross", lambda c: c[:-1], "expected gram")]
+    for field, change, message in broken:
+        bad = save_refit_statistics(tmp_path / f"{field}.safetensors", type(stats)(
+            **{**vars(stats), field: change(getattr(stats, field))}), force=True)
+        with pytest.raises(StatisticsError, match=message) as info:
+            fusekit.refit(fused, [copy], [bad])
+        assert str(bad) in str(info.value) and "\n" not in str(info.value)
+    few = type(stats)(**{**vars(stats), "count": 64, "num_samples": 64,
+                         "gram": np.eye(70), "cross": np.zeros((7, 70))})
+    few.layer = "3"
+    with pytest.raises(StatisticsError, match="expected gram"):
+        fusekit.refit(fused, [copy], [few])
+    other, _ = _permuted(copy, seed=3)
+    cases = [([copy], [type(stats)(**{**vars(stats), "reference": "0" * 64})],
+              "computed against fused model"),
+             ([copy], [type(stats)(**{**vars(stats), "layer": "9"})], "not a layer"),
+             ([copy], [type(stats)(**{**vars(stats), "num_samples": 8, "count": 8})],
+              "over 8 inputs"),
+             ([copy], [path, path], "a second refit statistics file"),
+             ([other], [path], "the 1 models"),
+             ([copy], [write(tmp_path / "m.safetensors", mlp())], "not a refit statistics")]
+    for clients, sources, message in cases:
+        with pytest.raises((StatisticsError, ValueError), match=message):
+            fusekit.refit(fused, clients, sources)
+    with pytest.raises(ValueError, match="ridge: expected a number > 0"):
+        fusekit.refit(fused, [copy], [path], ridge=0)
 
 
 def _tampered(tmp_path, cross, field, value):
@@ -192,6 +264,22 @@ def test_cli_stats_against_and_align(tmp_path):
     assert [aligned.tensor(k).shape for k in expected] == [v.shape for v in expected.values()]
     for name, value in expected.items():
         np.testing.assert_array_equal(aligned.tensor(name), value)
+    refit_stats = []
+    for i, own in enumerate(paths):
+        refit_stats.append(tmp_path / f"r{i}.safetensors")
+        result = runner.invoke(app, ["stats", str(out), "--against", str(own), "--layer", "0",
+                                     "--data-path", str(tmp_path / f"d{i}.npz"),
+                                     "-o", str(refit_stats[-1])])
+        assert result.exit_code == 0, result.output
+    refit = tmp_path / "refit.safetensors"
+    result = runner.invoke(app, ["refit", str(out), *map(str, paths),
+                                 *[a for r in refit_stats for a in ("--refit-stats", str(r))],
+                                 "-o", str(refit), "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["layers"] == ["0"]
+    expected = fusekit.refit(out, paths, refit_stats).state_dict
+    for name, value in expected.items():
+        np.testing.assert_array_equal(load_checkpoint(refit).tensor(name), value)
     bad = runner.invoke(app, ["align", str(fused), *map(str, paths), "--cross-stats",
                               str(paths[0]), "-o", str(tmp_path / "y.safetensors")])
     assert bad.exit_code == 2 and "not a cross statistics file" in bad.stderr

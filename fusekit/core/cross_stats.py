@@ -89,22 +89,33 @@ def load_cross_statistics(path: str | os.PathLike[str], *, reference: str | None
     Raises:
         StatisticsError: one line naming the file.
     """
-    try:
-        checkpoint = load_checkpoint(path)
-        raw = checkpoint.metadata.get(meta.CROSS_STATS)
-        if raw is None:
-            raise StatisticsError(
-                f"{path}: not a cross statistics file (no {meta.CROSS_STATS} metadata; "
-                "write one with `fusekit stats FUSED --against OWN_MODEL`)")
-        description = meta.load_json(raw, f"{path}: metadata {meta.CROSS_STATS}",
-                                     StatisticsError)
-        tensors = {name: np.asarray(checkpoint.tensor(name)) for name in checkpoint.tensors}
-    except CheckpointError as exc:
-        raise StatisticsError(f"cross statistics file {exc}") from None
+    description, tensors = _read(path, meta.CROSS_STATS, "cross statistics",
+                                 "fusekit stats FUSED --against OWN_MODEL")
     stats = _parse(description, tensors, str(path))
     check_cross_statistics(stats, reference=reference, models=models, widths=widths,
                            min_samples=min_samples)
     return stats
+
+
+def _read(path: str | os.PathLike[str], key: str, kind: str,
+          command: str) -> tuple[object, dict[str, np.ndarray]]:
+    """A statistics file's ``key`` metadata (parsed) and tensors (float64).
+
+    Raises:
+        StatisticsError: unreadable, or not a file of this kind.
+    """
+    try:
+        checkpoint = load_checkpoint(path)
+        raw = checkpoint.metadata.get(key)
+        if raw is None:
+            raise StatisticsError(f"{path}: not a {kind} file (no {key} metadata; write one "
+                                  f"with `{command}`)")
+        description = meta.load_json(raw, f"{path}: metadata {key}", StatisticsError)
+        tensors = {name: np.asarray(checkpoint.tensor(name), np.float64)
+                   for name in checkpoint.tensors}
+    except CheckpointError as exc:
+        raise StatisticsError(f"{kind} file {exc}") from None
+    return description, tensors
 
 
 def _parse(description: object, tensors: Mapping[str, np.ndarray],
@@ -203,3 +214,128 @@ def _check_moments(label: str, point: str, moments: CrossMoments, num_samples: i
         raise StatisticsError(
             f"{label}: point {point!r}: covariances exceed sqrt(var_ref * var_own) "
             "(Cauchy-Schwarz): not the moments of any data")
+
+
+# Refit statistics: what a client sends for one refit round (one layer, ALGORITHMS §12).
+
+REFIT_FIELDS = ("count", "gram", "cross")
+#: The Gram matrix may deviate from symmetry / its constant entry from 1 by this much.
+GRAM_TOLERANCE = 1e-6
+
+
+@dataclass
+class RefitStatistics:
+    """One client's moments for refitting one layer of the fused model: over every input
+    position (n rows), ``gram`` = E[u uᵀ] (d+1, d+1), u the fused model's input to the layer
+    (a conv's patch, C_in·kh·kw values) with a trailing 1, and ``cross`` = E[y uᵀ]
+    (O, d+1), y the client's own pre-activation of that layer."""
+
+    reference: str
+    model: str
+    layer: str
+    num_samples: int
+    count: int
+    gram: np.ndarray
+    cross: np.ndarray
+    label: str = "<in-memory refit statistics>"
+
+
+def save_refit_statistics(path: str | os.PathLike[str], stats: RefitStatistics, *,
+                          force: bool = False) -> Path:
+    """Write ``stats`` as safetensors, atomically (see :func:`save_checkpoint`)."""
+    tensors = {"count": np.array([float(stats.count)]), "gram": np.asarray(stats.gram, np.float64),
+               "cross": np.asarray(stats.cross, np.float64)}
+    description = {"format": meta.REFIT_STATS_FORMAT, "reference": stats.reference,
+                   "model": stats.model, "layer": stats.layer,
+                   "num_samples": stats.num_samples}
+    metadata = {meta.REFIT_STATS: json.dumps(description),
+                meta.NUM_SAMPLES: str(stats.num_samples)}
+    return save_checkpoint(path, tensors, metadata, force=force)
+
+
+def load_refit_statistics(path: str | os.PathLike[str], **checks) -> RefitStatistics:
+    """Read a refit statistics file and check it (:func:`check_refit_statistics`).
+
+    Raises:
+        StatisticsError: one line naming the file.
+    """
+    description, tensors = _read(path, meta.REFIT_STATS, "refit statistics",
+                                 "fusekit stats FUSED --against OWN_MODEL --layer NAME")
+    keys = ("reference", "model", "layer")
+    if (not isinstance(description, dict)
+            or description.get("format") != meta.REFIT_STATS_FORMAT
+            or not all(isinstance(description.get(k), str) for k in keys)
+            or not isinstance(description.get("num_samples"), int)
+            or isinstance(description.get("num_samples"), bool)
+            or set(tensors) != set(REFIT_FIELDS) or tensors["count"].shape != (1,)):
+        raise StatisticsError(
+            f"{path}: expected metadata {meta.REFIT_STATS} {{\"format\": "
+            f"\"{meta.REFIT_STATS_FORMAT}\", \"reference\", \"model\", \"layer\", "
+            f"\"num_samples\"}} and tensors count (1,), gram, cross; found "
+            f"{json.dumps(description)[:100]} and {sorted(tensors)[:4]}")
+    count = float(tensors["count"][0])
+    stats = RefitStatistics(description["reference"], description["model"],
+                            description["layer"], description["num_samples"],
+                            int(count) if count == round(count) else -1,
+                            tensors["gram"], tensors["cross"], str(path))
+    check_refit_statistics(stats, **checks)
+    return stats
+
+
+def check_refit_statistics(stats: RefitStatistics, *, reference: str | None = None,
+                           models: Mapping[str, Mapping[str, int]] | None = None,
+                           inputs: Mapping[str, int] | None = None,
+                           min_samples: int = DEFAULT_MIN_SAMPLES) -> None:
+    """Check refit statistics from any source.
+
+    Args:
+        stats: the statistics.
+        reference: the content hash of the fused model they must be computed with.
+        models: per accepted own model's content hash, its width per layer.
+        inputs: per layer of the fused model, d (its input values per row).
+        min_samples: refuse statistics over fewer inputs.
+
+    Raises:
+        StatisticsError: for another fused model, an unknown client or layer, too few
+            inputs, misshapen or non-finite moments, a Gram matrix that is not symmetric or
+            whose constant entry is not 1, negative diagonals.
+    """
+    label = stats.label
+    if reference is not None and stats.reference != reference:
+        raise StatisticsError(
+            f"{label}: computed against fused model {stats.reference[:16]}..., expected "
+            f"{reference[:16]}... (run `fusekit stats FUSED --against OWN_MODEL --layer "
+            "NAME` with the model that was sent)")
+    if models is not None and stats.model not in models:
+        raise StatisticsError(f"{label}: computed for model {stats.model[:16]}..., which is "
+                              f"none of the {len(models)} client model(s) given")
+    if inputs is not None and stats.layer not in inputs:
+        raise StatisticsError(f"{label}: layer {stats.layer!r} is not a layer of the fused "
+                              f"model ({', '.join(list(inputs)[:4])}, ...)")
+    if stats.num_samples < min_samples:
+        raise StatisticsError(
+            f"{label}: refit statistics over {stats.num_samples} inputs; at least "
+            f"{min_samples} are required (moments of a few samples reveal them)")
+    d = stats.gram.shape[0] - 1 if stats.gram.ndim == 2 else -1
+    width = None if models is None else models[stats.model].get(stats.layer)
+    expected_d = None if inputs is None else inputs[stats.layer]
+    if (stats.gram.shape != (d + 1, d + 1) or d < 1 or stats.cross.ndim != 2
+            or stats.cross.shape[1] != d + 1
+            or (expected_d is not None and d != expected_d)
+            or (width is not None and stats.cross.shape[0] != width)):
+        raise StatisticsError(
+            f"{label}: layer {stats.layer!r}: expected gram (d+1, d+1) and cross (O, d+1) "
+            f"with d = {expected_d}, O = {width}; found gram {stats.gram.shape}, cross "
+            f"{stats.cross.shape}")
+    if not (stats.count > 0 and stats.count % stats.num_samples == 0):
+        raise StatisticsError(f"{label}: expected a positive count that is a multiple of the "
+                              f"{stats.num_samples} inputs, found {stats.count}")
+    if not (np.all(np.isfinite(stats.gram)) and np.all(np.isfinite(stats.cross))):
+        raise StatisticsError(f"{label}: layer {stats.layer!r}: every moment must be finite")
+    gram = stats.gram
+    scale = max(float(np.max(np.abs(np.diag(gram)))), 1.0)
+    if (np.any(np.diag(gram) < 0) or np.max(np.abs(gram - gram.T)) > GRAM_TOLERANCE * scale
+            or abs(gram[-1, -1] - 1.0) > GRAM_TOLERANCE):
+        raise StatisticsError(
+            f"{label}: layer {stats.layer!r}: gram must be E[u uᵀ] of rows ending in 1 "
+            "(symmetric, diagonal >= 0, last entry 1): not the moments of any data")

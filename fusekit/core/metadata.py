@@ -49,6 +49,12 @@ CALIBRATION = "fusekit.calibration"
 #: the own model's content hashes, samples, mode.
 CROSS_STATS = "fusekit.cross_stats"
 CROSS_STATS_FORMAT = "fusekit.cross_stats/1"
+#: A refit statistics file's description (one refit round): format, the fused model's and
+#: the own model's content hashes, the layer, samples.
+REFIT_STATS = "fusekit.refit_stats"
+REFIT_STATS_FORMAT = "fusekit.refit_stats/1"
+#: The layers refit rounds have refit, and the ridge.
+REFIT = "fusekit.refit"
 #: What an alignment round did: the reference it matched to, clients, matched correlations.
 ALIGNMENT = "fusekit.alignment"
 

@@ -137,3 +137,51 @@ def _zeros(layer: neurons.UnitLayer, reference_spec, index: int) -> neurons.Unit
     block = layer.weight.shape[2]
     return neurons.UnitLayer(np.zeros((reference.out_features, reference.in_features, block)),
                              np.zeros(reference.out_features))
+
+
+def layer_inputs(spec) -> dict[str, int]:
+    """Per layer, d: the values of one row of its input (a conv's patch: C_in·kh·kw; a
+    linear layer's input, a flatten's every position included)."""
+    return {layer.name: layer.in_features * (layer.kernel_size[0] * layer.kernel_size[1]
+                                             if layer.kind == "conv2d" else layer.input_block)
+            for layer in spec.layers}
+
+
+def refit_layer(prior: neurons.UnitLayer, grams: Sequence[np.ndarray],
+                crosses: Sequence[np.ndarray], rows: Sequence[np.ndarray],
+                weights: np.ndarray, ridge: float) -> neurons.UnitLayer:
+    """Least-squares refit of one fused layer to the matched clients' pre-activations.
+
+    For fused neuron j with matched clients S_j (client s's neuron i_s):
+    θ_j = argmin Σ_{s∈S_j} w_s E_s[(θ·u − y_{s,i_s})²] + λ ||θ − θ⁰_j||², u the fused
+    model's input to the layer on client s's data (with a trailing 1 for the bias),
+    y_{s,i} client s's own pre-activation, λ = ``ridge`` · mean diagonal of Σ w_s G_s.
+
+    Args:
+        prior: the layer now (θ⁰), unit form (out, in_units, block) and bias.
+        grams: per client, E[u uᵀ] (d+1, d+1), d = in_units · block.
+        crosses: per client, E[y uᵀ] (O_s, d+1).
+        rows: per client, the fused neuron of each of its neurons (O_s,), -1 for none.
+        weights: per client, its sample share.
+        ridge: relative ridge λ (> 0).
+    """
+    theta = np.hstack([prior.weight.reshape(prior.out_features, -1), prior.bias[:, None]])
+    members: dict[tuple[int, ...], list[int]] = {}
+    for j in range(prior.out_features):
+        key = tuple(s for s, r in enumerate(rows) if np.any(np.asarray(r) == j))
+        if key:
+            members.setdefault(key, []).append(j)
+    for key, slots in members.items():
+        gram = sum(weights[s] * grams[s] for s in key)
+        lam = ridge * float(np.mean(np.diag(gram))) + 1e-12
+        rhs = lam * theta[slots].T
+        for s in key:
+            own = np.full(theta.shape[0], -1, np.int64)
+            own[np.asarray(rows[s])[np.asarray(rows[s]) >= 0]] = np.flatnonzero(
+                np.asarray(rows[s]) >= 0)
+            present = own[slots] >= 0
+            rhs[:, present] += weights[s] * crosses[s][own[slots][present]].T
+        system = gram + lam * np.eye(gram.shape[0])
+        theta[slots] = np.linalg.solve(system, rhs).T
+    weight = theta[:, :-1].reshape(prior.weight.shape)
+    return neurons.UnitLayer(np.ascontiguousarray(weight), theta[:, -1].copy())

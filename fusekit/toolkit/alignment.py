@@ -8,6 +8,7 @@ models' per-channel means and variances and the covariance matrix of their chann
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -19,7 +20,7 @@ import torch
 from fusekit import api
 from fusekit.core import metadata as meta
 from fusekit.core.checkpoint import Checkpoint, load_checkpoint
-from fusekit.core.cross_stats import CrossMoments, CrossStatistics
+from fusekit.core.cross_stats import CrossMoments, CrossStatistics, RefitStatistics
 from fusekit.core.errors import DataError, ParameterError
 from fusekit.core.stats import DEFAULT_MIN_SAMPLES, preactivation_point
 from fusekit.methods.base import FusionResult
@@ -100,18 +101,7 @@ def cross_statistics(
         DataError: inputs that do not fit the models, or fewer than ``min_samples``.
         ParameterError: a batch size < 1, or models of different depths.
     """
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ParameterError(f"batch_size: expected an integer >= 1, found {batch_size!r}")
-    models = [m if isinstance(m, Checkpoint) else load_checkpoint(m) for m in (reference, own)]
-    inputs = np.asarray(inputs)
-    if inputs.ndim < 2 or len(inputs) < max(min_samples, 1):
-        raise DataError(f"cross statistics: expected inputs of shape (N, ...) with N >= "
-                        f"{max(min_samples, 1)} (--min-samples), found {inputs.shape}")
-    specs = [api.fused_spec(m) for m in models]
-    if [layer.name for layer in specs[0].layers] != [layer.name for layer in specs[1].layers]:
-        raise ParameterError(
-            f"{models[1].label}: its layers are not those of the reference "
-            f"{models[0].label}; cross statistics pair the same layers of the two models")
+    models, specs, inputs = _paired(reference, own, inputs, batch_size, min_samples)
     networks = [load_fused(m, device) for m in models]
     modules = [preactivation_modules(n, s)[:-1] for n, s in zip(networks, specs, strict=True)]
     accumulators = {preactivation_point(layer.name): _CrossAccumulator()
@@ -120,25 +110,55 @@ def cross_statistics(
     hooks = [module.register_forward_hook(_recorder(outputs[side], point))
              for side in (0, 1)
              for module, point in zip(modules[side], accumulators, strict=True)]
-    try:
-        with torch.no_grad():
-            for start in range(0, len(inputs), batch_size):
-                batch = torch.from_numpy(np.ascontiguousarray(
-                    inputs[start:start + batch_size], dtype=np.float32)).to(device)
-                for network in networks:
-                    network(batch)
-                for point, accumulator in accumulators.items():
-                    accumulator.add(outputs[0].pop(point), outputs[1].pop(point))
-    except RuntimeError as exc:
-        raise DataError(f"cross statistics: inputs of shape {tuple(inputs.shape)} do not fit "
-                        f"{models[1].label} ({str(exc).splitlines()[0]})") from None
-    finally:
-        for hook in hooks:
-            hook.remove()
+    with _running(inputs, models[1].label, hooks):
+        for batch in _batches(inputs, batch_size, device):
+            for network in networks:
+                network(batch)
+            for point, accumulator in accumulators.items():
+                accumulator.add(outputs[0].pop(point), outputs[1].pop(point))
     return CrossStatistics(reference=models[0].content_hash, model=models[1].content_hash,
                            num_samples=len(inputs), mode="eval",
                            points={p: a.moments() for p, a in accumulators.items()},
                            label=f"cross statistics of {models[0].label} and {models[1].label}")
+
+
+def _paired(reference, own, inputs, batch_size: int, min_samples: int):
+    """The two models (checkpoints), their specs and the inputs, checked."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ParameterError(f"batch_size: expected an integer >= 1, found {batch_size!r}")
+    models = [m if isinstance(m, Checkpoint) else load_checkpoint(m) for m in (reference, own)]
+    inputs = np.asarray(inputs)
+    if inputs.ndim < 2 or len(inputs) < max(min_samples, 1):
+        raise DataError(f"statistics: expected inputs of shape (N, ...) with N >= "
+                        f"{max(min_samples, 1)} (--min-samples), found {inputs.shape}")
+    specs = [api.fused_spec(m) for m in models]
+    if [layer.name for layer in specs[0].layers] != [layer.name for layer in specs[1].layers]:
+        raise ParameterError(
+            f"{models[1].label}: its layers are not those of the fused model "
+            f"{models[0].label}; the statistics pair the same layers of the two models")
+    return models, specs, inputs
+
+
+def _batches(inputs: np.ndarray, batch_size: int, device: str):
+    """Mini-batches of ``inputs`` as float32 tensors."""
+    for start in range(0, len(inputs), batch_size):
+        yield torch.from_numpy(np.ascontiguousarray(inputs[start:start + batch_size],
+                                                    dtype=np.float32)).to(device)
+
+
+@contextlib.contextmanager
+def _running(inputs: np.ndarray, label: str, hooks: Sequence):
+    """No gradients; a shape error of the models becomes one DataError line; the hooks are
+    removed at the end."""
+    try:
+        with torch.no_grad():
+            yield
+    except RuntimeError as exc:
+        raise DataError(f"statistics: inputs of shape {tuple(inputs.shape)} do not fit "
+                        f"{label} ({str(exc).splitlines()[0]})") from None
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 def _recorder(outputs: dict[str, torch.Tensor], point: str):
@@ -154,28 +174,34 @@ def align_locally(
     client_inputs: Sequence[np.ndarray],
     *,
     alignment_rounds: int = 1,
+    refit: bool = True,
+    ridge: float = api.DEFAULT_RIDGE,
     rounds: str = "layerwise",
     min_samples: int = DEFAULT_MIN_SAMPLES,
     batch_size: int = DEFAULT_BATCH_SIZE,
     device: str = "cpu",
 ) -> FusionResult:
-    """Calibrate, then run ``alignment_rounds`` alignment rounds, each followed by
-    calibration, with every client's data at hand (simulations, demos, benchmarks).
+    """Calibrate, run ``alignment_rounds`` alignment rounds, then refit every layer (or
+    calibrate), with every client's data at hand (simulations, demos, benchmarks).
 
     Each alignment round: every client computes :func:`cross_statistics` of the current
     (calibrated) fused model and its own model on its own inputs; :func:`fusekit.align`
-    re-matches and re-fuses; :func:`calibrate_locally` calibrates the result.
+    re-matches and re-fuses. Between rounds the result is calibrated
+    (:func:`calibrate_locally`); after the last it is refit layer by layer
+    (:func:`refit_locally`), or calibrated without ``refit``.
 
     Args:
         fused: the one-shot fused model.
         clients: the clients' own models, in the order of ``client_inputs``.
         client_inputs: per client, its inputs.
         alignment_rounds: alignment rounds (>= 1), each against the previous result.
+        refit: end with refit rounds (one per layer) instead of calibration.
+        ridge: the refit's relative ridge (:func:`fusekit.refit`).
         rounds, min_samples, batch_size, device: see :func:`calibrate_locally`.
 
     Returns:
-        The calibrated, aligned model; ``report["alignment"]`` per round, the mean matched
-        correlation.
+        The aligned model, refit or calibrated; ``report["alignment"]`` per round, the mean
+        matched correlation.
     """
     if isinstance(alignment_rounds, bool) or not isinstance(alignment_rounds, int) or not (
             1 <= alignment_rounds <= 100):
@@ -186,8 +212,7 @@ def align_locally(
         result = calibrate_locally(model, client_inputs, clients=clients, rounds=rounds,
                                    min_samples=min_samples, batch_size=batch_size,
                                    device=device)
-        return Checkpoint.from_state_dict(result.state_dict, result.metadata,
-                                          source=f"{model.label} (calibrated)")
+        return _checkpoint(result, f"{model.label} (calibrated)")
 
     current = calibrated(fused if isinstance(fused, Checkpoint) else load_checkpoint(fused))
     history = []
@@ -197,13 +222,94 @@ def align_locally(
                  for own, x in zip(clients, client_inputs, strict=True)]
         aligned = api.align(current, clients, cross, min_samples=min_samples)
         history.append(aligned.report["alignment"])
-        current = calibrated(Checkpoint.from_state_dict(aligned.state_dict, aligned.metadata,
-                                                        source="aligned"))
+        current = _checkpoint(aligned, "aligned")
+        if len(history) < alignment_rounds or not refit:
+            current = calibrated(current)
+    if refit:
+        current = _checkpoint(refit_locally(current, clients, client_inputs, ridge=ridge,
+                                            min_samples=min_samples, batch_size=batch_size,
+                                            device=device), "refit")
     result = FusionResult(state_dict=current.state_dict(),
                           method=current.metadata.get(meta.METHOD, "unknown"), params={},
                           widths=api.fused_spec(current).hidden_widths,
                           report={"alignment": history}, metadata=dict(current.metadata))
     result.metadata[meta.ALIGNMENT] = json.dumps(
-        {"rounds": alignment_rounds,
+        {"rounds": alignment_rounds, "refit": refit,
          "mean_correlation": [h["mean_correlation"] for h in history]})
+    return result
+
+
+def _checkpoint(result: FusionResult, source: str) -> Checkpoint:
+    return Checkpoint.from_state_dict(result.state_dict, result.metadata, source=source)
+
+
+def refit_statistics(
+    fused: Checkpoint | str | os.PathLike[str],
+    own: Checkpoint | str | os.PathLike[str],
+    inputs: np.ndarray,
+    layer: str,
+    *,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    device: str = "cpu",
+    min_samples: int = DEFAULT_MIN_SAMPLES,
+) -> RefitStatistics:
+    """One client's moments for refitting ``layer`` of ``fused``: E[u uᵀ] and E[y uᵀ] over
+    every input position, u the fused model's input to the layer (a conv's patch) with a
+    trailing 1, y the ``own`` model's pre-activation of that layer.
+
+    Raises:
+        DataError: inputs that do not fit the models, or fewer than ``min_samples``.
+        ParameterError: a layer the fused model does not have, or models whose layers differ.
+    """
+    models, specs, inputs = _paired(fused, own, inputs, batch_size, min_samples)
+    names = [spec_layer.name for spec_layer in specs[0].layers]
+    if layer not in names:
+        raise ParameterError(f"layer: expected one of {names[:6]}..., found {layer!r}")
+    index = names.index(layer)
+    networks = [load_fused(m, device) for m in models]
+    module = networks[0].get_submodule(layer)
+    seen: dict[str, torch.Tensor] = {}
+    hooks = [module.register_forward_pre_hook(
+                 lambda _m, args: seen.__setitem__("u", _rows(module, args[0]))),
+             preactivation_modules(networks[1], specs[1])[index].register_forward_hook(
+                 lambda _m, _a, out: seen.__setitem__("y", _samples(out)))]
+    gram, cross, count = 0.0, 0.0, 0
+    with _running(inputs, models[1].label, hooks):
+        for batch in _batches(inputs, batch_size, device):
+            for network in networks:
+                network(batch)
+            u, y = seen.pop("u"), seen.pop("y")
+            gram, cross = gram + (u.T @ u).cpu().numpy(), cross + (y.T @ u).cpu().numpy()
+            count += u.shape[0]
+    return RefitStatistics(reference=models[0].content_hash, model=models[1].content_hash,
+                           layer=layer, num_samples=len(inputs), count=count,
+                           gram=gram / count, cross=cross / count,
+                           label=f"refit statistics of {models[1].label} at {layer}")
+
+
+def _rows(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """(rows, d+1) float64: a Linear's inputs, or a Conv2d's patches (C_in·kh·kw values, in
+    the order of its weight), each with a trailing 1."""
+    if isinstance(module, torch.nn.Conv2d):
+        cols = torch.nn.functional.unfold(x, module.kernel_size, dilation=module.dilation,
+                                          padding=module.padding, stride=module.stride)
+        x = cols.transpose(1, 2).reshape(-1, cols.shape[1])
+    x = x.reshape(x.shape[0], -1).double()
+    return torch.cat([x, torch.ones(x.shape[0], 1, dtype=x.dtype, device=x.device)], 1)
+
+
+def refit_locally(aligned: Checkpoint, clients: Sequence[Checkpoint],
+                  client_inputs: Sequence[np.ndarray], *, ridge: float = api.DEFAULT_RIDGE,
+                  min_samples: int = DEFAULT_MIN_SAMPLES, batch_size: int = DEFAULT_BATCH_SIZE,
+                  device: str = "cpu") -> FusionResult:
+    """Refit rounds with every client's data at hand: every layer of ``aligned``, input to
+    output, one round each (each round's statistics see the layers below already refit)."""
+    current, result = aligned, None
+    for layer in api.fused_spec(aligned).layers:
+        stats = [refit_statistics(current, own, x, layer.name, batch_size=batch_size,
+                                  device=device, min_samples=min_samples)
+                 for own, x in zip(clients, client_inputs, strict=True)]
+        result = api.refit(current, clients, stats, ridge=ridge, min_samples=min_samples)
+        current = Checkpoint.from_state_dict(result.state_dict, result.metadata,
+                                             source=f"{aligned.label} (refitting)")
     return result
