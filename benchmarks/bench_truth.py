@@ -322,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grid-data", nargs="+", default=["digits", "synthetic"],
                         choices=("digits", "synthetic"))
     parser.add_argument("--grid-clients", nargs="+", type=int, default=[10, 20])
-    parser.add_argument("--seeds", type=int, default=2, help="grid: seeds per cell")
+    parser.add_argument("--seeds", type=int, default=4, help="grid: seeds per cell")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json-out", type=Path, default=HERE / "results" / "truth.json")
     parser.add_argument("--results-md", type=Path, default=HERE / "RESULTS.md")
