@@ -11,12 +11,12 @@ truth  the PFNM authors' synthetic setting: a pool of 150 true neurons of a 784-
        an exact assignment) and the default's time against the authors' fixed values
        (``sigma=1, sigma0=1, gamma=1, variance_units="absolute"``) in the same process.
 grid   trained clients (digits and synthetic classification, Dirichlet alpha 0.1 / 0.5 /
-       1.0, S = 10 and 20): pfnm and nafi with their defaults against pfnm with every
-       fixed (sigma, sigma0) of a small grid (relative units, gamma = 1) and the authors'
+       1.0, S = 10 and 20, 4 seeds): pfnm and nafi with their defaults against pfnm with
+       every fixed (sigma, sigma0) of a small grid (relative units, gamma = 1) and the authors'
        absolute values, next to avg, ot and the softmax ensemble, all at fused widths
        reported beside the accuracies.
 
-    python benchmarks/bench_truth.py            # both studies (a few minutes on 2 cores)
+    python benchmarks/bench_truth.py            # both studies (about 20 min, 2 shared cores)
     python benchmarks/bench_truth.py --no-grid  # the synthetic truth only
 
 Writes benchmarks/results/truth.json and the "Estimated hyperparameters" section of
