@@ -269,7 +269,8 @@ def send_partial_statistics(server, job_id, client, token, body) -> socket.socke
 
 def test_kill9_during_and_after_statistics_uploads_loses_nothing_accepted(
         bn_models, digits, tmp_path):
-    server = ServiceProcess(tmp_path / "data", env={"FUSEKIT_ADMIN_TOKEN": ADMIN})
+    server = ServiceProcess(tmp_path / "data", options=("--min-stats-samples", "400"),
+                            env={"FUSEKIT_ADMIN_TOKEN": ADMIN})
     server.start()
     try:
         with Client(server.url, ADMIN) as admin:
@@ -278,6 +279,10 @@ def test_kill9_during_and_after_statistics_uploads_loses_nothing_accepted(
             fused = admin.fused(job_id, tmp_path / "fused.safetensors")
             paths = [statistics_file(fused, x, tmp_path / f"{n}.stats.safetensors")
                      for n, x in zip(NAMES, digits, strict=True)]
+            few = statistics_file(fused, digits[0][:300], tmp_path / "few.stats.safetensors")
+            one_line_error(put_statistics(server, job_id, NAMES[0], job["tokens"][NAMES[0]],
+                                          few.read_bytes()), 400,
+                           "statistics over 300 inputs; at least 400 are required")
             with Client(server.url, job["tokens"][NAMES[0]]) as first:
                 accepted = first.submit_statistics(job_id, NAMES[0], paths[0])
             partial = send_partial_statistics(server, job_id, NAMES[1],
@@ -301,8 +306,11 @@ def test_kill9_during_and_after_statistics_uploads_loses_nothing_accepted(
             with Client(server.url, job["tokens"][NAMES[1]]) as second:
                 second.submit_statistics(job_id, NAMES[1], paths[1])
             server.kill()  # right after an answered upload
+            server.options = ("--min-stats-samples", "1000")  # the job keeps its 400
             server.start()
-            assert admin.status(job_id)["statistics"][NAMES[1]]["sha256"] == sha256(paths[1])
+            state = admin.status(job_id)
+            assert state["statistics"][NAMES[1]]["sha256"] == sha256(paths[1])
+            assert state["min_stats_samples"] == 400 < len(digits[2])
             with Client(server.url, job["tokens"][NAMES[2]]) as third:
                 third.submit_statistics(job_id, NAMES[2], paths[2])
             state = admin.wait(job_id, timeout=120, every=0.1)
