@@ -67,6 +67,11 @@ def stats(
     layer: Annotated[str | None, typer.Option(
         "--layer", help="With --against: write refit statistics of this layer of MODEL "
         "instead (one refit round, fusekit refit).", show_default=False)] = None,
+    input_moments: Annotated[bool, typer.Option(
+        "--input-moments", help="Also record the first layer's input moments (count, mean, "
+        "d x d covariance), sent with the statistics of the client's own model: calibrate "
+        "then derives the fused first layer without a round. They say more about the data "
+        "than per-channel moments (README).")] = False,
     force: ForceOption = False,
     as_json: JsonOption = False,
 ) -> None:
@@ -88,6 +93,9 @@ def stats(
         inputs = load_dataset(name, data_dir=data_dir, path=data_path, samples=samples,
                               features=features, classes=classes, seed=seed).x_train
     if against is not None:
+        if input_moments:
+            raise ParameterError("--input-moments: recorded with a model's statistics; "
+                                 "cross statistics (--against) do not carry them")
         if mode != "eval":
             raise ParameterError(f"--mode {mode}: cross statistics (--against) run both "
                                  "models as they are; expected --mode eval")
@@ -102,17 +110,21 @@ def stats(
 
     try:
         result = client_statistics(model, inputs, mode=mode, batch_size=batch_size,
-                                   device=device, min_samples=min_samples)
+                                   device=device, min_samples=min_samples,
+                                   input_moments=input_moments)
     except DataError as exc:  # name the option, not the library's argument
         raise DataError(str(exc).replace("(min_samples)", "(--min-samples)")) from None
     written = save_statistics(output, result, force=force)
     summary = {"output": str(written), "model": result.model, "samples": result.num_samples,
-               "mode": result.mode, "points": len(result.points)}
+               "mode": result.mode, "points": len(result.points),
+               "input_moments": sorted(result.inputs)}
     if as_json:
         emit_json(summary)
     else:
-        stdout.print(f"wrote {written}: {len(result.points)} points over {result.num_samples} "
-                     f"inputs of {name} (model {result.model[:12]})", highlight=False)
+        extra = " and the first layer's input moments" if result.inputs else ""
+        stdout.print(f"wrote {written}: {len(result.points)} points{extra} over "
+                     f"{result.num_samples} inputs of {name} (model {result.model[:12]})",
+                     highlight=False)
 
 
 def _cross_stats(reference: Path, own: Path, inputs, name: str, output: Path,
@@ -143,16 +155,18 @@ def _cross_stats(reference: Path, own: Path, inputs, name: str, output: Path,
 def calibrate(
     fused: Annotated[Path, typer.Argument(help="The fused model (.safetensors, or a Hugging "
                                           "Face model folder).", show_default=False)],
-    statistics: Annotated[list[Path], typer.Argument(
-        help="Each client's statistics of FUSED (fusekit stats FUSED ...).",
-        metavar="STATS...", show_default=False)],
     output: Annotated[Path, typer.Option(
         "--output", "-o", help="The .safetensors file to write (a folder for a Hugging Face "
         "model).", show_default=False)],
+    statistics: Annotated[list[Path] | None, typer.Argument(
+        help="Each client's statistics of FUSED (fusekit stats FUSED ...); none: the first "
+        "layer alone, from the input moments --targets carry (stats --input-moments).",
+        metavar="[STATS]...", show_default=False)] = None,
     targets: Annotated[list[Path] | None, typer.Option(
         "--targets", help="A client's statistics of its own model (repeat per client): "
         "REPAIR's targets for layers without BatchNorm (a transformer's MLPs and LayerNorms: "
-        "required there).", show_default=False)] = None,
+        "required there); with input moments, the first layer without a round.",
+        show_default=False)] = None,
     layers: Annotated[str | None, typer.Option(
         "--layers", help="Comma-separated layer names to calibrate (one layer-by-layer "
         "round; a transformer's MLP input layers and LayerNorms by their module names); "
@@ -166,7 +180,7 @@ def calibrate(
     Pools the statistics exactly; --targets adds REPAIR to the layers without BatchNorm."""
     import fusekit
 
-    result = fusekit.calibrate(fused, statistics, targets=targets or (),
+    result = fusekit.calibrate(fused, statistics or (), targets=targets or (),
                                layers=layers.split(",") if layers else None,
                                min_samples=min_samples)
     written = result.save(output, force=force)

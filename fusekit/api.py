@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import time
 from collections import Counter
@@ -42,8 +43,12 @@ from fusekit.core.spec import (
 )
 from fusekit.core.stats import (
     DEFAULT_MIN_SAMPLES,
+    Moments,
     Statistics,
+    calibrated_point,
     check_statistics,
+    combine_inputs,
+    input_point,
     load_statistics,
     pool,
     statistic_points,
@@ -163,7 +168,7 @@ StatisticsLike = str | os.PathLike[str] | Statistics
 
 def calibrate(
     fused: CheckpointLike,
-    statistics: Sequence[StatisticsLike],
+    statistics: Sequence[StatisticsLike] = (),
     *,
     targets: Sequence[StatisticsLike] = (),
     layers: Sequence[str] | None = None,
@@ -174,11 +179,16 @@ def calibrate(
     Args:
         fused: the fused checkpoint (path or :class:`Checkpoint`).
         statistics: each client's statistics of ``fused`` (``fusekit stats FUSED ...``, or
-            :func:`fusekit.toolkit.calibration.client_statistics`), pooled exactly; none
-            needed when ``layers`` is empty (the model comes back unchanged).
+            :func:`fusekit.toolkit.calibration.client_statistics`), pooled exactly. None:
+            the first layer alone, derived from the input moments the ``targets`` carry
+            (no round), or nothing when ``layers`` is empty.
         targets: clients' statistics of their own models (the fusion's inputs): REPAIR's
-            targets for layers without BatchNorm (which are left as they are without).
-        layers: calibrate only these layers (layer-by-layer rounds); default all.
+            targets for layers without BatchNorm (which are left as they are without);
+            with every client's input moments (``client_statistics(...,
+            input_moments=True)``, ``fusekit stats --input-moments``), the first layer's
+            statistics without a round (ALGORITHMS §12).
+        layers: calibrate only these layers (layer-by-layer rounds); default all (without
+            ``statistics``: the first layer).
         min_samples: refuse statistics over fewer inputs.
 
     Returns:
@@ -187,7 +197,10 @@ def calibrate(
 
     Raises:
         StatisticsError: a statistics file that is malformed, of another model, of a
-            model that is not one of the fusion's inputs, or over too few samples.
+            model that is not one of the fusion's inputs, or over too few samples; input
+            moments from some clients only, or of another dimension than the first
+            layer's; without statistics of ``fused``, a layer that needs a round, or no
+            input moments.
         CheckpointError: the fused file is unreadable or its calibration metadata malformed.
     """
     checkpoint = fused if isinstance(fused, Checkpoint) else load_checkpoint(fused)
@@ -199,19 +212,18 @@ def calibrate(
     else:
         points = statistic_points(spec)
     stats = [_statistics(s, checkpoint.content_hash, points, min_samples) for s in statistics]
-    nothing_to_calibrate = layers is not None and not layers
-    pooled = {} if nothing_to_calibrate and not stats else pool(stats)
     if transformer:
+        nothing_to_calibrate = layers is not None and not layers
+        pooled = {} if nothing_to_calibrate and not stats else pool(stats)
         state_dict = _calibrated_transformer(checkpoint, spec, where, pooled, targets, layers,
                                              min_samples)
+        used = stats
     else:
-        repair = _repair_targets(checkpoint, spec, targets, min_samples) if targets else None
-        state_dict = calibration.calibrated_state_dict(
-            checkpoint.state_dict(), spec, pooled,
-            norm_targets=calibration.read_norm_targets(checkpoint, spec), targets=repair,
-            layers=layers)
-    report = {"clients": len(stats), "samples": sum(s.num_samples for s in stats),
-              "mode": stats[0].mode if stats else None, "repair": bool(targets),
+        state_dict, layers, used = _calibrated_network(checkpoint, spec, stats, targets, layers,
+                                                       min_samples)
+    report = {"clients": len(used), "samples": sum(s.num_samples for s in used),
+              "mode": stats[0].mode if stats else ("derived" if used else None),
+              "repair": bool(targets),
               "layers": list(layers) if layers is not None else "all"}
     metadata = dict(checkpoint.metadata)
     metadata[meta.CALIBRATION] = json.dumps(report)
@@ -220,6 +232,75 @@ def calibrate(
                         params={}, widths=spec.hidden_widths, report={"calibration": report},
                         metadata=metadata, inputs=[Path(p).absolute() for p in inputs],
                         spec=spec, config=checkpoint.config)
+
+
+def _calibrated_network(checkpoint: Checkpoint, spec, stats: Sequence[Statistics],
+                        targets: Sequence[StatisticsLike], layers: Sequence[str] | None,
+                        min_samples: int
+                        ) -> tuple[dict[str, Any], list[str] | None, list[Statistics]]:
+    """BatchNorms restored and REPAIR (ALGORITHMS §12); without statistics of the fused
+    model, the first layer alone, from the input moments the targets carry.
+
+    Returns:
+        The calibrated tensors, the layers calibrated (None: all) and the statistics used.
+    """
+    own = [_statistics(s, None, None, min_samples) for s in targets]
+    repair = _repair_targets(checkpoint, spec, own, min_samples) if own else None
+    if stats:
+        pooled, used = pool(stats), list(stats)
+    else:
+        pooled = _derived_first_layer(checkpoint, spec, own)
+        used = own if pooled else []
+        layers = _derivable_layers(spec, layers, pooled, checkpoint.label)
+    state_dict = calibration.calibrated_state_dict(
+        checkpoint.state_dict(), spec, pooled,
+        norm_targets=calibration.read_norm_targets(checkpoint, spec), targets=repair,
+        layers=layers)
+    return state_dict, layers, used
+
+
+def _derived_first_layer(checkpoint: Checkpoint, spec, own: Sequence[Statistics]
+                         ) -> dict[str, Moments]:
+    """The fused first layer's pooled statistics from every client's input moments
+    (ALGORITHMS §12: exact); empty when no client sent any."""
+    if not any(s.inputs for s in own) or len(spec.layers) < 2:
+        return {}
+    first = spec.layers[0]
+    point = input_point(first.name)
+    fan_in = math.prod(checkpoint.tensors[first.weight].shape[1:])
+    for s in own:
+        moments = s.inputs.get(point)
+        if moments is None:
+            raise StatisticsError(
+                f"{s.label}: no input moments of the first layer ({point!r}); the first layer "
+                "is derived from every client's input moments, or calibrated in a round")
+        if moments.mean.shape != (fan_in,):
+            raise StatisticsError(
+                f"{s.label}: point {point!r}: input moments of dimension "
+                f"{moments.mean.shape[0]}; layer {first.name!r} multiplies vectors of {fan_in}")
+    inputs = combine_inputs([s.inputs[point] for s in own])
+    bias = checkpoint.tensor(first.bias) if first.bias else None
+    return {calibrated_point(first): calibration.derived_moments(
+        checkpoint.tensor(first.weight), bias, inputs)}
+
+
+def _derivable_layers(spec, layers: Sequence[str] | None, pooled: Mapping[str, Any],
+                      label: str) -> list[str]:
+    """Without a round: the layers whose statistics were derived (default), refusing any
+    other, and at least one unless ``layers`` is empty."""
+    available = [layer.name for layer in spec.layers[:-1] if calibrated_point(layer) in pooled]
+    if layers is None and not available:
+        raise StatisticsError(
+            f"{label}: calibration needs each client's statistics of this model, or, for the "
+            "first layer alone, --targets carrying input moments (fusekit stats "
+            "--input-moments); found neither")
+    chosen = available if layers is None else list(layers)
+    needing = [name for name in chosen if name not in available]
+    if needing:
+        raise StatisticsError(
+            f"layers: {needing[0]!r} needs statistics of the fused model (a round); without "
+            f"them only {available or 'no layer'} can be calibrated, from input moments")
+    return chosen
 
 
 def fused_spec(checkpoint: Checkpoint) -> PermutationSpec | GraphSpec | TransformerSpec:

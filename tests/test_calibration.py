@@ -3,6 +3,7 @@ the CLI and strict loading (ALGORITHMS.md §12)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -19,15 +20,22 @@ from fusekit.core.arch import named_arch
 from fusekit.core.checkpoint import Checkpoint, load_checkpoint
 from fusekit.core.errors import StatisticsError
 from fusekit.core.stats import (
+    InputMoments,
     Moments,
     Statistics,
+    calibrated_point,
+    check_statistics,
+    combine_inputs,
+    input_point,
     load_statistics,
     pool,
     save_statistics,
     statistic_points,
+    statistics_description,
+    statistics_tensors,
 )
-from fusekit.methods.calibration import neuron_targets, read_assignments
-from fusekit.toolkit.calibration import calibrate_locally, client_statistics
+from fusekit.methods.calibration import derived_moments, neuron_targets, read_assignments
+from fusekit.toolkit.calibration import _InputAccumulator, calibrate_locally, client_statistics
 from fusekit.toolkit.nn import build_model
 
 runner = CliRunner()
@@ -324,3 +332,146 @@ def test_local_calibration_runs_no_pass_when_no_layer_needs_one(monkeypatch):
     assert passes == [] and unchanged.report["calibration"]["rounds"] == 0
     for name, tensor in plain.state_dict().items():
         np.testing.assert_array_equal(unchanged.state_dict[name], tensor)
+
+
+def _first_layer_case(kind):
+    """Clients, their inputs (from different distributions) and a fused model."""
+    if kind == "resnet20":
+        arch = named_arch("resnet20", 10, in_channels=1)
+        clients = [Checkpoint.from_state_dict(numpy_state(build_model(arch, seed=s)),
+                                              {"fusekit.num_samples": str(48 + 8 * s)})
+                   for s in range(3)]
+        parts = [np.random.default_rng(s).normal(s, 1 + s, size=(48 + 8 * s, 1, 8, 8))
+                 .astype(np.float32) for s in range(3)]
+        return clients, parts, _fused(clients, "rebasin")
+    clients = _clients(batchnorm=kind == "mlp_bn")
+    parts = [_inputs(n, seed=i) * (i + 1) + i for i, n in enumerate((40, 70, 55))]
+    return clients, parts, _fused(clients)
+
+
+@pytest.mark.parametrize("kind", ["mlp_bn", "mlp", "resnet20"])
+def test_first_layer_derived_from_input_moments_equals_a_round(kind):
+    clients, parts, fused = _first_layer_case(kind)
+    targets = [client_statistics(c, x, batch_size=32, input_moments=True, min_samples=16)
+               for c, x in zip(clients, parts, strict=True)]
+    spec = fusekit.api.fused_spec(fused)
+    first = spec.layers[0]
+    round_stats = [client_statistics(fused, x, batch_size=32, min_samples=16) for x in parts]
+    inputs = combine_inputs([t.inputs[input_point(first.name)] for t in targets])
+    derived = derived_moments(fused.tensor(first.weight),
+                              fused.tensor(first.bias) if first.bias else None, inputs)
+    pooled = pool(round_stats)[calibrated_point(first)]
+    for field in ("count", "mean", "var"):  # the round runs the model in float32
+        np.testing.assert_allclose(getattr(derived, field), getattr(pooled, field),
+                                   rtol=1e-5, atol=1e-6)
+    without_round = fusekit.calibrate(fused, [], targets=targets, min_samples=16)
+    with_round = fusekit.calibrate(fused, round_stats, targets=targets, layers=[first.name],
+                                   min_samples=16)
+    assert without_round.report["calibration"]["layers"] == [first.name]
+    assert without_round.report["calibration"]["mode"] == "derived"
+    changed = [name for name, value in fused.state_dict().items()
+               if not np.array_equal(without_round.state_dict[name], value)]
+    assert changed and set(changed) <= set(first.tensors)
+    for name, value in with_round.state_dict.items():
+        np.testing.assert_allclose(without_round.state_dict[name], value, rtol=1e-5, atol=1e-6)
+
+
+def test_input_moments_of_a_strided_dilated_padded_conv_give_its_output_moments():
+    torch.manual_seed(0)  # float64 throughout: exact up to rounding
+    conv = nn.Conv2d(3, 5, kernel_size=(3, 2), stride=(2, 1), padding=(1, 2),
+                     dilation=(1, 2)).double()
+    x = torch.randn(37, 3, 9, 7, dtype=torch.float64) * torch.tensor(
+        [1.0, 3.0, 0.5], dtype=torch.float64).reshape(1, 3, 1, 1) + 2
+    accumulator = _InputAccumulator(conv, "conv")
+    for batch in x.split(10):
+        accumulator.add(batch)
+    derived = derived_moments(conv.weight.detach().numpy(), conv.bias.detach().numpy(),
+                              accumulator.moments())
+    with torch.no_grad():
+        out = conv(x).double().transpose(0, 1).reshape(5, -1).numpy()
+    np.testing.assert_allclose(derived.count, out.shape[1])
+    np.testing.assert_allclose(derived.mean, out.mean(1), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(derived.var, out.var(1), rtol=1e-10, atol=1e-12)
+
+
+def test_local_calibration_with_input_moments_saves_the_first_round():
+    clients, parts, fused = _first_layer_case("mlp_bn")
+    rounds = calibrate_locally(fused, parts, clients=clients, min_samples=16)
+    derived = calibrate_locally(fused, parts, clients=clients, min_samples=16,
+                                input_moments=True)
+    assert (derived.report["calibration"]["rounds"]
+            == rounds.report["calibration"]["rounds"] - 1)
+    for name, value in rounds.state_dict.items():
+        np.testing.assert_allclose(derived.state_dict[name], value, rtol=1e-5, atol=1e-6)
+
+
+def _with_inputs(stats, **fields):
+    (point, moments), = stats.inputs.items()
+    changed = {f: fields.get(f, getattr(moments, f)) for f in ("count", "mean", "cov")}
+    return dataclasses.replace(stats, inputs={point: InputMoments(**changed)})
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda m: {"cov": m.cov[:-1]}, r"expected count \(1,\), mean \(d,\) and cov \(d, d\)"),
+    (lambda m: {"mean": np.where(np.arange(m.mean.size) == 0, np.nan, m.mean)},
+     "must be finite|non-finite value"),  # the file: refused as it is read
+    (lambda m: {"cov": m.cov + np.triu(np.ones_like(m.cov), 1)}, "not symmetric"),
+    (lambda m: {"cov": m.cov - 2 * np.abs(m.cov).max() * np.eye(len(m.cov))},
+     "not positive semi-definite"),
+    (lambda m: {"count": m.count + 1}, "multiple of the 40 inputs"),
+    (lambda m: {"count": np.float64(0)}, "above the dimension 6"),
+])
+def test_bad_input_moments_are_refused_naming_the_file(tmp_path, change, message):
+    stats = client_statistics(_clients(batchnorm=True)[0], _inputs(40), input_moments=True)
+    bad = _with_inputs(stats, **change(next(iter(stats.inputs.values()))))
+    path = tmp_path / "bad.safetensors"
+    safetensors.numpy.save_file(statistics_tensors(bad), path,
+                                {"fusekit.stats": statistics_description(bad)})
+    with pytest.raises(StatisticsError, match=message) as error:
+        load_statistics(path)
+    assert str(path) in str(error.value) and "\n" not in str(error.value)
+    with pytest.raises(StatisticsError, match=message):
+        check_statistics(bad)  # in memory (a Flower reply) as well
+
+
+def test_input_moments_from_some_clients_or_for_deeper_layers_are_refused():
+    clients, parts, fused = _first_layer_case("mlp_bn")
+    targets = [client_statistics(c, x, input_moments=i > 0, min_samples=16)
+               for i, (c, x) in enumerate(zip(clients, parts, strict=True))]
+    with pytest.raises(StatisticsError, match="no input moments of the first layer"):
+        fusekit.calibrate(fused, [], targets=targets, min_samples=16)
+    targets[0] = client_statistics(clients[0], parts[0], input_moments=True, min_samples=16)
+    second = fusekit.api.fused_spec(fused).layers[1].name
+    with pytest.raises(StatisticsError, match=f"'{second}' needs statistics of the fused"):
+        fusekit.calibrate(fused, [], targets=targets, layers=[second], min_samples=16)
+    with pytest.raises(StatisticsError, match="found neither"):
+        fusekit.calibrate(fused, [], min_samples=16)
+    with pytest.raises(ValueError, match="6 input vectors of dimension 6"):
+        client_statistics(clients[0], parts[0][:6], input_moments=True, min_samples=1)
+
+
+def test_cli_calibrates_the_first_layer_without_a_round(tmp_path):
+    clients, parts, _ = _first_layer_case("mlp_bn")
+    paths = [write(tmp_path / f"c{i}.safetensors", c.state_dict(), num_samples=len(x))
+             for i, (c, x) in enumerate(zip(clients, parts, strict=True))]
+    fused = tmp_path / "fused.safetensors"
+    assert runner.invoke(app, ["fuse", *map(str, paths), "-m", "pfnm", "-o", str(fused)]
+                         ).exit_code == 0
+    targets = []
+    for i, (path, x) in enumerate(zip(paths, parts, strict=True)):
+        data = tmp_path / f"d{i}.npz"
+        np.savez(data, x_train=x, y_train=np.zeros(len(x), np.int64), x_test=x[:5],
+                 y_test=np.zeros(5, np.int64))
+        targets += ["--targets", str(tmp_path / f"t{i}.safetensors")]
+        result = runner.invoke(app, ["stats", str(path), "--data-path", str(data),
+                                     "--input-moments", "-o", targets[-1]])
+        assert result.exit_code == 0, result.output
+    out = tmp_path / "calibrated.safetensors"
+    result = runner.invoke(app, ["calibrate", str(fused), *targets, "-o", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["mode"] == "derived"
+    expected = fusekit.calibrate(fused, targets=targets[1::2]).state_dict
+    for name, value in expected.items():
+        np.testing.assert_array_equal(load_checkpoint(out).tensor(name), value)
+    none = runner.invoke(app, ["calibrate", str(fused), "-o", str(tmp_path / "x.safetensors")])
+    assert none.exit_code == 2 and "found neither" in none.stderr

@@ -8,7 +8,12 @@ A statistics file holds, for one model run on one client's data, per channel of 
 - ``bn_input:<batchnorm>``: a BatchNorm's input;
 - for transformers, ``mlp_hidden:<module>`` (an MLP's hidden pre-activation) and
   ``layernorm:<module>`` (a LayerNorm's output), over every token that is not padding:
-  their counts are token counts (:data:`TOKEN_POINTS`).
+  their counts are token counts (:data:`TOKEN_POINTS`);
+- ``input:<layer>`` (opt-in, the first layer only): the vectors the first layer multiplies
+  (a Linear's inputs, a Conv2d's zero-padded patches at every output position): their
+  count, mean (d,) and population covariance (d, d) (tensors ``.count``, ``.mean``,
+  ``.cov``), from which the fused first layer's statistics follow exactly, without a
+  round (:func:`fusekit.methods.calibration.derived_moments`).
 
 Conv layers count every spatial position of a channel as one sample. Tensors are named
 ``<point>.count``, ``<point>.mean``, ``<point>.var``; the metadata ``fusekit.stats`` names
@@ -26,7 +31,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -38,7 +43,12 @@ from fusekit.core.transformer import LAYERNORM, MLP_HIDDEN
 
 PREACTIVATION = "preactivation"
 BN_INPUT = "bn_input"
+INPUT = "input"
 FIELDS = ("count", "mean", "var")
+INPUT_FIELDS = ("count", "mean", "cov")
+#: An input covariance may be asymmetric, or have negative eigenvalues, by this much
+#: relative to its largest entry (float64 rounding), and no more.
+COVARIANCE_TOLERANCE = 1e-8
 MODES = ("eval", "batch")
 #: Point kinds whose samples are tokens (a count need not be a multiple of the inputs).
 TOKEN_POINTS = (MLP_HIDDEN, LAYERNORM)
@@ -66,6 +76,16 @@ class Moments:
 
 
 @dataclass
+class InputMoments:
+    """A layer's input vectors: their count, mean (d,) and population covariance (d, d),
+    float64."""
+
+    count: float
+    mean: np.ndarray
+    cov: np.ndarray
+
+
+@dataclass
 class Statistics:
     """One client's statistics of one model (see the module docstring)."""
 
@@ -74,6 +94,7 @@ class Statistics:
     mode: str
     points: dict[str, Moments]
     label: str = "<in-memory statistics>"
+    inputs: dict[str, InputMoments] = field(default_factory=dict)  # input:<layer> (opt-in)
 
 
 def preactivation_point(layer_name: str) -> str:
@@ -82,6 +103,22 @@ def preactivation_point(layer_name: str) -> str:
 
 def bn_input_point(norm_prefix: str) -> str:
     return f"{BN_INPUT}:{norm_prefix}"
+
+
+def input_point(layer_name: str) -> str:
+    return f"{INPUT}:{layer_name}"
+
+
+def calibrated_point(layer) -> str:
+    """The point whose pooled moments calibrate ``layer``: its BatchNorm's input, else its
+    pre-activation (REPAIR)."""
+    return bn_input_point(layer.norm.prefix) if layer.norm else preactivation_point(layer.name)
+
+
+def calibrated_point(layer) -> str:
+    """The point whose pooled moments calibrate ``layer``: its BatchNorm's input, else its
+    pre-activation (REPAIR)."""
+    return bn_input_point(layer.norm.prefix) if layer.norm else preactivation_point(layer.name)
 
 
 def statistic_points(spec) -> dict[str, int]:
@@ -103,9 +140,14 @@ def save_statistics(path: str | os.PathLike[str], stats: Statistics, *,
 
 
 def statistics_tensors(stats: Statistics) -> dict[str, np.ndarray]:
-    """A statistics file's tensors: ``<point>.count``, ``.mean``, ``.var``, float64."""
-    return {f"{point}.{name}": np.asarray(getattr(moments, name), np.float64)
-            for point, moments in stats.points.items() for name in FIELDS}
+    """A statistics file's tensors: ``<point>.count``, ``.mean``, ``.var``, float64 (input
+    moments: ``.count`` (1,), ``.mean``, ``.cov``)."""
+    tensors = {f"{point}.{name}": np.asarray(getattr(moments, name), np.float64)
+               for point, moments in stats.points.items() for name in FIELDS}
+    tensors.update({f"{point}.{name}": np.atleast_1d(np.asarray(getattr(moments, name),
+                                                                np.float64))
+                    for point, moments in stats.inputs.items() for name in INPUT_FIELDS})
+    return tensors
 
 
 def statistics_description(stats: Statistics) -> str:
@@ -142,7 +184,9 @@ def load_statistics(path: str | os.PathLike[str], *, model: str | None = None,
         StatisticsError: one line naming the file: unreadable, not a statistics file, for
             another model, missing or misshapen points, counts not positive or not a
             multiple of the inputs run, non-finite means, negative or non-finite
-            variances, or fewer than ``min_samples`` inputs.
+            variances, input moments that are misshapen, non-finite, not symmetric positive
+            semi-definite or over no more vectors than their dimension, or fewer than
+            ``min_samples`` inputs.
     """
     try:
         checkpoint = load_checkpoint(path)
@@ -168,10 +212,14 @@ def _parse(description: object, tensors: Mapping[str, np.ndarray], label: str) -
             f"\"model\": <hash>, \"num_samples\": <int>, \"mode\": eval|batch}}, found "
             f"{json.dumps(description)[:120]}"
         )
-    points = {point: Moments(*arrays)
-              for point, arrays in point_fields(tensors, FIELDS, label).items()}
+    inputs = {name: array for name, array in tensors.items() if name.startswith(f"{INPUT}:")}
+    points = {point: Moments(*arrays) for point, arrays in point_fields(
+        {n: a for n, a in tensors.items() if n not in inputs}, FIELDS, label).items()}
+    moments = {point: InputMoments(count.item() if count.size == 1 else count, mean, cov)
+               for point, (count, mean, cov) in point_fields(inputs, INPUT_FIELDS,
+                                                             label).items()}
     return Statistics(description["model"], description["num_samples"], description["mode"],
-                      points, label)
+                      points, label, moments)
 
 
 def point_fields(tensors: Mapping[str, np.ndarray], fields: Sequence[str],
@@ -218,6 +266,39 @@ def check_statistics(stats: Statistics, *, model: str | None = None,
     for point, moments in stats.points.items():
         _check_moments(label, point, moments, None if points is None else points[point],
                        stats.num_samples)
+    for point, inputs in stats.inputs.items():
+        check_input_moments(f"{label}: point {point!r}", inputs, stats.num_samples)
+
+
+def check_input_moments(label: str, moments: InputMoments, num_samples: int) -> None:
+    """Input moments as untrusted input: shapes (1,), (d,), (d, d); a count that is a
+    multiple of the inputs run and above d (no more vectors than dimensions lie in a
+    subspace their covariance reveals); a finite mean; a finite, symmetric, positive
+    semi-definite covariance (within :data:`COVARIANCE_TOLERANCE`).
+
+    Raises:
+        StatisticsError: one line starting with ``label``.
+    """
+    count, mean, cov = (np.asarray(getattr(moments, f)) for f in INPUT_FIELDS)
+    d = mean.shape[0] if mean.ndim == 1 else 0
+    if count.size != 1 or d < 1 or cov.shape != (d, d):
+        raise StatisticsError(
+            f"{label}: expected count (1,), mean (d,) and cov (d, d), found "
+            f"{count.shape}, {mean.shape}, {cov.shape}")
+    n = float(count.reshape(-1)[0])
+    if not (n > d and n == round(n) and n % num_samples == 0):
+        raise StatisticsError(
+            f"{label}: expected a count above the dimension {d} that is a multiple of the "
+            f"{num_samples} inputs, found {n:g}")
+    if not (np.all(np.isfinite(mean)) and np.all(np.isfinite(cov))):
+        raise StatisticsError(f"{label}: mean and covariance must be finite")
+    tolerance = COVARIANCE_TOLERANCE * max(float(np.abs(cov).max()), 1e-300)
+    if np.abs(cov - cov.T).max() > tolerance:
+        raise StatisticsError(f"{label}: the covariance is not symmetric")
+    lowest = float(np.linalg.eigvalsh(cov).min())
+    if lowest < -tolerance * d:
+        raise StatisticsError(
+            f"{label}: the covariance is not positive semi-definite (eigenvalue {lowest:.3g})")
 
 
 def _check_moments(label: str, point: str, moments: Moments, width: int | None,
@@ -270,7 +351,20 @@ def combine(parts: Sequence[Moments]) -> Moments:
     """The moments of the union of the samples ``parts`` were computed over (Chan et al.):
     n = Σ n_s, mean = Σ n_s mean_s / n, M2 = Σ n_s var_s + Σ n_s (mean_s - mean)²,
     var = M2 / n."""
-    count = sum(p.count for p in parts)
-    mean = sum(p.count * p.mean for p in parts) / count
-    m2 = sum(p.count * p.var + p.count * (p.mean - mean) ** 2 for p in parts)
-    return Moments(count, mean, m2 / count)
+    return Moments(*_chan([(p.count, p.mean, p.var) for p in parts], np.square))
+
+
+def combine_inputs(parts: Sequence[InputMoments]) -> InputMoments:
+    """:func:`combine` for input moments: M2 = Σ n_s cov_s + Σ n_s δ_s δ_sᵀ,
+    δ_s = mean_s - mean."""
+    count, mean, cov = _chan([(float(np.asarray(p.count).reshape(-1)[0]), p.mean, p.cov)
+                              for p in parts], lambda delta: np.outer(delta, delta))
+    return InputMoments(count, mean, cov)
+
+
+def _chan(parts, square):
+    """(count, mean, M2 / count) of the union of parts given as (count, mean, spread)."""
+    count = sum(n for n, _, _ in parts)
+    mean = sum(n * m for n, m, _ in parts) / count
+    m2 = sum(n * (spread + square(m - mean)) for n, m, spread in parts)
+    return count, mean, m2 / count

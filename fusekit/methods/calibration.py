@@ -10,6 +10,8 @@ Numpy only: the forward passes that compute statistics run in :mod:`fusekit.tool
 - A layer without BatchNorm, given the clients' statistics of their own models, gets
   REPAIR's correction: each fused neuron's pre-activation is rescaled and shifted to the
   mean and standard deviation of the client neurons matched into it (sample-weighted).
+- The first layer's statistics follow exactly from its input moments (:func:`derived_moments`),
+  which clients may send with their own models' statistics: no round for that layer.
 """
 
 from __future__ import annotations
@@ -24,7 +26,14 @@ from fusekit.core import metadata as meta
 from fusekit.core.checkpoint import Checkpoint
 from fusekit.core.errors import CheckpointError, StatisticsError
 from fusekit.core.spec import Layer
-from fusekit.core.stats import Moments, Statistics, bn_input_point, preactivation_point
+from fusekit.core.stats import (
+    InputMoments,
+    Moments,
+    Statistics,
+    bn_input_point,
+    calibrated_point,
+    preactivation_point,
+)
 
 log = logging.getLogger(__name__)
 
@@ -194,6 +203,35 @@ def point_target(point: str, client_stats: Sequence[Statistics],
             matched_average([m.std for m in moments], chosen, weights, width))
 
 
+def derived_moments(weight: np.ndarray, bias: np.ndarray | None,
+                    inputs: InputMoments) -> Moments:
+    """A layer's pre-activation moments from the moments of its input vectors, exactly:
+    mean = W μ + b, var = diag(W Σ Wᵀ) (ALGORITHMS §12).
+
+    Args:
+        weight: (out, d) for a Linear, (out, C, kh, kw) for a Conv2d (d = C·kh·kw, the order
+            of torch's ``unfold`` patches).
+        bias: (out,) or None.
+        inputs: count, mean (d,) and population covariance (d, d) of the input vectors
+            (a conv's zero-padded patches at every output position).
+
+    Returns:
+        Per output channel the count (one per input vector), mean and population variance,
+        as a round of statistics over the same inputs computes them.
+
+    Raises:
+        StatisticsError: ``inputs`` of another dimension than the layer's fan-in.
+    """
+    matrix = np.asarray(weight, np.float64).reshape(weight.shape[0], -1)
+    if matrix.shape[1] != inputs.mean.shape[0]:
+        raise StatisticsError(
+            f"input moments of dimension {inputs.mean.shape[0]}; the layer multiplies "
+            f"vectors of {matrix.shape[1]}")
+    mean = matrix @ inputs.mean + (0.0 if bias is None else np.asarray(bias, np.float64))
+    var = np.einsum("ij,jk,ik->i", matrix, inputs.cov, matrix)
+    return Moments(np.full(matrix.shape[0], float(inputs.count)), mean, np.maximum(var, 0.0))
+
+
 def calibrated_state_dict(state_dict: Mapping[str, np.ndarray], spec,
                           pooled: Mapping[str, Moments], *,
                           norm_targets: Mapping[str, Target] | None = None,
@@ -220,10 +258,10 @@ def calibrated_state_dict(state_dict: Mapping[str, np.ndarray], spec,
         if chosen is not None and layer.name not in chosen:
             continue
         if layer.norm is not None:
-            _restore_norm(out, layer, pooled[bn_input_point(layer.norm.prefix)],
+            _restore_norm(out, layer, pooled[calibrated_point(layer)],
                           None if norm_targets is None else norm_targets[layer.norm.prefix])
         elif targets is not None:
-            _repair(out, layer, pooled[preactivation_point(layer.name)],
+            _repair(out, layer, pooled[calibrated_point(layer)],
                     targets[preactivation_point(layer.name)])
     return out
 

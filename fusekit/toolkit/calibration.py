@@ -1,8 +1,8 @@
 """The forward passes of calibration (ALGORITHMS.md §12): a client's statistics of a model
 on its own data, and the calibration of a fused model in rounds run locally.
 
-Only per-channel count, mean and variance leave :func:`client_statistics`; the inputs
-never do.
+Only per-channel count, mean and variance leave :func:`client_statistics` (and, when asked
+for, the first layer's input moments: a d x d covariance); the inputs never do.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from collections.abc import Callable, Collection, Sequence
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from fusekit import api
@@ -23,10 +24,13 @@ from fusekit.core.errors import DataError, ParameterError
 from fusekit.core.stats import (
     DEFAULT_MIN_SAMPLES,
     MODES,
+    InputMoments,
     Moments,
     Statistics,
     bn_input_point,
     combine,
+    combine_inputs,
+    input_point,
     preactivation_point,
 )
 from fusekit.methods.base import FusionResult
@@ -62,6 +66,53 @@ class _Accumulator:
         return self.total
 
 
+#: Input vectors per chunk when a conv's patches are unfolded (bounds the float64 copy).
+_PATCH_CHUNK = 1 << 22
+
+
+class _InputAccumulator:
+    """Count, mean and covariance of the vectors a first layer multiplies: a Linear's
+    inputs, a Conv2d's zero-padded patches at every output position (torch's ``unfold``
+    order, that of ``weight.reshape(out, -1)``)."""
+
+    def __init__(self, module: nn.Module, label: str) -> None:
+        if isinstance(module, nn.Conv2d) and (
+                module.groups != 1 or module.padding_mode != "zeros"
+                or isinstance(module.padding, str)):
+            raise ParameterError(
+                f"input_moments: {label} is a Conv2d with groups={module.groups}, padding "
+                f"{module.padding!r} ({module.padding_mode}); input moments cover Linear layers "
+                "and Conv2d layers with groups=1 and numeric zero padding")
+        if not isinstance(module, (nn.Linear, nn.Conv2d)):
+            raise ParameterError(f"input_moments: {label} is a {type(module).__name__}; "
+                                 "input moments cover a first Linear or Conv2d layer")
+        self.module = module
+        self.total: InputMoments | None = None
+
+    def add(self, value: torch.Tensor) -> None:
+        value = value.detach()
+        if isinstance(self.module, nn.Linear):
+            self._merge(value.reshape(-1, value.shape[-1]).double())
+            return
+        m = self.module
+        per_image = value[0].numel() * m.kernel_size[0] * m.kernel_size[1]  # patch entries,
+        for chunk in value.split(max(1, _PATCH_CHUNK // per_image)):  # at most (stride 1)
+            patches = F.unfold(chunk, m.kernel_size, dilation=m.dilation, padding=m.padding,
+                               stride=m.stride)  # (n, d, positions)
+            self._merge(patches.transpose(1, 2).reshape(-1, patches.shape[1]).double())
+
+    def _merge(self, x: torch.Tensor) -> None:
+        mean = x.mean(0)
+        centred = x - mean
+        cov = (centred.T @ centred) / x.shape[0]
+        batch = InputMoments(float(x.shape[0]), mean.cpu().numpy(), cov.cpu().numpy())
+        self.total = batch if self.total is None else combine_inputs([self.total, batch])
+
+    def moments(self) -> InputMoments:
+        cov = self.total.cov
+        return InputMoments(self.total.count, self.total.mean, (cov + cov.T) / 2)
+
+
 def client_statistics(
     model: Checkpoint | str | os.PathLike[str],
     inputs: np.ndarray,
@@ -70,6 +121,7 @@ def client_statistics(
     batch_size: int = DEFAULT_BATCH_SIZE,
     device: str = "cpu",
     min_samples: int = DEFAULT_MIN_SAMPLES,
+    input_moments: bool = False,
 ) -> Statistics:
     """One client's statistics of ``model`` on its own ``inputs``.
 
@@ -83,13 +135,20 @@ def client_statistics(
         device: where the model runs.
         min_samples: refuse to compute statistics over fewer inputs (they would come close
             to revealing them; :func:`fusekit.calibrate` refuses them too).
+        input_moments: also record the first layer's input moments (count, mean (d,),
+            covariance (d, d) of its input vectors; ``input:<layer>``), from which
+            :func:`fusekit.calibrate` derives the fused first layer's statistics without a
+            round. Opt-in: d x d second moments say more about the data than per-channel
+            moments.
 
     Returns:
         :class:`Statistics` naming the model by its content hash.
 
     Raises:
-        DataError: inputs that do not fit the model, or fewer than ``min_samples``.
-        ParameterError: an unknown mode or a batch size < 1.
+        DataError: inputs that do not fit the model, fewer than ``min_samples``, or (with
+            ``input_moments``) no more input vectors than their dimension.
+        ParameterError: an unknown mode or a batch size < 1; ``input_moments`` for a model
+            whose first layer is its output layer, or not a Linear or plain Conv2d.
     """
     if mode not in MODES:
         raise ParameterError(f"mode: expected one of {list(MODES)}, found {mode!r}")
@@ -101,6 +160,9 @@ def client_statistics(
         raise DataError(f"statistics: expected inputs of shape (N, ...) with N >= "
                         f"{max(min_samples, 1)} (min_samples), found {inputs.shape}")
     if checkpoint.config is not None:  # a Hugging Face transformer: no BatchNorm
+        if input_moments:
+            raise ParameterError(f"input_moments: {checkpoint.label} is a transformer; input "
+                                 "moments cover a first Linear or Conv2d layer")
         if mode == "batch":
             raise ParameterError(f"mode: {checkpoint.label} is a transformer, which has no "
                                  "BatchNorm to normalise with batch statistics; use eval")
@@ -119,11 +181,36 @@ def client_statistics(
         if layer.norm is not None:
             norm = network.get_submodule(layer.norm.prefix)
             hooks.append(_hook(norm, accumulators, bn_input_point(layer.norm.prefix), "input"))
+    first_layer = _first_layer_inputs(network, spec, hooks) if input_moments else {}
 
     def run(batch: np.ndarray) -> None:
         network(torch.from_numpy(np.ascontiguousarray(batch, dtype=np.float32)).to(device))
 
-    return recorded_statistics(run, inputs, batch_size, hooks, accumulators, checkpoint, mode)
+    stats = recorded_statistics(run, inputs, batch_size, hooks, accumulators, checkpoint, mode)
+    stats.inputs = {point: _enough(point, a.moments()) for point, a in first_layer.items()}
+    return stats
+
+
+def _first_layer_inputs(network: nn.Module, spec, hooks: list) -> dict[str, _InputAccumulator]:
+    """Hook the first layer's input (ALGORITHMS §12: derived without a round)."""
+    first = spec.layers[0]
+    if len(spec.layers) < 2:
+        raise ParameterError(f"input_moments: the first layer ({first.name}) is the output "
+                             "layer; there is no hidden layer to calibrate")
+    module = network.get_submodule(first.weight.rpartition(".")[0])
+    accumulator = _InputAccumulator(module, f"the first layer ({first.name})")
+    hooks.append(module.register_forward_pre_hook(lambda _m, args: accumulator.add(args[0])))
+    return {input_point(first.name): accumulator}
+
+
+def _enough(point: str, moments: InputMoments) -> InputMoments:
+    """Refuse input moments over no more vectors than their dimension."""
+    if moments.count <= moments.mean.size:
+        raise DataError(
+            f"statistics: {point}: {moments.count:g} input vectors of dimension "
+            f"{moments.mean.size}; input moments need more vectors than dimensions (fewer lie "
+            "in a subspace their covariance reveals)")
+    return moments
 
 
 def recorded_statistics(run: Callable[[np.ndarray], object], inputs: np.ndarray,
@@ -192,6 +279,7 @@ def calibrate_locally(
     min_samples: int = DEFAULT_MIN_SAMPLES,
     batch_size: int = DEFAULT_BATCH_SIZE,
     device: str = "cpu",
+    input_moments: bool = False,
 ) -> FusionResult:
     """Run the calibration protocol with every client's data at hand (simulations, demos,
     benchmarks): each round, each client computes statistics of the current model on its
@@ -211,12 +299,18 @@ def calibrate_locally(
             and LayerNorms by module), in their order; default all.
         min_samples, batch_size, device: see :func:`fusekit.calibrate` and
             :func:`client_statistics`.
+        input_moments: the clients send their first layer's input moments with their own
+            models' statistics (needs ``clients``): layer by layer, the first layer is
+            calibrated from them without a round (exact). One pass is unchanged.
 
     Returns:
         The calibrated model; ``report["calibration"]["rounds"]`` counts the rounds.
     """
     if rounds not in ROUNDS:
         raise ParameterError(f"rounds: expected one of {list(ROUNDS)}, found {rounds!r}")
+    if input_moments and not clients:
+        raise ParameterError("input_moments: needs clients (the moments travel with the "
+                             "statistics of their own models)")
     current = fused if isinstance(fused, Checkpoint) else load_checkpoint(fused)
     transformer = current.config is not None  # no BatchNorm: one pass runs it as it is
     if not (clients if transformer else calibration_layers(api.fused_spec(current),
@@ -224,7 +318,7 @@ def calibrate_locally(
         # nothing to calibrate (a transformer without targets is refused): no pass runs
         return _with_rounds(api.calibrate(current, [], layers=[]), 0)
     targets = [client_statistics(c, x, batch_size=batch_size, device=device,
-                                 min_samples=min_samples)
+                                 min_samples=min_samples, input_moments=input_moments)
                for c, x in zip(clients, client_inputs, strict=True)] if clients else []
 
     def one_round(model: Checkpoint, mode: str, layers: list[str] | None) -> FusionResult:
@@ -244,13 +338,19 @@ def calibrate_locally(
         names = [name for name in names if name in layers]
     if not names:  # none of the layers asked for: no pass runs
         return _with_rounds(api.calibrate(current, [], targets=targets, layers=[]), 0)
-    for name in names:
-        result = one_round(current, "eval", [name])
+    derived = input_moments and not transformer and (
+        names[0] == api.fused_spec(current).layers[0].name)
+    for index, name in enumerate(names):
+        if derived and index == 0:  # from the input moments: no round
+            result = api.calibrate(current, [], targets=targets, layers=[name],
+                                   min_samples=min_samples)
+        else:
+            result = one_round(current, "eval", [name])
         current = Checkpoint.from_state_dict(result.state_dict, result.metadata,
                                              source=f"{current.label} (calibrating)",
                                              config=result.config)
     result.report["calibration"]["layers"] = "all" if layers is None else names
-    return _with_rounds(result, len(names))
+    return _with_rounds(result, len(names) - derived)
 
 
 def _with_rounds(result: FusionResult, rounds: int) -> FusionResult:
