@@ -11,6 +11,14 @@ client, the mean and best client, the softmax ensemble, and every fused model (n
 its widths) uncalibrated, calibrated layer by layer, and calibrated in one pass. Clients
 compute their statistics on their own training split; accuracies are on the test split.
 
+First layer (``--first-layer``): per fused model, its first layer calibrated from the
+clients' input moments (no round) against a round of statistics of the fused model (test
+accuracy with only that layer calibrated, the largest difference of a tensor relative to
+its largest entry, times), and layer by layer with the first layer derived (one round
+fewer). Every
+layer-by-layer row also records the test loss and the paired change against the
+uncalibrated model (images lost and won, McNemar's exact p).
+
 Cost (``--cost``): random-weight resnet50 (10 classes), per client ``client_statistics`` on
 N 3x32x32 inputs, then ``fusekit.calibrate`` of the fused model with S statistics:
 time and peak resident memory above the resident size before the call.
@@ -22,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import math
 import tempfile
 import time
 from pathlib import Path
@@ -75,9 +84,38 @@ def inputs(x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
 
 
 def accuracy(model: torch.nn.Module, x: np.ndarray, y: np.ndarray) -> float:
+    return round(float((predictions(model, x) == y).mean()), 4)
+
+
+def predictions(model: torch.nn.Module, x: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return model.eval()(torch.from_numpy(x)).argmax(1).numpy()
+
+
+def test_loss(model: torch.nn.Module, x: np.ndarray, y: np.ndarray) -> float:
+    """Mean cross-entropy on the test set: finer than accuracy on 450 images."""
     with torch.no_grad():
         logits = model.eval()(torch.from_numpy(x))
-    return round(float((logits.argmax(1).numpy() == y).mean()), 4)
+    return round(float(torch.nn.functional.cross_entropy(logits, torch.from_numpy(y).long())),
+                 4)
+
+
+def paired(before: torch.nn.Module, after: torch.nn.Module, x: np.ndarray,
+           y: np.ndarray) -> dict[str, Any]:
+    """The test images only one of two models gets right, and the two-sided sign-test
+    p-value of the difference (McNemar's exact test): is a change more than noise?"""
+    right_before, right_after = predictions(before, x) == y, predictions(after, x) == y
+    lost = int((right_before & ~right_after).sum())
+    won = int((right_after & ~right_before).sum())
+    return {"lost": lost, "won": won, "p": round(_sign_test(lost, won), 3)}
+
+
+def _sign_test(lost: int, won: int) -> float:
+    n = lost + won
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, k) for k in range(min(lost, won) + 1)) / 2 ** n
+    return min(1.0, 2 * tail)
 
 
 def loaded(result) -> torch.nn.Module:
@@ -87,7 +125,8 @@ def loaded(result) -> torch.nn.Module:
 
 def run_case(case: str, n_clients: int, split: str, init: str, seed: int,
              methods: list[str], protocols: tuple[str, ...] = ROUNDS,
-             alignment_rounds: int = 0, ridges: tuple[float, ...] = ()) -> dict[str, Any]:
+             alignment_rounds: int = 0, ridges: tuple[float, ...] = (),
+             first_layer: bool = False) -> dict[str, Any]:
     """Train clients, fuse with each method, calibrate, evaluate (module docstring)."""
     arch, shape, epochs, lr = CASES[case]
     data = load_dataset("digits")
@@ -117,16 +156,25 @@ def run_case(case: str, n_clients: int, split: str, init: str, seed: int,
     for label in methods:
         method, params = METHODS[label]
         result = fusekit.fuse(clients, method, **params)
+        uncalibrated = loaded(result)
         entry = {"method": label, "widths": result.widths,
-                 "uncalibrated": accuracy(loaded(result), x_test, data.y_test)}
+                 "uncalibrated": accuracy(uncalibrated, x_test, data.y_test),
+                 "uncalibrated_loss": test_loss(uncalibrated, x_test, data.y_test)}
+        fused = Checkpoint.from_state_dict(result.state_dict, result.metadata)
         for rounds in protocols:
             begin = time.perf_counter()
-            calibrated = calibrate_locally(
-                Checkpoint.from_state_dict(result.state_dict, result.metadata), client_inputs,
-                clients=clients, rounds=rounds, min_samples=min(32, smallest))
+            calibrated = calibrate_locally(fused, client_inputs, clients=clients, rounds=rounds,
+                                           min_samples=min(32, smallest))
             entry[rounds] = accuracy(loaded(calibrated), x_test, data.y_test)
             entry[f"{rounds}_s"] = round(time.perf_counter() - begin, 2)
             entry[f"{rounds}_rounds"] = calibrated.report["calibration"]["rounds"]
+            if rounds == "layerwise":
+                entry["layerwise_loss"] = test_loss(loaded(calibrated), x_test, data.y_test)
+                entry["layerwise_paired"] = paired(uncalibrated, loaded(calibrated), x_test,
+                                                   data.y_test)
+        if first_layer:
+            entry["first_layer"] = first_layer_case(fused, clients, client_inputs,
+                                                    min(32, smallest), x_test, data.y_test)
         if alignment_rounds:
             entry.update(aligned(result, clients, client_inputs, alignment_rounds, ridges,
                                  protocols[-1], min(32, smallest), x_test, data.y_test))
@@ -162,6 +210,39 @@ def aligned(result, clients, client_inputs, alignment_rounds: int, ridges: list[
         entry["refit"][str(ridge)] = accuracy(loaded(out), x_test, y_test)
         entry["refit_s"][str(ridge)] = round(time.perf_counter() - begin, 2)
     return entry
+
+
+def first_layer_case(fused: Checkpoint, clients: list[Checkpoint],
+                     client_inputs: list[np.ndarray], min_samples: int, x_test: np.ndarray,
+                     y_test: np.ndarray) -> dict[str, Any]:
+    """The fused first layer calibrated from the clients' input moments (no round) against
+    a round of statistics of the fused model; then every layer, layer by layer, with the
+    first one derived (one round fewer)."""
+    begin = time.perf_counter()
+    targets = [client_statistics(c, x, input_moments=True, min_samples=min_samples)
+               for c, x in zip(clients, client_inputs, strict=True)]
+    targets_s = time.perf_counter() - begin
+    begin = time.perf_counter()
+    derived = fusekit.calibrate(fused, [], targets=targets, min_samples=min_samples)
+    derived_s = time.perf_counter() - begin
+    first = derived.report["calibration"]["layers"]
+    begin = time.perf_counter()
+    stats = [client_statistics(fused, x, min_samples=min_samples) for x in client_inputs]
+    with_round = fusekit.calibrate(fused, stats, targets=targets, layers=first,
+                                   min_samples=min_samples)
+    round_s = time.perf_counter() - begin
+    difference = max(float(np.max(np.abs(derived.state_dict[name] - value))
+                           / max(float(np.max(np.abs(value))), 1e-12))
+                     for name, value in with_round.state_dict.items() if value.size)
+    all_layers = calibrate_locally(fused, client_inputs, clients=clients,
+                                   min_samples=min_samples, input_moments=True)
+    return {"layer": first[0], "derived": accuracy(loaded(derived), x_test, y_test),
+            "round": accuracy(loaded(with_round), x_test, y_test),
+            "max_difference": difference,  # relative to each tensor's largest entry
+            "derived_s": round(derived_s, 3),
+            "round_s": round(round_s, 3), "targets_s": round(targets_s, 3),
+            "layerwise_derived_first": accuracy(loaded(all_layers), x_test, y_test),
+            "layerwise_derived_first_rounds": all_layers.report["calibration"]["rounds"]}
 
 
 def _json(arch: dict[str, Any]) -> str:
@@ -232,6 +313,8 @@ def main() -> None:
                         "followed by refit rounds at each --ridges")
     parser.add_argument("--ridges", default="0.1", help="the refits' relative ridges")
     parser.add_argument("--cost", action="store_true", help="also the resnet50 cost rows")
+    parser.add_argument("--first-layer", action="store_true",
+                        help="also the first layer derived from input moments vs a round")
     parser.add_argument("--cost-samples", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json-out", default="benchmarks/results/bench_calibration.json")
@@ -246,7 +329,7 @@ def main() -> None:
                 payload["cases"].append(run_case(
                     case, args.clients, split, init, seed, args.methods.split(","),
                     tuple(args.protocols.split(",")), args.alignment_rounds,
-                    tuple(map(float, args.ridges.split(",")))))
+                    tuple(map(float, args.ridges.split(","))), args.first_layer))
                 write_json(args.json_out, payload)
     if args.cost:
         payload["cost"] = cost(2, args.cost_samples)
