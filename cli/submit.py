@@ -29,19 +29,22 @@ TokenOption = Annotated[str, typer.Option(
 def submit(
     server: Server,
     checkpoint: Annotated[Path, typer.Argument(
-        help="Your checkpoint (.safetensors), or your statistics of the job's fused model "
-        "(fusekit stats FUSED --mode batch ...).", show_default=False)],
+        help="Your checkpoint (.safetensors), your statistics of the job's fused model "
+        "(fusekit stats FUSED --mode batch ...) or of your own checkpoint (fusekit stats "
+        "OWN ...: the targets).", show_default=False)],
     job: JobOption,
     client: ClientOption,
     token: TokenOption,
 ) -> None:
     """Upload a checkpoint into your slot of a job (resumable).
 
-    A statistics file (told by its metadata) goes to your statistics slot of a job that
-    calibrates. Run it again after an interruption: a file the slot already holds (same
-    SHA-256) is not sent again, and a service that does not answer is tried again a few
-    times. A busy service (HTTP 429/503) is tried again after the wait it asks for, with
-    backoff, for up to 10 minutes; a line on stderr says each time."""
+    A statistics file (told by its metadata) goes to your slots of a job that calibrates:
+    statistics of its fused model to your statistics slot, statistics of your own
+    checkpoint to your targets slot (REPAIR's targets, for layers without BatchNorm).
+    Run it again after an interruption: a file the slot already holds (same SHA-256) is
+    not sent again, and a service that does not answer is tried again a few times. A busy
+    service (HTTP 429/503) is tried again after the wait it asks for, with backoff, for up
+    to 10 minutes; a line on stderr says each time."""
     from fusekit.client import Client
     from fusekit.core import metadata as meta
     from fusekit.core.checkpoint import load_checkpoint
@@ -53,10 +56,12 @@ def submit(
           Client(server, token, on_retry=lambda line: bar.console.print(
               line, highlight=False, soft_wrap=True)) as service):
         task = bar.add_task(f"{checkpoint.name} → {client}", total=checkpoint.stat().st_size)
-        upload = service.submit_statistics if statistics else service.submit
-        slot = upload(job, client, checkpoint,
-                      progress=lambda sent, total: bar.update(task, completed=sent))
-    what = "statistics " if statistics else ""
+        progress = lambda sent, total: bar.update(task, completed=sent)  # noqa: E731
+        if statistics:
+            kind, slot = service.submit_any_statistics(job, client, checkpoint, progress)
+        else:
+            kind, slot = "checkpoint", service.submit(job, client, checkpoint, progress)
+    what = {"checkpoint": "", "statistics": "statistics ", "targets": "targets "}[kind]
     stdout.print(f"{client}: accepted {what}{slot['size']} bytes, sha256 {slot['sha256']}",
                  highlight=False)
 

@@ -206,11 +206,8 @@ def calibrate(
     checkpoint = fused if isinstance(fused, Checkpoint) else load_checkpoint(fused)
     spec = fused_spec(checkpoint)
     transformer = isinstance(spec, TransformerSpec)
-    if transformer:
-        where = calibration_points(spec, _shapes(checkpoint))
-        points = {p.point: p.size for p in where}
-    else:
-        points = statistic_points(spec)
+    where = calibration_points(spec, _shapes(checkpoint)) if transformer else None
+    points = model_points(checkpoint, spec)
     stats = [_statistics(s, checkpoint.content_hash, points, min_samples) for s in statistics]
     if transformer:
         nothing_to_calibrate = layers is not None and not layers
@@ -314,6 +311,15 @@ def fused_spec(checkpoint: Checkpoint) -> PermutationSpec | GraphSpec | Transfor
     if checkpoint.config is not None:
         return infer_transformer(checkpoint.config, shapes, label=checkpoint.label)
     return infer_spec(shapes, label=checkpoint.label)
+
+
+def model_points(checkpoint: Checkpoint, spec) -> dict[str, int]:
+    """Every point a statistics file of this model holds, with its width: its hidden
+    layers' pre-activations and BatchNorm inputs; a transformer's MLP hidden units and
+    LayerNorms."""
+    if isinstance(spec, TransformerSpec):
+        return {p.point: p.size for p in calibration_points(spec, _shapes(checkpoint))}
+    return statistic_points(spec)
 
 
 def _shapes(checkpoint: Checkpoint) -> dict[str, tuple[int, ...]]:

@@ -165,9 +165,29 @@ class Client:
         load_statistics(path, min_samples=1)  # refuse locally what is no statistics file
         return self._upload(job, client, Path(path), "statistics", progress)
 
+    def submit_targets(self, job: str, client: str, path: str | os.PathLike[str],
+                       progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+        """Upload the client's statistics of its own checkpoint (``fusekit stats OWN``) into
+        its targets slot: REPAIR's targets for the layers of the fused model without
+        BatchNorm. Accepted from the checkpoint's upload until calibration starts."""
+        load_statistics(path, min_samples=1)
+        return self._upload(job, client, Path(path), "targets", progress)
+
+    def submit_any_statistics(self, job: str, client: str, path: str | os.PathLike[str],
+                              progress: Callable[[int, int], None] | None = None
+                              ) -> tuple[str, dict[str, Any]]:
+        """Upload a statistics file where it belongs: into the statistics slot when it
+        names the job's fused model, else into the targets slot (statistics of the
+        client's own checkpoint). Returns the slot's kind and state."""
+        model = load_statistics(path, min_samples=1).model
+        fused = self.status(job).get("fused") or {}
+        kind = "statistics" if model == fused.get("model") else "targets"
+        return kind, self._upload(job, client, Path(path), kind, progress)
+
     def _upload(self, job: str, client: str, path: Path, kind: str,
                 progress: Callable[[int, int], None] | None) -> dict[str, Any]:
-        """PUT ``path`` to the client's ``kind`` (checkpoint, statistics) unless held."""
+        """PUT ``path`` to the client's ``kind`` (checkpoint, statistics, targets) unless
+        held."""
         size, digest = path.stat().st_size, _sha256(path)
 
         def attempt() -> dict[str, Any]:
@@ -188,8 +208,8 @@ class Client:
         """The client's slot of ``kind`` as the job's status shows it to this token."""
         state = self._json_once("GET", f"/v1/jobs/{job}")
         if "client" in state:  # a client's view: its own slots
-            return state["slot"] if kind == "checkpoint" else state.get("statistics", {})
-        return state.get("slots" if kind == "checkpoint" else "statistics", {}).get(client, {})
+            return state["slot"] if kind == "checkpoint" else state.get(kind, {})
+        return state.get("slots" if kind == "checkpoint" else kind, {}).get(client, {})
 
     def _download(self, path: str, output: str | os.PathLike[str]) -> Path:
         output = Path(output)

@@ -701,7 +701,7 @@ def test_kill9_during_uploads_and_during_a_job_then_restart(tmp_path):
         assert not list(folder.glob(".*.tmp")) and not files_in(folder / "uploads")
         assert sorted(p.name for p in folder.iterdir()) == [
             "clients", "heartbeat", "job.json", "lock", "report.json", "result.safetensors",
-            "statistics", "uploads"]
+            "statistics", "targets", "uploads"]
 
         # kill -9 of the worker alone: the server starts another, which runs the job again.
         again = admin.create_job("pfnm", list(NAMES), params=params, auto_run=True)

@@ -6,6 +6,8 @@ calibrating; refusals of bad statistics; the admin finishing early; kill -9."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import time
 from pathlib import Path
@@ -22,6 +24,8 @@ from test_service import (  # noqa: F401
     one_line_error,
     service,
     sha256,
+    wait_for_progress,
+    workers,
 )
 
 import fusekit
@@ -111,7 +115,8 @@ def test_three_clients_calibrate_as_fusekit_calibrate_does(service, admin, bn_mo
     report = admin.report(job["id"])
     assert report["widths"] == uncalibrated.widths
     assert report["calibration"] == {**expected.report["calibration"], "protocol": "one pass",
-                                     "statistics_from": list(NAMES), "missing": []}
+                                     "statistics_from": list(NAMES), "missing": [],
+                                     "targets_from": [], "targets_missing": list(NAMES)}
     assert report["calibration"]["samples"] == sum(len(x) for x in digits)
     with (Client(service.url, job["tokens"][NAMES[0]]) as client,
           pytest.raises(ServiceError, match=r"is succeeded; statistics file uploads are "
@@ -267,9 +272,13 @@ def send_partial_statistics(server, job_id, client, token, body) -> socket.socke
     return sock
 
 
-def test_kill9_during_and_after_statistics_uploads_loses_nothing_accepted(
+def test_kill9_during_and_after_statistics_uploads_and_of_the_calibrating_worker(
         bn_models, digits, tmp_path):
-    server = ServiceProcess(tmp_path / "data", options=("--min-stats-samples", "400"),
+    """Nothing accepted is lost to kill -9 of the server; a worker killed while it
+    calibrates (its calibration process starting or running) is replaced, and the job is
+    calibrated again: one attempt more than the fusion's and the killed calibration's."""
+    lease = ("--job-lease", "1")
+    server = ServiceProcess(tmp_path / "data", options=("--min-stats-samples", "400", *lease),
                             env={"FUSEKIT_ADMIN_TOKEN": ADMIN})
     server.start()
     try:
@@ -306,17 +315,102 @@ def test_kill9_during_and_after_statistics_uploads_loses_nothing_accepted(
             with Client(server.url, job["tokens"][NAMES[1]]) as second:
                 second.submit_statistics(job_id, NAMES[1], paths[1])
             server.kill()  # right after an answered upload
-            server.options = ("--min-stats-samples", "1000")  # the job keeps its 400
+            server.options = ("--min-stats-samples", "1000", *lease)  # the job keeps its 400
             server.start()
             state = admin.status(job_id)
             assert state["statistics"][NAMES[1]]["sha256"] == sha256(paths[1])
             assert state["min_stats_samples"] == 400 < len(digits[2])
             with Client(server.url, job["tokens"][NAMES[2]]) as third:
                 third.submit_statistics(job_id, NAMES[2], paths[2])
+            # The worker sets this progress, then spawns the calibration's process (an
+            # interpreter importing fusekit: far longer than this loop's 10 ms polls).
+            wait_for_progress(admin, job_id, "calibrating with the statistics of 3 of 3 "
+                              "clients")
+            (worker,) = workers(server.process.pid)
+            os.kill(worker, signal.SIGKILL)
             state = admin.wait(job_id, timeout=120, every=0.1)
-            assert state["state"] == "succeeded", state
+            assert state["state"] == "succeeded" and state["attempts"] == 3, state
+            assert workers(server.process.pid) != [worker]
             assert_same_tensors(admin.result(job_id, tmp_path / "calibrated.safetensors"),
                                 fusekit.calibrate(fused, paths).state_dict)
             assert not list(folder.glob(".*.tmp")) and not files_in(folder / "uploads")
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def plain_models(tmp_path_factory) -> list[Path]:
+    """MLPs without BatchNorm: calibration is REPAIR, towards the clients' targets."""
+    folder = tmp_path_factory.mktemp("plain-clients")
+    return [write(folder / f"plain-{i}.safetensors", mlp(WIDTHS, seed=10 + i),
+                  num_samples=400 + i) for i in range(len(NAMES) + 1)]
+
+
+def put_targets(service, job_id, client, token, body) -> httpx.Response:  # noqa: F811
+    return httpx.put(f"{service.url}/v1/jobs/{job_id}/clients/{client}/targets",
+                     content=body, headers={"Authorization": f"Bearer {token}"}, timeout=30)
+
+
+def test_plain_mlp_calibrated_with_targets_as_fusekit_calibrate_does(
+        service, admin, plain_models, digits, tmp_path, monkeypatch):  # noqa: F811
+    """Targets (each client's statistics of its own checkpoint) taken from the checkpoint's
+    upload on, checked against that checkpoint, dropped when it is replaced; a job without
+    BatchNorm waits for them and the admin cannot calibrate it with none; calibrated with
+    those received, exactly as fusekit.calibrate is with the same files."""
+    job = admin.create_job("pfnm", list(NAMES), params={"sweeps": 2}, calibrate=True)
+    job_id, tokens = job["id"], job["tokens"]
+    own = [client_statistics(m, x) for m, x in zip(plain_models, digits, strict=False)]
+    targets = [save_statistics(tmp_path / f"{n}.targets.safetensors", s)
+               for n, s in zip(NAMES, own, strict=True)]
+    one_line_error(put_targets(service, job_id, NAMES[0], tokens[NAMES[0]],
+                               targets[0].read_bytes()), 409, "no checkpoint yet")
+    checkpoints = [plain_models[3], *plain_models[1:3]]
+    for name, path in zip(NAMES, plain_models, strict=False):
+        with Client(service.url, tokens[name]) as client:
+            client.submit(job_id, name, path)
+    with Client(service.url, tokens[NAMES[0]]) as client:
+        assert client.submit_targets(job_id, NAMES[0], targets[0])["filled"]
+        one_line_error(put_targets(service, job_id, NAMES[0], tokens[NAMES[0]],
+                                   targets[1].read_bytes()), 400,
+                       f"targets of client '{NAMES[0]}': computed for model",
+                       "the checkpoint it submitted")
+        client.submit(job_id, NAMES[0], checkpoints[0])  # replaced: its targets go with it
+        assert not client.status(job_id)["targets"]["filled"]
+    assert not files_in(service.data_dir / "jobs" / job_id / "targets")
+    admin.run(job_id)
+    state = admin.wait(job_id, timeout=120, every=0.1)
+    assert state["state"] == "calibrating" and state["fused"]["needs_targets"], state
+    fused = admin.fused(job_id, tmp_path / "fused.safetensors")
+    stats = [statistics_file(fused, x, tmp_path / f"{n}.stats.safetensors")
+             for n, x in zip(NAMES, digits, strict=True)]
+    for name, path in zip(NAMES, stats, strict=True):
+        with Client(service.url, tokens[name]) as client:
+            assert client.submit_any_statistics(job_id, name, path)[0] == "statistics"
+    state = admin.status(job_id)
+    assert state["state"] == "calibrating"
+    assert state["waiting_for"] == {"statistics": [], "targets": list(NAMES)}
+    with pytest.raises(ServiceError, match=r"no targets yet from any of its clients; its "
+                                           r"fused model has no BatchNorm .* \(HTTP 409\)"):
+        admin.calibrate(job_id)
+
+    own[0] = client_statistics(checkpoints[0], digits[0])
+    targets[0] = save_statistics(targets[0], own[0], force=True)
+    monkeypatch.setenv("FUSEKIT_TOKEN", tokens[NAMES[0]])
+    sent = cli("submit", service.url, targets[0], "--job", job_id, "--client", NAMES[0])
+    assert sent.exit_code == 0 and f"{NAMES[0]}: accepted targets" in sent.stdout, sent.output
+    with Client(service.url, tokens[NAMES[1]]) as client:
+        assert client.submit_any_statistics(job_id, NAMES[1], targets[1])[0] == "targets"
+    assert admin.status(job_id)["waiting_for"]["targets"] == [NAMES[2]]
+    assert admin.calibrate(job_id)["state"] == "queued"
+    state = admin.wait(job_id, timeout=120, every=0.1)
+    assert state["state"] == "succeeded", state
+    expected = fusekit.calibrate(fused, stats, targets=targets[:2])
+    calibrated = admin.result(job_id, tmp_path / "calibrated.safetensors")
+    assert_same_tensors(calibrated, expected.state_dict)
+    assert not np.array_equal(expected.state_dict["0.weight"],
+                              fusekit.load_checkpoint(fused).tensor("0.weight"))
+    report = admin.report(job_id)["calibration"]
+    assert report["repair"] and report["targets_from"] == list(NAMES[:2])
+    assert report["targets_missing"] == [NAMES[2]]
+    one_line_error(put_targets(service, job_id, NAMES[2], tokens[NAMES[2]],
+                               targets[2].read_bytes()), 409, "is succeeded")

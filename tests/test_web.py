@@ -400,7 +400,8 @@ def test_a_failed_job_shows_its_error(browser, service, admin, tmp_path):  # noq
 
 def test_a_calibrating_job_in_the_browser(browser, service, admin, tmp_path):  # noqa: F811
     """The form's calibrate box; a client fetching the fused model and uploading its
-    statistics on its page; the job page's statistics, Calibrate now and downloads."""
+    statistics on its page, another its targets (statistics of its own model); the job
+    page's statistics and targets, Calibrate now and downloads."""
     from fusekit.core.stats import save_statistics
     from fusekit.toolkit.calibration import client_statistics
 
@@ -441,6 +442,11 @@ def test_a_calibrating_job_in_the_browser(browser, service, admin, tmp_path):  #
     assert verdict.startswith(f"Accepted: {stats.name}, {stats.stat().st_size} bytes"), verdict
     assert "before the job calibrates" in verdict
     assert admin.status(job_id)["statistics"][names[0]]["filled"]
+    targets = save_statistics(tmp_path / "b.targets.safetensors",
+                              client_statistics(paths[1], inputs))
+    verdict = upload(browser, service.url, job_id, names[1], tokens[names[1]], targets)
+    assert verdict.startswith(f"Accepted: {targets.name}"), verdict
+    assert admin.status(job_id)["targets"][names[1]]["filled"]
 
     browser.get(f"{service.url}/#job/{job_id}")
     button = wait_for(browser, lambda d: by_id(d, "calibrate-now").is_enabled() and
@@ -449,11 +455,14 @@ def test_a_calibrating_job_in_the_browser(browser, service, admin, tmp_path):  #
     rows = select_all(browser, "#statistics tbody tr")
     assert [r.get_attribute("class") for r in rows] == ["filled", "waiting"]
     assert hashlib.sha256(stats.read_bytes()).hexdigest() in rows[0].text
+    rows = select_all(browser, "#targets tbody tr")
+    assert [r.get_attribute("class") for r in rows] == ["waiting", "filled"]
     shoot(browser, "job-calibrating")
     button.click()
     note = wait_for(browser, lambda d: by_id(d, "calibration").text, "the calibration report")
     assert note.startswith(f"Calibrated (one pass) with the statistics of {names[0]}: 64 "
-                           f"inputs, batch mode; none from {names[1]}"), note
+                           f"inputs, batch mode; none from {names[1]}; targets of "
+                           f"{names[1]}"), note
     assert by_id(browser, "job").get_attribute("data-state") == "succeeded"
     by_id(browser, "download").click()
     saved = browser.downloads / f"calibrated-{job_id}.safetensors"

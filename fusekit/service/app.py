@@ -35,6 +35,7 @@ from fusekit.service.settings import Settings
 from fusekit.service.store import (
     CHECKPOINT,
     STATISTICS,
+    TARGETS,
     JobStore,
     SlotKind,
     authorize,
@@ -43,7 +44,13 @@ from fusekit.service.store import (
     view,
     without_paths,
 )
-from fusekit.service.uploads import Checker, Upload, checkpoint_check, statistics_check
+from fusekit.service.uploads import (
+    Checker,
+    Upload,
+    checkpoint_check,
+    statistics_check,
+    targets_check,
+)
 from fusekit.service.web import add_web
 from fusekit.service.worker import FUSED, REPORT, RESULT, make_queue, recover
 
@@ -147,7 +154,8 @@ def create_app(settings: Settings) -> FastAPI:
         if client not in job["clients"]:
             raise NotFound(f"job {job_id}: no slot for client {client!r}")
         check_accepting(job, kind)
-        limit, validate = _upload_rules(job, kind, settings)
+        limit, validate = _upload_rules(store, job, client, kind, settings)
+        checkpoint = job["slots"][client]["sha256"] if kind is TARGETS else None
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
             raise TooLarge(f"client {client!r}: Content-Length {declared} is over {limit} "
@@ -166,7 +174,7 @@ def create_app(settings: Settings) -> FastAPI:
             await receiving.receive(request.stream(), checker)
             job = await run_in_threadpool(
                 store.accept, job_id, client, receiving.part, receiving.size,
-                receiving.sha256.hexdigest(), kind)
+                receiving.sha256.hexdigest(), kind, checkpoint)
         except ClientDisconnect:
             raise ServiceError(f"client {client!r}: the upload was interrupted; nothing "
                                "stored") from None
@@ -192,6 +200,15 @@ def create_app(settings: Settings) -> FastAPI:
         while the job is calibrating; the last one queues the calibration."""
         job = await receive(job_id, client, request, authorization, STATISTICS)
         return view(job, client)["statistics"]
+
+    @app.put("/v1/jobs/{job_id}/clients/{client}/targets", status_code=201)
+    async def upload_targets(job_id: str, client: str, request: Request,
+                             authorization: Auth = None) -> dict[str, Any]:
+        """A client's statistics of its own checkpoint (``fusekit stats OWN``): REPAIR's
+        targets for layers without BatchNorm, from its checkpoint's upload until the job's
+        calibration starts."""
+        job = await receive(job_id, client, request, authorization, TARGETS)
+        return view(job, client)["targets"]
 
     @app.get("/v1/jobs/{job_id}/fused")
     async def fused(job_id: str, authorization: Auth = None) -> FileResponse:
@@ -253,11 +270,17 @@ def create_app(settings: Settings) -> FastAPI:
     return app
 
 
-def _upload_rules(job: dict[str, Any], kind: SlotKind, settings: Settings
-                  ) -> tuple[int, Any]:
-    """The size limit of an upload of ``kind`` into the job, and its check."""
+def _upload_rules(store: JobStore, job: dict[str, Any], client: str, kind: SlotKind,
+                  settings: Settings) -> tuple[int, Any]:
+    """The size limit of the client's upload of ``kind`` into the job, and its check."""
     if kind is CHECKPOINT:
         return job["max_checkpoint_bytes"], checkpoint_check(settings)
+    if kind is TARGETS:
+        if client not in job["slots"]:
+            raise Conflict(f"client {client!r}: no checkpoint yet; targets are its statistics "
+                           "of its own checkpoint, accepted once that is submitted")
+        return job["max_checkpoint_bytes"], targets_check(
+            store.file(job, client, CHECKPOINT), job["spec"], job["min_stats_samples"])
     fused = job["fused"]
     return (min(fused["max_statistics_bytes"], job["max_checkpoint_bytes"]),
             statistics_check(fused["model"], fused["points"], job["min_stats_samples"]))

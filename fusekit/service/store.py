@@ -3,6 +3,7 @@
     <data-dir>/jobs/<id>/job.json                  state, slots, token hashes (the commit point)
     <data-dir>/jobs/<id>/clients/<name>.<sha256>.safetensors   accepted checkpoints
     <data-dir>/jobs/<id>/statistics/<name>.<sha256>.safetensors  accepted statistics files
+    <data-dir>/jobs/<id>/targets/<name>.<sha256>.safetensors     accepted targets (REPAIR's)
     <data-dir>/jobs/<id>/uploads/<host>-<pid>/     uploads in flight, per server process
     <data-dir>/jobs/<id>/result.safetensors, report.json       written atomically by the worker
     <data-dir>/jobs/<id>/fused.safetensors         the fused model of a job that calibrates
@@ -48,17 +49,21 @@ _HOST = socket.gethostname()
 @dataclass(frozen=True)
 class SlotKind:
     """What a client uploads into its slots: ``record`` is the slots' key in ``job.json``,
-    ``folder`` where accepted files live, ``state`` the job's state that takes them."""
+    ``folder`` where accepted files live, ``states`` the job's states that take them."""
 
     name: str
     record: str
     folder: str
-    state: str
+    states: tuple[str, ...]
 
 
-CHECKPOINT = SlotKind("checkpoint", "slots", "clients", "collecting")
-STATISTICS = SlotKind("statistics file", "statistics", "statistics", "calibrating")
-KINDS = (CHECKPOINT, STATISTICS)
+CHECKPOINT = SlotKind("checkpoint", "slots", "clients", ("collecting",))
+STATISTICS = SlotKind("statistics file", "statistics", "statistics", ("calibrating",))
+#: A client's statistics of its own checkpoint: REPAIR's targets for the fused neurons its
+#: neurons went into. Taken from its checkpoint's upload until calibration starts.
+TARGETS = SlotKind("targets file", "targets", "targets",
+                   ("collecting", "queued", "running", "calibrating"))
+KINDS = (CHECKPOINT, STATISTICS, TARGETS)
 
 
 def check_name(name: str, what: str = "client") -> str:
@@ -173,26 +178,30 @@ class JobStore:
                 "state": "collecting", "auto_run": auto_run,
                 "max_checkpoint_bytes": max_checkpoint_bytes,
                 "calibrate": calibrate, "min_stats_samples": min_stats_samples, "fused": None,
-                "clients": clients, "slots": {}, "statistics": {}, "token_hashes": {
+                "clients": clients, "slots": {}, "statistics": {}, "targets": {},
+                "token_hashes": {
                     c: token_hash(t) for c, t in tokens.items()},
                 "created_at": time.time(), "queued_at": None, "started_at": None,
                 "finished_at": None, "attempts": 0, "progress": None, "error": None,
             }
             staging = self.root / f".new-{job['id']}"
-            for sub in ("clients", "statistics", "uploads"):
+            for sub in ("clients", "statistics", "targets", "uploads"):
                 (staging / sub).mkdir(parents=True)
             write_atomic(staging / "job.json", json.dumps(job, indent=1).encode())
             os.rename(staging, self.root / job["id"])  # the job appears whole or not at all
         return job, tokens
 
     def accept(self, job_id: str, client: str, part: Path, size: int, sha256: str,
-               kind: SlotKind = CHECKPOINT) -> dict[str, Any]:
-        """Move a complete, validated, fsynced upload into the client's slot of ``kind``.
-        The job is queued in the same step when this fills its last slot: of checkpoints
-        if it is ``auto_run``, of statistics always (calibration follows)."""
+               kind: SlotKind = CHECKPOINT, checkpoint: str | None = None) -> dict[str, Any]:
+        """Move a complete, validated, fsynced upload into the client's slot of ``kind``
+        (targets: validated against the checkpoint of SHA-256 ``checkpoint``). The job is
+        queued in the same step when this completes what it waits for: its checkpoints if
+        it is ``auto_run``, what its calibration needs (:func:`calibration_ready`)."""
         with self._flock(job_id) as folder:
             job = self.read(job_id)
             check_accepting(job, kind)
+            if kind is TARGETS:
+                _check_targets_checkpoint(job, client, checkpoint)
             slots = job.setdefault(kind.record, {})
             old = slots.get(client)
             name = f"{client}.{sha256}.safetensors"
@@ -201,13 +210,21 @@ class JobStore:
             _fsync_dir(folder / kind.folder)
             slots[client] = {"file": name, "size": size, "sha256": sha256,
                              "uploaded_at": time.time()}
-            if len(slots) == len(job["clients"]) and (kind is STATISTICS or job["auto_run"]):
+            stale = [(kind, old)]
+            if kind is TARGETS:
+                slots[client]["checkpoint"] = checkpoint
+            elif kind is CHECKPOINT and job.get("targets", {}).get(client, {}).get(
+                    "checkpoint", sha256) != sha256:  # targets of the replaced checkpoint
+                stale.append((TARGETS, job["targets"].pop(client)))
+            if (kind is CHECKPOINT and job["auto_run"] and len(slots) == len(job["clients"])
+                    or kind is not CHECKPOINT and calibration_ready(job)):
                 job.update(state="queued", queued_at=time.time())
             _save(folder, job)
-            # Once job.json no longer names it, and still under the lock: released first, a
-            # later upload of the same file could be put in place and then removed here.
-            if old and old["file"] != name:
-                (folder / kind.folder / old["file"]).unlink(missing_ok=True)
+            # Once job.json no longer names them, and still under the lock: released first,
+            # a later upload of the same file could be put in place and then removed here.
+            for stale_kind, slot in stale:
+                if slot and slot["file"] != job[stale_kind.record].get(client, {}).get("file"):
+                    (folder / stale_kind.folder / slot["file"]).unlink(missing_ok=True)
         return job
 
     def queue(self, job_id: str) -> dict[str, Any]:
@@ -230,6 +247,9 @@ class JobStore:
             if not job["statistics"]:
                 raise Conflict(f"job {job_id}: no statistics yet from any of its "
                                f"{len(job['clients'])} clients; calibration needs at least one")
+            if job["fused"].get("needs_targets") and not job.get("targets"):
+                raise Conflict(f"job {job_id}: no targets yet from any of its clients; "
+                               f"{NEEDS_TARGETS}: it needs at least one client's")
             job.update(state="queued", queued_at=time.time())
         return job
 
@@ -299,14 +319,41 @@ def _runs(job: dict[str, Any], attempt: int) -> bool:
     return job["state"] == "running" and job["attempts"] == attempt
 
 
+#: Why a fused model without BatchNorm (or a transformer) waits for targets.
+NEEDS_TARGETS = ("its fused model has no BatchNorm to restore, so calibration renormalises "
+                 "each fused neuron towards the clients' statistics of their own models "
+                 "(targets: fusekit stats OWN.safetensors ..., then fusekit submit)")
+
+
 def check_accepting(job: dict[str, Any], kind: SlotKind) -> None:
     """Refuse an upload of ``kind`` the job does not take now."""
-    if kind is STATISTICS and not job.get("calibrate"):
+    if kind is not CHECKPOINT and not job.get("calibrate"):
         raise Conflict(f"job {job['id']}: was not created to calibrate; it takes no "
-                       "statistics files")
-    if job["state"] != kind.state:
+                       f"{kind.name}s")
+    if job["state"] not in kind.states:
         raise Conflict(f"job {job['id']}: is {job['state']}; {kind.name} uploads are accepted "
-                       f"only while it is {kind.state}")
+                       f"only while it is {' or '.join(kind.states)}")
+    if kind is TARGETS and job.get("fused") and job["state"] != "calibrating":
+        raise Conflict(f"job {job['id']}: its calibration has started; targets are accepted "
+                       "until it starts")
+
+
+def _check_targets_checkpoint(job: dict[str, Any], client: str, checkpoint: str | None
+                              ) -> None:
+    """Targets are accepted only for the checkpoint the client's slot holds now."""
+    held = job["slots"].get(client, {}).get("sha256")
+    if held is None or held != checkpoint:
+        raise Conflict(f"client {client!r}: its checkpoint was replaced while its targets "
+                       "were checked; compute them of the checkpoint it submitted last")
+
+
+def calibration_ready(job: dict[str, Any]) -> bool:
+    """Whether a calibrating job has all it waits for: every client's statistics, and
+    every client's targets when its fused model needs them (:data:`NEEDS_TARGETS`)."""
+    if job["state"] != "calibrating" or len(job["statistics"]) < len(job["clients"]):
+        return False
+    targets = job.get("targets", {})
+    return not job["fused"].get("needs_targets") or len(targets) == len(job["clients"])
 
 
 def fused_model(job: dict[str, Any]) -> dict[str, Any] | None:
@@ -315,7 +362,7 @@ def fused_model(job: dict[str, Any]) -> dict[str, Any] | None:
     fused = job.get("fused")
     if fused is None:
         return None
-    return {k: fused[k] for k in ("size", "sha256", "model", "fused_at")}
+    return {k: fused.get(k) for k in ("size", "sha256", "model", "fused_at", "needs_targets")}
 
 
 def view(job: dict[str, Any], client: str | None = None) -> dict[str, Any]:
@@ -327,14 +374,28 @@ def view(job: dict[str, Any], client: str | None = None) -> dict[str, Any]:
     public.update(calibrate=calibrate, fused=fused_model(job))
     slots = {c: _slot(job["slots"].get(c)) for c in job["clients"]}
     statistics = {c: _slot(job.get("statistics", {}).get(c)) for c in job["clients"]}
+    targets = {c: _slot(job.get("targets", {}).get(c)) for c in job["clients"]}
     if client is not None:
-        mine = {"statistics": statistics[client]} if calibrate else {}
+        mine = {"statistics": statistics[client],
+                "targets": targets[client]} if calibrate else {}
         return {**public, "client": client, "slot": slots[client], **mine}
-    received = {"statistics": statistics,
-                "min_stats_samples": job["min_stats_samples"]} if calibrate else {}
+    received = {"statistics": statistics, "targets": targets,
+                "min_stats_samples": job["min_stats_samples"],
+                "waiting_for": waiting_for(job)} if calibrate else {}
     return {**public, "params": job["params"], "auto_run": job["auto_run"],
             "max_checkpoint_bytes": job["max_checkpoint_bytes"], "attempts": job["attempts"],
             "error": job["error"], "slots": slots, **received}
+
+
+def waiting_for(job: dict[str, Any]) -> dict[str, list[str]] | None:
+    """What a calibrating job waits for before it calibrates by itself: the clients whose
+    statistics are missing, and whose targets, when its fused model needs them."""
+    if job["state"] != "calibrating":
+        return None
+    missing = {"statistics": [c for c in job["clients"] if c not in job["statistics"]]}
+    if job["fused"].get("needs_targets"):
+        missing["targets"] = [c for c in job["clients"] if c not in job.get("targets", {})]
+    return missing
 
 
 def _slot(slot: dict[str, Any] | None) -> dict[str, Any]:

@@ -8,7 +8,9 @@ refused before its tensors are sent; the whole file is then validated as
 :func:`fusekit.load_checkpoint` validates it, every tensor's values too (NaN, Inf, negative
 variances: a file its job could not fuse is refused now, not when the job runs), fsynced,
 and only then renamed into the slot. A statistics file is validated as
-:func:`fusekit.calibrate` reads it, against the job's fused model (:func:`statistics_check`).
+:func:`fusekit.calibrate` reads it, against the job's fused model (:func:`statistics_check`);
+a targets file (a client's statistics of its own model) against that client's checkpoint
+(:func:`targets_check`).
 
 Both checks run in :class:`Checker`'s processes, never in the API server's: parsing a header
 of many MB (json, safetensors) holds the interpreter's lock for seconds, which in a thread
@@ -33,6 +35,7 @@ from typing import Any, TypeVar
 
 from starlette.concurrency import run_in_threadpool
 
+from fusekit.api import client_spec, model_points
 from fusekit.core.checkpoint import (
     check_header,
     header_length,
@@ -216,6 +219,14 @@ def statistics_check(model: str, points: dict[str, int], min_samples: int
                              min_samples=min_samples)
 
 
+def targets_check(checkpoint: Path, spec: dict[str, Any] | None, min_samples: int
+                  ) -> Callable[[Path, str], None]:
+    """Statistics of the client's checkpoint at ``checkpoint`` (its content hash, its points
+    under the job's ``spec``), over at least ``min_samples`` inputs, in either mode."""
+    return functools.partial(_validate_targets, checkpoint=checkpoint, spec=spec,
+                             min_samples=min_samples)
+
+
 def _validate_checkpoint(part: Path, label: str, budget: int) -> None:
     """In a checker process: the whole file as load_checkpoint sees it, and its values."""
     try:
@@ -231,13 +242,38 @@ def _validate_statistics(part: Path, label: str, model: str, points: dict[str, i
     try:
         stats = load_statistics(part, model=model, points=points, min_samples=min_samples)
     except StatisticsError as exc:
-        raise StatisticsError(str(exc).replace(f"statistics file {part}", named)
-                              .replace(str(part), named)) from None
+        raise _named(exc, part, named) from None
     if stats.mode != ONE_PASS_MODE:
         raise StatisticsError(
             f"{named}: computed in {stats.mode} mode; this job calibrates in one pass, from "
             f"statistics in {ONE_PASS_MODE} mode (fusekit stats FUSED --mode {ONE_PASS_MODE} "
             "...)")
+
+
+def _validate_targets(part: Path, label: str, checkpoint: Path, spec: dict[str, Any] | None,
+                      min_samples: int) -> None:
+    """In a checker process: the file as statistics of the client's own checkpoint."""
+    try:
+        own = load_checkpoint(checkpoint)
+        points = model_points(own, client_spec(own, spec))
+    except FileNotFoundError:  # replaced meanwhile: store.accept refuses it by name
+        return
+    named = f"targets of {label}"
+    try:
+        load_statistics(part, model=own.content_hash, points=points, min_samples=min_samples)
+    except StatisticsError as exc:
+        raise _named(exc, part, named, ("(run `fusekit stats` on this model)",
+                                        "(the checkpoint it submitted: targets are "
+                                        "`fusekit stats` of it)")) from None
+
+
+def _named(exc: StatisticsError, part: Path, named: str, *replacements: tuple[str, str]
+           ) -> StatisticsError:
+    """``exc`` naming the upload as ``named``, never by its temporary file."""
+    text = str(exc).replace(f"statistics file {part}", named).replace(str(part), named)
+    for old, new in replacements:
+        text = text.replace(old, new)
+    return StatisticsError(text)
 
 
 def _sync(f) -> None:

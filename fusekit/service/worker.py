@@ -30,16 +30,17 @@ from typing import Any
 from huey import Huey, RedisHuey, SqliteHuey
 
 import fusekit
-from fusekit.api import fused_spec, fusion_summary
+from fusekit.api import fused_spec, fusion_summary, model_points
 from fusekit.core.checkpoint import load_checkpoint, write_atomic
-from fusekit.core.errors import FusekitError, IncompatibleModelsError
-from fusekit.core.stats import statistic_points
+from fusekit.core.errors import FusekitError
+from fusekit.core.stats import BN_INPUT
 from fusekit.core.transformer import TransformerSpec
 from fusekit.service.settings import Settings
 from fusekit.service.store import (
     CHECKPOINT,
     FINISHED,
     STATISTICS,
+    TARGETS,
     JobStore,
     SlotKind,
     make_private,
@@ -132,49 +133,50 @@ def _fuse(store: JobStore, job: dict[str, Any], attempt: int, run: Path) -> dict
 
 def _describe(path: Path) -> dict[str, Any]:
     """What a job that calibrates records of its fused model: what statistics must name
-    (content hash, points and their widths), their size limit, the file's size and hash.
-
-    Raises:
-        IncompatibleModelsError: a transformer, whose calibration needs the clients'
-            statistics of their own models, which a job does not collect.
-    """
+    (content hash, points and their widths), their size limit, whether calibration needs
+    the clients' targets (no BatchNorm to restore: a plain MLP, a transformer), the file's
+    size and hash."""
     checkpoint = load_checkpoint(path)
     spec = fused_spec(checkpoint)
-    if isinstance(spec, TransformerSpec):
-        raise IncompatibleModelsError(
-            "calibrate: the fused model is a transformer, whose calibration (REPAIR) needs "
-            "each client's statistics of its own model; a service job calibrates "
-            "BatchNorm networks from statistics of the fused model only")
-    points = statistic_points(spec)
+    points = model_points(checkpoint, spec)
+    needs_targets = isinstance(spec, TransformerSpec) or not any(
+        point.startswith(f"{BN_INPUT}:") for point in points)
     with open(path, "rb") as f:
         sha256 = hashlib.file_digest(f, "sha256").hexdigest()
     # Three float64 per channel and point, and a header naming three tensors per point.
     limit = 24 * sum(points.values()) + 768 * len(points) + 4096
     return {"model": checkpoint.content_hash, "points": points, "sha256": sha256,
             "size": path.stat().st_size, "max_statistics_bytes": limit,
-            "fused_at": time.time()}
+            "needs_targets": needs_targets, "fused_at": time.time()}
 
 
 def _calibrate(store: JobStore, job: dict[str, Any], attempt: int, run: Path
                ) -> dict[str, Any]:
     """Calibrate the fused model with the statistics received (all, or those the admin
-    finished with) and make it the result; the report says what calibration did."""
+    finished with) and the targets received, and make it the result; the report says what
+    calibration did and whose files it had."""
     folder = store.root / job["id"]
     fused = run / FUSED
     os.link(folder / FUSED, fused)
     paths = _link_inputs(store, job, run, STATISTICS, "stats.safetensors")
+    targets = _link_inputs(store, job, run, TARGETS, "targets.safetensors")
     received = [c for c in job["clients"] if c in job["statistics"]]
     store.update(job["id"], attempt, progress=f"calibrating with the statistics of "
                  f"{len(received)} of {len(job['clients'])} clients")
     calibration = _apart(store, job, attempt, _calibration, str(fused),
-                         [str(p) for p in paths], job["min_stats_samples"], str(run / RESULT))
+                         [str(p) for p in paths], [str(p) for p in targets],
+                         job["min_stats_samples"], str(run / RESULT))
     if calibration is None or not store.update(job["id"], attempt,
                                                progress="writing the result"):
         return {"state": "cancelled"}
     report = json.loads((folder / REPORT).read_text())
+    targets_from = [c for c in job["clients"] if c in job.get("targets", {})]
     report["calibration"] = {**json.loads(calibration), "protocol": "one pass",
                              "statistics_from": received,
-                             "missing": [c for c in job["clients"] if c not in received]}
+                             "missing": [c for c in job["clients"] if c not in received],
+                             "targets_from": targets_from,
+                             "targets_missing": [c for c in job["clients"]
+                                                 if c not in targets_from]}
     os.replace(run / RESULT, folder / RESULT)
     write_atomic(folder / REPORT, json.dumps(report).encode())
     return {"state": "succeeded", "error": None}
@@ -249,9 +251,11 @@ def _fusion(paths: list[str], method: str, spec: Any, params: dict[str, Any],
     return json.dumps(fusion_summary(result, RESULT, seconds), default=_jsonable)
 
 
-def _calibration(fused: str, statistics: list[str], min_samples: int, output: str) -> str:
-    """Calibrate ``fused`` with ``statistics``, write ``output``; what calibration did."""
-    result = fusekit.calibrate(fused, statistics, min_samples=min_samples)
+def _calibration(fused: str, statistics: list[str], targets: list[str], min_samples: int,
+                 output: str) -> str:
+    """Calibrate ``fused`` with ``statistics`` and ``targets``, write ``output``; what
+    calibration did."""
+    result = fusekit.calibrate(fused, statistics, targets=targets, min_samples=min_samples)
     result.save(output, force=True)
     return json.dumps(result.report["calibration"], default=_jsonable)
 
@@ -277,7 +281,7 @@ def _link_inputs(store: JobStore, job: dict[str, Any], run: Path, kind: SlotKind
     messages name them), in the job's order of clients."""
     paths = []
     for client in job["clients"]:
-        if client not in job[kind.record]:
+        if client not in job.get(kind.record, {}):
             continue
         path = run / f"{client}.{suffix}"
         os.link(store.file(job, client, kind), path)

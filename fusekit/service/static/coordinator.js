@@ -252,7 +252,9 @@
       el("h3", {text: "Checkpoints"}),
       slots(job, "slots", "checkpoint"),
       job.calibrate && el("h3", {text: "Statistics of the fused model"}),
-      job.calibrate && slots(job, "statistics", "statistics")),
+      job.calibrate && slots(job, "statistics", "statistics"),
+      job.calibrate && el("h3", {text: "Targets: statistics of each client's own model"}),
+      job.calibrate && slots(job, "targets", "targets")),
       reports.has(id) && el("section", {class: "card", id: "report"},
         el("h3", {text: "Report"}), reportView(reports.get(id))));
     if (!["succeeded", "failed", "cancelled"].includes(job.state)) {
@@ -293,7 +295,9 @@
 
   function actions(job, errorBox) {
     const filled = Object.values(job.slots).every((slot) => slot.filled);
-    const received = Object.values(job.statistics || {}).some((slot) => slot.filled);
+    const some = (kind) => Object.values(job[kind] || {}).some((slot) => slot.filled);
+    const needsTargets = job.fused && job.fused.needs_targets && !some("targets");
+    const received = some("statistics") && !needsTargets;
     const act = (fn) => async () => {
       try {
         await fn();
@@ -311,7 +315,8 @@
       job.calibrate && el("button", {
         type: "button", id: "calibrate-now",
         disabled: job.state !== "calibrating" || !received,
-        title: received ? "" : "at least one client's statistics must have arrived",
+        title: received ? "" : "at least one client's statistics must have arrived" +
+          (needsTargets ? ", and one client's targets (the model has no BatchNorm)" : ""),
         text: "Calibrate now", onclick: act(async () => {
           await api("POST", `/v1/jobs/${job.id}/calibrate`);
           route();
@@ -348,7 +353,11 @@
     setTimeout(() => URL.revokeObjectURL(url), 60000);
   }
 
-  /** The clients' slots of one kind: "slots" (checkpoints) or "statistics". */
+  /** The job's states in which clients upload into slots of each kind. */
+  const UPLOADS_WHILE = {slots: ["collecting"], statistics: ["calibrating"],
+                         targets: ["collecting", "calibrating"]};
+
+  /** The clients' slots of one kind: "slots" (checkpoints), "statistics" or "targets". */
   function slots(job, kind, what) {
     const rows = Object.entries(job[kind]).map(([client, slot]) => el("tr",
       {"data-client": client, class: slot.filled ? "filled" : "waiting"},
@@ -357,7 +366,7 @@
       el("td", {class: "num", text: slot.filled ? fk.bytes(slot.size) : ""}),
       el("td", {}, slot.filled ? el("code", {class: "sha", text: slot.sha256}) : ""),
       el("td", {title: fk.when(slot.uploaded_at), text: fk.age(slot.uploaded_at)}),
-      el("td", {}, job.state === (kind === "slots" ? "collecting" : "calibrating") ?
+      el("td", {}, UPLOADS_WHILE[kind].includes(job.state) ?
         fk.copyField(uploadLink(job.id, client), `upload link of ${client}`) : "")));
     return el("table", {id: kind},
       el("thead", {}, el("tr", {}, ["client", what, "size", "SHA-256", "when",
@@ -378,7 +387,9 @@
       calibration && el("p", {id: "calibration"}, `Calibrated (${calibration.protocol}) ` +
         `with the statistics of ${calibration.statistics_from.join(", ")}: ` +
         `${calibration.samples} inputs, ${calibration.mode} mode` +
-        (calibration.missing.length ? `; none from ${calibration.missing.join(", ")}` : "")),
+        (calibration.missing.length ? `; none from ${calibration.missing.join(", ")}` : "") +
+        ((calibration.targets_from || []).length ?
+          `; targets of ${calibration.targets_from.join(", ")}` : "")),
       el("div", {class: "charts"}, charts(layers)),
       el("details", {}, el("summary", {text: "The whole report (JSON)"}),
          el("pre", {text: JSON.stringify(report, null, 1)})));

@@ -1,8 +1,9 @@
 "use strict";
 // The client's upload page: /upload?job=<id>&client=<name>, the token typed (never in the
 // link). The file is sent as it is (XMLHttpRequest streams a File from disk; the page reads
-// only its safetensors header, to tell a statistics file of a job that calibrates from a
-// checkpoint), with the upload's progress, and the server's verdict shown in words. For a
+// only its safetensors header, to tell a checkpoint from a statistics file of a job that
+// calibrates, and that from the targets: statistics of the client's own model), with the
+// upload's progress, and the server's verdict shown in words. For a
 // job that calibrates, the page also downloads the fused model with the token typed.
 
 (() => {
@@ -26,22 +27,29 @@
   }
 
   function accepted(slot, file, kind) {
-    const until = kind === "statistics" ? "the job calibrates" : "the job runs";
+    const until = kind === "checkpoint" ? "the job runs" : "the job calibrates";
     say(`Accepted: ${file.name}, ${slot.size} bytes, SHA-256 ${slot.sha256}. ` +
         `You are done; uploading again before ${until} replaces this file.`, "accepted");
   }
 
-  /** "statistics" for a statistics file (its metadata names fusekit.stats), else
+  /** "statistics" for a statistics file (its metadata names fusekit.stats) of the job's
+   * fused model, "targets" for one of another model (the client's own), else
    * "checkpoint": the server judges the rest. */
-  async function kindOf(file) {
+  async function kindOf(file, token) {
+    let stats;
     try {
       const length = new DataView(await file.slice(0, 8).arrayBuffer()).getBigUint64(0, true);
       if (length > 100_000_000n) return "checkpoint";
       const header = JSON.parse(await file.slice(8, 8 + Number(length)).text());
-      return "fusekit.stats" in (header.__metadata__ || {}) ? "statistics" : "checkpoint";
+      stats = (header.__metadata__ || {})["fusekit.stats"];
     } catch {
       return "checkpoint";
     }
+    if (stats === undefined) return "checkpoint";
+    const state = await (await fk.request("GET", `/v1/jobs/${encodeURIComponent(job)}`,
+                                          token)).json();
+    const model = JSON.parse(stats).model;
+    return state.fused && state.fused.model === model ? "statistics" : "targets";
   }
 
   async function upload(event) {
@@ -49,7 +57,12 @@
     const file = $("file").files[0];
     const token = $("token").value.trim();
     if (!file || !token) return;
-    const kind = await kindOf(file);
+    let kind;
+    try {
+      kind = await kindOf(file, token);
+    } catch (err) {
+      return say("Refused: " + err.message, "refused");
+    }
     const xhr = new XMLHttpRequest();
     xhr.open("PUT", `/v1/jobs/${encodeURIComponent(job)}/clients/` +
                     `${encodeURIComponent(client)}/${kind}`);
