@@ -21,6 +21,7 @@ from fusekit._cli.options import (
     SamplesOption,
 )
 from fusekit._cli.output import emit_json, stdout
+from fusekit.core.cross_stats import DEFAULT_RIDGE
 from fusekit.core.errors import DataError, ParameterError
 from fusekit.core.stats import DEFAULT_MIN_SAMPLES, MODES
 
@@ -239,7 +240,8 @@ def refit(
         "--against OWN_MODEL --layer NAME ...), one per client (repeat).",
         show_default=False)],
     ridge: Annotated[float, typer.Option(
-        "--ridge", help="Relative ridge towards the layer's current weights.")] = 0.1,
+        "--ridge", help="Relative ridge towards the layer's current weights.")
+    ] = DEFAULT_RIDGE,
     min_samples: MinSamplesOption = DEFAULT_MIN_SAMPLES,
     force: ForceOption = False,
     as_json: JsonOption = False,

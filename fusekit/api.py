@@ -26,6 +26,7 @@ from fusekit.core.errors import (
     StatisticsError,
 )
 from fusekit.core.cross_stats import (
+    DEFAULT_RIDGE,
     CrossStatistics,
     RefitStatistics,
     check_cross_statistics,
@@ -494,8 +495,6 @@ def _cross_statistics_by_client(reference: Checkpoint, reference_spec: Any,
 
 
 RefitStatisticsLike = str | os.PathLike[str] | RefitStatistics
-#: Relative ridge of a refit: λ = ridge · mean diagonal of the pooled Gram matrix.
-DEFAULT_RIDGE = 0.1
 
 
 def refit(

@@ -219,6 +219,8 @@ def _check_moments(label: str, point: str, moments: CrossMoments, num_samples: i
 # Refit statistics: what a client sends for one refit round (one layer, ALGORITHMS §12).
 
 REFIT_FIELDS = ("count", "gram", "cross")
+#: Relative ridge of a refit: λ = ridge · mean diagonal of the pooled Gram matrix.
+DEFAULT_RIDGE = 0.1
 #: The Gram matrix may deviate from symmetry / its constant entry from 1 by this much.
 GRAM_TOLERANCE = 1e-6
 

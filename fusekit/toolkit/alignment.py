@@ -20,7 +20,12 @@ import torch
 from fusekit import api
 from fusekit.core import metadata as meta
 from fusekit.core.checkpoint import Checkpoint, load_checkpoint
-from fusekit.core.cross_stats import CrossMoments, CrossStatistics, RefitStatistics
+from fusekit.core.cross_stats import (
+    DEFAULT_RIDGE,
+    CrossMoments,
+    CrossStatistics,
+    RefitStatistics,
+)
 from fusekit.core.errors import DataError, ParameterError
 from fusekit.core.stats import DEFAULT_MIN_SAMPLES, preactivation_point
 from fusekit.methods.base import FusionResult
@@ -175,7 +180,7 @@ def align_locally(
     *,
     alignment_rounds: int = 1,
     refit: bool = True,
-    ridge: float = api.DEFAULT_RIDGE,
+    ridge: float = DEFAULT_RIDGE,
     rounds: str = "layerwise",
     min_samples: int = DEFAULT_MIN_SAMPLES,
     batch_size: int = DEFAULT_BATCH_SIZE,
@@ -299,7 +304,7 @@ def _rows(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def refit_locally(aligned: Checkpoint, clients: Sequence[Checkpoint],
-                  client_inputs: Sequence[np.ndarray], *, ridge: float = api.DEFAULT_RIDGE,
+                  client_inputs: Sequence[np.ndarray], *, ridge: float = DEFAULT_RIDGE,
                   min_samples: int = DEFAULT_MIN_SAMPLES, batch_size: int = DEFAULT_BATCH_SIZE,
                   device: str = "cpu") -> FusionResult:
     """Refit rounds with every client's data at hand: every layer of ``aligned``, input to
