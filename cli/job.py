@@ -117,8 +117,13 @@ def status(job: JobId, server: Server = DEFAULT_SERVER, token_file: TokenFile = 
         table.add_row("fused model", _file(state["fused"]))
     for client, slot in state["slots"].items():
         table.add_row(client, _file(slot) if slot["filled"] else "waiting")
-    for client, slot in state.get("statistics", {}).items():
-        table.add_row(f"{client} statistics", _file(slot) if slot["filled"] else "waiting")
+    for kind in ("statistics", "targets"):
+        for client, slot in state.get(kind, {}).items():
+            table.add_row(f"{client} {kind}", _file(slot) if slot["filled"] else "waiting")
+    waiting = state.get("waiting_for") or {}
+    if any(waiting.values()):
+        table.add_row("waiting for", "; ".join(f"{kind} of {', '.join(clients)}"
+                                               for kind, clients in waiting.items() if clients))
     stdout.print(table)
 
 
@@ -147,7 +152,8 @@ def wait(job: JobId, timeout: Annotated[float, typer.Option(
         return
     if state["state"] == "calibrating":
         stdout.print(f"job {job}: calibrating: fused, waiting for the clients' statistics "
-                     "(fusekit job calibrate to go on with those received)", highlight=False)
+                     "(and targets where the fused model has no BatchNorm; fusekit job "
+                     "calibrate to go on with those received)", highlight=False)
         return
     reason = f": {state['error']}" if state.get("error") else ""
     stdout.print(f"job {job}: {state['state']}{reason}", highlight=False, soft_wrap=True)
@@ -163,7 +169,9 @@ def calibrate(job: JobId, server: Server = DEFAULT_SERVER, token_file: TokenFile
               ) -> None:
     """Calibrate now, with the statistics received so far.
 
-    A calibrating job calibrates by itself once every client's statistics are in."""
+    A calibrating job calibrates by itself once every client's statistics are in (and,
+    where its fused model has no BatchNorm, every client's targets: then at least one
+    client's are needed here)."""
     with admin(server, token_file) as service:
         stdout.print(f"job {job}: {service.calibrate(job)['state']}", highlight=False)
 

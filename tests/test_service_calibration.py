@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import time
@@ -389,6 +390,11 @@ def test_plain_mlp_calibrated_with_targets_as_fusekit_calibrate_does(
     state = admin.status(job_id)
     assert state["state"] == "calibrating"
     assert state["waiting_for"] == {"statistics": [], "targets": list(NAMES)}
+    monkeypatch.setenv("FUSEKIT_SERVER", service.url)
+    monkeypatch.setenv("FUSEKIT_ADMIN_TOKEN", ADMIN)
+    status = cli("job", "status", job_id)
+    assert status.exit_code == 0 and f"{NAMES[2]} targets" in status.stdout, status.output
+    assert f"targets of {', '.join(NAMES)}" in " ".join(status.stdout.split()), status.stdout
     with pytest.raises(ServiceError, match=r"no targets yet from any of its clients; its "
                                            r"fused model has no BatchNorm .* \(HTTP 409\)"):
         admin.calibrate(job_id)
@@ -414,3 +420,59 @@ def test_plain_mlp_calibrated_with_targets_as_fusekit_calibrate_does(
     assert report["targets_missing"] == [NAMES[2]]
     one_line_error(put_targets(service, job_id, NAMES[2], tokens[NAMES[2]],
                                targets[2].read_bytes()), 409, "is succeeded")
+
+
+def tiny_vit(folder: Path, seed: int) -> Path:
+    """A tiny ViT model folder (config.json, model.safetensors), every weight random."""
+    transformers = pytest.importorskip("transformers", reason="the [hf] extra is not installed")
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(seed)
+    config = transformers.ViTConfig(image_size=8, patch_size=4, num_channels=1, hidden_size=16,
+                                    num_hidden_layers=2, num_attention_heads=2,
+                                    intermediate_size=24, num_labels=3)
+    model = transformers.ViTForImageClassification(config).eval()
+    model.save_pretrained(folder)
+    return folder
+
+
+def test_a_transformer_job_calibrates_with_its_clients_targets(
+        service, admin, tmp_path):  # noqa: F811
+    """Transformers fused from their weight files under the job's spec: each client sends
+    its statistics of its own model (targets) and of the fused model (eval mode: no
+    BatchNorm), run on its model folder; the service calibrates (REPAIR of the MLP units
+    and LayerNorms) as fusekit.calibrate does with the same files."""
+    from fusekit.api import client_spec
+
+    names = NAMES[:2]
+    folders = [tiny_vit(tmp_path / name, seed=i) for i, name in enumerate(names)]
+    spec = client_spec(fusekit.load_checkpoint(folders[0]), None).to_json()
+    job = admin.create_job("ot", list(names), spec=spec, auto_run=True, calibrate=True)
+    job_id, rng = job["id"], np.random.default_rng(0)
+    inputs = [rng.normal(size=(40, 1, 8, 8)).astype(np.float32) for _ in names]
+    targets = []
+    for name, folder, x in zip(names, folders, inputs, strict=True):
+        with Client(service.url, job["tokens"][name]) as client:
+            client.submit(job_id, name, folder / "model.safetensors")
+            targets.append(save_statistics(tmp_path / f"{name}.targets.safetensors",
+                                           client_statistics(folder, x)))
+            client.submit_targets(job_id, name, targets[-1])
+    state = admin.wait(job_id, timeout=120, every=0.1)
+    assert state["state"] == "calibrating", state
+    assert state["fused"]["needs_targets"] and state["fused"]["mode"] == "eval"
+    fused = admin.fused(job_id, tmp_path / "fused.safetensors")
+    stats = []
+    for name, folder, x in zip(names, folders, inputs, strict=True):
+        runnable = tmp_path / f"fused-{name}"  # the fused weights with the client's config
+        runnable.mkdir()
+        shutil.copy(fused, runnable / "model.safetensors")
+        shutil.copy(folder / "config.json", runnable / "config.json")
+        stats.append(save_statistics(tmp_path / f"{name}.stats.safetensors",
+                                     client_statistics(runnable, x)))
+        with Client(service.url, job["tokens"][name]) as client:
+            client.submit_statistics(job_id, name, stats[-1])
+    state = admin.wait(job_id, timeout=120, every=0.1)
+    assert state["state"] == "succeeded", state
+    expected = fusekit.calibrate(fused, stats, targets=targets)
+    assert_same_tensors(admin.result(job_id, tmp_path / "calibrated.safetensors"),
+                        expected.state_dict)
+    assert admin.report(job_id)["calibration"]["targets_from"] == list(names)

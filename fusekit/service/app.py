@@ -45,6 +45,7 @@ from fusekit.service.store import (
     without_paths,
 )
 from fusekit.service.uploads import (
+    ONE_PASS_MODE,
     Checker,
     Upload,
     checkpoint_check,
@@ -283,7 +284,8 @@ def _upload_rules(store: JobStore, job: dict[str, Any], client: str, kind: SlotK
             store.file(job, client, CHECKPOINT), job["spec"], job["min_stats_samples"])
     fused = job["fused"]
     return (min(fused["max_statistics_bytes"], job["max_checkpoint_bytes"]),
-            statistics_check(fused["model"], fused["points"], job["min_stats_samples"]))
+            statistics_check(fused["model"], fused["points"], job["min_stats_samples"],
+                             fused.get("mode", ONE_PASS_MODE)))
 
 
 async def _job_request(request: Request) -> JobRequest:

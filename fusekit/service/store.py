@@ -362,7 +362,8 @@ def fused_model(job: dict[str, Any]) -> dict[str, Any] | None:
     fused = job.get("fused")
     if fused is None:
         return None
-    return {k: fused.get(k) for k in ("size", "sha256", "model", "fused_at", "needs_targets")}
+    return {k: fused.get(k) for k in ("size", "sha256", "model", "fused_at", "needs_targets",
+                                      "mode")}
 
 
 def view(job: dict[str, Any], client: str | None = None) -> dict[str, Any]:

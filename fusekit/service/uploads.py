@@ -211,12 +211,13 @@ def checkpoint_check(settings: Settings) -> Callable[[Path, str], None]:
     return functools.partial(_validate_checkpoint, budget=settings.upload_check_bytes)
 
 
-def statistics_check(model: str, points: dict[str, int], min_samples: int
-                     ) -> Callable[[Path, str], None]:
+def statistics_check(model: str, points: dict[str, int], min_samples: int,
+                     mode: str = ONE_PASS_MODE) -> Callable[[Path, str], None]:
     """Statistics of the fused model with content hash ``model``: its ``points`` and their
-    widths, over at least ``min_samples`` inputs, in the one-pass mode."""
+    widths, over at least ``min_samples`` inputs, in ``mode`` (the one-pass mode, or eval
+    for a transformer)."""
     return functools.partial(_validate_statistics, model=model, points=points,
-                             min_samples=min_samples)
+                             min_samples=min_samples, mode=mode)
 
 
 def targets_check(checkpoint: Path, spec: dict[str, Any] | None, min_samples: int
@@ -236,18 +237,17 @@ def _validate_checkpoint(part: Path, label: str, budget: int) -> None:
 
 
 def _validate_statistics(part: Path, label: str, model: str, points: dict[str, int],
-                         min_samples: int) -> None:
+                         min_samples: int, mode: str) -> None:
     """In a checker process: the file as fusekit.calibrate reads it, for the job's model."""
     named = f"statistics of {label}"
     try:
         stats = load_statistics(part, model=model, points=points, min_samples=min_samples)
     except StatisticsError as exc:
         raise _named(exc, part, named) from None
-    if stats.mode != ONE_PASS_MODE:
+    if stats.mode != mode:
         raise StatisticsError(
             f"{named}: computed in {stats.mode} mode; this job calibrates in one pass, from "
-            f"statistics in {ONE_PASS_MODE} mode (fusekit stats FUSED --mode {ONE_PASS_MODE} "
-            "...)")
+            f"statistics in {mode} mode (fusekit stats FUSED --mode {mode} ...)")
 
 
 def _validate_targets(part: Path, label: str, checkpoint: Path, spec: dict[str, Any] | None,

@@ -36,6 +36,7 @@ from fusekit.core.errors import FusekitError
 from fusekit.core.stats import BN_INPUT
 from fusekit.core.transformer import TransformerSpec
 from fusekit.service.settings import Settings
+from fusekit.service.uploads import ONE_PASS_MODE
 from fusekit.service.store import (
     CHECKPOINT,
     FINISHED,
@@ -133,21 +134,23 @@ def _fuse(store: JobStore, job: dict[str, Any], attempt: int, run: Path) -> dict
 
 def _describe(path: Path) -> dict[str, Any]:
     """What a job that calibrates records of its fused model: what statistics must name
-    (content hash, points and their widths), their size limit, whether calibration needs
+    (content hash, points and their widths, mode), their size limit, whether calibration needs
     the clients' targets (no BatchNorm to restore: a plain MLP, a transformer), the file's
     size and hash."""
     checkpoint = load_checkpoint(path)
     spec = fused_spec(checkpoint)
     points = model_points(checkpoint, spec)
-    needs_targets = isinstance(spec, TransformerSpec) or not any(
-        point.startswith(f"{BN_INPUT}:") for point in points)
+    transformer = isinstance(spec, TransformerSpec)
+    needs_targets = transformer or not any(point.startswith(f"{BN_INPUT}:") for point in points)
     with open(path, "rb") as f:
         sha256 = hashlib.file_digest(f, "sha256").hexdigest()
     # Three float64 per channel and point, and a header naming three tensors per point.
     limit = 24 * sum(points.values()) + 768 * len(points) + 4096
     return {"model": checkpoint.content_hash, "points": points, "sha256": sha256,
             "size": path.stat().st_size, "max_statistics_bytes": limit,
-            "needs_targets": needs_targets, "fused_at": time.time()}
+            "needs_targets": needs_targets, "fused_at": time.time(),
+            # A transformer has no BatchNorm to normalise with the batch: eval is its one mode.
+            "mode": "eval" if transformer else ONE_PASS_MODE}
 
 
 def _calibrate(store: JobStore, job: dict[str, Any], attempt: int, run: Path
