@@ -490,10 +490,11 @@ def fused_bn(trained):
 
 @pytest.mark.parametrize("rounds", ["one-pass", "layerwise"])
 def test_calibration_pools_the_nodes_statistics_into_the_global_model(trained_bn, digits,
-                                                                      rounds):
+                                                                      rounds, caplog):
     """The round's global model is the fusion calibrated with the nodes' statistics: what
     ``calibrate_locally`` gives with the nodes' data at hand (one query round, or one per
     BatchNorm layer); the nodes rebuild it, running statistics included."""
+    caplog.set_level(logging.INFO, logger="fusekit")
     clients, _ = trained_bn
     grid, inputs = calibrating_federation(trained_bn, digits)
     strategy = FusekitStrategy("pfnm", arch=clients[0].checkpoint.arch, fraction_evaluate=0,
@@ -514,6 +515,7 @@ def test_calibration_pools_the_nodes_statistics_into_the_global_model(trained_bn
     assert metrics["pfnm.calibration-rounds"] == queries
     assert metrics["pfnm.calibration-samples"] == sum(len(x) for x in inputs.values())
     assert json.loads(strategy.global_metadata["fusekit.calibration"])["clients"] == 3
+    assert f"calibration {rounds} (at least 32 inputs per node)" in caplog.text
     assert_nodes_rebuild_the_global_model(strategy, result.arrays, digits)
 
 

@@ -4,8 +4,9 @@ example app fused by FedAvg (fusekit's avg) and by PFNM, and the app the README'
 section writes, file by file, over two rounds, each fused model calibrated with the
 statistics the nodes send in a query round. On one SuperNode: a run whose round cannot
 fuse (the initial model comes back) and a run that cannot finish, stopped at its timeout.
-Each test checks that every process the federation started has ended. About 4 minutes on
-two busy cores; progress lines are printed as the runs go. Deselect with
+Each test checks that every process the federation started has ended. About 5 minutes on
+two busy cores (each query round about 20-30 s of it), up to 10 on a heavily loaded
+machine; progress lines are printed as the runs go. Deselect with
 ``-m "not flower_e2e"``."""
 
 from __future__ import annotations

@@ -182,8 +182,10 @@ class FusekitStrategy(FedAvg):
 
     def summary(self) -> None:
         super().summary()
-        log.info("fusekit: method %s, parameters %s, at least %d replies per round",
-                 self.method, self.params, self.min_fused_replies)
+        log.info("fusekit: method %s, parameters %s, at least %d replies per round, "
+                 "calibration %s", self.method, self.params, self.min_fused_replies,
+                 f"{self.calibration_rounds} (at least {self.calibration_min_samples} inputs "
+                 "per node)" if self.calibrate else "off")
 
     def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3,
               timeout: float = 3600, train_config: ConfigRecord | None = None,
