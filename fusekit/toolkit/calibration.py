@@ -45,7 +45,7 @@ ROUNDS = ("layerwise", "one-pass")
 DEFAULT_BATCH_SIZE = 1024
 
 
-class _Accumulator:
+class ChannelAccumulator:
     """Per-channel moments of a stream of (samples, C) batches, merged batch by batch with
     :func:`fusekit.core.stats.combine`."""
 
@@ -173,7 +173,7 @@ def client_statistics(
     network = load_fused(checkpoint, device)
     if mode == "batch":
         _batch_mode(network, checkpoint, spec)
-    accumulators: dict[str, _Accumulator] = {}
+    accumulators: dict[str, ChannelAccumulator] = {}
     hooks = []
     for layer, module in zip(spec.layers[:-1], preactivation_modules(network, spec)[:-1],
                              strict=True):
@@ -214,8 +214,9 @@ def _enough(point: str, moments: InputMoments) -> InputMoments:
 
 
 def recorded_statistics(run: Callable[[np.ndarray], object], inputs: np.ndarray,
-                        batch_size: int, hooks: Sequence, accumulators: dict[str, _Accumulator],
-                        checkpoint: Checkpoint, mode: str) -> Statistics:
+                        batch_size: int, hooks: Sequence,
+                        accumulators: dict[str, ChannelAccumulator], checkpoint: Checkpoint,
+                        mode: str) -> Statistics:
     """Run ``run`` over ``inputs`` in batches without gradients while ``hooks`` fill
     ``accumulators`` (the hooks are removed after), and return what they recorded.
 
@@ -239,8 +240,8 @@ def recorded_statistics(run: Callable[[np.ndarray], object], inputs: np.ndarray,
                       label=f"statistics of {checkpoint.label}")
 
 
-def _hook(module: nn.Module, accumulators: dict[str, _Accumulator], point: str, side: str):
-    accumulator = accumulators.setdefault(point, _Accumulator())
+def _hook(module: nn.Module, accumulators: dict[str, ChannelAccumulator], point: str, side: str):
+    accumulator = accumulators.setdefault(point, ChannelAccumulator())
 
     def record(_module, args, output):
         accumulator.add(args[0] if side == "input" else output)

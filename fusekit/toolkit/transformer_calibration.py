@@ -18,7 +18,7 @@ from fusekit.core.checkpoint import Checkpoint
 from fusekit.core.errors import CheckpointError, DataError
 from fusekit.core.stats import Statistics
 from fusekit.core.transformer import calibration_points
-from fusekit.toolkit.calibration import _Accumulator, recorded_statistics
+from fusekit.toolkit.calibration import ChannelAccumulator, recorded_statistics
 from fusekit.toolkit.nn.hf import load_pretrained, model_from_tensors, modules_by_saved_name
 
 
@@ -37,14 +37,14 @@ def transformer_statistics(checkpoint: Checkpoint, inputs: np.ndarray, *, mode: 
     points = calibration_points(spec, shapes)
     model = _module(checkpoint, device)
     modules = modules_by_saved_name(model)
-    accumulators: dict[str, _Accumulator] = {}  # filled in forward order
+    accumulators: dict[str, ChannelAccumulator] = {}  # filled in forward order
     mask: list[torch.Tensor | None] = [None]
 
     def hook(point: str):
         def record(_module, _args, output):
             tokens = output.reshape(-1, output.shape[-1]) if mask[0] is None else (
                 output[mask[0]])
-            accumulators.setdefault(point, _Accumulator()).add(tokens)
+            accumulators.setdefault(point, ChannelAccumulator()).add(tokens)
         return record
 
     hooks = [modules[p.module].register_forward_hook(hook(p.point)) for p in points]
