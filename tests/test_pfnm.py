@@ -15,6 +15,9 @@ from fusekit.core.spec import infer_spec, permute
 from fusekit.engine import matching, reference
 from fusekit.methods import bayesian
 from fusekit.methods.bayesian import MatchingBackend, match_neurons
+from fusekit.toolkit.data import load_dataset
+from fusekit.toolkit.simulate import SimulationConfig, simulate_clients
+from fusekit.toolkit.train import TrainConfig
 
 NUMPY = bayesian.get_backend("numpy")
 
@@ -496,18 +499,43 @@ def test_given_hyperparameters_override_the_estimates_and_are_reported():
 # --- NAFI's KL term (ALGORITHMS.md §4, "Scale of the KL term") ----------------------------
 
 
-def test_lambda_changes_the_assignments_when_the_width_is_imposed():
+@pytest.mark.parametrize("lam", [0.1, 1.0])
+def test_lambda_changes_the_assignments_when_the_width_is_imposed(lam):
     """Hard matching (noise comparable to the spread of the pool) at a forced width: the
-    KL term's row constants and its 1/n_i-weighted distances move local neurons."""
+    KL term's row constants and its 1/n_i-weighted distances move local neurons at the
+    upper end of the papers' range and above (at 0.01 none moves here)."""
     vectors, _ = generative_clients(5, pool=60, take=30, dim=20, noise_std=0.08, seed=5)
     unit = np.vstack(vectors).var(0).mean()
     kwargs = dict(sigma0_2=0.35 * unit, sweeps=3, width=36, backend=NUMPY)
     pfnm = match_neurons(vectors, [1 / (0.65 * unit)] * 5, **kwargs)
-    nafi = match_neurons(vectors, [1 / (0.65 * unit)] * 5, lam=bayesian.DEFAULT_LAMBDA, **kwargs)
+    nafi = match_neurons(vectors, [1 / (0.65 * unit)] * 5, lam=lam, **kwargs)
     moved = sum(int(np.count_nonzero(a != b))
                 for a, b in zip(pfnm.assignments, nafi.assignments, strict=True))
     assert moved > 0
     assert pfnm.width == nafi.width == 36
+
+
+def matched_groups(result) -> set[frozenset]:
+    """The fused model's first layer as groups of (client, neuron): which client neurons
+    went into one fused neuron, whatever the fused neurons' order."""
+    groups: dict[int, set] = {}
+    for client, (assigned, *_) in enumerate(result.assignments):
+        for neuron, fused in enumerate(assigned):
+            groups.setdefault(int(fused), set()).add((client, neuron))
+    return {frozenset(group) for group in groups.values()}
+
+
+def test_the_default_lambda_moves_trained_clients_neurons_at_the_default_width():
+    """NAFI's default λ = 0.01 with estimated values at the default width: on trained
+    clients the KL term reorders near-ties and moves local neurons (ALGORITHMS.md §4)."""
+    config = SimulationConfig(clients=6, alpha=0.5, arch="mlp:32", seed=0, min_samples=10,
+                              train=TrainConfig(epochs=10, batch_size=32, lr=3e-3))
+    clients = [c.checkpoint for c in simulate_clients(load_dataset("digits"), config)]
+    pfnm = fusekit.fuse(clients, method="pfnm")
+    nafi = fusekit.fuse(clients, method="nafi")
+    assert nafi.params["lam"] == bayesian.DEFAULT_LAMBDA == 0.01
+    assert pfnm.widths == nafi.widths == [48]
+    assert matched_groups(pfnm) != matched_groups(nafi)
 
 
 def test_lambda_vanishes_when_every_neuron_opens_its_own_global():

@@ -40,7 +40,7 @@ from fusekit.methods.bayesian.transformer import fuse_transformer_mlps
 from fusekit.methods.params import Param
 
 #: NAFI's default KL weight (ALGORITHMS.md §4 explains its scale).
-DEFAULT_LAMBDA = 1.0
+DEFAULT_LAMBDA = 0.01
 
 __all__ = [
     "DEFAULT_LAMBDA",
@@ -135,7 +135,7 @@ class BayesianMatching(FusionMethod):
                 (rounded half up, >= 1). Default 1.5 (:data:`DEFAULT_WIDTH_RATIO`) when neither
                 width nor width_ratio is given; give at most one of the two.
             lam: weight lambda of NAFI's KL penalty (>= 0; 0 is PFNM's cost). Default: 0 for
-                ``pfnm``, 1.0 (:data:`DEFAULT_LAMBDA`) for ``nafi``.
+                ``pfnm``, 0.01 (:data:`DEFAULT_LAMBDA`) for ``nafi``.
             sigma: client noise variance sigma_s^2: one value, or one per client (given to
                 ``fusekit.fuse`` in the order of its inputs; this method receives them in
                 the canonical client order, as ``report["clients"]`` lists it), in units set
