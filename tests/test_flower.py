@@ -107,11 +107,16 @@ def with_modules(clients):
     return clients, models
 
 
-def trained_replies(trained, first_node: int = 10) -> list[Message]:
+def trained_replies(trained, first_node: int = 10, inputs=None, **options) -> list[Message]:
+    """Each client's train reply; with ``inputs`` (node id -> its inputs or None) carrying
+    its statistics of its own model on them; ``options``: further ``train_reply``
+    arguments."""
     clients, models = trained
     return [reply(first_node + c.index,
                   train_reply(model, len(c.indices),
-                              c.checkpoint.class_counts.astype(int).tolist()))
+                              c.checkpoint.class_counts.astype(int).tolist(),
+                              statistics_inputs=None if inputs is None
+                              else inputs[first_node + c.index], **options))
             for c, model in zip(clients, models, strict=True)]
 
 
@@ -457,15 +462,17 @@ def trained_bn(digits):
     return with_modules(simulate_clients(digits, config))
 
 
-def calibrating_federation(trained, digits, statistics=None):
-    """Nodes 10-12 reply their trained model, and to a statistics query
+def calibrating_federation(trained, digits, statistics=None, targets=None, **options):
+    """Nodes 10-12 reply their trained model (with, when ``targets(node, inputs)`` gives
+    them, its statistics on those inputs), and to a statistics query
     ``statistics(node, message, inputs)`` (default: ``statistics_reply`` on the node's
     training inputs)."""
     clients, _ = trained
     inputs = {10 + c.index: digits.x_train[c.indices] for c in clients}
     answer = statistics or (lambda node, m, x: statistics_reply(m.content, x))
+    own = None if targets is None else {node: targets(node, x) for node, x in inputs.items()}
     replies = {message.metadata.src_node_id: message.content
-               for message in trained_replies(trained)}
+               for message in trained_replies(trained, inputs=own, **options)}
     return Federation(lambda node, _: replies[node],
                       lambda node, m: answer(node, m, inputs[node])), inputs
 
@@ -482,7 +489,7 @@ def calibrated_round(trained, digits, statistics):
     return strategy, result, inputs
 
 
-def fused_bn(trained):
+def fused_pfnm(trained):
     clients, _ = trained
     result = fusekit.fuse([c.checkpoint for c in clients], method="pfnm")
     return Checkpoint.from_state_dict(result.state_dict, result.metadata)
@@ -503,12 +510,9 @@ def test_calibration_pools_the_nodes_statistics_into_the_global_model(trained_bn
                             num_rounds=1)
     queries = 1 if rounds == "one-pass" else 2  # two BatchNorm layers
     assert grid.sent == ["train"] * 3 + ["query.statistics"] * 3 * queries
-    fused = fused_bn(trained_bn)
+    fused = fused_pfnm(trained_bn)
     expected = calibrate_locally(fused, [inputs[n] for n in sorted(inputs)], rounds=rounds)
-    calibrated = arrays_to_state_dict(result.arrays)
-    assert list(calibrated) == list(expected.state_dict)
-    for name, value in expected.state_dict.items():
-        np.testing.assert_allclose(calibrated[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+    calibrated = assert_same_model(result.arrays, expected.state_dict)
     assert not np.allclose(calibrated["net.1.running_var"], fused.tensor("net.1.running_var"))
     metrics = result.train_metrics_clientapp[1]
     assert metrics["pfnm.calibrated"] == 1 and metrics["pfnm.calibration-nodes"] == 3
@@ -517,6 +521,16 @@ def test_calibration_pools_the_nodes_statistics_into_the_global_model(trained_bn
     assert json.loads(strategy.global_metadata["fusekit.calibration"])["clients"] == 3
     assert f"calibration {rounds} (at least 32 inputs per node)" in caplog.text
     assert_nodes_rebuild_the_global_model(strategy, result.arrays, digits)
+
+
+def assert_same_model(arrays, expected):
+    """``arrays`` hold ``expected``'s tensors, in its order, to float32 rounding; returns
+    them."""
+    model = arrays_to_state_dict(arrays)
+    assert list(model) == list(expected)
+    for name, value in expected.items():
+        np.testing.assert_allclose(model[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+    return model
 
 
 def test_bad_statistics_are_left_out_and_calibration_proceeds_with_the_rest(
@@ -540,7 +554,7 @@ def test_bad_statistics_are_left_out_and_calibration_proceeds_with_the_rest(
     assert "variances must be finite and >= 0, found [-1.0]" in reasons[11]
     assert all(f"statistics of node {n} left out: {r}" in caplog.text
                for n, r in reasons.items())
-    fused = fused_bn(trained_bn)
+    fused = fused_pfnm(trained_bn)
     good = client_statistics(fused, inputs[12], mode="batch")
     calibrated = arrays_to_state_dict(result.arrays)
     for name, value in fusekit.calibrate(fused, [good]).state_dict.items():
@@ -576,7 +590,7 @@ def test_without_usable_statistics_the_round_keeps_the_uncalibrated_fusion(train
     assert "computed for model" in reasons[11]
     assert reasons[12] == "node 12: statistics in eval mode; the query asked for batch"
     assert "calibration failed: no node sent usable statistics" in caplog.text
-    for name, value in fused_bn(trained_bn).state_dict().items():
+    for name, value in fused_pfnm(trained_bn).state_dict().items():
         np.testing.assert_array_equal(arrays_to_state_dict(result.arrays)[name], value)
     metrics = result.train_metrics_clientapp[1]
     assert metrics["pfnm.calibrated"] == 0 and "fusekit.calibration" not in (
@@ -597,11 +611,76 @@ def test_calibration_settings_and_models_it_leaves_alone(trained, caplog):
     result = strategy.start(grid, trained_replies(trained)[0].content["arrays"], num_rounds=1)
     assert grid.sent == ["train"] * 3
     assert result.train_metrics_clientapp[1]["pfnm.calibrated"] == 0
-    assert "no BatchNorm layer: nothing to calibrate" in caplog.text
+    assert "no BatchNorm layer and no REPAIR targets: nothing to calibrate" in caplog.text
+
+
+@pytest.fixture(scope="module")
+def trained_plain(digits):
+    """Three MLP clients without BatchNorm, two hidden layers, from their own initial
+    weights on non-iid digits."""
+    config = SimulationConfig(clients=3, partition="dirichlet", alpha=0.5, arch="mlp:16,16",
+                              train=TrainConfig(epochs=2))
+    return with_modules(simulate_clients(digits, config))
+
+
+@pytest.mark.parametrize("rounds", ["one-pass", "layerwise"])
+def test_repair_targets_from_the_train_replies_calibrate_a_model_without_batchnorm(
+        trained_plain, digits, rounds, caplog):
+    """Each node's train reply carries its statistics of its own model: with them the
+    strategy calibrates every hidden layer of a plain MLP (REPAIR), as
+    ``calibrate_locally(..., clients=...)`` does with the nodes' data at hand."""
+    caplog.set_level(logging.INFO, logger="fusekit")
+    clients, _ = trained_plain
+    grid, inputs = calibrating_federation(trained_plain, digits, targets=lambda node, x: x)
+    strategy = FusekitStrategy("pfnm", fraction_evaluate=0, calibrate=True,
+                               calibration_rounds=rounds)
+    result = strategy.start(grid, trained_replies(trained_plain)[0].content["arrays"],
+                            num_rounds=1)
+    queries = 1 if rounds == "one-pass" else 2  # two hidden layers
+    assert grid.sent == ["train"] * 3 + ["query.statistics"] * 3 * queries
+    fused = fused_pfnm(trained_plain)
+    expected = calibrate_locally(fused, [inputs[n] for n in sorted(inputs)],
+                                 clients=[c.checkpoint for c in clients], rounds=rounds)
+    calibrated = assert_same_model(result.arrays, expected.state_dict)
+    assert not np.allclose(calibrated["net.0.weight"], fused.tensor("net.0.weight"))
+    metrics = result.train_metrics_clientapp[1]
+    assert metrics["pfnm.calibrated"] == 1 and metrics["pfnm.calibration-repair"] == 1
+    assert metrics["pfnm.calibration-rounds"] == queries
+    assert json.loads(strategy.global_metadata["fusekit.calibration"])["repair"] is True
+    assert "REPAIR targets of every layer without BatchNorm" in caplog.text
+    assert strategy.left_out_targets == {}
+
+
+def test_without_every_nodes_targets_layers_without_batchnorm_are_left_as_they_are(
+        trained_plain, digits, caplog):
+    """A node that sent no statistics of its own model, one that sent them over too few
+    inputs: each logged in one line; the plain MLP is not calibrated (no query)."""
+
+    def targets(node, x):
+        return {10: None, 11: x[:8]}.get(node, x)
+
+    with pytest.raises(DataError, match="N >= 32"):  # the node refuses by default
+        train_reply(trained_plain[1][1], 8, statistics_inputs=digits.x_train[:8])
+    caplog.set_level(logging.INFO, logger="fusekit")
+    grid, _ = calibrating_federation(trained_plain, digits, targets=targets, min_samples=1)
+    strategy = FusekitStrategy("pfnm", fraction_evaluate=0, calibrate=True)
+    result = strategy.start(grid, trained_replies(trained_plain)[0].content["arrays"],
+                            num_rounds=1)
+    reasons = strategy.left_out_targets
+    assert sorted(reasons) == [10, 11]
+    assert "node 10: no statistics of its own model in its train reply" in reasons[10]
+    assert "node 11: statistics over 8 inputs; at least 32 are required" in reasons[11]
+    assert all(f"REPAIR targets of node {n} unusable: {r}" in caplog.text
+               for n, r in reasons.items())
+    assert "REPAIR targets from 1 of 3 fused nodes" in caplog.text
+    assert grid.sent == ["train"] * 3
+    assert result.train_metrics_clientapp[1]["pfnm.calibrated"] == 0
+    for name, value in fused_pfnm(trained_plain).state_dict().items():
+        np.testing.assert_array_equal(arrays_to_state_dict(result.arrays)[name], value)
 
 
 def test_statistics_reply_refuses_too_few_inputs_and_other_messages(trained_bn, digits):
-    fused = fused_bn(trained_bn)
+    fused = fused_pfnm(trained_bn)
     content = statistics_query(fused.state_dict(), fused.metadata, [24, 24], "batch")
     with pytest.raises(DataError, match="N >= 32"):
         statistics_reply(content, digits.x_train[:31])

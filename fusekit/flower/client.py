@@ -1,6 +1,7 @@
-"""The ClientApp side: pack a trained torch model into a train reply, rebuild the global
-model the server sends (whose widths a PFNM/NAFI round changed), and answer calibration's
-statistics query."""
+"""The ClientApp side: pack a trained torch model into a train reply (with, for
+calibration's REPAIR, the node's statistics of that model), rebuild the global model the
+server sends (whose widths a PFNM/NAFI round changed), and answer calibration's statistics
+query."""
 
 from __future__ import annotations
 
@@ -39,6 +40,8 @@ def train_reply(
     metrics: Mapping[str, Any] | None = None,
     arrays_key: str = "arrays",
     metrics_key: str = "metrics",
+    statistics_inputs: Any = None,
+    min_samples: int = DEFAULT_MIN_SAMPLES,
 ) -> RecordDict:
     """The content of a train reply that :class:`FusekitStrategy` can fuse.
 
@@ -50,10 +53,19 @@ def train_reply(
             fusion such as ``avg --class-weighted``).
         metrics: further client metrics (numbers or lists of numbers), e.g. ``train-loss``.
         arrays_key, metrics_key: the record names (FedAvg's defaults).
+        statistics_inputs: (N, ...) this node's inputs (the training inputs): the reply
+            also carries the per-channel count, mean and variance of every hidden
+            pre-activation and BatchNorm input of ``model`` on them (records
+            ``statistics`` and ``fusekit-stats``, as :func:`statistics_reply`), REPAIR's
+            targets for :class:`FusekitStrategy`'s calibration of layers without BatchNorm.
+            No input, label or per-sample value.
+        min_samples: refuse to compute those statistics over fewer inputs.
 
     Raises:
         ParameterError: a count is not a non-negative integer, or the class counts do not
             add up to ``num_examples``.
+        DataError: ``statistics_inputs`` that do not fit the model, or fewer than
+            ``min_samples``.
     """
     if int(num_examples) != num_examples or num_examples <= 0:
         raise ParameterError(f"num_examples: expected a positive integer, found {num_examples!r}")
@@ -72,7 +84,20 @@ def train_reply(
     arch = getattr(model, "arch", None)
     if isinstance(arch, Mapping):
         content[ARCH_RECORD] = ConfigRecord({ARCH: json.dumps(dict(arch))})
+    if statistics_inputs is not None:
+        metadata = {meta.ARCH: json.dumps(dict(arch))} if isinstance(arch, Mapping) else {}
+        own = Checkpoint.from_state_dict({name: t.numpy() for name, t in state.items()},
+                                         metadata, source="trained model")
+        stats = client_statistics(own, _numpy(statistics_inputs), min_samples=min_samples)
+        content.update(statistics_content(stats))
     return content
+
+
+def _numpy(inputs: Any) -> np.ndarray:
+    """A numpy array or torch tensor of inputs as a numpy array."""
+    if hasattr(inputs, "detach"):  # a torch tensor
+        inputs = inputs.detach().cpu().numpy()
+    return np.asarray(inputs)
 
 
 def global_model(content: RecordDict, arch: Mapping[str, Any] | None = None, *,
@@ -118,8 +143,6 @@ def statistics_reply(content: RecordDict, inputs: Any, *, batch_size: int = 1024
         DataError: inputs that do not fit the model, or fewer than ``min_samples``.
     """
     checkpoint, mode = query_checkpoint(content)
-    if hasattr(inputs, "detach"):  # a torch tensor
-        inputs = inputs.detach().cpu().numpy()
-    stats = client_statistics(checkpoint, np.asarray(inputs), mode=mode,
+    stats = client_statistics(checkpoint, _numpy(inputs), mode=mode,
                               batch_size=batch_size, device=device, min_samples=min_samples)
     return statistics_content(stats)

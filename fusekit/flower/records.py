@@ -2,8 +2,10 @@
 
 A ClientApp's train reply holds one ``ArrayRecord`` (the model's state_dict, tensor names
 kept), one ``MetricRecord`` with ``num-examples`` (and, optionally, ``class-counts``: one
-count per class) and, for fusekit models, a ``ConfigRecord`` with the architecture
-(``fusekit-arch``, the ``fusekit.arch`` JSON). After a fusion the server sends, in the train
+count per class), for fusekit models a ``ConfigRecord`` with the architecture
+(``fusekit-arch``, the ``fusekit.arch`` JSON) and, optionally, the node's statistics of its
+own model (the ``statistics`` ArrayRecord and ``fusekit-stats`` ConfigRecord of a
+statistics reply, below): REPAIR's targets. After a fusion the server sends, in the train
 and evaluate ``ConfigRecord``, what ``fusekit.load_fused`` rebuilds the global model from:
 ``fusekit-arch``, ``fusekit-spec`` and ``fusekit-ams`` where the fused model has them, and
 ``fusekit-widths`` (the fused hidden widths, which PFNM/NAFI change).
@@ -69,11 +71,15 @@ def reply_checkpoint(content: RecordDict, source: str,
     """A client's train reply as a fusekit checkpoint, checked as ``fusekit fuse`` checks a
     file: tensor dtypes, finite values, sample and class counts, architecture.
 
+    The model is the reply's one ArrayRecord other than ``statistics`` (the node's
+    statistics of it, :func:`reply_targets`).
+
     Raises:
         CheckpointError: the reply lacks its ArrayRecord, MetricRecord or sample count, or
             holds values fusekit cannot fuse (the message names ``source``).
     """
-    arrays = _only(content.array_records, "ArrayRecord", source)
+    arrays = _only({name: record for name, record in content.array_records.items()
+                    if name != STATS_ARRAYS}, "model ArrayRecord", source)
     metrics = _only(content.metric_records, "MetricRecord", source)
     if weighted_by_key not in metrics:
         raise CheckpointError(
@@ -168,6 +174,18 @@ def reply_statistics(content: RecordDict, source: str) -> Statistics:
     except (TypeError, ValueError) as exc:  # arrays that are not numbers
         raise StatisticsError(f"{source}: statistics that are not float arrays ({exc})"
                               ) from None
+
+
+def reply_targets(content: RecordDict, source: str) -> Statistics | None:
+    """The node's statistics of its own model a train reply carries (REPAIR's targets),
+    parsed, or None when it carries none.
+
+    Raises:
+        StatisticsError: they are malformed (the message names ``source``).
+    """
+    if STATS_ARRAYS not in content.array_records:
+        return None
+    return reply_statistics(content, source)
 
 
 def _only(records: Mapping, kind: str, source: str):

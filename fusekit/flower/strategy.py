@@ -16,7 +16,11 @@ fuse every round.
 With ``calibrate=True`` each fused model is calibrated before it becomes the round's
 global model (ALGORITHMS.md §12): query rounds, no training, send it to the nodes whose
 models were fused; each replies with per-channel statistics of it on its own data
-(:func:`fusekit.flower.statistics_reply`) and :func:`fusekit.calibrate` pools them.
+(:func:`fusekit.flower.statistics_reply`) and :func:`fusekit.calibrate` pools them. Where
+every fused node's train reply also carried its statistics of its own model
+(``train_reply(..., statistics_inputs=...)``) and the fusion recorded which node neurons
+went into each fused neuron, those are REPAIR's targets: every hidden layer is calibrated,
+those without BatchNorm too.
 """
 
 from __future__ import annotations
@@ -55,10 +59,12 @@ from fusekit.toolkit.rounds import ENSEMBLES, EVERY_ROUND, round_method
 from .records import (
     CLASS_COUNTS,
     STATISTICS_QUERY,
+    STATS_ARRAYS,
     arrays_to_state_dict,
     model_config,
     reply_checkpoint,
     reply_statistics,
+    reply_targets,
     state_dict_to_arrays,
     statistics_query,
 )
@@ -94,10 +100,13 @@ class FusekitStrategy(FedAvg):
         calibrate: calibrate every fused model with the statistics the nodes whose models
             it fused compute on their own data (query rounds after the fusion; the
             ClientApp answers them with ``statistics_reply``): BatchNorm layers get the
-            pooled statistics. A model without BatchNorm is left as it is.
+            pooled statistics. Layers without BatchNorm are renormalised to REPAIR's
+            targets when every fused node's train reply carried its statistics of its own
+            model (``train_reply(..., statistics_inputs=...)``) and the method recorded its
+            assignments (PFNM, NAFI, OT, re-basin, avg); else they are left as they are.
         calibration_rounds: ``"one-pass"`` (default: one query round, each BatchNorm
             normalised by the node's batch statistics) or ``"layerwise"`` (one query round
-            per BatchNorm layer, input to output: exact, one network round trip each).
+            per calibrated layer, input to output: exact, one network round trip each).
         calibration_min_samples: refuse a node's statistics over fewer inputs (they come
             close to revealing them).
         **fedavg: FedAvg's own arguments (``fraction_train``, ``min_train_nodes``,
@@ -172,6 +181,9 @@ class FusekitStrategy(FedAvg):
         self.fused_rounds = 0
         #: Why nodes' statistics were left out of the last calibration (node id -> reason).
         self.left_out_statistics: dict[int, str] = {}
+        #: Why nodes' statistics of their own models (REPAIR's targets) were not usable in
+        #: the last calibration (node id -> reason).
+        self.left_out_targets: dict[int, str] = {}
         #: The Grid of the round being run (calibration queries the nodes through it).
         self._grid: Grid | None = None
         self._timeout = 3600.0
@@ -294,7 +306,9 @@ class FusekitStrategy(FedAvg):
         if self.calibrate:
             fused_nodes = [reply.metadata.src_node_id for reply in replies
                            if reply.metadata.src_node_id not in self.left_out]
-            result, calibration = self.calibrated(server_round, result, fused_nodes)
+            targets = self.repair_targets(server_round, result,
+                                          dict(zip(fused_nodes, usable, strict=True)))
+            result, calibration = self.calibrated(server_round, result, fused_nodes, targets)
         self.last_fusion, self.global_metadata = result, dict(result.metadata)
         self.fused_rounds += 1
         metrics = self._round_metrics(usable, result, elapsed)
@@ -315,24 +329,72 @@ class FusekitStrategy(FedAvg):
         })
         return metrics
 
-    def calibrated(self, server_round: int, fused: FusionResult, nodes: Sequence[int]
-                   ) -> tuple[FusionResult, dict[str, Any]]:
+    def repair_targets(self, server_round: int, fused: FusionResult,
+                       replies: Mapping[int, tuple[Checkpoint, RecordDict]]
+                       ) -> list[Statistics]:
+        """REPAIR's targets: the fused nodes' statistics of their own models (``replies``:
+        each fused node's model and train reply), each screened against that node's model
+        (content hash, points and widths, counts, finite non-negative variances, at least
+        ``calibration_min_samples`` inputs).
+
+        All or none: empty when no node sent any, when the fusion recorded no assignments
+        (no client neuron maps to a fused one: Fed²), or when any fused node's are
+        missing or unusable (each such node logged in one line and kept in
+        ``self.left_out_targets``; a fused neuron matched only to its neurons would have
+        no target). Layers without BatchNorm are then left as they are.
+        """
+        self.left_out_targets = {}
+        if not any(STATS_ARRAYS in content.array_records for _, content in replies.values()):
+            return []
+        if meta.ASSIGNMENTS not in fused.metadata:
+            log.info("round %d: the %s fusion recorded no assignments of the nodes' neurons: "
+                     "their statistics of their own models (REPAIR's targets) are not used",
+                     server_round, fused.method)
+            return []
+        targets: dict[int, Statistics] = {}
+        for node, (checkpoint, content) in replies.items():
+            try:
+                own = reply_targets(content, f"node {node}")
+                if own is None:
+                    raise StatisticsError(
+                        f"node {node}: no statistics of its own model in its train reply "
+                        "(train_reply(..., statistics_inputs=...))")
+                check_statistics(own, model=checkpoint.content_hash,
+                                 points=statistic_points(client_spec(checkpoint, self.spec)),
+                                 min_samples=self.calibration_min_samples)
+                targets[node] = own
+            except FusekitError as exc:
+                self.left_out_targets[node] = str(exc)
+        for node, reason in self.left_out_targets.items():
+            log.warning("round %d: REPAIR targets of node %d unusable: %s", server_round, node,
+                        reason)
+        if self.left_out_targets:
+            log.warning("round %d: REPAIR targets from %d of %d fused nodes: layers without "
+                        "BatchNorm are left as they are", server_round, len(targets),
+                        len(replies))
+            return []
+        return [targets[node] for node in replies]
+
+    def calibrated(self, server_round: int, fused: FusionResult, nodes: Sequence[int],
+                   targets: Sequence[Statistics] = ()) -> tuple[FusionResult, dict[str, Any]]:
         """``fused`` calibrated with the statistics ``nodes`` compute of it on their own data,
         in query rounds through the round's Grid (``calibration_rounds``): one pass, or one
-        round per BatchNorm layer, each on the model calibrated so far.
+        round per calibrated layer, each on the model calibrated so far. With ``targets``
+        (:meth:`repair_targets`) every hidden layer is calibrated, else the BatchNorm ones.
 
         Statistics replies are screened as ``fusekit calibrate`` screens files; a reply that
         fails (an error, malformed, another model, too few inputs) is logged and left out
         (``self.left_out_statistics``). A query round without any usable reply ends the
         calibration: the round's global model is then the uncalibrated fusion (logged as an
-        error). A model without BatchNorm is returned as it is, without a query.
+        error). A model without BatchNorm is returned as it is, without a query, unless
+        there are targets.
 
         Returns:
             The calibrated model (the same names, shapes and widths; its metadata holds
             ``fusekit.calibration``), and the round's calibration metrics: ``calibrated``
             (1 or 0), ``calibration-rounds``, ``calibration-nodes`` (the nodes whose
             statistics were pooled in the last query round), ``calibration-samples`` and
-            ``calibration-time-s``.
+            ``calibration-time-s``, ``calibration-repair`` (1 with targets, else 0).
         """
         if self._grid is None:
             raise ParameterError("calibrate: the strategy queries the nodes through the "
@@ -340,10 +402,10 @@ class FusekitStrategy(FedAvg):
         start = time.perf_counter()
         current = Checkpoint.from_state_dict(fused.state_dict, fused.metadata,
                                              source=f"round {server_round}'s fusion")
-        layers = calibration_layers(fused_spec(current), repair=False)
+        layers = calibration_layers(fused_spec(current), repair=bool(targets))
         if not layers:
-            log.info("round %d: the fused model has no BatchNorm layer: nothing to calibrate",
-                     server_round)
+            log.info("round %d: the fused model has no BatchNorm layer and no REPAIR targets: "
+                     "nothing to calibrate", server_round)
             return fused, {"calibrated": 0, "calibration-rounds": 0}
         steps = ([("batch", None)] if self.calibration_rounds == "one-pass"
                  else [("eval", [name]) for name in layers])
@@ -355,7 +417,7 @@ class FusekitStrategy(FedAvg):
                           "query round %d of %d; the global model is the uncalibrated fusion",
                           server_round, number, len(steps))
                 return fused, {"calibrated": 0, "calibration-rounds": number}
-            result = fusekit.calibrate(current, stats, layers=chosen,
+            result = fusekit.calibrate(current, stats, targets=targets, layers=chosen,
                                        min_samples=self.calibration_min_samples)
             current = Checkpoint.from_state_dict(result.state_dict, result.metadata,
                                                  source=f"round {server_round}'s fusion")
@@ -365,12 +427,14 @@ class FusekitStrategy(FedAvg):
         result.widths = fused.widths
         elapsed = time.perf_counter() - start
         log.info("round %d: calibrated with the statistics of %d node(s) over %d inputs "
-                 "(%s, %d query round(s)) in %.2f s", server_round, report["clients"],
-                 report["samples"], self.calibration_rounds, len(steps), elapsed)
+                 "(%s, %d query round(s)) in %.2f s%s", server_round, report["clients"],
+                 report["samples"], self.calibration_rounds, len(steps), elapsed,
+                 ", REPAIR targets of every layer without BatchNorm" if targets else "")
         return result, {"calibrated": 1, "calibration-rounds": len(steps),
                         "calibration-nodes": report["clients"],
                         "calibration-samples": report["samples"],
-                        "calibration-time-s": elapsed}
+                        "calibration-time-s": elapsed,
+                        "calibration-repair": int(bool(targets))}
 
     def _query_statistics(self, server_round: int, model: Checkpoint, mode: str,
                           nodes: Sequence[int]) -> list[Statistics]:

@@ -1,5 +1,6 @@
 """The ClientApp: train on this node's part of the digits, reply with the model and its
-sample and class counts; evaluate the global model (fused widths) on the same data; answer
+sample and class counts (with calibration, also its per-channel statistics of that model:
+REPAIR's targets); evaluate the global model (fused widths) on the same data; answer
 calibration's statistics query with per-channel aggregates of that data (nothing else)."""
 
 from __future__ import annotations
@@ -36,7 +37,10 @@ def train(msg: Message, context: Context) -> Message:
         seed=derive_seed(seed, "order", node))
     content = train_reply(model, len(indices),
                           class_counts(data.y_train, indices, data.num_classes),
-                          metrics={"train-loss": training.epoch_losses[-1]})
+                          metrics={"train-loss": training.epoch_losses[-1]},
+                          # REPAIR's targets for layers without BatchNorm
+                          statistics_inputs=data.x_train[indices] if config["calibrate"]
+                          else None)
     return Message(content, reply_to=msg)
 
 
