@@ -7,7 +7,8 @@ accuracy and hidden widths per round, and stops every process it started. An ent
 ``method[:rounds[:later]]`` (``later``: ``rematch`` fuses the later rounds with the method
 again) followed by options: ``+bn`` the BatchNorm MLP of ``--bn-arch`` in place of the
 run config's MLP, ``+calibrate`` each fused model calibrated with the nodes' statistics in
-one query round, ``+layerwise`` in one query round per BatchNorm layer.
+one query round, ``+layerwise`` in one query round per calibrated layer (each BatchNorm
+layer; every hidden layer when the nodes send REPAIR targets).
 
     python examples/flower/demo.py [--runs avg,pfnm,pfnm:3,pfnm+bn+calibrate] [--nodes 3]
 """

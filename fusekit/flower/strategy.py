@@ -74,7 +74,7 @@ T = TypeVar("T")
 
 #: What fuses the rounds after a method that rematches neurons has fused one.
 LATER_ROUNDS = ("avg", "rematch")
-#: How calibration queries the nodes: one round per BatchNorm layer, each with the layers
+#: How calibration queries the nodes: one round per calibrated layer, each with the layers
 #: below already calibrated (exact), or one round with every BatchNorm normalised by the
 #: node's batch statistics (approximate; as ``calibrate_locally``'s ``rounds``).
 CALIBRATION_ROUNDS = ("one-pass", "layerwise")
