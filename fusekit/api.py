@@ -401,7 +401,7 @@ def align(
     min_samples: int = DEFAULT_MIN_SAMPLES,
 ) -> FusionResult:
     """Re-match every client to a reference by activations and re-fuse (an alignment
-    round, ALGORITHMS.md §12.4).
+    round, ALGORITHMS.md §12).
 
     Args:
         reference: the fused model the clients ran (best calibrated first: its

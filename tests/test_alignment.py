@@ -1,4 +1,4 @@
-"""Alignment rounds (ALGORITHMS.md §12.4): cross statistics of a reference and a client's
+"""Alignment rounds (ALGORITHMS.md §12): cross statistics of a reference and a client's
 own model, activation matching to the reference, re-fusion, and the checks on untrusted
 cross statistics."""
 

@@ -1,4 +1,4 @@
-"""Cross statistics: what a client sends for an alignment round (ALGORITHMS.md §12.4).
+"""Cross statistics: what a client sends for an alignment round (ALGORITHMS.md §12).
 
 A client runs the *reference* (the fused model the server sent) and its *own* model on its
 own data, side by side, and records per hidden layer's pre-activation

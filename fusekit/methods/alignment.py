@@ -1,5 +1,5 @@
 """Alignment round: re-match every client to a reference by activations, then re-fuse
-(ALGORITHMS.md §12.4). Numpy only: the forward passes run in :mod:`fusekit.toolkit`.
+(ALGORITHMS.md §12). Numpy only: the forward passes run in :mod:`fusekit.toolkit`.
 
 Each client sends the cross statistics (:mod:`fusekit.core.cross_stats`) of the reference
 (the fused model) and its own model on its own data. Per permutation group, the Pearson

@@ -1,4 +1,4 @@
-"""The forward passes of an alignment round (ALGORITHMS.md §12.4): a client's cross
+"""The forward passes of an alignment round (ALGORITHMS.md §12): a client's cross
 statistics of the reference (the fused model sent back) and its own model on its own data,
 and the whole round run locally for simulations, demos and benchmarks.
 
