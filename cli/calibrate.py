@@ -135,12 +135,17 @@ def _cross_stats(reference: Path, own: Path, inputs, name: str, output: Path,
     from fusekit.toolkit.alignment import cross_statistics, refit_statistics
 
     options = {"batch_size": batch_size, "device": device, "min_samples": min_samples}
+    try:
+        if layer is None:
+            result = cross_statistics(reference, own, inputs, **options)
+        else:
+            result = refit_statistics(reference, own, inputs, layer, **options)
+    except DataError as exc:  # name the option, not the library's argument
+        raise DataError(str(exc).replace("(min_samples)", "(--min-samples)")) from None
     if layer is None:
-        result = cross_statistics(reference, own, inputs, **options)
         written = save_cross_statistics(output, result, force=force)
         what = f"cross statistics of {len(result.points)} layers"
     else:
-        result = refit_statistics(reference, own, inputs, layer, **options)
         written = save_refit_statistics(output, result, force=force)
         what = f"refit statistics of layer {layer}"
     summary = {"output": str(written), "reference": result.reference, "model": result.model,

@@ -29,7 +29,7 @@ from fusekit.core.cross_stats import (
 from fusekit.core.errors import DataError, ParameterError
 from fusekit.core.stats import DEFAULT_MIN_SAMPLES, preactivation_point
 from fusekit.methods.base import FusionResult
-from fusekit.toolkit.calibration import DEFAULT_BATCH_SIZE, calibrate_locally
+from fusekit.toolkit.calibration import DEFAULT_BATCH_SIZE, calibrate_locally, checked_inputs
 from fusekit.toolkit.nn.fused import load_fused, preactivation_modules
 
 log = logging.getLogger(__name__)
@@ -129,13 +129,8 @@ def cross_statistics(
 
 def _paired(reference, own, inputs, batch_size: int, min_samples: int):
     """The two models (checkpoints), their specs and the inputs, checked."""
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ParameterError(f"batch_size: expected an integer >= 1, found {batch_size!r}")
+    inputs = checked_inputs(inputs, batch_size, min_samples)
     models = [m if isinstance(m, Checkpoint) else load_checkpoint(m) for m in (reference, own)]
-    inputs = np.asarray(inputs)
-    if inputs.ndim < 2 or len(inputs) < max(min_samples, 1):
-        raise DataError(f"statistics: expected inputs of shape (N, ...) with N >= "
-                        f"{max(min_samples, 1)} (--min-samples), found {inputs.shape}")
     specs = [api.fused_spec(m) for m in models]
     if [layer.name for layer in specs[0].layers] != [layer.name for layer in specs[1].layers]:
         raise ParameterError(

@@ -113,6 +113,23 @@ class _InputAccumulator:
         return InputMoments(self.total.count, self.total.mean, (cov + cov.T) / 2)
 
 
+def checked_inputs(inputs, batch_size: int, min_samples: int) -> np.ndarray:
+    """``inputs`` as an array of at least ``min_samples`` samples, and ``batch_size``
+    checked: what every statistics pass over a client's data requires.
+
+    Raises:
+        ParameterError: a batch size < 1.
+        DataError: inputs that are not (N, ...) with N >= ``min_samples``.
+    """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ParameterError(f"batch_size: expected an integer >= 1, found {batch_size!r}")
+    inputs = np.asarray(inputs)
+    if inputs.ndim < 2 or len(inputs) < max(min_samples, 1):
+        raise DataError(f"statistics: expected inputs of shape (N, ...) with N >= "
+                        f"{max(min_samples, 1)} (min_samples), found {inputs.shape}")
+    return inputs
+
+
 def client_statistics(
     model: Checkpoint | str | os.PathLike[str],
     inputs: np.ndarray,
@@ -152,13 +169,8 @@ def client_statistics(
     """
     if mode not in MODES:
         raise ParameterError(f"mode: expected one of {list(MODES)}, found {mode!r}")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ParameterError(f"batch_size: expected an integer >= 1, found {batch_size!r}")
+    inputs = checked_inputs(inputs, batch_size, min_samples)
     checkpoint = model if isinstance(model, Checkpoint) else load_checkpoint(model)
-    inputs = np.asarray(inputs)
-    if inputs.ndim < 2 or len(inputs) < max(min_samples, 1):
-        raise DataError(f"statistics: expected inputs of shape (N, ...) with N >= "
-                        f"{max(min_samples, 1)} (min_samples), found {inputs.shape}")
     if checkpoint.config is not None:  # a Hugging Face transformer: no BatchNorm
         if input_moments:
             raise ParameterError(f"input_moments: {checkpoint.label} is a transformer; input "
