@@ -71,9 +71,9 @@ def test_cross_statistics_against_a_permuted_copy_give_back_the_permutation(kind
     assigned, correlation = match_to_reference(group_correlations(spec, cross))
     for group, perm in enumerate(perms):
         np.testing.assert_array_equal(assigned[group], perm)
-    writers = np.array([spec.writes.count(g) for g in range(len(perms))])
-    # 1 per writing layer (a residual stream sums them), less a constant channel's 0
-    assert np.all(correlation <= writers + 1e-9) and np.all(correlation > 0.9 * writers)
+    # a copy correlates 1 with itself in every writing layer (a residual stream's are
+    # averaged), less a constant channel's 0
+    assert np.all(np.array(correlation) <= 1 + 1e-9) and np.all(np.array(correlation) > 0.9)
 
 
 @pytest.mark.parametrize("kind", ["mlp", "resnet"])
@@ -85,7 +85,9 @@ def test_aligning_permuted_copies_gives_back_the_same_function(kind):
     aligned = Checkpoint.from_state_dict(result.state_dict, result.metadata)
     np.testing.assert_allclose(_outputs(aligned, x), _outputs(model, x), rtol=1e-4, atol=1e-4)
     assert result.widths == infer_spec({k: v.shape for k, v in model.tensors.items()}).hidden_widths
-    assert result.report["alignment"]["mean_correlation"] > 0.999
+    # every matched channel correlates 1 with itself, but a channel constant on these
+    # inputs counts 0 (two such in the ResNet's stage 3)
+    assert 0.99 < result.report["alignment"]["mean_correlation"] <= 1
     assert json.loads(result.metadata["fusekit.alignment"])["reference"] == model.content_hash
     assert "fusekit.assignments" in result.metadata and "fusekit.norm_targets" in result.metadata
 

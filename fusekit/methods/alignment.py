@@ -35,24 +35,27 @@ def cross_points(spec) -> dict[str, int]:
 
 def group_correlations(spec, cross: CrossStatistics) -> list[np.ndarray]:
     """Per group of ``spec``, the (R_g, O_g) correlations of the reference's channels with
-    the client's, summed over the group's writing layers."""
+    the client's, averaged over the group's writing layers (a mean, so that a matched score
+    stays a correlation; the assignment is that of the sum)."""
     out: list[np.ndarray | None] = [None] * len(spec.group_names)
+    writers = [0] * len(spec.group_names)
     for layer, group in zip(spec.layers, spec.writes, strict=True):
         if group is None:
             continue
         correlation = cross.points[preactivation_point(layer.name)].correlation()
         out[group] = correlation if out[group] is None else out[group] + correlation
+        writers[group] += 1
     if any(c is None for c in out):
         raise StatisticsError(f"{cross.label}: a permutation group has no writing layer")
-    return out
+    return [total / count for total, count in zip(out, writers, strict=True)]
 
 
 def match_to_reference(correlations: Sequence[np.ndarray],
                        solver: Callable[..., tuple] = solve_assignment
                        ) -> tuple[list[np.ndarray], list[float]]:
-    """Per group, the reference neuron of each client neuron maximising the summed
-    correlation (-1 where the reference is narrower), and the mean matched correlation
-    per writing layer."""
+    """Per group, the reference neuron of each client neuron maximising the total
+    correlation (-1 where the reference is narrower), and the group's mean matched
+    correlation."""
     assignments, scores = [], []
     for correlation in correlations:
         rows, cols = solver(correlation.T, maximize=True)
