@@ -222,8 +222,8 @@ CASES = [
     Case("directory", with_bad(lambda f: (f / "dir.safetensors").mkdir() or
                                f / "dir.safetensors"),
          CheckpointNotFoundError,
-         r"dir\.safetensors: cannot read the checkpoint file: expected a regular file, found a "
-         r"directory"),
+         r"dir\.safetensors: a folder without config\.json; expected a \.safetensors file "
+         r"or a Hugging Face model folder"),
     Case("fifo", bad_file(fifo), CheckpointNotFoundError,
          r"bad\.safetensors: cannot read the checkpoint file: expected a regular file, found a "
          r"FIFO"),

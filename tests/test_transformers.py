@@ -21,6 +21,7 @@ from fusekit.core import metadata as meta
 from fusekit.core.checkpoint import load_checkpoint
 from fusekit.core.errors import (
     CheckpointError,
+    CheckpointNotFoundError,
     DataError,
     IncompatibleModelsError,
     ParameterError,
@@ -518,3 +519,10 @@ def test_ams_keeps_every_classifier_and_answers_with_the_most_confident(tmp_path
     lm = save(tiny_model("gpt2"), tmp_path / "lm")
     with pytest.raises(IncompatibleModelsError, match="classifiers.*GPT2LMHeadModel"):
         fusekit.fuse([lm, lm], method="ams")
+
+
+def test_a_folder_without_config_json_is_named_as_such(tmp_path):
+    (tmp_path / "weights").mkdir()
+    with pytest.raises(CheckpointNotFoundError, match=r"weights: a folder without config\.json; "
+                       r"expected a \.safetensors file or a Hugging Face model folder"):
+        load_checkpoint(tmp_path / "weights")

@@ -446,8 +446,12 @@ def load_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
             unsupported dtypes, zero-size or malformed tensors, or malformed fusekit metadata.
     """
     path = Path(path)
-    if path.is_dir() and (path / HF_CONFIG).exists():
-        return load_model_folder(path)
+    if path.is_dir():
+        if (path / HF_CONFIG).exists():
+            return load_model_folder(path)
+        raise CheckpointNotFoundError(
+            f"{path}: a folder without {HF_CONFIG}; expected a .safetensors file or a "
+            f"Hugging Face model folder ({HF_CONFIG} beside model.safetensors)")
     return _validate(_read_header(path))
 
 
