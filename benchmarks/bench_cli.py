@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench_support import machine_info, write_json, write_section
+from bench_support import add_output_arguments, machine_info, write_json, write_section
 
 HERE = Path(__file__).resolve().parent
 BEGIN, END = "<!-- cli:begin -->", "<!-- cli:end -->"
@@ -66,9 +66,7 @@ def render(payload: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=20, help="runs of each command [20]")
-    parser.add_argument("--json-out", type=Path, default=HERE / "results" / "cli.json")
-    parser.add_argument("--results-md", type=Path, default=HERE / "RESULTS.md")
-    parser.add_argument("--no-write", action="store_true", help="do not touch RESULTS.md")
+    add_output_arguments(parser, HERE / "results" / "cli.json")
     args = parser.parse_args(argv)
     payload = {"machine": machine_info(), "runs": args.runs, "times": measure(args.runs),
                "load_average": os.getloadavg()[0]}

@@ -48,7 +48,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from bench_support import machine_info, save_figure, write_section
+from bench_support import add_output_arguments, machine_info, save_figure, write_section
 
 import fusekit
 from fusekit.core.checkpoint import write_atomic
@@ -788,16 +788,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=None, help="seeds per cell [3; quick 2]")
     parser.add_argument("--data-dir", type=Path, default=None, help="folder with MNIST files")
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--json-out", type=Path, default=HERE / "results" / "quality.json")
     parser.add_argument("--plot", type=Path, default=HERE / "results" / "quality_alpha.png")
-    parser.add_argument("--results-md", type=Path, default=HERE / "RESULTS.md")
-    parser.add_argument("--no-write", action="store_true", help="do not touch RESULTS.md")
-    parser.add_argument(
-        "--from-json",
-        type=Path,
-        default=None,
-        help="re-render the tables and plot from a saved JSON, no runs",
-    )
+    add_output_arguments(parser, HERE / "results" / "quality.json", "the tables and plot")
     parser.add_argument("--frontier", action="store_true",
                         help="run only the accuracy-against-width study")
     parser.add_argument("--data", nargs="+", choices=("digits", "synthetic", "npz", "mnist"),

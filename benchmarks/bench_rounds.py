@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from bench_support import machine_info, save_figure, write_json, write_section
+from bench_support import add_output_arguments, machine_info, save_figure, write_json, write_section
 
 from fusekit.toolkit.data import load_dataset
 from fusekit.toolkit.rounds import RoundsConfig, run_rounds
@@ -206,12 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--momentum", type=float, default=0.0,
                         help="local SGD momentum [0, as in the FedNLR paper]")
     parser.add_argument("--device", default="cpu", help="auto, cpu or cuda [cpu]")
-    parser.add_argument("--json-out", type=Path, default=HERE / "results" / "rounds.json")
     parser.add_argument("--plot", type=Path, default=HERE / "results" / "rounds.png")
-    parser.add_argument("--results-md", type=Path, default=HERE / "RESULTS.md")
-    parser.add_argument("--no-write", action="store_true", help="do not touch RESULTS.md")
-    parser.add_argument("--from-json", type=Path, default=None,
-                        help="re-render the table and plot from a saved JSON, no runs")
+    add_output_arguments(parser, HERE / "results" / "rounds.json", "the table and plot")
     args = parser.parse_args(argv)
     args.rounds = args.rounds or (5 if args.quick else 20)
     args.seeds = args.seeds or (2 if args.quick else 3)

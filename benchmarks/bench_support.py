@@ -41,6 +41,18 @@ def status_mb(field: str, pid: int | str = "self") -> float:
     raise RuntimeError(f"/proc/{pid}/status has no {field} line")
 
 
+def add_output_arguments(parser: Any, json_out: Path, rerender: str | None = None) -> None:
+    """The options every benchmark that writes RESULTS.md shares: where its raw rows go
+    (``--json-out``), the RESULTS.md it writes (``--results-md``, ``--no-write``), and, with
+    ``rerender`` (what is re-rendered), ``--from-json`` to re-render without runs."""
+    parser.add_argument("--json-out", type=Path, default=json_out)
+    parser.add_argument("--results-md", type=Path, default=Path(__file__).parent / "RESULTS.md")
+    parser.add_argument("--no-write", action="store_true", help="do not touch RESULTS.md")
+    if rerender is not None:
+        parser.add_argument("--from-json", type=Path, default=None,
+                            help=f"re-render {rerender} from a saved JSON, no runs")
+
+
 def write_json(path: str | os.PathLike[str], payload: dict[str, Any]) -> None:
     """Write a benchmark's results, creating the folder; says where on stdout."""
     path = Path(path)

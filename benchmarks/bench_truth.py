@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from bench_support import machine_info, write_section
+from bench_support import add_output_arguments, machine_info, write_section
 from scipy.optimize import linear_sum_assignment
 
 import fusekit
@@ -324,11 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grid-clients", nargs="+", type=int, default=[10, 20])
     parser.add_argument("--seeds", type=int, default=4, help="grid: seeds per cell")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--json-out", type=Path, default=HERE / "results" / "truth.json")
-    parser.add_argument("--results-md", type=Path, default=HERE / "RESULTS.md")
-    parser.add_argument("--no-write", action="store_true", help="do not touch RESULTS.md")
-    parser.add_argument("--from-json", type=Path, default=None,
-                        help="re-render the section from a saved JSON, no runs")
+    add_output_arguments(parser, HERE / "results" / "truth.json", "the section")
     args = parser.parse_args(argv)
     if args.from_json is not None:
         payload = json.loads(args.from_json.read_text())
