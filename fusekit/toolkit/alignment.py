@@ -29,7 +29,12 @@ from fusekit.core.cross_stats import (
 from fusekit.core.errors import DataError, ParameterError
 from fusekit.core.stats import DEFAULT_MIN_SAMPLES, preactivation_point
 from fusekit.methods.base import FusionResult
-from fusekit.toolkit.calibration import DEFAULT_BATCH_SIZE, calibrate_locally, checked_inputs
+from fusekit.toolkit.calibration import (
+    DEFAULT_BATCH_SIZE,
+    calibrate_locally,
+    channel_samples,
+    checked_inputs,
+)
 from fusekit.toolkit.nn.fused import load_fused, preactivation_modules
 
 log = logging.getLogger(__name__)
@@ -44,7 +49,7 @@ class _CrossAccumulator:
         self.sums: list[np.ndarray] = []  # mean_r, mean_o, m2_r, m2_o, comoment
 
     def add(self, reference: torch.Tensor, own: torch.Tensor) -> None:
-        x, y = _samples(reference), _samples(own)
+        x, y = channel_samples(reference), channel_samples(own)
         n = x.shape[0]
         mx, my = x.mean(0), y.mean(0)
         dx, dy = x - mx, y - my
@@ -67,13 +72,6 @@ class _CrossAccumulator:
         mean_r, mean_o, m2_r, m2_o, co = self.sums
         n = float(self.count)
         return CrossMoments(np.array([n]), mean_r, m2_r / n, mean_o, m2_o / n, co / n)
-
-
-def _samples(value: torch.Tensor) -> torch.Tensor:
-    """(samples, C) float64: every spatial position of a conv channel is a sample."""
-    if value.dim() == 4:
-        value = value.transpose(0, 1).reshape(value.shape[1], -1).T
-    return value.detach().double()
 
 
 def cross_statistics(
@@ -272,7 +270,7 @@ def refit_statistics(
     hooks = [module.register_forward_pre_hook(
                  lambda _m, args: seen.__setitem__("u", _rows(module, args[0]))),
              preactivation_modules(networks[1], specs[1])[index].register_forward_hook(
-                 lambda _m, _a, out: seen.__setitem__("y", _samples(out)))]
+                 lambda _m, _a, out: seen.__setitem__("y", channel_samples(out)))]
     gram, cross, count = 0.0, 0.0, 0
     with _running(inputs, models[1].label, hooks):
         for batch in _batches(inputs, batch_size, device):

@@ -45,6 +45,13 @@ ROUNDS = ("layerwise", "one-pass")
 DEFAULT_BATCH_SIZE = 1024
 
 
+def channel_samples(value: torch.Tensor) -> torch.Tensor:
+    """(samples, C) float64: every spatial position of a conv channel is a sample."""
+    if value.dim() == 4:  # (N, C, H, W)
+        value = value.transpose(0, 1).reshape(value.shape[1], -1).T
+    return value.detach().double()
+
+
 class ChannelAccumulator:
     """Per-channel moments of a stream of (samples, C) batches, merged batch by batch with
     :func:`fusekit.core.stats.combine`."""
@@ -53,9 +60,7 @@ class ChannelAccumulator:
         self.total: Moments | None = None
 
     def add(self, value: torch.Tensor) -> None:
-        if value.dim() == 4:  # (N, C, H, W): every position of a channel is a sample
-            value = value.transpose(0, 1).reshape(value.shape[1], -1).T
-        x = value.detach().double()
+        x = channel_samples(value)
         mean = x.mean(0)
         var = ((x - mean) ** 2).mean(0)
         batch = Moments(np.full(x.shape[1], float(x.shape[0])), mean.cpu().numpy(),
