@@ -19,6 +19,8 @@ from fusekit.core.arch import named_arch
 from fusekit.core.checkpoint import Checkpoint, load_checkpoint
 from fusekit.core.cross_stats import (
     FIELDS,
+    CrossMoments,
+    combine_cross,
     load_cross_statistics,
     save_cross_statistics,
     save_refit_statistics,
@@ -59,6 +61,23 @@ def _permuted(model: Checkpoint, seed: int) -> tuple[Checkpoint, list[np.ndarray
 def _outputs(checkpoint: Checkpoint, x: np.ndarray) -> np.ndarray:
     with torch.no_grad():
         return fusekit.load_fused(checkpoint, "cpu")(torch.from_numpy(x)).numpy()
+
+
+def _one_pass(x: np.ndarray, y: np.ndarray) -> CrossMoments:
+    dx, dy = x - x.mean(0), y - y.mean(0)
+    return CrossMoments(np.array([float(len(x))]), x.mean(0), x.var(0), y.mean(0), y.var(0),
+                        dx.T @ dy / len(x))
+
+
+def test_combined_cross_moments_are_those_of_one_pass_over_the_union():
+    rng = np.random.default_rng(3)
+    x = rng.normal(5.0, 2.0, size=(90, 3))
+    y = np.c_[x[:, :1] * 3 + rng.normal(size=(90, 1)), rng.normal(-4.0, 1.0, size=(90, 1))]
+    parts = [_one_pass(x[a:b], y[a:b]) for a, b in ((0, 7), (7, 50), (50, 90))]
+    combined, whole = combine_cross(parts), _one_pass(x, y)
+    for name in FIELDS:
+        np.testing.assert_allclose(getattr(combined, name), getattr(whole, name), rtol=1e-12,
+                                   atol=1e-12, err_msg=name)
 
 
 @pytest.mark.parametrize("kind", ["mlp", "resnet"])

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,7 +31,7 @@ import numpy as np
 from fusekit.core import metadata as meta
 from fusekit.core.checkpoint import load_checkpoint, save_checkpoint
 from fusekit.core.errors import CheckpointError, StatisticsError
-from fusekit.core.stats import DEFAULT_MIN_SAMPLES, MODES, point_fields
+from fusekit.core.stats import DEFAULT_MIN_SAMPLES, MODES, chan, point_fields
 
 FIELDS = ("count", "reference_mean", "reference_var", "own_mean", "own_var", "covariance")
 #: Covariances may exceed the Cauchy-Schwarz bound by this relative slack (rounding).
@@ -54,6 +54,25 @@ class CrossMoments:
         scale = np.sqrt(np.outer(self.reference_var, self.own_var))
         with np.errstate(invalid="ignore", divide="ignore"):
             return np.where(scale > 0, self.covariance / np.where(scale > 0, scale, 1.0), 0.0)
+
+
+def combine_cross(parts: Sequence[CrossMoments]) -> CrossMoments:
+    """The joint moments of the union of the samples ``parts`` were computed over, exactly
+    (:func:`fusekit.core.stats.chan` on the stacked means [reference, own] and spreads
+    [reference var, own var, covariance]: δ_r², δ_o², δ_r δ_oᵀ)."""
+    r = parts[0].reference_mean.shape[0]
+
+    def square(delta: np.ndarray) -> np.ndarray:
+        d_r, d_o = delta[:r], delta[r:]
+        return np.concatenate([d_r * d_r, d_o * d_o, np.outer(d_r, d_o).ravel()])
+
+    count, mean, spread = chan(
+        [(float(p.count[0]), np.concatenate([p.reference_mean, p.own_mean]),
+          np.concatenate([p.reference_var, p.own_var, p.covariance.ravel()])) for p in parts],
+        square)
+    o = mean.shape[0] - r
+    return CrossMoments(np.array([count]), mean[:r], spread[:r], mean[r:], spread[r:r + o],
+                        spread[r + o:].reshape(r, o))
 
 
 @dataclass

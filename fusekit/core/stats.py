@@ -115,12 +115,6 @@ def calibrated_point(layer) -> str:
     return bn_input_point(layer.norm.prefix) if layer.norm else preactivation_point(layer.name)
 
 
-def calibrated_point(layer) -> str:
-    """The point whose pooled moments calibrate ``layer``: its BatchNorm's input, else its
-    pre-activation (REPAIR)."""
-    return bn_input_point(layer.norm.prefix) if layer.norm else preactivation_point(layer.name)
-
-
 def statistic_points(spec) -> dict[str, int]:
     """Every point a statistics file of a model with this spec holds, with its width."""
     points = {}
@@ -351,19 +345,21 @@ def combine(parts: Sequence[Moments]) -> Moments:
     """The moments of the union of the samples ``parts`` were computed over (Chan et al.):
     n = Σ n_s, mean = Σ n_s mean_s / n, M2 = Σ n_s var_s + Σ n_s (mean_s - mean)²,
     var = M2 / n."""
-    return Moments(*_chan([(p.count, p.mean, p.var) for p in parts], np.square))
+    return Moments(*chan([(p.count, p.mean, p.var) for p in parts], np.square))
 
 
 def combine_inputs(parts: Sequence[InputMoments]) -> InputMoments:
     """:func:`combine` for input moments: M2 = Σ n_s cov_s + Σ n_s δ_s δ_sᵀ,
     δ_s = mean_s - mean."""
-    count, mean, cov = _chan([(float(np.asarray(p.count).reshape(-1)[0]), p.mean, p.cov)
+    count, mean, cov = chan([(float(np.asarray(p.count).reshape(-1)[0]), p.mean, p.cov)
                               for p in parts], lambda delta: np.outer(delta, delta))
     return InputMoments(count, mean, cov)
 
 
-def _chan(parts, square):
-    """(count, mean, M2 / count) of the union of parts given as (count, mean, spread)."""
+def chan(parts, square):
+    """(count, mean, M2 / count) of the union of parts given as (count, mean, spread):
+    Chan et al.'s update, the one merge of every moment kind (``square(δ)`` is δ's
+    contribution to the spread: δ², δ δᵀ, or the cross kind's blocks)."""
     count = sum(n for n, _, _ in parts)
     mean = sum(n * m for n, m, _ in parts) / count
     m2 = sum(n * (spread + square(m - mean)) for n, m, spread in parts)

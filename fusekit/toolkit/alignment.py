@@ -25,6 +25,7 @@ from fusekit.core.cross_stats import (
     CrossMoments,
     CrossStatistics,
     RefitStatistics,
+    combine_cross,
 )
 from fusekit.core.errors import DataError, ParameterError
 from fusekit.core.stats import DEFAULT_MIN_SAMPLES, preactivation_point
@@ -41,37 +42,24 @@ log = logging.getLogger(__name__)
 
 
 class _CrossAccumulator:
-    """Count, means, M2s and co-moment of paired (samples, R) and (samples, O) streams
-    (Chan et al.'s pairwise update, exact in float64)."""
+    """Joint moments of paired (samples, R) and (samples, O) streams, merged batch by batch
+    with :func:`fusekit.core.cross_stats.combine_cross` (exact in float64)."""
 
     def __init__(self) -> None:
-        self.count = 0
-        self.sums: list[np.ndarray] = []  # mean_r, mean_o, m2_r, m2_o, comoment
+        self.total: CrossMoments | None = None
 
     def add(self, reference: torch.Tensor, own: torch.Tensor) -> None:
         x, y = channel_samples(reference), channel_samples(own)
+        dx, dy = x - x.mean(0), y - y.mean(0)
         n = x.shape[0]
-        mx, my = x.mean(0), y.mean(0)
-        dx, dy = x - mx, y - my
-        batch = [mx, my, (dx * dx).sum(0), (dy * dy).sum(0), dx.T @ dy]
-        batch = [b.cpu().numpy() for b in batch]
-        if not self.sums:
-            self.count, self.sums = n, batch
-            return
-        total = self.count + n
-        mean_r, mean_o, m2_r, m2_o, co = self.sums
-        delta_r, delta_o = batch[0] - mean_r, batch[1] - mean_o
-        factor = self.count * n / total
-        self.sums = [mean_r + delta_r * n / total, mean_o + delta_o * n / total,
-                     m2_r + batch[2] + delta_r ** 2 * factor,
-                     m2_o + batch[3] + delta_o ** 2 * factor,
-                     co + batch[4] + np.outer(delta_r, delta_o) * factor]
-        self.count = total
+        batch = CrossMoments(np.array([float(n)]),
+                             *(t.cpu().numpy() for t in (x.mean(0), (dx * dx).mean(0),
+                                                          y.mean(0), (dy * dy).mean(0),
+                                                          dx.T @ dy / n)))
+        self.total = batch if self.total is None else combine_cross([self.total, batch])
 
     def moments(self) -> CrossMoments:
-        mean_r, mean_o, m2_r, m2_o, co = self.sums
-        n = float(self.count)
-        return CrossMoments(np.array([n]), mean_r, m2_r / n, mean_o, m2_o / n, co / n)
+        return self.total
 
 
 def cross_statistics(
