@@ -43,6 +43,35 @@ def test_training_is_deterministic_for_a_seed():
     assert not torch.equal(sa["net.0.weight"], sc["net.0.weight"])
 
 
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_dropout_training_is_deterministic_for_a_seed_whatever_drew_before(device):
+    # dropout draws from torch's global generator: a VGG's clients used to differ with
+    # whatever had drawn from it before their training
+    arch = {"type": "vgg", "name": "tiny", "batchnorm": True, "config": [4, "M"],
+            "hidden": [8], "in_channels": 1, "out_features": 3}
+    images = DATA.x_train[:64, :4].reshape(-1, 1, 2, 2)
+
+    def trained(seed):
+        model = build_model(arch, seed=0)
+        train_model(model, images, DATA.y_train[:64], TrainConfig(epochs=2, batch_size=16),
+                    seed=seed, device=device)
+        return model.state_dict()
+
+    first = trained(0)
+    torch.rand(7, device=device)  # the caller draws from the global generator in between
+    state = torch.get_rng_state() if device == "cpu" else torch.cuda.get_rng_state()
+    second = trained(0)
+    after = torch.get_rng_state() if device == "cpu" else torch.cuda.get_rng_state()
+    assert torch.equal(after, state)  # and training leaves it as it was
+    assert all(torch.equal(first[k], second[k]) for k in first)
+    other = trained(1)
+    assert not torch.equal(first["classifier.0.weight"], other["classifier.0.weight"])
+
+
 def test_convnet_with_pans_trains_and_keeps_encodings():
     images = DATA.x_train[:, :4].reshape(-1, 1, 2, 2)
     model = build_model(convnet_arch((1, 2, 2), [4], 3, pan={"mode": "multiplicative"}), seed=0)
