@@ -9,7 +9,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from fusekit._cli.options import DeviceOption, JsonOption
+from fusekit._cli.options import AlignOption, CalibrateOption, DeviceOption, JsonOption
 from fusekit._cli.output import emit_json, stderr, stdout
 
 
@@ -27,9 +27,8 @@ def demo(
     device: DeviceOption = "auto",
     batchnorm: Annotated[
         bool, typer.Option("--batchnorm", help="MLP clients with BatchNorm.")] = False,
-    calibrate: Annotated[bool, typer.Option(
-        "--calibrate", help="Also calibrate each fused model with the clients' statistics "
-        "(fusekit stats / calibrate, layer by layer) and show its accuracy.")] = False,
+    calibrate: CalibrateOption = False,
+    align: AlignOption = False,
     out: Annotated[
         Path | None, typer.Option("--out", "-o", help="Keep client and fused checkpoints here.")
     ] = None,
@@ -49,6 +48,7 @@ def demo(
         device=device,
         batchnorm=batchnorm,
         calibrate=calibrate,
+        align=align,
     )
     with stderr.status("starting") as status:
         report = run_demo(config, out_dir=out, force=force, on_step=status.update)
@@ -64,12 +64,17 @@ def demo(
         raise typer.Exit(1)
 
 
+# The columns --calibrate and --align add: title, DemoConfig flag, MethodRun score.
+PROTOCOL_COLUMNS = (("calibrated", "calibrate", "calibrated"),
+                    ("aligned + refit", "align", "aligned"))
+
+
 def demo_table(report) -> Table:
     c = report.config
-    columns = ["model", "accuracy", "loss", "widths", "time"]
-    extra = [""] if c.calibrate else []
+    protocols = [(title, score) for title, flag, score in PROTOCOL_COLUMNS if getattr(c, flag)]
+    extra = [""] * len(protocols)
     table = Table(
-        *columns, *(["calibrated"] if c.calibrate else []),
+        "model", "accuracy", "loss", "widths", "time", *(title for title, _ in protocols),
         title=f"{c.clients} clients on {c.data}, {c.partition} alpha={c.alpha}, {c.arch}"
         f"{' + BatchNorm' if c.batchnorm else ''}, {c.epochs} epochs, seed {c.seed} "
         f"({report.device})",
@@ -98,13 +103,14 @@ def demo_table(report) -> Table:
             table.add_row(escape(run.method), "[red]failed[/]", "", escape(run.error[:60]), "",
                           *extra)
             continue
-        calibrated = (f"{run.calibrated.accuracy:.2%}" if run.calibrated else "-")
+        shown = [f"{score.accuracy:.2%}" if (score := getattr(run, name)) else "-"
+                 for _, name in protocols]
         table.add_row(
             run.method,
             f"{run.score.accuracy:.2%}",
             f"{run.score.loss:.4f}",
             ", ".join(map(str, run.widths)),
             f"{run.fuse_time_s:.3f} s",
-            *([calibrated] if c.calibrate else []),
+            *shown,
         )
     return table

@@ -31,6 +31,16 @@ DeviceOption = Annotated[
     str, typer.Option("--device", help="auto (cuda when available), cpu or cuda.")
 ]
 
+# How `fusekit demo` and `fusekit simulate --rounds` calibrate a fused model with the
+# clients' statistics of their own data (the forward passes run locally, ALGORITHMS §12).
+CalibrateOption = Annotated[bool, typer.Option(
+    "--calibrate", help="Calibrate each fused model with the clients' statistics of their "
+    "own data (fusekit stats / calibrate, layer by layer) and show its accuracy.")]
+AlignOption = Annotated[bool, typer.Option(
+    "--align", help="Calibrate each fused model, run one alignment round and a refit round "
+    "per layer with the clients' statistics of their own data (fusekit stats --against / "
+    "align / refit; what fuses independently initialised clients) and show its accuracy.")]
+
 
 def _plain_help(params):
     """No type placeholders in --help: flags show none, arguments only their name."""

@@ -12,6 +12,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from fusekit._cli.options import (
+    AlignOption,
+    CalibrateOption,
     ClassesOption,
     DataDirOption,
     DataOption,
@@ -105,14 +107,8 @@ def simulate(
         int | None,
         typer.Option("--clients-per-round", help="--rounds: clients sampled per round [all]."),
     ] = None,
-    calibrate: Annotated[
-        bool,
-        typer.Option(
-            "--calibrate",
-            help="--rounds: calibrate each fused model with the sampled clients' statistics "
-            "of their own data (fusekit stats / calibrate, layer by layer).",
-        ),
-    ] = False,
+    calibrate: CalibrateOption = False,
+    align: AlignOption = False,
     fednlr: Annotated[
         bool,
         typer.Option(
@@ -134,9 +130,11 @@ def simulate(
     """Train simulated clients and write their checkpoints, or run federated rounds (--rounds).
 
     Each client trains on its own part of the data (Dirichlet, label-skew or iid split)."""
-    if rounds is None and (method != "avg" or clients_per_round is not None or calibrate):
-        raise ParameterError("--method, --clients-per-round and --calibrate: only with "
-                             "--rounds R")
+    if rounds is None and (method != "avg" or clients_per_round is not None or calibrate
+                           or align):
+        raise ParameterError("--method, --clients-per-round, --calibrate and --align: only "
+                             "with --rounds R (with them the sampled clients calibrate each "
+                             "round's fused model)")
     from fusekit.toolkit.data import load_dataset  # torch: only for commands that train
     from fusekit.toolkit.rounds import RoundsConfig
     from fusekit.toolkit.simulate import SimulationConfig, client_archs, simulate_clients
@@ -179,7 +177,7 @@ def simulate(
     if rounds is not None:
         rounds_config = RoundsConfig(rounds=rounds, method=method,
                                      clients_per_round=clients_per_round, simulation=config,
-                                     calibrate=calibrate)
+                                     calibrate=calibrate, align=align)
         _run_rounds(dataset, rounds_config, out, device, force, as_json)
         return
     columns = (
@@ -277,13 +275,15 @@ def _run_rounds(dataset: Dataset, config: RoundsConfig, out: Path, device: str, 
         return
     from rich.table import Table
 
-    before = ["uncal."] if config.calibrate else []
+    calibrated = config.calibrate or config.align
+    before = ["uncal."] if calibrated else []
+    protocol = ", aligned + refit" if config.align else ", calibrated" if calibrated else ""
     table = Table("round", "method", "clients", *before, "accuracy", "loss", "drift",
-                  "dislocated", title=f"{config.rounds} rounds on {dataset.name} -> {model_path}")
+                  "dislocated", title=f"{config.rounds} rounds on {dataset.name}{protocol} -> {model_path}")
     for log in result.rounds:
         uncalibrated = ("-" if log.uncalibrated_accuracy is None
                         else f"{log.uncalibrated_accuracy:.4f}")
         table.add_row(str(log.round), log.method, str(len(log.clients)),
-                      *([uncalibrated] if config.calibrate else []), f"{log.accuracy:.4f}",
+                      *([uncalibrated] if calibrated else []), f"{log.accuracy:.4f}",
                       f"{log.loss:.4f}", f"{log.drift:.4f}", f"{100 * log.dislocated:.1f}%")
     stdout.print(table)

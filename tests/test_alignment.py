@@ -10,11 +10,13 @@ import numpy as np
 import pytest
 import safetensors.numpy
 import torch
+from rich.console import Console
 from typer.testing import CliRunner
 
 import fusekit
 from conftest import mlp, numpy_state, write
 from fusekit._cli.app import app
+from fusekit._cli.demo import demo_table
 from fusekit.core.arch import named_arch
 from fusekit.core.checkpoint import Checkpoint, load_checkpoint
 from fusekit.core.cross_stats import (
@@ -30,6 +32,7 @@ from fusekit.core.spec import infer_spec, permute
 from fusekit.methods.alignment import group_correlations, match_to_reference
 from fusekit.toolkit.alignment import align_locally, cross_statistics, refit_statistics
 from fusekit.toolkit.calibration import calibrate_locally
+from fusekit.toolkit.demo import DemoConfig, run_demo
 from fusekit.toolkit.nn import build_model
 
 runner = CliRunner()
@@ -305,3 +308,43 @@ def test_cli_stats_against_and_align(tmp_path):
                               str(paths[0]), "-o", str(tmp_path / "y.safetensors")])
     assert bad.exit_code == 2 and "not a cross statistics file" in bad.stderr
     assert not (tmp_path / "y.safetensors").exists()
+
+
+def test_demo_align_scores_the_aligned_and_refit_models_beside_the_others(tmp_path):
+    args = ["demo", "--clients", "3", "--epochs", "1", "--arch", "mlp:16", "-m", "ot", "-m",
+            "ams", "--device", "cpu", "--align", "--out", str(tmp_path)]
+    result = runner.invoke(app, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    runs = {run["method"]: run for run in json.loads(result.stdout)["methods"]}
+    assert runs["ams"]["aligned"] is None and runs["ot"]["calibrated"] is None
+    assert 0 <= runs["ot"]["aligned"]["accuracy"] <= 1
+    aligned = load_checkpoint(tmp_path / "fused-ot-aligned.safetensors")
+    assert json.loads(aligned.metadata["fusekit.alignment"])["refit"] is True
+    assert fusekit.api.fused_spec(aligned).hidden_widths == runs["ot"]["widths"]
+    report = run_demo(DemoConfig(clients=3, epochs=1, arch="mlp:16", methods=["ot", "ams"],
+                                 device="cpu", calibrate=True, align=True))
+    console = Console(width=200, record=True)
+    console.print(demo_table(report))
+    lines = console.export_text().splitlines()
+    assert "calibrated" in lines[2] and "aligned + refit" in lines[2]
+    ot = next(run for run in report.methods if run.method == "ot")
+    row = next(line for line in lines if line.startswith("│ ot "))
+    assert [f"{s.accuracy:.2%}" in row for s in (ot.score, ot.calibrated, ot.aligned)] == [
+        True] * 3
+    ams = next(line for line in lines if line.startswith("│ ams "))
+    assert ams.count(" - ") == 2
+
+
+def test_simulate_rounds_align_each_fused_model(tmp_path):
+    result = runner.invoke(app, [
+        "simulate", "-o", str(tmp_path / "sim"), "--rounds", "1", "--method", "ot", "--align",
+        "--clients", "3", "--epochs", "1", "--arch", "mlp:16", "--partition", "iid",
+        "--device", "cpu", "--json"])
+    assert result.exit_code == 0, result.output
+    log = json.loads(result.stdout)["rounds"][0]
+    assert 0 <= log["uncalibrated_accuracy"] <= 1 and 0 <= log["accuracy"] <= 1
+    alignment = json.loads(load_checkpoint(tmp_path / "sim" / "global.safetensors")
+                           .metadata["fusekit.alignment"])
+    assert alignment["rounds"] == 1 and alignment["refit"] is True
+    bad = runner.invoke(app, ["simulate", "-o", str(tmp_path / "x"), "--align"])
+    assert bad.exit_code == 2 and "only with --rounds" in bad.stderr

@@ -39,6 +39,8 @@ class DemoConfig:
         batchnorm: MLP clients with BatchNorm after each hidden layer.
         calibrate: also calibrate each fused model with the clients' statistics of their
             own training data, layer by layer (ALGORITHMS §12), and score it.
+        align: also calibrate each fused model, run one alignment round and a refit round
+            per layer with the clients' data (``align_locally``), and score it.
     """
 
     data: str = "digits"
@@ -53,6 +55,7 @@ class DemoConfig:
     device: str = "auto"
     batchnorm: bool = False
     calibrate: bool = False
+    align: bool = False
 
     def simulation(self) -> SimulationConfig:
         return SimulationConfig(
@@ -69,7 +72,8 @@ class DemoConfig:
 @dataclass
 class MethodRun:
     """One fusion method's outcome: its score, fusion time and fused widths (and, with
-    calibration, the calibrated model's score), or the error that stopped it."""
+    calibration or alignment, the calibrated or aligned and refit model's score), or the
+    error that stopped it."""
 
     method: str
     fuse_time_s: float | None = None
@@ -77,11 +81,13 @@ class MethodRun:
     score: Score | None = None
     error: str | None = None
     calibrated: Score | None = None
+    aligned: Score | None = None
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
-        out["score"] = self.score.as_dict() if self.score else None
-        out["calibrated"] = self.calibrated.as_dict() if self.calibrated else None
+        for name in ("score", "calibrated", "aligned"):
+            score = getattr(self, name)
+            out[name] = score.as_dict() if score else None
         return out
 
 
@@ -220,6 +226,10 @@ def _run(
                 step(f"calibrating the {method} model")
                 run.calibrated = _calibrated_score(fused_path, clients, dataset, evaluator,
                                                    force)
+            if config.align and result.assignments is not None:
+                step(f"aligning and refitting the {method} model")
+                run.aligned = _calibrated_score(fused_path, clients, dataset, evaluator,
+                                                force, align=True)
         except Exception as exc:  # one failing method must not hide the others
             logger.debug("method %s failed", method, exc_info=True)
             run.error = f"{type(exc).__name__}: {exc}"
@@ -229,15 +239,23 @@ def _run(
 
 
 def _calibrated_score(fused_path: Path, clients, dataset, evaluator: Evaluator,
-                      force: bool) -> Score:
+                      force: bool, *, align: bool = False) -> Score:
     """Calibrate a fused file with every client's statistics of its own training data
-    (and of its own model: REPAIR's targets), layer by layer; score the result."""
+    (and of its own model: REPAIR's targets), layer by layer; with ``align``, then run one
+    alignment round and a refit round per layer. Score the result."""
+    from fusekit.toolkit.alignment import align_locally
     from fusekit.toolkit.calibration import calibrate_locally
 
     inputs = [dataset.x_train[c.indices] for c in clients]
-    result = calibrate_locally(fused_path, inputs, clients=[c.checkpoint for c in clients],
-                               min_samples=min(len(x) for x in inputs), device="cpu")
-    path = result.save(fused_path.with_name(fused_path.stem + "-calibrated.safetensors"),
+    own = [c.checkpoint for c in clients]
+    min_samples = min(len(x) for x in inputs)
+    if align:
+        result = align_locally(fused_path, own, inputs, min_samples=min_samples, device="cpu")
+    else:
+        result = calibrate_locally(fused_path, inputs, clients=own, min_samples=min_samples,
+                                   device="cpu")
+    suffix = "-aligned" if align else "-calibrated"
+    path = result.save(fused_path.with_name(fused_path.stem + suffix + ".safetensors"),
                        force=force)
     _, logits = evaluator.logits(path)
     return evaluator.score(logits, path.name, "fused", result.method)

@@ -8,7 +8,8 @@ Round r (1-based) of R:
    training settings, see :mod:`fusekit.toolkit.train`);
 3. :func:`fuse_round` fuses the updates with ``fusekit.fuse`` into the next global model;
    with ``calibrate``, the sampled clients then calibrate it with statistics of their own
-   data, layer by layer (ALGORITHMS §12);
+   data, layer by layer (ALGORITHMS §12); with ``align``, they calibrate it, run an
+   alignment round and a refit round per layer;
 4. the global model is evaluated on the test split.
 
 :func:`fuse_round` is the whole server-side step (in-memory checkpoints in, one checkpoint
@@ -73,6 +74,9 @@ class RoundsConfig:
             client starts each round from the global model.
         calibrate: calibrate each fused model with the sampled clients' statistics of
             their own data (fusions that record assignments; others are left as they are).
+        align: calibrate each such fused model, then run one alignment round and a refit
+            round per layer with the sampled clients' data
+            (:func:`fusekit.toolkit.alignment.align_locally`); ``calibrate`` adds nothing.
     """
 
     rounds: int = 10
@@ -81,6 +85,7 @@ class RoundsConfig:
     clients_per_round: int | None = None
     simulation: SimulationConfig = field(default_factory=SimulationConfig)
     calibrate: bool = False
+    align: bool = False
 
     def __post_init__(self) -> None:
         if self.rounds < 1:
@@ -115,7 +120,8 @@ class RoundLog:
             (:func:`neuron_dislocation`): the dislocation PANs and Fed² guard against.
         widths: hidden widths of the global model.
         time_s: wall time of the round.
-        uncalibrated_accuracy: with calibration, the fused model's accuracy before it.
+        uncalibrated_accuracy: with calibration (or alignment), the fused model's accuracy
+            before it.
     """
 
     round: int
@@ -171,14 +177,17 @@ def fuse_round(
 
 
 def calibrate_round(fused: Checkpoint, updates: Sequence[Checkpoint],
-                    client_inputs: Sequence[np.ndarray]) -> Checkpoint:
+                    client_inputs: Sequence[np.ndarray], *, align: bool = False) -> Checkpoint:
     """Calibrate a round's fused model layer by layer with the clients' statistics of their
-    own data (of the fused model, and of their updates: REPAIR's targets)."""
+    own data (of the fused model, and of their updates: REPAIR's targets); with ``align``,
+    then one alignment round and a refit round per layer (``align_locally``)."""
+    from fusekit.toolkit.alignment import align_locally
     from fusekit.toolkit.calibration import calibrate_locally
 
-    result = calibrate_locally(fused, client_inputs, clients=updates,
-                               min_samples=min(DEFAULT_MIN_SAMPLES,
-                                               *(len(x) for x in client_inputs)))
+    min_samples = min(DEFAULT_MIN_SAMPLES, *(len(x) for x in client_inputs))
+    result = (align_locally(fused, updates, client_inputs, min_samples=min_samples) if align
+              else calibrate_locally(fused, client_inputs, clients=updates,
+                                     min_samples=min_samples))
     return Checkpoint.from_state_dict(result.state_dict, result.metadata)
 
 
@@ -245,10 +254,10 @@ def run_rounds(
         dislocated = neuron_dislocation(updates, current)
         current = fuse_round(updates, method, config.params if method == config.method else {})
         before = None
-        if config.calibrate and meta.ASSIGNMENTS in current.metadata:
+        if (config.calibrate or config.align) and meta.ASSIGNMENTS in current.metadata:
             before = evaluator.score(evaluator.logits(current)[1], "", "fused").accuracy
             current = calibrate_round(current, updates, [dataset.x_train[parts[i]]
-                                                         for i in chosen])
+                                                         for i in chosen], align=config.align)
         _, logits = evaluator.logits(current)
         score = evaluator.score(logits, f"round {r}", "fused", method)
         log = RoundLog(r, method, chosen, score.accuracy, score.loss, float(np.mean(losses)),
