@@ -17,7 +17,8 @@ Studies (each cell: mean ± std over seeds):
            Dirichlet alpha 0.05 / 0.1 / 0.5 / 1.0, label skew (3-6 and 1-3 classes per
            client), S = 10 and 20; the non-iid floor (pfnm/nafi at the default width against
            avg/ot, AMS against the softmax ensemble) on alpha <= 0.1 and 1-3 classes; NAFI's
-           lambda at ratio 1.0 on digits, alpha 0.5, S = 10
+           lambda at ratio 1.0 on digits, alpha 0.5, S = 10; with --calibrate, every fused
+           model also calibrated (ALGORITHMS.md §12), before/after per cell, no lambda study
 
 Every method in fusekit.METHODS at run time is included with its default parameters, plus
 variants: avg with the class-weighted output layer, and AMS-full next to AMS's default.
@@ -25,11 +26,14 @@ variants: avg with the class-weighted output layer, and AMS-full next to AMS's d
     python benchmarks/bench_quality.py            # default grid (< 10 min on 2 cores)
     python benchmarks/bench_quality.py --quick    # smaller grid, 2 seeds
     python benchmarks/bench_quality.py --frontier --data digits   # accuracy against width
+    python benchmarks/bench_quality.py --frontier --calibrate --data digits  # calibrated too
     python benchmarks/bench_quality.py --truth    # estimated hyperparameters (bench_truth.py)
 Writes benchmarks/results/quality.json, benchmarks/results/quality_alpha.png and the
 "Fusion quality" section of benchmarks/RESULTS.md (between marker comments); with
 --frontier, benchmarks/results/frontier-<data>.json, benchmarks/results/frontier-<data>.png
-and the "Accuracy against fused width (<data>)" section.
+and the "Accuracy against fused width (<data>)" section; with --frontier --calibrate,
+benchmarks/results/frontier-calibration-<data>.json and the "On the frontier benchmark
+(<data>)" subsection of "Calibration from client statistics".
 """
 
 from __future__ import annotations
@@ -53,8 +57,10 @@ from bench_support import add_output_arguments, machine_info, save_figure, write
 import fusekit
 from fusekit.core.checkpoint import write_atomic
 from fusekit.core.errors import DataError
+from fusekit.core.stats import DEFAULT_MIN_SAMPLES
 from fusekit.methods import METHODS
 from fusekit.methods.bayesian import ratio_width
+from fusekit.toolkit.calibration import calibrate_locally
 from fusekit.toolkit.data import Dataset, load_dataset
 from fusekit.toolkit.evaluate import Evaluator
 from fusekit.toolkit.simulate import SimulationConfig, simulate_clients
@@ -138,11 +144,14 @@ class Runner:
     """Simulates each cell once (client files kept in one temporary folder for the whole
     run) and fuses/evaluates any set of method variants on it, caching every result."""
 
-    def __init__(self, datasets: dict[str, Dataset], device: str, workspace: Path):
+    def __init__(self, datasets: dict[str, Dataset], device: str, workspace: Path,
+                 calibrate: bool = False):
         self.datasets = datasets
         self.evaluators = {name: Evaluator(d, device) for name, d in datasets.items()}
         self.workspace = workspace
+        self.calibrate = calibrate  # also score each fused model calibrated (§12)
         self.clients: dict[Cell, tuple[list[Path], dict[str, Any]]] = {}
+        self.client_inputs: dict[Cell, list[np.ndarray]] = {}
         self.results: dict[tuple[Cell, str], dict[str, Any]] = {}
 
     def row(self, cell: Cell, methods: dict[str, tuple[str, dict[str, Any]]]) -> dict[str, Any]:
@@ -179,6 +188,7 @@ class Runner:
         )
         train_s = time.perf_counter() - start
         paths = [c.path for c in clients]
+        self.client_inputs[cell] = [self.datasets[cell.data].x_train[c.indices] for c in clients]
         logits = [evaluator.logits(p)[1] for p in paths]
         base = {
             "cell": asdict(cell),
@@ -207,15 +217,36 @@ class Runner:
             seconds = time.perf_counter() - begin
             fused = result.save(paths[0].parent / f"fused-{label}.safetensors")
             accuracy = evaluator.score(evaluator.logits(fused)[1], label, "fused").accuracy
+            calibrated = (self._calibrated(cell, paths, fused, evaluator, label)
+                          if self.calibrate and result.assignments is not None else {})
             fused.unlink()
             layers = result.report.get("layers", [])
             return {"accuracy": accuracy, "time_s": seconds, "widths": list(result.widths),
                     "inferred": [layer["inferred_width"] for layer in layers
                                  if "inferred_width" in layer],
-                    **clients_differ(result.report)}
+                    **clients_differ(result.report), **calibrated}
         except Exception as exc:  # a failing method is reported, not hidden
             log.error("%s on %s: %s: %s", label, cell, type(exc).__name__, exc)
             return {"error": f"{type(exc).__name__}: {exc}"}
+
+    def _calibrated(self, cell: Cell, paths: list[Path], fused: Path, evaluator: Evaluator,
+                    label: str) -> dict[str, Any]:
+        """The fused model calibrated layer by layer with each client's statistics of its
+        own training split (REPAIR's targets: of its own model), and its test accuracy."""
+        inputs = self.client_inputs[cell]
+        begin = time.perf_counter()
+        try:
+            result = calibrate_locally(fused, inputs, clients=paths,
+                                       device=str(evaluator.device),
+                                       min_samples=min(DEFAULT_MIN_SAMPLES, *map(len, inputs)))
+        except Exception as exc:  # reported next to the uncalibrated accuracy
+            log.error("calibrating %s on %s: %s: %s", label, cell, type(exc).__name__, exc)
+            return {"calibration_error": f"{type(exc).__name__}: {exc}"}
+        seconds = time.perf_counter() - begin
+        path = result.save(fused.with_name(f"calibrated-{label}.safetensors"))
+        accuracy = evaluator.score(evaluator.logits(path)[1], label, "fused").accuracy
+        path.unlink()
+        return {"calibrated": accuracy, "calibration_s": seconds}
 
 
 def clients_differ(report: dict[str, Any]) -> dict[str, Any]:
@@ -668,21 +699,23 @@ def run_frontier(args: argparse.Namespace) -> int:
     datasets = {name: load(name, args.data_dir, args.data_path) for name in names}
     seeds = args.seeds or 3
     cells = frontier_cells(names, args.partitions, args.clients, seeds)
-    lam_cells = [c for c in cells if c.data == names[0] and c.partition == "dir-0.5"
-                 and c.clients == 10]
+    lam_cells = [] if args.calibrate else [
+        c for c in cells if c.data == names[0] and c.partition == "dir-0.5" and c.clients == 10]
     start = time.perf_counter()
     rows: dict[str, list[dict[str, Any]]] = {"frontier": [], "lambda": []}
     with tempfile.TemporaryDirectory(prefix="fusekit-frontier-") as tmp:
-        runner = Runner(datasets, args.device, Path(tmp))
+        runner = Runner(datasets, args.device, Path(tmp), calibrate=args.calibrate)
         for index, cell in enumerate(cells):
             rows["frontier"].append(runner.row(cell, frontier_variants()))
             log.info("[%d/%d] %s  %.0fs", index + 1, len(cells), cell,
                      time.perf_counter() - start)
         rows["lambda"] = [runner.row(c, frontier_lambda_variants()) for c in lam_cells]
     payload = {"machine": machine(), "seeds": seeds, "epochs": EPOCHS, "frontier": True,
+               "calibrate": args.calibrate,
                "elapsed_s": time.perf_counter() - start, "studies": rows,
                "grid": {"data": names, "partitions": args.partitions, "clients": args.clients}}
-    out = args.json_out.with_name(f"frontier-{'-'.join(names)}.json")
+    kind = "frontier-calibration" if args.calibrate else "frontier"
+    out = args.json_out.with_name(f"{kind}-{'-'.join(names)}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(out, json.dumps(payload, indent=1).encode())
     return publish_frontier(payload, args)
@@ -691,6 +724,14 @@ def run_frontier(args: argparse.Namespace) -> int:
 def publish_frontier(payload: dict[str, Any], args: argparse.Namespace) -> int:
     rows = payload["studies"]
     tag = "-".join(payload["grid"]["data"])
+    if payload.get("calibrate"):
+        section = render_calibration(rows["frontier"], payload, args.note)
+        print(section)
+        if not args.no_write:
+            write_results_md(section, args.results_md, (
+                f"<!-- frontier-calibration-{tag}:begin -->",
+                f"<!-- frontier-calibration-{tag}:end -->"))
+        return 0
     plot = args.plot.with_name(f"frontier-{tag}.png")
     plotted = plot_frontier(rows["frontier"], plot)
     section = render_frontier(rows, payload, plot if plotted else None, args.note)
@@ -755,6 +796,136 @@ def render_frontier(rows: dict[str, list], payload: dict[str, Any], plot: Path |
     return "\n".join(parts) + "\n"
 
 
+#: Calibration on the frontier (issue 32): no cell may lose more than this (accuracy, 0-1).
+CALIBRATION_FLOOR = 0.005
+
+
+def calibration_pairs(rows: list[dict[str, Any]]) -> dict[tuple, dict[str, dict[str, list]]]:
+    """(data, partition, S) -> fused column -> per seed, uncalibrated and calibrated accuracy
+    and the delivered widths (seeds where both were measured)."""
+    found: dict[tuple, dict[str, dict[str, list]]] = defaultdict(
+        lambda: defaultdict(lambda: defaultdict(list)))
+    for row in rows:
+        key = tuple(row["cell"][f] for f in ("data", "partition", "clients"))
+        for label, res in row["methods"].items():
+            if "calibrated" in res:
+                pair = found[key][label]
+                pair["uncalibrated"].append(res["accuracy"])
+                pair["calibrated"].append(res["calibrated"])
+                pair["widths"].append(res["widths"][0])
+                pair["seconds"].append(res["calibration_s"])
+    return found
+
+
+def calibration_table(rows: list[dict[str, Any]], pairs: dict) -> str:
+    """Peers and, per fused column, uncalibrated -> calibrated (change), mean over seeds."""
+    peers = summarise(rows, ("data", "partition", "clients"))
+    labels: list[str] = []
+    for cells in pairs.values():
+        labels += [lab for lab in cells if lab not in labels]
+    heads = [f"{lab} ({asked_width(lab)})" if asked_width(lab) else lab for lab in labels]
+    peer_labels = ("local (mean)", "ensemble-softmax", "ensemble")
+    lines = ["| data | partition | S | " + " | ".join([*peer_labels, *heads]) + " |",
+             "|" + "---|" * (3 + len(peer_labels) + len(labels))]
+    for key, cells in pairs.items():
+        entries = [f"{100 * peers[key][lab][0]:.1f}" for lab in peer_labels]
+        for lab in labels:
+            pair = cells.get(lab)
+            if pair is None:
+                entries.append("-")
+                continue
+            before, after = np.mean(pair["uncalibrated"]), np.mean(pair["calibrated"])
+            width = "" if asked_width(lab) else f" [{np.mean(pair['widths']):.0f}]"
+            entries.append(f"{100 * before:.1f} → {100 * after:.1f} "
+                           f"({100 * (after - before):+.1f}){width}")
+        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | " + " | ".join(entries) + " |")
+    return "\n".join(lines)
+
+
+def calibration_checks(pairs: dict) -> list[str]:
+    """Issue 32's frontier targets: no cell (data, partition, S, fused column; mean over
+    seeds) more than 0.5 point lower after calibration, and the mean over cells higher."""
+    changes = {(*key, lab): (np.mean(p["calibrated"]) - np.mean(p["uncalibrated"]),
+                             np.subtract(p["calibrated"], p["uncalibrated"]))
+               for key, cells in pairs.items() for lab, p in cells.items()}
+    if not changes:
+        return ["- no calibrated fused model in this run"]
+    lower = {cell: v for cell, v in changes.items() if v[0] < -CALIBRATION_FLOOR}
+    worst = min(changes, key=lambda c: changes[c][0])
+    befores = [np.mean(p["uncalibrated"]) for cells in pairs.values() for p in cells.values()]
+    afters = [np.mean(p["calibrated"]) for cells in pairs.values() for p in cells.values()]
+    gain = 100 * (np.mean(afters) - np.mean(befores))
+    seeds = np.concatenate([v[1] for v in changes.values()])
+    lines = [
+        f"- never more than 0.5 point lower in any cell: {len(changes) - len(lower)} of "
+        f"{len(changes)} cells ({'met' if not lower else 'NOT met'}); the smallest change "
+        f"{100 * changes[worst][0]:+.1f} points ({' '.join(map(str, worst))})",
+        *[f"  - NOT met: {' '.join(map(str, cell))}: {100 * mean:+.1f} points (per seed "
+          f"{', '.join(f'{100 * d:+.1f}' for d in per_seed)})"
+          for cell, (mean, per_seed) in sorted(lower.items(), key=lambda kv: kv[1][0])],
+        f"- the mean over cells rises: {100 * np.mean(befores):.2f} → {100 * np.mean(afters):.2f} "
+        f"% ({gain:+.2f} points; {'met' if gain > 0 else 'NOT met'})",
+        f"- single seeds (not a target): {int(np.sum(seeds < -CALIBRATION_FLOOR))} of "
+        f"{seeds.size} calibrated models more than 0.5 point under their uncalibrated model, "
+        f"{int(np.sum(seeds > CALIBRATION_FLOOR))} more than 0.5 point above",
+    ]
+    return lines
+
+
+def calibration_by_column(pairs: dict) -> str:
+    """Per fused column: the mean change over cells, the worst cell, cells below -0.5."""
+    columns: dict[str, list[tuple[float, tuple]]] = defaultdict(list)
+    for key, cells in pairs.items():
+        for lab, p in cells.items():
+            columns[lab].append((np.mean(p["calibrated"]) - np.mean(p["uncalibrated"]), key))
+    lines = ["| fused column | mean change | worst cell | cells more than 0.5 lower | "
+             "calibration s (mean) |", "|---|---|---|---|---|"]
+    for lab, found in columns.items():
+        worst = min(found, key=lambda c: c[0])
+        seconds = np.mean([s for cells in pairs.values() if lab in cells
+                           for s in cells[lab]["seconds"]])
+        lines.append(f"| {lab} | {100 * np.mean([c for c, _ in found]):+.2f} | "
+                     f"{100 * worst[0]:+.1f} ({' '.join(map(str, worst[1]))}) | "
+                     f"{sum(c < -CALIBRATION_FLOOR for c, _ in found)} of {len(found)} | "
+                     f"{seconds:.2f} |")
+    return "\n".join(lines)
+
+
+def render_calibration(rows: list[dict[str, Any]], payload: dict[str, Any], note: str) -> str:
+    """The frontier's fused models before and after calibration, and issue 32's targets."""
+    m = payload["machine"]
+    grid = payload["grid"]
+    pairs = calibration_pairs(rows)
+    return "\n".join([
+        f"### On the frontier benchmark ({', '.join(grid['data'])})",
+        "",
+        f"`python benchmarks/bench_quality.py --frontier --calibrate --data "
+        f"{' '.join(grid['data'])} --partitions {' '.join(grid['partitions'])} --clients "
+        f"{' '.join(map(str, grid['clients']))} --seeds {payload['seeds']}`: the frontier's "
+        "clients (one hidden layer of 100, independent initialisations) and fused models, "
+        "each fused model also calibrated layer by layer "
+        "(`fusekit.toolkit.calibration.calibrate_locally`: REPAIR, its targets each client's "
+        "statistics of its own model on its own training split, the fused model's statistics "
+        "pooled over every client's training split). Test accuracy (%), mean over "
+        f"{payload['seeds']} seeds: uncalibrated → calibrated (change); fused widths in "
+        "brackets in the header (`@unlimited`: the mean inferred width in the entry); peers "
+        "in the same run: the mean client, the softmax and logit ensembles, avg@1 and ot@1. "
+        "A cell is (data, partition, S, fused column). "
+        f"{m['platform']}, torch {m['torch']}, {m['core']}; total {payload['elapsed_s']:.0f} s."
+        + (f" {note}" if note else ""),
+        "",
+        calibration_table(rows, pairs),
+        "",
+        "Per fused column, over the cells above:",
+        "",
+        calibration_by_column(pairs),
+        "",
+        "Targets (issue 32, MLPs without BatchNorm), cell by cell:",
+        "",
+        *calibration_checks(pairs),
+    ]) + "\n"
+
+
 def inferred_table(rows: list[dict[str, Any]]) -> str:
     """Mean inferred width per variant (before the asked width is imposed)."""
     inferred: dict[str, list[int]] = defaultdict(list)
@@ -800,6 +971,10 @@ def main(argv: list[str] | None = None) -> int:
                         choices=list(ALL_PARTITIONS), help="frontier: partitions [all]")
     parser.add_argument("--clients", nargs="+", type=int, default=[10, 20],
                         help="frontier: numbers of clients [10 20]")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="frontier: also calibrate every fused model (layer by layer, "
+                        "REPAIR with the clients' statistics of their own models) and report "
+                        "the change per cell instead of the width study (no λ study)")
     parser.add_argument("--note", default="", help="frontier: a sentence added to RESULTS.md "
                         "(for instance the machine's load)")
     parser.add_argument("--truth", action="store_true", help="run only PFNM's estimated "

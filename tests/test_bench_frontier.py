@@ -87,3 +87,73 @@ def test_noniid_floor_and_ams_targets_are_checked_with_widths(tmp_path):
     assert ("- AMS, digits dir-0.5 S=10: ams-class - ensemble-softmax = -5.0 points (NOT met)"
             in lines)
     assert bq.noniid_section([row("dir-0.5", 10, 0, GOOD)]) == []
+
+
+def calibrated_row(partition, seed, pairs):
+    """A frontier row whose fused columns were also calibrated: label -> (before, after)."""
+    out = row(partition, 10, seed, {label: before for label, (before, _) in pairs.items()})
+    for label, (_, after) in pairs.items():
+        out["methods"][label].update(calibrated=after, calibration_s=0.01)
+    return out
+
+
+def test_calibration_targets_are_checked_cell_by_cell_on_the_mean_over_seeds(tmp_path):
+    # pfnm@1.5 loses 0.9 then 0.3 points (mean -0.6: NOT met); ot@1 loses 0.9 in one seed
+    # only (mean -0.2: met); avg@1 gains; ams-class (no calibration) is a peer, not a cell.
+    rows = [calibrated_row("dir-0.5", 0, {"pfnm@1.5": (0.900, 0.891), "ot@1": (0.800, 0.791),
+                                          "avg@1": (0.400, 0.700)}),
+            calibrated_row("dir-0.5", 1, {"pfnm@1.5": (0.900, 0.897), "ot@1": (0.800, 0.805),
+                                          "avg@1": (0.400, 0.600)})]
+    rows[0]["methods"]["ams-class"] = {"accuracy": 0.95, "time_s": 0.1, "widths": [100]}
+    pairs = bq.calibration_pairs(rows)
+    lines = bq.calibration_checks(pairs)
+    assert lines[0].startswith("- never more than 0.5 point lower in any cell: 2 of 3 cells "
+                               "(NOT met); the smallest change -0.6 points (digits dir-0.5 10 "
+                               "pfnm@1.5)")
+    assert lines[1] == ("  - NOT met: digits dir-0.5 10 pfnm@1.5: -0.6 points (per seed -0.9, "
+                        "-0.3)")
+    # Means over the three cells: (0.9 + 0.8 + 0.4) / 3 = 70.00 -> (0.894 + 0.798 + 0.65) / 3.
+    assert lines[2] == "- the mean over cells rises: 70.00 → 78.07 % (+8.07 points; met)"
+    assert lines[3].startswith("- single seeds (not a target): 2 of 6 calibrated models")
+    table = bq.calibration_table(rows, pairs)
+    assert "| pfnm@1.5 (150) | ot@1 (100) | avg@1 (100) |" in table
+    assert "| 90.0 → 89.4 (-0.6) | 80.0 → 79.8 (-0.2) | 40.0 → 65.0 (+25.0) |" in table
+    assert "ams-class" not in table
+
+
+def test_calibration_section_is_written_between_its_own_markers(tmp_path):
+    rows = [calibrated_row("dir-0.5", s, {"pfnm@1": (0.85, 0.86), "pfnm@unlimited": (0.9, 0.9)})
+            for s in range(2)]
+    rows[1]["methods"]["pfnm@unlimited"]["widths"] = [160]
+    payload = {"machine": {"platform": "test", "torch": "x", "core": "y"}, "seeds": 2,
+               "elapsed_s": 1.0, "calibrate": True, "studies": {"frontier": rows},
+               "grid": {"data": ["digits"], "partitions": ["dir-0.5"], "clients": [10]}}
+    md = tmp_path / "RESULTS.md"
+    md.write_text("# results\n\n<!-- fusion-frontier-digits:begin -->\nkept\n"
+                  "<!-- fusion-frontier-digits:end -->\n")
+    args = argparse.Namespace(plot=tmp_path / "q.png", note="", no_write=False, results_md=md)
+    assert bq.publish_frontier(payload, args) == 0
+    text = md.read_text()
+    assert "kept" in text and text.count("frontier-calibration-digits:begin") == 1
+    assert "90.0 → 90.0 (+0.0) [130]" in text  # the inferred width, mean over seeds
+    assert "- the mean over cells rises: 87.50 → 88.00 % (+0.50 points; met)" in text
+    assert not (tmp_path / "frontier-digits.png").exists()
+
+
+def test_the_runner_calibrates_every_fused_model_that_matched_neurons(tmp_path, monkeypatch):
+    """One real cell (digits, 3 clients, 2 epochs): pfnm and avg get their calibrated
+    counterpart, AMS (no single fused model) does not."""
+    from fusekit.toolkit.data import load_dataset
+
+    data = load_dataset("digits")
+    cell = bq.Cell("digits", "dir-0.5", 3, "mlp:100", 0)
+    runner = bq.Runner({"digits": data}, "cpu", tmp_path, calibrate=True)
+    monkeypatch.setitem(bq.EPOCHS, "digits", 2)
+    row = runner.row(cell, {"pfnm@1": ("pfnm", {"width_ratio": 1.0}), "avg@1": ("avg", {}),
+                            "ams-class": ("ams", {"confidence": "class-share"})})
+    methods = row["methods"]
+    for label in ("pfnm@1", "avg@1"):
+        assert 0.0 <= methods[label]["calibrated"] <= 1.0, methods[label]
+        assert methods[label]["calibration_s"] > 0
+    assert "calibrated" not in methods["ams-class"] and "accuracy" in methods["ams-class"]
+    assert not list(tmp_path.rglob("calibrated-*"))  # scored, then removed
