@@ -9,7 +9,7 @@ import math
 import os
 import time
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -350,10 +350,41 @@ def _calibrated_transformer(checkpoint: Checkpoint, spec: TransformerSpec,
 
 def _statistics(source: StatisticsLike, model: str, points: Mapping[str, int],
                 min_samples: int) -> Statistics:
-    if isinstance(source, Statistics):
-        check_statistics(source, model=model, points=points, min_samples=min_samples)
+    return _screened(source, Statistics, check_statistics, load_statistics, model=model,
+                     points=points, min_samples=min_samples)
+
+
+def _screened(source, in_memory: type, check: Callable[..., None], load: Callable[..., Any],
+              **checks: Any) -> Any:
+    """``source``, statistics of any kind, checked: in memory (an ``in_memory``) by
+    ``check``, a file by ``load``, both with ``checks``."""
+    if isinstance(source, in_memory):
+        check(source, **checks)
         return source
-    return load_statistics(source, model=model, points=points, min_samples=min_samples)
+    return load(source, **checks)
+
+
+def _one_per_client(clients: Sequence[Checkpoint], sources: Sequence[Any],
+                    read: Callable[[Any], Any], kind: str, stage: str) -> list[Any]:
+    """The statistics ``read`` gives for ``sources`` (each checked, naming one of
+    ``clients`` as its model), in the clients' order: exactly one per client.
+
+    Raises:
+        StatisticsError: two for one client, or none for one.
+    """
+    index = {c.content_hash: i for i, c in enumerate(clients)}
+    out: list[Any] = [None] * len(clients)
+    for source in sources:
+        stats = read(source)
+        if out[index[stats.model]] is not None:
+            raise StatisticsError(f"{stats.label}: a second {kind} file for client "
+                                  f"{clients[index[stats.model]].label}")
+        out[index[stats.model]] = stats
+    missing = [c.label for c, s in zip(clients, out, strict=True) if s is None]
+    if missing:
+        raise StatisticsError(f"{stage}: no {kind} for client(s) {', '.join(missing[:3])}; "
+                              "every client must send one")
+    return out
 
 
 def _repair_targets(checkpoint: Checkpoint, spec, targets: Sequence[StatisticsLike],
@@ -439,12 +470,11 @@ def align(
             raise IncompatibleModelsError(
                 f"{checkpoint.label}: its layers are not those of the reference "
                 f"{reference.label}")
-    by_model = _cross_statistics_by_client(reference, reference_spec, checkpoints, specs,
-                                           cross_statistics, min_samples)
+    cross = _cross_statistics_by_client(reference, reference_spec, checkpoints, specs,
+                                        cross_statistics, min_samples)
     weights = sample_weights(checkpoints)
     state_dict, assignments, report = alignment.realign(
-        checkpoints, specs, reference_spec, [by_model[i] for i in range(len(checkpoints))],
-        weights)
+        checkpoints, specs, reference_spec, cross, weights)
     report["reference"] = reference.content_hash
     method = reference.metadata.get(meta.METHOD, "unknown")
     result = FusionResult(state_dict=state_dict, method=method, params={},
@@ -467,31 +497,17 @@ def align(
 def _cross_statistics_by_client(reference: Checkpoint, reference_spec: Any,
                                 checkpoints: Sequence[Checkpoint], specs: Sequence[Any],
                                 sources: Sequence[CrossStatisticsLike],
-                                min_samples: int) -> dict[int, CrossStatistics]:
-    """Each client's cross statistics, checked against the reference and that client."""
-    index = {c.content_hash: i for i, c in enumerate(checkpoints)}
-    models = {c.content_hash: alignment.cross_points(s)
-              for c, s in zip(checkpoints, specs, strict=True)}
-    widths = alignment.cross_points(reference_spec)
-    out: dict[int, CrossStatistics] = {}
-    for source in sources:
-        if isinstance(source, CrossStatistics):
-            check_cross_statistics(source, reference=reference.content_hash, models=models,
-                                   widths=widths, min_samples=min_samples)
-            stats = source
-        else:
-            stats = load_cross_statistics(source, reference=reference.content_hash,
-                                          models=models, widths=widths,
-                                          min_samples=min_samples)
-        if index[stats.model] in out:
-            raise StatisticsError(f"{stats.label}: a second cross statistics file for client "
-                                  f"{checkpoints[index[stats.model]].label}")
-        out[index[stats.model]] = stats
-    missing = [c.label for i, c in enumerate(checkpoints) if i not in out]
-    if missing:
-        raise StatisticsError(f"alignment: no cross statistics for client(s) "
-                              f"{', '.join(missing[:3])}; every client must send one")
-    return out
+                                min_samples: int) -> list[CrossStatistics]:
+    """Each client's cross statistics (clients' order), checked against the reference and
+    that client."""
+    checks = {"reference": reference.content_hash, "min_samples": min_samples,
+              "models": {c.content_hash: alignment.cross_points(s)
+                         for c, s in zip(checkpoints, specs, strict=True)},
+              "widths": alignment.cross_points(reference_spec)}
+    return _one_per_client(
+        checkpoints, sources, lambda source: _screened(
+            source, CrossStatistics, check_cross_statistics, load_cross_statistics, **checks),
+        "cross statistics", "alignment")
 
 
 RefitStatisticsLike = str | os.PathLike[str] | RefitStatistics
@@ -571,30 +587,22 @@ def _refit_statistics_by_client(fused: Checkpoint, spec: Any, clients: Sequence[
                                 specs: Sequence[Any], sources: Sequence[RefitStatisticsLike],
                                 min_samples: int) -> list[RefitStatistics]:
     """Each client's refit statistics (clients' order), checked, all of one layer."""
-    index = {c.content_hash: i for i, c in enumerate(clients)}
     models = {c.content_hash: {layer.name: layer.out_features for layer in s.layers}
               for c, s in zip(clients, specs, strict=True)}
     checks = {"reference": fused.content_hash, "models": models,
               "inputs": alignment.layer_inputs(spec), "min_samples": min_samples}
-    out: list[RefitStatistics | None] = [None] * len(clients)
-    for source in sources:
-        if isinstance(source, RefitStatistics):
-            check_refit_statistics(source, **checks)
-            stats = source
-        else:
-            stats = load_refit_statistics(source, **checks)
-        if out[index[stats.model]] is not None:
-            raise StatisticsError(f"{stats.label}: a second refit statistics file for client "
-                                  f"{clients[index[stats.model]].label}")
-        if any(s is not None and s.layer != stats.layer for s in out):
-            raise StatisticsError(f"{stats.label}: layer {stats.layer!r}; the other files are "
-                                  "for another layer (one refit round refits one layer)")
-        out[index[stats.model]] = stats
-    missing = [c.label for c, s in zip(clients, out, strict=True) if s is None]
-    if missing:
-        raise StatisticsError(f"refit: no refit statistics for client(s) "
-                              f"{', '.join(missing[:3])}; every client must send one")
-    return out
+    layers: list[str] = []
+
+    def read(source: RefitStatisticsLike) -> RefitStatistics:
+        stats = _screened(source, RefitStatistics, check_refit_statistics,
+                          load_refit_statistics, **checks)
+        if layers and stats.layer != layers[0]:
+            raise StatisticsError(f"{stats.label}: layer {stats.layer!r}; the other files "
+                                  "are for another layer (one refit round refits one layer)")
+        layers.append(stats.layer)
+        return stats
+
+    return _one_per_client(clients, sources, read, "refit statistics", "refit")
 
 
 @contextlib.contextmanager
