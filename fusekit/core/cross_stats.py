@@ -90,13 +90,37 @@ class CrossStatistics:
 def save_cross_statistics(path: str | os.PathLike[str], stats: CrossStatistics, *,
                           force: bool = False) -> Path:
     """Write ``stats`` as safetensors, atomically (see :func:`save_checkpoint`)."""
-    tensors = {f"{point}.{name}": np.asarray(getattr(moments, name), np.float64)
-               for point, moments in stats.points.items() for name in FIELDS}
-    description = {"format": meta.CROSS_STATS_FORMAT, "reference": stats.reference,
-                   "model": stats.model, "num_samples": stats.num_samples, "mode": stats.mode}
-    metadata = {meta.CROSS_STATS: json.dumps(description),
+    metadata = {meta.CROSS_STATS: cross_statistics_description(stats),
                 meta.NUM_SAMPLES: str(stats.num_samples)}
-    return save_checkpoint(path, tensors, metadata, force=force)
+    return save_checkpoint(path, cross_statistics_tensors(stats), metadata, force=force)
+
+
+def cross_statistics_tensors(stats: CrossStatistics) -> dict[str, np.ndarray]:
+    """A cross statistics file's tensors: ``<point>.<field>``, float64."""
+    return {f"{point}.{name}": np.asarray(getattr(moments, name), np.float64)
+            for point, moments in stats.points.items() for name in FIELDS}
+
+
+def cross_statistics_description(stats: CrossStatistics) -> str:
+    """A cross statistics file's ``fusekit.cross_stats`` metadata (JSON)."""
+    return json.dumps({"format": meta.CROSS_STATS_FORMAT, "reference": stats.reference,
+                       "model": stats.model, "num_samples": stats.num_samples,
+                       "mode": stats.mode})
+
+
+def parse_cross_statistics(description: str, tensors: Mapping[str, np.ndarray],
+                           label: str) -> CrossStatistics:
+    """Cross statistics from what a file holds (:func:`cross_statistics_description`'s JSON
+    and :func:`cross_statistics_tensors`) received by other means (a Flower message);
+    checked for form only (:func:`check_cross_statistics` checks them against the models).
+
+    Raises:
+        StatisticsError: malformed description or tensor names (the message names ``label``).
+    """
+    parsed = meta.load_json(description, f"{label}: metadata {meta.CROSS_STATS}",
+                            StatisticsError)
+    return _parse(parsed, {name: np.asarray(t, np.float64) for name, t in tensors.items()},
+                  label)
 
 
 def load_cross_statistics(path: str | os.PathLike[str], *, reference: str | None = None,
@@ -264,14 +288,22 @@ class RefitStatistics:
 def save_refit_statistics(path: str | os.PathLike[str], stats: RefitStatistics, *,
                           force: bool = False) -> Path:
     """Write ``stats`` as safetensors, atomically (see :func:`save_checkpoint`)."""
-    tensors = {"count": np.array([float(stats.count)]), "gram": np.asarray(stats.gram, np.float64),
-               "cross": np.asarray(stats.cross, np.float64)}
-    description = {"format": meta.REFIT_STATS_FORMAT, "reference": stats.reference,
-                   "model": stats.model, "layer": stats.layer,
-                   "num_samples": stats.num_samples}
-    metadata = {meta.REFIT_STATS: json.dumps(description),
+    metadata = {meta.REFIT_STATS: refit_statistics_description(stats),
                 meta.NUM_SAMPLES: str(stats.num_samples)}
-    return save_checkpoint(path, tensors, metadata, force=force)
+    return save_checkpoint(path, refit_statistics_tensors(stats), metadata, force=force)
+
+
+def refit_statistics_tensors(stats: RefitStatistics) -> dict[str, np.ndarray]:
+    """A refit statistics file's tensors: count (1,), gram, cross, float64."""
+    return {"count": np.array([float(stats.count)]), "gram": np.asarray(stats.gram, np.float64),
+            "cross": np.asarray(stats.cross, np.float64)}
+
+
+def refit_statistics_description(stats: RefitStatistics) -> str:
+    """A refit statistics file's ``fusekit.refit_stats`` metadata (JSON)."""
+    return json.dumps({"format": meta.REFIT_STATS_FORMAT, "reference": stats.reference,
+                       "model": stats.model, "layer": stats.layer,
+                       "num_samples": stats.num_samples})
 
 
 def load_refit_statistics(path: str | os.PathLike[str], **checks) -> RefitStatistics:
@@ -282,6 +314,28 @@ def load_refit_statistics(path: str | os.PathLike[str], **checks) -> RefitStatis
     """
     description, tensors = _read(path, meta.REFIT_STATS, "refit statistics",
                                  "fusekit stats FUSED --against OWN_MODEL --layer NAME")
+    stats = _parse_refit(description, tensors, str(path))
+    check_refit_statistics(stats, **checks)
+    return stats
+
+
+def parse_refit_statistics(description: str, tensors: Mapping[str, np.ndarray],
+                           label: str) -> RefitStatistics:
+    """Refit statistics from what a file holds (:func:`refit_statistics_description`'s JSON
+    and :func:`refit_statistics_tensors`) received by other means (a Flower message);
+    checked for form only (:func:`check_refit_statistics` checks them against the models).
+
+    Raises:
+        StatisticsError: malformed description or tensors (the message names ``label``).
+    """
+    parsed = meta.load_json(description, f"{label}: metadata {meta.REFIT_STATS}",
+                            StatisticsError)
+    return _parse_refit(parsed, {name: np.asarray(t, np.float64)
+                                 for name, t in tensors.items()}, label)
+
+
+def _parse_refit(description: object, tensors: Mapping[str, np.ndarray],
+                 label: str) -> RefitStatistics:
     keys = ("reference", "model", "layer")
     if (not isinstance(description, dict)
             or description.get("format") != meta.REFIT_STATS_FORMAT
@@ -290,17 +344,15 @@ def load_refit_statistics(path: str | os.PathLike[str], **checks) -> RefitStatis
             or isinstance(description.get("num_samples"), bool)
             or set(tensors) != set(REFIT_FIELDS) or tensors["count"].shape != (1,)):
         raise StatisticsError(
-            f"{path}: expected metadata {meta.REFIT_STATS} {{\"format\": "
+            f"{label}: expected metadata {meta.REFIT_STATS} {{\"format\": "
             f"\"{meta.REFIT_STATS_FORMAT}\", \"reference\", \"model\", \"layer\", "
             f"\"num_samples\"}} and tensors count (1,), gram, cross; found "
             f"{json.dumps(description)[:100]} and {sorted(tensors)[:4]}")
     count = float(tensors["count"][0])
-    stats = RefitStatistics(description["reference"], description["model"],
-                            description["layer"], description["num_samples"],
-                            int(count) if count == round(count) else -1,
-                            tensors["gram"], tensors["cross"], str(path))
-    check_refit_statistics(stats, **checks)
-    return stats
+    return RefitStatistics(description["reference"], description["model"],
+                           description["layer"], description["num_samples"],
+                           int(count) if count == round(count) else -1,
+                           tensors["gram"], tensors["cross"], label)
 
 
 def check_refit_statistics(stats: RefitStatistics, *, reference: str | None = None,

@@ -17,6 +17,10 @@ message's ConfigRecord has ``fusekit-widths`` once a round fused). With
     @app.query(STATISTICS)  # "statistics"
     def statistics(msg, context):
         return Message(statistics_reply(msg.content, my_training_inputs), reply_to=msg)
+
+With ``alignment_rounds=N`` the same query also asks for statistics against the model the
+node trained: keep it with ``train_reply(..., keep_in=context.state)`` and answer with
+``statistics_reply(msg.content, my_training_inputs, own_model=kept_model(context.state))``.
 """
 
 from fusekit.flower.client import global_model, statistics_reply, train_reply
@@ -28,6 +32,7 @@ from fusekit.flower.records import (
     STATISTICS,
     WIDTHS,
     arrays_to_state_dict,
+    kept_model,
     state_dict_to_arrays,
 )
 from fusekit.flower.strategy import FusekitStrategy
@@ -41,6 +46,7 @@ __all__ = [
     "FusekitStrategy",
     "arrays_to_state_dict",
     "global_model",
+    "kept_model",
     "log_to_flower",
     "state_dict_to_arrays",
     "statistics_reply",

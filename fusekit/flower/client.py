@@ -1,7 +1,7 @@
 """The ClientApp side: pack a trained torch model into a train reply (with, for
 calibration's REPAIR, the node's statistics of that model), rebuild the global model the
-server sends (whose widths a PFNM/NAFI round changed), and answer calibration's statistics
-query."""
+server sends (whose widths a PFNM/NAFI round changed), and answer the statistics queries
+of calibration, alignment and refit rounds."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from fusekit.core import metadata as meta
 from fusekit.core.checkpoint import Checkpoint
 from fusekit.core.errors import ParameterError
 from fusekit.core.stats import DEFAULT_MIN_SAMPLES
+from fusekit.toolkit.alignment import cross_statistics, refit_statistics
 from fusekit.toolkit.calibration import client_statistics
 from fusekit.toolkit.nn.fused import load_fused
 
@@ -26,6 +27,7 @@ from .records import (
     CLASS_COUNTS,
     NUM_EXAMPLES,
     arrays_to_state_dict,
+    keep_model,
     model_metadata,
     query_checkpoint,
     statistics_content,
@@ -41,7 +43,9 @@ def train_reply(
     arrays_key: str = "arrays",
     metrics_key: str = "metrics",
     statistics_inputs: Any = None,
+    input_moments: bool = False,
     min_samples: int = DEFAULT_MIN_SAMPLES,
+    keep_in: RecordDict | None = None,
 ) -> RecordDict:
     """The content of a train reply that :class:`FusekitStrategy` can fuse.
 
@@ -59,7 +63,15 @@ def train_reply(
             ``statistics`` and ``fusekit-stats``, as :func:`statistics_reply`), REPAIR's
             targets for :class:`FusekitStrategy`'s calibration of layers without BatchNorm.
             No input, label or per-sample value.
+        input_moments: with ``statistics_inputs``, also the first layer's input moments
+            (count, mean, d x d covariance of its input vectors;
+            ``client_statistics(..., input_moments=True)``): layer-by-layer calibration
+            then calibrates the first layer without a query round. They say more about
+            the data than per-channel moments (ALGORITHMS §12): opt-in.
         min_samples: refuse to compute those statistics over fewer inputs.
+        keep_in: the node's ``context.state``: the model sent is kept there, so that
+            :func:`statistics_reply` can answer alignment and refit queries
+            (``FusekitStrategy(alignment_rounds=...)``) against it.
 
     Raises:
         ParameterError: a count is not a non-negative integer, or the class counts do not
@@ -81,16 +93,32 @@ def train_reply(
         record[CLASS_COUNTS] = counts
     state = {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()}
     content = RecordDict({arrays_key: ArrayRecord(state), metrics_key: record})
-    arch = getattr(model, "arch", None)
-    if isinstance(arch, Mapping):
-        content[ARCH_RECORD] = ConfigRecord({ARCH: json.dumps(dict(arch))})
+    arch = _arch(model)
+    if arch:
+        content[ARCH_RECORD] = ConfigRecord({ARCH: arch})
     if statistics_inputs is not None:
-        metadata = {meta.ARCH: json.dumps(dict(arch))} if isinstance(arch, Mapping) else {}
-        own = Checkpoint.from_state_dict({name: t.numpy() for name, t in state.items()},
-                                         metadata, source="trained model")
-        stats = client_statistics(own, _numpy(statistics_inputs), min_samples=min_samples)
+        stats = client_statistics(_checkpoint(model), _numpy(statistics_inputs),
+                                  min_samples=min_samples, input_moments=input_moments)
         content.update(statistics_content(stats))
+    if keep_in is not None:
+        keep_model(keep_in, content[arrays_key], arch)
     return content
+
+
+def _arch(model: nn.Module) -> str | None:
+    """A fusekit module's architecture (``fusekit.arch`` JSON), None for other modules."""
+    arch = getattr(model, "arch", None)
+    return json.dumps(dict(arch)) if isinstance(arch, Mapping) else None
+
+
+def _checkpoint(model: nn.Module | Checkpoint) -> Checkpoint:
+    """A torch model as the checkpoint its train reply sends (the same content hash)."""
+    if isinstance(model, Checkpoint):
+        return model
+    arch = _arch(model)
+    return Checkpoint.from_state_dict(
+        {name: t.detach().cpu().numpy() for name, t in model.state_dict().items()},
+        {meta.ARCH: arch} if arch else {}, source="this node's trained model")
 
 
 def _numpy(inputs: Any) -> np.ndarray:
@@ -119,19 +147,33 @@ def global_model(content: RecordDict, arch: Mapping[str, Any] | None = None, *,
     return load_fused(checkpoint, "cpu")
 
 
-def statistics_reply(content: RecordDict, inputs: Any, *, batch_size: int = 1024,
+def statistics_reply(content: RecordDict, inputs: Any, *,
+                     own_model: nn.Module | Checkpoint | None = None, batch_size: int = 1024,
                      min_samples: int = DEFAULT_MIN_SAMPLES, device: str = "cpu"
                      ) -> RecordDict:
-    """The reply to :class:`FusekitStrategy`'s statistics query (``@app.query("statistics")``):
-    per-channel count, mean and variance of every hidden pre-activation and BatchNorm
-    input of the model the query carries, run on this node's ``inputs``
-    (:func:`fusekit.toolkit.calibration.client_statistics`). Only those aggregates leave
-    the node: no input, label or per-sample value.
+    """The reply to :class:`FusekitStrategy`'s statistics query (``@app.query("statistics")``),
+    computed on this node's ``inputs`` with the library's functions, as ``fusekit stats``
+    computes them:
+
+    - calibration: per-channel count, mean and variance of every hidden pre-activation and
+      BatchNorm input of the model the query carries
+      (:func:`fusekit.toolkit.calibration.client_statistics`);
+    - an alignment round: the cross statistics of that model and ``own_model`` (per hidden
+      layer, both models' channel moments and their covariance matrix;
+      :func:`fusekit.toolkit.alignment.cross_statistics`);
+    - a refit round: for the layer the query names, E[u uᵀ] of the model's input to it and
+      E[y uᵀ] with ``own_model``'s pre-activation y
+      (:func:`fusekit.toolkit.alignment.refit_statistics`).
+
+    Only those aggregates leave the node: no input, label or per-sample value.
 
     Args:
         content: the query message's content.
         inputs: (N, ...) this node's inputs (numpy array or torch tensor), those the model
             accepts (the training inputs: calibration matches the data the clients saw).
+        own_model: the model this node trained and sent in the round (a torch module, or
+            ``kept_model(context.state)`` after ``train_reply(..., keep_in=context.state)``);
+            needed for alignment and refit queries only.
         batch_size: inputs per forward pass (in one-pass calibration also the BatchNorm
             batch).
         min_samples: refuse to answer over fewer inputs (the moments of a few samples
@@ -140,9 +182,23 @@ def statistics_reply(content: RecordDict, inputs: Any, *, batch_size: int = 1024
 
     Raises:
         CheckpointError: the content is not a statistics query.
+        ParameterError: an alignment or refit query without ``own_model``.
         DataError: inputs that do not fit the model, or fewer than ``min_samples``.
     """
-    checkpoint, mode = query_checkpoint(content)
-    stats = client_statistics(checkpoint, _numpy(inputs), mode=mode,
-                              batch_size=batch_size, device=device, min_samples=min_samples)
-    return statistics_content(stats)
+    query = query_checkpoint(content)
+    inputs = _numpy(inputs)
+    if query.kind == "channels":
+        return statistics_content(client_statistics(
+            query.model, inputs, mode=query.mode, batch_size=batch_size, device=device,
+            min_samples=min_samples))
+    if own_model is None:
+        raise ParameterError(f"own_model: the query asks for {query.kind} statistics against "
+                             "this node's trained model; pass own_model= (e.g. "
+                             "kept_model(context.state))")
+    own = _checkpoint(own_model)
+    options = {"batch_size": batch_size, "device": device, "min_samples": min_samples}
+    if query.kind == "cross":
+        return statistics_content(cross_statistics(query.model, own, inputs, **options),
+                                  "cross")
+    return statistics_content(refit_statistics(query.model, own, inputs, query.layer,
+                                               **options), "refit")

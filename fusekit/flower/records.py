@@ -15,19 +15,37 @@ with the model to calibrate, the same ConfigRecord plus ``fusekit-norm-targets``
 ``fusekit-stats-mode``; the node replies with an ArrayRecord ``statistics`` holding per
 channel count, mean and variance of every point (a statistics file's tensors, float64) and
 a ConfigRecord ``fusekit-stats`` with the file's description (model hash, number of inputs,
-mode): nothing else, no input or label.
+mode): nothing else, no input or label. Alignment and refit rounds
+(``FusekitStrategy(alignment_rounds=...)``) send the same query with
+``fusekit-stats-kind`` ``cross`` (and the node answers with its cross statistics of the
+model and its own: ArrayRecord ``cross-statistics``, ConfigRecord ``fusekit-cross-stats``)
+or ``refit`` with ``fusekit-refit-layer`` (refit statistics of that layer:
+``refit-statistics``, ``fusekit-refit-stats``): the tensors and description of the files
+``fusekit stats --against`` writes. A node keeps the model it trained in its
+``Context.state`` (``fusekit-own-model``, ``fusekit-own-arch``) to answer them.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import NamedTuple
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, MessageType, RecordDict
 
 from fusekit.core import metadata as meta
 from fusekit.core.checkpoint import Checkpoint
+from fusekit.core.cross_stats import (
+    CrossStatistics,
+    RefitStatistics,
+    cross_statistics_description,
+    cross_statistics_tensors,
+    parse_cross_statistics,
+    parse_refit_statistics,
+    refit_statistics_description,
+    refit_statistics_tensors,
+)
 from fusekit.core.errors import CheckpointError, StatisticsError
 from fusekit.core.stats import (
     Statistics,
@@ -52,6 +70,16 @@ NORM_TARGETS = "fusekit-norm-targets"
 STATS_MODE = "fusekit-stats-mode"
 STATS_ARRAYS = "statistics"
 STATS_RECORD = "fusekit-stats"
+#: What a statistics query asks for: calibration's per-channel statistics of the model,
+#: an alignment round's cross statistics of it and the node's own model, or a refit
+#: round's moments of one layer (``STATS_LAYER``).
+STATS_KIND = "fusekit-stats-kind"
+KINDS = ("channels", "cross", "refit")
+STATS_LAYER = "fusekit-refit-layer"
+CROSS_ARRAYS, CROSS_RECORD = "cross-statistics", "fusekit-cross-stats"
+REFIT_ARRAYS, REFIT_RECORD = "refit-statistics", "fusekit-refit-stats"
+#: Where a ClientApp keeps the model it trained, in its ``Context.state``.
+OWN_MODEL, OWN_ARCH = "fusekit-own-model", "fusekit-own-arch"
 
 
 def arrays_to_state_dict(arrays: ArrayRecord) -> dict[str, np.ndarray]:
@@ -115,65 +143,127 @@ def model_metadata(config: ConfigRecord) -> dict[str, str]:
     return {name: str(config[key]) for name, key in MODEL_KEYS.items() if key in config}
 
 
+class StatisticsQuery(NamedTuple):
+    """What a statistics query asks a node: run ``model`` in ``mode``, for ``kind``
+    statistics (of ``layer``, for a refit round)."""
+
+    model: Checkpoint
+    mode: str
+    kind: str = "channels"
+    layer: str | None = None
+
+
 def statistics_query(state_dict: Mapping[str, np.ndarray], metadata: Mapping[str, str],
-                     widths: list[int], mode: str) -> RecordDict:
-    """The content of a statistics query: the model to calibrate (``arrays``) and what
-    rebuilds it, its BatchNorms' targets and the mode (``config``)."""
+                     widths: list[int], mode: str, kind: str = "channels",
+                     layer: str | None = None) -> RecordDict:
+    """The content of a statistics query: the model to run (``arrays``) and what rebuilds
+    it, its BatchNorms' targets, the mode and what to compute (``config``)."""
     config = model_config(metadata, widths)
     if meta.NORM_TARGETS in metadata:
         config[NORM_TARGETS] = metadata[meta.NORM_TARGETS]
     config[STATS_MODE] = mode
+    config[STATS_KIND] = kind
+    if layer is not None:
+        config[STATS_LAYER] = layer
     return RecordDict({"arrays": state_dict_to_arrays(state_dict), "config": config})
 
 
-def query_checkpoint(content: RecordDict) -> tuple[Checkpoint, str]:
-    """The model a statistics query carries, and the mode to compute its statistics in.
+def query_checkpoint(content: RecordDict) -> StatisticsQuery:
+    """The model a statistics query carries, the mode to run it in and what to compute.
 
     Raises:
         CheckpointError: the content is not a statistics query.
     """
     config = content.config_records.get("config", ConfigRecord())
-    if "arrays" not in content.array_records or STATS_MODE not in config:
+    kind = str(config.get(STATS_KIND, "channels"))
+    if ("arrays" not in content.array_records or STATS_MODE not in config
+            or kind not in KINDS or (kind == "refit") != (STATS_LAYER in config)):
         raise CheckpointError(
             f"statistics query: expected an ArrayRecord 'arrays' and a ConfigRecord 'config' "
-            f"with {STATS_MODE!r} (FusekitStrategy's calibration), found records "
+            f"with {STATS_MODE!r}, {STATS_KIND!r} one of {list(KINDS)} and, for refit, "
+            f"{STATS_LAYER!r} (FusekitStrategy's calibration), found records "
             f"{sorted(content)}")
     metadata = model_metadata(config)
     if NORM_TARGETS in config:
         metadata[meta.NORM_TARGETS] = str(config[NORM_TARGETS])
     checkpoint = Checkpoint.from_state_dict(arrays_to_state_dict(content["arrays"]), metadata,
                                             source="model to calibrate")
-    return checkpoint, str(config[STATS_MODE])
+    layer = str(config[STATS_LAYER]) if STATS_LAYER in config else None
+    return StatisticsQuery(checkpoint, str(config[STATS_MODE]), kind, layer)
 
 
-def statistics_content(stats: Statistics) -> RecordDict:
-    """A statistics reply: the per-channel aggregates and their description, nothing else."""
-    return RecordDict({
-        STATS_ARRAYS: state_dict_to_arrays(statistics_tensors(stats)),
-        STATS_RECORD: ConfigRecord({meta.STATS: statistics_description(stats)}),
-    })
+class _Reply(NamedTuple):
+    """How one kind of statistics travels in a reply: its ArrayRecord's and ConfigRecord's
+    names, the metadata key of its description, and the functions of its file format."""
+
+    arrays: str
+    record: str
+    key: str
+    tensors: Callable
+    description: Callable
+    parse: Callable
 
 
-def reply_statistics(content: RecordDict, source: str) -> Statistics:
-    """A node's statistics reply, parsed (not yet checked against the model: see
-    :func:`fusekit.core.stats.check_statistics`).
+#: Per kind of query, its reply's records (those of the files ``fusekit stats`` writes).
+REPLIES = {
+    "channels": _Reply(STATS_ARRAYS, STATS_RECORD, meta.STATS, statistics_tensors,
+                       statistics_description, parse_statistics),
+    "cross": _Reply(CROSS_ARRAYS, CROSS_RECORD, meta.CROSS_STATS, cross_statistics_tensors,
+                    cross_statistics_description, parse_cross_statistics),
+    "refit": _Reply(REFIT_ARRAYS, REFIT_RECORD, meta.REFIT_STATS, refit_statistics_tensors,
+                    refit_statistics_description, parse_refit_statistics),
+}
+
+
+def statistics_content(stats: Statistics | CrossStatistics | RefitStatistics,
+                       kind: str = "channels") -> RecordDict:
+    """A statistics reply (``kind`` as the query's): the aggregates and their description,
+    nothing else."""
+    form = REPLIES[kind]
+    return RecordDict({form.arrays: state_dict_to_arrays(form.tensors(stats)),
+                       form.record: ConfigRecord({form.key: form.description(stats)})})
+
+
+def reply_statistics(content: RecordDict, source: str, kind: str = "channels"
+                     ) -> Statistics | CrossStatistics | RefitStatistics:
+    """A node's statistics reply (``kind`` as the query's), parsed and checked for form
+    only (not yet against the models: see :func:`fusekit.core.stats.check_statistics`
+    and :mod:`fusekit.core.cross_stats`).
 
     Raises:
         StatisticsError: the reply lacks its records or they are malformed (the message
             names ``source``).
     """
-    arrays = content.array_records.get(STATS_ARRAYS)
-    description = content.config_records.get(STATS_RECORD, ConfigRecord()).get(meta.STATS)
+    form = REPLIES[kind]
+    arrays = content.array_records.get(form.arrays)
+    description = content.config_records.get(form.record, ConfigRecord()).get(form.key)
     if arrays is None or not isinstance(description, str):
         raise StatisticsError(
-            f"{source}: expected an ArrayRecord {STATS_ARRAYS!r} and a ConfigRecord "
-            f"{STATS_RECORD!r} with {meta.STATS!r} (fusekit.flower.statistics_reply), found "
+            f"{source}: expected an ArrayRecord {form.arrays!r} and a ConfigRecord "
+            f"{form.record!r} with {form.key!r} (fusekit.flower.statistics_reply), found "
             f"records {sorted(content)}")
     try:
-        return parse_statistics(description, arrays_to_state_dict(arrays), source)
+        return form.parse(description, arrays_to_state_dict(arrays), source)
     except (TypeError, ValueError) as exc:  # arrays that are not numbers
         raise StatisticsError(f"{source}: statistics that are not float arrays ({exc})"
                               ) from None
+
+
+def keep_model(state: RecordDict, arrays: ArrayRecord, arch: str | None) -> None:
+    """Keep a node's trained model (its ArrayRecord, its ``fusekit.arch`` JSON) in its
+    ``Context.state``, for the alignment and refit queries of the same run."""
+    state[OWN_MODEL] = arrays
+    state[OWN_ARCH] = ConfigRecord({ARCH: arch} if arch else {})
+
+
+def kept_model(state: RecordDict) -> Checkpoint | None:
+    """The model :func:`keep_model` kept, or None."""
+    if OWN_MODEL not in state.array_records:
+        return None
+    config = state.config_records.get(OWN_ARCH, ConfigRecord())
+    metadata = {meta.ARCH: str(config[ARCH])} if ARCH in config else {}
+    return Checkpoint.from_state_dict(arrays_to_state_dict(state[OWN_MODEL]), metadata,
+                                      source="this node's trained model")
 
 
 def reply_targets(content: RecordDict, source: str) -> Statistics | None:

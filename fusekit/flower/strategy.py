@@ -21,6 +21,14 @@ every fused node's train reply also carried its statistics of its own model
 (``train_reply(..., statistics_inputs=...)``) and the fusion recorded which node neurons
 went into each fused neuron, those are REPAIR's targets: every hidden layer is calibrated,
 those without BatchNorm too.
+
+With ``alignment_rounds=N`` the calibrated fusion is then re-matched to the nodes by
+activations and refit layer by layer (ALGORITHMS.md §12), in more query rounds: N
+alignment rounds (each node sends its cross statistics of the current model and the model
+it trained, :func:`fusekit.align` re-fuses; between rounds the result is calibrated), then
+one refit round per layer (each node sends the layer's moments, :func:`fusekit.refit`
+refits it), as :func:`fusekit.toolkit.alignment.align_locally` runs them with every
+client's data at hand.
 """
 
 from __future__ import annotations
@@ -40,6 +48,12 @@ import fusekit
 from fusekit.api import SpecLike, check_compatible, client_spec, fused_spec
 from fusekit.core import metadata as meta
 from fusekit.core.checkpoint import Checkpoint
+from fusekit.core.cross_stats import (
+    CrossStatistics,
+    RefitStatistics,
+    check_cross_statistics,
+    check_refit_statistics,
+)
 from fusekit.core.errors import (
     CheckpointError,
     FusekitError,
@@ -50,6 +64,7 @@ from fusekit.core.errors import (
 from fusekit.core.spec import PermutationSpec
 from fusekit.core.stats import DEFAULT_MIN_SAMPLES, Statistics, check_statistics, statistic_points
 from fusekit.methods import FusionResult
+from fusekit.methods.alignment import cross_points, layer_inputs
 from fusekit.methods.avg import check_equal_shapes
 from fusekit.methods.base import FusionMethod, get_method
 from fusekit.methods.params import method_params, validate
@@ -109,6 +124,15 @@ class FusekitStrategy(FedAvg):
             per calibrated layer, input to output: exact, one network round trip each).
         calibration_min_samples: refuse a node's statistics over fewer inputs (they come
             close to revealing them).
+        alignment_rounds: after calibrating (needs ``calibrate=True``), this many alignment
+            rounds (0: none, the default): each fused node answers with its cross
+            statistics of the current model and the model it trained
+            (``statistics_reply(..., own_model=...)``) and :func:`fusekit.align` re-matches
+            and re-fuses the nodes whose statistics are usable; between rounds the result
+            is calibrated.
+        refit: after the last alignment round, refit every layer, input to output, one
+            query round each (:func:`fusekit.refit`, ridge 0.1); ``False`` calibrates it
+            instead.
         **fedavg: FedAvg's own arguments (``fraction_train``, ``min_train_nodes``,
             ``min_available_nodes``, ``weighted_by_key``, ...).
 
@@ -132,6 +156,8 @@ class FusekitStrategy(FedAvg):
         calibrate: bool = False,
         calibration_rounds: str = "one-pass",
         calibration_min_samples: int = DEFAULT_MIN_SAMPLES,
+        alignment_rounds: int = 0,
+        refit: bool = True,
         **fedavg: Any,
     ) -> None:
         super().__init__(**fedavg)
@@ -150,6 +176,7 @@ class FusekitStrategy(FedAvg):
                                  f"{later_rounds!r}")
         self.later_rounds = later_rounds
         self._set_calibration(calibrate, calibration_rounds, calibration_min_samples)
+        self._set_alignment(alignment_rounds, refit)
         self.initial_metadata = {meta.ARCH: json.dumps(dict(arch))} if arch else {}
         self._begin()
 
@@ -170,6 +197,18 @@ class FusekitStrategy(FedAvg):
         self.calibration_rounds = rounds
         self.calibration_min_samples = min_samples
 
+    def _set_alignment(self, rounds: int, refit: bool) -> None:
+        if isinstance(rounds, bool) or not isinstance(rounds, int) or not 0 <= rounds <= 100:
+            raise ParameterError(f"alignment_rounds: expected an integer in [0, 100], found "
+                                 f"{rounds!r}")
+        if rounds and not self.calibrate:
+            raise ParameterError("alignment_rounds: needs calibrate=True (an alignment round "
+                                 "matches the nodes to the calibrated fusion)")
+        if not isinstance(refit, bool):
+            raise ParameterError(f"refit: expected true or false, found {refit!r}")
+        self.alignment_rounds = rounds
+        self.refit = refit
+
     def _begin(self) -> None:
         """The state of a run that has not fused yet."""
         #: The global model's fusekit metadata (architecture, spec): rebuilds it anywhere.
@@ -184,6 +223,9 @@ class FusekitStrategy(FedAvg):
         #: Why nodes' statistics of their own models (REPAIR's targets) were not usable in
         #: the last calibration (node id -> reason).
         self.left_out_targets: dict[int, str] = {}
+        #: Why nodes' cross or refit statistics were left out of the last alignment
+        #: (node id -> reason).
+        self.left_out_alignment: dict[int, str] = {}
         #: The Grid of the round being run (calibration queries the nodes through it).
         self._grid: Grid | None = None
         self._timeout = 3600.0
@@ -195,9 +237,12 @@ class FusekitStrategy(FedAvg):
     def summary(self) -> None:
         super().summary()
         log.info("fusekit: method %s, parameters %s, at least %d replies per round, "
-                 "calibration %s", self.method, self.params, self.min_fused_replies,
+                 "calibration %s%s", self.method, self.params, self.min_fused_replies,
                  f"{self.calibration_rounds} (at least {self.calibration_min_samples} inputs "
-                 "per node)" if self.calibrate else "off")
+                 "per node)" if self.calibrate else "off",
+                 f", {self.alignment_rounds} alignment round(s)"
+                 f"{' and refit rounds' if self.refit else ''}" if self.alignment_rounds
+                 else "")
 
     def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3,
               timeout: float = 3600, train_config: ConfigRecord | None = None,
@@ -306,9 +351,15 @@ class FusekitStrategy(FedAvg):
         if self.calibrate:
             fused_nodes = [reply.metadata.src_node_id for reply in replies
                            if reply.metadata.src_node_id not in self.left_out]
-            targets = self.repair_targets(server_round, result,
-                                          dict(zip(fused_nodes, usable, strict=True)))
+            fused_replies = dict(zip(fused_nodes, usable, strict=True))
+            targets = self.repair_targets(server_round, result, fused_replies)
             result, calibration = self.calibrated(server_round, result, fused_nodes, targets)
+            if self.alignment_rounds:
+                result, alignment = self.aligned(
+                    server_round, result, calibration,
+                    {node: checkpoint for node, (checkpoint, _) in fused_replies.items()},
+                    dict(zip(fused_nodes, targets, strict=True)) if targets else {})
+                calibration.update(alignment)
         self.last_fusion, self.global_metadata = result, dict(result.metadata)
         self.fused_rounds += 1
         metrics = self._round_metrics(usable, result, elapsed)
@@ -409,10 +460,15 @@ class FusekitStrategy(FedAvg):
             return fused, {"calibrated": 0, "calibration-rounds": 0}
         steps = ([("batch", None)] if self.calibration_rounds == "one-pass"
                  else [("eval", [name]) for name in layers])
+        if (steps[0][0] == "eval" and layers[0] == fused_spec(current).layers[0].name
+                and targets and all(t.inputs for t in targets)):
+            steps[0] = ("derived", steps[0][1])  # from the nodes' input moments: no query
+        queries = sum(mode != "derived" for mode, _ in steps)
         self.left_out_statistics = {}
         for number, (mode, chosen) in enumerate(steps, 1):
-            stats = self._query_statistics(server_round, current, mode, nodes)
-            if not stats:
+            stats = ([] if mode == "derived"
+                     else self._query_statistics(server_round, current, mode, nodes))
+            if not stats and mode != "derived":
                 log.error("round %d: calibration failed: no node sent usable statistics in "
                           "query round %d of %d; the global model is the uncalibrated fusion",
                           server_round, number, len(steps))
@@ -422,15 +478,17 @@ class FusekitStrategy(FedAvg):
             current = Checkpoint.from_state_dict(result.state_dict, result.metadata,
                                                  source=f"round {server_round}'s fusion")
         report = result.report["calibration"]
-        report.update(rounds=len(steps), layers="all")
+        report.update(rounds=queries, layers="all")
         result.metadata[meta.CALIBRATION] = json.dumps(report)
         result.widths = fused.widths
         elapsed = time.perf_counter() - start
         log.info("round %d: calibrated with the statistics of %d node(s) over %d inputs "
-                 "(%s, %d query round(s)) in %.2f s%s", server_round, report["clients"],
-                 report["samples"], self.calibration_rounds, len(steps), elapsed,
+                 "(%s, %d query round(s)%s) in %.2f s%s", server_round, report["clients"],
+                 report["samples"], self.calibration_rounds, queries,
+                 ", the first layer from the nodes' input moments" if queries < len(steps)
+                 else "", elapsed,
                  ", REPAIR targets of every layer without BatchNorm" if targets else "")
-        return result, {"calibrated": 1, "calibration-rounds": len(steps),
+        return result, {"calibrated": 1, "calibration-rounds": queries,
                         "calibration-nodes": report["clients"],
                         "calibration-samples": report["samples"],
                         "calibration-time-s": elapsed,
@@ -438,25 +496,187 @@ class FusekitStrategy(FedAvg):
 
     def _query_statistics(self, server_round: int, model: Checkpoint, mode: str,
                           nodes: Sequence[int]) -> list[Statistics]:
-        """One query round: ``model`` to ``nodes``, their usable statistics back."""
+        """One calibration query round: ``model`` to ``nodes``, their usable statistics
+        back."""
         spec = fused_spec(model)
-        content = statistics_query(model.state_dict(), model.metadata, spec.hidden_widths,
-                                   mode)
-        messages = [Message(content, dst_node_id=node, message_type=STATISTICS_QUERY)
-                    for node in nodes]
-        log.info("round %d: statistics query (%s mode) to %d node(s)", server_round, mode,
-                 len(messages))
-        replies = list(self._grid.send_and_receive(messages, timeout=self._timeout))
-        stats, reasons = self.usable_statistics(replies, model.content_hash,
-                                                statistic_points(spec), mode)
-        for node in nodes:
-            if node not in stats and node not in reasons:
-                reasons[node] = f"no reply within the round's timeout ({self._timeout:g} s)"
+        stats, reasons = self._query(
+            server_round, nodes, f"statistics query ({mode} mode)",
+            statistics_query(model.state_dict(), model.metadata, spec.hidden_widths, mode),
+            lambda replies: self.usable_statistics(replies, model.content_hash,
+                                                   statistic_points(spec), mode))
         for node, reason in reasons.items():
             log.warning("round %d: statistics of node %d left out: %s", server_round, node,
                         reason)
         self.left_out_statistics.update(reasons)
         return [stats[node] for node in sorted(stats)]
+
+    def _query(self, server_round: int, nodes: Sequence[int], what: str, content: RecordDict,
+               screen: Callable[[list[Message]], tuple[dict[int, T], dict[int, str]]]
+               ) -> tuple[dict[int, T], dict[int, str]]:
+        """One query round: ``content`` to ``nodes``; their replies ``screen``ed into the
+        usable ones and the others' reasons (a node that did not answer within the
+        round's timeout among them), by node id."""
+        messages = [Message(content, dst_node_id=node, message_type=STATISTICS_QUERY)
+                    for node in nodes]
+        log.info("round %d: %s to %d node(s)", server_round, what, len(messages))
+        replies = list(self._grid.send_and_receive(messages, timeout=self._timeout))
+        usable, reasons = screen(replies)
+        for node in nodes:
+            if node not in usable and node not in reasons:
+                reasons[node] = f"no reply within the round's timeout ({self._timeout:g} s)"
+        return usable, reasons
+
+    def aligned(self, server_round: int, calibrated: FusionResult,
+                calibration: Mapping[str, Any], models: Mapping[int, Checkpoint],
+                targets: Mapping[int, Statistics]) -> tuple[FusionResult, dict[str, Any]]:
+        """The calibrated fusion re-matched to the nodes' ``models`` by activations and refit,
+        in query rounds (``alignment_rounds``, ``refit``), as
+        :func:`fusekit.toolkit.alignment.align_locally` does with the data at hand.
+
+        Each alignment round re-fuses the nodes whose cross statistics are usable (at least
+        ``min_fused_replies``), screened against the current model and each node's own
+        (content hashes, points and widths, counts, finite moments, variances >= 0,
+        Cauchy-Schwarz, ``calibration_min_samples``); the others are logged and left out
+        (``self.left_out_alignment``) of this and the later rounds. A refit round needs
+        every aligned node's statistics (each fused neuron is fit to the node neurons
+        matched into it). When a round cannot go on (too few usable cross statistics, a
+        refit reply missing or unusable, a calibration between rounds failing) the round's
+        global model is ``calibrated``, and the failure is logged as an error.
+
+        Returns:
+            The aligned and refit (or calibrated) model, and the round's alignment metrics:
+            ``aligned`` (1 or 0), ``alignment-rounds``, ``refit-rounds``,
+            ``alignment-nodes``, ``alignment-correlation`` (the last round's mean matched
+            correlation), ``alignment-time-s``.
+        """
+        self.left_out_alignment = {}
+        if calibration.get("calibration-rounds") and not calibration.get("calibrated"):
+            log.error("round %d: no alignment: the calibration of the fusion failed",
+                      server_round)
+            return calibrated, {"aligned": 0}
+        start = time.perf_counter()
+        metrics = {"aligned": 0, "alignment-rounds": 0, "refit-rounds": 0}
+        try:
+            result, nodes = self._align(server_round, calibrated, models, targets, metrics)
+            if self.refit:
+                result = self._refit(server_round, result, nodes, models, metrics)
+        except FusekitError as exc:
+            log.error("round %d: alignment stopped: %s; the global model is the calibrated "
+                      "fusion", server_round, exc)
+            metrics.pop("alignment-correlation", None)
+            return calibrated, metrics
+        result.widths = calibrated.widths
+        result.metadata[meta.ALIGNMENT] = json.dumps(
+            {"rounds": self.alignment_rounds, "refit": self.refit,
+             "mean_correlation": metrics["alignment-correlation"]})
+        metrics.update({"aligned": 1, "alignment-nodes": len(nodes),
+                        "alignment-correlation": metrics["alignment-correlation"][-1],
+                        "alignment-time-s": time.perf_counter() - start})
+        log.info("round %d: aligned to %d node(s) in %d alignment and %d refit round(s), "
+                 "mean matched correlation %.4f, in %.2f s", server_round, len(nodes),
+                 metrics["alignment-rounds"], metrics["refit-rounds"],
+                 metrics["alignment-correlation"], metrics["alignment-time-s"])
+        return result, metrics
+
+    def _align(self, server_round: int, calibrated: FusionResult,
+               models: Mapping[int, Checkpoint], targets: Mapping[int, Statistics],
+               metrics: dict[str, Any]) -> tuple[FusionResult, list[int]]:
+        """The alignment rounds: the last result (calibrated unless refit follows) and the
+        nodes it fused."""
+        result, nodes = calibrated, sorted(models)
+        metrics["alignment-correlation"] = []
+        for number in range(1, self.alignment_rounds + 1):
+            current = self._round_checkpoint(server_round, result)
+            cross = self._query_alignment(
+                server_round, nodes, f"alignment query {number} of {self.alignment_rounds}",
+                current, models, None)
+            if len(cross) < self.min_fused_replies:
+                raise StatisticsError(f"alignment round {number}: usable cross statistics "
+                                      f"from {len(cross)} node(s), fewer than "
+                                      f"{self.min_fused_replies} (min_fused_replies)")
+            nodes = sorted(cross)
+            result = fusekit.align(current, [models[n] for n in nodes],
+                                   [cross[n] for n in nodes],
+                                   min_samples=self.calibration_min_samples)
+            metrics["alignment-rounds"] = number
+            metrics["alignment-correlation"].append(
+                result.report["alignment"]["mean_correlation"])
+            if number < self.alignment_rounds or not self.refit:
+                result, calibration = self.calibrated(
+                    server_round, result, nodes, [targets[n] for n in nodes] if targets else [])
+                if calibration.get("calibration-rounds") and not calibration["calibrated"]:
+                    raise StatisticsError(f"the calibration after alignment round {number} "
+                                          "failed")
+        return result, nodes
+
+    def _refit(self, server_round: int, aligned: FusionResult, nodes: list[int],
+               models: Mapping[int, Checkpoint], metrics: dict[str, Any]) -> FusionResult:
+        """The refit rounds: every layer of ``aligned``, input to output, one round each."""
+        result = aligned
+        layers = [layer.name for layer in fused_spec(
+            self._round_checkpoint(server_round, aligned)).layers]
+        for number, layer in enumerate(layers, 1):
+            current = self._round_checkpoint(server_round, result)
+            stats = self._query_alignment(
+                server_round, nodes, f"refit query {number} of {len(layers)} (layer {layer})",
+                current, models, layer)
+            missing = [node for node in nodes if node not in stats]
+            if missing:
+                raise StatisticsError(f"refit round of layer {layer}: no usable statistics "
+                                      f"from node(s) {missing}; a refit needs every aligned "
+                                      "node's")
+            result = fusekit.refit(current, [models[n] for n in nodes],
+                                   [stats[n] for n in nodes],
+                                   min_samples=self.calibration_min_samples)
+            metrics["refit-rounds"] = number
+        return result
+
+    @staticmethod
+    def _round_checkpoint(server_round: int, result: FusionResult) -> Checkpoint:
+        return Checkpoint.from_state_dict(result.state_dict, result.metadata,
+                                          source=f"round {server_round}'s fusion")
+
+    def _query_alignment(self, server_round: int, nodes: Sequence[int], what: str,
+                         model: Checkpoint, models: Mapping[int, Checkpoint],
+                         layer: str | None) -> dict[int, CrossStatistics | RefitStatistics]:
+        """One alignment (``layer`` None) or refit query round: each node's statistics of
+        ``model`` and its own model in ``models``, screened; the others logged and kept in
+        ``self.left_out_alignment``."""
+        spec = fused_spec(model)
+        kind = "cross" if layer is None else "refit"
+        content = statistics_query(model.state_dict(), model.metadata, spec.hidden_widths,
+                                   "eval", kind, layer)
+        stats, reasons = self._query(
+            server_round, nodes, what, content,
+            lambda replies: screen_replies(replies, lambda node, reply: self._node_statistics(
+                node, reply, model, spec, models[node], layer)))
+        for node, reason in reasons.items():
+            log.warning("round %d: %s statistics of node %d left out: %s", server_round, kind,
+                        node, reason)
+        self.left_out_alignment.update(reasons)
+        return stats
+
+    def _node_statistics(self, node: int, content: RecordDict, model: Checkpoint, spec: Any,
+                         own: Checkpoint, layer: str | None
+                         ) -> CrossStatistics | RefitStatistics:
+        """A node's cross (``layer`` None) or refit statistics, checked as ``fusekit align``
+        and ``fusekit refit`` check files: against ``model`` and the node's ``own``."""
+        own_spec = client_spec(own, self.spec)
+        stats = reply_statistics(content, f"node {node}", "cross" if layer is None else "refit")
+        if layer is None:
+            check_cross_statistics(stats, reference=model.content_hash,
+                                   models={own.content_hash: cross_points(own_spec)},
+                                   widths=cross_points(spec),
+                                   min_samples=self.calibration_min_samples)
+            return stats
+        check_refit_statistics(
+            stats, reference=model.content_hash,
+            models={own.content_hash: {item.name: item.out_features for item in own_spec.layers}},
+            inputs=layer_inputs(spec), min_samples=self.calibration_min_samples)
+        if stats.layer != layer:
+            raise StatisticsError(f"node {node}: refit statistics of layer {stats.layer!r}; "
+                                  f"the query asked for {layer!r}")
+        return stats
 
     def usable_statistics(self, replies: Iterable[Message], model: str,
                           points: Mapping[str, int], mode: str

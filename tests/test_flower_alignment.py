@@ -1,0 +1,169 @@
+"""FusekitStrategy's alignment and refit rounds (``alignment_rounds``) and the ClientApp's
+answers to them, on real Flower Messages through a Grid stand-in (no network): the global
+model is what ``align_locally`` gives with the nodes' data at hand; bad replies are left
+out with their reason."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+pytest.importorskip("flwr", reason="needs the [flower] extra")
+
+import test_flower
+from flwr.app import Error, RecordDict
+from test_flower import Federation, assert_same_model
+
+import fusekit
+from fusekit.core.checkpoint import Checkpoint
+from fusekit.core.errors import ParameterError
+from fusekit.flower import FusekitStrategy, kept_model, statistics_reply, train_reply
+from fusekit.flower.records import statistics_query
+from fusekit.toolkit.alignment import align_locally, cross_statistics, refit_locally
+from fusekit.toolkit.calibration import calibrate_locally
+
+# test_flower's fixtures: its digits and BatchNorm MLP clients, its ServerApp identity.
+digits, trained_bn = test_flower.digits, test_flower.trained_bn
+serverapp_identity = test_flower.serverapp_identity
+
+
+class Nodes:
+    """Nodes 10-12: each trains (its client's model), keeps it in its own state and answers
+    every statistics query with ``statistics_reply(..., own_model=kept_model(state))`` on
+    its training inputs, unless ``answer(node, message, inputs, state)`` is given."""
+
+    def __init__(self, trained, digits, answer=None):
+        clients, models = trained
+        self.inputs = {10 + c.index: digits.x_train[c.indices] for c in clients}
+        self.states = {node: RecordDict() for node in self.inputs}
+        self.replies = {
+            10 + c.index: train_reply(model, len(c.indices),
+                                      c.checkpoint.class_counts.astype(int).tolist(),
+                                      statistics_inputs=self.inputs[10 + c.index],
+                                      input_moments=True, keep_in=self.states[10 + c.index])
+            for c, model in zip(clients, models, strict=True)}
+        self.answer = answer or (lambda node, m, x, state: statistics_reply(
+            m.content, x, own_model=kept_model(state)))
+        self.grid = Federation(lambda node, _: self.replies[node],
+                               lambda node, m: self.answer(node, m, self.inputs[node],
+                                                           self.states[node]))
+
+    def run(self, **options):
+        strategy = FusekitStrategy("pfnm", fraction_evaluate=0, calibrate=True,
+                                   calibration_rounds="layerwise", **options)
+        result = strategy.start(self.grid, self.replies[10]["arrays"], num_rounds=1)
+        return strategy, result
+
+
+def fused_pfnm(clients):
+    result = fusekit.fuse([c.checkpoint for c in clients], method="pfnm")
+    return Checkpoint.from_state_dict(result.state_dict, result.metadata)
+
+
+@pytest.mark.parametrize("refit", [True, False])
+def test_alignment_and_refit_rounds_give_what_align_locally_gives(trained_bn, digits, refit,
+                                                                  caplog):
+    """Calibration layer by layer (the first layer from the input moments the train replies
+    carry: no query), one alignment round, then a refit round per layer (or a calibration):
+    the global model equals ``align_locally``'s on the same nodes' models and data."""
+    caplog.set_level(logging.INFO, logger="fusekit")
+    clients, _ = trained_bn
+    nodes = Nodes(trained_bn, digits)
+    strategy, result = nodes.run(alignment_rounds=1, refit=refit)
+    inputs = [nodes.inputs[n] for n in sorted(nodes.inputs)]
+    expected = align_locally(fused_pfnm(clients), [c.checkpoint for c in clients], inputs,
+                             refit=refit)
+    assert_same_model(result.arrays, expected.state_dict)
+    # Calibration: 1 query (layer 2; layer 1 derived); an alignment query; then 3 refit
+    # queries (two hidden layers and the output) or a calibration (1 query again).
+    queries = 1 + 1 + (3 if refit else 1)
+    assert nodes.grid.sent == ["train"] * 3 + ["query.statistics"] * 3 * queries
+    metrics = result.train_metrics_clientapp[1]
+    assert metrics["pfnm.aligned"] == 1 and metrics["pfnm.alignment-rounds"] == 1
+    assert metrics["pfnm.refit-rounds"] == (3 if refit else 0)
+    assert metrics["pfnm.alignment-nodes"] == 3
+    correlation = expected.report["alignment"][0]["mean_correlation"]
+    assert metrics["pfnm.alignment-correlation"] == pytest.approx(correlation)
+    alignment = json.loads(strategy.global_metadata["fusekit.alignment"])
+    assert alignment["rounds"] == 1 and alignment["refit"] is refit
+    assert "the first layer from the nodes' input moments" in caplog.text
+    assert strategy.left_out_alignment == {}
+
+
+def test_a_bad_cross_statistics_reply_is_left_out_and_the_others_are_aligned(
+        trained_bn, digits, caplog):
+    """Node 10's ClientApp fails the alignment query; nodes 11 and 12 are aligned and refit
+    (the global model is ``align_locally``'s with their models and data)."""
+    caplog.set_level(logging.INFO, logger="fusekit")
+
+    def answer(node, message, x, state):
+        if node == 10 and message.content["config"]["fusekit-stats-kind"] != "channels":
+            return Error(code=3, reason="no own model kept")
+        return statistics_reply(message.content, x, own_model=kept_model(state))
+
+    clients, _ = trained_bn
+    nodes = Nodes(trained_bn, digits, answer)
+    strategy, result = nodes.run(alignment_rounds=1)
+    assert list(strategy.left_out_alignment) == [10]
+    assert "no own model kept" in strategy.left_out_alignment[10]
+    assert "cross statistics of node 10 left out: the ClientApp failed" in caplog.text
+    assert result.train_metrics_clientapp[1]["pfnm.alignment-nodes"] == 2
+    # What align_locally gives from the same calibrated fusion with nodes 11 and 12.
+    inputs = [nodes.inputs[n] for n in sorted(nodes.inputs)]
+    calibrated = calibrate_locally(fused_pfnm(clients), inputs,
+                                   clients=[c.checkpoint for c in clients])
+    reference = Checkpoint.from_state_dict(calibrated.state_dict, calibrated.metadata)
+    others = [c.checkpoint for c in clients[1:]]
+    aligned = fusekit.align(reference, others, [cross_statistics(reference, c, x)
+                                                for c, x in zip(others, inputs[1:], strict=True)])
+    expected = refit_locally(Checkpoint.from_state_dict(aligned.state_dict, aligned.metadata),
+                             others, inputs[1:])
+    assert_same_model(result.arrays, expected.state_dict)
+
+
+def test_a_refit_round_without_every_nodes_statistics_keeps_the_calibrated_fusion(
+        trained_bn, digits, caplog):
+    """Node 11 answers the refit query with statistics of another layer: the refit cannot
+    go on (each fused neuron fits the node neurons matched into it); the round's global
+    model is the calibrated fusion, logged as an error."""
+    clients, _ = trained_bn
+
+    def answer(node, message, x, state):
+        config = message.content["config"]
+        if node == 11 and config.get("fusekit-stats-kind") == "refit":
+            content = RecordDict(message.content)
+            content["config"] = type(config)({**config, "fusekit-refit-layer": "net.0"}
+                                             if config["fusekit-refit-layer"] != "net.0"
+                                             else {**config, "fusekit-refit-layer": "net.3"})
+            return statistics_reply(content, x, own_model=kept_model(state))
+        return statistics_reply(message.content, x, own_model=kept_model(state))
+
+    nodes = Nodes(trained_bn, digits, answer)
+    strategy, result = nodes.run(alignment_rounds=1)
+    assert "the query asked for 'net.0'" in strategy.left_out_alignment[11]
+    assert "alignment stopped: refit round of layer net.0: no usable statistics from " \
+           "node(s) [11]" in caplog.text
+    metrics = result.train_metrics_clientapp[1]
+    assert metrics["pfnm.aligned"] == 0 and metrics["pfnm.calibrated"] == 1
+    inputs = [nodes.inputs[n] for n in sorted(nodes.inputs)]
+    expected = calibrate_locally(fused_pfnm(clients), inputs,
+                                 clients=[c.checkpoint for c in clients], input_moments=True)
+    assert_same_model(result.arrays, expected.state_dict)
+    assert "fusekit.alignment" not in strategy.global_metadata
+
+
+def test_alignment_settings_and_queries_a_node_cannot_answer(trained_bn, digits):
+    with pytest.raises(ParameterError, match="alignment_rounds: needs calibrate=True"):
+        FusekitStrategy("pfnm", alignment_rounds=1)
+    with pytest.raises(ParameterError, match=r"alignment_rounds: expected an integer in"):
+        FusekitStrategy("pfnm", calibrate=True, alignment_rounds=-1)
+    with pytest.raises(ParameterError, match="refit: expected true or false"):
+        FusekitStrategy("pfnm", calibrate=True, alignment_rounds=1, refit="yes")
+    clients, _ = trained_bn
+    fused = fused_pfnm(clients)
+    query = statistics_query(fused.state_dict(), fused.metadata, [24, 24], "eval", "cross")
+    with pytest.raises(ParameterError, match="own_model: the query asks for cross statistics"):
+        statistics_reply(query, digits.x_train)
+    assert kept_model(RecordDict()) is None
