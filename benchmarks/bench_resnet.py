@@ -16,7 +16,10 @@ copies of the model.
 Trained case: He et al.'s ResNet-20 (CIFAR layout, one input channel) trained on S iid
 clients of the bundled digits, from independent initialisations and from one shared
 initialisation, then fused with each method; test accuracy of every client and fused
-model, with the fused widths.
+model, with the fused widths, and per stage (stem, layer1-3) the root mean square of each
+fused model's hidden pre-activations on the test split over the clients' mean (1: the
+scale the clients' layers expect; averaging drifted neurons shrinks it, counting one
+feature in two fused neurons inflates it).
 
 Throughput (``--eval-throughput``): two random clients of each model fused with avg
 (the clients' widths) and pfnm (width ratio 1.5, fixed hyperparameters, no sweep), the
@@ -47,6 +50,8 @@ import fusekit
 from fusekit.core.arch import named_arch
 from fusekit.core.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from fusekit.core.spec import infer_spec, permute
+from fusekit.methods import METHODS as METHOD_CLASSES
+from fusekit.toolkit.calibration import client_statistics
 from fusekit.toolkit.data import load_dataset, partition
 from fusekit.toolkit.nn import build_model
 from fusekit.toolkit.train import TrainConfig, train_model
@@ -136,13 +141,31 @@ def trained_case(n_clients: int = 4, epochs: int = 10, seed: int = 0, *,
         clients.append(Checkpoint.from_state_dict(state, {"fusekit.num_samples": str(len(index))}))
         rows.append({"model": f"client {s}", "accuracy": _accuracy(model, x_test, y_test),
                      "widths": infer_spec(state).hidden_widths})
+    expected = [_stage_rms(c, x_test.numpy()) for c in clients]
+    expected = {stage: np.mean([e[stage] for e in expected]) for stage in expected[0]}
     for method in methods:
         result = fusekit.fuse(clients, method)
-        fused = fusekit.load_fused(Checkpoint.from_state_dict(result.state_dict,
-                                                              result.metadata), device="cpu")
+        checkpoint = Checkpoint.from_state_dict(result.state_dict, result.metadata)
+        fused = fusekit.load_fused(checkpoint, device="cpu")
+        scale = None if not METHOD_CLASSES[method].makes_one_network else {
+            stage: float(round(rms / expected[stage], 2))
+            for stage, rms in _stage_rms(checkpoint, x_test.numpy()).items()}
         rows.append({"model": method, "accuracy": _accuracy(fused, x_test, y_test),
-                     "widths": result.widths or "each client's"})
+                     "widths": result.widths or "each client's", "activation_scale": scale})
     return rows
+
+
+def _stage_rms(model: Checkpoint, x: np.ndarray) -> dict[str, float]:
+    """Per stage (conv1, layer1, ...), the root mean square of the hidden pre-activations
+    (after the BatchNorm, before the ReLU) on ``x``, averaged over the stage's layers."""
+    stats = client_statistics(model, x, min_samples=1)
+    stages: dict[str, list[float]] = {}
+    for point, moments in stats.points.items():
+        if point.startswith("preactivation:"):
+            stage = point.partition(":")[2].split(".")[0]
+            rms = float(np.sqrt(np.mean(moments.var + moments.mean ** 2)))
+            stages.setdefault(stage, []).append(rms)
+    return {stage: float(np.mean(values)) for stage, values in stages.items()}
 
 
 def eval_throughput(models: list[str], batch: int, seconds: float) -> list[dict[str, Any]]:

@@ -516,6 +516,11 @@ def test_trained_resnets_on_digits_fuse_with_every_method():
     assert fused["ams"]["accuracy"] > 0.5
     assert fused["ot"]["widths"] == fused["rebasin"]["widths"] == clients[0]["widths"]
     assert fused["pfnm"]["widths"] == [math.floor(1.5 * w + 0.5) for w in clients[0]["widths"]]
+    assert fused["ams"]["activation_scale"] is None  # not one network
+    for method in methods[:-1]:
+        scale = fused[method]["activation_scale"]
+        assert list(scale) == ["conv1", "layer1", "layer2", "layer3"]
+        assert all(0 < value < 10 for value in scale.values())
 
 
 def test_eval_throughput_measures_every_fused_file_on_every_device():
