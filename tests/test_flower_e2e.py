@@ -2,11 +2,12 @@
 processes, deployment engine) and apps run with ``flwr run``. On three SuperNodes: the
 example app fused by FedAvg (fusekit's avg) and by PFNM, and the app the README's Flower
 section writes, file by file, over two rounds, each fused model calibrated with the
-statistics the nodes send in a query round. On one SuperNode: a run whose round cannot
-fuse (the initial model comes back) and a run that cannot finish, stopped at its timeout.
-Each test checks that every process the federation started has ended. About 5 minutes on
-two busy cores (each query round about 20-30 s of it), up to 10 on a heavily loaded
-machine; progress lines are printed as the runs go. Deselect with
+statistics the nodes send in a query round; the example app's BatchNorm MLP fused,
+calibrated, aligned and refit in three query rounds. On one SuperNode: a run whose round
+cannot fuse (the initial model comes back) and a run that cannot finish, stopped at its
+timeout. Each test checks that every process the federation started has ended. About 6-7
+minutes on two busy cores (each query round about 15-30 s of it), up to 12 on a heavily
+loaded machine; progress lines are printed as the runs go. Deselect with
 ``-m "not flower_e2e"``."""
 
 from __future__ import annotations
@@ -18,13 +19,16 @@ import subprocess
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 pytest.importorskip("flwr", reason="needs the [flower] extra")
 
 import fusekit
+from fusekit.core.checkpoint import Checkpoint
 from fusekit.flower.local import LocalFederation, progress_lines
+from fusekit.toolkit.alignment import align_locally
 from fusekit.toolkit.data import load_dataset
 from fusekit.toolkit.nn import build_model
 from fusekit.toolkit.processes import descendant_groups, group_alive, groups_with_env
@@ -181,3 +185,56 @@ def test_one_node_a_round_that_cannot_fuse_and_a_run_that_cannot_finish(tmp_path
     expected = build_model(initial.arch, seed=0).state_dict()
     for name, tensor in expected.items():
         assert (initial.tensor(name) == tensor.numpy()).all(), name
+
+
+def test_three_nodes_align_and_refit_the_fusion_as_align_locally_does(tmp_path, progress):
+    """A BatchNorm MLP from each node's own initial weights, fused by PFNM and calibrated
+    layer by layer (its one BatchNorm from the input moments the train replies carry: no
+    query), then one alignment round and a refit round per layer: three query rounds on
+    real SuperNodes. The global model is what ``align_locally`` gives in this process with
+    the same nodes' models and data."""
+    models_dir = tmp_path / "nodes"
+    result_file, model_file = tmp_path / "align.json", tmp_path / "align.safetensors"
+    config = {"method": "pfnm", "arch": "mlp:32", "batchnorm": True, "epochs": 5,
+              "partition": "dirichlet", "alpha": 0.5, "seed": 0,
+              "calibrate": True, "calibration-rounds": "layerwise", "alignment-rounds": 1,
+              "input-moments": True, "fraction-evaluate": 0.0,
+              "result-file": str(result_file), "model-file": str(model_file),
+              "models-dir": str(models_dir)}
+    with Federation(tmp_path / "federation", 3, progress) as federation:
+        output = run(federation, APP, config, progress).stdout
+    result = json.loads(result_file.read_text())
+    metrics = result["train_metrics"]["1"]
+    assert metrics["pfnm.calibration-rounds"] == 0  # derived from the input moments
+    assert metrics["pfnm.aligned"] == 1 and metrics["pfnm.alignment-nodes"] == 3
+    assert metrics["pfnm.refit-rounds"] == 2 and result["left_out_alignment"] == {}
+    assert "round 1: aligned to 3 node(s) in 1 alignment and 2 refit round(s)" in output
+
+    task = example_task()
+    data = task.dataset()
+    nodes = [fusekit.load_checkpoint(path) for path in sorted(models_dir.iterdir())]
+    inputs = {}  # each node's training inputs, found by its class counts
+    for part in range(3):
+        indices = task.node_indices(config, {"partition-id": part, "num-partitions": 3},
+                                    data)
+        counts = np.bincount(data.y_train[indices], minlength=data.num_classes)
+        node = next(n for n in nodes if (n.class_counts == counts).all())
+        inputs[node.content_hash] = data.x_train[indices]
+    fused = fusekit.fuse(nodes, method="pfnm", width_ratio=1.5)
+    expected = align_locally(Checkpoint.from_state_dict(fused.state_dict, fused.metadata),
+                             nodes, [inputs[n.content_hash] for n in nodes])
+    model = fusekit.load_checkpoint(model_file)
+    for name, value in expected.state_dict.items():
+        np.testing.assert_allclose(model.tensor(name), value, rtol=1e-4, atol=1e-5,
+                                   err_msg=name)
+    assert result["accuracy"] > min(result["node_accuracy"])
+
+
+def example_task():
+    """examples/flower's task module (its data and each node's part of it)."""
+    spec = importlib.util.spec_from_file_location("example_task",
+                                                  APP / "fusekit_digits" / "task.py")
+    task = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(task)
+    return task
+

@@ -8,7 +8,11 @@ accuracy and hidden widths per round, and stops every process it started. An ent
 again) followed by options: ``+bn`` the BatchNorm MLP of ``--bn-arch`` in place of the
 run config's MLP, ``+calibrate`` each fused model calibrated with the nodes' statistics in
 one query round, ``+layerwise`` in one query round per calibrated layer (each BatchNorm
-layer; every hidden layer when the nodes send REPAIR targets).
+layer; every hidden layer when the nodes send REPAIR targets), ``+align`` calibrated, then
+aligned to the nodes in an alignment round and refit in one round per layer, ``+moments``
+the nodes' input moments sent with their models (layer by layer, the first layer then
+needs no query round). The table puts each run's fused nodes' test accuracy (mean) and
+their softmax ensemble beside the global model's.
 
     python examples/flower/demo.py [--runs avg,pfnm,pfnm:3,pfnm+bn+calibrate] [--nodes 3]
 """
@@ -48,9 +52,13 @@ def parse_runs(text: str, bn_arch: str) -> list[dict]:
                 config.update({"arch": bn_arch, "batchnorm": True})
             elif option in CALIBRATION:
                 config.update({"calibrate": True, "calibration-rounds": CALIBRATION[option]})
+            elif option == "align":
+                config.update({"calibrate": True, "alignment-rounds": 1})
+            elif option == "moments":
+                config["input-moments"] = True
             else:
                 raise ValueError(f"--runs {entry}: unknown option +{option}; expected +bn, "
-                                 f"+calibrate or +layerwise")
+                                 f"+calibrate, +layerwise, +align or +moments")
         runs.append(config)
     return runs
 
@@ -58,8 +66,8 @@ def parse_runs(text: str, bn_arch: str) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", default=DEFAULT_RUNS,
-                        help="comma-separated method[:rounds[:later]][+bn][+calibrate] "
-                        "(avg is FedAvg)")
+                        help="comma-separated method[:rounds[:later]][+bn][+calibrate|"
+                        "+layerwise][+align][+moments] (avg is FedAvg)")
     parser.add_argument("--bn-arch", default="mlp:100,100",
                         help="the BatchNorm MLP of +bn runs (BatchNorm after each hidden layer)")
     parser.add_argument("--nodes", type=int, default=3, help="SuperNodes (one per partition)")
@@ -107,14 +115,15 @@ def run_label(result: dict) -> str:
 
 
 def calibration_label(result: dict) -> str:
-    return {None: "-", "one-pass": "one pass", "layerwise": "layer by layer"}[
+    label = {None: "-", "one-pass": "one pass", "layerwise": "layer by layer"}[
         result.get("calibration")]
+    return label + (" + aligned + refit" if result.get("alignment_rounds") else "")
 
 
 def results_table(rows: list[tuple[dict, float]], nodes: int) -> Table:
     table = Table(title=f"Flower federation, {nodes} SuperNodes, non-iid digits")
     for column in ("method", "model", "calibrated", "rounds", "test accuracy",
-                   "hidden widths", "nodes' own data", "run (s)"):
+                   "hidden widths", "nodes' own data", "nodes (mean)", "ensemble", "run (s)"):
         table.add_column(column)
     for result, seconds in rows:
         per_round = [result["per_round"][str(r)] for r in range(1, result["rounds"] + 1)]
@@ -125,8 +134,16 @@ def results_table(rows: list[tuple[dict, float]], nodes: int) -> Table:
                       str(result["rounds"]),
                       " → ".join(f"{r['accuracy']:.4f}" for r in per_round),
                       " → ".join(str(r["hidden_widths"]) for r in per_round),
-                      "-" if own is None else f"{own:.4f}", f"{seconds:.0f}")
+                      "-" if own is None else f"{own:.4f}", *peer_cells(result),
+                      f"{seconds:.0f}")
     return table
+
+
+def peer_cells(result: dict) -> tuple[str, str]:
+    """The last round's fused nodes' mean test accuracy and their softmax ensemble's."""
+    nodes, ensemble = result.get("node_accuracy"), result.get("ensemble_accuracy")
+    return (f"{sum(nodes) / len(nodes):.4f}" if nodes else "-",
+            "-" if ensemble is None else f"{ensemble:.4f}")
 
 
 if __name__ == "__main__":

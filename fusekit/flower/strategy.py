@@ -216,6 +216,8 @@ class FusekitStrategy(FedAvg):
         #: The last round's fusion, and why replies were left out of it (node id -> reason).
         self.last_fusion: FusionResult | None = None
         self.left_out: dict[int, str] = {}
+        #: The nodes' models the last round fused, by node id (as their replies sent them).
+        self.fused_models: dict[int, Checkpoint] = {}
         #: How many rounds of this run fused so far (failed rounds do not count).
         self.fused_rounds = 0
         #: Why nodes' statistics were left out of the last calibration (node id -> reason).
@@ -348,16 +350,16 @@ class FusekitStrategy(FedAvg):
         log.info("round %d: %s fused %d models in %.2f s, hidden widths %s", server_round,
                  fusion.name, len(usable), elapsed, result.widths)
         calibration = {}
+        fused_nodes = [reply.metadata.src_node_id for reply in replies
+                       if reply.metadata.src_node_id not in self.left_out]
+        fused_replies = dict(zip(fused_nodes, usable, strict=True))
+        self.fused_models = {node: checkpoint for node, (checkpoint, _) in fused_replies.items()}
         if self.calibrate:
-            fused_nodes = [reply.metadata.src_node_id for reply in replies
-                           if reply.metadata.src_node_id not in self.left_out]
-            fused_replies = dict(zip(fused_nodes, usable, strict=True))
             targets = self.repair_targets(server_round, result, fused_replies)
             result, calibration = self.calibrated(server_round, result, fused_nodes, targets)
             if self.alignment_rounds:
                 result, alignment = self.aligned(
-                    server_round, result, calibration,
-                    {node: checkpoint for node, (checkpoint, _) in fused_replies.items()},
+                    server_round, result, calibration, self.fused_models,
                     dict(zip(fused_nodes, targets, strict=True)) if targets else {})
                 calibration.update(alignment)
         self.last_fusion, self.global_metadata = result, dict(result.metadata)

@@ -1,14 +1,22 @@
 """The ClientApp: train on this node's part of the digits, reply with the model and its
 sample and class counts (with calibration, also its per-channel statistics of that model:
-REPAIR's targets); evaluate the global model (fused widths) on the same data; answer
-calibration's statistics query with per-channel aggregates of that data (nothing else)."""
+REPAIR's targets), and keep it in the node's state; evaluate the global model (fused
+widths) on the same data; answer the statistics queries of calibration, alignment and
+refit rounds with aggregates of that data (nothing else)."""
 
 from __future__ import annotations
 
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from fusekit.flower import STATISTICS, WIDTHS, global_model, statistics_reply, train_reply
+from fusekit.flower import (
+    STATISTICS,
+    WIDTHS,
+    global_model,
+    kept_model,
+    statistics_reply,
+    train_reply,
+)
 from fusekit.toolkit.data import class_counts
 from fusekit.toolkit.evaluate import predict_logits, score_logits
 from fusekit.toolkit.nn import build_model
@@ -40,7 +48,9 @@ def train(msg: Message, context: Context) -> Message:
                           metrics={"train-loss": training.epoch_losses[-1]},
                           # REPAIR's targets for layers without BatchNorm
                           statistics_inputs=data.x_train[indices] if config["calibrate"]
-                          else None)
+                          else None, input_moments=bool(config["input-moments"]),
+                          # the model, for alignment and refit queries
+                          keep_in=context.state if config["alignment-rounds"] else None)
     return Message(content, reply_to=msg)
 
 
@@ -58,11 +68,14 @@ def evaluate(msg: Message, context: Context) -> Message:
 
 @app.query(STATISTICS)
 def statistics(msg: Message, context: Context) -> Message:
-    """Calibration (the strategy's ``calibrate``): the model to calibrate run on this
-    node's training inputs; the reply holds per-channel count, mean and variance only."""
+    """Calibration, alignment and refit queries (the strategy's ``calibrate`` and
+    ``alignment_rounds``): the model the query carries run on this node's training inputs
+    (beside the model this node trained, for alignment and refit); the reply holds
+    aggregates only."""
     data = task.dataset()
     indices = task.node_indices(context.run_config, context.node_config, data)
-    return Message(statistics_reply(msg.content, data.x_train[indices]), reply_to=msg)
+    return Message(statistics_reply(msg.content, data.x_train[indices],
+                                    own_model=kept_model(context.state)), reply_to=msg)
 
 
 def _tensor(array):
