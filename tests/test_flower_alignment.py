@@ -20,7 +20,7 @@ import fusekit
 from fusekit.core.checkpoint import Checkpoint
 from fusekit.core.errors import ParameterError
 from fusekit.flower import FusekitStrategy, kept_model, statistics_reply, train_reply
-from fusekit.flower.records import statistics_query
+from fusekit.flower.records import query_checkpoint, statistics_query
 from fusekit.toolkit.alignment import align_locally, cross_statistics, refit_locally
 from fusekit.toolkit.calibration import calibrate_locally
 
@@ -167,3 +167,38 @@ def test_alignment_settings_and_queries_a_node_cannot_answer(trained_bn, digits)
     with pytest.raises(ParameterError, match="own_model: the query asks for cross statistics"):
         statistics_reply(query, digits.x_train)
     assert kept_model(RecordDict()) is None
+
+
+def test_too_few_usable_cross_statistics_keep_the_calibrated_fusion(trained_bn, digits,
+                                                                    caplog):
+    """Nodes 10 and 11 answer the alignment query with calibration's statistics: one usable
+    reply is fewer than the two a fusion needs; no refit query is sent and the round's
+    global model is the calibrated fusion."""
+
+    def answer(node, message, x, state):
+        if node in (10, 11) and message.content["config"]["fusekit-stats-kind"] == "cross":
+            return statistics_reply(statistics_query(
+                **query_arguments(message.content), kind="channels"), x)
+        return statistics_reply(message.content, x, own_model=kept_model(state))
+
+    clients, _ = trained_bn
+    nodes = Nodes(trained_bn, digits, answer)
+    strategy, result = nodes.run(alignment_rounds=1)
+    assert sorted(strategy.left_out_alignment) == [10, 11]
+    assert "expected an ArrayRecord 'cross-statistics'" in strategy.left_out_alignment[10]
+    assert ("alignment stopped: alignment round 1: usable cross statistics from 1 node(s), "
+            "fewer than 2 (min_fused_replies)") in caplog.text
+    assert nodes.grid.sent == ["train"] * 3 + ["query.statistics"] * 3 * 2
+    metrics = result.train_metrics_clientapp[1]
+    assert metrics["pfnm.aligned"] == 0 and metrics["pfnm.calibrated"] == 1
+    inputs = [nodes.inputs[n] for n in sorted(nodes.inputs)]
+    expected = calibrate_locally(fused_pfnm(clients), inputs,
+                                 clients=[c.checkpoint for c in clients], input_moments=True)
+    assert_same_model(result.arrays, expected.state_dict)
+
+
+def query_arguments(content):
+    """``statistics_query``'s arguments that rebuild the query ``content`` is."""
+    query = query_checkpoint(content)
+    return {"state_dict": query.model.state_dict(), "metadata": query.model.metadata,
+            "widths": list(content["config"]["fusekit-widths"]), "mode": query.mode}
