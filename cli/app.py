@@ -101,6 +101,7 @@ app.command("serve", cls=Command)(handle_errors(serve.serve))
 app.command("worker", cls=Command)(handle_errors(serve.worker))
 app.command("submit", cls=Command)(handle_errors(submit.submit))
 app.command("fetch", cls=Command)(handle_errors(submit.fetch))
+app.command("contribute", cls=Command)(handle_errors(submit.contribute))
 app.add_typer(job.app, name="job")
 
 

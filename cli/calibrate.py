@@ -25,6 +25,9 @@ from fusekit.core.cross_stats import DEFAULT_RIDGE
 from fusekit.core.errors import DataError, ParameterError
 from fusekit.core.stats import DEFAULT_MIN_SAMPLES, MODES
 
+ClientDataOption = Annotated[str | None, typer.Option(
+    "--data", help=f"{DATA_CHOICES}, or tokens (x_train of --data-path as token ids, for a "
+    f"token transformer) {DATA_DEFAULT}; its training inputs are used.", show_default=False)]
 OutputOption = Annotated[
     Path, typer.Option("--output", "-o", help="The .safetensors file to write.",
                        show_default=False)
@@ -42,10 +45,7 @@ def stats(
                                           "calibration, or the client's own model (REPAIR's "
                                           "targets).", show_default=False)],
     output: OutputOption,
-    data: Annotated[str | None, typer.Option(
-        "--data", help=f"{DATA_CHOICES}, or tokens (x_train of --data-path as token ids, for "
-        f"a token transformer) {DATA_DEFAULT}; its training inputs are used.",
-        show_default=False)] = None,
+    data: ClientDataOption = None,
     data_dir: DataDirOption = None,
     data_path: DataPathOption = None,
     samples: SamplesOption = 10_000,
@@ -83,16 +83,7 @@ def stats(
     --against OWN_MODEL: per hidden layer, the covariances of MODEL's channels with
     OWN_MODEL's (an alignment round); with --layer NAME as well: the moments that refit
     that layer (a refit round)."""
-    from fusekit.toolkit.data import dataset_name, load_dataset, token_ids
-
-    name = dataset_name(data, data_path)
-    if name == "tokens":
-        if data_path is None:
-            raise ParameterError("--data tokens: give the .npz of token ids with --data-path")
-        inputs = token_ids(data_path)
-    else:
-        inputs = load_dataset(name, data_dir=data_dir, path=data_path, samples=samples,
-                              features=features, classes=classes, seed=seed).x_train
+    name, inputs = client_inputs(data, data_dir, data_path, samples, features, classes, seed)
     if against is not None:
         if input_moments:
             raise ParameterError("--input-moments: recorded with a model's statistics; "
@@ -126,6 +117,23 @@ def stats(
         stdout.print(f"wrote {written}: {len(result.points)} points{extra} over "
                      f"{result.num_samples} inputs of {name} (model {result.model[:12]})",
                      highlight=False)
+
+
+def client_inputs(data: str | None, data_dir: Path | None, data_path: Path | None,
+                  samples: int = 10_000, features: int = 20, classes: int = 10,
+                  seed: int = 0):
+    """The data set's name and the training inputs a client computes statistics on (the
+    ``--data`` options, or token ids for a token transformer; a synthetic set's options
+    at ``fusekit stats``'s defaults unless given)."""
+    from fusekit.toolkit.data import dataset_name, load_dataset, token_ids
+
+    name = dataset_name(data, data_path)
+    if name == "tokens":
+        if data_path is None:
+            raise ParameterError("--data tokens: give the .npz of token ids with --data-path")
+        return name, token_ids(data_path)
+    return name, load_dataset(name, data_dir=data_dir, path=data_path, samples=samples,
+                              features=features, classes=classes, seed=seed).x_train
 
 
 def _cross_stats(reference: Path, own: Path, inputs, name: str, output: Path,

@@ -64,6 +64,19 @@ def create(
     calibrate: Annotated[bool, typer.Option(
         "--calibrate", help="After fusion, calibrate the fused model with the statistics "
         "each client computes of it on its own data (one round).")] = False,
+    protocol: Annotated[str, typer.Option(
+        "--protocol", metavar="one-pass|layerwise|align",
+        help="With --calibrate, its rounds: one-pass (one round), layerwise (one round per "
+        "calibrated layer: exact), align (calibration, an alignment round, then one refit "
+        "round per layer: for independently trained clients).")] = "one-pass",
+    input_moments: Annotated[bool, typer.Option(
+        "--input-moments", help="With --protocol layerwise: the first layer from the input "
+        "moments of the clients' targets, without a round (README: what they reveal).")
+    ] = False,
+    config: Annotated[Path | None, typer.Option(
+        "--config", help="A transformer job: the clients' config.json; the fused model and "
+        "the result are then served with it, at the fused widths, as model folders.",
+        show_default=False)] = None,
     server: Server = DEFAULT_SERVER,
     token_file: TokenFile = None,
     as_json: JsonOption = False,
@@ -73,13 +86,30 @@ def create(
     with admin(server, token_file) as service:
         job = service.create_job(method, [c.strip() for c in clients.split(",")], params=params,
                                  max_checkpoint_bytes=max_checkpoint_bytes, auto_run=auto_run,
-                                 calibrate=calibrate)
+                                 calibrate=calibrate, protocol=protocol,
+                                 input_moments=input_moments, config=_config(config))
     if as_json:
         emit_json(job)
         return
     stdout.print(f"job {job['id']}", highlight=False)
     for client, token in job["tokens"].items():
         stdout.print(f"  {client}: {token}", highlight=False)
+
+
+def _config(path: Path | None) -> dict[str, Any] | None:
+    from fusekit.core.metadata import load_json
+
+    if path is None:
+        return None
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ParameterError(f"--config {path}: cannot read it ({exc.strerror})") from None
+    config = load_json(text, f"--config {path}", ParameterError)
+    if not isinstance(config, dict):
+        raise ParameterError(f"--config {path}: expected a JSON object (config.json), found "
+                             f"{type(config).__name__}")
+    return config
 
 
 def _param(text: str) -> tuple[str, Any]:
@@ -115,6 +145,8 @@ def status(job: JobId, server: Server = DEFAULT_SERVER, token_file: TokenFile = 
         table.add_row("error", state["error"])
     if state["fused"]:
         table.add_row("fused model", _file(state["fused"]))
+    if state.get("round") and state["state"] == "calibrating":
+        table.add_row("round", f"{state['protocol']}: {state['round']['asks']}")
     for client, slot in state["slots"].items():
         table.add_row(client, _file(slot) if slot["filled"] else "waiting")
     for kind in ("statistics", "targets"):
@@ -167,11 +199,11 @@ Force = Annotated[bool, typer.Option("--force", help="Replace an existing file."
 @command("calibrate")
 def calibrate(job: JobId, server: Server = DEFAULT_SERVER, token_file: TokenFile = None
               ) -> None:
-    """Calibrate now, with the statistics received so far.
+    """Calibrate now (finish the current round), with the statistics received so far.
 
-    A calibrating job calibrates by itself once every client's statistics are in (and,
-    where its fused model has no BatchNorm, every client's targets: then at least one
-    client's are needed here)."""
+    A calibrating job goes on by itself once every client's statistics of the round are in
+    (and, where its fused model has no BatchNorm, every client's targets: then at least one
+    client's are needed here; a refit round needs every client's)."""
     with admin(server, token_file) as service:
         stdout.print(f"job {job}: {service.calibrate(job)['state']}", highlight=False)
 

@@ -1,6 +1,7 @@
 """``fusekit submit``: a client uploads its checkpoint (or, to a job that calibrates, its
-statistics of the fused model) with a progress bar; ``fusekit fetch`` downloads that fused
-model with the client's token."""
+statistics of a round's model) with a progress bar; ``fusekit fetch`` downloads the current
+round's model with the client's token; ``fusekit contribute`` does every calibration round
+for a client."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
+from fusekit._cli.calibrate import ClientDataOption, client_inputs
+from fusekit._cli.options import DataDirOption, DataPathOption, DeviceOption
 from fusekit._cli.output import stderr, stdout
 
 Server = Annotated[str, typer.Argument(help="The service's URL.", show_default=False)]
@@ -66,6 +69,50 @@ def submit(
                  highlight=False)
 
 
+def contribute(
+    server: Server,
+    model: Annotated[Path, typer.Argument(
+        help="Your own checkpoint (.safetensors, or a Hugging Face model folder): the one "
+        "you submitted to the job.", show_default=False)],
+    job: JobOption,
+    client: ClientOption,
+    token: TokenOption,
+    work_dir: Annotated[Path, typer.Option(
+        "--work-dir", help="Where the rounds' models and your statistics files are kept.")
+    ] = Path("."),
+    data: ClientDataOption = None,
+    data_dir: DataDirOption = None,
+    data_path: DataPathOption = None,
+    batch_size: Annotated[int, typer.Option("--batch-size", help="Inputs per forward pass.")
+                          ] = 1024,
+    device: DeviceOption = "cpu",
+    timeout: Annotated[float, typer.Option(
+        "--timeout", help="Seconds to take part at most.")] = 3600.0,
+) -> None:
+    """Take part in a job's calibration rounds until the job has finished.
+
+    Each round the job asks every client for one file computed on its own data: your
+    statistics of the round's model, cross statistics of it and your own model (an
+    alignment round), or refit statistics of one layer (a refit round); and, where the
+    job needs them, your targets (statistics of your own model). This downloads each
+    round's model, computes what the round asks and uploads it, round after round; only
+    these aggregates leave your machine (README, "What leaves a client")."""
+    from fusekit.client import Client
+    from fusekit.core.checkpoint import private_files
+
+    name, inputs = client_inputs(data, data_dir, data_path)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    tell = lambda line: stderr.print(line, highlight=False, soft_wrap=True)  # noqa: E731
+    with Client(server, token, on_retry=tell) as service, private_files():
+        state = service.take_part(job, client, model, inputs, work_dir, timeout=timeout,
+                                  batch_size=batch_size, device=device,
+                                  on_round=lambda asks: tell(f"{client}: {asks} ({name})"))
+    reason = f": {state['error']}" if state.get("error") else ""
+    stdout.print(f"job {job}: {state['state']}{reason}", highlight=False, soft_wrap=True)
+    if state["state"] != "succeeded":
+        raise typer.Exit(1)
+
+
 def fetch(
     server: Server,
     job: JobOption,
@@ -76,10 +123,13 @@ def fetch(
     timeout: Annotated[float, typer.Option(
         "--timeout", help="Seconds to wait at most for the fusion to finish.")] = 3600.0,
 ) -> None:
-    """Download the fused model of a job that calibrates, once fused (waits for it).
+    """Download the model of a calibrating job's current round (waits for the fusion):
+    in the first round, the fused model; a folder (config.json, model.safetensors) for a
+    transformer job given its config.
 
-    Compute your statistics of it on your own data (fusekit stats FUSED --mode batch
-    --data-path ... -o STATS) and upload them with fusekit submit."""
+    Compute what the round asks of it on your own data (job status says; one pass:
+    fusekit stats MODEL --mode batch --data-path ... -o STATS) and upload it with fusekit
+    submit; fusekit contribute does every round for you."""
     from fusekit.client import Client
     from fusekit.core.checkpoint import check_output_path, private_files
 
@@ -87,5 +137,9 @@ def fetch(
     with Client(server, token, on_retry=lambda line: stderr.print(
             line, highlight=False, soft_wrap=True)) as service, private_files():
         state = service.wait(job, timeout=timeout)
-        service.fused(job, output)  # a job that failed or does not calibrate: its refusal
-    stdout.print(f"wrote {output} (job {job}: {state['state']})", highlight=False)
+        if not state.get("calibrate"):
+            service.fused(job, output)  # its refusal: the job does not calibrate
+        service.model(job, output)  # a job that failed: its refusal
+    asks = (state.get("round") or {}).get("asks", "")
+    stdout.print(f"wrote {output} (job {job}: {state['state']}; {asks})", highlight=False,
+                 soft_wrap=True)

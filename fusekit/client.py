@@ -15,6 +15,14 @@ once every client's are in (or when the admin calls :meth:`Client.calibrate`):
     >>> me.wait(job["id"]); me.fused(job["id"], "fused.safetensors")
     >>> me.submit_statistics(job["id"], "a", "a.stats.safetensors")
 
+A job's calibration may run in several rounds (``protocol="layerwise"``, ``"align"``):
+each round asks every client for one file computed on the round's model (the job's
+``round`` says what); :meth:`Client.take_part` does every round for a client, whatever
+the protocol (download the round's model, compute what the round asks on the client's
+own inputs, upload), until the job has finished:
+
+    >>> me.take_part(job["id"], "a", "a.safetensors", x_train, "work/")
+
 Submitting is resumable: a submit first asks the service which file the slot holds, and a
 file whose SHA-256 is already accepted there is not sent again (so re-running an interrupted
 or repeated submit costs one request); an interrupted transfer is sent again from its start
@@ -40,8 +48,9 @@ from typing import Any, TypeVar
 
 import httpx
 
-from fusekit.core.checkpoint import load_checkpoint
-from fusekit.core.errors import FusekitError
+from fusekit.core import metadata as meta
+from fusekit.core.checkpoint import load_checkpoint, private_files
+from fusekit.core.errors import FusekitError, StatisticsError
 from fusekit.core.stats import load_statistics
 
 log = logging.getLogger(__name__)
@@ -51,7 +60,8 @@ FINISHED = ("succeeded", "failed", "cancelled")
 #: Where :meth:`Client.wait` stops: the job has finished, or waits for its clients'
 #: statistics of its fused model.
 WAITING_ON_CLIENTS = "calibrating"
-BUSY = (429, 503)  # the service asks to be asked again later
+BUSY = (429, 503)
+CONFLICT = 409  # the job is not in the state (or round) the request was for  # the service asks to be asked again later
 MAX_BACKOFF_S = 30.0
 T = TypeVar("T")
 
@@ -96,14 +106,19 @@ class Client:
 
     def create_job(self, method: str, clients: list[str], *, params: dict[str, Any] | None = None,
                    max_checkpoint_bytes: int | None = None, auto_run: bool = False,
-                   spec: dict[str, Any] | None = None, calibrate: bool = False
-                   ) -> dict[str, Any]:
+                   spec: dict[str, Any] | None = None, calibrate: bool = False,
+                   protocol: str = "one-pass", input_moments: bool = False,
+                   config: dict[str, Any] | None = None) -> dict[str, Any]:
         """A new job; returns ``{"id": ..., "tokens": {client: token}}`` (tokens shown once).
 
         With ``calibrate``, the fused model is calibrated with the clients' statistics
-        before it becomes the result (module docstring)."""
+        before it becomes the result, in the rounds of ``protocol`` (``one-pass``,
+        ``layerwise``, ``align``; ``input_moments``: layerwise without the first layer's
+        round), module docstring. ``config``: a transformer's config.json, so that the
+        fused model and the result come as model folders its clients can run."""
         body = {"method": method, "clients": clients, "params": params or {},
-                "auto_run": auto_run, "spec": spec, "calibrate": calibrate}
+                "auto_run": auto_run, "spec": spec, "calibrate": calibrate,
+                "protocol": protocol, "input_moments": input_moments, "config": config}
         if max_checkpoint_bytes is not None:
             body["max_checkpoint_bytes"] = max_checkpoint_bytes
         return self._json("POST", "/v1/jobs", json=body)
@@ -113,8 +128,9 @@ class Client:
 
     def result(self, job: str, output: str | os.PathLike[str]) -> Path:
         """Download the fused (for a job that calibrates: calibrated) checkpoint to
-        ``output`` (atomically; validated on arrival)."""
-        return self._download(f"/v1/jobs/{job}/result", output)
+        ``output`` (atomically; validated on arrival); a model folder (config.json,
+        model.safetensors) for a job with a transformer's config."""
+        return self._download(job, "result", output)
 
     def calibrate(self, job: str) -> dict[str, Any]:
         """Calibrate a calibrating job now, with the statistics received so far."""
@@ -139,8 +155,7 @@ class Client:
             state = self.status(job)
             if state["state"] in (*FINISHED, WAITING_ON_CLIENTS):
                 return state
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"job {job}: still {state['state']} after {timeout} s")
+            _check_time(job, state, deadline, timeout)
             time.sleep(every)
 
     def submit(self, job: str, client: str, path: str | os.PathLike[str],
@@ -154,16 +169,25 @@ class Client:
 
     def fused(self, job: str, output: str | os.PathLike[str]) -> Path:
         """Download the fused model of a job that calibrates (before calibration) to
-        ``output``: the model each client computes its statistics of."""
-        return self._download(f"/v1/jobs/{job}/fused", output)
+        ``output`` (a model folder for a job with a transformer's config)."""
+        return self._download(job, "fused", output)
+
+    def model(self, job: str, output: str | os.PathLike[str]) -> Path:
+        """Download the model of the job's current calibration round to ``output`` (a
+        model folder for a job with a transformer's config): the model each client
+        computes the round's statistics of (the fused model in the first round)."""
+        return self._download(job, "model", output)
 
     def submit_statistics(self, job: str, client: str, path: str | os.PathLike[str],
-                          progress: Callable[[int, int], None] | None = None
-                          ) -> dict[str, Any]:
-        """Upload a statistics file of the job's fused model into ``client``'s statistics
-        slot, as :meth:`submit` uploads a checkpoint (resumable, a no-op when held)."""
-        load_statistics(path, min_samples=1)  # refuse locally what is no statistics file
-        return self._upload(job, client, Path(path), "statistics", progress)
+                          progress: Callable[[int, int], None] | None = None,
+                          round: int | None = None) -> dict[str, Any]:
+        """Upload a file for the job's current round (statistics, cross or refit
+        statistics of the round's model) into ``client``'s statistics slot, as
+        :meth:`submit` uploads a checkpoint (resumable, a no-op when held). With
+        ``round``, the round it was computed for: refused at once if that is over."""
+        statistics_kind(path)  # refuse locally what is no statistics file
+        return self._upload(job, client, Path(path), "statistics", progress,
+                            {} if round is None else {"round": round})
 
     def submit_targets(self, job: str, client: str, path: str | os.PathLike[str],
                        progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
@@ -179,13 +203,74 @@ class Client:
         """Upload a statistics file where it belongs: into the statistics slot when it
         names the job's fused model, else into the targets slot (statistics of the
         client's own checkpoint). Returns the slot's kind and state."""
+        if statistics_kind(path) != meta.STATS:  # cross or refit statistics: a round's
+            return "statistics", self.submit_statistics(job, client, path, progress)
         model = load_statistics(path, min_samples=1).model
-        fused = self.status(job).get("fused") or {}
-        kind = "statistics" if model == fused.get("model") else "targets"
+        round_ = self.status(job).get("round") or {}
+        kind = "statistics" if model == round_.get("model") else "targets"
         return kind, self._upload(job, client, Path(path), kind, progress)
 
+    def contribute(self, job: str, client: str, own: str | os.PathLike[str], inputs: Any,
+                   folder: str | os.PathLike[str], *, batch_size: int = 1024,
+                   device: str = "cpu") -> dict[str, Any]:
+        """The client's part of the job's current round, whatever it asks: its targets
+        (statistics of its ``own`` checkpoint, with input moments where the job uses
+        them) while the job takes them and needs them, then the round's model downloaded
+        into ``folder``, the round's statistics of it computed on ``inputs`` (its own
+        data; with ``own`` for an alignment or refit round) and uploaded. Returns the
+        job's status as this client saw it."""
+        folder = Path(folder)
+        state = self.status(job)
+        round_ = state.get("round")
+        if state["state"] != WAITING_ON_CLIENTS or round_ is None:
+            raise ServiceError(409, f"job {job}: is {state['state']}; a client contributes "
+                               "to a calibrating job's rounds")
+        with private_files():
+            folder.mkdir(parents=True, exist_ok=True)
+            if _wants_targets(state):
+                targets = folder / f"{client}.targets.safetensors"
+                _compute(round_, None, own, inputs, targets, batch_size, device,
+                         input_moments=state.get("input_moments", False))
+                self.submit_targets(job, client, targets)
+            if round_["kind"] == "derived" or state["statistics"]["filled"]:
+                return state
+            model = self.model(job, folder / f"round-{round_['index']}.safetensors")
+            stats = folder / f"{client}.round-{round_['index']}.stats.safetensors"
+            _compute(round_, model, own, inputs, stats, batch_size, device)
+            self.submit_statistics(job, client, stats, round=round_["index"])
+        return state
+
+    def take_part(self, job: str, client: str, own: str | os.PathLike[str], inputs: Any,
+                  folder: str | os.PathLike[str], *, timeout: float = 3600.0,
+                  every: float = 0.5, batch_size: int = 1024, device: str = "cpu",
+                  on_round: Callable[[str], None] | None = None) -> dict[str, Any]:
+        """:meth:`contribute` to every round of the job that asks this client for something,
+        until the job has finished (at most ``timeout`` seconds). ``on_round`` is told,
+        in one line, what each round asked. Returns the job's last status."""
+        deadline, done = time.monotonic() + timeout, None
+        while True:
+            state = self.status(job)
+            if state["state"] in FINISHED:
+                return state
+            round_ = state.get("round")
+            if state["state"] == WAITING_ON_CLIENTS and round_["index"] != done:
+                if client in round_["participants"]:
+                    if on_round is not None:
+                        on_round(round_["asks"])
+                    try:
+                        self.contribute(job, client, own, inputs, folder,
+                                        batch_size=batch_size, device=device)
+                    except ServiceError as exc:  # the round ended meanwhile: the next one
+                        if exc.status != CONFLICT:
+                            raise
+                        self._tell(str(exc))
+                done = round_["index"]
+            _check_time(job, state, deadline, timeout)
+            time.sleep(every)
+
     def _upload(self, job: str, client: str, path: Path, kind: str,
-                progress: Callable[[int, int], None] | None) -> dict[str, Any]:
+                progress: Callable[[int, int], None] | None,
+                query: dict[str, Any] | None = None) -> dict[str, Any]:
         """PUT ``path`` to the client's ``kind`` (checkpoint, statistics, targets) unless
         held."""
         size, digest = path.stat().st_size, _sha256(path)
@@ -197,7 +282,7 @@ class Client:
                     progress(size, size)
                 return slot
             return self._json_once(
-                "PUT", f"/v1/jobs/{job}/clients/{client}/{kind}",
+                "PUT", f"/v1/jobs/{job}/clients/{client}/{kind}", params=query or None,
                 content=_chunks(path, size, progress),
                 headers={"Content-Length": str(size),
                          "Content-Type": "application/octet-stream"})
@@ -211,13 +296,25 @@ class Client:
             return state["slot"] if kind == "checkpoint" else state.get(kind, {})
         return state.get("slots" if kind == "checkpoint" else kind, {}).get(client, {})
 
-    def _download(self, path: str, output: str | os.PathLike[str]) -> Path:
+    def _download(self, job: str, which: str, output: str | os.PathLike[str]) -> Path:
+        """The job's ``which`` model (result, fused, model) at ``output``: a file, or, for a
+        job with a transformer's config, a model folder (config.json, model.safetensors)."""
         output = Path(output)
-        with self._reaching(), self._http.stream("GET", path) as response:
+        config = self.status(job).get("config")
+        weights = output / "model.safetensors" if config else output
+        if config:
+            output.mkdir(exist_ok=True)
+        with self._reaching(), self._http.stream("GET", f"/v1/jobs/{job}/{which}") as response:
             _raise_for(response)
-            with _atomic_file(output) as f:
+            with _atomic_file(weights) as f:
                 for chunk in response.iter_bytes(CHUNK):
                     f.write(chunk)
+        if config:
+            with self._reaching():
+                response = self._http.get(f"/v1/jobs/{job}/config")
+            _raise_for(response)
+            with _atomic_file(output / "config.json") as f:
+                f.write(response.content)
         load_checkpoint(output)
         return output
 
@@ -264,6 +361,55 @@ class Client:
             yield
         except httpx.TransportError as exc:
             raise Unreachable(self.url, exc) from None
+
+
+def statistics_kind(path: str | os.PathLike[str]) -> str:
+    """Which statistics ``path`` holds (the metadata key: statistics, cross or refit
+    statistics), refusing in one line a file that holds none."""
+    metadata = load_checkpoint(path).metadata
+    for key in (meta.STATS, meta.CROSS_STATS, meta.REFIT_STATS):
+        if key in metadata:
+            return key
+    raise StatisticsError(f"{path}: not a statistics file (no {meta.STATS}, "
+                          f"{meta.CROSS_STATS} or {meta.REFIT_STATS} metadata; write one with "
+                          "`fusekit stats`)")
+
+
+def _wants_targets(state: dict[str, Any]) -> bool:
+    """Whether the job, as a client sees it, still takes and needs this client's targets:
+    in its first round, where calibration is REPAIR's or uses input moments."""
+    round_, fused = state["round"], state.get("fused") or {}
+    return (round_["index"] == 1 and not state["targets"]["filled"]
+            and (fused.get("needs_targets") or round_["kind"] == "derived"))
+
+
+def _compute(round_: dict[str, Any], model: Path | None, own: str | os.PathLike[str],
+             inputs: Any, output: Path, batch_size: int, device: str, *,
+             input_moments: bool = False) -> Path:
+    """What the round asks of this client, written to ``output``; without ``model``, its
+    targets (statistics of its ``own`` model)."""
+    from fusekit.core.cross_stats import save_cross_statistics, save_refit_statistics
+    from fusekit.core.stats import save_statistics
+    from fusekit.toolkit.alignment import cross_statistics, refit_statistics
+    from fusekit.toolkit.calibration import client_statistics
+
+    options = {"batch_size": batch_size, "device": device}
+    if model is None:
+        return save_statistics(output, client_statistics(
+            own, inputs, input_moments=input_moments, **options), force=True)
+    if round_["kind"] == "cross":
+        return save_cross_statistics(output, cross_statistics(model, own, inputs, **options),
+                                     force=True)
+    if round_["kind"] == "refit":
+        return save_refit_statistics(output, refit_statistics(
+            model, own, inputs, round_["layer"], **options), force=True)
+    return save_statistics(output, client_statistics(model, inputs, mode=round_["mode"],
+                                                     **options), force=True)
+
+
+def _check_time(job: str, state: dict[str, Any], deadline: float, timeout: float) -> None:
+    if time.monotonic() > deadline:
+        raise TimeoutError(f"job {job}: still {state['state']} after {timeout} s")
 
 
 def backoff(attempt: int, retry_after: float | None) -> float:

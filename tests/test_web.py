@@ -431,7 +431,7 @@ def test_a_calibrating_job_in_the_browser(browser, service, admin, tmp_path):  #
     browser.get(f"{service.url}/upload?job={job_id}&client={names[0]}")
     by_id(browser, "token").send_keys(tokens[names[0]])
     by_id(browser, "fetch-fused").click()
-    fused = browser.downloads / f"fused-{job_id}.safetensors"
+    fused = browser.downloads / f"round-1-{job_id}.safetensors"  # the first round's: fused
     wait_for(browser, lambda d: fused.exists() and not list(
         browser.downloads.glob("*.crdownload")), "the fused model")
     assert fused.read_bytes() == admin.fused(job_id, tmp_path / "f.safetensors").read_bytes()
@@ -457,6 +457,8 @@ def test_a_calibrating_job_in_the_browser(browser, service, admin, tmp_path):  #
     assert hashlib.sha256(stats.read_bytes()).hexdigest() in rows[0].text
     rows = select_all(browser, "#targets tbody tr")
     assert [r.get_attribute("class") for r in rows] == ["waiting", "filled"]
+    assert "round 1 of 1: statistics of the round's model (batch mode, every layer)" in \
+        by_id(browser, "job").text
     shoot(browser, "job-calibrating")
     button.click()
     note = wait_for(browser, lambda d: by_id(d, "calibration").text, "the calibration report")

@@ -12,9 +12,9 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from fastapi import FastAPI, Header, Request
+from fastapi import FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -44,16 +44,16 @@ from fusekit.service.store import (
     view,
     without_paths,
 )
+from fusekit.service.rounds import PROTOCOLS, stale
 from fusekit.service.uploads import (
-    ONE_PASS_MODE,
     Checker,
     Upload,
     checkpoint_check,
-    statistics_check,
+    round_check,
     targets_check,
 )
 from fusekit.service.web import add_web
-from fusekit.service.worker import FUSED, REPORT, RESULT, make_queue, recover
+from fusekit.service.worker import CONFIG, FUSED, REPORT, RESULT, make_queue, recover
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +81,15 @@ class JobRequest(BaseModel):
     spec: dict[str, Any] | None = Field(None, description="a permutation spec (JSON object)")
     calibrate: bool = Field(False, description="after fusion, calibrate the fused model with "
                             "statistics each client computes of it on its own data")
+    protocol: Literal[PROTOCOLS] = Field(  # type: ignore[valid-type]
+        "one-pass", description="the calibration's rounds: one-pass (one round), layerwise "
+        "(one round per calibrated layer: exact), align (calibration, an alignment round, "
+        "one refit round per layer)")
+    input_moments: bool = Field(False, description="layerwise: the first layer from the input "
+                                "moments the clients' targets carry, without a round")
+    config: dict[str, Any] | None = Field(
+        None, description="a transformer's config.json: the fused model and result are "
+        "served with it, at the fused widths, as model folders")
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -136,25 +145,31 @@ def create_app(settings: Settings) -> FastAPI:
                                  f"{settings.max_checkpoint_bytes} (the server's limit), "
                                  f"found {limit}")
         _check_widths(body.params, len(body.clients), limit)
+        _check_protocol(body)
         if body.spec is not None:
             check_spec_format(body.spec)
         job, tokens = await run_in_threadpool(
             store.create, method=body.method, params=body.params, spec=body.spec,
             clients=body.clients, max_checkpoint_bytes=limit, auto_run=body.auto_run,
             max_jobs=settings.max_jobs, calibrate=body.calibrate,
-            min_stats_samples=settings.min_stats_samples)
+            min_stats_samples=settings.min_stats_samples, protocol=body.protocol,
+            input_moments=body.input_moments, config=body.config)
         return {"id": job["id"], "tokens": tokens}
 
     async def receive(job_id: str, client: str, request: Request, authorization: str | None,
-                      kind: SlotKind) -> dict[str, Any]:
+                      kind: SlotKind, for_round: int | None = None) -> dict[str, Any]:
         """Stream an upload of ``kind`` into the client's slot (module docstring of
-        :mod:`fusekit.service.uploads`); returns the job as it is once accepted."""
+        :mod:`fusekit.service.uploads`); returns the job as it is once accepted. Statistics
+        are for the job's current round (``for_round``, when the client says which)."""
         token, admin = caller(authorization)
         job = store.read(job_id)
         authorize(job, token, admin, client)
         if client not in job["clients"]:
             raise NotFound(f"job {job_id}: no slot for client {client!r}")
-        check_accepting(job, kind)
+        check_accepting(job, kind, client)
+        current = job["round"]["index"] if kind is STATISTICS else None
+        if for_round is not None and for_round != current:
+            raise Conflict(stale(f"client {client!r}", for_round, job["round"]))
         limit, validate = _upload_rules(store, job, client, kind, settings)
         checkpoint = job["slots"][client]["sha256"] if kind is TARGETS else None
         declared = request.headers.get("content-length", "")
@@ -175,7 +190,7 @@ def create_app(settings: Settings) -> FastAPI:
             await receiving.receive(request.stream(), checker)
             job = await run_in_threadpool(
                 store.accept, job_id, client, receiving.part, receiving.size,
-                receiving.sha256.hexdigest(), kind, checkpoint)
+                receiving.sha256.hexdigest(), kind, checkpoint, current)
         except ClientDisconnect:
             raise ServiceError(f"client {client!r}: the upload was interrupted; nothing "
                                "stored") from None
@@ -196,10 +211,14 @@ def create_app(settings: Settings) -> FastAPI:
 
     @app.put("/v1/jobs/{job_id}/clients/{client}/statistics", status_code=201)
     async def upload_statistics(job_id: str, client: str, request: Request,
-                                authorization: Auth = None) -> dict[str, Any]:
-        """A client's statistics of the fused model (``fusekit stats FUSED --mode batch``),
-        while the job is calibrating; the last one queues the calibration."""
-        job = await receive(job_id, client, request, authorization, STATISTICS)
+                                authorization: Auth = None,
+                                round: Annotated[int | None, Query(
+                                    description="the round they were computed for: refused "
+                                    "at once when it is over")] = None) -> dict[str, Any]:
+        """A client's statistics for the job's current round (what the job's ``round``
+        asks: statistics, cross or refit statistics of the round's model), while the job
+        is calibrating; the last one queues the round's step."""
+        job = await receive(job_id, client, request, authorization, STATISTICS, round)
         return view(job, client)["statistics"]
 
     @app.put("/v1/jobs/{job_id}/clients/{client}/targets", status_code=201)
@@ -226,6 +245,35 @@ def create_app(settings: Settings) -> FastAPI:
                            "the fusion has finished (calibrating)")
         return FileResponse(store.root / job_id / FUSED, media_type="application/octet-stream",
                             filename=f"fused-{job_id}.safetensors")
+
+    @app.get("/v1/jobs/{job_id}/model")
+    async def round_model(job_id: str, authorization: Auth = None) -> FileResponse:
+        """The model of the job's current calibration round (its fused model in the first
+        round), for its clients (each computes its statistics of it) and the admin."""
+        token, admin = caller(authorization)
+        job = store.read(job_id)
+        authorize(job, token, admin)
+        if job["state"] != "calibrating":
+            raise Conflict(f"job {job_id}: is {job['state']}; a round's model is there while "
+                           "the job is calibrating")
+        index = job["round"]["index"]
+        return FileResponse(store.root / job_id / job["round"]["file"],
+                            media_type="application/octet-stream",
+                            filename=f"round-{index}-{job_id}.safetensors",
+                            headers={"X-Fusekit-Round": str(index)})
+
+    @app.get("/v1/jobs/{job_id}/config")
+    async def config(job_id: str, authorization: Auth = None) -> Response:
+        """A transformer job's config.json at the fused widths, once fused: with the fused
+        model, a round's model or the result, the model folder its clients can run."""
+        token, admin = caller(authorization)
+        job = store.read(job_id)
+        authorize(job, token, admin)
+        path = store.root / job_id / CONFIG
+        if job.get("config") is None or not path.is_file():
+            raise Conflict(f"job {job_id}: has no config.json" + (
+                "" if job.get("config") is None else " yet; it is written once fused"))
+        return Response(path.read_bytes(), media_type="application/json")
 
     @app.post("/v1/jobs/{job_id}/calibrate", status_code=202)
     async def calibrate(job_id: str, authorization: Auth = None) -> Response:
@@ -281,11 +329,24 @@ def _upload_rules(store: JobStore, job: dict[str, Any], client: str, kind: SlotK
             raise Conflict(f"client {client!r}: no checkpoint yet; targets are its statistics "
                            "of its own checkpoint, accepted once that is submitted")
         return job["max_checkpoint_bytes"], targets_check(
-            store.file(job, client, CHECKPOINT), job["spec"], job["min_stats_samples"])
-    fused = job["fused"]
-    return (min(fused["max_statistics_bytes"], job["max_checkpoint_bytes"]),
-            statistics_check(fused["model"], fused["points"], job["min_stats_samples"],
-                             fused.get("mode", ONE_PASS_MODE)))
+            store.file(job, client, CHECKPOINT), job["spec"], job["min_stats_samples"],
+            job.get("input_moments", False))
+    round_ = job["round"]
+    earlier = {done["model"]: done["round"] for done in job.get("rounds_done", [])}
+    own = store.file(job, client, CHECKPOINT)
+    return (min(round_["max_bytes"], job["max_checkpoint_bytes"]),
+            round_check(round_, own, job["spec"], job["min_stats_samples"], earlier))
+
+
+def _check_protocol(body: JobRequest) -> None:
+    """A protocol other than one pass, and input moments, belong to a job that
+    calibrates; input moments save a layer-by-layer round."""
+    if body.protocol != "one-pass" and not body.calibrate:
+        raise ParameterError(f"protocol {body.protocol!r}: a calibration protocol; expected "
+                             "it with calibrate: true")
+    if body.input_moments and body.protocol != "layerwise":
+        raise ParameterError(f"input_moments: they save the first round of the layerwise "
+                             f"protocol; expected protocol 'layerwise', found {body.protocol!r}")
 
 
 async def _job_request(request: Request) -> JobRequest:

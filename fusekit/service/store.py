@@ -7,6 +7,8 @@
     <data-dir>/jobs/<id>/uploads/<host>-<pid>/     uploads in flight, per server process
     <data-dir>/jobs/<id>/result.safetensors, report.json       written atomically by the worker
     <data-dir>/jobs/<id>/fused.safetensors         the fused model of a job that calibrates
+    <data-dir>/jobs/<id>/config.json               a transformer job's fused config.json
+    <data-dir>/jobs/<id>/rounds/round-<k>.safetensors   the model of calibration round k > 1
     <data-dir>/jobs/<id>/heartbeat                 touched by the worker running the job
     <data-dir>/trash/                              deleted jobs, while their files are removed
 
@@ -36,7 +38,10 @@ from typing import Any
 from fusekit.core.checkpoint import owner_only_umask, write_atomic
 from fusekit.service.auth import matches, new_token, token_hash
 from fusekit.service.errors import Busy, Conflict, Forbidden, NotFound, ServiceError
+from fusekit.service.rounds import DERIVED, REFIT, asks_statistics, what_it_asks
+from fusekit.service.rounds import STATISTICS as STATISTICS_ROUND
 
+ROUNDS = "rounds"  # the models of calibration rounds after the first
 STATES = ("collecting", "queued", "running", "calibrating", "succeeded", "failed", "cancelled")
 FINISHED = ("succeeded", "failed", "cancelled")
 _JOB_ID = re.compile(r"[0-9a-f]{32}")
@@ -142,13 +147,19 @@ class JobStore:
             for tmp in folder.glob(".*.tmp"):
                 if not running or tmp.name.startswith(".job.json."):
                     tmp.unlink(missing_ok=True)
-            for kind in KINDS:  # replaced, then a crash
+            for kind in KINDS:  # replaced (or of a round that is over), then a crash
                 named = {slot["file"] for slot in job.get(kind.record, {}).values()}
                 for stale in _files(folder / kind.folder):
                     if stale.name not in named:
                         stale.unlink(missing_ok=True)
             if not running:
                 shutil.rmtree(folder / "run", ignore_errors=True)
+                # The current round's model, while the job calibrates.
+                current = "" if job["state"] in FINISHED else (job.get("round") or {}).get(
+                    "file", "")
+                for model in _files(folder / ROUNDS):  # of rounds that are over
+                    if f"{ROUNDS}/{model.name}" != current:
+                        model.unlink(missing_ok=True)
         with contextlib.suppress(FileNotFoundError):  # the job deleted meanwhile
             for owner in (folder / "uploads").iterdir():
                 host, _, pid = owner.name.rpartition("-")
@@ -157,12 +168,17 @@ class JobStore:
 
     def create(self, *, method: str, params: dict[str, Any], spec: dict[str, Any] | None,
                clients: list[str], max_checkpoint_bytes: int, auto_run: bool,
-               max_jobs: int, calibrate: bool = False, min_stats_samples: int = 0
+               max_jobs: int, calibrate: bool = False, min_stats_samples: int = 0,
+               protocol: str = "one-pass", input_moments: bool = False,
+               config: dict[str, Any] | None = None
                ) -> tuple[dict[str, Any], dict[str, str]]:
         """A new job collecting one checkpoint per client; returns it and the tokens.
 
-        With ``calibrate``, the fused model is calibrated with statistics files of at least
-        ``min_stats_samples`` inputs each (the server's minimum when the job was made)."""
+        With ``calibrate``, the fused model is calibrated in the rounds of ``protocol``
+        (:mod:`fusekit.service.rounds`; ``input_moments``: the first layer from the
+        targets' input moments) with statistics files of at least ``min_stats_samples``
+        inputs each (the server's minimum when the job was made). ``config``: a
+        transformer's config.json, written with the fused widths beside the fused model."""
         for client in clients:
             check_name(client)
         if len(set(clients)) != len(clients):
@@ -178,6 +194,8 @@ class JobStore:
                 "state": "collecting", "auto_run": auto_run,
                 "max_checkpoint_bytes": max_checkpoint_bytes,
                 "calibrate": calibrate, "min_stats_samples": min_stats_samples, "fused": None,
+                "protocol": protocol, "input_moments": input_moments, "config": config,
+                "round": None, "rounds_done": [],
                 "clients": clients, "slots": {}, "statistics": {}, "targets": {},
                 "token_hashes": {
                     c: token_hash(t) for c, t in tokens.items()},
@@ -192,16 +210,22 @@ class JobStore:
         return job, tokens
 
     def accept(self, job_id: str, client: str, part: Path, size: int, sha256: str,
-               kind: SlotKind = CHECKPOINT, checkpoint: str | None = None) -> dict[str, Any]:
+               kind: SlotKind = CHECKPOINT, checkpoint: str | None = None,
+               round_index: int | None = None) -> dict[str, Any]:
         """Move a complete, validated, fsynced upload into the client's slot of ``kind``
-        (targets: validated against the checkpoint of SHA-256 ``checkpoint``). The job is
+        (targets: validated against the checkpoint of SHA-256 ``checkpoint``; statistics:
+        against the job's round ``round_index``, which must still be current). The job is
         queued in the same step when this completes what it waits for: its checkpoints if
         it is ``auto_run``, what its calibration needs (:func:`calibration_ready`)."""
         with self._flock(job_id) as folder:
             job = self.read(job_id)
-            check_accepting(job, kind)
+            check_accepting(job, kind, client)
             if kind is TARGETS:
                 _check_targets_checkpoint(job, client, checkpoint)
+            if kind is STATISTICS and job["round"]["index"] != round_index:
+                raise Conflict(f"client {client!r}: round {round_index} ended while its "
+                               f"statistics were checked; the job is in "
+                               f"{what_it_asks(job['round'])}")
             slots = job.setdefault(kind.record, {})
             old = slots.get(client)
             name = f"{client}.{sha256}.safetensors"
@@ -239,15 +263,22 @@ class JobStore:
         return job
 
     def finish_calibration(self, job_id: str) -> dict[str, Any]:
-        """calibrating -> queued, with the statistics received so far (at least one)."""
+        """calibrating -> queued: the current round finishes with the statistics received
+        so far (at least one; a refit round needs every participant's)."""
         with self.locked(job_id) as job:
             if job["state"] != "calibrating":
                 raise Conflict(f"job {job_id}: is {job['state']}; only a calibrating job can "
                                "be calibrated")
-            if not job["statistics"]:
-                raise Conflict(f"job {job_id}: no statistics yet from any of its "
-                               f"{len(job['clients'])} clients; calibration needs at least one")
-            if job["fused"].get("needs_targets") and not job.get("targets"):
+            round_ = job["round"]
+            missing = _missing(job, STATISTICS)
+            if asks_statistics(round_) and not job["statistics"]:
+                raise Conflict(f"job {job_id}: is in {what_it_asks(round_)}; no statistics "
+                               f"yet from any of its {len(round_['participants'])} clients; "
+                               "calibration needs at least one")
+            if round_["kind"] == REFIT and missing:
+                raise Conflict(f"job {job_id}: {what_it_asks(round_)}, and a refit needs "
+                               f"every client's; missing {', '.join(missing)}")
+            if _uses_targets(job) and not job.get("targets"):
                 raise Conflict(f"job {job_id}: no targets yet from any of its clients; "
                                f"{NEEDS_TARGETS}: it needs at least one client's")
             job.update(state="queued", queued_at=time.time())
@@ -303,6 +334,22 @@ class JobStore:
         except NotFound:
             return False
 
+    def conclude(self, job_id: str, attempt: int, **changes: Any) -> dict[str, Any] | None:
+        """A worker's step's outcome for the job, if it is still this attempt's (None when
+        not). A job entering a round that has all it waits for already (the first layer
+        from targets that are in) stays running, for the same worker's next step: decided
+        under the lock, so that an upload meanwhile cannot leave it waiting for nothing."""
+        try:
+            with self.locked(job_id) as job:
+                if not _runs(job, attempt):
+                    return None
+                job.update(changes)
+                if calibration_ready(job):
+                    job.update(state="running", progress="starting the next round")
+            return job
+        except NotFound:
+            return None
+
     def update(self, job_id: str, attempt: int, **changes: Any) -> bool:
         """Change a running job, if it is still this attempt's (not cancelled or re-run)."""
         try:
@@ -325,17 +372,25 @@ NEEDS_TARGETS = ("its fused model has no BatchNorm to restore, so calibration re
                  "(targets: fusekit stats OWN.safetensors ..., then fusekit submit)")
 
 
-def check_accepting(job: dict[str, Any], kind: SlotKind) -> None:
-    """Refuse an upload of ``kind`` the job does not take now."""
+def check_accepting(job: dict[str, Any], kind: SlotKind, client: str | None = None) -> None:
+    """Refuse an upload of ``kind`` the job does not take now (from ``client``)."""
     if kind is not CHECKPOINT and not job.get("calibrate"):
         raise Conflict(f"job {job['id']}: was not created to calibrate; it takes no "
                        f"{kind.name}s")
     if job["state"] not in kind.states:
         raise Conflict(f"job {job['id']}: is {job['state']}; {kind.name} uploads are accepted "
                        f"only while it is {' or '.join(kind.states)}")
-    if kind is TARGETS and job.get("fused") and job["state"] != "calibrating":
+    if kind is TARGETS and job.get("fused") and (
+            job["state"] != "calibrating" or job["round"]["index"] > 1):
         raise Conflict(f"job {job['id']}: its calibration has started; targets are accepted "
                        "until it starts")
+    if kind is STATISTICS:
+        round_ = job["round"]
+        if not asks_statistics(round_):
+            raise Conflict(f"job {job['id']}: is in {what_it_asks(round_)}")
+        if client is not None and client not in round_["participants"]:
+            raise Conflict(f"client {client!r}: takes no part in the job's rounds since its "
+                           "alignment round, which finished without its statistics")
 
 
 def _check_targets_checkpoint(job: dict[str, Any], client: str, checkpoint: str | None
@@ -348,12 +403,26 @@ def _check_targets_checkpoint(job: dict[str, Any], client: str, checkpoint: str 
 
 
 def calibration_ready(job: dict[str, Any]) -> bool:
-    """Whether a calibrating job has all it waits for: every client's statistics, and
-    every client's targets when its fused model needs them (:data:`NEEDS_TARGETS`)."""
-    if job["state"] != "calibrating" or len(job["statistics"]) < len(job["clients"]):
-        return False
-    targets = job.get("targets", {})
-    return not job["fused"].get("needs_targets") or len(targets) == len(job["clients"])
+    """Whether a calibrating job's round has all it waits for: every participant's
+    statistics (a round that asks for them), and every client's targets where the round
+    uses them (:data:`NEEDS_TARGETS`, input moments)."""
+    return job["state"] == "calibrating" and not any(waiting_for(job).values())
+
+
+def _missing(job: dict[str, Any], kind: SlotKind) -> list[str]:
+    """The clients of the current round without a file of ``kind``."""
+    held = job.get(kind.record, {})
+    who = job["round"]["participants"] if kind is STATISTICS else job["clients"]
+    return [c for c in who if c not in held]
+
+
+def _uses_targets(job: dict[str, Any]) -> bool:
+    """Whether the current round waits for the clients' targets: the first round, taking
+    them (they are fixed from its end on), where calibration is REPAIR's (a fused model
+    without BatchNorm) or the first layer comes from their input moments."""
+    round_ = job["round"]
+    return round_["index"] == 1 and (round_["kind"] == DERIVED or (
+        round_["kind"] == STATISTICS_ROUND and bool(job["fused"].get("needs_targets"))))
 
 
 def fused_model(job: dict[str, Any]) -> dict[str, Any] | None:
@@ -363,7 +432,19 @@ def fused_model(job: dict[str, Any]) -> dict[str, Any] | None:
     if fused is None:
         return None
     return {k: fused.get(k) for k in ("size", "sha256", "model", "fused_at", "needs_targets",
-                                      "mode")}
+                                      "mode", "config")}
+
+
+def round_view(job: dict[str, Any]) -> dict[str, Any] | None:
+    """What anyone with a token of the job may know of its current round: which of how
+    many, what it asks for (kind, layers, mode, one line), the model to run (content hash,
+    SHA-256), and who takes part."""
+    round_ = job.get("round")
+    if round_ is None:
+        return None
+    shown = {k: round_.get(k) for k in ("index", "total", "kind", "layers", "layer", "mode",
+                                        "model", "sha256", "size", "participants")}
+    return {**shown, "asks": what_it_asks(round_)}
 
 
 def view(job: dict[str, Any], client: str | None = None) -> dict[str, Any]:
@@ -372,7 +453,12 @@ def view(job: dict[str, Any], client: str | None = None) -> dict[str, Any]:
     public = {k: job[k] for k in ("id", "method", "state", "progress", "created_at",
                                   "queued_at", "started_at", "finished_at")}
     calibrate = job.get("calibrate", False)
-    public.update(calibrate=calibrate, fused=fused_model(job))
+    public.update(calibrate=calibrate, fused=fused_model(job),
+                  config=job.get("config") is not None)
+    if calibrate:
+        public.update(protocol=job.get("protocol", "one-pass"),
+                      input_moments=job.get("input_moments", False), round=round_view(job),
+                      rounds_done=job.get("rounds_done", []))
     slots = {c: _slot(job["slots"].get(c)) for c in job["clients"]}
     statistics = {c: _slot(job.get("statistics", {}).get(c)) for c in job["clients"]}
     targets = {c: _slot(job.get("targets", {}).get(c)) for c in job["clients"]}
@@ -393,9 +479,9 @@ def waiting_for(job: dict[str, Any]) -> dict[str, list[str]] | None:
     statistics are missing, and whose targets, when its fused model needs them."""
     if job["state"] != "calibrating":
         return None
-    missing = {"statistics": [c for c in job["clients"] if c not in job["statistics"]]}
-    if job["fused"].get("needs_targets"):
-        missing["targets"] = [c for c in job["clients"] if c not in job.get("targets", {})]
+    missing = {"statistics": _missing(job, STATISTICS) if asks_statistics(job["round"]) else []}
+    if _uses_targets(job):
+        missing["targets"] = _missing(job, TARGETS)
     return missing
 
 

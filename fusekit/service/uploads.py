@@ -7,8 +7,9 @@ bytes are in (:func:`fusekit.core.checkpoint.check_header`), so a bad or oversiz
 refused before its tensors are sent; the whole file is then validated as
 :func:`fusekit.load_checkpoint` validates it, every tensor's values too (NaN, Inf, negative
 variances: a file its job could not fuse is refused now, not when the job runs), fsynced,
-and only then renamed into the slot. A statistics file is validated as
-:func:`fusekit.calibrate` reads it, against the job's fused model (:func:`statistics_check`);
+and only then renamed into the slot. A statistics file is validated as the worker will
+read it (:func:`fusekit.calibrate`, ``align``, ``refit``), against the job's current round
+(:func:`round_check`: its model, its kind, its layer);
 a targets file (a client's statistics of its own model) against that client's checkpoint
 (:func:`targets_check`).
 
@@ -45,6 +46,7 @@ from fusekit.core.checkpoint import (
 from fusekit.core.errors import CheckpointError, StatisticsError
 from fusekit.core.stats import load_statistics
 from fusekit.service.errors import ServiceError, TooLarge, TooSlow
+from fusekit.service.rounds import check_upload
 from fusekit.service.settings import Settings
 
 T = TypeVar("T")
@@ -52,15 +54,10 @@ T = TypeVar("T")
 _SPAWN = multiprocessing.get_context("spawn")
 
 
-#: The statistics of the one-pass protocol (ALGORITHMS §12): each BatchNorm normalised with
-#: the batch's statistics, so that one round calibrates every layer.
-ONE_PASS_MODE = "batch"
-
-
 class Upload:
     """One file being received for ``client``, at most ``limit`` bytes, within the time
     limits of ``settings`` (``upload_idle_s``, ``upload_min_rate``), and checked whole with
-    ``validate(part, label)`` (:func:`checkpoint_check`, :func:`statistics_check`) in a
+    ``validate(part, label)`` (:func:`checkpoint_check`, :func:`round_check`) in a
     checker process. ``what`` names it in refusals."""
 
     def __init__(self, folder: Path, client: str, limit: int, settings: Settings,
@@ -211,21 +208,23 @@ def checkpoint_check(settings: Settings) -> Callable[[Path, str], None]:
     return functools.partial(_validate_checkpoint, budget=settings.upload_check_bytes)
 
 
-def statistics_check(model: str, points: dict[str, int], min_samples: int,
-                     mode: str = ONE_PASS_MODE) -> Callable[[Path, str], None]:
-    """Statistics of the fused model with content hash ``model``: its ``points`` and their
-    widths, over at least ``min_samples`` inputs, in ``mode`` (the one-pass mode, or eval
-    for a transformer)."""
-    return functools.partial(_validate_statistics, model=model, points=points,
-                             min_samples=min_samples, mode=mode)
+def round_check(round_: dict[str, Any], own: Path | None, spec: dict[str, Any] | None,
+                min_samples: int, earlier: dict[str, int]) -> Callable[[Path, str], None]:
+    """A file for the job's current round (:func:`fusekit.service.rounds.check_upload`):
+    statistics, cross or refit statistics of the round's model, over at least
+    ``min_samples`` inputs; ``own`` is the client's checkpoint, ``earlier`` the models of
+    the rounds before (content hash -> round), whose files are refused as stale."""
+    return functools.partial(check_upload, round_=round_, own=own, spec=spec,
+                             min_samples=min_samples, earlier=earlier)
 
 
-def targets_check(checkpoint: Path, spec: dict[str, Any] | None, min_samples: int
-                  ) -> Callable[[Path, str], None]:
+def targets_check(checkpoint: Path, spec: dict[str, Any] | None, min_samples: int,
+                  input_moments: bool = False) -> Callable[[Path, str], None]:
     """Statistics of the client's checkpoint at ``checkpoint`` (its content hash, its points
-    under the job's ``spec``), over at least ``min_samples`` inputs, in either mode."""
+    under the job's ``spec``), over at least ``min_samples`` inputs, in either mode; with
+    the first layer's input moments where the job derives that layer from them."""
     return functools.partial(_validate_targets, checkpoint=checkpoint, spec=spec,
-                             min_samples=min_samples)
+                             min_samples=min_samples, input_moments=input_moments)
 
 
 def _validate_checkpoint(part: Path, label: str, budget: int) -> None:
@@ -236,22 +235,8 @@ def _validate_checkpoint(part: Path, label: str, budget: int) -> None:
         raise CheckpointError(str(exc).replace(str(part), label)) from None
 
 
-def _validate_statistics(part: Path, label: str, model: str, points: dict[str, int],
-                         min_samples: int, mode: str) -> None:
-    """In a checker process: the file as fusekit.calibrate reads it, for the job's model."""
-    named = f"statistics of {label}"
-    try:
-        stats = load_statistics(part, model=model, points=points, min_samples=min_samples)
-    except StatisticsError as exc:
-        raise _named(exc, part, named) from None
-    if stats.mode != mode:
-        raise StatisticsError(
-            f"{named}: computed in {stats.mode} mode; this job calibrates in one pass, from "
-            f"statistics in {mode} mode (fusekit stats FUSED --mode {mode} ...)")
-
-
 def _validate_targets(part: Path, label: str, checkpoint: Path, spec: dict[str, Any] | None,
-                      min_samples: int) -> None:
+                      min_samples: int, input_moments: bool = False) -> None:
     """In a checker process: the file as statistics of the client's own checkpoint."""
     try:
         own = load_checkpoint(checkpoint)
@@ -260,7 +245,12 @@ def _validate_targets(part: Path, label: str, checkpoint: Path, spec: dict[str, 
         return
     named = f"targets of {label}"
     try:
-        load_statistics(part, model=own.content_hash, points=points, min_samples=min_samples)
+        stats = load_statistics(part, model=own.content_hash, points=points,
+                                min_samples=min_samples)
+        if input_moments and not stats.inputs:
+            raise StatisticsError(f"{part}: no input moments; this job derives its first "
+                                  "layer from every client's (fusekit stats OWN "
+                                  "--input-moments ...)")
     except StatisticsError as exc:
         raise _named(exc, part, named, ("(run `fusekit stats` on this model)",
                                         "(the checkpoint it submitted: targets are "

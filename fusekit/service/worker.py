@@ -2,9 +2,11 @@
 server's event loop; each job's fusion in a process of its own, which its worker kills
 when the job is deleted while it runs.
 
-A job that calibrates runs twice: its fusion, after which it waits (``calibrating``) for
-its clients' statistics of the fused model; then, queued again once they are in (or the
-admin says so), its calibration, in a process of its own too (ALGORITHMS §12, one pass).
+A job that calibrates runs once more per calibration round (:mod:`fusekit.service.rounds`):
+after its fusion it waits (``calibrating``) for its clients' statistics of the round's
+model; queued again once they are in (or the admin says so), the worker computes the next
+round's model from them, in a process of its own too (ALGORITHMS §12), and the job waits
+for the next round's statistics, until the last round's model is the result.
 
 The queue is huey's: SQLite in the data folder by default (API server and workers on one
 machine), Redis when workers run on several machines. A job is queued by id only; its state
@@ -14,6 +16,7 @@ lives in the job store, so a message lost with a killed worker is found again by
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -32,14 +35,14 @@ from huey import Huey, RedisHuey, SqliteHuey
 import fusekit
 from fusekit.api import fused_spec, fusion_summary, model_points
 from fusekit.core.checkpoint import load_checkpoint, write_atomic
-from fusekit.core.errors import FusekitError
-from fusekit.core.stats import BN_INPUT
-from fusekit.core.transformer import TransformerSpec
+from fusekit.core.errors import FusekitError, ParameterError
+from fusekit.core.transformer import TransformerSpec, config_with_widths, infer_transformer
+from fusekit.service import rounds
 from fusekit.service.settings import Settings
-from fusekit.service.uploads import ONE_PASS_MODE
 from fusekit.service.store import (
     CHECKPOINT,
     FINISHED,
+    ROUNDS,
     STATISTICS,
     TARGETS,
     JobStore,
@@ -52,6 +55,7 @@ log = logging.getLogger(__name__)
 
 RESULT, REPORT = "result.safetensors", "report.json"
 FUSED = "fused.safetensors"  # a calibrating job's fused model; its result is calibrated
+CONFIG = "config.json"  # a transformer job's fused config.json (the job's, fused widths)
 TASK = "fusekit.run_job"
 CANCEL_CHECK_S = 0.5  # how often a worker looks whether its running job was cancelled
 LOG_FORMAT = "%(asctime)s %(name)s: %(message)s"
@@ -87,14 +91,21 @@ def run_job(settings: Settings, job_id: str) -> None:
     beat = threading.Thread(target=_heartbeat, args=(store, job_id, settings.lease_s / 5, stop),
                             daemon=True)
     beat.start()
-    step = _calibrate if job.get("fused") else _fuse
+    step = _round if job.get("fused") else _fuse
     try:
-        outcome = _run_step(store, job, attempt, step)
+        while True:
+            outcome = _run_step(store, job, attempt, step)
+            finished_at = time.time() if outcome["state"] in FINISHED else None
+            job = store.conclude(job_id, attempt, finished_at=finished_at, progress=None,
+                                 **outcome)
+            if job is None or job["state"] != "running":
+                break
+            step = _round  # a round with all it waits for already (derived from targets)
     finally:
         stop.set()
         beat.join()
-    finished_at = time.time() if outcome["state"] in FINISHED else None
-    store.update(job_id, attempt, finished_at=finished_at, progress=None, **outcome)
+    with contextlib.suppress(FusekitError):  # a round's files once it is over
+        store.sweep(job_id)
     log.info("job %s: %s", job_id, outcome["state"])
 
 
@@ -124,65 +135,128 @@ def _fuse(store: JobStore, job: dict[str, Any], attempt: int, run: Path) -> dict
                     job["spec"], job["params"], str(run / RESULT))
     if report is None or not store.update(job["id"], attempt, progress="writing the result"):
         return {"state": "cancelled"}
-    fused = _describe(run / RESULT) if job.get("calibrate") else None
+    config = _fused_config(job, run / RESULT)
+    fused = _describe(run / RESULT, config) if job.get("calibrate") else None
+    if fused:  # the rounds, and the first one's record, before the model is in place
+        plan = rounds.plan(job.get("protocol", "one-pass"), run / RESULT,
+                           input_moments=job.get("input_moments", False))
+        first = rounds.describe(plan[0], 1, len(plan), run / RESULT, FUSED,
+                                paths, job["spec"], list(job["clients"]))
+    if config is not None:
+        write_atomic(folder / CONFIG, json.dumps(config, indent=1).encode())
     os.replace(run / RESULT, folder / (FUSED if fused else RESULT))
     write_atomic(folder / REPORT, without_paths(report, store.data_dir).encode())
     if fused:
-        return {"state": "calibrating", "fused": fused, "error": None}
+        return {"state": "calibrating", "fused": fused, "plan": plan, "round": first,
+                "error": None}
     return {"state": "succeeded", "error": None}
 
 
-def _describe(path: Path) -> dict[str, Any]:
-    """What a job that calibrates records of its fused model: what statistics must name
-    (content hash, points and their widths, mode), their size limit, whether calibration needs
-    the clients' targets (no BatchNorm to restore: a plain MLP, a transformer), the file's
-    size and hash."""
+def _fused_config(job: dict[str, Any], path: Path) -> dict[str, Any] | None:
+    """A transformer job's config.json with the fused widths (None without one): what
+    makes the fused model a model folder its clients can run."""
+    if job.get("config") is None:
+        return None
     checkpoint = load_checkpoint(path)
     spec = fused_spec(checkpoint)
-    points = model_points(checkpoint, spec)
+    if not isinstance(spec, TransformerSpec):
+        raise ParameterError("config: given for a job whose models are not transformers; "
+                             "expected it only with a transformer's weight files")
+    config = config_with_widths(job["config"], spec)
+    infer_transformer(config, {name: info.shape for name, info in checkpoint.tensors.items()},
+                      label="config")  # it describes the fused weights
+    return config
+
+
+def _describe(path: Path, config: dict[str, Any] | None) -> dict[str, Any]:
+    """What a job that calibrates records of its fused model: its content hash, points and
+    mode of its one-pass statistics, whether calibration needs the clients' targets (no
+    BatchNorm to restore: a plain MLP, a transformer), the file's size and hash, and
+    whether a config.json goes with it."""
+    checkpoint = load_checkpoint(path)
+    spec = fused_spec(checkpoint)
     transformer = isinstance(spec, TransformerSpec)
-    needs_targets = transformer or not any(point.startswith(f"{BN_INPUT}:") for point in points)
-    with open(path, "rb") as f:
-        sha256 = hashlib.file_digest(f, "sha256").hexdigest()
-    # Three float64 per channel and point, and a header naming three tensors per point.
-    limit = 24 * sum(points.values()) + 768 * len(points) + 4096
-    return {"model": checkpoint.content_hash, "points": points, "sha256": sha256,
-            "size": path.stat().st_size, "max_statistics_bytes": limit,
-            "needs_targets": needs_targets, "fused_at": time.time(),
+    return {"model": checkpoint.content_hash, "points": model_points(checkpoint, spec),
+            **rounds.file_record(path), "needs_targets": rounds.needs_targets(checkpoint, spec),
+            "fused_at": time.time(), "config": config is not None,
             # A transformer has no BatchNorm to normalise with the batch: eval is its one mode.
-            "mode": "eval" if transformer else ONE_PASS_MODE}
+            "mode": "eval" if transformer else rounds.ONE_PASS_MODE}
 
 
-def _calibrate(store: JobStore, job: dict[str, Any], attempt: int, run: Path
-               ) -> dict[str, Any]:
-    """Calibrate the fused model with the statistics received (all, or those the admin
-    finished with) and the targets received, and make it the result; the report says what
-    calibration did and whose files it had."""
-    folder = store.root / job["id"]
-    fused = run / FUSED
-    os.link(folder / FUSED, fused)
+def _round(store: JobStore, job: dict[str, Any], attempt: int, run: Path) -> dict[str, Any]:
+    """The current round's step: the next model from the statistics received (all, or
+    those the admin finished with) and the targets; the next round, or, after the last,
+    the result, with a report of every round and whose files it had."""
+    folder, round_ = store.root / job["id"], job["round"]
+    index, total, kind = round_["index"], round_["total"], round_["kind"]
+    model = run / f"round-{index}.safetensors"
+    os.link(folder / round_["file"], model)
     paths = _link_inputs(store, job, run, STATISTICS, "stats.safetensors")
     targets = _link_inputs(store, job, run, TARGETS, "targets.safetensors")
-    received = [c for c in job["clients"] if c in job["statistics"]]
-    store.update(job["id"], attempt, progress=f"calibrating with the statistics of "
-                 f"{len(received)} of {len(job['clients'])} clients")
-    calibration = _apart(store, job, attempt, _calibration, str(fused),
-                         [str(p) for p in paths], [str(p) for p in targets],
-                         job["min_stats_samples"], str(run / RESULT))
-    if calibration is None or not store.update(job["id"], attempt,
-                                               progress="writing the result"):
+    received = [c for c in round_["participants"] if c in job["statistics"]]
+    clients = _link_inputs(store, job, run, CHECKPOINT, "safetensors",
+                           received if kind == rounds.CROSS else round_["participants"])
+    store.update(job["id"], attempt, progress=_working_on(round_, received))
+    step = _apart(store, job, attempt, _calibration, round_, str(model), [str(p) for p in paths],
+                  [str(p) for p in targets], [str(p) for p in clients],
+                  job["min_stats_samples"], str(run / RESULT))
+    if step is None or not store.update(job["id"], attempt, progress="writing the result"):
         return {"state": "cancelled"}
+    done = {"round": index, "kind": kind, "model": round_["model"],
+            **{k: round_[k] for k in ("layers", "layer", "mode") if k in round_},
+            "statistics_from": received,
+            "missing": [c for c in round_["participants"] if c not in received],
+            **json.loads(step)}
+    history = [*job.get("rounds_done", []), done]
+    if index < total:
+        following = f"{ROUNDS}/round-{index + 1}.safetensors"
+        (folder / ROUNDS).mkdir(exist_ok=True)
+        os.replace(run / RESULT, folder / following)
+        upcoming = rounds.describe(job["plan"][index], index + 1, total, folder / following,
+                                   following, clients, job["spec"],
+                                   received if kind == rounds.CROSS
+                                   else round_["participants"])
+        return {"state": "calibrating", "round": upcoming, "statistics": {},
+                "rounds_done": history, "error": None}
     report = json.loads((folder / REPORT).read_text())
-    targets_from = [c for c in job["clients"] if c in job.get("targets", {})]
-    report["calibration"] = {**json.loads(calibration), "protocol": "one pass",
-                             "statistics_from": received,
-                             "missing": [c for c in job["clients"] if c not in received],
-                             "targets_from": targets_from,
-                             "targets_missing": [c for c in job["clients"]
-                                                 if c not in targets_from]}
+    report["calibration"] = _calibration_report(job, history)
     os.replace(run / RESULT, folder / RESULT)
     write_atomic(folder / REPORT, json.dumps(report).encode())
-    return {"state": "succeeded", "error": None}
+    return {"state": "succeeded", "rounds_done": history, "error": None}
+
+
+def _working_on(round_: dict[str, Any], received: list[str]) -> str:
+    """The job's progress while the worker computes a round's step."""
+    files = f"of {len(received)} of {len(round_['participants'])} clients"
+    kind = round_["kind"]
+    if kind == rounds.DERIVED:
+        what = f"calibrating layer {round_['layers'][0]!r} from the targets' input moments"
+    elif kind == rounds.CROSS:
+        what = f"aligning with the cross statistics {files}"
+    elif kind == rounds.REFIT:
+        what = f"refitting layer {round_['layer']!r} with the refit statistics {files}"
+    else:
+        what = f"calibrating with the statistics {files}"
+    if round_["total"] == 1:
+        return what
+    return f"round {round_['index']} of {round_['total']}: {what}"
+
+
+def _calibration_report(job: dict[str, Any], history: list[dict[str, Any]]
+                        ) -> dict[str, Any]:
+    """What the report says of the calibration: one pass as the last round's calibration
+    report; rounds, each round's report; with whose statistics and targets."""
+    targets_from = [c for c in job["clients"] if c in job.get("targets", {})]
+    whose = {"targets_from": targets_from,
+             "targets_missing": [c for c in job["clients"] if c not in targets_from]}
+    protocol = job.get("protocol", "one-pass")
+    if protocol == "one-pass":
+        (last,) = history
+        return {**last["calibration"], "protocol": "one pass",
+                "statistics_from": last["statistics_from"], "missing": last["missing"],
+                **whose}
+    return {"protocol": protocol, "input_moments": job.get("input_moments", False),
+            "rounds": history, **whose}
 
 
 class _StepFailed(Exception):
@@ -251,16 +325,13 @@ def _fusion(paths: list[str], method: str, spec: Any, params: dict[str, Any],
     result = fusekit.fuse(paths, method=method, spec=spec, **params)
     seconds = time.perf_counter() - start
     result.save(output, force=True)
-    return json.dumps(fusion_summary(result, RESULT, seconds), default=_jsonable)
+    return json.dumps(fusion_summary(result, RESULT, seconds), default=rounds.jsonable)
 
 
-def _calibration(fused: str, statistics: list[str], targets: list[str], min_samples: int,
-                 output: str) -> str:
-    """Calibrate ``fused`` with ``statistics`` and ``targets``, write ``output``; what
-    calibration did."""
-    result = fusekit.calibrate(fused, statistics, targets=targets, min_samples=min_samples)
-    result.save(output, force=True)
-    return json.dumps(result.report["calibration"], default=_jsonable)
+def _calibration(round_: dict[str, Any], model: str, statistics: list[str],
+                 targets: list[str], clients: list[str], min_samples: int, output: str) -> str:
+    """A round's step (:func:`fusekit.service.rounds.advance`), writing ``output``."""
+    return rounds.advance(round_, model, statistics, targets, clients, min_samples, output)
 
 
 class _LayerProgress(logging.Handler):
@@ -279,21 +350,18 @@ class _LayerProgress(logging.Handler):
 
 
 def _link_inputs(store: JobStore, job: dict[str, Any], run: Path, kind: SlotKind,
-                 suffix: str) -> list[Path]:
-    """The clients' accepted files of ``kind`` in ``run``, named ``<client>.<suffix>`` (as
-    messages name them), in the job's order of clients."""
+                 suffix: str, clients: list[str] | None = None) -> list[Path]:
+    """The accepted files of ``kind`` of the job's ``clients`` (default all) in ``run``,
+    named ``<client>.<suffix>`` (as messages name them), in the job's order of clients."""
     paths = []
     for client in job["clients"]:
-        if client not in job.get(kind.record, {}):
+        if client not in job.get(kind.record, {}) or client not in (clients or job["clients"]):
             continue
         path = run / f"{client}.{suffix}"
-        os.link(store.file(job, client, kind), path)
+        if not path.exists():  # linked already for an earlier use in this step
+            os.link(store.file(job, client, kind), path)
         paths.append(path)
     return paths
-
-
-def _jsonable(value: Any) -> Any:
-    return value.tolist() if hasattr(value, "tolist") else str(value)
 
 
 def _heartbeat(store: JobStore, job_id: str, every: float, stop: threading.Event) -> None:

@@ -127,6 +127,9 @@
                                placeholder: "the server's limit"});
     const autoRun = el("input", {type: "checkbox", id: "auto-run"});
     const calibrate = el("input", {type: "checkbox", id: "calibrate"});
+    const protocol = el("select", {id: "protocol"},
+      ["one-pass", "layerwise", "align"].map((name) => el("option", {value: name, text: name})));
+    const inputMoments = el("input", {type: "checkbox", id: "input-moments"});
     const error = el("div", {id: "create-error"});
     const form = el("form", {id: "create", novalidate: true},
       el("label", {}, "Method ", method),
@@ -134,14 +137,20 @@
       el("label", {}, "Upload limit in bytes ", limit),
       el("label", {class: "inline"}, autoRun, " Run as soon as the last checkpoint arrives"),
       el("label", {class: "inline"}, calibrate, " Calibrate the fused model with statistics " +
-         "the clients compute of it on their own data (one round after the fusion)"),
+         "the clients compute of it on their own data"),
+      el("label", {}, "Calibration rounds: one-pass (one round), layerwise (one per " +
+         "calibrated layer: exact), align (calibration, alignment, one refit round per " +
+         "layer) ", protocol),
+      el("label", {class: "inline"}, inputMoments, " Layerwise: the first layer from the " +
+         "clients' input moments, without a round"),
       fields, error,
       el("button", {type: "submit", text: "Create the job"}));
     form.addEventListener("submit", async (event) => {
       event.preventDefault();
       const body = {method: method.value, clients: clients.value.split(/[\s,]+/).filter(Boolean),
                     params: readParams(fields), auto_run: autoRun.checked,
-                    calibrate: calibrate.checked};
+                    calibrate: calibrate.checked, protocol: protocol.value,
+                    input_moments: inputMoments.checked};
       if (limit.value.trim()) body.max_checkpoint_bytes = number(limit.value.trim());
       try {
         const created = await api("POST", "/v1/jobs", body);
@@ -251,7 +260,8 @@
       actions(job, actionError), actionError,
       el("h3", {text: "Checkpoints"}),
       slots(job, "slots", "checkpoint"),
-      job.calibrate && el("h3", {text: "Statistics of the fused model"}),
+      job.calibrate && el("h3", {text: job.round ? `Statistics: ${job.round.asks}` :
+                                                   "Statistics of the fused model"}),
       job.calibrate && slots(job, "statistics", "statistics"),
       job.calibrate && el("h3", {text: "Targets: statistics of each client's own model"}),
       job.calibrate && slots(job, "targets", "targets")),
@@ -270,8 +280,9 @@
       ["parameters", Object.keys(job.params).length ? JSON.stringify(job.params) : "defaults"],
       ["upload limit", fk.bytes(job.max_checkpoint_bytes)],
       ["runs when full", job.auto_run ? "yes" : "no (Run below)"],
-      ["calibrates", job.calibrate ? "yes: with each client's statistics of the fused " +
-        "model (one round), once all are in or on Calibrate now" : ""],
+      ["calibrates", job.calibrate ? `yes (${job.protocol}): with each client's statistics, ` +
+        "each round once all are in or on Calibrate now" : ""],
+      ["round", job.state === "calibrating" && job.round ? job.round.asks : ""],
       ["fused", job.fused ? `${fk.when(job.fused.fused_at)}: ${fk.bytes(job.fused.size)}, ` +
         `SHA-256 ${job.fused.sha256}` : ""],
       ["created", fk.when(job.created_at)],
@@ -317,7 +328,8 @@
         disabled: job.state !== "calibrating" || !received,
         title: received ? "" : "at least one client's statistics must have arrived" +
           (needsTargets ? ", and one client's targets (the model has no BatchNorm)" : ""),
-        text: "Calibrate now", onclick: act(async () => {
+        text: job.round && job.round.total > 1 ? "Finish this round now" : "Calibrate now",
+        onclick: act(async () => {
           await api("POST", `/v1/jobs/${job.id}/calibrate`);
           route();
         })}),
@@ -384,15 +396,27 @@
     return el("div", {},
       el("p", {}, `${report.method}: fused hidden widths ${JSON.stringify(report.widths)}` +
                   (time ? `, fused in ${time}` : "")),
-      calibration && el("p", {id: "calibration"}, `Calibrated (${calibration.protocol}) ` +
-        `with the statistics of ${calibration.statistics_from.join(", ")}: ` +
-        `${calibration.samples} inputs, ${calibration.mode} mode` +
-        (calibration.missing.length ? `; none from ${calibration.missing.join(", ")}` : "") +
-        ((calibration.targets_from || []).length ?
-          `; targets of ${calibration.targets_from.join(", ")}` : "")),
+      calibration && el("p", {id: "calibration"}, calibrated(calibration)),
       el("div", {class: "charts"}, charts(layers)),
       el("details", {}, el("summary", {text: "The whole report (JSON)"}),
          el("pre", {text: JSON.stringify(report, null, 1)})));
+  }
+
+  /** One line: how the result was calibrated, in one pass or in rounds. */
+  function calibrated(calibration) {
+    const targets = (calibration.targets_from || []).length ?
+      `; targets of ${calibration.targets_from.join(", ")}` : "";
+    if (calibration.rounds) {
+      return `Calibrated (${calibration.protocol}) in ${calibration.rounds.length} rounds: ` +
+        calibration.rounds.map((r) => `${r.kind}${r.layer ? " " + r.layer : ""} from ` +
+          `${r.statistics_from.length ? r.statistics_from.join(", ") : "the targets"}`)
+          .join("; ") + targets;
+    }
+    return `Calibrated (${calibration.protocol}) ` +
+      `with the statistics of ${calibration.statistics_from.join(", ")}: ` +
+      `${calibration.samples} inputs, ${calibration.mode} mode` +
+      (calibration.missing.length ? `; none from ${calibration.missing.join(", ")}` : "") +
+      targets;
   }
 
   function charts(layers) {

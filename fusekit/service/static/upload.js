@@ -4,7 +4,8 @@
 // only its safetensors header, to tell a checkpoint from a statistics file of a job that
 // calibrates, and that from the targets: statistics of the client's own model), with the
 // upload's progress, and the server's verdict shown in words. For a
-// job that calibrates, the page also downloads the fused model with the token typed.
+// job that calibrates, the page also downloads the current round's model with the token
+// typed, and says what the round asks for.
 
 (() => {
   const query = new URLSearchParams(location.search);
@@ -32,24 +33,27 @@
         `You are done; uploading again before ${until} replaces this file.`, "accepted");
   }
 
-  /** "statistics" for a statistics file (its metadata names fusekit.stats) of the job's
-   * fused model, "targets" for one of another model (the client's own), else
-   * "checkpoint": the server judges the rest. */
+  /** "statistics" for a file of the job's current round (its metadata names
+   * fusekit.stats of the round's model, or fusekit.cross_stats / fusekit.refit_stats),
+   * "targets" for statistics of another model (the client's own), else "checkpoint": the
+   * server judges the rest. */
   async function kindOf(file, token) {
-    let stats;
+    let metadata;
     try {
       const length = new DataView(await file.slice(0, 8).arrayBuffer()).getBigUint64(0, true);
       if (length > 100_000_000n) return "checkpoint";
       const header = JSON.parse(await file.slice(8, 8 + Number(length)).text());
-      stats = (header.__metadata__ || {})["fusekit.stats"];
+      metadata = header.__metadata__ || {};
     } catch {
       return "checkpoint";
     }
+    if (metadata["fusekit.cross_stats"] || metadata["fusekit.refit_stats"]) return "statistics";
+    const stats = metadata["fusekit.stats"];
     if (stats === undefined) return "checkpoint";
     const state = await (await fk.request("GET", `/v1/jobs/${encodeURIComponent(job)}`,
                                           token)).json();
     const model = JSON.parse(stats).model;
-    return state.fused && state.fused.model === model ? "statistics" : "targets";
+    return state.round && state.round.model === model ? "statistics" : "targets";
   }
 
   async function upload(event) {
@@ -98,24 +102,28 @@
         "ask the coordinator for your link.", "refused");
     return;
   }
-  /** The fused model of a job that calibrates, fetched with the token typed, then handed
-   * to the browser's downloads. */
+  /** The model of a calibrating job's current round (the fused model in the first),
+   * fetched with the token typed, then handed to the browser's downloads, with what the
+   * round asks for. */
   async function fetchFused() {
     const token = $("token").value.trim();
     if (!token) return say("Type your token first.", "refused");
     try {
-      const response = await fk.request("GET", `/v1/jobs/${encodeURIComponent(job)}/fused`,
-                                        token);
+      const path = `/v1/jobs/${encodeURIComponent(job)}`;
+      const state = await (await fk.request("GET", path, token)).json();
+      const response = await fk.request("GET", `${path}/model`, token);
+      const round = state.round ? state.round.index : 1;
       const url = URL.createObjectURL(await response.blob());
       const link = document.createElement("a");
       link.href = url;
-      link.download = `fused-${job}.safetensors`;
+      link.download = `round-${round}-${job}.safetensors`;
       document.body.append(link);
       link.click();
       link.remove();
       setTimeout(() => URL.revokeObjectURL(url), 60000);
-      say("The fused model is downloaded: compute your statistics of it on your own data " +
-          "(fusekit stats FUSED --mode batch ...) and upload them here.", "accepted");
+      say(`The model of ${state.round ? state.round.asks : "the round"} is downloaded: ` +
+          "compute that on your own data (fusekit stats ...; fusekit contribute does every " +
+          "round) and upload it here.", "accepted");
     } catch (err) {
       say("Refused: " + err.message, "refused");
     }

@@ -1,0 +1,328 @@
+"""Calibration rounds through the service, end to end: a real ``fusekit serve`` with real
+workers (the fixtures of test_service.py). A layer-by-layer job (the first layer from the
+clients' input moments, no round) and an alignment + refit job on BatchNorm MLPs, each
+client computing every round's file on its own share of the embedded digits with one call
+(``Client.take_part`` / ``contribute``, ``fusekit contribute``); the result equal to what
+fusekit.calibrate / align / refit give for the same files; a stale round's upload
+refused in one line; a worker killed between rounds; a transformer job's fused model
+served with its config.json."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from bench_service import ServiceProcess
+from test_service import (  # noqa: F401
+    ADMIN,
+    admin,
+    cli,
+    one_line_error,
+    service,
+    sha256,
+    wait_for_progress,
+    workers,
+)
+from test_service_calibration import (  # noqa: F401
+    assert_same_tensors,
+    digits,
+    put_statistics,
+    tiny_vit,
+)
+
+import fusekit
+from conftest import mlp, write
+from fusekit.client import Client
+from fusekit.core.cross_stats import load_cross_statistics
+from fusekit.core.stats import load_statistics
+from fusekit.toolkit.calibration import calibrate_locally, client_statistics
+from fusekit.toolkit.data import load_dataset
+
+NAMES = ("clinic-a", "clinic-b", "clinic-c")  # as many as digits' shares
+WIDTHS = (64, 32, 24, 16, 10)  # three hidden layers, each with BatchNorm
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> list[Path]:
+    """Independently initialised BatchNorm MLPs (each its own seed)."""
+    folder = tmp_path_factory.mktemp("round-clients")
+    return [write(folder / f"{name}.safetensors", mlp(WIDTHS, batchnorm=True, seed=20 + i),
+                  num_samples=400 + i) for i, name in enumerate(NAMES)]
+
+
+def create(admin, service, models, **options) -> dict:  # noqa: F811
+    """A job that calibrates, its checkpoints submitted, fused."""
+    job = admin.create_job("pfnm", list(NAMES), params={"sweeps": 2}, auto_run=True,
+                           calibrate=True, **options)
+    for name, path in zip(NAMES, models, strict=True):
+        with Client(service.url, job["tokens"][name]) as client:
+            client.submit(job["id"], name, path)
+    state = admin.wait(job["id"], timeout=120, every=0.1)
+    assert state["state"] == "calibrating", state
+    return job
+
+
+class TakingPart(threading.Thread):
+    """A client's every round (``Client.take_part``) in a thread of its own; ``join``
+    raises what it raised."""
+
+    def __init__(self, service, job, name, model, inputs, folder) -> None:  # noqa: F811
+        super().__init__(name=name, daemon=True)
+        self.args_ = (service.url, job, name, model, inputs, folder)
+        self.error: BaseException | None = None
+        self.start()
+
+    def run(self) -> None:
+        url, job, name, model, inputs, folder = self.args_
+        try:
+            with Client(url, job["tokens"][name]) as client:
+                client.take_part(job["id"], name, model, inputs, folder, timeout=120,
+                                 every=0.1)
+        except BaseException as exc:
+            self.error = exc
+
+    def finish(self, timeout: float = 120) -> None:
+        self.join(timeout)
+        assert not self.is_alive()
+        if self.error is not None:
+            raise self.error
+
+
+def files_of(folder: Path, name: str, index: int) -> Path:
+    return folder / f"{name}.round-{index}.stats.safetensors"
+
+
+def test_layerwise_job_with_input_moments_equals_the_library(
+        service, admin, models, digits, tmp_path, monkeypatch):  # noqa: F811
+    """Three clients (two through Client.take_part, one through `fusekit contribute`) run
+    a layer-by-layer job: the first layer derived from their targets' input moments, then
+    one eval-mode round per BatchNorm layer. The result equals fusekit.calibrate applied
+    round by round to the same files, and calibrate_locally with the same data."""
+    job = create(admin, service, models, protocol="layerwise", input_moments=True)
+    job_id = job["id"]
+    state = admin.status(job_id)
+    assert state["protocol"] == "layerwise" and state["input_moments"]
+    first = state["round"]
+    assert (first["index"], first["total"], first["kind"]) == (1, 3, "derived")
+    assert first["layers"] == ["0"] and "from the input moments" in first["asks"]
+    assert state["waiting_for"] == {"statistics": [], "targets": list(NAMES)}
+    folders = {name: tmp_path / name for name in NAMES}
+    threads = [TakingPart(service, job, name, model, x, folders[name])
+               for name, model, x in zip(NAMES[:2], models, digits, strict=False)]
+    data = tmp_path / "c.npz"
+    np.savez(data, x_train=digits[2], y_train=np.zeros(len(digits[2]), np.int64),
+             x_test=digits[2][:10], y_test=np.zeros(10, np.int64))
+    monkeypatch.setenv("FUSEKIT_TOKEN", job["tokens"][NAMES[2]])
+    took = cli("contribute", service.url, models[2], "--job", job_id, "--client", NAMES[2],
+               "--data-path", data, "--work-dir", folders[NAMES[2]], "--timeout", "120")
+    for thread in threads:
+        thread.finish()
+    assert took.exit_code == 0 and f"job {job_id}: succeeded" in took.stdout, took.output
+    for thread in threads:
+        thread.finish()
+    state = admin.status(job_id)
+    assert state["state"] == "succeeded" and state["round"]["index"] == 3, state
+
+    fused = admin.fused(job_id, tmp_path / "fused.safetensors")
+    targets = [folders[n] / f"{n}.targets.safetensors" for n in NAMES]
+    assert all(load_statistics(t).inputs for t in targets)
+    expected = fusekit.calibrate(fused, [], targets=targets, layers=["0"])
+    for index, layer in ((2, "3"), (3, "6")):
+        stats = [files_of(folders[n], n, index) for n in NAMES]
+        assert load_statistics(stats[0]).model == _hash(expected)  # the round's model
+        expected = fusekit.calibrate(_checkpoint(expected), stats, targets=targets,
+                                     layers=[layer])
+    result = admin.result(job_id, tmp_path / "calibrated.safetensors")
+    assert_same_tensors(result, expected.state_dict)
+    seen = [*digits[:2], load_dataset("npz", path=data).x_train]  # as `contribute` reads it
+    local = calibrate_locally(fused, seen, clients=[fusekit.load_checkpoint(m) for m in models],
+                              input_moments=True)
+    for name, array in local.state_dict.items():
+        np.testing.assert_allclose(fusekit.load_checkpoint(result).tensor(name), array,
+                                   rtol=1e-6, atol=1e-6, err_msg=name)
+    report = admin.report(job_id)["calibration"]
+    assert report["protocol"] == "layerwise" and report["input_moments"]
+    assert [r["kind"] for r in report["rounds"]] == ["derived", "statistics", "statistics"]
+    assert [r["layers"] for r in report["rounds"]] == [["0"], ["3"], ["6"]]
+    assert all(r["statistics_from"] == list(NAMES) for r in report["rounds"][1:])
+    assert report["targets_from"] == list(NAMES)
+
+    stale = files_of(folders[NAMES[0]], NAMES[0], 2).read_bytes()
+    one_line_error(put_statistics(service, job_id, NAMES[0], job["tokens"][NAMES[0]], stale),
+                   409, "is succeeded")
+
+
+def _checkpoint(result) -> fusekit.Checkpoint:
+    return fusekit.Checkpoint.from_state_dict(result.state_dict, result.metadata,
+                                              source="expected")
+
+
+def _hash(result) -> str:
+    return _checkpoint(result).content_hash
+
+
+def test_align_and_refit_job_equals_the_library_and_refuses_stale_rounds(
+        service, admin, models, digits, tmp_path):  # noqa: F811
+    """Alignment + refit: a one-pass calibration round, an alignment round (cross
+    statistics against the calibrated model), one refit round per layer. Each client's
+    contribute computes whatever the round asks; an upload of an earlier round's file is
+    refused in one line naming the round; the admin finishes a statistics round with two
+    clients' files; the result equals fusekit.calibrate, align and refit in process."""
+    job = create(admin, service, models, protocol="align")
+    job_id, tokens = job["id"], job["tokens"]
+    state = admin.status(job_id)
+    assert [state["round"][k] for k in ("index", "total", "kind", "mode")] == [
+        1, 6, "statistics", "batch"]
+    folders = {name: tmp_path / name for name in NAMES}
+    clients = {name: Client(service.url, tokens[name]) for name in NAMES}
+    try:
+        for name, model, x in zip(NAMES[:2], models, digits, strict=False):
+            clients[name].contribute(job_id, name, model, x, folders[name])
+        assert admin.calibrate(job_id)["state"] == "queued"  # without the third's
+        state = _next_round(admin, job_id, 2)
+        assert state["round"]["kind"] == "cross" and "alignment" in state["round"]["asks"]
+        assert state["rounds_done"][0]["missing"] == [NAMES[2]]
+        stale = tmp_path / "stale.stats.safetensors"
+        fusekit.core.stats.save_statistics(stale, client_statistics(
+            admin.fused(job_id, tmp_path / "fused.safetensors"), digits[2], mode="batch"))
+        error = one_line_error(put_statistics(service, job_id, NAMES[2], tokens[NAMES[2]],
+                                              stale.read_bytes()), 409,
+                               f"client '{NAMES[2]}': statistics for round 1, which is over; "
+                               "the job is in round 2 of 6: cross statistics")
+        assert "fusekit contribute" in error
+        refused = httpx_put(service, job_id, NAMES[2], tokens[NAMES[2]], stale, round=1)
+        one_line_error(refused, 409, "statistics for round 1, which is over")
+        for index in range(2, 7):
+            for name, model, x in zip(NAMES, models, digits, strict=True):
+                clients[name].contribute(job_id, name, model, x, folders[name])
+            state = _next_round(admin, job_id, index + 1)
+    finally:
+        for client in clients.values():
+            client.close()
+    assert state["state"] == "succeeded", state
+
+    fused = tmp_path / "fused.safetensors"
+    current = fusekit.calibrate(fused, [files_of(folders[n], n, 1) for n in NAMES[:2]])
+    cross = [files_of(folders[n], n, 2) for n in NAMES]
+    assert load_cross_statistics(cross[0]).reference == _hash(current)
+    current = fusekit.align(_checkpoint(current), models, cross)
+    for index, layer in zip(range(3, 7), ("0", "3", "6", "9"), strict=True):
+        current = fusekit.refit(_checkpoint(current), models,
+                                [files_of(folders[n], n, index) for n in NAMES])
+        assert current.report["refit"]["layers"][-1] == layer
+    assert_same_tensors(admin.result(job_id, tmp_path / "result.safetensors"),
+                        current.state_dict)
+    report = admin.report(job_id)["calibration"]
+    assert [r["kind"] for r in report["rounds"]] == ["statistics", "cross", *["refit"] * 4]
+    assert report["rounds"][1]["alignment"]["mean_correlation"] > 0
+
+
+def httpx_put(service, job_id, client, token, path, **query):  # noqa: F811
+    import httpx
+
+    return httpx.put(f"{service.url}/v1/jobs/{job_id}/clients/{client}/statistics",
+                     params=query, content=path.read_bytes(),
+                     headers={"Authorization": f"Bearer {token}"}, timeout=30)
+
+
+def _next_round(admin, job_id: str, index: int, timeout: float = 120) -> dict:  # noqa: F811
+    """The job once in round ``index`` (or finished), polled for at most ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        state = admin.status(job_id)
+        if state["state"] in ("succeeded", "failed", "cancelled") or (
+                state["state"] == "calibrating" and state["round"]["index"] >= index):
+            return state
+        assert time.monotonic() < deadline, state
+        time.sleep(0.05)
+
+
+def test_worker_killed_between_rounds_and_server_restarted(models, digits, tmp_path):
+    """kill -9 of the worker while it computes a round's step: the job is run again from
+    the same round (its files kept) and ends as the library does; kill -9 of the server
+    between rounds loses nothing."""
+    server = ServiceProcess(tmp_path / "data", options=("--job-lease", "1"),
+                            env={"FUSEKIT_ADMIN_TOKEN": ADMIN})
+    server.start()
+    try:
+        with Client(server.url, ADMIN) as admin:  # noqa: F811
+            job = create(admin, server, models, protocol="layerwise")
+            job_id, folders = job["id"], {name: tmp_path / name for name in NAMES}
+
+            def round_of_everyone() -> None:
+                for name, model, x in zip(NAMES, models, digits, strict=True):
+                    with Client(server.url, job["tokens"][name]) as client:
+                        client.contribute(job_id, name, model, x, folders[name])
+
+            round_of_everyone()
+            wait_for_progress(admin, job_id, "round 1 of 3: calibrating with the statistics "
+                              "of 3 of 3 clients")
+            (worker,) = workers(server.process.pid)
+            os.kill(worker, signal.SIGKILL)
+            state = _next_round(admin, job_id, 2)
+            assert state["state"] == "calibrating" and state["attempts"] == 3, state
+            server.kill()
+            server.start()
+            assert admin.status(job_id)["round"] == state["round"]
+            for index in (2, 3):
+                round_of_everyone()
+                state = _next_round(admin, job_id, index + 1)
+            assert state["state"] == "succeeded", state
+            expected = fusekit.load_checkpoint(admin.fused(job_id, tmp_path / "f.safetensors"))
+            for index, layer in zip((1, 2, 3), ("0", "3", "6"), strict=True):
+                expected = _checkpoint(fusekit.calibrate(
+                    expected, [files_of(folders[n], n, index) for n in NAMES],
+                    layers=[layer]))
+            assert_same_tensors(admin.result(job_id, tmp_path / "r.safetensors"),
+                                expected.state_dict())
+            folder = server.data_dir / "jobs" / job_id
+            assert not list((folder / "rounds").iterdir())  # the rounds' models swept
+            kept = sorted(p.name for p in (folder / "statistics").iterdir())  # the last round's
+            assert kept == sorted(f"{n}.{sha256(files_of(folders[n], n, 3))}.safetensors"
+                                  for n in NAMES)
+    finally:
+        server.stop()
+
+
+def test_a_transformer_jobs_models_come_with_its_config(service, admin, tmp_path):  # noqa: F811
+    """A transformer job given its clients' config.json: pfnm at 1.5x widens the MLPs, and
+    the fused model, each round's model and the result download as model folders whose
+    config.json has the fused width, so that clients can run them for statistics."""
+    names = NAMES[:2]
+    folders = [tiny_vit(tmp_path / name, seed=i) for i, name in enumerate(names)]
+    spec = fusekit.api.client_spec(fusekit.load_checkpoint(folders[0]), None).to_json()
+    config = json.loads((folders[0] / "config.json").read_text())
+    job = admin.create_job("pfnm", list(names), params={"width_ratio": 1.5}, spec=spec,
+                           auto_run=True, calibrate=True, config=config)
+    job_id, rng = job["id"], np.random.default_rng(0)
+    inputs = [rng.normal(size=(40, 1, 8, 8)).astype(np.float32) for _ in names]
+    for name, folder in zip(names, folders, strict=True):
+        with Client(service.url, job["tokens"][name]) as client:
+            client.submit(job_id, name, folder / "model.safetensors")
+    state = admin.wait(job_id, timeout=120, every=0.1)
+    assert state["state"] == "calibrating" and state["config"], state
+    threads = [TakingPart(service, job, name, folder, x, tmp_path / f"work-{name}")
+               for name, folder, x in zip(names, folders, inputs, strict=True)]
+    for thread in threads:
+        thread.finish()
+    state = admin.status(job_id)
+    assert state["state"] == "succeeded", state
+    result = admin.result(job_id, tmp_path / "result")
+    fused = admin.fused(job_id, tmp_path / "fused")
+    width = json.loads((result / "config.json").read_text())["intermediate_size"]
+    assert width > config["intermediate_size"]
+    assert fusekit.load_checkpoint(result).tensor(
+        "vit.encoder.layer.0.intermediate.dense.weight").shape[0] == width
+    stats = [tmp_path / f"work-{n}" / f"{n}.round-1.stats.safetensors" for n in names]
+    targets = [tmp_path / f"work-{n}" / f"{n}.targets.safetensors" for n in names]
+    assert_same_tensors(result / "model.safetensors",
+                        fusekit.calibrate(fused, stats, targets=targets).state_dict)
+    transformers = pytest.importorskip("transformers")
+    model = transformers.ViTForImageClassification.from_pretrained(result)
+    assert model.config.intermediate_size == width
