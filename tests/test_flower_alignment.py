@@ -14,7 +14,7 @@ pytest.importorskip("flwr", reason="needs the [flower] extra")
 
 import test_flower
 from flwr.app import Error, RecordDict
-from test_flower import Federation, assert_same_model
+from test_flower import Federation, assert_same_model, with_modules
 
 import fusekit
 from fusekit.core.checkpoint import Checkpoint
@@ -23,6 +23,8 @@ from fusekit.flower import FusekitStrategy, kept_model, statistics_reply, train_
 from fusekit.flower.records import query_checkpoint, statistics_query
 from fusekit.toolkit.alignment import align_locally, cross_statistics, refit_locally
 from fusekit.toolkit.calibration import calibrate_locally
+from fusekit.toolkit.simulate import SimulationConfig, simulate_clients
+from fusekit.toolkit.train import TrainConfig
 
 # test_flower's fixtures: its digits and BatchNorm MLP clients, its ServerApp identity.
 digits, trained_bn = test_flower.digits, test_flower.trained_bn
@@ -202,3 +204,27 @@ def query_arguments(content):
     query = query_checkpoint(content)
     return {"state_dict": query.model.state_dict(), "metadata": query.model.metadata,
             "widths": list(content["config"]["fusekit-widths"]), "mode": query.mode}
+
+
+@pytest.fixture(scope="module")
+def trained_conv(digits):
+    """Three small ConvNets (two conv layers, a linear layer) from their own initial
+    weights, non-iid."""
+    config = SimulationConfig(clients=3, partition="dirichlet", alpha=0.5, arch="conv:4,8/16",
+                              train=TrainConfig(epochs=1))
+    return with_modules(simulate_clients(digits, config))
+
+
+def test_a_convnet_is_aligned_and_refit_as_align_locally_does(trained_conv, digits):
+    """Conv layers: the cross statistics count every position, the refit moments are over
+    the fused model's patches, the first conv's input moments over zero-padded patches."""
+    clients, _ = trained_conv
+    nodes = Nodes(trained_conv, digits)
+    _, result = nodes.run(alignment_rounds=1)
+    inputs = [nodes.inputs[n] for n in sorted(nodes.inputs)]
+    expected = align_locally(fused_pfnm(clients), [c.checkpoint for c in clients], inputs)
+    assert_same_model(result.arrays, expected.state_dict)
+    metrics = result.train_metrics_clientapp[1]
+    # REPAIR on the 3 hidden layers, the first from the input moments: 2 queries; then an
+    # alignment query and 4 refit queries.
+    assert metrics["pfnm.calibration-rounds"] == 2 and metrics["pfnm.refit-rounds"] == 4
