@@ -17,7 +17,14 @@ accuracy with only that layer calibrated, the largest difference of a tensor rel
 its largest entry, times), and layer by layer with the first layer derived (one round
 fewer). Every
 layer-by-layer row also records the test loss and the paired change against the
-uncalibrated model (images lost and won, McNemar's exact p).
+uncalibrated model (images lost and won, McNemar's exact p), and both models' loss and
+accuracy on the union of the clients' training data (what a round in which the clients
+evaluated both would tell the server).
+
+``--data mnist1d``: the MLP cases on MNIST-1D (40 features, 10 classes, generated offline
+by the ``mnist1d`` package, a benchmark-only dependency: ``pip install mnist1d``), 16 000
+training and 8 000 test sequences by default (``--mnist1d-samples``): 18 times the digits'
+450 test images, to tell a change of a few tenths of a point from noise.
 
 Cost (``--cost``): random-weight resnet50 (10 classes), per client ``client_statistics`` on
 N 3x32x32 inputs, then ``fusekit.calibrate`` of the fused model with S statistics:
@@ -46,7 +53,7 @@ from fusekit.core.arch import named_arch
 from fusekit.core.checkpoint import Checkpoint, save_checkpoint
 from fusekit.toolkit.alignment import align_locally
 from fusekit.toolkit.calibration import ROUNDS, calibrate_locally, client_statistics
-from fusekit.toolkit.data import load_dataset, partition
+from fusekit.toolkit.data import Dataset, load_dataset, partition
 from fusekit.toolkit.nn import build_model
 from fusekit.toolkit.train import TrainConfig, train_model
 
@@ -62,9 +69,9 @@ VGG11_QUARTER = {"type": "vgg", "name": "vgg11_bn", "batchnorm": True, "hidden":
                  "in_channels": 1, "out_features": 10}
 
 
-def mlp_arch(batchnorm: bool) -> dict[str, Any]:
-    return {"type": "mlp", "in_features": 64, "hidden": [100, 100], "out_features": 10,
-            "batchnorm": batchnorm}
+def mlp_arch(batchnorm: bool, in_features: int = 64) -> dict[str, Any]:
+    return {"type": "mlp", "in_features": in_features, "hidden": [100, 100],
+            "out_features": 10, "batchnorm": batchnorm}
 
 
 CASES = {  # name: (architecture, input shape, epochs, Adam learning rate)
@@ -75,12 +82,47 @@ CASES = {  # name: (architecture, input shape, epochs, Adam learning rate)
 }
 
 
+#: Data sets of the accuracy cases: the bundled digits (every case), or MNIST-1D (the MLP
+#: cases; generated offline by the ``mnist1d`` package, a benchmark-only dependency).
+DATA = ("digits", "mnist1d")
+
+
+def case_data(name: str, train: int, test: int) -> Dataset:
+    """The digits, or ``train`` + ``test`` MNIST-1D sequences (40 features, 10 classes;
+    the package's default generator and seed), standardised with the training split's
+    per-feature mean and deviation."""
+    if name == "digits":
+        return load_dataset("digits")
+    from mnist1d.data import get_dataset_args, make_dataset
+
+    args = get_dataset_args()
+    args.num_samples, args.train_split = train + test, train / (train + test)
+    raw = make_dataset(args)
+    mean, std = raw["x"].mean(0), raw["x"].std(0)
+
+    def scaled(x: np.ndarray) -> np.ndarray:
+        return ((x - mean) / std).astype(np.float32)
+
+    return Dataset("mnist1d", scaled(raw["x"]), raw["y"].astype(np.int64),
+                   scaled(raw["x_test"]), raw["y_test"].astype(np.int64), 10)
+
+
+def case_setup(case: str, data: Dataset) -> tuple[dict[str, Any], tuple[int, ...], int, float]:
+    """The case's (architecture, input shape, epochs, learning rate) on ``data``."""
+    arch, shape, epochs, lr = CASES[case]
+    if data.name == "digits":
+        return arch, shape, epochs, lr
+    if arch["type"] != "mlp":
+        raise SystemExit(f"--data {data.name}: only the MLP cases (mlp_bn, mlp), not {case}")
+    features = int(np.prod(data.input_shape))
+    return {**arch, "in_features": features}, (features,), epochs, lr
+
+
 def inputs(x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    """Digits (N, 64) in the case's input shape (upsampled 4x for 32x32)."""
-    images = x.reshape(-1, 1, 8, 8)
+    """Inputs (N, ...) in the case's input shape (digits upsampled 4x for 32x32)."""
     if shape == (1, 32, 32):
-        images = images.repeat(4, axis=2).repeat(4, axis=3)
-    return np.ascontiguousarray(images.reshape(-1, *shape), dtype=np.float32)
+        x = x.reshape(-1, 1, 8, 8).repeat(4, axis=2).repeat(4, axis=3)
+    return np.ascontiguousarray(x.reshape(-1, *shape), dtype=np.float32)
 
 
 def accuracy(model: torch.nn.Module, x: np.ndarray, y: np.ndarray) -> float:
@@ -126,10 +168,10 @@ def loaded(result) -> torch.nn.Module:
 def run_case(case: str, n_clients: int, split: str, init: str, seed: int,
              methods: list[str], protocols: tuple[str, ...] = ROUNDS,
              alignment_rounds: int = 0, ridges: tuple[float, ...] = (),
-             first_layer: bool = False) -> dict[str, Any]:
+             first_layer: bool = False, data: Dataset | None = None) -> dict[str, Any]:
     """Train clients, fuse with each method, calibrate, evaluate (module docstring)."""
-    arch, shape, epochs, lr = CASES[case]
-    data = load_dataset("digits")
+    data = data or load_dataset("digits")
+    arch, shape, epochs, lr = case_setup(case, data)
     x_train, x_test = inputs(data.x_train, shape), inputs(data.x_test, shape)
     parts = partition(data.y_train, n_clients, split, alpha=0.5, seed=seed)
     clients, client_inputs, scores, logits = [], [], [], []
@@ -147,12 +189,13 @@ def run_case(case: str, n_clients: int, split: str, init: str, seed: int,
             logits.append(torch.softmax(model.eval()(torch.from_numpy(x_test)), 1))
     ensemble = float((sum(logits).argmax(1).numpy() == data.y_test).mean())
     row: dict[str, Any] = {
-        "case": case, "clients": n_clients, "split": split, "init": init, "seed": seed,
+        "case": case, "data": data.name, "test_size": len(data.y_test), "clients": n_clients, "split": split, "init": init, "seed": seed,
         "client_accuracy": scores, "mean_client": round(float(np.mean(scores)), 4),
         "best_client": max(scores), "ensemble_softmax": round(ensemble, 4),
         "samples": [len(p) for p in parts], "train_s": round(time.perf_counter() - start, 1),
         "fused": []}
     smallest = min(len(p) for p in parts)
+    union, union_labels = np.concatenate(client_inputs), data.y_train[np.concatenate(parts)]
     for label in methods:
         method, params = METHODS[label]
         result = fusekit.fuse(clients, method, **params)
@@ -172,6 +215,11 @@ def run_case(case: str, n_clients: int, split: str, init: str, seed: int,
                 entry["layerwise_loss"] = test_loss(loaded(calibrated), x_test, data.y_test)
                 entry["layerwise_paired"] = paired(uncalibrated, loaded(calibrated), x_test,
                                                    data.y_test)
+                entry["clients_data"] = {  # what a guard round on the clients' data would see
+                    name: [test_loss(model, union, union_labels),
+                           accuracy(model, union, union_labels)]
+                    for name, model in (("uncalibrated", uncalibrated),
+                                        ("layerwise", loaded(calibrated)))}
         if first_layer:
             entry["first_layer"] = first_layer_case(fused, clients, client_inputs,
                                                     min(32, smallest), x_test, data.y_test)
@@ -316,12 +364,17 @@ def main() -> None:
     parser.add_argument("--first-layer", action="store_true",
                         help="also the first layer derived from input moments vs a round")
     parser.add_argument("--cost-samples", type=int, default=64)
+    parser.add_argument("--data", choices=DATA, default="digits",
+                        help="mnist1d: the MLP cases on MNIST-1D (pip install mnist1d)")
+    parser.add_argument("--mnist1d-samples", default="16000,8000",
+                        help="MNIST-1D training,test sequences")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json-out", default="benchmarks/results/bench_calibration.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     threadpool_limits(args.threads)
     payload: dict[str, Any] = {"machine": machine_info(threads=args.threads), "cases": []}
+    data = case_data(args.data, *map(int, args.mnist1d_samples.split(",")))
     for case in filter(None, args.cases.split(",")):
         for setting in args.settings.split(","):
             split, init = setting.split("/")
@@ -329,7 +382,7 @@ def main() -> None:
                 payload["cases"].append(run_case(
                     case, args.clients, split, init, seed, args.methods.split(","),
                     tuple(args.protocols.split(",")), args.alignment_rounds,
-                    tuple(map(float, args.ridges.split(","))), args.first_layer))
+                    tuple(map(float, args.ridges.split(","))), args.first_layer, data))
                 write_json(args.json_out, payload)
     if args.cost:
         payload["cost"] = cost(2, args.cost_samples)
