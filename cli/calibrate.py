@@ -186,6 +186,10 @@ def calibrate(
         "round; a transformer's MLP input layers and LayerNorms by their module names); "
         "default: all.", show_default=False)] = None,
     min_samples: MinSamplesOption = DEFAULT_MIN_SAMPLES,
+    paired: Annotated[bool, typer.Option(
+        "--paired", help="The k-th STATS and the k-th --targets are one client's, on the same "
+        "data: REPAIR reads each fused neuron on the data of the clients matched into it "
+        "(ALGORITHMS.md §12).")] = False,
     force: ForceOption = False,
     as_json: JsonOption = False,
 ) -> None:
@@ -196,7 +200,7 @@ def calibrate(
 
     result = fusekit.calibrate(fused, statistics or (), targets=targets or (),
                                layers=layers.split(",") if layers else None,
-                               min_samples=min_samples)
+                               min_samples=min_samples, paired=paired)
     written = result.save(output, force=force)
     report = {"output": str(written), **result.report["calibration"]}
     if as_json:
@@ -204,7 +208,8 @@ def calibrate(
     else:
         stdout.print(f"wrote {written}: calibrated with {report['clients']} client(s), "
                      f"{report['samples']} inputs ({report['mode']} statistics"
-                     f"{', REPAIR targets' if report['repair'] else ''})", highlight=False)
+                     f"{', REPAIR targets' if report['repair'] else ''}"
+                     f"{', paired' if report.get('paired') else ''})", highlight=False)
 
 
 def align(

@@ -44,11 +44,9 @@ from fusekit.core.spec import (
 )
 from fusekit.core.stats import (
     DEFAULT_MIN_SAMPLES,
-    Moments,
     Statistics,
     calibrated_point,
     check_statistics,
-    combine_inputs,
     input_point,
     load_statistics,
     pool,
@@ -174,6 +172,7 @@ def calibrate(
     targets: Sequence[StatisticsLike] = (),
     layers: Sequence[str] | None = None,
     min_samples: int = DEFAULT_MIN_SAMPLES,
+    paired: bool = False,
 ) -> FusionResult:
     """Calibrate a fused model with statistics its clients computed on their own data.
 
@@ -191,6 +190,10 @@ def calibrate(
         layers: calibrate only these layers (layer-by-layer rounds); default all (without
             ``statistics``: the first layer).
         min_samples: refuse statistics over fewer inputs.
+        paired: ``statistics[k]`` and ``targets[k]`` were computed on the same client's
+            data: REPAIR then reads each fused neuron's moments on the data of the clients
+            matched into it, where its targets were measured, instead of pooling them over
+            every client's (ALGORITHMS §12; the default where the rounds run locally).
 
     Returns:
         A FusionResult holding the calibrated model (same tensors, names and widths) and
@@ -201,7 +204,10 @@ def calibrate(
             model that is not one of the fusion's inputs, or over too few samples; input
             moments from some clients only, or of another dimension than the first
             layer's; without statistics of ``fused``, a layer that needs a round, or no
-            input moments.
+            input moments; ``paired`` statistics over another number of inputs than their
+            client's targets.
+        ParameterError: ``paired`` without as many targets as statistics, or for a
+            transformer.
         CheckpointError: the fused file is unreadable or its calibration metadata malformed.
     """
     checkpoint = fused if isinstance(fused, Checkpoint) else load_checkpoint(fused)
@@ -210,6 +216,11 @@ def calibrate(
     where = calibration_points(spec, _shapes(checkpoint)) if transformer else None
     points = model_points(checkpoint, spec)
     stats = [_statistics(s, checkpoint.content_hash, points, min_samples) for s in statistics]
+    if paired and (transformer or not targets or (stats and len(targets) != len(stats))):
+        raise ParameterError(
+            f"paired: expected as many targets as statistics of a network's fused model "
+            f"(one pair per client), found {len(stats)} statistics and {len(targets)} targets"
+            + (f" for a transformer ({checkpoint.label})" if transformer else ""))
     if transformer:
         nothing_to_calibrate = layers is not None and not layers
         pooled = {} if nothing_to_calibrate and not stats else pool(stats)
@@ -218,10 +229,10 @@ def calibrate(
         used = stats
     else:
         state_dict, layers, used = _calibrated_network(checkpoint, spec, stats, targets, layers,
-                                                       min_samples)
+                                                       min_samples, paired)
     report = {"clients": len(used), "samples": sum(s.num_samples for s in used),
               "mode": stats[0].mode if stats else ("derived" if used else None),
-              "repair": bool(targets),
+              "repair": bool(targets), "paired": paired,
               "layers": list(layers) if layers is not None else "all"}
     metadata = dict(checkpoint.metadata)
     metadata[meta.CALIBRATION] = json.dumps(report)
@@ -234,7 +245,7 @@ def calibrate(
 
 def _calibrated_network(checkpoint: Checkpoint, spec, stats: Sequence[Statistics],
                         targets: Sequence[StatisticsLike], layers: Sequence[str] | None,
-                        min_samples: int
+                        min_samples: int, paired: bool = False
                         ) -> tuple[dict[str, Any], list[str] | None, list[Statistics]]:
     """BatchNorms restored and REPAIR (ALGORITHMS §12); without statistics of the fused
     model, the first layer alone, from the input moments the targets carry.
@@ -242,14 +253,19 @@ def _calibrated_network(checkpoint: Checkpoint, spec, stats: Sequence[Statistics
     Returns:
         The calibrated tensors, the layers calibrated (None: all) and the statistics used.
     """
-    own = [_statistics(s, None, None, min_samples) for s in targets]
-    repair = _repair_targets(checkpoint, spec, own, min_samples) if own else None
-    if stats:
-        pooled, used = pool(stats), list(stats)
-    else:
-        pooled = _derived_first_layer(checkpoint, spec, own)
-        used = own if pooled else []
-        layers = _derivable_layers(spec, layers, pooled, checkpoint.label)
+    own, chosen = (_target_assignments(checkpoint, spec, targets, min_samples) if targets
+                   else ([], []))
+    repair = calibration.neuron_targets(spec, own, chosen) if own else None
+    used = list(stats)
+    if not stats:  # the first layer alone, each client's statistics derived
+        stats = _derived_first_layer(checkpoint, spec, own)
+        used = own if stats else []
+        layers = _derivable_layers(spec, layers, stats[0].points if stats else {},
+                                   checkpoint.label)
+    pooled = pool(stats) if stats else {}
+    if paired and stats:
+        pooled.update(calibration.matched_moments(spec, _same_data(stats, own), own, chosen,
+                                                  pooled))
     state_dict = calibration.calibrated_state_dict(
         checkpoint.state_dict(), spec, pooled,
         norm_targets=calibration.read_norm_targets(checkpoint, spec), targets=repair,
@@ -258,11 +274,11 @@ def _calibrated_network(checkpoint: Checkpoint, spec, stats: Sequence[Statistics
 
 
 def _derived_first_layer(checkpoint: Checkpoint, spec, own: Sequence[Statistics]
-                         ) -> dict[str, Moments]:
-    """The fused first layer's pooled statistics from every client's input moments
-    (ALGORITHMS §12: exact); empty when no client sent any."""
+                         ) -> list[Statistics]:
+    """Per client, the fused first layer's statistics from its input moments (ALGORITHMS
+    §12: exact; pooled, those of the union); empty when no client sent any."""
     if not any(s.inputs for s in own) or len(spec.layers) < 2:
-        return {}
+        return []
     first = spec.layers[0]
     point = input_point(first.name)
     fan_in = math.prod(checkpoint.tensors[first.weight].shape[1:])
@@ -276,10 +292,11 @@ def _derived_first_layer(checkpoint: Checkpoint, spec, own: Sequence[Statistics]
             raise StatisticsError(
                 f"{s.label}: point {point!r}: input moments of dimension "
                 f"{moments.mean.shape[0]}; layer {first.name!r} multiplies vectors of {fan_in}")
-    inputs = combine_inputs([s.inputs[point] for s in own])
+    weight = checkpoint.tensor(first.weight)
     bias = checkpoint.tensor(first.bias) if first.bias else None
-    return {calibrated_point(first): calibration.derived_moments(
-        checkpoint.tensor(first.weight), bias, inputs)}
+    return [Statistics(checkpoint.content_hash, s.num_samples, "eval", {
+        calibrated_point(first): calibration.derived_moments(weight, bias, s.inputs[point])},
+        label=f"{s.label} (derived)") for s in own]
 
 
 def _derivable_layers(spec, layers: Sequence[str] | None, pooled: Mapping[str, Any],
@@ -387,12 +404,19 @@ def _one_per_client(clients: Sequence[Checkpoint], sources: Sequence[Any],
     return out
 
 
-def _repair_targets(checkpoint: Checkpoint, spec, targets: Sequence[StatisticsLike],
-                    min_samples: int) -> dict[str, Any]:
-    """REPAIR's targets from clients' statistics of their own models, through the fusion's
-    assignments (:func:`_target_assignments`)."""
-    stats, chosen = _target_assignments(checkpoint, spec, targets, min_samples)
-    return calibration.neuron_targets(spec, stats, chosen)
+def _same_data(stats: Sequence[Statistics], own: Sequence[Statistics]) -> list[Statistics]:
+    """Paired statistics, checked as far as they can be: each pair over as many inputs.
+
+    Raises:
+        StatisticsError: a pair over different numbers of inputs (not one client's data).
+    """
+    for fused_side, own_side in zip(stats, own, strict=True):
+        if fused_side.num_samples != own_side.num_samples:
+            raise StatisticsError(
+                f"{fused_side.label}: paired with {own_side.label}, but computed over "
+                f"{fused_side.num_samples} inputs against {own_side.num_samples}; paired "
+                "statistics are one client's, on the same data, in the same order")
+    return list(stats)
 
 
 def _target_assignments(checkpoint: Checkpoint, spec, targets: Sequence[StatisticsLike],

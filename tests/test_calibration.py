@@ -17,8 +17,9 @@ import fusekit
 from conftest import mlp, numpy_state, write
 from fusekit._cli.app import app
 from fusekit.core.arch import named_arch
-from fusekit.core.checkpoint import Checkpoint, load_checkpoint
-from fusekit.core.errors import StatisticsError
+from fusekit.core.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from fusekit.core.errors import ParameterError, StatisticsError
+from fusekit.core.spec import permute
 from fusekit.core.stats import (
     InputMoments,
     Moments,
@@ -34,7 +35,12 @@ from fusekit.core.stats import (
     statistics_description,
     statistics_tensors,
 )
-from fusekit.methods.calibration import derived_moments, neuron_targets, read_assignments
+from fusekit.methods.calibration import (
+    derived_moments,
+    matched_moments,
+    neuron_targets,
+    read_assignments,
+)
 from fusekit.toolkit.calibration import _InputAccumulator, calibrate_locally, client_statistics
 from fusekit.toolkit.nn import build_model
 
@@ -187,23 +193,89 @@ def test_one_pass_differs_from_layerwise_and_stays_close():
                            rtol=1e-6)
 
 
-def test_repair_gives_each_fused_neuron_its_matched_clients_moments():
-    clients = _clients(batchnorm=False)
-    fused = _fused(clients, "ot")
-    parts = [_inputs(80, seed=s) for s in range(len(clients))]
-    calibrated = calibrate_locally(fused, parts, clients=clients)
+def _repair_case(clients, parts, method="ot"):
+    """A fusion of ``clients``, each client's statistics of its own model on its part, and
+    REPAIR's targets and the assignments in that order."""
+    fused = _fused(clients, method)
     spec = fusekit.api.fused_spec(fused)
     own = [client_statistics(c, x) for c, x in zip(clients, parts, strict=True)]
     inputs = json.loads(fused.metadata["fusekit.inputs"])
     assignments = read_assignments(fused, spec)
-    targets = neuron_targets(spec, own, [assignments[inputs.index(s.model)] for s in own])
+    chosen = [assignments[inputs.index(s.model)] for s in own]
+    return fused, spec, own, chosen, neuron_targets(spec, own, chosen)
+
+
+def test_repair_gives_each_fused_neuron_its_matched_clients_moments_on_their_data():
+    """Layer by layer with paired statistics (calibrate_locally): on the data of the clients
+    matched into it, each calibrated fused neuron has its targets' mean and deviation."""
+    clients = _clients(batchnorm=False)
+    parts = [_inputs(80, seed=s) + s for s in range(len(clients))]  # non-iid
+    fused, spec, own, chosen, targets = _repair_case(clients, parts)
+    calibrated = calibrate_locally(fused, parts, clients=clients)
+    assert calibrated.report["calibration"]["paired"] is True
     result = Checkpoint.from_state_dict(calibrated.state_dict, calibrated.metadata)
-    after = pool([client_statistics(result, x) for x in parts])
+    per_client = [client_statistics(result, x) for x in parts]
+    after = matched_moments(spec, per_client, own, chosen, pool(per_client))
+    assert set(after) == set(targets)
     for point, (mean, std) in targets.items():
         np.testing.assert_allclose(after[point].mean, mean, atol=1e-4)
         np.testing.assert_allclose(after[point].std, std, rtol=1e-4, atol=1e-5)
     np.testing.assert_array_equal(calibrated.state_dict["2.weight"] != 0,
                                   fused.tensor("2.weight") != 0)
+
+
+def test_unpaired_repair_gives_the_pooled_moments_the_targets():
+    """Without pairs (statistics from some clients, in any order), the fused neuron's
+    moments pooled over the union go to the targets (exact for the first layer)."""
+    clients = _clients(batchnorm=False)
+    parts = [_inputs(80, seed=s) for s in range(len(clients))]
+    fused, spec, own, _, targets = _repair_case(clients, parts)
+    first = spec.layers[0].name
+    stats = [client_statistics(fused, x) for x in reversed(parts)]
+    calibrated = fusekit.calibrate(fused, stats, targets=own, layers=[first])
+    assert calibrated.report["calibration"]["paired"] is False
+    result = Checkpoint.from_state_dict(calibrated.state_dict, calibrated.metadata)
+    after = pool([client_statistics(result, x) for x in parts])
+    mean, std = targets[f"preactivation:{first}"]
+    np.testing.assert_allclose(after[f"preactivation:{first}"].mean, mean, atol=1e-4)
+    np.testing.assert_allclose(after[f"preactivation:{first}"].std, std, rtol=1e-4, atol=1e-5)
+
+
+def test_paired_repair_leaves_a_model_averaging_did_not_change_alone_on_non_iid_data():
+    """Two clients that are permuted copies of one network, on data that differ: the fusion
+    is that network, nothing was averaged, and paired REPAIR leaves its function as it is;
+    pooled over the union, each neuron's spread includes the gap between the clients' data
+    and REPAIR shrank every neuron towards the narrower per-client spread."""
+    base = Checkpoint.from_state_dict(numpy_state(mlp((6, 8, 7, 3), seed=0)),
+                                      {"fusekit.num_samples": "80"})
+    spec = fusekit.api.fused_spec(base)
+    perms = [np.random.default_rng(1).permutation(w) for w in spec.hidden_widths]
+    copy = Checkpoint.from_state_dict(permute(base.state_dict(), spec, perms),
+                                      {"fusekit.num_samples": "80"})
+    parts = [_inputs(80, seed=1) + 2.0, _inputs(80, seed=2) - 2.0]
+    fused = _fused([base, copy], "rebasin")
+    x = _inputs(50, seed=9)
+    np.testing.assert_allclose(_outputs(fused, x), _outputs(base, x), rtol=1e-5, atol=1e-5)
+    paired = calibrate_locally(fused, parts, clients=[base, copy])
+    np.testing.assert_allclose(_outputs(Checkpoint.from_state_dict(paired.state_dict,
+                                                                   paired.metadata), x),
+                               _outputs(base, x), rtol=1e-4, atol=1e-4)
+    own = [client_statistics(c, p) for c, p in zip([base, copy], parts, strict=True)]
+    stats = [client_statistics(fused, p) for p in parts]
+    first = spec.layers[0].name
+    pooled = fusekit.calibrate(fused, stats, targets=own, layers=[first])
+    assert not np.allclose(pooled.state_dict["0.weight"], fused.tensor("0.weight"), rtol=1e-2)
+
+
+def test_paired_statistics_must_come_in_pairs_over_the_same_inputs():
+    clients = _clients(batchnorm=False)
+    parts = [_inputs(80 + 8 * s, seed=s) for s in range(len(clients))]
+    fused, _, own, _, _ = _repair_case(clients, parts)
+    stats = [client_statistics(fused, x) for x in parts]
+    with pytest.raises(ParameterError, match="found 2 statistics and 3 targets"):
+        fusekit.calibrate(fused, stats[:2], targets=own, paired=True)
+    with pytest.raises(StatisticsError, match="computed over 88 inputs against 80"):
+        fusekit.calibrate(fused, [stats[1], stats[0], stats[2]], targets=own, paired=True)
 
 
 def test_repair_needs_the_fusion_assignments(tmp_path):
@@ -248,6 +320,36 @@ def test_cli_round_trip(tmp_path):
     bad = runner.invoke(app, ["calibrate", str(fused), str(paths[0]), "-o",
                               str(tmp_path / "x.safetensors")])
     assert bad.exit_code == 2 and "not a statistics file" in bad.stderr
+    assert not (tmp_path / "x.safetensors").exists()
+
+
+def test_cli_paired_repair_equals_the_api_and_refuses_unequal_pairs(tmp_path):
+    clients = _clients(batchnorm=False, n=2)
+    parts = [_inputs(64, seed=1) + 1.0, _inputs(72, seed=2) - 1.0]
+    fused, *_ = _repair_case(clients, parts)
+    fused_path = save_checkpoint(tmp_path / "fused.safetensors", fused.state_dict(),
+                                 fused.metadata)
+    stats, own = [], []
+    for i, (client, x) in enumerate(zip(clients, parts, strict=True)):
+        stats.append(save_statistics(tmp_path / f"s{i}.safetensors",
+                                     client_statistics(fused_path, x)))
+        own.append(save_statistics(tmp_path / f"t{i}.safetensors",
+                                   client_statistics(client, x)))
+    out = tmp_path / "calibrated.safetensors"
+    targets = [arg for path in own for arg in ("--targets", str(path))]
+    result = runner.invoke(app, ["calibrate", str(fused_path), *map(str, stats), *targets,
+                                 "--paired", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "REPAIR targets, paired" in " ".join(result.stdout.split())
+    expected = fusekit.calibrate(fused_path, stats, targets=own, paired=True).state_dict
+    unpaired = fusekit.calibrate(fused_path, stats, targets=own).state_dict
+    calibrated = load_checkpoint(out)
+    assert not np.allclose(expected["0.weight"], unpaired["0.weight"])
+    for name, value in expected.items():
+        np.testing.assert_array_equal(calibrated.tensor(name), value)
+    swapped = runner.invoke(app, ["calibrate", str(fused_path), *map(str, stats[::-1]),
+                                  *targets, "--paired", "-o", str(tmp_path / "x.safetensors")])
+    assert swapped.exit_code == 2 and "computed over 72 inputs against 64" in swapped.stderr
     assert not (tmp_path / "x.safetensors").exists()
 
 

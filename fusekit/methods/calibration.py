@@ -9,7 +9,9 @@ Numpy only: the forward passes that compute statistics run in :mod:`fusekit.tool
   own affine.
 - A layer without BatchNorm, given the clients' statistics of their own models, gets
   REPAIR's correction: each fused neuron's pre-activation is rescaled and shifted to the
-  mean and standard deviation of the client neurons matched into it (sample-weighted).
+  mean and standard deviation of the client neurons matched into it (sample-weighted);
+  with paired statistics (each client's of the fused model and of its own model), the
+  fused neuron's moments are read on the same clients' data (:func:`matched_moments`).
 - The first layer's statistics follow exactly from its input moments (:func:`derived_moments`),
   which clients may send with their own models' statistics: no round for that layer.
 """
@@ -201,6 +203,53 @@ def point_target(point: str, client_stats: Sequence[Statistics],
     weights = [s.num_samples for s in client_stats]
     return (matched_average([m.mean for m in moments], chosen, weights, width),
             matched_average([m.std for m in moments], chosen, weights, width))
+
+
+def matched_moments(spec, fused_stats: Sequence[Statistics], client_stats: Sequence[Statistics],
+                    assignments: Sequence[Sequence[np.ndarray]],
+                    pooled: Mapping[str, Moments]) -> dict[str, Moments]:
+    """REPAIR's measured side on the data its targets were measured on (paired statistics,
+    ALGORITHMS §12): per layer without BatchNorm, each fused neuron's mean and standard
+    deviation on the data of the clients whose neurons were matched into it, averaged with
+    the weights :func:`point_target` gives its targets.
+
+    A target is a client neuron's moments on that client's own data; the pooled moments
+    are the fused neuron's on the union of every client's data. Where clients' data differ,
+    the two differ by more than what averaging did (a neuron of a client that saw three
+    classes varies less on its data than on all ten), and rescaling by their ratio
+    distorts neurons averaging did not shrink. Read on the same data, the ratio is what
+    averaging changed.
+
+    Args:
+        spec: the fused model's spec.
+        fused_stats: per client, its statistics of the fused model, in the order of
+            ``client_stats`` (the same client's data).
+        client_stats: each client's statistics of its own model (the targets).
+        assignments: for each of those clients, per group, its neurons' fused indices.
+        pooled: the pooled statistics of the fused model (their counts are kept; a fused
+            neuron no client neuron went into keeps its pooled moments).
+
+    Returns:
+        Per pre-activation point of a layer without BatchNorm that the statistics hold,
+        the matched moments.
+    """
+    weights = [s.num_samples for s in client_stats]
+    out = {}
+    for index, layer in enumerate(spec.layers[:-1]):
+        point = preactivation_point(layer.name)
+        if layer.norm is not None or point not in fused_stats[0].points:
+            continue
+        chosen = [a[spec.writes[index]] for a in assignments]
+        at_matched = [(s.points[point], np.maximum(a, 0))  # -1: ignored by matched_average
+                      for s, a in zip(fused_stats, chosen, strict=True)]
+        mean = matched_average([m.mean[a] for m, a in at_matched], chosen, weights,
+                               layer.out_features)
+        std = matched_average([m.std[a] for m, a in at_matched], chosen, weights,
+                              layer.out_features)
+        whole = pooled[point]
+        out[point] = Moments(whole.count, np.where(np.isnan(mean), whole.mean, mean),
+                             np.where(np.isnan(std), whole.var, np.square(std)))
+    return out
 
 
 def derived_moments(weight: np.ndarray, bias: np.ndarray | None,

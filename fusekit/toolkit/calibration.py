@@ -308,7 +308,9 @@ def calibrate_locally(
         client_inputs: per client, its inputs.
         clients: the clients' own models, in the order of ``client_inputs``: their
             statistics become REPAIR's targets for layers without BatchNorm (a
-            transformer needs them: every MLP and LayerNorm is calibrated towards them).
+            transformer needs them: every MLP and LayerNorm is calibrated towards them),
+            paired with the same client's statistics of the fused model (REPAIR reads
+            each fused neuron on its matched clients' data: ``calibrate(paired=True)``).
         rounds: ``layerwise`` (one round per calibrated layer, input to output; each
             layer's statistics are taken with the layers below already calibrated: exact)
             or ``one-pass`` (one round in ``batch`` mode, for a transformer in ``eval``
@@ -343,7 +345,7 @@ def calibrate_locally(
         stats = [client_statistics(model, x, mode=mode, batch_size=batch_size, device=device,
                                    min_samples=min_samples) for x in client_inputs]
         return api.calibrate(model, stats, targets=targets, layers=layers,
-                             min_samples=min_samples)
+                             min_samples=min_samples, paired=bool(targets) and not transformer)
 
     if rounds == "one-pass":
         return _with_rounds(one_round(current, "eval" if transformer else "batch",
@@ -361,7 +363,7 @@ def calibrate_locally(
     for index, name in enumerate(names):
         if derived and index == 0:  # from the input moments: no round
             result = api.calibrate(current, [], targets=targets, layers=[name],
-                                   min_samples=min_samples)
+                                   min_samples=min_samples, paired=True)
         else:
             result = one_round(current, "eval", [name])
         current = Checkpoint.from_state_dict(result.state_dict, result.metadata,
