@@ -298,6 +298,7 @@ def calibrate_locally(
     batch_size: int = DEFAULT_BATCH_SIZE,
     device: str = "cpu",
     input_moments: bool = False,
+    paired: bool = True,
 ) -> FusionResult:
     """Run the calibration protocol with every client's data at hand (simulations, demos,
     benchmarks): each round, each client computes statistics of the current model on its
@@ -308,9 +309,7 @@ def calibrate_locally(
         client_inputs: per client, its inputs.
         clients: the clients' own models, in the order of ``client_inputs``: their
             statistics become REPAIR's targets for layers without BatchNorm (a
-            transformer needs them: every MLP and LayerNorm is calibrated towards them),
-            paired with the same client's statistics of the fused model (REPAIR reads
-            each fused neuron on its matched clients' data: ``calibrate(paired=True)``).
+            transformer needs them: every MLP and LayerNorm is calibrated towards them).
         rounds: ``layerwise`` (one round per calibrated layer, input to output; each
             layer's statistics are taken with the layers below already calibrated: exact)
             or ``one-pass`` (one round in ``batch`` mode, for a transformer in ``eval``
@@ -322,6 +321,10 @@ def calibrate_locally(
         input_moments: the clients send their first layer's input moments with their own
             models' statistics (needs ``clients``): layer by layer, the first layer is
             calibrated from them without a round (exact). One pass is unchanged.
+        paired: REPAIR reads each fused neuron on the data of the clients matched into
+            it, each client's statistics of the fused model paired with those of its own
+            model (:func:`fusekit.calibrate`'s ``paired``; not for transformers); False:
+            on the union of their data, as where statistics come from some clients only.
 
     Returns:
         The calibrated model; ``report["calibration"]["rounds"]`` counts the rounds.
@@ -345,7 +348,8 @@ def calibrate_locally(
         stats = [client_statistics(model, x, mode=mode, batch_size=batch_size, device=device,
                                    min_samples=min_samples) for x in client_inputs]
         return api.calibrate(model, stats, targets=targets, layers=layers,
-                             min_samples=min_samples, paired=bool(targets) and not transformer)
+                             min_samples=min_samples,
+                             paired=paired and bool(targets) and not transformer)
 
     if rounds == "one-pass":
         return _with_rounds(one_round(current, "eval" if transformer else "batch",
@@ -363,7 +367,7 @@ def calibrate_locally(
     for index, name in enumerate(names):
         if derived and index == 0:  # from the input moments: no round
             result = api.calibrate(current, [], targets=targets, layers=[name],
-                                   min_samples=min_samples, paired=True)
+                                   min_samples=min_samples, paired=paired)
         else:
             result = one_round(current, "eval", [name])
         current = Checkpoint.from_state_dict(result.state_dict, result.metadata,
