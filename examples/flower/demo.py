@@ -6,8 +6,9 @@ federation once per entry of ``--runs`` with ``flwr run``, shows each run's prog
 accuracy and hidden widths per round, and stops every process it started. An entry is
 ``method[:rounds[:later]]`` (``later``: ``rematch`` fuses the later rounds with the method
 again) followed by options: ``+bn`` the BatchNorm MLP of ``--bn-arch`` in place of the
-run config's MLP, ``+calibrate`` each fused model calibrated with the nodes' statistics in
-one query round, ``+layerwise`` in one query round per calibrated layer (each BatchNorm
+run config's MLP (``+conv`` the ConvNet of ``--conv-arch``), ``+calibrate`` each fused
+model calibrated with the nodes' statistics in one query round, ``+layerwise`` in one
+query round per calibrated layer (each BatchNorm
 layer; every hidden layer when the nodes send REPAIR targets), ``+align`` calibrated, then
 aligned to the nodes in an alignment round and refit in one round per layer, ``+moments``
 the nodes' input moments sent with their models (layer by layer, the first layer then
@@ -39,7 +40,7 @@ CALIBRATION = {"calibrate": "one-pass", "layerwise": "layerwise"}
 DEFAULT_RUNS = "avg,pfnm,nafi,pfnm:3,avg+bn,pfnm+bn,pfnm+bn+calibrate"
 
 
-def parse_runs(text: str, bn_arch: str) -> list[dict]:
+def parse_runs(text: str, bn_arch: str, conv_arch: str = "conv:16,32/64") -> list[dict]:
     """``avg,pfnm:3:rematch,pfnm+bn+calibrate`` -> each run's run-config overrides."""
     runs = []
     for entry in text.split(","):
@@ -50,6 +51,8 @@ def parse_runs(text: str, bn_arch: str) -> list[dict]:
         for option in options:
             if option == "bn":
                 config.update({"arch": bn_arch, "batchnorm": True})
+            elif option == "conv":
+                config["arch"] = conv_arch
             elif option in CALIBRATION:
                 config.update({"calibrate": True, "calibration-rounds": CALIBRATION[option]})
             elif option == "align":
@@ -58,7 +61,7 @@ def parse_runs(text: str, bn_arch: str) -> list[dict]:
                 config["input-moments"] = True
             else:
                 raise ValueError(f"--runs {entry}: unknown option +{option}; expected +bn, "
-                                 f"+calibrate, +layerwise, +align or +moments")
+                                 f"+conv, +calibrate, +layerwise, +align or +moments")
         runs.append(config)
     return runs
 
@@ -66,17 +69,19 @@ def parse_runs(text: str, bn_arch: str) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", default=DEFAULT_RUNS,
-                        help="comma-separated method[:rounds[:later]][+bn][+calibrate|"
+                        help="comma-separated method[:rounds[:later]][+bn|+conv][+calibrate|"
                         "+layerwise][+align][+moments] (avg is FedAvg)")
     parser.add_argument("--bn-arch", default="mlp:100,100",
                         help="the BatchNorm MLP of +bn runs (BatchNorm after each hidden layer)")
+    parser.add_argument("--conv-arch", default="conv:16,32/64",
+                        help="the ConvNet of +conv runs (conv channels / linear widths)")
     parser.add_argument("--nodes", type=int, default=3, help="SuperNodes (one per partition)")
     parser.add_argument("--epochs", type=int, default=20, help="local training epochs")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per run")
     parser.add_argument("--json", type=Path, help="also write every run's results here")
     args = parser.parse_args(argv)
     try:
-        runs = parse_runs(args.runs, args.bn_arch)
+        runs = parse_runs(args.runs, args.bn_arch, args.conv_arch)
     except ValueError as exc:
         parser.error(str(exc))
     console = Console(stderr=True, highlight=False)
