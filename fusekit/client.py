@@ -254,7 +254,7 @@ class Client:
                 return state
             round_ = state.get("round")
             if state["state"] == WAITING_ON_CLIENTS and round_["index"] != done:
-                if client in round_["participants"]:
+                if round_.get("taking_part", client in round_.get("participants", ())):
                     if on_round is not None:
                         on_round(round_["asks"])
                     try:

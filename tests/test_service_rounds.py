@@ -326,3 +326,40 @@ def test_a_transformer_jobs_models_come_with_its_config(service, admin, tmp_path
     transformers = pytest.importorskip("transformers")
     model = transformers.ViTForImageClassification.from_pretrained(result)
     assert model.config.intermediate_size == width
+
+
+def test_a_job_fused_before_rounds_existed_calibrates_after_an_upgrade(models, digits,
+                                                                        tmp_path):
+    """A job.json written by the version without rounds (fused, calibrating, no ``round``)
+    is read as its one-pass round: the statistics of its fused model are taken and the
+    job calibrates as fusekit.calibrate does."""
+    server = ServiceProcess(tmp_path / "data", env={"FUSEKIT_ADMIN_TOKEN": ADMIN})
+    server.start()
+    try:
+        with Client(server.url, ADMIN) as admin:  # noqa: F811
+            job = create(admin, server, models)
+            server.kill()
+            record = server.data_dir / "jobs" / job["id"] / "job.json"
+            old = json.loads(record.read_text())
+            for key in ("round", "plan", "rounds_done", "protocol", "input_moments", "config"):
+                old.pop(key)
+            old["fused"]["max_statistics_bytes"] = 2**20
+            old["fused"].pop("config")
+            record.write_text(json.dumps(old))
+            server.start()
+            state = admin.status(job["id"])
+            assert state["protocol"] == "one-pass" and state["round"]["kind"] == "statistics"
+            fused = admin.fused(job["id"], tmp_path / "fused.safetensors")
+            stats = []
+            for name, x in zip(NAMES, digits, strict=True):
+                stats.append(tmp_path / f"{name}.stats.safetensors")
+                fusekit.core.stats.save_statistics(stats[-1], client_statistics(
+                    fused, x, mode="batch"))
+                with Client(server.url, job["tokens"][name]) as client:
+                    client.submit_statistics(job["id"], name, stats[-1])
+            state = admin.wait(job["id"], timeout=120, every=0.1)
+            assert state["state"] == "succeeded", state
+            assert_same_tensors(admin.result(job["id"], tmp_path / "r.safetensors"),
+                                fusekit.calibrate(fused, stats).state_dict)
+    finally:
+        server.stop()

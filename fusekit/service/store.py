@@ -42,6 +42,7 @@ from fusekit.service.rounds import DERIVED, REFIT, asks_statistics, what_it_asks
 from fusekit.service.rounds import STATISTICS as STATISTICS_ROUND
 
 ROUNDS = "rounds"  # the models of calibration rounds after the first
+FUSED = "fused.safetensors"  # a calibrating job's fused model; its result is calibrated
 STATES = ("collecting", "queued", "running", "calibrating", "succeeded", "failed", "cancelled")
 FINISHED = ("succeeded", "failed", "cancelled")
 _JOB_ID = re.compile(r"[0-9a-f]{32}")
@@ -102,7 +103,7 @@ class JobStore:
 
     def read(self, job_id: str) -> dict[str, Any]:
         try:
-            return json.loads((self.folder(job_id) / "job.json").read_text())
+            return _upgraded(json.loads((self.folder(job_id) / "job.json").read_text()))
         except FileNotFoundError:  # deleted meanwhile
             raise NotFound(f"job {job_id!r}: no such job") from None
 
@@ -362,6 +363,19 @@ class JobStore:
             return False
 
 
+def _upgraded(job: dict[str, Any]) -> dict[str, Any]:
+    """A job of an earlier version, fused before jobs had rounds: its one-pass round."""
+    fused = job.get("fused")
+    if fused is None or job.get("round") is not None:
+        return job
+    step = {"kind": STATISTICS_ROUND, "layers": None, "mode": fused.get("mode", "batch")}
+    job.update(protocol="one-pass", plan=[step], rounds_done=[], round={
+        **step, "index": 1, "total": 1, "model": fused["model"], "file": FUSED,
+        "sha256": fused["sha256"], "size": fused["size"], "points": fused["points"],
+        "max_bytes": fused["max_statistics_bytes"], "participants": list(job["clients"])})
+    return job
+
+
 def _runs(job: dict[str, Any], attempt: int) -> bool:
     return job["state"] == "running" and job["attempts"] == attempt
 
@@ -435,16 +449,18 @@ def fused_model(job: dict[str, Any]) -> dict[str, Any] | None:
                                       "mode", "config")}
 
 
-def round_view(job: dict[str, Any]) -> dict[str, Any] | None:
+def round_view(job: dict[str, Any], client: str | None = None) -> dict[str, Any] | None:
     """What anyone with a token of the job may know of its current round: which of how
     many, what it asks for (kind, layers, mode, one line), the model to run (content hash,
-    SHA-256), and who takes part."""
+    SHA-256); who takes part (to a client: whether it does)."""
     round_ = job.get("round")
     if round_ is None:
         return None
     shown = {k: round_.get(k) for k in ("index", "total", "kind", "layers", "layer", "mode",
-                                        "model", "sha256", "size", "participants")}
-    return {**shown, "asks": what_it_asks(round_)}
+                                        "model", "sha256", "size")}
+    who = ({"participants": round_["participants"]} if client is None
+           else {"taking_part": client in round_["participants"]})
+    return {**shown, **who, "asks": what_it_asks(round_)}
 
 
 def view(job: dict[str, Any], client: str | None = None) -> dict[str, Any]:
@@ -457,8 +473,8 @@ def view(job: dict[str, Any], client: str | None = None) -> dict[str, Any]:
                   config=job.get("config") is not None)
     if calibrate:
         public.update(protocol=job.get("protocol", "one-pass"),
-                      input_moments=job.get("input_moments", False), round=round_view(job),
-                      rounds_done=job.get("rounds_done", []))
+                      input_moments=job.get("input_moments", False),
+                      round=round_view(job, client))
     slots = {c: _slot(job["slots"].get(c)) for c in job["clients"]}
     statistics = {c: _slot(job.get("statistics", {}).get(c)) for c in job["clients"]}
     targets = {c: _slot(job.get("targets", {}).get(c)) for c in job["clients"]}
@@ -468,6 +484,7 @@ def view(job: dict[str, Any], client: str | None = None) -> dict[str, Any]:
         return {**public, "client": client, "slot": slots[client], **mine}
     received = {"statistics": statistics, "targets": targets,
                 "min_stats_samples": job["min_stats_samples"],
+                "rounds_done": job.get("rounds_done", []),
                 "waiting_for": waiting_for(job)} if calibrate else {}
     return {**public, "params": job["params"], "auto_run": job["auto_run"],
             "max_checkpoint_bytes": job["max_checkpoint_bytes"], "attempts": job["attempts"],

@@ -42,6 +42,7 @@ from fusekit.service.settings import Settings
 from fusekit.service.store import (
     CHECKPOINT,
     FINISHED,
+    FUSED,
     ROUNDS,
     STATISTICS,
     TARGETS,
@@ -54,7 +55,6 @@ from fusekit.service.store import (
 log = logging.getLogger(__name__)
 
 RESULT, REPORT = "result.safetensors", "report.json"
-FUSED = "fused.safetensors"  # a calibrating job's fused model; its result is calibrated
 CONFIG = "config.json"  # a transformer job's fused config.json (the job's, fused widths)
 TASK = "fusekit.run_job"
 CANCEL_CHECK_S = 0.5  # how often a worker looks whether its running job was cancelled
