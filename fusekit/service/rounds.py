@@ -64,6 +64,9 @@ def plan(protocol: str, model: Path, *, input_moments: bool) -> list[dict[str, A
                 *({"kind": REFIT, "layer": layer.name} for layer in spec.layers)]
     layers = [layer.name for layer in spec.layers[:-1]
               if layer.norm is not None or needs_targets(checkpoint, spec)]
+    if not layers:
+        raise ParameterError(f"protocol 'layerwise': the fused model has no hidden layer to "
+                             f"calibrate ({len(spec.layers)} layer(s))")
     first = spec.layers[0].name
     return [{"kind": DERIVED if input_moments and name == first else STATISTICS,
              "layers": [name], "mode": "eval"} for name in layers]
@@ -220,7 +223,8 @@ def advance(round_: dict[str, Any], model: str, statistics: list[str], targets: 
     kind = round_["kind"]
     if kind in (STATISTICS, DERIVED):
         result = fusekit.calibrate(model, statistics, targets=targets,
-                                   layers=round_.get("layers"), min_samples=min_samples)
+                                   layers=round_.get("layers"), min_samples=min_samples,
+                                   paired=_paired(model, statistics, targets))
         key = "calibration"
     elif kind == CROSS:
         result = fusekit.align(model, clients, statistics, min_samples=min_samples)
@@ -230,6 +234,23 @@ def advance(round_: dict[str, Any], model: str, statistics: list[str], targets: 
         key = "refit"
     result.save(output, force=True)
     return json.dumps({key: result.report[key]}, default=jsonable)
+
+
+def _paired(model: str, statistics: list[str], targets: list[str]) -> bool:
+    """Whether REPAIR reads each fused neuron on the data of the clients matched into it
+    (``fusekit.calibrate``'s ``paired``, ALGORITHMS §12): where the clients that sent
+    statistics of a network's fused model are those that sent targets (the worker names
+    the files ``<client>.stats.safetensors``, ``<client>.targets.safetensors``, both in
+    the job's order of clients), each pair over the same number of inputs (its own data);
+    otherwise the statistics are pooled over every client's data."""
+    senders = [Path(s).name.removesuffix(".stats.safetensors") for s in statistics]
+    if not statistics or senders != [Path(t).name.removesuffix(".targets.safetensors")
+                                     for t in targets] or isinstance(
+            fused_spec(load_checkpoint(model)), TransformerSpec):
+        return False
+    return all(load_statistics(s, min_samples=1).num_samples
+               == load_statistics(t, min_samples=1).num_samples
+               for s, t in zip(statistics, targets, strict=True))
 
 
 def jsonable(value: Any) -> Any:
