@@ -640,16 +640,42 @@ def test_repair_targets_from_the_train_replies_calibrate_a_model_without_batchno
     assert grid.sent == ["train"] * 3 + ["query.statistics"] * 3 * queries
     fused = fused_pfnm(trained_plain)
     expected = calibrate_locally(fused, [inputs[n] for n in sorted(inputs)],
-                                 clients=[c.checkpoint for c in clients], rounds=rounds,
-                                 paired=False)  # the strategy pools the nodes' statistics
+                                 clients=[c.checkpoint for c in clients], rounds=rounds)
     calibrated = assert_same_model(result.arrays, expected.state_dict)
     assert not np.allclose(calibrated["net.0.weight"], fused.tensor("net.0.weight"))
     metrics = result.train_metrics_clientapp[1]
     assert metrics["pfnm.calibrated"] == 1 and metrics["pfnm.calibration-repair"] == 1
+    assert metrics["pfnm.calibration-paired"] == 1  # each neuron read on its nodes' data
     assert metrics["pfnm.calibration-rounds"] == queries
     assert json.loads(strategy.global_metadata["fusekit.calibration"])["repair"] is True
     assert "REPAIR targets of every layer without BatchNorm" in caplog.text
     assert strategy.left_out_targets == {}
+
+
+def test_statistics_over_other_inputs_than_the_targets_are_pooled(trained_plain, digits,
+                                                                  caplog):
+    """Node 10 answers the query over 40 of its inputs, not those of its targets: REPAIR
+    cannot read each fused neuron on its matched nodes' data, and pools the nodes'
+    statistics (``paired=False``), as logged."""
+    caplog.set_level(logging.INFO, logger="fusekit")
+
+    def answer(node, message, x):
+        return statistics_reply(message.content, x[:40] if node == 10 else x)
+
+    clients, _ = trained_plain
+    grid, inputs = calibrating_federation(trained_plain, digits, answer, targets=lambda n, x: x)
+    strategy = FusekitStrategy("pfnm", fraction_evaluate=0, calibrate=True)
+    result = strategy.start(grid, trained_replies(trained_plain)[0].content["arrays"],
+                            num_rounds=1)
+    assert result.train_metrics_clientapp[1]["pfnm.calibration-paired"] == 0
+    assert "REPAIR targets of every layer without BatchNorm (pooled)" in caplog.text
+    fused = fused_pfnm(trained_plain)
+    nodes = sorted(inputs)
+    stats = [client_statistics(fused, inputs[n][:40] if n == 10 else inputs[n], mode="batch")
+             for n in nodes]
+    targets = [client_statistics(c.checkpoint, inputs[10 + c.index]) for c in clients]
+    expected = fusekit.calibrate(fused, stats, targets=targets, paired=False)
+    assert_same_model(result.arrays, expected.state_dict)
 
 
 def test_without_every_nodes_targets_layers_without_batchnorm_are_left_as_they_are(

@@ -20,7 +20,8 @@ models were fused; each replies with per-channel statistics of it on its own dat
 every fused node's train reply also carried its statistics of its own model
 (``train_reply(..., statistics_inputs=...)``) and the fusion recorded which node neurons
 went into each fused neuron, those are REPAIR's targets: every hidden layer is calibrated,
-those without BatchNorm too.
+those without BatchNorm too, each fused neuron read on the data of the nodes matched into
+it (paired REPAIR) when every node answered over the inputs of its targets.
 
 With ``alignment_rounds=N`` the calibrated fusion is then re-matched to the nodes by
 activations and refit layer by layer (ALGORITHMS.md §12), in more query rounds: N
@@ -447,7 +448,9 @@ class FusekitStrategy(FedAvg):
             ``fusekit.calibration``), and the round's calibration metrics: ``calibrated``
             (1 or 0), ``calibration-rounds``, ``calibration-nodes`` (the nodes whose
             statistics were pooled in the last query round), ``calibration-samples`` and
-            ``calibration-time-s``, ``calibration-repair`` (1 with targets, else 0).
+            ``calibration-time-s``, ``calibration-repair`` (1 with targets, else 0),
+            ``calibration-paired`` (1 when REPAIR read every fused neuron on its matched
+            nodes' data in every query round: :func:`pairable`).
         """
         if self._grid is None:
             raise ParameterError("calibrate: the strategy queries the nodes through the "
@@ -467,16 +470,20 @@ class FusekitStrategy(FedAvg):
             steps[0] = ("derived", steps[0][1])  # from the nodes' input moments: no query
         queries = sum(mode != "derived" for mode, _ in steps)
         self.left_out_statistics = {}
+        paired = bool(targets)
         for number, (mode, chosen) in enumerate(steps, 1):
-            stats = ([] if mode == "derived"
-                     else self._query_statistics(server_round, current, mode, nodes))
-            if not stats and mode != "derived":
+            by_node = ({} if mode == "derived"
+                       else self._query_statistics(server_round, current, mode, nodes))
+            if not by_node and mode != "derived":
                 log.error("round %d: calibration failed: no node sent usable statistics in "
                           "query round %d of %d; the global model is the uncalibrated fusion",
                           server_round, number, len(steps))
                 return fused, {"calibrated": 0, "calibration-rounds": number}
+            stats = [by_node[node] for node in nodes if node in by_node]
+            pair = bool(by_node) and pairable(by_node, nodes, targets)
+            paired = paired and (pair or not by_node)
             result = fusekit.calibrate(current, stats, targets=targets, layers=chosen,
-                                       min_samples=self.calibration_min_samples)
+                                       min_samples=self.calibration_min_samples, paired=pair)
             current = Checkpoint.from_state_dict(result.state_dict, result.metadata,
                                                  source=f"round {server_round}'s fusion")
         report = result.report["calibration"]
@@ -489,17 +496,19 @@ class FusekitStrategy(FedAvg):
                  report["samples"], self.calibration_rounds, queries,
                  ", the first layer from the nodes' input moments" if queries < len(steps)
                  else "", elapsed,
-                 ", REPAIR targets of every layer without BatchNorm" if targets else "")
+                 f", REPAIR targets of every layer without BatchNorm "
+                 f"({'paired' if paired else 'pooled'})" if targets else "")
         return result, {"calibrated": 1, "calibration-rounds": queries,
                         "calibration-nodes": report["clients"],
                         "calibration-samples": report["samples"],
                         "calibration-time-s": elapsed,
-                        "calibration-repair": int(bool(targets))}
+                        "calibration-repair": int(bool(targets)),
+                        "calibration-paired": int(paired)}
 
     def _query_statistics(self, server_round: int, model: Checkpoint, mode: str,
-                          nodes: Sequence[int]) -> list[Statistics]:
+                          nodes: Sequence[int]) -> dict[int, Statistics]:
         """One calibration query round: ``model`` to ``nodes``, their usable statistics
-        back."""
+        back, by node id."""
         spec = fused_spec(model)
         stats, reasons = self._query(
             server_round, nodes, f"statistics query ({mode} mode)",
@@ -510,7 +519,7 @@ class FusekitStrategy(FedAvg):
             log.warning("round %d: statistics of node %d left out: %s", server_round, node,
                         reason)
         self.left_out_statistics.update(reasons)
-        return [stats[node] for node in sorted(stats)]
+        return stats
 
     def _query(self, server_round: int, nodes: Sequence[int], what: str, content: RecordDict,
                screen: Callable[[list[Message]], tuple[dict[int, T], dict[int, str]]]
@@ -782,6 +791,17 @@ class FusekitStrategy(FedAvg):
                                  "hidden-widths": widths})
 
         return evaluate
+
+
+def pairable(stats: Mapping[int, Statistics], nodes: Sequence[int],
+             targets: Sequence[Statistics]) -> bool:
+    """Whether REPAIR can read each fused neuron on its matched nodes' data
+    (``fusekit.calibrate(..., paired=True)``): every node's statistics of the fused model,
+    over the inputs its targets (``targets[k]``: ``nodes[k]``'s) were computed on. Else the
+    nodes' statistics are pooled."""
+    return bool(targets) and all(
+        node in stats and stats[node].num_samples == target.num_samples
+        for node, target in zip(nodes, targets, strict=True))
 
 
 def screen_replies(replies: Iterable[Message], parse: Callable[[int, RecordDict], T]
