@@ -26,8 +26,10 @@ from fusekit.toolkit.calibration import calibrate_locally
 from fusekit.toolkit.simulate import SimulationConfig, simulate_clients
 from fusekit.toolkit.train import TrainConfig
 
-# test_flower's fixtures: its digits and BatchNorm MLP clients, its ServerApp identity.
+# test_flower's fixtures: its digits, BatchNorm and plain MLP clients, its ServerApp
+# identity.
 digits, trained_bn = test_flower.digits, test_flower.trained_bn
+trained_plain = test_flower.trained_plain
 serverapp_identity = test_flower.serverapp_identity
 
 
@@ -228,3 +230,22 @@ def test_a_convnet_is_aligned_and_refit_as_align_locally_does(trained_conv, digi
     # REPAIR on the 3 hidden layers, the first from the input moments: 2 queries; then an
     # alignment query and 4 refit queries.
     assert metrics["pfnm.calibration-rounds"] == 2 and metrics["pfnm.refit-rounds"] == 4
+
+
+def test_the_first_layer_from_input_moments_and_paired_repair_as_calibrate_locally(
+        trained_plain, digits, caplog):
+    """A plain MLP, layer by layer: the first hidden layer from the nodes' input moments
+    (no query), the second from a query round, both with paired REPAIR: what
+    ``calibrate_locally(..., input_moments=True)`` gives."""
+    caplog.set_level(logging.INFO, logger="fusekit")
+    clients, _ = trained_plain
+    nodes = Nodes(trained_plain, digits)
+    _, result = nodes.run()
+    assert nodes.grid.sent == ["train"] * 3 + ["query.statistics"] * 3
+    inputs = [nodes.inputs[n] for n in sorted(nodes.inputs)]
+    expected = calibrate_locally(fused_pfnm(clients), inputs,
+                                 clients=[c.checkpoint for c in clients], input_moments=True)
+    assert_same_model(result.arrays, expected.state_dict)
+    metrics = result.train_metrics_clientapp[1]
+    assert metrics["pfnm.calibration-rounds"] == 1 and metrics["pfnm.calibration-paired"] == 1
+    assert "REPAIR targets of every layer without BatchNorm (paired)" in caplog.text

@@ -480,8 +480,9 @@ class FusekitStrategy(FedAvg):
                           server_round, number, len(steps))
                 return fused, {"calibrated": 0, "calibration-rounds": number}
             stats = [by_node[node] for node in nodes if node in by_node]
-            pair = bool(by_node) and pairable(by_node, nodes, targets)
-            paired = paired and (pair or not by_node)
+            # derived: each node's statistics from its own input moments, paired by nature
+            pair = mode == "derived" or pairable(by_node, nodes, targets)
+            paired = paired and pair
             result = fusekit.calibrate(current, stats, targets=targets, layers=chosen,
                                        min_samples=self.calibration_min_samples, paired=pair)
             current = Checkpoint.from_state_dict(result.state_dict, result.metadata,
