@@ -189,7 +189,8 @@ def run_case(case: str, n_clients: int, split: str, init: str, seed: int,
             logits.append(torch.softmax(model.eval()(torch.from_numpy(x_test)), 1))
     ensemble = float((sum(logits).argmax(1).numpy() == data.y_test).mean())
     row: dict[str, Any] = {
-        "case": case, "data": data.name, "test_size": len(data.y_test), "clients": n_clients, "split": split, "init": init, "seed": seed,
+        "case": case, "data": data.name, "test_size": len(data.y_test), "clients": n_clients,
+        "split": split, "init": init, "seed": seed,
         "client_accuracy": scores, "mean_client": round(float(np.mean(scores)), 4),
         "best_client": max(scores), "ensemble_softmax": round(ensemble, 4),
         "samples": [len(p) for p in parts], "train_s": round(time.perf_counter() - start, 1),
