@@ -193,7 +193,8 @@ def calibrate(
         paired: ``statistics[k]`` and ``targets[k]`` were computed on the same client's
             data: REPAIR then reads each fused neuron's moments on the data of the clients
             matched into it, where its targets were measured, instead of pooling them over
-            every client's (ALGORITHMS §12; the default where the rounds run locally).
+            every client's, and restores the first layer's spread around its own mean
+            (ALGORITHMS §12; the default where the rounds run locally).
 
     Returns:
         A FusionResult holding the calibrated model (same tensors, names and widths) and
@@ -266,6 +267,7 @@ def _calibrated_network(checkpoint: Checkpoint, spec, stats: Sequence[Statistics
     if paired and stats:
         pooled.update(calibration.matched_moments(spec, _same_data(stats, own), own, chosen,
                                                   pooled))
+        repair = calibration.first_layer_mean_kept(spec, repair, pooled) if repair else None
     state_dict = calibration.calibrated_state_dict(
         checkpoint.state_dict(), spec, pooled,
         norm_targets=calibration.read_norm_targets(checkpoint, spec), targets=repair,

@@ -207,19 +207,26 @@ def _repair_case(clients, parts, method="ot"):
 
 def test_repair_gives_each_fused_neuron_its_matched_clients_moments_on_their_data():
     """Layer by layer with paired statistics (calibrate_locally): on the data of the clients
-    matched into it, each calibrated fused neuron has its targets' mean and deviation."""
+    matched into it, each calibrated fused neuron has its targets' deviation, and its
+    targets' mean in the deeper layers; a first-layer neuron keeps its own mean (averaging
+    affine functions of the same inputs does not move it), which is not its target's."""
     clients = _clients(batchnorm=False)
     parts = [_inputs(80, seed=s) + s for s in range(len(clients))]  # non-iid
     fused, spec, own, chosen, targets = _repair_case(clients, parts)
+    before = [client_statistics(fused, x) for x in parts]
+    own_mean = matched_moments(spec, before, own, chosen, pool(before))
     calibrated = calibrate_locally(fused, parts, clients=clients)
     assert calibrated.report["calibration"]["paired"] is True
     result = Checkpoint.from_state_dict(calibrated.state_dict, calibrated.metadata)
     per_client = [client_statistics(result, x) for x in parts]
     after = matched_moments(spec, per_client, own, chosen, pool(per_client))
-    assert set(after) == set(targets)
+    first = f"preactivation:{spec.layers[0].name}"
+    assert set(after) == set(targets) and len(targets) == 2
     for point, (mean, std) in targets.items():
-        np.testing.assert_allclose(after[point].mean, mean, atol=1e-4)
+        kept = own_mean[point].mean if point == first else mean
+        np.testing.assert_allclose(after[point].mean, kept, atol=1e-4)
         np.testing.assert_allclose(after[point].std, std, rtol=1e-4, atol=1e-5)
+    assert not np.allclose(own_mean[first].mean, targets[first][0], atol=1e-2)
     np.testing.assert_array_equal(calibrated.state_dict["2.weight"] != 0,
                                   fused.tensor("2.weight") != 0)
 

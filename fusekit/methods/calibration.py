@@ -11,7 +11,8 @@ Numpy only: the forward passes that compute statistics run in :mod:`fusekit.tool
   REPAIR's correction: each fused neuron's pre-activation is rescaled and shifted to the
   mean and standard deviation of the client neurons matched into it (sample-weighted);
   with paired statistics (each client's of the fused model and of its own model), the
-  fused neuron's moments are read on the same clients' data (:func:`matched_moments`).
+  fused neuron's moments are read on the same clients' data (:func:`matched_moments`) and
+  the first layer keeps its own mean (:func:`first_layer_mean_kept`).
 - The first layer's statistics follow exactly from its input moments (:func:`derived_moments`),
   which clients may send with their own models' statistics: no round for that layer.
 """
@@ -250,6 +251,20 @@ def matched_moments(spec, fused_stats: Sequence[Statistics], client_stats: Seque
         out[point] = Moments(whole.count, np.where(np.isnan(mean), whole.mean, mean),
                              np.where(np.isnan(std), whole.var, np.square(std)))
     return out
+
+
+def first_layer_mean_kept(spec, targets: Mapping[str, Target],
+                          measured: Mapping[str, Moments]) -> dict[str, Target]:
+    """REPAIR's targets with the first layer's means replaced by the fused neurons' own
+    (``measured``, e.g. :func:`matched_moments`; ALGORITHMS §12): a fused first-layer neuron
+    is a weighted average of the matched neurons, affine functions of the same inputs, so on
+    any data its mean is already the average of theirs; averaging shrank its spread only.
+    Deeper layers, whose inputs the fusion changed, keep their targets' means."""
+    point = preactivation_point(spec.layers[0].name)
+    if point not in targets or point not in measured or spec.layers[0].norm is not None:
+        return dict(targets)
+    mean, std = targets[point]
+    return {**targets, point: (np.where(np.isnan(mean), mean, measured[point].mean), std)}
 
 
 def derived_moments(weight: np.ndarray, bias: np.ndarray | None,
