@@ -236,6 +236,11 @@ def test_align_and_refit_job_equals_the_library_and_refuses_stale_rounds(
         assert "fusekit contribute" in error
         refused = httpx_put(service, job_id, NAMES[2], tokens[NAMES[2]], stale, round=1)
         one_line_error(refused, 409, "statistics for round 1, which is over")
+        own = fusekit.core.stats.save_statistics(tmp_path / "own.stats.safetensors",
+                                                 client_statistics(models[2], digits[2]))
+        one_line_error(httpx_put(service, job_id, NAMES[2], tokens[NAMES[2]], own,
+                                 kind="targets"), 409,
+                       "its calibration has started; targets are accepted until it starts")
         for index in range(2, 7):
             for name, model, x in zip(NAMES, models, digits, strict=True):
                 clients[name].contribute(job_id, name, model, x, folders[name])
@@ -261,10 +266,10 @@ def test_align_and_refit_job_equals_the_library_and_refuses_stale_rounds(
     assert report["rounds"][1]["alignment"]["mean_correlation"] > 0
 
 
-def httpx_put(service, job_id, client, token, path, **query):  # noqa: F811
+def httpx_put(service, job_id, client, token, path, kind="statistics", **query):  # noqa: F811
     import httpx
 
-    return httpx.put(f"{service.url}/v1/jobs/{job_id}/clients/{client}/statistics",
+    return httpx.put(f"{service.url}/v1/jobs/{job_id}/clients/{client}/{kind}",
                      params=query, content=path.read_bytes(),
                      headers={"Authorization": f"Bearer {token}"}, timeout=30)
 

@@ -471,3 +471,22 @@ def test_a_calibrating_job_in_the_browser(browser, service, admin, tmp_path):  #
     wait_for(browser, lambda d: saved.exists() and not list(
         browser.downloads.glob("*.crdownload")), "the calibrated model")
     assert saved.read_bytes() == admin.result(job_id, tmp_path / "c.safetensors").read_bytes()
+
+
+def test_a_job_with_calibration_rounds_from_the_form(browser, service, admin):  # noqa: F811
+    """The form's protocol and input moments reach the job; its page says the protocol."""
+    sign_in(browser, service.url, ADMIN)
+    wait_for(browser, lambda d: by_id(d, "nav").is_displayed(), "signed in")
+    browser.get(service.url + "/#new")
+    wait_for(browser, lambda d: by_id(d, "param-sweeps"), "the form")
+    by_id(browser, "clients").send_keys("hospital-a, hospital-b")
+    by_id(browser, "calibrate").click()
+    by_id(browser, "protocol").send_keys("layerwise")
+    by_id(browser, "input-moments").click()
+    select_all(browser, "#create button[type=submit]")[0].click()
+    wait_for(browser, lambda d: by_id(d, "tokens"), "the clients' tokens")
+    job_id = re.fullmatch(r"Job ([0-9a-f]{32}) created", select_all(browser, "h2")[0].text)[1]
+    job = admin.status(job_id)
+    assert job["calibrate"] and job["protocol"] == "layerwise" and job["input_moments"]
+    browser.get(f"{service.url}/#job/{job_id}")
+    wait_for(browser, lambda d: "yes (layerwise)" in by_id(d, "job").text, "the protocol")
