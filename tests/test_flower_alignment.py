@@ -61,6 +61,17 @@ class Nodes:
         return strategy, result
 
 
+def assert_the_calibrated_fusion(result, nodes, clients):
+    """The round's global model is the fusion calibrated (layer by layer, the first layer
+    from the input moments), not aligned."""
+    metrics = result.train_metrics_clientapp[1]
+    assert metrics["pfnm.aligned"] == 0 and metrics["pfnm.calibrated"] == 1
+    inputs = [nodes.inputs[n] for n in sorted(nodes.inputs)]
+    expected = calibrate_locally(fused_pfnm(clients), inputs,
+                                 clients=[c.checkpoint for c in clients], input_moments=True)
+    assert_same_model(result.arrays, expected.state_dict)
+
+
 def fused_pfnm(clients):
     result = fusekit.fuse([c.checkpoint for c in clients], method="pfnm")
     return Checkpoint.from_state_dict(result.state_dict, result.metadata)
@@ -149,12 +160,7 @@ def test_a_refit_round_without_every_nodes_statistics_keeps_the_calibrated_fusio
     assert "the query asked for 'net.0'" in strategy.left_out_alignment[11]
     assert "alignment stopped: refit round of layer net.0: no usable statistics from " \
            "node(s) [11]" in caplog.text
-    metrics = result.train_metrics_clientapp[1]
-    assert metrics["pfnm.aligned"] == 0 and metrics["pfnm.calibrated"] == 1
-    inputs = [nodes.inputs[n] for n in sorted(nodes.inputs)]
-    expected = calibrate_locally(fused_pfnm(clients), inputs,
-                                 clients=[c.checkpoint for c in clients], input_moments=True)
-    assert_same_model(result.arrays, expected.state_dict)
+    assert_the_calibrated_fusion(result, nodes, clients)
     assert "fusekit.alignment" not in strategy.global_metadata
 
 
@@ -193,12 +199,7 @@ def test_too_few_usable_cross_statistics_keep_the_calibrated_fusion(trained_bn, 
     assert ("alignment stopped: alignment round 1: usable cross statistics from 1 node(s), "
             "fewer than 2 (min_fused_replies)") in caplog.text
     assert nodes.grid.sent == ["train"] * 3 + ["query.statistics"] * 3 * 2
-    metrics = result.train_metrics_clientapp[1]
-    assert metrics["pfnm.aligned"] == 0 and metrics["pfnm.calibrated"] == 1
-    inputs = [nodes.inputs[n] for n in sorted(nodes.inputs)]
-    expected = calibrate_locally(fused_pfnm(clients), inputs,
-                                 clients=[c.checkpoint for c in clients], input_moments=True)
-    assert_same_model(result.arrays, expected.state_dict)
+    assert_the_calibrated_fusion(result, nodes, clients)
 
 
 def query_arguments(content):
