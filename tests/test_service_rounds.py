@@ -158,29 +158,32 @@ def test_layerwise_job_with_input_moments_equals_the_library(
                    409, "is succeeded")
 
 
+@pytest.mark.parametrize("input_moments", [False, True])
 def test_plain_mlp_layerwise_job_repairs_paired_as_the_library(
-        service, admin, digits, tmp_path):  # noqa: F811
+        service, admin, digits, tmp_path, input_moments):  # noqa: F811
     """MLPs without BatchNorm: every round is REPAIR towards the clients' targets (sent by
     take_part in the first round), each fused neuron read on the data of the clients
     matched into it (paired: every client sent both), as fusekit.calibrate(...,
-    paired=True) round by round and calibrate_locally (its default) give."""
+    paired=True) round by round and calibrate_locally (its default) give; with input
+    moments the first layer is derived, paired too."""
     folder = tmp_path / "plain"
     folder.mkdir()
     plain = [write(folder / f"{name}.safetensors", mlp(WIDTHS, seed=30 + i),
                    num_samples=400 + i) for i, name in enumerate(NAMES)]
-    job = create(admin, service, plain, protocol="layerwise")
+    job = create(admin, service, plain, protocol="layerwise", input_moments=input_moments)
     state = admin.status(job["id"])
     assert state["fused"]["needs_targets"] and state["round"]["total"] == 3
-    assert state["waiting_for"] == {"statistics": list(NAMES), "targets": list(NAMES)}
+    asked = [] if input_moments else list(NAMES)
+    assert state["waiting_for"] == {"statistics": asked, "targets": list(NAMES)}
     folders = {name: tmp_path / name for name in NAMES}
     for thread in [TakingPart(service, job, name, model, x, folders[name])
                    for name, model, x in zip(NAMES, plain, digits, strict=True)]:
         thread.finish()
     assert admin.status(job["id"])["state"] == "succeeded"
     targets = [folders[n] / f"{n}.targets.safetensors" for n in NAMES]
+    first = [] if input_moments else [files_of(folders[n], n, 1) for n in NAMES]
     expected = fusekit.calibrate(admin.fused(job["id"], tmp_path / "fused.safetensors"),
-                                 [files_of(folders[n], n, 1) for n in NAMES],
-                                 targets=targets, layers=["0"], paired=True)
+                                 first, targets=targets, layers=["0"], paired=True)
     for index, layer in ((2, "2"), (3, "4")):
         expected = fusekit.calibrate(_checkpoint(expected),
                                      [files_of(folders[n], n, index) for n in NAMES],
@@ -188,7 +191,8 @@ def test_plain_mlp_layerwise_job_repairs_paired_as_the_library(
     result = admin.result(job["id"], tmp_path / "calibrated.safetensors")
     assert_same_tensors(result, expected.state_dict)
     local = calibrate_locally(tmp_path / "fused.safetensors", digits,
-                              clients=[fusekit.load_checkpoint(m) for m in plain])
+                              clients=[fusekit.load_checkpoint(m) for m in plain],
+                              input_moments=input_moments)
     for name, array in local.state_dict.items():
         np.testing.assert_allclose(fusekit.load_checkpoint(result).tensor(name), array,
                                    rtol=1e-6, atol=1e-6, err_msg=name)

@@ -224,7 +224,8 @@ def advance(round_: dict[str, Any], model: str, statistics: list[str], targets: 
     if kind in (STATISTICS, DERIVED):
         result = fusekit.calibrate(model, statistics, targets=targets,
                                    layers=round_.get("layers"), min_samples=min_samples,
-                                   paired=_paired(model, statistics, targets))
+                                   paired=_paired(model, statistics, targets)
+                                   if kind == STATISTICS else bool(targets))
         key = "calibration"
     elif kind == CROSS:
         result = fusekit.align(model, clients, statistics, min_samples=min_samples)
@@ -242,7 +243,8 @@ def _paired(model: str, statistics: list[str], targets: list[str]) -> bool:
     statistics of a network's fused model are those that sent targets (the worker names
     the files ``<client>.stats.safetensors``, ``<client>.targets.safetensors``, both in
     the job's order of clients), each pair over the same number of inputs (its own data);
-    otherwise the statistics are pooled over every client's data."""
+    otherwise the statistics are pooled over every client's data. A derived first layer
+    is always paired: each client's statistics come from its own targets."""
     senders = [Path(s).name.removesuffix(".stats.safetensors") for s in statistics]
     if not statistics or senders != [Path(t).name.removesuffix(".targets.safetensors")
                                      for t in targets] or isinstance(
