@@ -16,6 +16,7 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 from bench_service import ServiceProcess
@@ -271,8 +272,6 @@ def test_align_and_refit_job_equals_the_library_and_refuses_stale_rounds(
 
 
 def httpx_put(service, job_id, client, token, path, kind="statistics", **query):  # noqa: F811
-    import httpx
-
     return httpx.put(f"{service.url}/v1/jobs/{job_id}/clients/{client}/{kind}",
                      params=query, content=path.read_bytes(),
                      headers={"Authorization": f"Bearer {token}"}, timeout=30)
@@ -410,3 +409,42 @@ def test_a_job_fused_before_rounds_existed_calibrates_after_an_upgrade(models, d
                                 fusekit.calibrate(fused, stats).state_dict)
     finally:
         server.stop()
+
+
+def test_a_protocol_a_transformer_job_cannot_run_is_refused_when_the_job_is_created(
+        service, tmp_path, monkeypatch):  # noqa: F811
+    """A job whose config.json or spec says it fuses transformers, asking for rounds that
+    only MLPs, CNNs and ResNets have, is refused before any upload: 422 and one line over
+    HTTP, exit 2 from `fusekit job create`."""
+    config = {"model_type": "vit", "hidden_size": 16, "intermediate_size": 24}
+    spec = {"format": fusekit.core.transformer.TRANSFORMER_FORMAT}
+    for protocol, known in (("layerwise", {"config": config}), ("align", {"spec": spec})):
+        response = httpx.post(f"{service.url}/v1/jobs", json={
+            "method": "pfnm", "clients": list(NAMES), "calibrate": True, "protocol": protocol,
+            **known}, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30)
+        one_line_error(response, 422, "protocol", "transformer", "expected protocol 'one-pass'",
+                       f"found {protocol!r}")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    monkeypatch.setenv("FUSEKIT_SERVER", service.url)
+    monkeypatch.setenv("FUSEKIT_ADMIN_TOKEN", ADMIN)
+    refused = cli("job", "create", "--method", "pfnm", "--clients", ",".join(NAMES),
+                  "--calibrate", "--protocol", "align", "--config", tmp_path / "config.json")
+    assert refused.exit_code == 2 and "config given" in refused.output, refused.output
+    assert "found 'align'" in refused.output
+
+
+def test_a_protocol_known_only_once_fused_to_be_impossible_fails_the_job(
+        service, admin, tmp_path):  # noqa: F811
+    """What the request cannot say (here: the fused model has no hidden layer) is refused
+    after fusion, the fallback: the job fails with one line naming the protocol."""
+    clients = [write(tmp_path / f"{name}.safetensors", mlp((64, 10), seed=40 + i),
+                     num_samples=100) for i, name in enumerate(NAMES)]
+    job = admin.create_job("avg", list(NAMES), auto_run=True, calibrate=True,
+                           protocol="layerwise")
+    for name, path in zip(NAMES, clients, strict=True):
+        with Client(service.url, job["tokens"][name]) as client:
+            client.submit(job["id"], name, path)
+    state = admin.wait(job["id"], timeout=120, every=0.1)
+    assert state["state"] == "failed", state
+    assert "protocol 'layerwise'" in state["error"] and "no hidden layer" in state["error"]
+    assert "\n" not in state["error"]

@@ -27,6 +27,7 @@ from fusekit.api import validate_params
 from fusekit.core.errors import FusekitError, ParameterError, SpecError, UnknownMethodError
 from fusekit.core.metadata import load_json
 from fusekit.core.spec import check_spec_format
+from fusekit.core.transformer import TRANSFORMER_FORMAT
 from fusekit.methods import get_method
 from fusekit.methods.params import TEXT_KINDS
 from fusekit.service.auth import admin_token_hash, bearer, matches
@@ -347,6 +348,20 @@ def _check_protocol(body: JobRequest) -> None:
     if body.input_moments and body.protocol != "layerwise":
         raise ParameterError(f"input_moments: they save the first round of the layerwise "
                              f"protocol; expected protocol 'layerwise', found {body.protocol!r}")
+    transformer = _transformer_named(body)
+    if body.protocol != "one-pass" and transformer:
+        raise ParameterError(f"protocol: a transformer job ({transformer}) calibrates in one "
+                             f"pass; expected protocol 'one-pass', found {body.protocol!r}")
+
+
+def _transformer_named(body: JobRequest) -> str | None:
+    """What in the request says the job fuses transformers (its config.json, a transformer
+    spec), or None; a model known to be one only once fused is refused by the worker."""
+    if body.config is not None:
+        return "config given"
+    if body.spec is not None and body.spec.get("format") == TRANSFORMER_FORMAT:
+        return f"spec format {TRANSFORMER_FORMAT!r}"
+    return None
 
 
 async def _job_request(request: Request) -> JobRequest:
