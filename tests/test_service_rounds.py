@@ -448,3 +448,59 @@ def test_a_protocol_known_only_once_fused_to_be_impossible_fails_the_job(
     assert state["state"] == "failed", state
     assert "protocol 'layerwise'" in state["error"] and "no hidden layer" in state["error"]
     assert "\n" not in state["error"]
+
+
+def test_alignment_round_finished_early_leaves_the_missing_client_out_of_the_refits(
+        service, admin, models, digits, tmp_path):  # noqa: F811
+    """The admin finishes the alignment round with two clients' cross statistics: the
+    third takes no part in the refit rounds (its upload refused in one line, its status
+    says so); a refit round finished early with a participant missing is refused, 409 and
+    one line; the result equals fusekit.calibrate over the three clients' first-round
+    files, then fusekit.align and refit in process over the two who sent theirs."""
+    job = create(admin, service, models, protocol="align")
+    job_id, tokens = job["id"], job["tokens"]
+    folders = {name: tmp_path / name for name in NAMES}
+    clients = {name: Client(service.url, tokens[name]) for name in NAMES}
+    sent, out = dict(zip(NAMES[:2], zip(models, digits, strict=False), strict=False)), NAMES[2]
+    try:
+        for name, model, x in zip(NAMES, models, digits, strict=True):
+            clients[name].contribute(job_id, name, model, x, folders[name])
+        assert _next_round(admin, job_id, 2)["round"]["kind"] == "cross"
+        for name, (model, x) in sent.items():
+            clients[name].contribute(job_id, name, model, x, folders[name])
+        assert admin.calibrate(job_id)["state"] == "queued"
+        state = _next_round(admin, job_id, 3)
+        assert state["round"]["kind"] == "refit" and state["rounds_done"][1]["missing"] == [out]
+        assert state["round"]["participants"] == list(sent)
+        assert clients[out].status(job_id)["round"]["taking_part"] is False
+        stale = fusekit.core.stats.save_statistics(
+            folders[out] / "own.stats.safetensors", client_statistics(models[2], digits[2]))
+        one_line_error(put_statistics(service, job_id, out, tokens[out], stale.read_bytes()),
+                       409, f"client {out!r}: takes no part in the job's rounds since its "
+                       "alignment round")
+        first = NAMES[0]
+        clients[first].contribute(job_id, first, *sent[first], folders[first])
+        refused = httpx.post(f"{service.url}/v1/jobs/{job_id}/calibrate",
+                             headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30)
+        one_line_error(refused, 409, "a refit needs every client's; missing " + NAMES[1])
+        assert admin.status(job_id)["state"] == "calibrating"
+        for index in range(3, 7):
+            for name, (model, x) in sent.items():
+                if (index, name) != (3, first):
+                    clients[name].contribute(job_id, name, model, x, folders[name])
+            state = _next_round(admin, job_id, index + 1)
+    finally:
+        for client in clients.values():
+            client.close()
+    assert state["state"] == "succeeded", state
+    current = fusekit.calibrate(admin.fused(job_id, tmp_path / "fused.safetensors"),
+                                [files_of(folders[n], n, 1) for n in NAMES])
+    current = fusekit.align(_checkpoint(current), models[:2],
+                            [files_of(folders[n], n, 2) for n in sent])
+    for index in range(3, 7):
+        current = fusekit.refit(_checkpoint(current), models[:2],
+                                [files_of(folders[n], n, index) for n in sent])
+    assert_same_tensors(admin.result(job_id, tmp_path / "result.safetensors"),
+                        current.state_dict)
+    rounds = admin.report(job_id)["calibration"]["rounds"]
+    assert [r["missing"] for r in rounds] == [[], [out], [], [], [], []]
