@@ -10,6 +10,7 @@ the original to 1e-5, a fused model of permuted copies to 1e-4.
 import copy
 import json
 import shutil
+import threading
 
 import numpy as np
 import pytest
@@ -526,3 +527,23 @@ def test_a_folder_without_config_json_is_named_as_such(tmp_path):
     with pytest.raises(CheckpointNotFoundError, match=r"weights: a folder without config\.json; "
                        r"expected a \.safetensors file or a Hugging Face model folder"):
         load_checkpoint(tmp_path / "weights")
+
+
+def test_loads_in_threads_leave_weight_tying_intact(tmp_path):
+    """from_pretrained patches PreTrainedModel process-wide while it loads; loads in threads
+    at once (clients of a service job in one process) must not leave the patch behind."""
+    folder = save(tiny_model("bert"), tmp_path / "bert")
+    original = transformers.PreTrainedModel.tie_weights
+    threads = [threading.Thread(target=lambda: [load_pretrained(folder) for _ in range(5)])
+               for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not any(thread.is_alive() for thread in threads)
+    assert transformers.PreTrainedModel.tie_weights is original
+    config = transformers.BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1,
+                                     num_attention_heads=2, intermediate_size=24,
+                                     max_position_embeddings=16, tie_word_embeddings=True)
+    model = transformers.BertForMaskedLM(config)
+    assert model.cls.predictions.decoder.weight is model.bert.embeddings.word_embeddings.weight

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,11 @@ from fusekit.core.checkpoint import HF_CONFIG, write_model_files
 from fusekit.core.errors import CheckpointError
 from fusekit.core.metadata import read_json_file
 
+# from_pretrained swaps PreTrainedModel.tie_weights and init_weights for no-ops and back,
+# process-wide: two loads in threads at once can leave the no-op in place, and every model
+# built after that has its tied weights untied. One load at a time.
+_LOADING = threading.Lock()
+
 
 def load_pretrained(folder: str | os.PathLike[str], device: Any = "cpu"):
     """The model class ``config.json`` names (``architectures[0]``, e.g.
@@ -31,7 +37,10 @@ def load_pretrained(folder: str | os.PathLike[str], device: Any = "cpu"):
             does not have.
     """
     config = read_json_file(Path(folder) / HF_CONFIG, "model config", CheckpointError)
-    return model_class(config, str(folder)).from_pretrained(folder).to(device).eval()
+    cls = model_class(config, str(folder))
+    with _LOADING:
+        model = cls.from_pretrained(folder)
+    return model.to(device).eval()
 
 
 def model_class(config: Mapping[str, Any], label: str) -> Any:
