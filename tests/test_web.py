@@ -490,3 +490,65 @@ def test_a_job_with_calibration_rounds_from_the_form(browser, service, admin):  
     assert job["calibrate"] and job["protocol"] == "layerwise" and job["input_moments"]
     browser.get(f"{service.url}/#job/{job_id}")
     wait_for(browser, lambda d: "yes (layerwise)" in by_id(d, "job").text, "the protocol")
+
+
+def test_a_transformer_jobs_model_downloads_with_its_config(
+        browser, service, admin, tmp_path):  # noqa: F811
+    """A job with a transformer's config: the upload page's download gives the round's
+    weights and the config.json at the fused widths (what `fusekit` and Client give as a
+    model folder), and says how they make one; the job page's download of the fused model
+    gives both too."""
+    import json
+
+    from test_service_calibration import tiny_vit
+
+    import fusekit
+
+    names = ("hospital-a", "hospital-b")
+    folders = [tiny_vit(tmp_path / name, seed=i) for i, name in enumerate(names)]
+    spec = fusekit.api.client_spec(fusekit.load_checkpoint(folders[0]), None).to_json()
+    config = json.loads((folders[0] / "config.json").read_text())
+    job = admin.create_job("pfnm", list(names), params={"width_ratio": 1.5}, spec=spec,
+                           auto_run=True, calibrate=True, config=config)
+    job_id = job["id"]
+    for name, folder in zip(names, folders, strict=True):
+        with Client(service.url, job["tokens"][name]) as client:
+            client.submit(job_id, name, folder / "model.safetensors")
+    assert admin.wait(job_id, timeout=120, every=0.1)["state"] == "calibrating"
+    expected = admin.fused(job_id, tmp_path / "fused")  # the CLI's and Client's folder
+
+    browser.get(f"{service.url}/upload?job={job_id}&client={names[0]}")
+    assert not by_id(browser, "fetch-config").is_displayed()
+    by_id(browser, "token").send_keys(job["tokens"][names[0]])
+    by_id(browser, "fetch-fused").click()
+    weights = browser.downloads / f"round-1-{job_id}.safetensors"
+    wait_for(browser, lambda d: weights.exists() and not list(
+        browser.downloads.glob("*.crdownload")), "the round's model")
+    wait_for(browser, lambda d: by_id(d, "fetch-config").is_displayed(), "its config button")
+    verdict = by_id(browser, "verdict").text
+    assert f"put {weights.name} and config-{job_id}.json into one folder as " \
+           "model.safetensors and config.json" in verdict, verdict
+    by_id(browser, "fetch-config").click()
+    config_file = browser.downloads / f"config-{job_id}.json"
+    wait_for(browser, lambda d: config_file.exists() and not list(
+        browser.downloads.glob("*.crdownload")), "its config.json")
+    assert weights.read_bytes() == (expected / "model.safetensors").read_bytes()
+    assert config_file.read_bytes() == (expected / "config.json").read_bytes()
+    assert json.loads(config_file.read_text())["intermediate_size"] > config["intermediate_size"]
+    shoot(browser, "upload-transformer")
+    folder = tmp_path / "downloaded"  # the two files make the model folder
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(weights.read_bytes())
+    (folder / "config.json").write_bytes(config_file.read_bytes())
+    assert fusekit.load_checkpoint(folder).content_hash == \
+        fusekit.load_checkpoint(expected).content_hash
+    config_file.unlink()
+
+    sign_in(browser, service.url, ADMIN)
+    wait_for(browser, lambda d: by_id(d, "nav").is_displayed(), "signed in")
+    browser.get(f"{service.url}/#job/{job_id}")
+    wait_for(browser, lambda d: by_id(d, "download-config").is_enabled() and
+             by_id(d, "download-config"), "Download its config.json").click()
+    wait_for(browser, lambda d: config_file.exists() and not list(
+        browser.downloads.glob("*.crdownload")), "the fused model's config.json")
+    assert config_file.read_bytes() == (expected / "config.json").read_bytes()

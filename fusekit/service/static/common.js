@@ -37,6 +37,34 @@ const fk = {
     return (error || "refused") + " (HTTP " + status + ")";
   },
 
+  /** A file the server serves behind the Bearer token, which a plain link cannot send:
+   * fetched, then handed to the browser's downloads as ``name``. */
+  async download(path, token, name) {
+    const response = await fk.request("GET", path, token);
+    const url = URL.createObjectURL(await response.blob());
+    const link = fk.el("a", {href: url, download: name});
+    document.body.append(link);
+    link.click();
+    link.remove();
+    setTimeout(() => URL.revokeObjectURL(url), 60000);
+  },
+
+  /** A transformer job's config.json at the fused widths (the same for the fused model,
+   * each round's model and the result), downloaded by a click of its own (a browser
+   * holds back a second download that a page starts by itself). */
+  async downloadConfig(job, token) {
+    const name = `config-${job}.json`;
+    await fk.download(`/v1/jobs/${encodeURIComponent(job)}/config`, token, name);
+    return name;
+  },
+
+  /** One line: how a model's weights and its config.json make the model folder that
+   * `fusekit` and fusekit.client download. */
+  folderHint(weights, job) {
+    return `put ${weights} and config-${job}.json into one folder as model.safetensors ` +
+      "and config.json: that folder is the model";
+  },
+
   /** An element with attributes (on* keys are listeners) and children (strings are text). */
   el(tag, attrs, ...children) {
     const node = document.createElement(tag);

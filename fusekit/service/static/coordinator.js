@@ -336,12 +336,17 @@
       el("button", {type: "button", id: "download", disabled: job.state !== "succeeded",
                     text: job.calibrate ? "Download the calibrated model" :
                       "Download the fused model",
-                    onclick: act(() => download(job.id, "result",
+                    onclick: act(() => download(job, "result",
                                                 job.calibrate ? "calibrated" : "fused"))}),
       job.calibrate && el("button", {
         type: "button", id: "download-fused", disabled: !job.fused,
         text: "Download the fused model (before calibration)",
-        onclick: act(() => download(job.id, "fused", "fused"))}),
+        onclick: act(() => download(job, "fused", "fused"))}),
+      job.config && el("button", {
+        type: "button", id: "download-config", disabled: !job.fused,
+        text: "Download its config.json (a transformer's, at the fused widths)",
+        title: fk.folderHint("the model's .safetensors", job.id),
+        onclick: act(() => fk.downloadConfig(job.id, token()))}),
       el("button", {type: "button", id: "delete", class: "danger", text: "Delete",
                     onclick: act(async () => {
                       if (!confirm(`Delete job ${job.id} with its checkpoints and result?`)) {
@@ -355,14 +360,8 @@
 
   /** The result (or the fused model) needs the Bearer token, which a plain link cannot
    * send: fetched, then handed to the browser's downloads as a file. */
-  async function download(id, which, name) {
-    const response = await fk.request("GET", `/v1/jobs/${id}/${which}`, token());
-    const url = URL.createObjectURL(await response.blob());
-    const link = el("a", {href: url, download: `${name}-${id}.safetensors`});
-    document.body.append(link);
-    link.click();
-    link.remove();
-    setTimeout(() => URL.revokeObjectURL(url), 60000);
+  async function download(job, which, name) {
+    await fk.download(`/v1/jobs/${job.id}/${which}`, token(), `${name}-${job.id}.safetensors`);
   }
 
   /** The job's states in which clients upload into slots of each kind. */

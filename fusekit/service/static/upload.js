@@ -109,21 +109,25 @@
     const token = $("token").value.trim();
     if (!token) return say("Type your token first.", "refused");
     try {
-      const path = `/v1/jobs/${encodeURIComponent(job)}`;
-      const state = await (await fk.request("GET", path, token)).json();
-      const response = await fk.request("GET", `${path}/model`, token);
+      const state = await fk.json("GET", `/v1/jobs/${encodeURIComponent(job)}`, token);
       const round = state.round ? state.round.index : 1;
-      const url = URL.createObjectURL(await response.blob());
-      const link = document.createElement("a");
-      link.href = url;
-      link.download = `round-${round}-${job}.safetensors`;
-      document.body.append(link);
-      link.click();
-      link.remove();
-      setTimeout(() => URL.revokeObjectURL(url), 60000);
-      say(`The model of ${state.round ? state.round.asks : "the round"} is downloaded: ` +
+      const weights = `round-${round}-${job}.safetensors`;
+      await fk.download(`/v1/jobs/${encodeURIComponent(job)}/model`, token, weights);
+      $("fetch-config").hidden = !state.config;
+      const folder = state.config ? ` (a transformer: download its config.json too, then ` +
+        `${fk.folderHint(weights, job)})` : "";
+      say(`The model of ${state.round ? state.round.asks : "the round"} is downloaded` +
+          `${folder}: ` +
           "compute that on your own data (fusekit stats ...; fusekit contribute does every " +
           "round) and upload it here.", "accepted");
+    } catch (err) {
+      say("Refused: " + err.message, "refused");
+    }
+  }
+
+  async function fetchConfig() {
+    try {
+      await fk.downloadConfig(job, $("token").value.trim());
     } catch (err) {
       say("Refused: " + err.message, "refused");
     }
@@ -132,4 +136,5 @@
   $("target").textContent = `Checkpoint of client ${client} for job ${job}`;
   form.addEventListener("submit", upload);
   $("fetch-fused").addEventListener("click", fetchFused);
+  $("fetch-config").addEventListener("click", fetchConfig);
 })();
