@@ -593,3 +593,20 @@ def test_a_global_holding_two_groups_is_split_between_them():
     points[:, :3] = rng.normal(0, 5.0, (5, 3))
     _, leaving = best_split(points, hidden)
     np.testing.assert_array_equal(leaving, groups == 1)
+
+
+@pytest.mark.parametrize("method", ["pfnm", "nafi"])
+def test_networks_without_a_hidden_layer_fuse_to_their_weighted_average(tmp_path, method):
+    """Nothing to match: the output layer is averaged by sample counts, and the report
+    says nothing of matched neurons (it used to fail reading the last hidden layer's)."""
+    rng = np.random.default_rng(0)
+    paths, weights = [], []
+    for i, samples in enumerate((100, 300)):
+        state = {"0.weight": rng.normal(size=(10, 64)).astype(np.float32),
+                 "0.bias": rng.normal(size=10).astype(np.float32)}
+        paths.append(fusekit.save_checkpoint(tmp_path / f"c{i}.safetensors", state,
+                                             {"fusekit.num_samples": str(samples)}))
+        weights.append(samples * state["0.weight"])
+    result = fusekit.fuse(paths, method=method)
+    np.testing.assert_allclose(result.state_dict["0.weight"], sum(weights) / 400, atol=1e-6)
+    assert result.report["heterogeneity"]["matched_share"] is None

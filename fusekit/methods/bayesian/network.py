@@ -347,7 +347,8 @@ def fuse_network(checkpoints, specs, params: BayesianParams, method: str):
                                shares, alphas))
     fused_spec = spec.with_hidden_widths([layer.out_features for layer in fused[:-1]])
     report = _report(layer_reports, shares,
-                     heterogeneity(checkpoints, spec.out_features, layer_reports[-1]))
+                     heterogeneity(checkpoints, spec.out_features,
+                                   layer_reports[-1] if layer_reports else {}))
     return _state_dict(checkpoints, spec, fused, alphas), fused_spec, report, assignments
 
 
