@@ -9,6 +9,7 @@ served with its config.json."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -223,8 +224,7 @@ def test_align_and_refit_job_equals_the_library_and_refuses_stale_rounds(
     assert [state["round"][k] for k in ("index", "total", "kind", "mode")] == [
         1, 6, "statistics", "batch"]
     folders = {name: tmp_path / name for name in NAMES}
-    clients = {name: Client(service.url, tokens[name]) for name in NAMES}
-    try:
+    with clients_of(service, tokens) as clients:
         for name, model, x in zip(NAMES[:2], models, digits, strict=False):
             clients[name].contribute(job_id, name, model, x, folders[name])
         assert admin.calibrate(job_id)["state"] == "queued"  # without the third's
@@ -250,9 +250,6 @@ def test_align_and_refit_job_equals_the_library_and_refuses_stale_rounds(
             for name, model, x in zip(NAMES, models, digits, strict=True):
                 clients[name].contribute(job_id, name, model, x, folders[name])
             state = _next_round(admin, job_id, index + 1)
-    finally:
-        for client in clients.values():
-            client.close()
     assert state["state"] == "succeeded", state
 
     fused = tmp_path / "fused.safetensors"
@@ -275,6 +272,17 @@ def httpx_put(service, job_id, client, token, path, kind="statistics", **query):
     return httpx.put(f"{service.url}/v1/jobs/{job_id}/clients/{client}/{kind}",
                      params=query, content=path.read_bytes(),
                      headers={"Authorization": f"Bearer {token}"}, timeout=30)
+
+
+@contextlib.contextmanager
+def clients_of(service, tokens: dict[str, str]):
+    """A Client per job client, by name, each closed at the end."""
+    clients = {name: Client(service.url, tokens[name]) for name in NAMES}
+    try:
+        yield clients
+    finally:
+        for client in clients.values():
+            client.close()
 
 
 def _next_round(admin, job_id: str, index: int, timeout: float = 120) -> dict:  # noqa: F811
@@ -460,9 +468,8 @@ def test_alignment_round_finished_early_leaves_the_missing_client_out_of_the_ref
     job = create(admin, service, models, protocol="align")
     job_id, tokens = job["id"], job["tokens"]
     folders = {name: tmp_path / name for name in NAMES}
-    clients = {name: Client(service.url, tokens[name]) for name in NAMES}
     sent, out = dict(zip(NAMES[:2], zip(models, digits, strict=False), strict=False)), NAMES[2]
-    try:
+    with clients_of(service, tokens) as clients:
         for name, model, x in zip(NAMES, models, digits, strict=True):
             clients[name].contribute(job_id, name, model, x, folders[name])
         assert _next_round(admin, job_id, 2)["round"]["kind"] == "cross"
@@ -489,9 +496,6 @@ def test_alignment_round_finished_early_leaves_the_missing_client_out_of_the_ref
                 if (index, name) != (3, first):
                     clients[name].contribute(job_id, name, model, x, folders[name])
             state = _next_round(admin, job_id, index + 1)
-    finally:
-        for client in clients.values():
-            client.close()
     assert state["state"] == "succeeded", state
     current = fusekit.calibrate(admin.fused(job_id, tmp_path / "fused.safetensors"),
                                 [files_of(folders[n], n, 1) for n in NAMES])
