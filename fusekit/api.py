@@ -282,8 +282,7 @@ def _derived_first_layer(checkpoint: Checkpoint, spec, own: Sequence[Statistics]
     if not any(s.inputs for s in own) or len(spec.layers) < 2:
         return []
     first = spec.layers[0]
-    point = input_point(first.name)
-    fan_in = math.prod(checkpoint.tensors[first.weight].shape[1:])
+    ((point, fan_in),) = input_points(checkpoint, spec).items()
     for s in own:
         moments = s.inputs.get(point)
         if moments is None:
@@ -340,6 +339,15 @@ def model_points(checkpoint: Checkpoint, spec) -> dict[str, int]:
     if isinstance(spec, TransformerSpec):
         return {p.point: p.size for p in calibration_points(spec, _shapes(checkpoint))}
     return statistic_points(spec)
+
+
+def input_points(checkpoint: Checkpoint, spec) -> dict[str, int]:
+    """The input moments a statistics file of this model may hold, with their dimension d:
+    the first layer's (``fusekit stats --input-moments``), where a hidden layer follows."""
+    if isinstance(spec, TransformerSpec) or len(spec.layers) < 2:
+        return {}
+    first = spec.layers[0]
+    return {input_point(first.name): math.prod(checkpoint.tensors[first.weight].shape[1:])}
 
 
 def _shapes(checkpoint: Checkpoint) -> dict[str, tuple[int, ...]]:

@@ -174,7 +174,8 @@ def test_bad_refit_statistics_are_refused_in_one_line(tmp_path):
     fusekit.refit(fused, [copy], [path])  # the good file passes
     broken = [("gram", lambda g: g + np.triu(np.ones_like(g), 1), "not the moments of any"),
               ("gram", lambda g: g * 2.0, "not the moments of any"),
-              ("cross", lambda c: c[:-1], "expected gram")]
+              ("cross", lambda c: c[:-1], "expected gram"),
+              ("cross", lambda c: c * 1e150, "cross up to .* expected at most 1e\\+24")]
     for field, change, message in broken:
         bad = save_refit_statistics(tmp_path / f"{field}.safetensors", type(stats)(
             **{**vars(stats), field: change(getattr(stats, field))}), force=True)
@@ -220,6 +221,8 @@ def _tampered(tmp_path, cross, field, value):
     ("covariance", np.nan, "non-finite value"),
     ("own_var", -1.0, "variances must be >= 0"),
     ("covariance", 1e6, "Cauchy-Schwarz"),
+    ("own_mean", 1e150, "own_mean up to 1e\\+150; expected at most 1e\\+12"),
+    ("reference_var", 1e300, "reference_var up to"),
 ])
 def test_bad_cross_statistics_are_refused_in_one_line_naming_the_file(tmp_path, field, value,
                                                                       message):

@@ -226,6 +226,20 @@ def test_auto_run_and_incompatible_checkpoints_fail_with_the_cli_message(service
         admin.result(job["id"], tmp_path / "none.safetensors")
 
 
+def test_a_long_job_error_is_bounded_and_whole_in_the_report(service, admin, models):
+    """An ot anchor of 50,000 characters: the job's error, in every status and on the page,
+    a few hundred characters; the whole text in the job's report."""
+    anchor = "z" * 50_000
+    job = admin.create_job("ot", list(NAMES), params={"anchor": anchor}, auto_run=True)
+    for name, path in zip(NAMES, models, strict=True):
+        admin.submit(job["id"], name, path)
+    state = admin.wait(job["id"], timeout=60, every=0.1)
+    assert state["state"] == "failed" and len(state["error"]) < 400, state["error"]
+    assert state["error"].endswith("characters; the whole error is in the job's report)")
+    whole = admin.report(job["id"])["error"]
+    assert anchor in whole and whole.startswith(state["error"][:300])
+
+
 @pytest.mark.parametrize(("body", "status", "words"), [
     ({"method": "nope", "clients": ["a"]}, 422, ["unknown fusion method 'nope'"]),
     ({"method": "pfnm", "clients": ["a"], "params": {"sigmaa": 1}}, 422, ["sigmaa"]),

@@ -32,7 +32,7 @@ from test_service import (  # noqa: F401
 import fusekit
 from conftest import mlp, write
 from fusekit.client import Client, ServiceError
-from fusekit.core.stats import Moments, Statistics, save_statistics
+from fusekit.core.stats import InputMoments, Moments, Statistics, save_statistics
 from fusekit.toolkit.calibration import client_statistics
 from fusekit.toolkit.data import load_dataset
 
@@ -165,6 +165,11 @@ def test_statistics_refused_with_one_line_and_the_admin_finishes_early(
             "statistics over 20 inputs; at least 32 are required")
     refused(client_statistics(fused, digits[0], mode="eval"), 400,
             "computed in eval mode", "--mode batch")
+    refused(tampered(good, point, mean=good.points[point].mean * 1e150), 400,
+            "statistics of client 'hospital-a'", f"point {point!r}: means up to",
+            "expected at most 1e+12")  # finite, but the calibrated float32 model would not be
+    refused(tampered(good, point, var=np.full_like(good.points[point].var, 1e308)), 400,
+            "statistics of client 'hospital-a'", "variances up to 1e+308")
     refused(bn_models[0].read_bytes(), 413, "this job's limit for a statistics file")
     small = write(tmp_path / "small.safetensors", mlp((3, 2, 2)))
     refused(small.read_bytes(), 400, "statistics of client 'hospital-a'",
@@ -420,6 +425,50 @@ def test_plain_mlp_calibrated_with_targets_as_fusekit_calibrate_does(
     assert report["targets_missing"] == [NAMES[2]]
     one_line_error(put_targets(service, job_id, NAMES[2], tokens[NAMES[2]],
                                targets[2].read_bytes()), 409, "is succeeded")
+
+
+def test_targets_checked_against_the_clients_model_within_its_size(
+        service, admin, plain_models, digits, tmp_path):  # noqa: F811
+    """Input moments of the first layer's dimension and name only, a file no larger than the
+    client's model needs (refused from its header, before any check that grows with the
+    file's d), moments that keep a calibrated model finite: each refused in one line naming
+    the slot, nothing stored; the honest file is then taken."""
+    job = admin.create_job("pfnm", list(NAMES[:1]), calibrate=True, protocol="layerwise",
+                           input_moments=True)
+    job_id, token = job["id"], job["tokens"][NAMES[0]]
+    with Client(service.url, token) as client:
+        client.submit(job_id, NAMES[0], plain_models[0])
+    good = client_statistics(plain_models[0], digits[0], input_moments=True)
+    ((point, moments),) = good.inputs.items()
+    assert point == "input:0" and moments.mean.shape == (WIDTHS[0],)
+
+    def with_inputs(inputs: dict, points=good.points) -> bytes:
+        stats = Statistics(good.model, good.num_samples, good.mode, points, inputs=inputs)
+        return save_statistics(tmp_path / "t.safetensors", stats, force=True).read_bytes()
+
+    def moments_of(d: int) -> InputMoments:
+        return InputMoments(float(len(digits[0])), np.zeros(d), np.eye(d))
+
+    slot = f"targets of client '{NAMES[0]}'"
+    for body, status, words in [
+        (with_inputs({point: moments_of(60)}), 400,
+         ["point 'input:0': input moments of shape (60,)", "vectors of 64"]),
+        (with_inputs({"input:zzz": moments}), 400,
+         ["point 'input:zzz': not an input point of the model", "'input:0'"]),
+        (with_inputs({point: moments_of(200)}), 413, ["over", "this job's limit for a "
+                                                      "targets"]),
+        (with_inputs({point: InputMoments(moments.count, moments.mean * 1e150,
+                                          moments.cov)}), 400, [slot, "mean up to"]),
+        (with_inputs(good.inputs, tampered(good, "preactivation:0",
+                                           mean=good.points["preactivation:0"].mean
+                                           * 1e150).points), 400,
+         [slot, "means up to"]),
+    ]:
+        one_line_error(put_targets(service, job_id, NAMES[0], token, body), status, *words)
+    assert not files_in(service.data_dir / "jobs" / job_id / "targets")
+    honest = save_statistics(tmp_path / "good.targets.safetensors", good)
+    with Client(service.url, token) as client:
+        assert client.submit_targets(job_id, NAMES[0], honest)["filled"]
 
 
 def tiny_vit(folder: Path, seed: int) -> Path:

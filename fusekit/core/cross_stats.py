@@ -31,7 +31,13 @@ import numpy as np
 from fusekit.core import metadata as meta
 from fusekit.core.checkpoint import load_checkpoint, save_checkpoint
 from fusekit.core.errors import CheckpointError, StatisticsError
-from fusekit.core.stats import DEFAULT_MIN_SAMPLES, MODES, chan, point_fields
+from fusekit.core.stats import (
+    DEFAULT_MIN_SAMPLES,
+    MODES,
+    chan,
+    check_magnitude,
+    point_fields,
+)
 
 FIELDS = ("count", "reference_mean", "reference_var", "own_mean", "own_var", "covariance")
 #: Covariances may exceed the Cauchy-Schwarz bound by this relative slack (rounding).
@@ -252,6 +258,9 @@ def _check_moments(label: str, point: str, moments: CrossMoments, num_samples: i
         raise StatisticsError(f"{label}: point {point!r}: every moment must be finite")
     if np.any(moments.reference_var < 0) or np.any(moments.own_var < 0):
         raise StatisticsError(f"{label}: point {point!r}: variances must be >= 0")
+    for field in FIELDS[1:]:
+        check_magnitude(f"{label}: point {point!r}", field, getattr(moments, field),
+                        second=not field.endswith("_mean"))
     bound = np.sqrt(np.outer(moments.reference_var, moments.own_var))
     if np.any(np.abs(moments.covariance) > bound * (1 + SCHWARZ_SLACK) + 1e-12):
         raise StatisticsError(
@@ -405,6 +414,9 @@ def check_refit_statistics(stats: RefitStatistics, *, reference: str | None = No
                               f"{stats.num_samples} inputs, found {stats.count}")
     if not (np.all(np.isfinite(stats.gram)) and np.all(np.isfinite(stats.cross))):
         raise StatisticsError(f"{label}: layer {stats.layer!r}: every moment must be finite")
+    for field in ("gram", "cross"):  # second moments, E[u uᵀ] and E[y uᵀ]
+        check_magnitude(f"{label}: layer {stats.layer!r}", field, getattr(stats, field),
+                        second=True)
     gram = stats.gram
     scale = max(float(np.max(np.abs(np.diag(gram)))), 1.0)
     if (np.any(np.diag(gram) < 0) or np.max(np.abs(gram - gram.T)) > GRAM_TOLERANCE * scale

@@ -55,6 +55,10 @@ TOKEN_POINTS = (MLP_HIDDEN, LAYERNORM)
 #: Statistics over fewer inputs than this are refused: per-channel moments of a handful
 #: of samples come close to revealing the samples themselves.
 DEFAULT_MIN_SAMPLES = 32
+#: The largest |mean| or standard deviation a statistics file may report (second moments:
+#: its square). Real activations stay far below; beyond it the float32 tensors calibration
+#: writes could overflow (REPAIR scales a neuron by up to its target std / MIN_STD).
+MAX_MAGNITUDE = 1e12
 
 
 @dataclass
@@ -165,7 +169,8 @@ def parse_statistics(description: str, tensors: Mapping[str, np.ndarray],
 
 def load_statistics(path: str | os.PathLike[str], *, model: str | None = None,
                     points: Mapping[str, int] | None = None,
-                    min_samples: int = DEFAULT_MIN_SAMPLES) -> Statistics:
+                    min_samples: int = DEFAULT_MIN_SAMPLES,
+                    inputs: Mapping[str, int] | None = None) -> Statistics:
     """Read and check a statistics file.
 
     Args:
@@ -173,12 +178,14 @@ def load_statistics(path: str | os.PathLike[str], *, model: str | None = None,
         model: the content hash it must name (None: any model).
         points: the points it must hold, with their widths (None: whatever it holds).
         min_samples: refuse statistics over fewer inputs.
+        inputs: the input moments it may hold, with their dimension d (None: any).
 
     Raises:
         StatisticsError: one line naming the file: unreadable, not a statistics file, for
             another model, missing or misshapen points, counts not positive or not a
             multiple of the inputs run, non-finite means, negative or non-finite
-            variances, input moments that are misshapen, non-finite, not symmetric positive
+            variances, moments beyond :data:`MAX_MAGNITUDE`, input moments of another
+            point or dimension, misshapen, non-finite, not symmetric positive
             semi-definite or over no more vectors than their dimension, or fewer than
             ``min_samples`` inputs.
     """
@@ -191,7 +198,8 @@ def load_statistics(path: str | os.PathLike[str], *, model: str | None = None,
     except CheckpointError as exc:
         raise StatisticsError(f"statistics file {exc}") from None
     stats = parse_statistics(raw, tensors, str(path))
-    check_statistics(stats, model=model, points=points, min_samples=min_samples)
+    check_statistics(stats, model=model, points=points, min_samples=min_samples,
+                     inputs=inputs)
     return stats
 
 
@@ -240,7 +248,8 @@ def point_fields(tensors: Mapping[str, np.ndarray], fields: Sequence[str],
 
 def check_statistics(stats: Statistics, *, model: str | None = None,
                      points: Mapping[str, int] | None = None,
-                     min_samples: int = DEFAULT_MIN_SAMPLES) -> None:
+                     min_samples: int = DEFAULT_MIN_SAMPLES,
+                     inputs: Mapping[str, int] | None = None) -> None:
     """The checks of :func:`load_statistics`, for statistics from any source."""
     label = stats.label
     if model is not None and stats.model != model:
@@ -260,8 +269,24 @@ def check_statistics(stats: Statistics, *, model: str | None = None,
     for point, moments in stats.points.items():
         _check_moments(label, point, moments, None if points is None else points[point],
                        stats.num_samples)
-    for point, inputs in stats.inputs.items():
-        check_input_moments(f"{label}: point {point!r}", inputs, stats.num_samples)
+    for point, moments in stats.inputs.items():
+        where = f"{label}: point {point!r}"
+        if inputs is not None:
+            _check_input_point(where, point, moments, inputs)
+        check_input_moments(where, moments, stats.num_samples)
+
+
+def _check_input_point(where: str, point: str, moments: InputMoments,
+                       inputs: Mapping[str, int]) -> None:
+    """Input moments of a point the model has, of its dimension: checked before their
+    values, so that checking costs what the model's d allows, never what a file claims."""
+    if point not in inputs:
+        raise StatisticsError(f"{where}: not an input point of the model; expected "
+                              f"{', '.join(map(repr, inputs)) or 'none'}")
+    found = np.shape(moments.mean)
+    if found != (inputs[point],):
+        raise StatisticsError(f"{where}: input moments of shape {found}; the layer "
+                              f"multiplies vectors of {inputs[point]}")
 
 
 def check_input_moments(label: str, moments: InputMoments, num_samples: int) -> None:
@@ -286,6 +311,8 @@ def check_input_moments(label: str, moments: InputMoments, num_samples: int) -> 
             f"{num_samples} inputs, found {n:g}")
     if not (np.all(np.isfinite(mean)) and np.all(np.isfinite(cov))):
         raise StatisticsError(f"{label}: mean and covariance must be finite")
+    check_magnitude(label, "mean", mean)
+    check_magnitude(label, "covariance", cov, second=True)
     tolerance = COVARIANCE_TOLERANCE * max(float(np.abs(cov).max()), 1e-300)
     if np.abs(cov - cov.T).max() > tolerance:
         raise StatisticsError(f"{label}: the covariance is not symmetric")
@@ -317,6 +344,19 @@ def _check_moments(label: str, point: str, moments: Moments, width: int | None,
         raise StatisticsError(
             f"{label}: point {point!r}: variances must be finite and >= 0, found "
             f"{moments.var[~(np.isfinite(moments.var) & (moments.var >= 0))][:3].tolist()}")
+    check_magnitude(f"{label}: point {point!r}", "means", moments.mean)
+    check_magnitude(f"{label}: point {point!r}", "variances", moments.var, second=True)
+
+
+def check_magnitude(label: str, what: str, values: np.ndarray, second: bool = False) -> None:
+    """Refuse finite moments beyond :data:`MAX_MAGNITUDE` (``second``: its square), in one
+    line starting with ``label``."""
+    bound = MAX_MAGNITUDE ** 2 if second else MAX_MAGNITUDE
+    largest = float(np.abs(values).max(initial=0.0))
+    if largest > bound:
+        raise StatisticsError(f"{label}: {what} up to {largest:.3g}; expected at most "
+                              f"{bound:.0e} in magnitude (beyond, a calibrated float32 model "
+                              "overflows)")
 
 
 def pool(clients: Sequence[Statistics]) -> dict[str, Moments]:

@@ -51,6 +51,7 @@ from fusekit.service.uploads import (
     Upload,
     checkpoint_check,
     round_check,
+    targets_bytes,
     targets_check,
 )
 from fusekit.service.web import add_web
@@ -172,6 +173,9 @@ def create_app(settings: Settings) -> FastAPI:
         if for_round is not None and for_round != current:
             raise Conflict(stale(f"client {client!r}", for_round, job["round"]))
         limit, validate = _upload_rules(store, job, client, kind, settings)
+        if kind is TARGETS:  # what the client's model needs, read in a checker process
+            limit = await checker.run(targets_bytes, store.file(job, client, CHECKPOINT),
+                                      job["spec"], limit)
         checkpoint = job["slots"][client]["sha256"] if kind is TARGETS else None
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
@@ -307,7 +311,12 @@ def create_app(settings: Settings) -> FastAPI:
 
     @app.get("/v1/jobs/{job_id}/report")
     async def report(job_id: str, authorization: Auth = None) -> dict[str, Any]:
+        """A succeeded job's report; a failed job's holds its whole error."""
         admin_only(authorization)
+        job = store.read(job_id)
+        path = store.root / job_id / REPORT
+        if job["state"] == "failed" and path.is_file():
+            return json.loads(path.read_text())
         return json.loads((_finished(store, job_id) / REPORT).read_text())
 
     @app.delete("/v1/jobs/{job_id}")

@@ -92,8 +92,7 @@ def describe(step: dict[str, Any], index: int, total: int, model: Path, file: st
               "file": file, **file_record(model), "participants": participants}
     if step["kind"] == STATISTICS:
         points = model_points(checkpoint, spec)
-        record.update(points=points, max_bytes=24 * sum(points.values())
-                      + _POINT_BYTES * len(points) + _HEADER_BYTES)
+        record.update(points=points, max_bytes=statistics_bytes(points))
     elif step["kind"] == CROSS:
         widths, widest = cross_points(spec), _widest(clients, spec_json)
         record.update(widths=widths, max_bytes=_HEADER_BYTES + sum(
@@ -106,6 +105,15 @@ def describe(step: dict[str, Any], index: int, total: int, model: Path, file: st
     else:
         record.update(max_bytes=0)
     return record
+
+
+def statistics_bytes(points: dict[str, int], inputs: dict[str, int] | None = None) -> int:
+    """The largest honest statistics file of these points (and input moments, each of
+    dimension d): float64 count, mean and variance per channel, count, mean and (d, d)
+    covariance per input point, and their header."""
+    moments = sum(8 * (1 + d + d * d) for d in (inputs or {}).values())
+    return (24 * sum(points.values()) + moments
+            + _POINT_BYTES * (len(points) + len(inputs or {})) + _HEADER_BYTES)
 
 
 def file_record(path: Path) -> dict[str, Any]:
@@ -159,7 +167,7 @@ def check_upload(part: Path, label: str, round_: dict[str, Any], own: Path | Non
     try:
         if kind == STATISTICS:
             stats = load_statistics(part, model=round_["model"], points=round_["points"],
-                                    min_samples=min_samples)
+                                    min_samples=min_samples, inputs={})
             if stats.mode != round_["mode"]:
                 raise StatisticsError(
                     f"{part}: computed in {stats.mode} mode; {what_it_asks(round_)} "

@@ -36,17 +36,17 @@ from typing import Any, TypeVar
 
 from starlette.concurrency import run_in_threadpool
 
-from fusekit.api import client_spec, model_points
+from fusekit.api import client_spec, input_points, model_points
 from fusekit.core.checkpoint import (
     check_header,
     header_length,
     is_pickle_or_torch_zip,
     load_checkpoint,
 )
-from fusekit.core.errors import CheckpointError, StatisticsError
+from fusekit.core.errors import CheckpointError, FusekitError, StatisticsError
 from fusekit.core.stats import load_statistics
 from fusekit.service.errors import ServiceError, TooLarge, TooSlow
-from fusekit.service.rounds import check_upload
+from fusekit.service.rounds import check_upload, statistics_bytes
 from fusekit.service.settings import Settings
 
 T = TypeVar("T")
@@ -227,6 +227,18 @@ def targets_check(checkpoint: Path, spec: dict[str, Any] | None, min_samples: in
                              min_samples=min_samples, input_moments=input_moments)
 
 
+def targets_bytes(checkpoint: Path, spec: dict[str, Any] | None, limit: int) -> int:
+    """The size limit of targets of the client's checkpoint at ``checkpoint``: the largest
+    honest statistics file of it, input moments included (at most ``limit``, the job's
+    checkpoint limit, where the checkpoint's points cannot be told)."""
+    try:
+        own = load_checkpoint(checkpoint)
+        spec_ = client_spec(own, spec)
+        return min(limit, statistics_bytes(model_points(own, spec_), input_points(own, spec_)))
+    except (FileNotFoundError, FusekitError):  # replaced, or not fusable: checked whole
+        return limit
+
+
 def _validate_checkpoint(part: Path, label: str, budget: int) -> None:
     """In a checker process: the whole file as load_checkpoint sees it, and its values."""
     try:
@@ -240,13 +252,13 @@ def _validate_targets(part: Path, label: str, checkpoint: Path, spec: dict[str, 
     """In a checker process: the file as statistics of the client's own checkpoint."""
     try:
         own = load_checkpoint(checkpoint)
-        points = model_points(own, client_spec(own, spec))
+        own_spec = client_spec(own, spec)
     except FileNotFoundError:  # replaced meanwhile: store.accept refuses it by name
         return
     named = f"targets of {label}"
     try:
-        stats = load_statistics(part, model=own.content_hash, points=points,
-                                min_samples=min_samples)
+        stats = load_statistics(part, model=own.content_hash, points=model_points(
+            own, own_spec), min_samples=min_samples, inputs=input_points(own, own_spec))
         if input_moments and not stats.inputs:
             raise StatisticsError(f"{part}: no input moments; this job derives its first "
                                   "layer from every client's (fusekit stats OWN "

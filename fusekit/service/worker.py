@@ -57,7 +57,8 @@ log = logging.getLogger(__name__)
 RESULT, REPORT = "result.safetensors", "report.json"
 CONFIG = "config.json"  # a transformer job's fused config.json (the job's, fused widths)
 TASK = "fusekit.run_job"
-CANCEL_CHECK_S = 0.5  # how often a worker looks whether its running job was cancelled
+CANCEL_CHECK_S = 0.5
+ERROR_CHARS = 300  # of a failed job's error in its status; the whole text in its report  # how often a worker looks whether its running job was cancelled
 LOG_FORMAT = "%(asctime)s %(name)s: %(message)s"
 # Fusion processes start afresh: a fork would copy the worker's threads' locks.
 _SPAWN = multiprocessing.get_context("spawn")
@@ -118,13 +119,26 @@ def _run_step(store: JobStore, job: dict[str, Any], attempt: int, step) -> dict[
         run.mkdir()
         return step(store, job, attempt, run)
     except (FusekitError, _StepFailed) as exc:
-        return {"state": "failed", "error": without_paths(str(exc), store.data_dir)}
+        return _failed(store, job, str(exc))
     except Exception as exc:  # a bug, not bad input: keep the traceback in the worker's log
         log.exception("job %s failed", job["id"])
-        return {"state": "failed", "error": without_paths(
-            f"internal error: {type(exc).__name__}: {exc}", store.data_dir)}
+        return _failed(store, job, f"internal error: {type(exc).__name__}: {exc}")
     finally:
         shutil.rmtree(run, ignore_errors=True)
+
+
+def _failed(store: JobStore, job: dict[str, Any], error: str) -> dict[str, Any]:
+    """A failed step's outcome: its error within ``ERROR_CHARS`` in the job (every status
+    request returns it, the page draws it), the whole text in the job's report."""
+    error = without_paths(error, store.data_dir)
+    report = store.root / job["id"] / REPORT
+    with contextlib.suppress(FileNotFoundError, ValueError):  # deleted meanwhile; unreadable
+        kept = json.loads(report.read_text()) if report.is_file() else {}
+        write_atomic(report, json.dumps({**kept, "error": error}).encode())
+    if len(error) > ERROR_CHARS:
+        error = (f"{error[:ERROR_CHARS]}... ({len(error)} characters; the whole error is in "
+                 "the job's report)")
+    return {"state": "failed", "error": error}
 
 
 def _fuse(store: JobStore, job: dict[str, Any], attempt: int, run: Path) -> dict[str, Any]:
