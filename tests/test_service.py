@@ -169,6 +169,40 @@ def test_concurrent_accepts_into_one_slot_keep_the_last_file(tmp_path, models):
         assert assert_slot_matches_its_file(tmp_path, job["id"], "a") == last
 
 
+def test_attempts_count_per_step_and_a_job_out_of_them_names_its_step(tmp_path):
+    """A worker's death is counted against the step it was in (the fusion, a round): a
+    new round starts with none; the third death in one step fails the job naming it."""
+    from fusekit.service.settings import Settings
+    from fusekit.service.store import JobStore
+    from fusekit.service.worker import _requeue
+
+    store = JobStore(tmp_path)
+    job, _ = store.create(method="pfnm", params={}, spec=None, clients=["a"],
+                          max_checkpoint_bytes=2**20, auto_run=False, max_jobs=10,
+                          calibrate=True)
+    round_ = {"kind": "statistics", "layers": ["3"], "mode": "eval", "index": 2, "total": 3,
+              "participants": ["a"]}
+    queued: list[str] = []
+    settings = Settings(data_dir=tmp_path, lease_s=1.0, max_attempts=3)
+    for attempt in range(1, 7):
+        with store.locked(job["id"]) as record:
+            record["state"] = "queued"
+        assert store.claim(job["id"])["step_attempts"] == (attempt - 1) % 3 + 1
+        if attempt == 3:  # the fusion's third run: done, the job enters a round
+            store.conclude(job["id"], attempt, state="calibrating", round={
+                **round_, "index": 1}, fused={"model": "m"}, statistics={})
+            assert store.read(job["id"])["step_attempts"] == 0
+            continue
+        os.utime(store.root / job["id"] / "heartbeat", (0, 0))  # its worker silent since
+        _requeue(store, settings, job["id"], None, queued.append)
+    state = store.read(job["id"])
+    assert state["state"] == "failed" and state["attempts"] == 6, state
+    assert state["error"] == ("round 1 of 3: statistics of the round's model (eval mode, layer "
+                              "'3'): the worker stopped 3 times while computing it (killed or "
+                              "out of memory); not trying again")
+    assert queued == [job["id"]] * 4
+
+
 def test_concurrent_uploads_to_one_slot_keep_the_last_accepted_file(service, admin, models):
     job = admin.create_job("avg", ["a"])
     bodies = [p.read_bytes() for p in models]

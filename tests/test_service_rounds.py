@@ -4,8 +4,8 @@ clients' input moments, no round) and an alignment + refit job on BatchNorm MLPs
 client computing every round's file on its own share of the embedded digits with one call
 (``Client.take_part`` / ``contribute``, ``fusekit contribute``); the result equal to what
 fusekit.calibrate / align / refit give for the same files; a stale round's upload
-refused in one line; a worker killed between rounds; a transformer job's fused model
-served with its config.json."""
+refused in one line; the worker killed in every round of a layerwise and an align job; a
+transformer job's fused model served with its config.json."""
 
 from __future__ import annotations
 
@@ -252,15 +252,7 @@ def test_align_and_refit_job_equals_the_library_and_refuses_stale_rounds(
             state = _next_round(admin, job_id, index + 1)
     assert state["state"] == "succeeded", state
 
-    fused = tmp_path / "fused.safetensors"
-    current = fusekit.calibrate(fused, [files_of(folders[n], n, 1) for n in NAMES[:2]])
-    cross = [files_of(folders[n], n, 2) for n in NAMES]
-    assert load_cross_statistics(cross[0]).reference == _hash(current)
-    current = fusekit.align(_checkpoint(current), models, cross)
-    for index, layer in zip(range(3, 7), ("0", "3", "6", "9"), strict=True):
-        current = fusekit.refit(_checkpoint(current), models,
-                                [files_of(folders[n], n, index) for n in NAMES])
-        assert current.report["refit"]["layers"][-1] == layer
+    current = _aligned_and_refit(tmp_path / "fused.safetensors", models, folders, NAMES[:2])
     assert_same_tensors(admin.result(job_id, tmp_path / "result.safetensors"),
                         current.state_dict)
     report = admin.report(job_id)["calibration"]
@@ -297,37 +289,46 @@ def _next_round(admin, job_id: str, index: int, timeout: float = 120) -> dict:  
         time.sleep(0.05)
 
 
-def test_worker_killed_between_rounds_and_server_restarted(models, digits, tmp_path):
-    """kill -9 of the worker while it computes a round's step: the job is run again from
-    the same round (its files kept) and ends as the library does; kill -9 of the server
-    between rounds loses nothing."""
+def _killed_in(server, admin, job_id: str, index: int, total: int) -> dict:  # noqa: F811
+    """kill -9 of the server's worker while it computes round ``index``'s step; the job
+    once past that round (its step run again by the worker the server starts)."""
+    wait_for_progress(admin, job_id, f"round {index} of {total}: ", prefix=True)
+    (worker,) = workers(server.process.pid)
+    os.kill(worker, signal.SIGKILL)
+    return _next_round(admin, job_id, index + 1)
+
+
+def test_worker_killed_in_every_round_and_server_restarted(models, digits, tmp_path):
+    """kill -9 of the worker while it computes each round's step, in a layerwise and an
+    align job: each round is run again from the files it received (the attempt limit, 3,
+    counts per round, so every round runs twice and the job goes on) and the jobs end as
+    the library does; kill -9 of the server between rounds loses nothing."""
     server = ServiceProcess(tmp_path / "data", options=("--job-lease", "1"),
                             env={"FUSEKIT_ADMIN_TOKEN": ADMIN})
     server.start()
     try:
         with Client(server.url, ADMIN) as admin:  # noqa: F811
+            def rounds_with_kills(job: dict, folders: dict[str, Path], total: int) -> dict:
+                for index in range(1, total + 1):
+                    for name, model, x in zip(NAMES, models, digits, strict=True):
+                        with Client(server.url, job["tokens"][name]) as client:
+                            client.contribute(job["id"], name, model, x, folders[name])
+                    state = _killed_in(server, admin, job["id"], index, total)
+                    if index < total:
+                        assert state["state"] == "calibrating", state
+                        assert state["step_attempts"] == 0 and state["round"]["index"] == (
+                            index + 1), state
+                    if index == 1:
+                        server.kill()
+                        server.start()
+                        assert admin.status(job["id"])["round"] == state["round"]
+                assert state["state"] == "succeeded", state
+                assert state["attempts"] == 1 + 2 * total, state
+                return state
+
             job = create(admin, server, models, protocol="layerwise")
             job_id, folders = job["id"], {name: tmp_path / name for name in NAMES}
-
-            def round_of_everyone() -> None:
-                for name, model, x in zip(NAMES, models, digits, strict=True):
-                    with Client(server.url, job["tokens"][name]) as client:
-                        client.contribute(job_id, name, model, x, folders[name])
-
-            round_of_everyone()
-            wait_for_progress(admin, job_id, "round 1 of 3: calibrating with the statistics "
-                              "of 3 of 3 clients")
-            (worker,) = workers(server.process.pid)
-            os.kill(worker, signal.SIGKILL)
-            state = _next_round(admin, job_id, 2)
-            assert state["state"] == "calibrating" and state["attempts"] == 3, state
-            server.kill()
-            server.start()
-            assert admin.status(job_id)["round"] == state["round"]
-            for index in (2, 3):
-                round_of_everyone()
-                state = _next_round(admin, job_id, index + 1)
-            assert state["state"] == "succeeded", state
+            rounds_with_kills(job, folders, 3)
             expected = fusekit.load_checkpoint(admin.fused(job_id, tmp_path / "f.safetensors"))
             for index, layer in zip((1, 2, 3), ("0", "3", "6"), strict=True):
                 expected = _checkpoint(fusekit.calibrate(
@@ -340,8 +341,30 @@ def test_worker_killed_between_rounds_and_server_restarted(models, digits, tmp_p
             kept = sorted(p.name for p in (folder / "statistics").iterdir())  # the last round's
             assert kept == sorted(f"{n}.{sha256(files_of(folders[n], n, 3))}.safetensors"
                                   for n in NAMES)
+
+            job = create(admin, server, models, protocol="align")
+            folders = {name: tmp_path / "align" / name for name in NAMES}
+            rounds_with_kills(job, folders, 6)
+            fused = admin.fused(job["id"], tmp_path / "fused-align.safetensors")
+            assert_same_tensors(admin.result(job["id"], tmp_path / "ra.safetensors"),
+                                _aligned_and_refit(fused, models, folders, NAMES).state_dict)
     finally:
         server.stop()
+
+
+def _aligned_and_refit(fused: Path, models: list[Path], folders: dict[str, Path],
+                       first_round: tuple[str, ...]):
+    """What fusekit.calibrate, align and refit give with the files of an align job's six
+    rounds (the first round's of the clients ``first_round``, every client's after)."""
+    current = fusekit.calibrate(fused, [files_of(folders[n], n, 1) for n in first_round])
+    cross = [files_of(folders[n], n, 2) for n in NAMES]
+    assert load_cross_statistics(cross[0]).reference == _hash(current)
+    current = fusekit.align(_checkpoint(current), models, cross)
+    for index, layer in zip(range(3, 7), ("0", "3", "6", "9"), strict=True):
+        current = fusekit.refit(_checkpoint(current), models,
+                                [files_of(folders[n], n, index) for n in NAMES])
+        assert current.report["refit"]["layers"][-1] == layer
+    return current
 
 
 def test_a_transformer_jobs_models_come_with_its_config(service, admin, tmp_path):  # noqa: F811

@@ -32,7 +32,9 @@ class Settings:
         max_uploads: uploads one API server receives at once; more get 429.
         max_jobs: jobs the service keeps (deleted ones do not count); more get 429.
         lease_s: a running job whose worker has not signalled for this long is taken to be
-            dead and is run again (at most ``max_attempts`` runs in all).
+            dead and is run again, from the step it was in (its fusion, or its current
+            calibration round, with the files received): at most ``max_attempts`` runs of
+            each step.
         upload_idle_s: an upload that sends nothing for this long is abandoned.
         upload_min_rate: bytes per second an upload must average once its first
             ``upload_idle_s`` seconds are over (``size >= rate * (elapsed - idle_s)``),

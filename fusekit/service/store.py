@@ -313,7 +313,8 @@ class JobStore:
                     return None
                 self.beat(job_id)
                 job.update(state="running", started_at=time.time(), progress="starting",
-                           attempts=job["attempts"] + 1, error=None)
+                           attempts=job["attempts"] + 1, error=None,
+                           step_attempts=job.get("step_attempts", 0) + 1)
             return job
         except NotFound:
             return None
@@ -345,8 +346,11 @@ class JobStore:
                 if not _runs(job, attempt):
                     return None
                 job.update(changes)
-                if calibration_ready(job):
-                    job.update(state="running", progress="starting the next round")
+                if "round" in changes:  # a step begins: its own attempts (none yet)
+                    job["step_attempts"] = 0
+                if calibration_ready(job):  # ... or this one, the worker's next step
+                    job.update(state="running", progress="starting the next round",
+                               step_attempts=1)
             return job
         except NotFound:
             return None
@@ -488,7 +492,7 @@ def view(job: dict[str, Any], client: str | None = None) -> dict[str, Any]:
                 "waiting_for": waiting_for(job)} if calibrate else {}
     return {**public, "params": job["params"], "auto_run": job["auto_run"],
             "max_checkpoint_bytes": job["max_checkpoint_bytes"], "attempts": job["attempts"],
-            "error": job["error"], "slots": slots, **received}
+            "step_attempts": job.get("step_attempts", 0), "error": job["error"], "slots": slots, **received}
 
 
 def waiting_for(job: dict[str, Any]) -> dict[str, list[str]] | None:

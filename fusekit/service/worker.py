@@ -410,10 +410,12 @@ def _requeue(store: JobStore, settings: Settings, job_id: str, huey: Huey,
     with store.locked(job_id) as job:
         if job["state"] != "running" or store.silent_for(job_id) <= settings.lease_s:
             return
-        if job["attempts"] >= settings.max_attempts:
+        tries = job.get("step_attempts", job["attempts"])  # a job of an earlier version
+        if tries >= settings.max_attempts:
+            step = rounds.what_it_asks(job["round"]) if job.get("fused") else "its fusion"
             job.update(state="failed", finished_at=time.time(), progress=None,
-                       error=f"the worker stopped {job['attempts']} times while running this "
-                       "job (killed or out of memory); not trying again")
+                       error=f"{step}: the worker stopped {tries} times while computing it "
+                       "(killed or out of memory); not trying again")
             log.warning("job %s: %s", job_id, job["error"])
             return
         job.update(state="queued", queued_at=time.time(), progress=None)
