@@ -20,6 +20,7 @@ from fusekit._cli.options import (
     JsonOption,
     SamplesOption,
 )
+from fusekit._cli import next_round
 from fusekit._cli.output import emit_json, stdout
 from fusekit.core.cross_stats import DEFAULT_RIDGE
 from fusekit.core.errors import DataError, ParameterError
@@ -106,6 +107,7 @@ def stats(
                                    input_moments=input_moments)
     except DataError as exc:  # name the option, not the library's argument
         raise DataError(str(exc).replace("(min_samples)", "(--min-samples)")) from None
+    _something_to_calibrate(result, model)
     written = save_statistics(output, result, force=force)
     summary = {"output": str(written), "model": result.model, "samples": result.num_samples,
                "mode": result.mode, "points": len(result.points),
@@ -117,6 +119,14 @@ def stats(
         stdout.print(f"wrote {written}: {len(result.points)} points{extra} over "
                      f"{result.num_samples} inputs of {name} (model {result.model[:12]})",
                      highlight=False)
+
+
+def _something_to_calibrate(result, model: Path) -> None:
+    """Refuse statistics of no point (a model without a hidden layer): nothing they could
+    calibrate, align or refit."""
+    if not result.points:
+        raise ParameterError(f"{model}: no hidden layer, so nothing to calibrate or align; "
+                             "no statistics written")
 
 
 def client_inputs(data: str | None, data_dir: Path | None, data_path: Path | None,
@@ -151,6 +161,7 @@ def _cross_stats(reference: Path, own: Path, inputs, name: str, output: Path,
     except DataError as exc:  # name the option, not the library's argument
         raise DataError(str(exc).replace("(min_samples)", "(--min-samples)")) from None
     if layer is None:
+        _something_to_calibrate(result, reference)
         written = save_cross_statistics(output, result, force=force)
         what = f"cross statistics of {len(result.points)} layers"
     else:
@@ -198,23 +209,39 @@ def calibrate(
     Pools the statistics exactly; --targets adds REPAIR to the layers without BatchNorm."""
     import fusekit
 
+    from fusekit.core.transformer import TransformerSpec
+    from fusekit.methods.calibration import changed_layers
+
     result = fusekit.calibrate(fused, statistics or (), targets=targets or (),
                                layers=layers.split(",") if layers else None,
                                min_samples=min_samples, paired=paired)
     written = result.save(output, force=force)
     report = {"output": str(written), **result.report["calibration"]}
+    if not isinstance(result.spec, TransformerSpec):
+        order = changed_layers(result.spec, None, repair=bool(targets), label=str(fused))
+        done = order if report["layers"] == "all" else report["layers"]
+        report["next"] = next_round.after_calibration(output, done, order, statistics or [],
+                                                      targets or [], paired)
+    _report(report, f"wrote {written}: calibrated with {report['clients']} client(s), "
+            f"{report['samples']} inputs ({report['mode']} statistics"
+            f"{', REPAIR targets' if report['repair'] else ''}"
+            f"{', paired' if report.get('paired') else ''})", as_json)
+
+
+def _report(report: dict, line: str, as_json: bool) -> None:
+    """The step's report as JSON, or its line and the next round's commands."""
     if as_json:
         emit_json(report)
-    else:
-        stdout.print(f"wrote {written}: calibrated with {report['clients']} client(s), "
-                     f"{report['samples']} inputs ({report['mode']} statistics"
-                     f"{', REPAIR targets' if report['repair'] else ''}"
-                     f"{', paired' if report.get('paired') else ''})", highlight=False)
+        return
+    stdout.print(line, highlight=False)
+    if "next" in report:
+        stdout.print("\n".join(next_round.lines(report["next"])), highlight=False,
+                     soft_wrap=True)
 
 
 def align(
     reference: Annotated[Path, typer.Argument(
-        help="The fused model the clients ran (.safetensors; calibrate it first).",
+        help="The fused model the clients ran (.safetensors; calibrated first).",
         show_default=False)],
     clients: Annotated[list[Path], typer.Argument(
         help="The clients' own models (the fusion's inputs).", metavar="CLIENTS...",
@@ -229,21 +256,24 @@ def align(
 ) -> None:
     """Re-match every client to REFERENCE by activations and re-fuse (an alignment round).
 
-    Writes the re-fused model at REFERENCE's widths; calibrate it next (fusekit stats,
-    fusekit calibrate)."""
+    Writes the re-fused model at REFERENCE's widths and prints the first refit round: the
+    refit rounds start from this model as written (each refit folds its layer's BatchNorm),
+    as fusekit.toolkit.alignment.align_locally does; calibrate it instead to stop here."""
     import fusekit
 
     result = fusekit.align(reference, clients, cross_stats, min_samples=min_samples)
     result.inputs += [path.absolute() for path in [reference, *cross_stats]]
     written = result.save(output, force=force)
     report = {"output": str(written), "clients": len(clients), "widths": result.widths,
-              "mean_correlation": result.report["alignment"]["mean_correlation"]}
-    if as_json:
-        emit_json(report)
-    else:
-        stdout.print(f"wrote {written}: {len(clients)} client(s) re-matched to {reference} "
-                     f"(mean matched correlation {report['mean_correlation']}), widths "
-                     f"{result.widths}; calibrate it next", highlight=False)
+              "mean_correlation": result.report["alignment"]["mean_correlation"],
+              "next": next_round.after_alignment(output, clients, _layer_names(result))}
+    _report(report, f"wrote {written}: {len(clients)} client(s) re-matched to {reference} "
+            f"(mean matched correlation {report['mean_correlation']}), widths "
+            f"{result.widths}", as_json)
+
+
+def _layer_names(result) -> list[str]:
+    return [layer.name for layer in result.spec.layers]
 
 
 def refit(
@@ -274,9 +304,7 @@ def refit(
     result.inputs += [path.absolute() for path in [fused, *refit_stats]]
     written = result.save(output, force=force)
     report = {"output": str(written), **result.report["refit"]}
-    if as_json:
-        emit_json(report)
-    else:
-        stdout.print(f"wrote {written}: layer {report['layers'][-1]} refit from "
-                     f"{len(clients)} client(s); layers refit so far: {len(report['layers'])}",
-                     highlight=False)
+    report["next"] = next_round.after_refit(output, clients, _layer_names(result),
+                                            report["layers"][-1])
+    _report(report, f"wrote {written}: layer {report['layers'][-1]} refit from "
+            f"{len(clients)} client(s); layers refit so far: {len(report['layers'])}", as_json)

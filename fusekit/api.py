@@ -257,6 +257,7 @@ def _calibrated_network(checkpoint: Checkpoint, spec, stats: Sequence[Statistics
     own, chosen = (_target_assignments(checkpoint, spec, targets, min_samples) if targets
                    else ([], []))
     repair = calibration.neuron_targets(spec, own, chosen) if own else None
+    calibration.changed_layers(spec, layers, repair=bool(own), label=checkpoint.label)
     used = list(stats)
     if not stats:  # the first layer alone, each client's statistics derived
         stats = _derived_first_layer(checkpoint, spec, own)

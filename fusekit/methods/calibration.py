@@ -27,7 +27,7 @@ import numpy as np
 
 from fusekit.core import metadata as meta
 from fusekit.core.checkpoint import Checkpoint
-from fusekit.core.errors import CheckpointError, StatisticsError
+from fusekit.core.errors import CheckpointError, ParameterError, StatisticsError
 from fusekit.core.spec import Layer
 from fusekit.core.stats import (
     InputMoments,
@@ -294,6 +294,37 @@ def derived_moments(weight: np.ndarray, bias: np.ndarray | None,
     mean = matrix @ inputs.mean + (0.0 if bias is None else np.asarray(bias, np.float64))
     var = np.einsum("ij,jk,ik->i", matrix, inputs.cov, matrix)
     return Moments(np.full(matrix.shape[0], float(inputs.count)), mean, np.maximum(var, 0.0))
+
+
+def changed_layers(spec, layers: Sequence[str] | None, *, repair: bool,
+                   label: str) -> list[str]:
+    """The hidden layers calibration changes, input to output: those with a BatchNorm, and
+    with REPAIR's targets every other one too; only ``layers`` when given.
+
+    Raises:
+        ParameterError: ``layers`` naming a layer that is not a hidden layer of the model or
+            that calibration cannot change; none to change at all (a model without
+            BatchNorm and without targets: calibrating it would write the model unchanged);
+            an empty ``layers`` asks for no change and is returned as it is.
+    """
+    if layers is not None and not layers:
+        return []
+    hidden = list(spec.layers[:-1])
+    changing = [layer.name for layer in hidden if layer.norm is not None or repair]
+    why = ("it has no BatchNorm, and without targets (the clients' statistics of their own "
+           "models: fusekit stats OWN_MODEL, calibrate --targets) REPAIR has nothing to "
+           "restore")
+    for name in layers or ():
+        if name not in changing:
+            known = [layer.name for layer in hidden]
+            raise ParameterError(
+                f"layers: {name!r} is not a hidden layer of {label} (expected some of "
+                f"{known})" if name not in known else
+                f"layers: calibration cannot change layer {name!r} of {label}: {why}")
+    if not changing:
+        raise ParameterError(f"{label}: nothing to calibrate: "
+                             + (why if hidden else "it has no hidden layer"))
+    return changing if layers is None else [name for name in changing if name in layers]
 
 
 def calibrated_state_dict(state_dict: Mapping[str, np.ndarray], spec,

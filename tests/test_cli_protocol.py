@@ -1,0 +1,143 @@
+"""The file-based protocol through the CLI: every server-side step prints the next round's
+commands, following them reproduces the library's ``align_locally``, and a step that
+cannot change the model says why and writes nothing."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from conftest import mlp, write
+from fusekit._cli.app import app
+from fusekit.core.checkpoint import load_checkpoint
+from fusekit.toolkit.alignment import align_locally
+from fusekit.toolkit.data import load_dataset
+
+runner = CliRunner()
+
+
+def _run(*args) -> dict:
+    result = runner.invoke(app, [*map(str, args), "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def _refused(*args) -> str:
+    result = runner.invoke(app, list(map(str, args)))
+    assert result.exit_code == 2, result.output
+    assert len(result.stderr.strip().splitlines()) == 1
+    return result.stderr
+
+
+def _clients(tmp_path: Path, batchnorm: bool, widths=(6, 8, 7, 3), n: int = 2):
+    """Plain torch MLPs from independent initialisations, each with its own data file."""
+    models, data = [], []
+    for i in range(n):
+        models.append(write(tmp_path / f"c{i}.safetensors",
+                            mlp(widths, batchnorm=batchnorm, seed=i), num_samples=80))
+        x = np.random.default_rng(i).normal(i / 2, 1 + i / 4, (80, widths[0]))
+        data.append(tmp_path / f"client{i}.npz")
+        np.savez(data[-1], x_train=x.astype(np.float32), y_train=np.zeros(80, np.int64),
+                 x_test=x[:5].astype(np.float32), y_test=np.zeros(5, np.int64))
+    return models, data
+
+
+def _follow(step: dict, data: list[Path], own: list[Path]) -> dict:
+    """Run what a step printed: client k's line on its data, then the server's line."""
+    def words(line: str, k: int | None) -> list[str]:
+        text = line.replace("DATA.npz", str(data[k])) if k is not None else line
+        for i, path in enumerate(own):
+            text = text.replace(f"CLIENT{i}.", f"{path.parent / path.stem}.")
+        assert text.startswith("fusekit ")
+        return shlex.split(text)[1:]
+
+    for k, line in enumerate(step["clients"]):
+        _run(*words(line, k))
+    return _run(*words(step["then"], None))
+
+
+def test_following_the_printed_commands_reproduces_align_locally(tmp_path):
+    own, data = _clients(tmp_path, batchnorm=True)
+    fused = tmp_path / "fused.safetensors"
+    _run("fuse", *own, "-m", "ot", "-o", fused)
+    targets, stats = [], []
+    for k, (model, path) in enumerate(zip(own, data, strict=True)):
+        targets += ["--targets", _run("stats", model, "--data-path", path, "-o",
+                                      tmp_path / f"c{k}.own.safetensors")["output"]]
+        stats.append(_run("stats", fused, "--data-path", path, "-o",
+                          tmp_path / f"c{k}.stats.safetensors")["output"])
+    step = _run("calibrate", fused, *stats, *targets, "--paired", "--layers", "0", "-o",
+                tmp_path / "calibrated.safetensors")["next"]
+    seen = []
+    while step["then"] is not None:
+        seen.append(step["round"].split(" of ")[0])
+        step = _follow(step, data, own)["next"]
+    assert seen == ["calibration round 2", f"{tmp_path / 'calibrated-2.safetensors'} is "
+                    "calibrated. Optional, for clients from independent initialisations: an "
+                    "alignment round (README, \"Alignment rounds\"; CLIENTk: client k's own "
+                    "model)", "refit round 1", "refit round 2", "refit round 3"]
+    assert step["round"].startswith("nothing: every layer is refit")
+    inputs = [load_dataset(path=path).x_train for path in data]
+    expected = align_locally(fused, [load_checkpoint(p) for p in own], inputs).state_dict
+    final = load_checkpoint(tmp_path / "refit-3.safetensors")
+    for name, value in expected.items():
+        np.testing.assert_allclose(final.tensor(name), value, rtol=1e-6, atol=1e-7)
+
+
+def test_the_refit_rounds_start_from_the_aligned_model_as_written(tmp_path):
+    own, data = _clients(tmp_path, batchnorm=True)
+    fused = tmp_path / "fused.safetensors"
+    _run("fuse", *own, "-m", "rebasin", "-o", fused)
+    cross = [_run("stats", fused, "--against", model, "--data-path", path, "-o",
+                  tmp_path / f"x{k}.safetensors")["output"]
+             for k, (model, path) in enumerate(zip(own, data, strict=True))]
+    result = runner.invoke(app, ["align", str(fused), *map(str, own),
+                                 *(w for c in cross for w in ("--cross-stats", c)),
+                                 "-o", str(tmp_path / "aligned.safetensors")])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.stdout.split())
+    assert ("refit round 1 of 3 refits layer '0' of " in text
+            and "(it starts from the aligned model as written, not calibrated" in text)
+    assert f"fusekit refit {tmp_path / 'aligned.safetensors'} {own[0]} {own[1]}" in text
+    assert "calibrate it next" not in text
+
+
+def test_calibrating_a_model_it_cannot_change_is_refused_and_writes_nothing(tmp_path):
+    own, data = _clients(tmp_path, batchnorm=False)
+    fused, out = tmp_path / "fused.safetensors", tmp_path / "out.safetensors"
+    _run("fuse", *own, "-m", "ot", "-o", fused)
+    stats = _run("stats", fused, "--data-path", data[0], "-o", tmp_path / "s.safetensors")
+    error = _refused("calibrate", fused, stats["output"], "-o", out)
+    assert "nothing to calibrate: it has no BatchNorm, and without targets" in error
+    targets = _run("stats", own[0], "--data-path", data[0], "-o", tmp_path / "t.safetensors")
+    error = _refused("calibrate", fused, stats["output"], "--targets", targets["output"],
+                     "--layers", "0,nope", "-o", out)
+    assert f"'nope' is not a hidden layer of {fused} (expected some of ['0', '2'])" in error
+    assert not out.exists()
+
+
+def test_a_layer_calibration_cannot_change_is_named(tmp_path):
+    own, data = _clients(tmp_path, batchnorm=True)
+    fused = tmp_path / "fused.safetensors"
+    _run("fuse", *own, "-m", "ot", "-o", fused)
+    stats = _run("stats", fused, "--data-path", data[0], "-o", tmp_path / "s.safetensors")
+    error = _refused("calibrate", fused, stats["output"], "--layers", "6", "-o",
+                     tmp_path / "out.safetensors")
+    assert "'6' is not a hidden layer" in error  # the output layer: calibration keeps it
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+@pytest.mark.parametrize("against", [False, True])
+def test_statistics_of_a_model_without_hidden_layer_are_refused(tmp_path, against):
+    own, data = _clients(tmp_path, batchnorm=False, widths=(6, 3))
+    fused, out = tmp_path / "fused.safetensors", tmp_path / "s.safetensors"
+    _run("fuse", *own, "-m", "ot", "-o", fused)
+    error = _refused("stats", fused, *(["--against", own[0]] if against else []),
+                     "--data-path", data[0], "-o", out)
+    assert "no hidden layer, so nothing to calibrate or align; no statistics written" in error
+    assert not out.exists()
