@@ -6,9 +6,14 @@ import pytest
 import torch
 
 import fusekit
-from conftest import cnn, mlp, write
+from conftest import cnn, mlp, write, write_raw
 from fusekit.core.checkpoint import load_checkpoint
-from fusekit.core.errors import IncompatibleModelsError, ParameterError, UnknownMethodError
+from fusekit.core.errors import (
+    CheckpointError,
+    IncompatibleModelsError,
+    ParameterError,
+    UnknownMethodError,
+)
 
 
 def reference_average(paths):
@@ -146,3 +151,31 @@ def test_fused_metadata_describes_the_model(mlp_clients):
     spec = json.loads(result.metadata["fusekit.spec"])
     assert [layer["name"] for layer in spec["layers"]] == ["0", "3"]
     assert result.widths == [5]
+
+
+def test_streamed_average_reads_tensors_in_pieces(mlp_clients, monkeypatch):
+    """Tensors larger than a piece are averaged piece by piece, as the reference does."""
+    from fusekit.methods import avg
+
+    monkeypatch.setattr(avg, "PIECE_BYTES", 256)
+    monkeypatch.setattr(avg, "SUM_BLOCK", 7)
+    result = fusekit.fuse(mlp_clients, method="avg")
+    ckpts = [load_checkpoint(p) for p in mlp_clients]
+    weights = np.array([c.num_samples for c in ckpts], dtype=np.float64)
+    order = np.argsort([c.sample_hash for c in ckpts])  # the sums' order: canonical
+    for name in ckpts[0].tensors:  # bit for bit what whole tensors give
+        whole = avg.average_tensor([ckpts[i].tensor(name) for i in order],
+                                   weights[order] / weights.sum(), name)
+        np.testing.assert_array_equal(result.state_dict[name], whole, err_msg=name)
+
+
+def test_a_non_finite_value_met_while_streaming_is_named(tmp_path, monkeypatch):
+    from fusekit.methods import avg
+
+    monkeypatch.setattr(avg, "PIECE_BYTES", 256)
+    states = [{k: v.numpy().copy() for k, v in mlp(seed=s).state_dict().items()} for s in range(3)]
+    states[2]["0.weight"].flat[-1] = np.inf
+    paths = [write_raw(tmp_path / f"c{s}.safetensors", state) for s, state in enumerate(states)]
+    with pytest.raises(CheckpointError, match=r"c2\.safetensors: tensor '0\.weight' has 1 "
+                                              r"non-finite value"):
+        fusekit.fuse(paths, method="avg")

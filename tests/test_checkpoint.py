@@ -494,3 +494,24 @@ def test_value_check_reads_a_large_tensor_in_pieces_of_its_budget(tmp_path):
 def safetensors_file(path, tensors):
     path.write_bytes(safetensors.numpy.save(tensors))
     return path
+
+
+def test_content_hash_streams_pieces_as_the_whole_tensors_hash(tmp_path, monkeypatch):
+    """Pieces of a large tensor, 0-d counters, BF16 and held tensors hash as whole tensors."""
+    import hashlib
+
+    from fusekit.core import checkpoint as module
+
+    rng = np.random.default_rng(0)
+    tensors = {"big": rng.normal(size=(300, 7)).astype(np.float32),
+               "wide": rng.normal(size=1000), "n.num_batches_tracked": np.array(3, np.int64)}
+    path = safetensors_file(tmp_path / "m.safetensors", tensors)
+    whole = hashlib.sha256()
+    for name in sorted(tensors):
+        module._hash_values(whole, name, tensors[name])
+    monkeypatch.setattr(module, "HASH_PIECE_BYTES", 512)  # several pieces per tensor
+    assert load_checkpoint(path).content_hash == whole.hexdigest()
+    held = load_checkpoint(path)
+    held.tensor("big")
+    assert held.content_hash == whole.hexdigest()
+    assert Checkpoint.from_state_dict(tensors).content_hash == whole.hexdigest()

@@ -68,6 +68,10 @@ FLOAT_DTYPES = ("F16", "F32", "F64", "BF16", "F8_E4M3", "F8_E5M2")
 # Values at each end of a tensor that Checkpoint.sample_hash covers: enough to tell
 # clients apart in practice, few enough to read in microseconds.
 SAMPLE_VALUES = 32
+# Bytes a content hash reads at a time (one reused buffer, whatever the tensors' sizes).
+HASH_PIECE_BYTES = 8 << 20
+# Stored types that tensor() widens to float32.
+WIDENED_DTYPES = ("BF16", "F8_E4M3", "F8_E5M2")
 # A Hugging Face model folder: its config, its weights, or the index of its shards.
 HF_CONFIG = "config.json"
 HF_WEIGHTS = "model.safetensors"
@@ -211,6 +215,37 @@ class Checkpoint:
                     self._read_span(handle, name, first, min(count, first + step))
                     for first in range(0, count, step)))
 
+    def value_dtype(self, name: str) -> np.dtype:
+        """The dtype :meth:`tensor` returns for ``name`` (BF16/F8 widened to float32)."""
+        dtype = self.tensors[name].dtype
+        return np.dtype(np.float32 if dtype in WIDENED_DTYPES else STORAGE_DTYPES[dtype])
+
+    def pieces(self, name: str, step: int, buffer: np.ndarray | None = None
+               ) -> Iterator[np.ndarray]:
+        """Tensor ``name``'s flat values, ``step`` at a time, **unchecked**, for passes that
+        read each tensor once and check what they compute from it (a non-finite value
+        makes a weighted sum non-finite; :meth:`tensor` then names the culprit).
+
+        Values in the file are read straight into ``buffer`` (raw bytes, at least ``step``
+        values of the storage dtype), reused by every piece: a piece is valid until the
+        next one is asked for, and no memory is allocated or faulted in per tensor. A held
+        or in-memory tensor is sliced as it is.
+        """
+        count = math.prod(self.tensors[name].shape)
+        held = self._arrays.get(name)
+        if held is not None:
+            flat = held.reshape(-1)
+            for first in range(0, count, step):
+                yield flat[first:first + step]
+            return
+        start, storage, _ = self._location(name)
+        raw = buffer.view(np.uint8)[:step * storage.itemsize].view(storage)
+        with self._open(name) as handle:
+            for first in range(0, count, step):
+                piece = raw[:min(step, count - first)]
+                self._read_into(handle, name, start + first * storage.itemsize, piece)
+                yield widen(piece, self.tensors[name].dtype)
+
     def release(self, *names: str) -> None:
         """Forget tensors read from the file (all when no name is given) so that their
         memory can be freed; they are read again on demand. In-memory checkpoints keep
@@ -245,15 +280,28 @@ class Checkpoint:
         keeps no tensor it did not already hold, and never changes which ones it holds, so
         it may run on another thread while a fusion reads and releases tensors."""
         digest = hashlib.sha256()
+        step = HASH_PIECE_BYTES // 8
+        buffer = np.empty(HASH_PIECE_BYTES, dtype=np.uint8)
         for name in sorted(self.tensors):
             if self.path is None:  # the caller's arrays
-                array = self.tensor(name)
-            else:  # a held tensor as held; any other read and checked, not kept
-                array = self._arrays.get(name)
-                if array is None:
-                    array = self._checked(name, self._read(name))
-            _hash_values(digest, name, array)
+                _hash_values(digest, name, self.tensor(name))
+                continue
+            # a held tensor as held; any other read and checked piece by piece, not kept
+            shape = self.tensors[name].shape or (1,)  # as _hash_values sees a 0-d tensor
+            digest.update(name.encode())
+            digest.update(f"|{self.value_dtype(name).str}|{shape}|".encode())
+            pieces = self.pieces(name, step, buffer)
+            if name not in self._arrays:
+                pieces = self._checked_pieces(name, pieces)
+            for piece in pieces:
+                digest.update(np.ascontiguousarray(piece).view(np.uint8))
         return digest.hexdigest()
+
+    def _checked_pieces(self, name: str, pieces: Iterable[np.ndarray]) -> Iterator[np.ndarray]:
+        """``pieces`` passed on, each checked as :meth:`_check_pieces` checks a tensor."""
+        for piece in pieces:
+            self._check_pieces(name, [piece])
+            yield piece
 
     @cached_property
     def sample_hash(self) -> str:

@@ -2,18 +2,29 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Annotated
 
 import numpy as np
 
-from fusekit.core.checkpoint import Checkpoint, is_integer_buffer
+from fusekit.core.checkpoint import (
+    VARIANCE_SUFFIXES,
+    Checkpoint,
+    count_non_finite,
+    is_integer_buffer,
+)
 from fusekit.core.errors import IncompatibleModelsError, ParameterError
 from fusekit.core.metadata import CLASS_COUNTS
 from fusekit.core.spec import PermutationSpec
 from fusekit.core.transformer import TransformerSpec
 from fusekit.methods.base import FusionMethod, FusionResult, register, sample_weights
 from fusekit.methods.params import Param
+
+#: Bytes of one client's tensor read at a time by averaging (a reused buffer per client).
+PIECE_BYTES = 4 << 20
+#: Values summed at a time: the float64 sum and product stay in the CPU's cache.
+SUM_BLOCK = 1 << 15
 
 
 @register
@@ -46,11 +57,9 @@ class Average(FusionMethod):
         """
         check_equal_shapes(checkpoints)
         weights = sample_weights(checkpoints)
-        fused = {}
-        for name in checkpoints[0].tensors:  # one tensor of every client in memory at a time
-            fused[name] = average_tensor([c.tensor(name) for c in checkpoints], weights, name)
-            for checkpoint in checkpoints:
-                checkpoint.release(name)
+        buffers = [np.empty(PIECE_BYTES, dtype=np.uint8) for _ in checkpoints]
+        fused = {name: average_from_files(checkpoints, name, weights, buffers)
+                 for name in checkpoints[0].tensors}
         if class_weighted:
             if isinstance(specs[0], TransformerSpec):
                 raise ParameterError("class_weighted: averages a sequential network's output "
@@ -64,6 +73,52 @@ class Average(FusionMethod):
         identity = [np.arange(width) for width in specs[0].hidden_widths]
         return self.result(fused, checkpoints, specs[0], {"class_weighted": class_weighted},
                            assignments=[identity] * len(checkpoints))
+
+
+def average_from_files(checkpoints: Sequence[Checkpoint], name: str, weights: np.ndarray,
+                       buffers: Sequence[np.ndarray]) -> np.ndarray:
+    """Tensor ``name`` averaged over the clients as :func:`average_tensor` does, streamed:
+    each client's values are read a piece at a time into its reused buffer (at most
+    ``PIECE_BYTES``) and summed in cache-sized blocks; nothing of the clients' tensor is
+    kept and no float64 copy of it is made. A non-finite sum (any NaN or Inf among the
+    inputs makes one) sends the tensor through :meth:`Checkpoint.tensor`, whose check names
+    the client holding it."""
+    dtypes = {c.value_dtype(name) for c in checkpoints}
+    dtype = dtypes.pop()
+    if (dtypes or dtype.kind != "f" or is_integer_buffer(name)
+            or name.endswith(VARIANCE_SUFFIXES)  # mixed types, checked variances
+            or any(c.path is None for c in checkpoints)):  # the caller's arrays
+        fused = average_tensor([c.tensor(name) for c in checkpoints], weights, name)
+        for checkpoint in checkpoints:
+            checkpoint.release(name)
+        return fused
+    shape = checkpoints[0].tensors[name].shape
+    out = np.empty(math.prod(shape), dtype=dtype)
+    scratch = np.empty((2, SUM_BLOCK))
+    first = 0
+    for pieces in zip(*(c.pieces(name, PIECE_BYTES // 8, b)
+                        for c, b in zip(checkpoints, buffers, strict=True)), strict=True):
+        stop = first + len(pieces[0])
+        weighted_sum(pieces, weights, out[first:stop], scratch)
+        if count_non_finite(out[first:stop]):
+            for checkpoint in checkpoints:  # raises, naming the client, if an input is bad
+                checkpoint.tensor(name)
+                checkpoint.release(name)
+        first = stop
+    return out.reshape(shape)
+
+
+def weighted_sum(arrays: Sequence[np.ndarray], weights: np.ndarray, out: np.ndarray,
+                 scratch: np.ndarray) -> None:
+    """``out = sum_s weights[s] * arrays[s]`` (1-D, equal sizes) in float64, rounded once to
+    out's dtype, ``SUM_BLOCK`` values at a time in ``scratch`` ((2, SUM_BLOCK) float64)."""
+    for first in range(0, len(out), SUM_BLOCK):
+        stop = min(len(out), first + SUM_BLOCK)
+        total, product = scratch[0, :stop - first], scratch[1, :stop - first]
+        np.multiply(arrays[0][first:stop], weights[0], out=total)
+        for weight, array in zip(weights[1:], arrays[1:], strict=True):
+            total += np.multiply(array[first:stop], weight, out=product)
+        out[first:stop] = total
 
 
 def average_tensor(arrays: Sequence[np.ndarray], weights: np.ndarray, name: str) -> np.ndarray:
