@@ -85,3 +85,20 @@ def mlp_clients(tmp_path) -> list[Path]:
               num_samples=sum(c), class_counts=str(c))
         for i, c in enumerate(counts)
     ]
+
+
+@pytest.fixture(scope="session")
+def foreign(tmp_path_factory):
+    """Models fusekit did not train (:mod:`foreign`), trained once per session, by kind:
+    ``foreign(kind)`` -> :class:`foreign.Family`."""
+    import foreign as own
+
+    folder = tmp_path_factory.mktemp("foreign")
+    families: dict[str, own.Family] = {}
+
+    def family(kind: str) -> own.Family:
+        if kind not in families:
+            families[kind] = own.make_family(kind, folder)
+        return families[kind]
+
+    return family
