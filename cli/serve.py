@@ -57,6 +57,10 @@ def serve(
         "--min-stats-samples", min=1,
         help="A calibrating job refuses statistics files over fewer inputs (the moments of a "
         "few samples reveal them).")] = DEFAULT_MIN_SAMPLES,
+    max_job_memory: Annotated[int | None, typer.Option(
+        "--max-job-memory", min=1, show_default="the machine's memory",
+        help="Bytes one job's fusion may need: wider fused widths are refused when the job "
+        "is created.")] = None,
 ) -> None:
     """Run the fusion service: the HTTP API and its worker processes, until Ctrl-C."""
     from fusekit.service.server import serve as run_server
@@ -67,7 +71,8 @@ def serve(
                         max_jobs=max_jobs, lease_s=lease, upload_idle_s=upload_idle,
                         upload_min_rate=upload_min_rate,
                         upload_check_bytes=upload_check_bytes,
-                        min_stats_samples=min_stats_samples)
+                        min_stats_samples=min_stats_samples,
+                        **({} if max_job_memory is None else {"max_job_memory": max_job_memory}))
     run_server(settings, host=host, port=port, workers=workers,
                announce=lambda line: stderr.print(line, highlight=False, soft_wrap=True))
 

@@ -30,7 +30,7 @@ or repeated submit costs one request); an interrupted transfer is sent again fro
 
 A busy service (HTTP 429 or 503) is asked again, every request, after the ``Retry-After`` it
 names or an exponential backoff with jitter, whichever is longer, until ``busy_timeout``
-seconds have passed; each wait is logged and told to ``on_retry`` (a progress line).
+seconds have passed; each wait is told to ``on_retry`` (a progress line), or else logged.
 """
 
 from __future__ import annotations
@@ -351,9 +351,12 @@ class Client:
             time.sleep(delay)
 
     def _tell(self, line: str) -> None:
-        log.info("%s", line)
+        """A wait's line, to ``on_retry`` where given (a front door's progress line), else
+        to the log: once, not both."""
         if self.on_retry is not None:
             self.on_retry(line)
+        else:
+            log.info("%s", line)
 
     @contextlib.contextmanager
     def _reaching(self) -> Iterator[None]:

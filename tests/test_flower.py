@@ -178,6 +178,37 @@ def test_bad_replies_are_left_out_with_the_reason_fusekit_fuse_gives(tmp_path, c
     assert all("\n" not in r for r in reasons.values())
 
 
+def test_an_architecture_tie_goes_to_the_global_models_not_the_first_reply(trained):
+    """One NaN reply, one deeper network arriving first, one node training the global
+    model's architecture: the global model's architecture wins the tie, the deeper node is
+    the one left out (and named), in any order of arrival."""
+    clients, models = trained
+    deeper = mlp(widths=(64, 16, 16, 10), seed=7)
+    nan_model = mlp(widths=(64, 32, 10), seed=8)
+    with torch.no_grad():
+        nan_model[0].weight[0, 0] = float("nan")
+    for order in ((10, 11, 12), (12, 11, 10)):
+        replies = {10: train_reply(deeper, 50), 11: train_reply(nan_model, 50),
+                   12: trained_replies(trained)[2].content}
+
+        def train(node, message, replies=replies):
+            return replies[node]
+
+        class Arriving(Federation):
+            def send_and_receive(self, messages, timeout=None, order=order):
+                answers = super().send_and_receive(messages, timeout)
+                return sorted(answers, key=lambda m: order.index(m.metadata.src_node_id))
+
+        strategy = FusekitStrategy("pfnm", arch=clients[0].checkpoint.arch,
+                                   min_fused_replies=1, fraction_evaluate=0)
+        result = strategy.start(Arriving(train), train_reply(models[0], 1)["arrays"],
+                                num_rounds=1)
+        assert sorted(strategy.left_out) == [10, 11] and list(strategy.fused_models) == [12]
+        assert strategy.left_out[10] == ("architectures cannot be fused: node 12 has 2 "
+                                         "layers, node 10 has 3")
+        assert result.train_metrics_clientapp[1]["pfnm.fused-replies"] == 1
+
+
 def test_the_round_fails_only_when_too_few_replies_remain(caplog):
     replies = [reply(1, train_reply(mlp(seed=1), 10)), reply(2, Error(code=1, reason="x"))]
     strategy = FusekitStrategy("avg", min_fused_replies=2)
@@ -368,9 +399,11 @@ def test_later_rounds_average_at_the_first_fusions_width(trained):
     strategy = FusekitStrategy("pfnm", arch=clients[0].checkpoint.arch, fraction_evaluate=0)
     initial = train_reply(models[0], 1)["arrays"]
     result = strategy.start(Federation(train), initial, num_rounds=3)
-    widths = [result.train_metrics_clientapp[r]["pfnm.fused-widths"] for r in (1, 2, 3)]
+    metrics = result.train_metrics_clientapp
+    widths = [metrics[r][f"{m}.fused-widths"] for r, m in ((1, "pfnm"), (2, "avg"), (3, "avg"))]
     assert widths == [[48], [48], [48]] and sent == [48] * 6 and strategy.fused_rounds == 3
-    assert result.train_metrics_clientapp[3]["pfnm.fused-replies"] == 2
+    assert metrics[3]["avg.fused-replies"] == 2  # named by the method that fused the round
+    assert not any(key.startswith("pfnm.") for key in metrics[3])
     assert "needs equal shapes" in strategy.left_out[12]
     fused = arrays_to_state_dict(result.arrays)["net.0.weight"]
     assert fused.shape == (48, 64)

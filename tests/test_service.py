@@ -44,7 +44,8 @@ def service(tmp_path_factory):
     server = ServiceProcess(data, options=("--max-uploads", "2", "--max-jobs", str(MAX_JOBS),
                                            "--max-checkpoint-bytes", str(2**20),
                                            "--upload-idle-timeout", str(IDLE_S),
-                                           "--upload-min-rate", str(MIN_RATE)),
+                                           "--upload-min-rate", str(MIN_RATE),
+                                           "--max-job-memory", str(2**24)),
                             env={"FUSEKIT_ADMIN_TOKEN": ADMIN})
     server.start()
     yield server
@@ -287,6 +288,10 @@ def test_a_long_job_error_is_bounded_and_whole_in_the_report(service, admin, mod
      ["width", "at most 131072", str(10**9)]),
     ({"method": "nafi", "clients": ["a", "b"], "params": {"width": 10**6}}, 422,
      ["width", "at most 262144"]),
+    ({"method": "pfnm", "clients": ["a", "b", "c"], "params": {"width": [5, 360_000]}}, 422,
+     ["width: 360000 fused neurons need at least 16.5 MiB (48 bytes each with 3 client(s)), "
+      "over the 16.0 MiB a job may use (fusekit serve --max-job-memory); expected at most "
+      "349525"]),
     ({"method": "pfnm", "clients": ["a", "b"], "params": {"width_ratio": 1e6}}, 422,
      ["width_ratio", "at most 2", "1e+06"]),
     ({"method": "pfnm", "clients": ["a"], "params": {"sweeps": "10"}}, 422, ["sweeps", "'10'"]),
@@ -546,6 +551,24 @@ def send_partial(service, job_id, client, token, body, keep_open=False, part=Non
     return None
 
 
+def test_a_job_deleted_during_an_upload_answers_404(service, admin, models):
+    job = admin.create_job("avg", ["a"])
+    body = models[0].read_bytes()
+    sock = send_partial(service, job["id"], "a", job["tokens"]["a"], body, keep_open=True)
+    try:
+        deadline = time.monotonic() + 10
+        while not files_in(service.data_dir / "jobs" / job["id"] / "uploads"):
+            assert time.monotonic() < deadline, "the upload never started"
+            time.sleep(0.05)
+        admin.delete(job["id"])
+        sock.sendall(body[len(body) // 2:])
+        answer = sock.recv(65536).decode()
+    finally:
+        sock.close()
+    assert answer.startswith("HTTP/1.1 404"), answer
+    assert f"job '{job['id']}': no such job" in answer, answer
+
+
 def test_upload_and_job_limits_answer_429(service, admin, models):
     job = admin.create_job("avg", ["a", "b", "c"])
     body = models[0].read_bytes()
@@ -625,6 +648,8 @@ def test_cli_submit_waits_while_the_service_is_busy(service, admin, models, monk
         result = submitted.result(timeout=120)
     assert result.exit_code == 0, result.output
     assert "client a: submit: the service is busy (HTTP 429); trying again in" in result.stderr
+    assert result.stderr.count("submit: the service is busy") == result.stderr.count(
+        "client a: submit: the service is busy"), result.stderr  # each wait said once
     assert admin.status(job["id"])["slots"]["a"]["sha256"] == sha256(models[1])
 
 

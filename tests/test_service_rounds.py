@@ -241,6 +241,9 @@ def test_align_and_refit_job_equals_the_library_and_refuses_stale_rounds(
         assert "fusekit contribute" in error
         refused = httpx_put(service, job_id, NAMES[2], tokens[NAMES[2]], stale, round=1)
         one_line_error(refused, 409, "statistics for round 1, which is over")
+        refused = httpx_put(service, job_id, NAMES[2], tokens[NAMES[2]], stale, round=3)
+        one_line_error(refused, 409, "statistics for round 3, which has not started; the "
+                       "job is in round 2 of 6")
         own = fusekit.core.stats.save_statistics(tmp_path / "own.stats.safetensors",
                                                  client_statistics(models[2], digits[2]))
         one_line_error(httpx_put(service, job_id, NAMES[2], tokens[NAMES[2]], own,

@@ -231,6 +231,8 @@ class FusekitStrategy(FedAvg):
         self.left_out_alignment: dict[int, str] = {}
         #: The Grid of the round being run (calibration queries the nodes through it).
         self._grid: Grid | None = None
+        #: The global model sent to the nodes for the round being run.
+        self._sent: ArrayRecord | None = None
         self._timeout = 3600.0
 
     @property
@@ -297,6 +299,7 @@ class FusekitStrategy(FedAvg):
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
         self._grid = grid  # aggregate_train, which calibrates, is not given it
+        self._sent = arrays  # the global model the nodes train: its architecture wins ties
         return super().configure_train(server_round, arrays, self._with_global_model(config),
                                        grid)
 
@@ -326,8 +329,9 @@ class FusekitStrategy(FedAvg):
 
         Returns:
             The fused ArrayRecord (tensor names kept) and a MetricRecord with FedAvg's
-            aggregate of the clients' metrics plus ``<method>.fused-widths`` (hidden widths,
-            input to output), ``<method>.fuse-time-s``, ``<method>.fused-replies`` and
+            aggregate of the clients' metrics plus, named by the round's method (``avg``
+            on the rounds it averages), ``<method>.fused-widths`` (hidden widths, input to
+            output), ``<method>.fuse-time-s``, ``<method>.fused-replies`` and
             ``<method>.left-out-replies``.
 
         Raises:
@@ -365,21 +369,22 @@ class FusekitStrategy(FedAvg):
                 calibration.update(alignment)
         self.last_fusion, self.global_metadata = result, dict(result.metadata)
         self.fused_rounds += 1
-        metrics = self._round_metrics(usable, result, elapsed)
-        metrics.update({f"{self.method}.{key}": value for key, value in calibration.items()})
+        metrics = self._round_metrics(fusion.name, usable, result, elapsed)
+        metrics.update({f"{fusion.name}.{key}": value for key, value in calibration.items()})
         return state_dict_to_arrays(result.state_dict), metrics
 
-    def _round_metrics(self, usable: list[tuple[Checkpoint, RecordDict]],
+    def _round_metrics(self, method: str, usable: list[tuple[Checkpoint, RecordDict]],
                        result: FusionResult, elapsed: float) -> MetricRecord:
-        """FedAvg's aggregate of the clients' metrics plus the fusion's own."""
+        """FedAvg's aggregate of the clients' metrics plus the fusion's own, named by the
+        round's ``method``."""
         metrics = self.train_metrics_aggr_fn([content for _, content in usable],
                                              self.weighted_by_key)
         metrics.pop(CLASS_COUNTS, None)  # an average of class counts means nothing
         metrics.update({
-            f"{self.method}.fused-widths": [int(w) for w in result.widths],
-            f"{self.method}.fuse-time-s": elapsed,
-            f"{self.method}.fused-replies": len(usable),
-            f"{self.method}.left-out-replies": len(self.left_out),
+            f"{method}.fused-widths": [int(w) for w in result.widths],
+            f"{method}.fuse-time-s": elapsed,
+            f"{method}.fused-replies": len(usable),
+            f"{method}.left-out-replies": len(self.left_out),
         })
         return metrics
 
@@ -727,33 +732,22 @@ class FusekitStrategy(FedAvg):
 
         usable, reasons = screen_replies(replies, parse)
         if fusion.requires_same_architecture:
-            reasons.update(self._other_architectures(usable, fusion.name in EVERY_ROUND))
+            same_shapes = fusion.name in EVERY_ROUND
+            reasons.update(_other_architectures(usable, same_shapes,
+                                                self._global_architecture(same_shapes)))
         return ([(checkpoint, content) for node, (checkpoint, _, content) in usable.items()
                  if node not in reasons], reasons)
 
-    @staticmethod
-    def _other_architectures(
-        usable: dict[int, tuple[Checkpoint, PermutationSpec, RecordDict]], same_shapes: bool
-    ) -> dict[int, str]:
-        """Why replies outside the most common architecture cannot join it, by node id;
-        ``same_shapes``: every tensor's shape too (for methods that average coordinates)."""
-        if not usable:
-            return {}
-        shapes = {node: (tuple(spec.structure()), tuple(sorted(checkpoint.tensors)),
-                         tuple(info.shape for _, info in sorted(checkpoint.tensors.items()))
-                         if same_shapes else ())
-                  for node, (checkpoint, spec, _) in usable.items()}
-        common = Counter(shapes.values()).most_common(1)[0][0]
-        first, first_spec, _ = usable[next(n for n, shape in shapes.items() if shape == common)]
-        reasons = {}
-        for node, (checkpoint, spec, _) in usable.items():
-            try:
-                check_compatible([first, checkpoint], [first_spec, spec])
-                if same_shapes:
-                    check_equal_shapes([first, checkpoint])
-            except IncompatibleModelsError as exc:
-                reasons[node] = str(exc)
-        return reasons
+    def _global_architecture(self, same_shapes: bool) -> tuple | None:
+        """The architecture of the global model the nodes were sent this round (None when
+        unknown: no round configured, or a model fusekit cannot read)."""
+        if self._sent is None or len(self._sent) == 0:
+            return None
+        try:
+            checkpoint = self.global_checkpoint(self._sent)
+            return _architecture(checkpoint, client_spec(checkpoint, self.spec), same_shapes)
+        except FusekitError:
+            return None
 
     def global_checkpoint(self, arrays: ArrayRecord) -> Checkpoint:
         """The global model (``result.arrays``) as a fusekit checkpoint, with its (fused)
@@ -792,6 +786,39 @@ class FusekitStrategy(FedAvg):
                                  "hidden-widths": widths})
 
         return evaluate
+
+
+def _architecture(checkpoint: Checkpoint, spec: Any, same_shapes: bool) -> tuple:
+    """What replies of one architecture share: structure and tensor names (``same_shapes``:
+    every tensor's shape too, for methods that average coordinates)."""
+    return (tuple(spec.structure()), tuple(sorted(checkpoint.tensors)),
+            tuple(info.shape for _, info in sorted(checkpoint.tensors.items()))
+            if same_shapes else ())
+
+
+def _other_architectures(usable: Mapping[int, tuple[Checkpoint, Any, RecordDict]],
+                         same_shapes: bool, current: tuple | None) -> dict[int, str]:
+    """Why replies outside the architecture most replies share cannot join it, by node id.
+    Ties go to ``current``, the global model's architecture, then to the architecture of the
+    lowest node id: never to whichever reply arrived first."""
+    if not usable:
+        return {}
+    shapes = {node: _architecture(checkpoint, spec, same_shapes)
+              for node, (checkpoint, spec, _) in usable.items()}
+    counts = Counter(shapes.values())
+    common = max(counts, key=lambda shape: (counts[shape], shape == current,
+                                            -min(n for n, s in shapes.items() if s == shape)))
+    reference = min(n for n, shape in shapes.items() if shape == common)
+    first, first_spec, _ = usable[reference]
+    reasons = {}
+    for node, (checkpoint, spec, _) in usable.items():
+        try:
+            check_compatible([first, checkpoint], [first_spec, spec])
+            if same_shapes:
+                check_equal_shapes([first, checkpoint])
+        except IncompatibleModelsError as exc:
+            reasons[node] = str(exc)
+    return reasons
 
 
 def pairable(stats: Mapping[int, Statistics], nodes: Sequence[int],

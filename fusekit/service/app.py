@@ -32,7 +32,7 @@ from fusekit.methods import get_method
 from fusekit.methods.params import TEXT_KINDS
 from fusekit.service.auth import admin_token_hash, bearer, matches
 from fusekit.service.errors import Busy, Conflict, Forbidden, NotFound, ServiceError, TooLarge
-from fusekit.service.settings import Settings
+from fusekit.service.settings import GiB, Settings
 from fusekit.service.store import (
     CHECKPOINT,
     STATISTICS,
@@ -146,7 +146,7 @@ def create_app(settings: Settings) -> FastAPI:
             raise ParameterError(f"max_checkpoint_bytes: expected at most "
                                  f"{settings.max_checkpoint_bytes} (the server's limit), "
                                  f"found {limit}")
-        _check_widths(body.params, len(body.clients), limit)
+        _check_widths(body.params, len(body.clients), limit, settings.max_job_memory)
         _check_protocol(body)
         if body.spec is not None:
             check_spec_format(body.spec)
@@ -199,6 +199,9 @@ def create_app(settings: Settings) -> FastAPI:
         except ClientDisconnect:
             raise ServiceError(f"client {client!r}: the upload was interrupted; nothing "
                                "stored") from None
+        except (FusekitError, OSError):
+            store.read(job_id)  # the job deleted meanwhile (its files with it): 404
+            raise
         finally:
             receiving_slots.discard(slot)
             receiving.discard()
@@ -403,12 +406,13 @@ def _check_params(method: str, params: dict[str, Any]) -> None:
                 "be given (no server-side paths or Python objects)")
 
 
-def _check_widths(params: dict[str, Any], clients: int, limit: int) -> None:
+def _check_widths(params: dict[str, Any], clients: int, limit: int, memory: int) -> None:
     """Fused widths a job's clients could fill: a fused neuron holds at least two float32
     weights (8 bytes), so no layer is wider than the clients' files together could make
     (``width``); ``width_ratio`` (times the widest client) at most the number of clients,
     the width of every client's neurons side by side. Wider would only add inert neurons,
-    and memory (cost matrices of every client's neurons by the fused width)."""
+    and memory (cost matrices of every client's neurons by the fused width): no wider than
+    the least that ``width`` takes fits in ``memory``."""
     widest = clients * limit // 8
     width = params.get("width")
     widths = width if isinstance(width, list) else [width]
@@ -417,10 +421,22 @@ def _check_widths(params: dict[str, Any], clients: int, limit: int) -> None:
         raise ParameterError(f"width: expected at most {widest} per layer ({clients} "
                              f"client(s) of at most {limit} bytes, 8 bytes per fused neuron), "
                              f"found {asked}")
+    per_neuron = 8 * (3 + clients)  # float64: one weight in, a bias, one weight out, and a
+    # column of each client's cost matrix: the least a fused neuron takes while it is matched
+    if asked * per_neuron > memory:
+        raise ParameterError(f"width: {asked} fused neurons need at least "
+                             f"{_in_units(asked * per_neuron)} ({per_neuron} bytes each with "
+                             f"{clients} client(s)), over the {_in_units(memory)} a job may "
+                             f"use (fusekit serve --max-job-memory); expected at most "
+                             f"{memory // per_neuron}")
     ratio = params.get("width_ratio")
     if ratio is not None and ratio > clients:
         raise ParameterError(f"width_ratio: expected at most {clients} (the number of "
                              f"clients: their neurons side by side), found {ratio:g}")
+
+
+def _in_units(size: int) -> str:
+    return f"{size / GiB:.1f} GiB" if size >= GiB else f"{size / 2**20:.1f} MiB"
 
 
 def _queue(store: JobStore, job_id: str, run_job_task: Any) -> dict[str, Any]:

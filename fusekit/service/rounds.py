@@ -215,8 +215,9 @@ def _check_not_stale(part: Path, label: str, round_: dict[str, Any],
 
 
 def stale(label: str, index: int, round_: dict[str, Any]) -> str:
-    """Why an upload for an earlier round is refused."""
-    return (f"{label}: statistics for round {index}, which is over; the job is in "
+    """Why an upload for another round than the current one is refused."""
+    when = "which is over" if index < round_["index"] else "which has not started"
+    return (f"{label}: statistics for round {index}, {when}; the job is in "
             f"{what_it_asks(round_)}: download the round's model (fusekit fetch) and compute "
             "them again (fusekit contribute does both)")
 

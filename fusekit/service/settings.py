@@ -8,7 +8,7 @@ machine is configured the same way.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from fusekit.core.checkpoint import VALUE_CHECK_BYTES
@@ -44,6 +44,9 @@ class Settings:
         min_stats_samples: a calibrating job refuses statistics files over fewer inputs
             (per-channel moments of a few samples come close to revealing them); a job
             keeps the value it was created with.
+        max_job_memory: bytes one job's fusion may need (default: the machine's memory); a
+            job whose fused widths need more, by the least its fusion can take, is refused
+            when it is created.
     """
 
     data_dir: Path
@@ -57,10 +60,11 @@ class Settings:
     upload_min_rate: float = 100_000.0
     upload_check_bytes: int = VALUE_CHECK_BYTES
     min_stats_samples: int = DEFAULT_MIN_SAMPLES
+    max_job_memory: int = field(default_factory=lambda: physical_memory())
 
     def __post_init__(self) -> None:
         for name in ("max_checkpoint_bytes", "max_uploads", "max_jobs", "max_attempts",
-                     "upload_check_bytes", "min_stats_samples"):
+                     "upload_check_bytes", "min_stats_samples", "max_job_memory"):
             if getattr(self, name) < 1:
                 raise ParameterError(f"{name}: expected a positive integer, found "
                                      f"{getattr(self, name)}")
@@ -95,6 +99,11 @@ class Settings:
         if "data_dir" not in values:
             raise ParameterError("FUSEKIT_DATA_DIR: expected the service's data folder, unset")
         return cls(**values)
+
+
+def physical_memory() -> int:
+    """The machine's memory in bytes."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _env_name(field: str) -> str:
