@@ -18,7 +18,7 @@ from rich.table import Table
 
 import fusekit
 from fusekit._cli.options import JsonOption
-from fusekit._cli.output import emit_json, stdout
+from fusekit._cli.output import emit_json, stdout, step_progress
 from fusekit.core.checkpoint import private_files
 from fusekit.core.errors import FusekitError, OutputError, ParameterError
 
@@ -167,7 +167,8 @@ def _run(recipe: Recipe):
             params[spec.name] = from_text(spec, params[spec.name])
     if recipe.activations:
         params["activations"] = _activation_provider(recipe.activations)
-    return fusekit.fuse(recipe.inputs, method=recipe.method, spec=recipe.spec, **params)
+    with step_progress(f"fusing with {recipe.method}"):
+        return fusekit.fuse(recipe.inputs, method=recipe.method, spec=recipe.spec, **params)
 
 
 def _activation_provider(settings: dict[str, Any]):

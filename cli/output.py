@@ -7,11 +7,14 @@ progress and logs always go to stderr.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import json
 import logging
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -72,6 +75,52 @@ def fail(exc: Exception | str, code: int) -> None:
         stderr.print_exception()
     stderr.print("[bold red]error:[/]", escape(str(exc)), highlight=False, soft_wrap=True)
     raise typer.Exit(code)
+
+
+#: A fusion shows its progress once it has run this long (seconds); plain lines (stderr not
+#: a terminal) come at most this often.
+PROGRESS_AFTER_S = 2.0
+PLAIN_EVERY_S = 5.0
+
+
+@contextlib.contextmanager
+def step_progress(label: str) -> Iterator[None]:
+    """Show the steps the library reports (``fusekit.core.progress``) during the block, once
+    it has run ``PROGRESS_AFTER_S``: a bar on a terminal, else a plain line on stderr at most
+    every ``PLAIN_EVERY_S`` (and the last step of each kind)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+    from rich.progress import TimeElapsedColumn
+
+    from fusekit.core import progress
+
+    start = time.monotonic()
+    state: dict[str, Any] = {"bar": None, "printed": start}
+
+    def show(what: str, done: int, total: int) -> None:
+        now = time.monotonic()
+        if now - start < PROGRESS_AFTER_S:
+            return
+        if not stderr.is_terminal:
+            if done == total or now - state["printed"] >= PLAIN_EVERY_S:
+                state["printed"] = now
+                stderr.print(f"{label}: {done} of {total} {what} ({now - start:.0f} s)",
+                             highlight=False, soft_wrap=True)
+            return
+        if state["bar"] is None:
+            state["bar"] = Progress(TextColumn(f"{label}: {{task.description}}"), BarColumn(),
+                                    MofNCompleteColumn(), TimeElapsedColumn(), console=stderr,
+                                    transient=True)
+            state["bar"].start()
+            state["task"] = state["bar"].add_task(what, total=total)
+        state["bar"].update(state["task"], description=what, completed=done, total=total)
+
+    handler = progress.listen(show)
+    try:
+        yield
+    finally:
+        progress.stop_listening(handler)
+        if state["bar"] is not None:
+            state["bar"].stop()
 
 
 def emit_json(payload: Any) -> None:

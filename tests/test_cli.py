@@ -284,3 +284,23 @@ def test_startup_benchmark_runs(tmp_path):
     assert main(["--runs", "1", "--no-write", "--json-out", str(json_out)]) == 0
     times = json.loads(json_out.read_text())["times"]
     assert len(times) == 5 and all(len(t) == 1 and t[0] > 0 for t in times.values())
+
+
+@pytest.mark.parametrize(("method", "steps"), [("avg", "tensors averaged"),
+                                               ("pfnm", "layers matched"),
+                                               ("ot", "layers aligned")])
+def test_fuse_shows_its_steps_on_stderr_when_not_a_terminal(mlp_clients, tmp_path, monkeypatch,
+                                                            method, steps):
+    from fusekit._cli import output
+
+    monkeypatch.setattr(output, "PROGRESS_AFTER_S", 0.0)  # every fusion is long enough here
+    monkeypatch.setattr(output, "PLAIN_EVERY_S", 0.0)
+    result = run("fuse", *mlp_clients, "-m", method, "-o", tmp_path / "out.safetensors")
+    assert result.exit_code == 0, result.output
+    lines = [line for line in result.stderr.splitlines() if steps in line]
+    assert lines and lines[-1].startswith(f"fusing with {method}: "), result.stderr
+    done, total = map(int, lines[-1].split(": ")[1].split(" ")[0:3:2])
+    assert done == total > 0
+    from fusekit.core import progress  # the CLI's listener is gone after the fusion
+
+    assert not progress.LOGGER.handlers and progress.LOGGER.propagate

@@ -8,6 +8,7 @@ from typing import Annotated
 
 import numpy as np
 
+from fusekit.core import progress
 from fusekit.core.checkpoint import (
     VARIANCE_SUFFIXES,
     Checkpoint,
@@ -58,8 +59,10 @@ class Average(FusionMethod):
         check_equal_shapes(checkpoints)
         weights = sample_weights(checkpoints)
         buffers = [np.empty(PIECE_BYTES, dtype=np.uint8) for _ in checkpoints]
-        fused = {name: average_from_files(checkpoints, name, weights, buffers)
-                 for name in checkpoints[0].tensors}
+        fused = {}
+        for name in checkpoints[0].tensors:
+            fused[name] = average_from_files(checkpoints, name, weights, buffers)
+            progress.advance("tensors averaged", len(fused), len(checkpoints[0].tensors))
         if class_weighted:
             if isinstance(specs[0], TransformerSpec):
                 raise ParameterError("class_weighted: averages a sequential network's output "

@@ -37,7 +37,7 @@ from typing import Annotated, Any
 
 import numpy as np
 
-from fusekit.core import neurons
+from fusekit.core import neurons, progress
 from fusekit.core.checkpoint import Checkpoint
 from fusekit.core.errors import DataError, ParameterError
 from fusekit.core.spec import GraphSpec, PermutationSpec
@@ -281,6 +281,7 @@ def align_to_anchor(
         if li < n_layers - 1:
             reports.append({"layer": li, "width": clients[anchor][li].out_features,
                             "transport": sorted(kinds), "mean_cost": costs})
+        progress.advance("layers aligned", li + 1, n_layers)
     return aligned, reports, assignments
 
 
@@ -364,6 +365,7 @@ def fuse_aligned(checkpoints: Sequence[Checkpoint], specs: Sequence[PermutationS
         assignments[s] = report.pop("assignment")
         reports.append({"client": checkpoint.label, **report,
                         "time_s": time.perf_counter() - start})
+        progress.advance("clients aligned", len(reports), len(checkpoints) - 1)
     state_dict = neurons.to_state_dict(checkpoints, spec, total)
     check_same_shapes(checkpoints, spec.other)
     state_dict.update({name: average_tensor([c.tensor(name) for c in checkpoints], weights, name)

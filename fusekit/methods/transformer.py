@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from fusekit.core import progress
 from fusekit.core.checkpoint import Checkpoint
 from fusekit.core.errors import IncompatibleModelsError
 from fusekit.core.transformer import (
@@ -193,6 +194,7 @@ def aligned_clients(checkpoints: Sequence[Checkpoint], specs: Sequence[Transform
         client = client_arrays(checkpoint)
         report, orders = align_client(reference, client, specs[s], sweeps=sweeps, rng=rng,
                                       solver=solver, skip=frozenset(skip))
+        progress.advance("clients aligned", s + (s < anchor), len(checkpoints) - 1)
         yield s, client, {"client": checkpoint.label, **report,
                           "time_s": time.perf_counter() - start}, orders
 

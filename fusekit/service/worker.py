@@ -34,6 +34,7 @@ from huey import Huey, RedisHuey, SqliteHuey
 
 import fusekit
 from fusekit.api import fused_spec, fusion_summary, model_points
+from fusekit.core import progress
 from fusekit.core.checkpoint import load_checkpoint, write_atomic
 from fusekit.core.errors import FusekitError, ParameterError
 from fusekit.core.transformer import TransformerSpec, config_with_widths, infer_transformer
@@ -322,7 +323,8 @@ def _child(sender: Connection, work, *args: Any) -> None:
     ("failed", message)."""
     threading.Thread(target=_exit_with, args=(os.getppid(),), daemon=True).start()
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
-    logging.getLogger("fusekit").addHandler(_LayerProgress(sender))
+    progress.listen(lambda what, done, total: sender.send(("progress", _step_text(what, done,
+                                                                                total))))
     try:
         sender.send(("succeeded", work(*args)))
     except FusekitError as exc:
@@ -348,19 +350,11 @@ def _calibration(round_: dict[str, Any], model: str, statistics: list[str],
     return rounds.advance(round_, model, statistics, targets, clients, min_samples, output)
 
 
-class _LayerProgress(logging.Handler):
-    """The job's progress follows the layers a method logs as fused (log records with a
-    ``layer`` attribute: (i, L)), sent to the worker."""
-
-    def __init__(self, sender: Connection) -> None:
-        super().__init__(logging.INFO)
-        self.sender = sender
-
-    def emit(self, record: logging.LogRecord) -> None:
-        layer = getattr(record, "layer", None)
-        if layer is not None:
-            done, total = layer
-            self.sender.send(("progress", f"fusing: layer {done} of {total} matched"))
+def _step_text(what: str, done: int, total: int) -> str:
+    """A fusion's step as the job's progress shows it ("fusing: layer 2 of 3 matched")."""
+    if what == "layers matched":
+        return f"fusing: layer {done} of {total} matched"
+    return f"fusing: {done} of {total} {what}"
 
 
 def _link_inputs(store: JobStore, job: dict[str, Any], run: Path, kind: SlotKind,

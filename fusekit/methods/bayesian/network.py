@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from fusekit.core import neurons
+from fusekit.core import neurons, progress
 from fusekit.core.errors import IncompatibleModelsError, ParameterError
 from fusekit.methods.avg import (
     average_tensor,
@@ -337,8 +337,8 @@ def fuse_network(checkpoints, specs, params: BayesianParams, method: str):
                     "sigma0^2/v=%.3g, gamma0=%.3g, %.2f s", method, index + 1, n_hidden,
                     spec.layers[index].name, result.width, result.report["inferred_width"],
                     hyper["sigma2_relative"], hyper["sigma0_2_relative"], hyper["gamma0"],
-                    time.perf_counter() - start,
-                    extra={"layer": (index + 1, n_hidden)})  # progress, for front doors
+                    time.perf_counter() - start)
+        progress.advance("layers matched", index + 1, n_hidden)
         below, n_below = result.assignments, result.width
         for s, assigned in enumerate(below):
             assignments[s].append(assigned)
@@ -461,6 +461,7 @@ def fuse_groups(checkpoints, specs, params: BayesianParams, method: str):
                     spec.group_names[group], result.width, result.report["inferred_width"],
                     time.perf_counter() - start)
         del result  # its posterior arrays: one group's worth of memory
+        progress.advance("groups matched", len(reports), n_groups)
     shares = _class_shares(checkpoints, spec.out_features, params)
     alphas = sample_weights(checkpoints)
     fused = [_fuse_layer(checkpoints, specs, index, assignments, fused_widths, relative,
