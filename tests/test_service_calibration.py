@@ -484,6 +484,36 @@ def tiny_vit(folder: Path, seed: int) -> Path:
     return folder
 
 
+def test_parameters_checked_at_creation_against_the_declared_clients_and_spec(
+        service, tmp_path):  # noqa: F811
+    """A transformer job given both its clients' config.json and a spec/3: model_type,
+    widths and number of blocks must agree (422, one line, before any upload); agreeing,
+    the job is created. A per-client list holds one value per client declared."""
+    folder = tiny_vit(tmp_path / "vit", seed=0)
+    config = json.loads((folder / "config.json").read_text())
+    spec = fusekit.api.fused_spec(fusekit.load_checkpoint(folder)).to_json()
+
+    def create(config: dict) -> httpx.Response:
+        return httpx.post(f"{service.url}/v1/jobs", json={
+            "method": "pfnm", "clients": ["a", "b"], "config": config, "spec": spec},
+            headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30)
+
+    for change, words in [
+        ({"model_type": "gpt2"}, ["config: model_type 'gpt2'; the spec given describes a "
+                                  "'vit' model"]),
+        ({"intermediate_size": 32}, ["config: 'intermediate_size' is 32; the spec's mlp group",
+                                     "has size 24"]),
+        ({"hidden_size": 8}, ["'hidden_size' is 8; the spec's stream group"]),
+        ({"num_hidden_layers": 3}, ["'num_hidden_layers' is 3; the spec given has 2 MLP"]),
+    ]:
+        one_line_error(create({**config, **change}), 422, *words)
+    assert create(config).status_code == 201
+    refused = httpx.post(f"{service.url}/v1/jobs", json={
+        "method": "pfnm", "clients": ["a", "b"], "params": {"sigma": [1.0] * 50}},
+        headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30)
+    one_line_error(refused, 422, "sigma: expected one value, or one per client (2), found 50")
+
+
 def test_a_transformer_job_calibrates_with_its_clients_targets(
         service, admin, tmp_path):  # noqa: F811
     """Transformers fused from their weight files under the job's spec: each client sends

@@ -464,6 +464,44 @@ def unit_rows(array: np.ndarray, slot: Slot, size: int) -> np.ndarray:
     return span.reshape(size, slot.block, -1).reshape(size, -1)
 
 
+#: Per family, the config keys of its stream width, MLP width (GPT-2's default: 4 x the
+#: stream) and number of blocks.
+_SIZE_KEYS = {"bert": ("hidden_size", "intermediate_size", "num_hidden_layers"),
+              "vit": ("hidden_size", "intermediate_size", "num_hidden_layers"),
+              "gpt2": ("n_embd", "n_inner", "n_layer")}
+
+
+def check_config_matches_spec(config: Mapping[str, Any], spec: Mapping[str, Any],
+                              label: str = "config") -> None:
+    """A config.json against a ``fusekit.spec/3`` of a known family, before any weights:
+    its ``model_type``, stream and MLP widths, and number of blocks (one MLP group each).
+
+    Raises:
+        SpecError: one line naming what disagrees, with both values.
+    """
+    family = spec.get("family")
+    if family not in _SIZE_KEYS:
+        return  # a custom family: the config can only be checked against weights
+    if config.get("model_type") != family:
+        raise SpecError(f"{label}: model_type {config.get('model_type')!r}; the spec given "
+                        f"describes a {family!r} model")
+    stream_key, mlp_key, blocks_key = _SIZE_KEYS[family]
+    stream = _config_int(config, stream_key, label)
+    expected = {"stream": stream,
+                "mlp": _config_int(config, mlp_key, label, default=4 * stream)}
+    groups = [g for g in spec.get("groups", []) if isinstance(g, Mapping)]
+    for group in groups:
+        kind, size = group.get("kind"), group.get("size")
+        if kind in expected and size != expected[kind]:
+            key = stream_key if kind == "stream" else mlp_key
+            raise SpecError(f"{label}: {key!r} is {expected[kind]}; the spec's {kind} group "
+                            f"{group.get('name')!r} has size {size!r}")
+    mlps = sum(1 for g in groups if g.get("kind") == "mlp")
+    if mlps != _config_int(config, blocks_key, label):
+        raise SpecError(f"{label}: {blocks_key!r} is {config.get(blocks_key)}; the spec "
+                        f"given has {mlps} MLP group(s), one per block")
+
+
 def config_with_widths(config: Mapping[str, Any], spec: TransformerSpec) -> dict[str, Any]:
     """config.json for a fused model: the MLP width key set when the width changed."""
     out = dict(config)

@@ -27,7 +27,7 @@ from fusekit.api import validate_params
 from fusekit.core.errors import FusekitError, ParameterError, SpecError, UnknownMethodError
 from fusekit.core.metadata import load_json
 from fusekit.core.spec import check_spec_format
-from fusekit.core.transformer import TRANSFORMER_FORMAT
+from fusekit.core.transformer import TRANSFORMER_FORMAT, check_config_matches_spec
 from fusekit.methods import get_method
 from fusekit.methods.params import TEXT_KINDS
 from fusekit.service.auth import admin_token_hash, bearer, matches
@@ -136,7 +136,7 @@ def create_app(settings: Settings) -> FastAPI:
     async def create_job(request: Request, authorization: Auth = None) -> dict[str, Any]:
         admin_only(authorization)  # before reading a byte of the body
         body = await _job_request(request)
-        _check_params(body.method, body.params)
+        _check_params(body.method, body.params, len(body.clients))
         if body.calibrate and not get_method(body.method).makes_one_network:
             raise ParameterError(f"calibrate: method {body.method!r} keeps every client's model "
                                  "(its result is not a single network to calibrate); expected a "
@@ -150,6 +150,8 @@ def create_app(settings: Settings) -> FastAPI:
         _check_protocol(body)
         if body.spec is not None:
             check_spec_format(body.spec)
+            if body.config is not None:  # both describe the clients' models: they must agree
+                check_config_matches_spec(body.config, body.spec)
         job, tokens = await run_in_threadpool(
             store.create, method=body.method, params=body.params, spec=body.spec,
             clients=body.clients, max_checkpoint_bytes=limit, auto_run=body.auto_run,
@@ -396,14 +398,19 @@ async def _job_request(request: Request) -> JobRequest:
         raise RequestValidationError(exc.errors()) from None
 
 
-def _check_params(method: str, params: dict[str, Any]) -> None:
-    """As ``fusekit.fuse`` checks them, and only parameters a request can spell as values."""
+def _check_params(method: str, params: dict[str, Any], clients: int) -> None:
+    """As ``fusekit.fuse`` checks them, and only parameters a request can spell as values;
+    a per-client list with one value per client the job declares."""
     _, declared = validate_params(method, params)
     for spec in declared:
+        value = params.get(spec.name)
         if spec.name in params and spec.kind not in REQUEST_KINDS:
             raise ParameterError(
                 f"parameter {spec.name}: takes {spec.expected()}, which a service job cannot "
                 "be given (no server-side paths or Python objects)")
+        if spec.per_client and isinstance(value, list) and len(value) != clients:
+            raise ParameterError(f"{spec.name}: expected one value, or one per client "
+                                 f"({clients}), found {len(value)} values")
 
 
 def _check_widths(params: dict[str, Any], clients: int, limit: int, memory: int) -> None:
