@@ -91,21 +91,23 @@ def unit_weight(weight: np.ndarray, layer: Layer) -> np.ndarray:
 
 
 def fold_batchnorm(checkpoint: Checkpoint, layer: Layer) -> UnitLayer:
-    """A client's layer in unit form with its BatchNorm (if any) folded in (NAFI App. E)."""
-    weight = unit_weight(checkpoint.tensor(layer.weight), layer)
+    """A client's layer in unit form with its BatchNorm (if any) folded in (NAFI App. E).
+    The weight is widened to float64 and scaled in one pass (one float64 array made)."""
+    raw = checkpoint.tensor(layer.weight)
     bias = (np.asarray(checkpoint.tensor(layer.bias), dtype=np.float64) if layer.bias
-            else np.zeros(weight.shape[0]))
+            else np.zeros(raw.shape[0]))
     norm = layer.norm
-    if norm is not None:
-        scale = 1.0 / np.sqrt(np.asarray(checkpoint.tensor(norm.running_var), np.float64)
-                              + norm.eps)
-        if norm.weight is not None:
-            scale = scale * np.asarray(checkpoint.tensor(norm.weight), np.float64)
-        shift = np.asarray(checkpoint.tensor(norm.bias), np.float64) if norm.bias else 0.0
-        mean = np.asarray(checkpoint.tensor(norm.running_mean), np.float64)
-        weight = weight * scale[:, None, None]
-        bias = scale * (bias - mean) + shift
-    return UnitLayer(weight, bias)
+    if norm is None:
+        return UnitLayer(unit_weight(raw, layer), bias)
+    scale = 1.0 / np.sqrt(np.asarray(checkpoint.tensor(norm.running_var), np.float64)
+                          + norm.eps)
+    if norm.weight is not None:
+        scale = scale * np.asarray(checkpoint.tensor(norm.weight), np.float64)
+    shift = np.asarray(checkpoint.tensor(norm.bias), np.float64) if norm.bias else 0.0
+    mean = np.asarray(checkpoint.tensor(norm.running_mean), np.float64)
+    weight = np.multiply(raw.reshape(raw.shape[0], layer.in_features, -1),
+                         scale[:, None, None], dtype=np.float64)
+    return UnitLayer(weight, scale * (bias - mean) + shift)
 
 
 def client_layers(checkpoint: Checkpoint, spec: PermutationSpec) -> list[UnitLayer]:
