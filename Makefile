@@ -14,15 +14,15 @@ $(PY):
 	$(PY) -m pip install --quiet --upgrade pip
 
 # torch is pinned first, so the package's own range (torch>=2.2) installs nothing more.
-# pip's own lines show progress: building the C++ core takes about 15 s of the install.
+# pip's own lines show progress, the C++ core's build among them.
 # `make install` always installs; demo and flower-demo install only when $(STAMP) is older
 # than what the install builds from (or the C++ core is missing), and skip it otherwise.
 STAMP  := $(VENV)/.fusekit-installed
 BUILT_FROM := pyproject.toml setup.py fusekit/_version.py $(wildcard csrc/*)
 
 define install-steps
-	@echo "==> installing $(TORCH) and fusekit with its C++ core into $(VENV) (about a minute on a fresh clone)"
-	$(PY) -m pip install --progress-bar on "$(TORCH)" -e ".[test,bench,serve,flower,hf]"
+	@echo "==> installing $(TORCH) and fusekit with its C++ core into $(VENV)"
+	$(PY) -m pip install --progress-bar on "$(TORCH)" -e ".[test,bench,serve,flower,hf,docs]"
 	@touch $(STAMP)
 	@echo "==> installed: $$($(PY) -m fusekit --version | tr '\n' ' ')"
 endef

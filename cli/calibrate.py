@@ -73,7 +73,7 @@ def stats(
         "--input-moments", help="Also record the first layer's input moments (count, mean, "
         "d x d covariance), sent with the statistics of the client's own model: calibrate "
         "then derives the fused first layer without a round. They say more about the data "
-        "than per-channel moments (README).")] = False,
+        "than per-channel moments (docs/calibration.md).")] = False,
     force: ForceOption = False,
     as_json: JsonOption = False,
 ) -> None:

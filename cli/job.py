@@ -71,7 +71,7 @@ def create(
         "round per layer: for independently trained clients).")] = "one-pass",
     input_moments: Annotated[bool, typer.Option(
         "--input-moments", help="With --protocol layerwise: the first layer from the input "
-        "moments of the clients' targets, without a round (README: what they reveal).")
+        "moments of the clients' targets, without a round (docs/service.md: what they reveal).")
     ] = False,
     config: Annotated[Path | None, typer.Option(
         "--config", help="A transformer job: the clients' config.json; the fused model and "

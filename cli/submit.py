@@ -96,7 +96,7 @@ def contribute(
     alignment round), or refit statistics of one layer (a refit round); and, where the
     job needs them, your targets (statistics of your own model). This downloads each
     round's model, computes what the round asks and uploads it, round after round; only
-    these aggregates leave your machine (README, "What leaves a client")."""
+    these aggregates leave your machine (docs/calibration.md, "What leaves a client")."""
     from fusekit.client import Client
     from fusekit.core.checkpoint import private_files
 

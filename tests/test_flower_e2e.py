@@ -1,7 +1,7 @@
 """Real Flower federations on 127.0.0.1: a SuperLink and SuperNodes (Flower's own
 processes, deployment engine) and apps run with ``flwr run``. On three SuperNodes: the
-example app fused by FedAvg (fusekit's avg) and by PFNM, and the app the README's Flower
-section writes, file by file, over two rounds, each fused model calibrated with the
+example app fused by FedAvg (fusekit's avg) and by PFNM, and the app the Flower page
+(docs/flower.md) writes, file by file, over two rounds, each fused model calibrated with the
 statistics the nodes send in a query round; the example app's BatchNorm MLP fused,
 calibrated, aligned and refit in three query rounds. On one SuperNode: a run whose round
 cannot fuse (the initial model comes back) and a run that cannot finish, stopped at its
@@ -16,7 +16,6 @@ import importlib.util
 import json
 import re
 import subprocess
-import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -84,17 +83,18 @@ def run(federation: LocalFederation, app: Path, config: dict, progress, timeout=
 
 
 def readme_app(folder: Path) -> Path:
-    """The files the README's Flower section gives (each block after a line naming it),
-    written as they stand, and the empty package file it asks for."""
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Flower\n"):readme.index("### What the strategy does")]
-    blocks = re.findall(r"^`([\w./]+)`(?: \([^)]*\))?:\n\n((?:    .*\n|\n)+)", section, re.M)
+    """The files the Flower page gives (each block after a line naming it), written as they
+    stand, and the empty package file it asks for."""
+    page = (ROOT / "docs" / "flower.md").read_text()
+    section = page[page.index("## Your own Flower app\n"):page.index("## What the strategy does")]
+    blocks = re.findall(r"^`([\w./]+)`(?: \([^)]*\))?:\n\n```\w*\n(.*?)^```$", section,
+                        re.M | re.S)
     names = [name for name, _ in blocks]
     assert names == ["pyproject.toml", "my_fusion/task.py", "my_fusion/server_app.py",
                      "my_fusion/client_app.py"]
     for name, block in blocks:
         (folder / name).parent.mkdir(parents=True, exist_ok=True)
-        (folder / name).write_text(textwrap.dedent(block).strip() + "\n")
+        (folder / name).write_text(block.strip() + "\n")
     (folder / "my_fusion" / "__init__.py").write_text("")
     return folder
 
@@ -123,7 +123,7 @@ def test_three_nodes_run_the_example_and_the_readme_app(tmp_path, progress):
     # The nodes rebuilt the fused model from the widths in the ConfigRecord and scored it.
     assert pfnm["client_evaluation"]["1"]["accuracy"] > 0.8
 
-    # The README's app: fusekit's lines with their level, no evaluate failures, PFNM's
+    # The Flower page's app: fusekit's lines with their level, no evaluate failures, PFNM's
     # width kept by the averaged second round (the nodes trained the 150-wide model).
     lines = [re.sub(r"\x1b\[[0-9;]*m", "", line) for line in readme.splitlines()]
     assert any(re.match(r"INFO\s*:\s+round 1: pfnm fused 3 models .* \[150\]$", line)

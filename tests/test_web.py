@@ -3,7 +3,7 @@ Selenium through ``chromedriver``, against a real ``fusekit serve`` on 127.0.0.1
 fixtures of test_service.py). Without the browser, the browser tests are skipped with the
 reason (``-ra`` prints it); the page's routes and JSON are tested over HTTP either way.
 
-``FUSEKIT_SCREENSHOTS=docs/images`` saves a screenshot of each page there (the README's).
+``FUSEKIT_SCREENSHOTS=docs/images`` saves a screenshot of each page there (the service page's, docs/service.md).
 """
 
 from __future__ import annotations

@@ -56,7 +56,8 @@ def train_reply(
         class_counts: examples per class, summing to ``num_examples`` (for class-aware
             fusion such as ``avg --class-weighted``).
         metrics: further client metrics (numbers or lists of numbers), e.g. ``train-loss``.
-        arrays_key, metrics_key: the record names (FedAvg's defaults).
+        arrays_key: the ArrayRecord's name (FedAvg's default).
+        metrics_key: the MetricRecord's name (FedAvg's default).
         statistics_inputs: (N, ...) this node's inputs (the training inputs): the reply
             also carries the per-channel count, mean and variance of every hidden
             pre-activation and BatchNorm input of ``model`` on them (records

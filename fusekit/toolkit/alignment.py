@@ -183,7 +183,10 @@ def align_locally(
         alignment_rounds: alignment rounds (>= 1), each against the previous result.
         refit: end with refit rounds (one per layer) instead of calibration.
         ridge: the refit's relative ridge (:func:`fusekit.refit`).
-        rounds, min_samples, batch_size, device: see :func:`calibrate_locally`.
+        rounds: see :func:`calibrate_locally`.
+        min_samples: see :func:`calibrate_locally`.
+        batch_size: see :func:`calibrate_locally`.
+        device: see :func:`calibrate_locally`.
 
     Returns:
         The aligned model, refit or calibrated; ``report["alignment"]`` per round, the mean

@@ -316,8 +316,9 @@ def calibrate_locally(
             mode: approximate, see §12).
         layers: calibrate only these layers (by name: a transformer's MLP input layers
             and LayerNorms by module), in their order; default all.
-        min_samples, batch_size, device: see :func:`fusekit.calibrate` and
-            :func:`client_statistics`.
+        min_samples: see :func:`fusekit.calibrate`.
+        batch_size: see :func:`client_statistics`.
+        device: see :func:`client_statistics`.
         input_moments: the clients send their first layer's input moments with their own
             models' statistics (needs ``clients``): layer by layer, the first layer is
             calibrated from them without a round (exact). One pass is unchanged.

@@ -46,7 +46,7 @@ CLASS_WEIGHTS = ("information", "counts")
 #: ensemble of the clients (benchmarks/RESULTS.md, "Non-iid floor").
 LOW_CLASS_CONTRAST = 0.5
 UNLIMITED = "unlimited"
-#: Default fused width, relative to the widest client (see the README, "PFNM and NAFI").
+#: Default fused width, relative to the widest client (see docs/methods.md, "PFNM and NAFI").
 DEFAULT_WIDTH_RATIO = 1.5
 
 
