@@ -1,5 +1,5 @@
 """What the clients run next: the commands each server-side step of the file-based
-protocol prints (README, "Calibration"), so that the protocol runs by copy-paste.
+protocol prints (docs/calibration.md), so that the protocol runs by copy-paste.
 
 The order of rounds is the library's (``fusekit.toolkit.alignment.align_locally``):
 calibration (layer by layer, or in one pass), an alignment round against the calibrated
@@ -41,8 +41,8 @@ def after_calibration(output: Path, calibrated: list[str], order: list[str],
         own = [Path(f"CLIENT{k}.safetensors") for k in range(len(statistics or targets))]
         cross = [path.with_suffix(".cross.safetensors") for path in own]
         return {"round": f"{output} is calibrated. Optional, for clients from independent "
-                         "initialisations: an alignment round (README, \"Alignment "
-                         "rounds\"; CLIENTk: client k's own model)",
+                         "initialisations: an alignment round (docs/calibration.md, "
+                         "\"Alignment rounds\"; CLIENTk: client k's own model)",
                 "clients": [command("stats", output, "--against", model, "--data-path", DATA,
                                     "-o", reply, "--force")
                             for model, reply in zip(own, cross, strict=True)],

@@ -79,8 +79,8 @@ def test_following_the_printed_commands_reproduces_align_locally(tmp_path):
         step = _follow(step, data, own)["next"]
     assert seen == ["calibration round 2", f"{tmp_path / 'calibrated-2.safetensors'} is "
                     "calibrated. Optional, for clients from independent initialisations: an "
-                    "alignment round (README, \"Alignment rounds\"; CLIENTk: client k's own "
-                    "model)", "refit round 1", "refit round 2", "refit round 3"]
+                    "alignment round (docs/calibration.md, \"Alignment rounds\"; CLIENTk: "
+                    "client k's own model)", "refit round 1", "refit round 2", "refit round 3"]
     assert step["round"].startswith("nothing: every layer is refit")
     inputs = [load_dataset(path=path).x_train for path in data]
     expected = align_locally(fused, [load_checkpoint(p) for p in own], inputs).state_dict

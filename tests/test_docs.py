@@ -3,8 +3,8 @@ and the examples the pages mark with ``<!-- run -->`` run as they stand.
 
 A marked block is a fenced ``bash`` or ``python`` block right after the marker. A page's
 marked blocks run in order (consecutive bash blocks in one shell, as a reader types them),
-each in a process group of its own (ended when it returns), in one fresh folder per page, with ``fusekit`` on PATH meaning this tree's command line. The
-marker's option says what the block needs: ``background`` runs it for the rest of the page
+each in a process group of its own (ended when it returns), in one fresh folder per page,
+with ``fusekit`` on PATH meaning this tree's command line. The marker's option says what the block needs: ``background`` runs it for the rest of the page
 (the service's server; the page's port 8420 becomes a free one), ``readme-clients`` starts
 the page in a folder holding the README's simulated clients (``ckpts/``). Every path a
 bash block names with ``-o``/``--out`` must exist once it has run. The first example of
