@@ -262,17 +262,26 @@ def test_auto_run_and_incompatible_checkpoints_fail_with_the_cli_message(service
 
 
 def test_a_long_job_error_is_bounded_and_whole_in_the_report(service, admin, models):
-    """An ot anchor of 50,000 characters: the job's error, in every status and on the page,
-    a few hundred characters; the whole text in the job's report."""
-    anchor = "z" * 50_000
-    job = admin.create_job("ot", list(NAMES), params={"anchor": anchor}, auto_run=True)
-    for name, path in zip(NAMES, models, strict=True):
-        admin.submit(job["id"], name, path)
+    """A spec naming a tensor of 50,000 characters (its form is right: only the models
+    tell it is wrong): the job's error, in every status and on the page, a few hundred
+    characters; the whole text in the job's report. A refusal quoting a long value is
+    bounded too."""
+    name = "w" * 50_000
+    spec = {"format": "fusekit.spec/1", "layers": [{"weight": name, "bias": "0.bias"},
+                                                   {"weight": "2.weight", "bias": "2.bias"}]}
+    job = admin.create_job("avg", list(NAMES), spec=spec, auto_run=True)
+    for client, path in zip(NAMES, models, strict=True):
+        admin.submit(job["id"], client, path)
     state = admin.wait(job["id"], timeout=60, every=0.1)
     assert state["state"] == "failed" and len(state["error"]) < 400, state["error"]
     assert state["error"].endswith("characters; the whole error is in the job's report)")
     whole = admin.report(job["id"])["error"]
-    assert anchor in whole and whole.startswith(state["error"][:300])
+    assert name in whole and whole.startswith(state["error"][:300])
+    refused = httpx.post(f"{service.url}/v1/jobs", json={
+        "method": "pfnm", "clients": ["a"], "params": {name: 1}},  # an unknown parameter
+        headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30)
+    error = one_line_error(refused, 422, "characters; the rest left out)")
+    assert len(error) < 1100
 
 
 @pytest.mark.parametrize(("body", "status", "words"), [
@@ -292,6 +301,11 @@ def test_a_long_job_error_is_bounded_and_whole_in_the_report(service, admin, mod
      ["width: 360000 fused neurons need at least 16.5 MiB (48 bytes each with 3 client(s)), "
       "over the 16.0 MiB a job may use (fusekit serve --max-job-memory); expected at most "
       "349525"]),
+    ({"method": "ot", "clients": ["a", "b"], "params": {"anchor": "z" * 50_000}}, 422,
+     ["anchor: expected the checkpoint of one of the job's clients (a.safetensors, "
+      "b.safetensors) or a content-hash prefix of 8 to 64 hex digits, found 'zzz"]),
+    ({"method": "rebasin", "clients": ["a", "b"], "params": {"anchor": "a"}}, 422,
+     ["anchor: expected the checkpoint", "found 'a'"]),
     ({"method": "pfnm", "clients": ["a", "b"], "params": {"width_ratio": 1e6}}, 422,
      ["width_ratio", "at most 2", "1e+06"]),
     ({"method": "pfnm", "clients": ["a"], "params": {"sweeps": "10"}}, 422, ["sweeps", "'10'"]),

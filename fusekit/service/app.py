@@ -11,6 +11,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -31,7 +32,15 @@ from fusekit.core.transformer import TRANSFORMER_FORMAT, check_config_matches_sp
 from fusekit.methods import get_method
 from fusekit.methods.params import TEXT_KINDS
 from fusekit.service.auth import admin_token_hash, bearer, matches
-from fusekit.service.errors import Busy, Conflict, Forbidden, NotFound, ServiceError, TooLarge
+from fusekit.service.errors import (
+    Busy,
+    Conflict,
+    Forbidden,
+    NotFound,
+    ServiceError,
+    TooLarge,
+    bounded,
+)
 from fusekit.service.settings import GiB, Settings
 from fusekit.service.store import (
     CHECKPOINT,
@@ -65,6 +74,8 @@ REQUEST_KINDS = tuple(kind for kind in TEXT_KINDS if kind != "path")
 
 RETRY_LATER = (429, 503)  # answered with Retry-After
 MAX_REQUEST_BYTES = 1024 * 1024  # a job request: names of up to 1000 clients, parameters
+REFUSAL_CHARS = 1000  # of a refusal's one line, whatever a value it quotes
+HASH_PREFIX = re.compile(r"[0-9a-fA-F]{8,64}")
 
 Auth = Annotated[str | None, Header(alias="Authorization", include_in_schema=False)]
 
@@ -136,7 +147,7 @@ def create_app(settings: Settings) -> FastAPI:
     async def create_job(request: Request, authorization: Auth = None) -> dict[str, Any]:
         admin_only(authorization)  # before reading a byte of the body
         body = await _job_request(request)
-        _check_params(body.method, body.params, len(body.clients))
+        _check_params(body.method, body.params, body.clients)
         if body.calibrate and not get_method(body.method).makes_one_network:
             raise ParameterError(f"calibrate: method {body.method!r} keeps every client's model "
                                  "(its result is not a single network to calibrate); expected a "
@@ -398,7 +409,7 @@ async def _job_request(request: Request) -> JobRequest:
         raise RequestValidationError(exc.errors()) from None
 
 
-def _check_params(method: str, params: dict[str, Any], clients: int) -> None:
+def _check_params(method: str, params: dict[str, Any], clients: list[str]) -> None:
     """As ``fusekit.fuse`` checks them, and only parameters a request can spell as values;
     a per-client list with one value per client the job declares."""
     _, declared = validate_params(method, params)
@@ -408,9 +419,23 @@ def _check_params(method: str, params: dict[str, Any], clients: int) -> None:
             raise ParameterError(
                 f"parameter {spec.name}: takes {spec.expected()}, which a service job cannot "
                 "be given (no server-side paths or Python objects)")
-        if spec.per_client and isinstance(value, list) and len(value) != clients:
+        if spec.per_client and isinstance(value, list) and len(value) != len(clients):
             raise ParameterError(f"{spec.name}: expected one value, or one per client "
-                                 f"({clients}), found {len(value)} values")
+                                 f"({len(clients)}), found {len(value)} values")
+    _check_anchor(params.get("anchor"), clients)
+
+
+def _check_anchor(anchor: Any, clients: list[str]) -> None:
+    """ot's and rebasin's anchor names one of the job's clients: its checkpoint as the
+    worker names it (``<client>.safetensors``), or a prefix of its content hash (unknown
+    until it is submitted)."""
+    files = [f"{client}.safetensors" for client in clients]
+    if not isinstance(anchor, str) or anchor in files or HASH_PREFIX.fullmatch(anchor):
+        return
+    shown = ", ".join(files[:3]) + (", ..." if len(files) > 3 else "")
+    raise ParameterError(f"anchor: expected the checkpoint of one of the job's clients "
+                         f"({shown}) or a content-hash prefix of 8 to 64 hex digits, found "
+                         f"{anchor[:80]!r}")
 
 
 def _check_widths(params: dict[str, Any], clients: int, limit: int, memory: int) -> None:
@@ -483,7 +508,8 @@ def _add_error_handlers(app: FastAPI, data_dir: Path) -> None:
             headers["WWW-Authenticate"] = "Bearer"
         if status in RETRY_LATER:  # clients wait at least this long before they try again
             headers["Retry-After"] = str(getattr(exc, "retry_after", 1))
-        message = _one_line(without_paths(str(exc), data_dir))
+        message = bounded(_one_line(without_paths(str(exc), data_dir)), REFUSAL_CHARS,
+                          "the rest left out")
         return JSONResponse({"error": message}, status_code=status,
                             headers=headers)
 

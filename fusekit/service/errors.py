@@ -45,3 +45,12 @@ class Busy(ServiceError):
     def __init__(self, message: str, retry_after: int = 1) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+
+
+def bounded(text: str, limit: int, rest: str) -> str:
+    """``text`` cut to ``limit`` characters, saying how long it was and ``rest`` (where the
+    whole text is, or that it was left out): what every status request returns and a
+    page draws stays small whatever a value a message quotes."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} characters; {rest})"

@@ -39,6 +39,7 @@ from fusekit.core.checkpoint import load_checkpoint, write_atomic
 from fusekit.core.errors import FusekitError, ParameterError
 from fusekit.core.transformer import TransformerSpec, config_with_widths, infer_transformer
 from fusekit.service import rounds
+from fusekit.service.errors import bounded
 from fusekit.service.settings import Settings
 from fusekit.service.store import (
     CHECKPOINT,
@@ -136,10 +137,8 @@ def _failed(store: JobStore, job: dict[str, Any], error: str) -> dict[str, Any]:
     with contextlib.suppress(FileNotFoundError, ValueError):  # deleted meanwhile; unreadable
         kept = json.loads(report.read_text()) if report.is_file() else {}
         write_atomic(report, json.dumps({**kept, "error": error}).encode())
-    if len(error) > ERROR_CHARS:
-        error = (f"{error[:ERROR_CHARS]}... ({len(error)} characters; the whole error is in "
-                 "the job's report)")
-    return {"state": "failed", "error": error}
+    return {"state": "failed",
+            "error": bounded(error, ERROR_CHARS, "the whole error is in the job's report")}
 
 
 def _fuse(store: JobStore, job: dict[str, Any], attempt: int, run: Path) -> dict[str, Any]:
