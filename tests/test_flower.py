@@ -44,7 +44,12 @@ from fusekit.flower import (
     statistics_reply,
     train_reply,
 )
-from fusekit.flower.records import query_checkpoint, statistics_content, statistics_query
+from fusekit.flower.records import (
+    query_checkpoint,
+    reply_checkpoint,
+    statistics_content,
+    statistics_query,
+)
 from fusekit.toolkit.calibration import calibrate_locally, client_statistics
 from fusekit.toolkit.data import load_dataset
 from fusekit.toolkit.nn import build_model, load_state_into
@@ -737,6 +742,27 @@ def test_without_every_nodes_targets_layers_without_batchnorm_are_left_as_they_a
     assert result.train_metrics_clientapp[1]["pfnm.calibrated"] == 0
     for name, value in fused_pfnm(trained_plain).state_dict().items():
         np.testing.assert_array_equal(arrays_to_state_dict(result.arrays)[name], value)
+
+
+def test_targets_with_input_moments_the_model_has_not_are_left_out(trained_plain, digits):
+    """Input moments of a point the model has not (its first layer's only, of its input
+    dimension), checked before their values: that node's targets are unusable."""
+    clients, _ = trained_plain
+    inputs = {10 + c.index: digits.x_train[c.indices] for c in clients}
+    replies = trained_replies(trained_plain, inputs=inputs)
+    extra = replies[2].content["statistics"]
+    extra["input:zzz.count"] = Array(np.array([1000.0]))
+    extra["input:zzz.mean"] = Array(np.zeros(3))
+    extra["input:zzz.cov"] = Array(np.eye(3))
+    fused = fusekit.fuse([c.checkpoint for c in clients], method="pfnm")
+    fused_replies = {r.metadata.src_node_id: (
+        reply_checkpoint(r.content, f"node {r.metadata.src_node_id}"), r.content)
+        for r in replies}
+    strategy = FusekitStrategy("pfnm", calibrate=True)
+    assert strategy.repair_targets(1, fused, fused_replies) == []
+    assert sorted(strategy.left_out_targets) == [12]
+    assert ("node 12: point 'input:zzz': not an input point of the model; expected "
+            "'input:net.0'") in strategy.left_out_targets[12]
 
 
 def test_statistics_reply_refuses_too_few_inputs_and_other_messages(trained_bn, digits):

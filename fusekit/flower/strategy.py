@@ -46,7 +46,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result
 
 import fusekit
-from fusekit.api import SpecLike, check_compatible, client_spec, fused_spec
+from fusekit.api import SpecLike, check_compatible, client_spec, fused_spec, input_points
 from fusekit.core import metadata as meta
 from fusekit.core.checkpoint import Checkpoint
 from fusekit.core.cross_stats import (
@@ -418,9 +418,11 @@ class FusekitStrategy(FedAvg):
                     raise StatisticsError(
                         f"node {node}: no statistics of its own model in its train reply "
                         "(train_reply(..., statistics_inputs=...))")
+                spec = client_spec(checkpoint, self.spec)
                 check_statistics(own, model=checkpoint.content_hash,
-                                 points=statistic_points(client_spec(checkpoint, self.spec)),
-                                 min_samples=self.calibration_min_samples)
+                                 points=statistic_points(spec),
+                                 min_samples=self.calibration_min_samples,
+                                 inputs=input_points(checkpoint, spec))
                 targets[node] = own
             except FusekitError as exc:
                 self.left_out_targets[node] = str(exc)
