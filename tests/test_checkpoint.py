@@ -173,12 +173,10 @@ def test_failed_write_leaves_nothing_behind(tmp_path, monkeypatch):
 
 
 def test_interrupted_fusion_leaves_no_output(mlp_clients, tmp_path, monkeypatch):
-    import safetensors.numpy
-
-    def interrupted(*args, **kwargs):
+    def interrupted(*args, **kwargs):  # once every byte is in the temporary file
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(safetensors.numpy, "save", interrupted)
+    monkeypatch.setattr(os, "fsync", interrupted)
     with pytest.raises(KeyboardInterrupt):
         fusekit.fuse(mlp_clients).save(tmp_path / "fused.safetensors")
     assert not (tmp_path / "fused.safetensors").exists()
@@ -410,18 +408,18 @@ def test_a_failed_write_names_the_output_not_the_temporary_file(tmp_path, monkey
     assert ".tmp" not in str(caught.value)
 
 
-def test_safetensors_panic_on_save_is_reported(tmp_path, monkeypatch):
-    class PanicException(BaseException):
-        pass
-
-    def panics(*args, **kwargs):
-        raise PanicException("memory allocation failed")
-
-    monkeypatch.setattr(safetensors.numpy, "save", panics)
-    with pytest.raises(OutputError, match=r"f\.safetensors: not enough memory to serialise"):
-        save_checkpoint(tmp_path / "f.safetensors", {"w": np.zeros(2)})
-    assert list(tmp_path.iterdir()) == []
-
+def test_written_files_are_what_safetensors_reads(tmp_path):
+    """Every dtype, 0-d and big-endian tensors, metadata: read back by safetensors itself."""
+    tensors = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.float64(2.5) * np.ones(3),
+               "c": np.array(7, dtype=np.int64), "d": np.ones(5, dtype=np.float16),
+               "e": np.arange(4, dtype=">f4"), "n.num_batches_tracked": np.array(3, np.int64)}
+    path = save_checkpoint(tmp_path / "f.safetensors", tensors, {"k": "v"})
+    with safetensors.safe_open(path, framework="numpy") as f:
+        assert f.metadata() == {"k": "v"}
+        for name, value in tensors.items():
+            np.testing.assert_array_equal(f.get_tensor(name), value)
+            assert f.get_tensor(name).shape == value.shape
+    assert len(path.read_bytes()) % 8 == sum(v.nbytes for v in tensors.values()) % 8
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
 def test_non_finite_outputs_are_never_written(tmp_path, bad):

@@ -274,7 +274,7 @@ def test_help_imports_nothing_heavy(args):
                             timeout=120)
     assert result.returncode == 0, result.stderr
     loaded = result.stdout.rsplit("loaded:", 1)[1].split()
-    assert loaded == (["fusekit.methods", "scipy"] if args[0] == "fuse" else [])
+    assert loaded == (["fusekit.methods"] if args[0] == "fuse" else [])
 
 
 def test_startup_benchmark_runs(tmp_path):

@@ -814,13 +814,30 @@ def save_checkpoint(
                 "expected finite weights, so nothing was written (check the inputs' "
                 "magnitudes and metadata)"
             )
-    try:
-        payload = safetensors.numpy.save(arrays, metadata=dict(metadata or {}))
-    except BaseException as exc:
-        if not (isinstance(exc, MemoryError) or _is_panic(exc)):
-            raise
-        raise OutputError(f"{path}: not enough memory to serialise the output ({exc})") from None
-    return write_atomic(path, payload, force=force)
+    return write_atomic(path, safetensors_parts(arrays, metadata or {}), force=force)
+
+
+def safetensors_parts(arrays: Mapping[str, np.ndarray], metadata: Mapping[str, str]
+                      ) -> list[Any]:
+    """The safetensors file of C-contiguous ``arrays`` as the buffers to write in order:
+    the header, then each array's own memory (no serialised copy of the model). Tensors
+    are laid out as safetensors lays them out, wider types first, then by name, so every
+    tensor stays aligned after the 8-byte-aligned header."""
+    for key, value in metadata.items():
+        if not (isinstance(key, str) and isinstance(value, str)):
+            raise TypeError(f"metadata {key!r}: expected str -> str, found {value!r}")
+    order = sorted(arrays, key=lambda name: (-arrays[name].dtype.itemsize, name))
+    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+    offset, data = 0, []
+    for name in order:
+        array = arrays[name].astype(arrays[name].dtype.newbyteorder("<"), copy=False)
+        header[name] = {"dtype": _dtype_name(array.dtype), "shape": list(array.shape),
+                        "data_offsets": [offset, offset + array.nbytes]}
+        offset += array.nbytes
+        data.append(array.reshape(-1).view(np.uint8))
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # padding the format allows, for aligned tensors
+    return [struct.pack("<Q", len(text)) + text, *data]
 
 
 def check_output_path(path: Path, *, force: bool,
@@ -872,8 +889,10 @@ def _same_file(a: Path, b: str | os.PathLike[str]) -> bool:
         return False
 
 
-def write_atomic(path: str | os.PathLike[str], payload: bytes, *, force: bool = True) -> Path:
-    """Write ``payload`` to ``path`` through a temporary file in the same folder, fsync and
+def write_atomic(path: str | os.PathLike[str], payload: bytes | Sequence[Any], *,
+                 force: bool = True) -> Path:
+    """Write ``payload`` (bytes, or buffers written one after the other) to ``path``
+    through a temporary file in the same folder, fsync and
     rename: readers see the old file or the new one, never a partial one. The temporary
     file is removed on any failure, Ctrl-C or SIGTERM.
 
@@ -912,11 +931,13 @@ def write_atomic(path: str | os.PathLike[str], payload: bytes, *, force: bool = 
     return path
 
 
-def _write_file(fd: int, payload: bytes) -> None:
+def _write_file(fd: int, payload: bytes | Sequence[Any]) -> None:
+    parts = [payload] if isinstance(payload, bytes | bytearray | memoryview) else payload
     with os.fdopen(fd, "wb") as f:
-        view = memoryview(payload)
-        for start in range(0, len(view), _WRITE_CHUNK):
-            f.write(view[start:start + _WRITE_CHUNK])
+        for part in parts:
+            view = memoryview(part).cast("B")
+            for start in range(0, len(view), _WRITE_CHUNK):
+                f.write(view[start:start + _WRITE_CHUNK])
         f.flush()
         os.fchmod(f.fileno(), 0o666 & ~_umask())  # mkstemp's 0600 is not what users expect
         os.fsync(f.fileno())
