@@ -37,7 +37,7 @@ def after_calibration(output: Path, calibrated: list[str], order: list[str],
     model's calibration ``order``, input to output): the next layer's round, or, once the
     last layer is calibrated, the alignment round that may follow."""
     last = max(order.index(name) for name in calibrated)
-    if last + 1 == len(order):
+    if last + 1 == len(order):  # the alignment round, its clients' files named by index
         own = [Path(f"CLIENT{k}.safetensors") for k in range(len(statistics or targets))]
         cross = [path.with_suffix(".cross.safetensors") for path in own]
         return {"round": f"{output} is calibrated. Optional, for clients from independent "
@@ -51,8 +51,10 @@ def after_calibration(output: Path, calibrated: list[str], order: list[str],
                                 "-o", output.with_name(f"aligned{output.suffix}"))}
     layer, index = order[last + 1], last + 2
     repeated = [word for path in targets for word in ("--targets", path)]
+    named = "" if statistics else " (CLIENTk: client k)"
+    statistics = statistics or [Path(f"CLIENT{k}.stats.safetensors") for k in range(len(targets))]
     return {"round": f"calibration round {index} of {len(order)} calibrates layer {layer!r} "
-                     f"of {output}",
+                     f"of {output}{named}",
             "clients": [command("stats", output, "--data-path", DATA, "-o", path, "--force")
                         for path in statistics],
             "then": command("calibrate", output, *statistics, *repeated,

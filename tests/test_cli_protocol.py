@@ -10,10 +10,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_service import admin, service  # noqa: F401
+from test_service_rounds import TakingPart
 from typer.testing import CliRunner
 
+import fusekit
 from conftest import mlp, write
 from fusekit._cli.app import app
+from fusekit.client import Client
 from fusekit.core.checkpoint import load_checkpoint
 from fusekit.toolkit.alignment import align_locally
 from fusekit.toolkit.data import load_dataset
@@ -61,32 +65,82 @@ def _follow(step: dict, data: list[Path], own: list[Path]) -> dict:
     return _run(*words(step["then"], None))
 
 
-def test_following_the_printed_commands_reproduces_align_locally(tmp_path):
-    own, data = _clients(tmp_path, batchnorm=True)
+def _cli_layerwise_protocol(tmp_path: Path, own: list[Path], data: list[Path], method: str,
+                            first: tuple[str, ...] = ("--layers", "0")) -> tuple[Path, list]:
+    """align_locally's protocol through the CLI: each client's targets (statistics of its
+    own model; ``first`` "--input-moments": with its first layer's input moments), the
+    first calibration round (``first``), then every round the previous step printed.
+    Returns the final model and the rounds each step announced."""
     fused = tmp_path / "fused.safetensors"
-    _run("fuse", *own, "-m", "ot", "-o", fused)
+    _run("fuse", *own, "-m", method, "-o", fused)
     targets, stats = [], []
+    moments = "--input-moments" in first
     for k, (model, path) in enumerate(zip(own, data, strict=True)):
         targets += ["--targets", _run("stats", model, "--data-path", path, "-o",
-                                      tmp_path / f"c{k}.own.safetensors")["output"]]
-        stats.append(_run("stats", fused, "--data-path", path, "-o",
-                          tmp_path / f"c{k}.stats.safetensors")["output"])
-    step = _run("calibrate", fused, *stats, *targets, "--paired", "--layers", "0", "-o",
-                tmp_path / "calibrated.safetensors")["next"]
+                                      tmp_path / f"c{k}.own.safetensors",
+                                      *(["--input-moments"] if moments else []))["output"]]
+        if not moments:
+            stats.append(_run("stats", fused, "--data-path", path, "-o",
+                              tmp_path / f"c{k}.stats.safetensors")["output"])
+    step = _run("calibrate", fused, *stats, *targets, "--paired",
+                *(() if moments else first), "-o", tmp_path / "calibrated.safetensors")
     seen = []
-    while step["then"] is not None:
-        seen.append(step["round"].split(" of ")[0])
-        step = _follow(step, data, own)["next"]
+    while step["next"]["then"] is not None:
+        seen.append(step["next"]["round"].split(" of ")[0])
+        step = _follow(step["next"], data, own)
+    assert step["next"]["round"].startswith("nothing: every layer is refit")
+    return Path(step["output"]), seen
+
+
+def test_following_the_printed_commands_reproduces_align_locally(tmp_path):
+    own, data = _clients(tmp_path, batchnorm=True)
+    final, seen = _cli_layerwise_protocol(tmp_path, own, data, "ot")
     assert seen == ["calibration round 2", f"{tmp_path / 'calibrated-2.safetensors'} is "
                     "calibrated. Optional, for clients from independent initialisations: an "
                     "alignment round (docs/calibration.md, \"Alignment rounds\"; CLIENTk: "
                     "client k's own model)", "refit round 1", "refit round 2", "refit round 3"]
-    assert step["round"].startswith("nothing: every layer is refit")
+    assert final == tmp_path / "refit-3.safetensors"
     inputs = [load_dataset(path=path).x_train for path in data]
+    fused = tmp_path / "fused.safetensors"
     expected = align_locally(fused, [load_checkpoint(p) for p in own], inputs).state_dict
-    final = load_checkpoint(tmp_path / "refit-3.safetensors")
+    final = load_checkpoint(final)
     for name, value in expected.items():
         np.testing.assert_allclose(final.tensor(name), value, rtol=1e-6, atol=1e-7)
+
+
+def test_flower_alignment_gives_the_model_the_cli_protocol_gives(tmp_path, monkeypatch):
+    """The same clients as Flower nodes (real Messages through the Grid stand-in of
+    test_flower; targets and input moments in their train replies): FusekitStrategy's
+    layer-by-layer calibration, alignment and refit rounds end with the model the CLI's
+    printed commands give (its first layer derived from the input moments too)."""
+    pytest.importorskip("flwr", reason="needs the [flower] extra")
+    from flwr.app import RecordDict
+    from flwr.supercore.task_identity import TaskIdentity
+    from test_flower import Federation
+
+    for field in ("_run_id", "_task_id"):  # messages stamped as in a ServerApp
+        monkeypatch.setattr(TaskIdentity, field, 1)
+    monkeypatch.setattr(TaskIdentity, "_node_id", 0)
+
+    from fusekit.flower import FusekitStrategy, kept_model, statistics_reply, train_reply
+    from fusekit.flower.records import arrays_to_state_dict
+
+    own, data = _clients(tmp_path, batchnorm=True, n=3)
+    inputs = {10 + k: load_dataset(path=path).x_train for k, path in enumerate(data)}
+    states = {node: RecordDict() for node in inputs}
+    replies = {node: train_reply(fusekit.load_fused(own[node - 10], "cpu"), len(x),
+                                 statistics_inputs=x, input_moments=True,
+                                 keep_in=states[node]) for node, x in inputs.items()}
+    grid = Federation(lambda node, _: replies[node], lambda node, m: statistics_reply(
+        m.content, inputs[node], own_model=kept_model(states[node])))
+    strategy = FusekitStrategy("pfnm", fraction_evaluate=0, calibrate=True,
+                               calibration_rounds="layerwise", alignment_rounds=1)
+    result = strategy.start(grid, replies[10]["arrays"], num_rounds=1)
+    final, _ = _cli_layerwise_protocol(tmp_path, own, data, "pfnm", ("--input-moments",))
+    flower, cli = arrays_to_state_dict(result.arrays), load_checkpoint(final)
+    assert sorted(flower) == sorted(cli.tensors)
+    for name, value in flower.items():
+        np.testing.assert_allclose(value, cli.tensor(name), rtol=1e-5, atol=1e-6, err_msg=name)
 
 
 def test_the_refit_rounds_start_from_the_aligned_model_as_written(tmp_path):
@@ -141,3 +195,43 @@ def test_statistics_of_a_model_without_hidden_layer_are_refused(tmp_path, agains
                      "--data-path", data[0], "-o", out)
     assert "no hidden layer, so nothing to calibrate or align; no statistics written" in error
     assert not out.exists()
+
+
+def _cli_protocol(tmp_path: Path, own: list[Path], data: list[Path], method: str) -> Path:
+    """The documented protocol through the CLI: fuse, one-shot calibration (batch-mode
+    statistics), then every round the previous step printed; returns the final model."""
+    tmp_path.mkdir()
+    fused = tmp_path / "fused.safetensors"
+    _run("fuse", *own, "-m", method, "-o", fused)
+    stats = [_run("stats", fused, "--mode", "batch", "--data-path", path, "-o",
+                  tmp_path / f"c{k}.stats.safetensors")["output"]
+             for k, path in enumerate(data)]
+    step = _run("calibrate", fused, *stats, "-o", tmp_path / "calibrated.safetensors")
+    while step["next"]["then"] is not None:
+        step = _follow(step["next"], data, own)
+    return Path(step["output"])
+
+
+def test_a_service_align_job_gives_the_model_the_cli_protocol_gives(
+        service, admin, tmp_path):  # noqa: F811
+    """Clients the service never trained, each with its own data file: an align job (one
+    batch-mode calibration round, an alignment round, a refit round per layer) run by
+    ``Client.take_part`` ends with the model the CLI's printed commands give."""
+    own, data = _clients(tmp_path, batchnorm=True, n=3)
+    names = [f"clinic-{k}" for k in range(3)]
+    job = admin.create_job("ot", names, auto_run=True, calibrate=True, protocol="align")
+    for name, path in zip(names, own, strict=True):
+        with Client(service.url, job["tokens"][name]) as client:
+            client.submit(job["id"], name, path)
+    assert admin.wait(job["id"], timeout=120, every=0.1)["state"] == "calibrating"
+    inputs = [load_dataset(path=path).x_train for path in data]  # as the CLI reads them
+    for thread in [TakingPart(service, job, name, model, x, tmp_path / name)
+                   for name, model, x in zip(names, own, inputs, strict=True)]:
+        thread.finish()
+    assert admin.status(job["id"])["state"] == "succeeded"
+    result = load_checkpoint(admin.result(job["id"], tmp_path / "service.safetensors"))
+    cli = load_checkpoint(_cli_protocol(tmp_path / "cli", own, data, "ot"))
+    assert sorted(result.tensors) == sorted(cli.tensors)
+    for name in cli.tensors:
+        np.testing.assert_allclose(result.tensor(name), cli.tensor(name), rtol=1e-6,
+                                   atol=1e-7, err_msg=name)
