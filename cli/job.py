@@ -14,6 +14,7 @@ from rich.table import Table
 from fusekit._cli.options import Command, Group, JsonOption
 from fusekit._cli.output import emit_json, handle_errors, stderr, stdout
 from fusekit.core.errors import ParameterError
+from fusekit.service.states import job_in_state
 
 app = typer.Typer(cls=Group, no_args_is_help=True,
                   help="Create, follow and collect fusion jobs on a fusekit service.")
@@ -122,6 +123,35 @@ def _param(text: str) -> tuple[str, Any]:
         return name, raw
 
 
+@command("list")
+def list_jobs(server: Server = DEFAULT_SERVER, token_file: TokenFile = None,
+              as_json: JsonOption = False) -> None:
+    """Every job on the service, newest first: state, method, checkpoints received, age."""
+    with admin(server, token_file) as service:
+        jobs = service.jobs()
+    if as_json:
+        emit_json(jobs)
+        return
+    if not jobs:
+        stdout.print(f"no jobs on {server}", highlight=False)
+        return
+    table = Table("state", "method", "checkpoints", "created")
+    table.add_column("job", no_wrap=True)  # whole, to copy into the next command
+    for job in jobs:
+        notes = [job["progress"], job["statistics"] and f"{job['statistics']} statistics"]
+        state = job["state"] + "".join(f", {note}" for note in notes if note)
+        table.add_row(state, job["method"], f"{job['filled']} of {job['clients']}",
+                      _age(time.time() - job["created_at"]), job["id"])
+    stdout.print(table)
+
+
+def _age(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f} {unit} ago"
+    return f"{seconds:.0f} s ago"
+
+
 @command("status")
 def status(job: JobId, server: Server = DEFAULT_SERVER, token_file: TokenFile = None,
            as_json: JsonOption = False) -> None:
@@ -188,7 +218,8 @@ def wait(job: JobId, timeout: Annotated[float, typer.Option(
                      "calibrate to go on with those received)", highlight=False)
         return
     reason = f": {state['error']}" if state.get("error") else ""
-    stdout.print(f"job {job}: {state['state']}{reason}", highlight=False, soft_wrap=True)
+    stdout.print(f"{job_in_state(job, state['state'])}{reason}", highlight=False,
+                 soft_wrap=True)
     raise typer.Exit(1)
 
 

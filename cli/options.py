@@ -53,6 +53,13 @@ def _plain_help(params):
 
 
 class Command(TyperCommand):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.short_help is None and self.help:
+            # The command list shows the docstring's first paragraph as one line: its line
+            # breaks would break the list's lines mid-sentence.
+            self.short_help = " ".join(self.help.split("\n\n")[0].split())
+
     def get_params(self, ctx):
         return _plain_help(super().get_params(ctx))
 

@@ -12,6 +12,7 @@ import functools
 import inspect
 import json
 import logging
+import re
 import sys
 import time
 from collections.abc import Iterator
@@ -73,7 +74,8 @@ def handle_errors(command):
 def fail(exc: Exception | str, code: int) -> None:
     if state["verbose"] and isinstance(exc, Exception):
         stderr.print_exception()
-    stderr.print("[bold red]error:[/]", escape(str(exc)), highlight=False, soft_wrap=True)
+    message = in_cli_words(exc) if isinstance(exc, FusekitError) else str(exc)
+    stderr.print("[bold red]error:[/]", escape(message), highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 
@@ -121,6 +123,17 @@ def step_progress(label: str) -> Iterator[None]:
         progress.stop_listening(handler)
         if state["bar"] is not None:
             state["bar"].stop()
+
+
+def in_cli_words(error: FusekitError) -> str:
+    """The error's message with the keyword arguments it names said as the options of the
+    command line (``width_ratio`` -> ``--width-ratio``, ``force=True`` -> ``--force``); an
+    option left out is its keyword's None, so "or None" goes too."""
+    message = str(error)
+    for keyword in error.keywords:
+        flag = "--" + keyword.replace("_", "-")
+        message = re.sub(rf"(?<![\w-]){re.escape(keyword)}(=True)?(?![\w=])", flag, message)
+    return message.replace(", or None", "") if error.keywords else message
 
 
 def emit_json(payload: Any) -> None:

@@ -123,9 +123,10 @@ def fetch(
     timeout: Annotated[float, typer.Option(
         "--timeout", help="Seconds to wait at most for the fusion to finish.")] = 3600.0,
 ) -> None:
-    """Download the model of a calibrating job's current round (waits for the fusion):
-    in the first round, the fused model; a folder (config.json, model.safetensors) for a
-    transformer job given its config.
+    """Download the model of a calibrating job's current round (waits for the fusion).
+
+    In the first round it is the fused model; for a transformer job given its config, a
+    folder (config.json, model.safetensors).
 
     Compute what the round asks of it on your own data (job status says; one pass:
     fusekit stats MODEL --mode batch --data-path ... -o STATS) and upload it with fusekit

@@ -52,11 +52,11 @@ from fusekit.core import metadata as meta
 from fusekit.core.checkpoint import load_checkpoint, private_files
 from fusekit.core.errors import FusekitError, StatisticsError
 from fusekit.core.stats import load_statistics
+from fusekit.service.states import FINISHED, job_in_state
 
 log = logging.getLogger(__name__)
 
 CHUNK = 1024 * 1024
-FINISHED = ("succeeded", "failed", "cancelled")
 #: Where :meth:`Client.wait` stops: the job has finished, or waits for its clients'
 #: statistics of its fused model.
 WAITING_ON_CLIENTS = "calibrating"
@@ -122,6 +122,11 @@ class Client:
         if max_checkpoint_bytes is not None:
             body["max_checkpoint_bytes"] = max_checkpoint_bytes
         return self._json("POST", "/v1/jobs", json=body)
+
+    def jobs(self) -> list[dict[str, Any]]:
+        """Every job, newest first: id, state, method, progress, clients, checkpoints and
+        statistics received, created and finished times (the admin's)."""
+        return self._json("GET", "/v1/jobs")["jobs"]
 
     def run(self, job: str) -> dict[str, Any]:
         return self._json("POST", f"/v1/jobs/{job}/run")
@@ -223,8 +228,8 @@ class Client:
         state = self.status(job)
         round_ = state.get("round")
         if state["state"] != WAITING_ON_CLIENTS or round_ is None:
-            raise ServiceError(409, f"job {job}: is {state['state']}; a client contributes "
-                               "to a calibrating job's rounds")
+            raise ServiceError(409, f"{job_in_state(job, state['state'])}; a client "
+                               "contributes to a calibrating job's rounds")
         with private_files():
             folder.mkdir(parents=True, exist_ok=True)
             if _wants_targets(state):

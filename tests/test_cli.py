@@ -1,12 +1,17 @@
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+import fusekit
 from conftest import file_digest, mlp, write, write_raw
 from fusekit._cli.app import app
 from fusekit.core.checkpoint import load_checkpoint
+from fusekit.core.errors import OutputError, ParameterError
 
 runner = CliRunner()
 
@@ -55,6 +60,43 @@ def test_existing_output_needs_force(mlp_clients, tmp_path):
     assert file_digest(out) == before
     assert run("fuse", *mlp_clients[:2], "-o", out, "--force").exit_code == 0
     assert file_digest(out) != before
+
+
+def test_errors_name_the_options_where_the_api_names_keywords(mlp_clients, tmp_path):
+    """``--width-ratio``, not ``width_ratio``; ``--force``, not ``force=True``; an option is
+    left out, never None. From Python the same errors say the keyword arguments."""
+    out = tmp_path / "fused.safetensors"
+    ratio = run("fuse", *mlp_clients, "--method", "pfnm", "--width-ratio", "0.5", "-o", out)
+    assert ratio.exit_code == 2
+    assert ratio.stderr.strip().splitlines()[-1] == (
+        "error: --width-ratio: expected a finite number >= 1, found 0.5 (float)")
+    both = run("fuse", *mlp_clients, "--method", "pfnm", "--width", "10", "--width-ratio",
+               "1.5", "-o", out)
+    assert "error: --width and --width-ratio: expected one of them, found both" in both.stderr
+    with pytest.raises(ParameterError, match=r"^width_ratio: expected a finite number >= 1, "
+                                             r"or None, found 0\.5"):
+        fusekit.fuse(mlp_clients, method="pfnm", width_ratio=0.5)
+    assert run("fuse", *mlp_clients, "-o", out).exit_code == 0
+    again = run("fuse", *mlp_clients, "-o", out)
+    assert again.exit_code == 2
+    assert again.stderr.strip().endswith("output file exists; pass --force to replace it")
+    with pytest.raises(OutputError, match="output file exists; pass force=True to replace it"):
+        fusekit.fuse(mlp_clients).save(out)
+
+
+def test_help_lists_each_command_on_one_line():
+    """The command list shows each docstring's first paragraph whole, on one line where the
+    terminal is wide enough: no line break from the docstring cuts it mid-sentence."""
+    shown = subprocess.run([sys.executable, "-m", "fusekit", "--help"], capture_output=True,
+                           text=True, timeout=120, env={**os.environ, "COLUMNS": "200"})
+    assert shown.returncode == 0, shown.stderr
+    panel = shown.stdout[shown.stdout.index("─ Commands ─"):].splitlines()[1:]
+    rows = [line[2:].rstrip("│ ") for line in panel if line.startswith("│ ")]
+    assert len(rows) >= 15
+    continued = [row for row in rows if row.startswith(" ")]  # no command name: a wrapped line
+    assert not continued, continued
+    assert any(row.startswith("stats ") and row.endswith("(its training inputs).")
+               for row in rows)
 
 
 def _corrupt(tmp_path):
@@ -207,6 +249,26 @@ def test_torch_files_are_named_with_a_conversion_never_unpickled(tmp_path, legac
     assert load_checkpoint(tmp_path / "model.safetensors").tensor("w").shape == (3, 2)
 
 
+def test_the_conversion_of_a_renamed_torch_file_writes_beside_it(tmp_path):
+    import shlex
+    import subprocess
+    import sys
+
+    import torch
+
+    model = tmp_path / "model.safetensors"  # a torch.save file under a safetensors name
+    torch.save({"w": torch.ones(3, 2)}, model)
+    before = file_digest(model)
+    result = run("fuse", model, model, "-o", tmp_path / "out.safetensors")
+    assert result.exit_code == 2
+    line = result.stderr.strip().replace("\n", "")
+    command = shlex.split(line.split("Convert a state_dict with: ")[1])
+    subprocess.run([sys.executable, *command[1:]], check=True, timeout=120, cwd=tmp_path)
+    assert file_digest(model) == before  # the input, untouched
+    converted = load_checkpoint(tmp_path / "model.converted.safetensors")
+    assert converted.tensor("w").shape == (3, 2)
+
+
 def test_plain_pickles_are_named_never_unpickled(tmp_path):
     import pickle
 
@@ -304,3 +366,4 @@ def test_fuse_shows_its_steps_on_stderr_when_not_a_terminal(mlp_clients, tmp_pat
     from fusekit.core import progress  # the CLI's listener is gone after the fusion
 
     assert not progress.LOGGER.handlers and progress.LOGGER.propagate
+

@@ -326,7 +326,7 @@ CASES = [
     Case("output-is-input-without-force", output_case(lambda f, ins: ins[0], force=False),
          OutputError, r"client0\.safetensors: the output is the input"),
     Case("output-exists", output_case(lambda f, ins: existing(f), force=False), OutputError,
-         r"old\.safetensors: output file exists; pass --force"),
+         r"old\.safetensors: output file exists; pass (force=True|--force) to"),
     Case("output-is-directory", output_case(lambda f, ins: f / "out"), OutputError,
          r"out: is a directory; (expected a file name|to write an output folder)"),
     Case("output-folder-missing", output_case(lambda f, ins: f / "nowhere" / "f.st"),

@@ -256,8 +256,9 @@ def test_auto_run_and_incompatible_checkpoints_fail_with_the_cli_message(service
     monkeypatch.setenv("FUSEKIT_ADMIN_TOKEN", ADMIN)
     waited = cli("job", "wait", job["id"], "--server", service.url)
     assert waited.exit_code == 1
-    assert waited.stdout.strip() == f"job {job['id']}: failed: {state['error']}"
-    with pytest.raises(ServiceError, match=r"is failed.*\(HTTP 409\)"):
+    assert waited.stdout.strip() == f"job {job['id']} has failed: {state['error']}"
+    with pytest.raises(ServiceError,
+                       match=r"has failed; a result exists once it succeeded.*\(HTTP 409\)"):
         admin.result(job["id"], tmp_path / "none.safetensors")
 
 
@@ -321,11 +322,13 @@ def test_a_long_job_error_is_bounded_and_whole_in_the_report(service, admin, mod
     ({"method": "avg", "clients": ["../etc"]}, 400, ["client name '../etc'"]),
     ({"method": "avg", "clients": ["a\nb"]}, 400, ["client name 'a\\nb'"]),
     ({"method": "avg", "clients": ["a", "a"]}, 400, ["distinct"]),
-    ({"method": "avg", "clients": []}, 422, ["clients"]),
+    ({"method": "avg", "clients": []}, 422, ["clients: expected at least 1 item, found 0"]),
     ({"method": "avg", "clients": ["a"], "max_checkpoint_bytes": 2**21}, 422,
      ["max_checkpoint_bytes", str(2**20)]),
-    ({"method": "avg", "clients": ["a"], "extra": 1}, 422, ["extra"]),
-    ({"method": "avg", "clients": "a"}, 422, ["clients", "list"]),
+    ({"method": "avg", "clients": ["a"], "extra": 1}, 422, ["extra: not a field of this request"]),
+    ({"method": "avg", "clients": "a"}, 422, ["clients: expected a JSON list, found \"a\""]),
+    ({"method": "pfnm", "clients": ["a"], "params": {"gamma": 0}}, 422,
+     ["gamma: expected a finite number > 0, or null, found 0"]),
     ('{"method": "avg", "clients": ["a"], "spec": ' + "[" * 10000 + "]" * 10000 + "}", 422,
      ["request body", "nested"]),
     ("{not json", 422, ["request body", "not JSON"]),
@@ -843,7 +846,8 @@ def cli(*args):
 
 
 def test_cli_coordinator_and_clients_end_to_end(service, models, tmp_path, monkeypatch):
-    """The README's commands: job create, submit (each client), job status/run/wait/result."""
+    """The service page's commands (docs/service.md): job create, submit (each client), job
+    list/status/run/wait/result."""
     monkeypatch.setenv("FUSEKIT_SERVER", service.url)
     monkeypatch.setenv("FUSEKIT_ADMIN_TOKEN", ADMIN)
     created = cli("job", "create", "--method", "pfnm", "--clients", ",".join(NAMES),
@@ -857,6 +861,13 @@ def test_cli_coordinator_and_clients_end_to_end(service, models, tmp_path, monke
         assert f"{name}: accepted {path.stat().st_size} bytes" in submitted.stdout
     status = cli("job", "status", job["id"])
     assert status.exit_code == 0 and "collecting" in status.stdout and "created" in status.stdout
+    listed = cli("job", "list", "--json")
+    assert listed.exit_code == 0, listed.output
+    [mine] = [j for j in json.loads(listed.stdout) if j["id"] == job["id"]]
+    assert (mine["state"], mine["method"], mine["filled"], mine["clients"]) == (
+        "collecting", "pfnm", len(NAMES), len(NAMES))
+    table = cli("job", "list")
+    assert table.exit_code == 0 and job["id"] in table.stdout and "3 of 3" in table.stdout
     assert all(name in status.stdout for name in NAMES) and "waiting" not in status.stdout
     assert cli("job", "run", job["id"]).exit_code == 0
     waited = cli("job", "wait", job["id"], "--timeout", "60")

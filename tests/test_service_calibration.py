@@ -120,7 +120,7 @@ def test_three_clients_calibrate_as_fusekit_calibrate_does(service, admin, bn_mo
                                      "targets_from": [], "targets_missing": list(NAMES)}
     assert report["calibration"]["samples"] == sum(len(x) for x in digits)
     with (Client(service.url, job["tokens"][NAMES[0]]) as client,
-          pytest.raises(ServiceError, match=r"is succeeded; statistics file uploads are "
+          pytest.raises(ServiceError, match=r"has succeeded; statistics file uploads are "
                                             r"accepted only while it is calibrating")):
         client.submit_statistics(job["id"], NAMES[0], stats[1])
 
@@ -217,7 +217,7 @@ def test_only_a_calibrating_job_takes_statistics(service, admin, bn_models, digi
     one_line_error(put_statistics(service, early["id"], "a", early["tokens"]["a"],
                                   stats.read_bytes()), 409, "is collecting", "calibrating")
     with (Client(service.url, early["tokens"]["a"]) as client,
-          pytest.raises(ServiceError, match="is collecting; the fused model is there once")):
+          pytest.raises(ServiceError, match="is collecting checkpoints; the fused model is there once")):
         client.fused(early["id"], tmp_path / "f.safetensors")
     assert not (tmp_path / "f.safetensors").exists()
 
@@ -424,7 +424,7 @@ def test_plain_mlp_calibrated_with_targets_as_fusekit_calibrate_does(
     assert report["repair"] and report["targets_from"] == list(NAMES[:2])
     assert report["targets_missing"] == [NAMES[2]]
     one_line_error(put_targets(service, job_id, NAMES[2], tokens[NAMES[2]],
-                               targets[2].read_bytes()), 409, "is succeeded")
+                               targets[2].read_bytes()), 409, "has succeeded")
 
 
 def test_targets_checked_against_the_clients_model_within_its_size(

@@ -157,7 +157,7 @@ def test_layerwise_job_with_input_moments_equals_the_library(
 
     stale = files_of(folders[NAMES[0]], NAMES[0], 2).read_bytes()
     one_line_error(put_statistics(service, job_id, NAMES[0], job["tokens"][NAMES[0]], stale),
-                   409, "is succeeded")
+                   409, "has succeeded")
 
 
 @pytest.mark.parametrize("input_moments", [False, True])

@@ -621,9 +621,11 @@ def check_output_folder(path: Path, *, force: bool,
     for source in inputs:
         if path.exists() and Path(source).resolve().is_relative_to(path.resolve()):
             raise OutputError(f"{path}: the output folder holds the input {source}; expected "
-                              "another folder (inputs are never replaced, even with --force)")
+                              "another folder (inputs are never replaced, even with force=True)"
+                              ).naming("force")
     if path.exists() and not force:
-        raise OutputError(f"{path}: output folder exists; pass --force to replace it")
+        raise OutputError(f"{path}: output folder exists; pass force=True to replace it"
+                          ).naming("force")
 
 
 def swap_in_folder(staging: Path, path: Path, *, force: bool) -> None:
@@ -635,7 +637,8 @@ def swap_in_folder(staging: Path, path: Path, *, force: bool) -> None:
             raise OutputError(f"{path}: cannot write the output folder ({exc.strerror})") from None
         return
     if not force:
-        raise OutputError(f"{path}: output folder exists; pass --force to replace it")
+        raise OutputError(f"{path}: output folder exists; pass force=True to replace it"
+                          ).naming("force")
     old = staging.with_name(staging.name + ".old")
     os.rename(path, old)
     os.rename(staging, path)
@@ -694,11 +697,16 @@ def _check_header_length(path: Path) -> int:
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot read the checkpoint ({exc.strerror})") from None
     if is_pickle_or_torch_zip(prefix):
+        # The command opens the file itself (torch.load reads a path ending in .safetensors
+        # as safetensors) and never writes over it.
+        converted = path.with_suffix(".safetensors")
+        if converted == path:
+            converted = path.with_suffix(".converted.safetensors")
         raise CheckpointError(
             f"{path}: a torch.save (zip) or pickle file, not safetensors; fusekit never "
             f"unpickles. Convert a state_dict with: python -c \"import torch, safetensors.torch "
-            f"as st; st.save_file(torch.load({str(path)!r}, weights_only=True), "
-            f"{str(path.with_suffix('.safetensors'))!r})\"")
+            f"as st; st.save_file(torch.load(open({str(path)!r}, 'rb'), weights_only=True), "
+            f"{str(converted)!r})\"")
     return header_length(prefix, str(path), size)
 
 
@@ -863,7 +871,8 @@ def check_output_path(path: Path, *, force: bool,
             f"{meta.describe_file_type(path.stat().st_mode)}"
         )
     if path.exists() and not force:
-        raise OutputError(f"{path}: output file exists; pass --force (force=True) to replace it")
+        raise OutputError(f"{path}: output file exists; pass force=True to replace it"
+                          ).naming("force")
 
 
 def check_not_an_input(path: Path, inputs: Sequence[str | os.PathLike[str]]) -> None:
@@ -878,8 +887,8 @@ def check_not_an_input(path: Path, inputs: Sequence[str | os.PathLike[str]]) -> 
         if _same_file(path, source):
             raise OutputError(
                 f"{path}: the output is the input {source}; expected another path "
-                "(inputs are never replaced, even with --force)"
-            )
+                "(inputs are never replaced, even with force=True)"
+            ).naming("force")
 
 
 def _same_file(a: Path, b: str | os.PathLike[str]) -> bool:
@@ -918,7 +927,8 @@ def write_atomic(path: str | os.PathLike[str], payload: bytes | Sequence[Any], *
                 os.unlink(tmp)
         except FileExistsError:
             os.unlink(tmp)
-            raise OutputError(f"{path}: output file exists; pass --force to replace it") from None
+            raise OutputError(f"{path}: output file exists; pass force=True to replace it"
+                              ).naming("force") from None
         except OSError as exc:
             _remove(tmp)
             raise OutputError(

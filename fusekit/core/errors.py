@@ -5,9 +5,23 @@ what was found. Subclasses are also the builtin exception a caller would expect
 (``ValueError``, ``FileNotFoundError``, ...), so ``except ValueError`` keeps working.
 """
 
+from __future__ import annotations
+
 
 class FusekitError(Exception):
-    """Base class of every error fusekit raises for bad input or an impossible request."""
+    """Base class of every error fusekit raises for bad input or an impossible request.
+
+    Messages say arguments in Python's words (``width_ratio``, ``force=True``);
+    :meth:`naming` records which keyword arguments a message names, so that the command
+    line can say them as its options (``--width-ratio``, ``--force``).
+    """
+
+    keywords: tuple[str, ...] = ()
+
+    def naming(self, *keywords: str) -> FusekitError:
+        """This error, recording that its message names the keyword arguments ``keywords``."""
+        self.keywords = keywords
+        return self
 
 
 class CheckpointError(FusekitError, ValueError):

@@ -313,7 +313,8 @@ def _refuse(spec: ParamSpec, value: Any) -> None:
     else:
         shown = repr(value)
         found = f"{shown[:60]}{'...' if len(shown) > 60 else ''} ({type(value).__name__})"
-    raise ParameterError(f"{spec.name}: expected {spec.expected()}, found {found}")
+    raise ParameterError(f"{spec.name}: expected {spec.expected()}, found {found}"
+                         ).naming(spec.name)
 
 
 def parameter_reference(methods: dict[str, Any]) -> str:

@@ -42,6 +42,7 @@ from fusekit.service.errors import (
     bounded,
 )
 from fusekit.service.settings import GiB, Settings
+from fusekit.service.states import job_in_state
 from fusekit.service.store import (
     CHECKPOINT,
     STATISTICS,
@@ -262,8 +263,8 @@ def create_app(settings: Settings) -> FastAPI:
             raise Conflict(f"job {job_id}: was not created to calibrate; its fused model is "
                            "its result (GET /v1/jobs/{job_id}/result, the admin's)")
         if not job.get("fused") or job["state"] == "cancelled":
-            raise Conflict(f"job {job_id}: is {job['state']}; the fused model is there once "
-                           "the fusion has finished (calibrating)")
+            raise Conflict(f"{job_in_state(job_id, job['state'])}; the fused model is there "
+                           "once the fusion has finished (calibrating)")
         return FileResponse(store.root / job_id / FUSED, media_type="application/octet-stream",
                             filename=f"fused-{job_id}.safetensors")
 
@@ -275,8 +276,8 @@ def create_app(settings: Settings) -> FastAPI:
         job = store.read(job_id)
         authorize(job, token, admin)
         if job["state"] != "calibrating":
-            raise Conflict(f"job {job_id}: is {job['state']}; a round's model is there while "
-                           "the job is calibrating")
+            raise Conflict(f"{job_in_state(job_id, job['state'])}; a round's model is there "
+                           "while the job is calibrating")
         index = job["round"]["index"]
         return FileResponse(store.root / job_id / job["round"]["file"],
                             media_type="application/octet-stream",
@@ -480,7 +481,8 @@ def _queue(store: JobStore, job_id: str, run_job_task: Any) -> dict[str, Any]:
 def _finished(store: JobStore, job_id: str):
     job = store.read(job_id)
     if job["state"] != "succeeded":
-        raise Conflict(f"job {job_id}: is {job['state']}; a result exists once it succeeded"
+        raise Conflict(f"{job_in_state(job_id, job['state'])}; a result exists once it "
+                       "succeeded"
                        + (f" ({job['error']})" if job["error"] else ""))
     return store.root / job_id
 
@@ -508,8 +510,8 @@ def _add_error_handlers(app: FastAPI, data_dir: Path) -> None:
             headers["WWW-Authenticate"] = "Bearer"
         if status in RETRY_LATER:  # clients wait at least this long before they try again
             headers["Retry-After"] = str(getattr(exc, "retry_after", 1))
-        message = bounded(_one_line(without_paths(str(exc), data_dir)), REFUSAL_CHARS,
-                          "the rest left out")
+        message = bounded(_one_line(without_paths(_in_json_words(exc), data_dir)),
+                          REFUSAL_CHARS, "the rest left out")
         return JSONResponse({"error": message}, status_code=status,
                             headers=headers)
 
@@ -523,11 +525,47 @@ def _add_error_handlers(app: FastAPI, data_dir: Path) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0]
-        where = ".".join(str(part) for part in first["loc"] if part != "body")
-        found = json.dumps(first.get("input"), default=str)[:200]
-        return JSONResponse({"error": f"{where}: {first['msg'].lower()}, found {found}"},
-                            status_code=422)
+        return JSONResponse({"error": request_error(exc.errors()[0])}, status_code=422)
+
+
+#: What a request's field should hold, by pydantic's error type, in the request's words
+#: (JSON's), not pydantic's ("list should have at least 1 item after validation").
+_EXPECTED = {
+    "int_type": "an integer",
+    "int_parsing": "an integer",
+    "bool_type": "true or false",
+    "string_type": "a string",
+    "list_type": "a JSON list",
+    "dict_type": "a JSON object",
+    "greater_than_equal": "a number >= {ge}",
+    "literal_error": "one of {expected}",
+    "json_invalid": "a JSON body",
+}
+
+
+def request_error(error: dict[str, Any]) -> str:
+    """One line for a request that does not fit its model: the field, what it expects and
+    what it was given."""
+    where = ".".join(str(part) for part in error["loc"] if part != "body") or "request"
+    kind, context = error["type"], error.get("ctx") or {}
+    if kind == "missing":
+        return f"{where}: expected a value, found none"
+    if kind == "extra_forbidden":
+        return f"{where}: not a field of this request"
+    if kind in ("too_short", "too_long"):
+        limit = context.get("min_length", context.get("max_length"))
+        bound = "at least" if kind == "too_short" else "at most"
+        return (f"{where}: expected {bound} {limit} item{'s' * (limit != 1)}, found "
+                f"{context.get('actual_length')}")
+    if kind in _EXPECTED:
+        found = json.dumps(error.get("input"), default=str)[:200]
+        return f"{where}: expected {_EXPECTED[kind].format(**context)}, found {found}"
+    return f"{where}: {error['msg'][:1].lower()}{error['msg'][1:]}"
+
+
+def _in_json_words(error: FusekitError) -> str:
+    """A parameter left out is null in a request, not Python's None."""
+    return str(error).replace(", or None", ", or null") if error.keywords else str(error)
 
 
 def _one_line(text: str) -> str:

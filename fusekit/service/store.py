@@ -40,11 +40,10 @@ from fusekit.service.auth import matches, new_token, token_hash
 from fusekit.service.errors import Busy, Conflict, Forbidden, NotFound, ServiceError
 from fusekit.service.rounds import DERIVED, REFIT, asks_statistics, what_it_asks
 from fusekit.service.rounds import STATISTICS as STATISTICS_ROUND
+from fusekit.service.states import FINISHED, STATES, job_in_state
 
 ROUNDS = "rounds"  # the models of calibration rounds after the first
 FUSED = "fused.safetensors"  # a calibrating job's fused model; its result is calibrated
-STATES = ("collecting", "queued", "running", "calibrating", "succeeded", "failed", "cancelled")
-FINISHED = ("succeeded", "failed", "cancelled")
 _JOB_ID = re.compile(r"[0-9a-f]{32}")
 # Letters, digits, '.', '_' and '-', not starting with '.' or '-': no separators, no
 # traversal, no control or look-alike characters, safe as a file name everywhere.
@@ -256,7 +255,8 @@ class JobStore:
         """collecting -> queued, once every slot is filled."""
         with self.locked(job_id) as job:
             if job["state"] != "collecting":
-                raise Conflict(f"job {job_id}: is {job['state']}; only a collecting job can run")
+                raise Conflict(f"{job_in_state(job_id, job['state'])}; only a collecting job "
+                               "can run")
             missing = [c for c in job["clients"] if c not in job["slots"]]
             if missing:
                 raise Conflict(f"job {job_id}: no checkpoint yet from {', '.join(missing)}")
@@ -268,7 +268,7 @@ class JobStore:
         so far (at least one; a refit round needs every participant's)."""
         with self.locked(job_id) as job:
             if job["state"] != "calibrating":
-                raise Conflict(f"job {job_id}: is {job['state']}; only a calibrating job can "
+                raise Conflict(f"{job_in_state(job_id, job['state'])}; only a calibrating job can "
                                "be calibrated")
             round_ = job["round"]
             missing = _missing(job, STATISTICS)
@@ -396,8 +396,8 @@ def check_accepting(job: dict[str, Any], kind: SlotKind, client: str | None = No
         raise Conflict(f"job {job['id']}: was not created to calibrate; it takes no "
                        f"{kind.name}s")
     if job["state"] not in kind.states:
-        raise Conflict(f"job {job['id']}: is {job['state']}; {kind.name} uploads are accepted "
-                       f"only while it is {' or '.join(kind.states)}")
+        raise Conflict(f"{job_in_state(job['id'], job['state'])}; {kind.name} uploads are "
+                       f"accepted only while it is {' or '.join(kind.states)}")
     if kind is TARGETS and job.get("fused") and (
             job["state"] != "calibrating" or job["round"]["index"] > 1):
         raise Conflict(f"job {job['id']}: its calibration has started; targets are accepted "

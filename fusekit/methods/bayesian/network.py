@@ -141,7 +141,8 @@ def layer_widths(
     """
     widest = [max(ws) for ws in zip(*client_widths, strict=True)]
     if params.width is not None and params.width_ratio is not None:
-        raise ParameterError("width and width_ratio: expected one of them, found both")
+        raise ParameterError("width and width_ratio: expected one of them, found both"
+                             ).naming("width", "width_ratio")
     if params.width == UNLIMITED:
         return [None] * len(widest)
     if params.width is None:
