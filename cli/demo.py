@@ -10,7 +10,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from fusekit._cli.options import AlignOption, CalibrateOption, DeviceOption, JsonOption
-from fusekit._cli.output import emit_json, stderr, stdout
+from fusekit._cli.output import emit_json, stderr, stdout, step_progress
 
 
 def demo(
@@ -50,8 +50,8 @@ def demo(
         calibrate=calibrate,
         align=align,
     )
-    with stderr.status("starting") as status:
-        report = run_demo(config, out_dir=out, force=force, on_step=status.update)
+    with step_progress("demo"):
+        report = run_demo(config, out_dir=out, force=force)
     if as_json:
         emit_json(report.as_dict())
     else:
@@ -77,7 +77,7 @@ def demo_table(report) -> Table:
         "model", "accuracy", "loss", "widths", "time", *(title for title, _ in protocols),
         title=f"{c.clients} clients on {c.data}, {c.partition} alpha={c.alpha}, {c.arch}"
         f"{' + BatchNorm' if c.batchnorm else ''}, {c.epochs} epochs, seed {c.seed} "
-        f"({report.device})",
+        f"({report.device})", show_edge=False,  # 80 columns hold every column's heading
     )
     accs = [s.accuracy for s in report.clients]
     table.add_row(
@@ -97,6 +97,9 @@ def demo_table(report) -> Table:
             "",
             *extra,
         )
+    for column in table.columns[-len(protocols) or len(table.columns):]:
+        # A narrow terminal wraps these headings, it never cuts their words ("calibra…").
+        column.min_width = max(map(len, str(column.header).split()))
     table.add_section()
     for run in report.methods:
         if run.error is not None:

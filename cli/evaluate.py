@@ -19,7 +19,7 @@ from fusekit._cli.options import (
     JsonOption,
     SamplesOption,
 )
-from fusekit._cli.output import emit_json, stdout
+from fusekit._cli.output import emit_json, stdout, step_progress
 
 
 def evaluate(
@@ -50,7 +50,8 @@ def evaluate(
         classes=classes,
         seed=seed,
     )
-    report = evaluate_checkpoints(files, dataset, device=device, batch_size=batch_size)
+    with step_progress("evaluate"):
+        report = evaluate_checkpoints(files, dataset, device=device, batch_size=batch_size)
     if as_json:
         emit_json(report.as_dict())
         return

@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from fusekit._cli.options import (
@@ -23,7 +22,7 @@ from fusekit._cli.options import (
     JsonOption,
     SamplesOption,
 )
-from fusekit._cli.output import emit_json, stderr, stdout
+from fusekit._cli.output import emit_json, stdout, step_progress
 from fusekit.core.errors import ParameterError
 
 if TYPE_CHECKING:
@@ -180,22 +179,8 @@ def simulate(
                                      calibrate=calibrate, align=align)
         _run_rounds(dataset, rounds_config, out, device, force, as_json)
         return
-    columns = (
-        TextColumn("training clients"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-    )
-    with Progress(*columns, console=stderr, transient=True) as progress:
-        task = progress.add_task("clients", total=clients)
-        trained = simulate_clients(
-            dataset,
-            config,
-            out_dir=out,
-            device=device,
-            force=force,
-            on_client=lambda _client: progress.advance(task),
-        )
+    with step_progress("simulate"):
+        trained = simulate_clients(dataset, config, out_dir=out, device=device, force=force)
     from fusekit.core.arch import describe_arch
 
     rows = [
@@ -242,23 +227,8 @@ def _run_rounds(dataset: Dataset, config: RoundsConfig, out: Path, device: str, 
     for path in (model_path, log_path):
         if path.exists() and not force:
             raise OutputError(f"{path}: output file exists; pass --force to replace it")
-    columns = (
-        TextColumn("rounds"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[accuracy]}"),
-        TimeElapsedColumn(),
-    )
-    with Progress(*columns, console=stderr, transient=True) as progress:
-        task = progress.add_task("rounds", total=config.rounds, accuracy="")
-        result = run_rounds(
-            dataset,
-            config,
-            device=device,
-            on_round=lambda log: progress.update(
-                task, advance=1, accuracy=f"accuracy {log.accuracy:.4f}"
-            ),
-        )
+    with step_progress("simulate"):
+        result = run_rounds(dataset, config, device=device)
     out.mkdir(parents=True, exist_ok=True)
     checkpoint = result.global_checkpoint
     save_checkpoint(model_path, checkpoint.state_dict(), checkpoint.metadata, force=force)

@@ -1,5 +1,6 @@
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -367,3 +368,28 @@ def test_fuse_shows_its_steps_on_stderr_when_not_a_terminal(mlp_clients, tmp_pat
 
     assert not progress.LOGGER.handlers and progress.LOGGER.propagate
 
+
+def test_piped_commands_print_plain_progress_lines_on_stderr(tmp_path, monkeypatch):
+    """Not on a terminal (here: captured), simulate, evaluate and demo say how far they have
+    got in plain lines on stderr, through the one helper fuse uses; stdout keeps only the
+    result."""
+    from fusekit._cli import output
+
+    monkeypatch.setattr(output, "PROGRESS_AFTER_S", 0.0)  # every run is long enough here
+    clients = tmp_path / "clients"
+    simulated = run("simulate", "--clients", "2", "--epochs", "1", "--out", clients)
+    assert simulated.exit_code == 0, simulated.output
+    assert "simulate: 2 of 2 clients trained" in simulated.stderr
+    assert "clients trained" not in simulated.stdout
+    rounds = run("simulate", "--clients", "2", "--epochs", "1", "--rounds", "2",
+                 "--out", tmp_path / "rounds")
+    assert rounds.exit_code == 0, rounds.output
+    assert re.search(r"simulate: 2 of 2 rounds \(accuracy 0\.\d{4}\)", rounds.stderr)
+    scored = run("evaluate", *sorted(clients.glob("*.safetensors")), "--json")
+    assert scored.exit_code == 0, scored.output
+    assert "evaluate: 2 of 2 models scored" in scored.stderr
+    assert json.loads(scored.stdout)["scores"]  # stdout: the JSON alone
+    demo = run("demo", "--clients", "2", "--epochs", "1", "-m", "avg", "-m", "pfnm")
+    assert demo.exit_code == 0, demo.output
+    assert "demo: 2 of 2 clients trained" in demo.stderr
+    assert "demo: 2 of 2 methods fused and scored" in demo.stderr

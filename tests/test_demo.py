@@ -89,3 +89,30 @@ def test_cli_demo_json():
     assert payload["mean_client_accuracy"] == pytest.approx(sum(clients) / 3)
     assert [m["widths"] for m in payload["methods"] if m["method"] in ("avg", "ot")] == [[8], [8]]
     assert payload["ensemble"]["kind"] == "ensemble"
+
+
+def test_the_table_fits_80_columns_with_both_protocol_columns():
+    """``fusekit demo --calibrate --align`` in an 80-column terminal: every heading whole
+    (it read ``calibra…``), every row within the width."""
+    import io
+
+    from rich.console import Console
+
+    from fusekit._cli.demo import demo_table
+    from fusekit.toolkit.demo import DemoReport, MethodRun
+    from fusekit.toolkit.evaluate import Score
+
+    def score(accuracy, kind="fused"):
+        return Score("m", kind, accuracy, 0.5, 450)
+
+    report = DemoReport(DemoConfig(calibrate=True, align=True), "cpu",
+                        clients=[score(0.58, "client"), score(0.89, "client")],
+                        ensemble=score(0.89, "ensemble"), simulate_time_s=14.0)
+    for method, widths in (("pfnm", [150]), ("rebasin", [100, 100])):
+        report.methods.append(MethodRun(method, 0.5, widths, score(0.94), None, score(0.95),
+                                        score(0.96)))
+    screen = io.StringIO()
+    Console(file=screen, width=80).print(demo_table(report))
+    text = screen.getvalue()
+    assert "calibrated" in text and "refit" in text and "…" not in text, text
+    assert max(map(len, text.splitlines())) <= 80

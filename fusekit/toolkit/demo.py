@@ -12,11 +12,12 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from fusekit.core import progress
 from fusekit.core.errors import UnknownMethodError
 from fusekit.toolkit.data import load_dataset
 from fusekit.toolkit.evaluate import Evaluator, Score
@@ -146,7 +147,6 @@ def run_demo(
     *,
     out_dir: str | os.PathLike[str] | None = None,
     force: bool = False,
-    on_step: Callable[[str], None] | None = None,
 ) -> DemoReport:
     """Simulate clients, fuse with each method, evaluate every model on the test split.
 
@@ -155,7 +155,6 @@ def run_demo(
         out_dir: keep client and fused checkpoints here (created if missing); None uses a
             temporary folder removed afterwards.
         force: overwrite existing files in ``out_dir``.
-        on_step: called with a short description before each step (progress display).
 
     Returns:
         A :class:`DemoReport`. A method that raises is recorded with its error (the other
@@ -172,9 +171,9 @@ def run_demo(
             f"unknown fusion method(s) {unknown}; choose from {registered_methods()}"
         )
     if out_dir is not None:
-        return _run(config, methods, Path(out_dir), force, on_step)
+        return _run(config, methods, Path(out_dir), force)
     with tempfile.TemporaryDirectory(prefix="fusekit-demo-") as tmp:
-        report = _run(config, methods, Path(tmp), force, on_step)
+        report = _run(config, methods, Path(tmp), force)
         report.out_dir = None
         return report
 
@@ -184,16 +183,13 @@ def _run(
     methods: list[str],
     folder: Path,
     force: bool,
-    on_step: Callable[[str], None] | None,
 ) -> DemoReport:
     import fusekit
 
-    step = on_step or (lambda _text: None)
     dataset = load_dataset(config.data, seed=config.seed)
     evaluator = Evaluator(dataset, config.device)
     sim_config = replace(config, device=str(evaluator.device)).simulation()
     clients_dir = folder / "clients"
-    step(f"training {config.clients} clients on {dataset.name}")
     start = time.perf_counter()
     clients = simulate_clients(
         dataset, sim_config, out_dir=clients_dir, device=str(evaluator.device), force=force
@@ -211,8 +207,7 @@ def _run(
         client_logits.append(logits)
         report.clients.append(evaluator.score(logits, path.name, "client"))
     report.ensemble = evaluator.ensemble(client_logits)
-    for method in methods:
-        step(f"fusing with {method}")
+    for done, method in enumerate(methods, 1):
         run = MethodRun(method)
         try:
             begin = time.perf_counter()
@@ -223,11 +218,9 @@ def _run(
             _, logits = evaluator.logits(fused_path)
             run.score = evaluator.score(logits, fused_path.name, "fused", method)
             if config.calibrate and result.assignments is not None:
-                step(f"calibrating the {method} model")
                 run.calibrated = _calibrated_score(fused_path, clients, dataset, evaluator,
                                                    force)
             if config.align and result.assignments is not None:
-                step(f"aligning and refitting the {method} model")
                 run.aligned = _calibrated_score(fused_path, clients, dataset, evaluator,
                                                 force, align=True)
         except Exception as exc:  # one failing method must not hide the others
@@ -235,6 +228,7 @@ def _run(
             run.error = f"{type(exc).__name__}: {exc}"
             logger.error("method %s failed: %s", method, run.error)
         report.methods.append(run)
+        progress.advance("methods fused and scored", done, len(methods))
     return report
 
 

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from fusekit.core import progress
 from fusekit.core.checkpoint import Checkpoint, load_checkpoint
 from fusekit.core.errors import DataError
 from fusekit.core.metadata import METHOD
@@ -209,13 +210,14 @@ def evaluate_checkpoints(
     client_logits = []
     names = distinct_names([item.path if isinstance(item, Checkpoint) else Path(item)
                             for item in checkpoints])
-    for item, name in zip(checkpoints, names, strict=True):
+    for done, (item, name) in enumerate(zip(checkpoints, names, strict=True), 1):
         ckpt, logits = evaluator.logits(item)
         method = ckpt.metadata.get(METHOD)
         kind = "fused" if method else "client"
         report.scores.append(evaluator.score(logits, name, kind, method))
         if kind == "client":
             client_logits.append(logits)
+        progress.advance("models scored", done, len(checkpoints))
     if ensemble and len(client_logits) >= 2:
         report.scores.append(evaluator.ensemble(client_logits))
         report.scores.append(evaluator.softmax_ensemble(client_logits))

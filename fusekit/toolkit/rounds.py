@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -39,6 +39,7 @@ import numpy as np
 
 from fusekit.api import client_spec, fuse
 from fusekit.core import metadata as meta
+from fusekit.core import progress
 from fusekit.core.checkpoint import Checkpoint, is_integer_buffer
 from fusekit.core.errors import ParameterError
 from fusekit.core.stats import DEFAULT_MIN_SAMPLES
@@ -215,7 +216,6 @@ def run_rounds(
     *,
     device: str = "cpu",
     initial: Checkpoint | None = None,
-    on_round: Callable[[RoundLog], None] | None = None,
 ) -> RoundsResult:
     """Run R rounds of local training and fusion.
 
@@ -225,7 +225,6 @@ def run_rounds(
         config: rounds, method and simulation settings.
         device: ``auto``, ``cpu`` or ``cuda`` for local training and evaluation.
         initial: the round-1 global model; None = :func:`initial_global`.
-        on_round: called with each round's log (progress reporting).
 
     Returns:
         The final global model and the per-round logs.
@@ -266,8 +265,7 @@ def run_rounds(
         logger.debug("round %d/%d (%s): accuracy %.4f, drift %.4f", r, config.rounds, method,
                     log.accuracy, log.drift)
         logs.append(log)
-        if on_round is not None:
-            on_round(log)
+        progress.advance(f"rounds (accuracy {log.accuracy:.4f})", r, config.rounds)
     return RoundsResult(current, logs)
 
 

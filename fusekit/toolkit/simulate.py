@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from fusekit.core import metadata as meta
+from fusekit.core import progress
 from fusekit.core.arch import parse_arch_string, validate_arch, validate_pan
 from fusekit.core.checkpoint import Checkpoint, save_checkpoint
 from fusekit.core.errors import OutputError, ParameterError
@@ -133,7 +134,6 @@ def simulate_clients(
     out_dir: str | os.PathLike[str] | None = None,
     device: str = "cpu",
     force: bool = False,
-    on_client: Callable[[SimulatedClient], None] | None = None,
 ) -> list[SimulatedClient]:
     """Partition ``dataset``'s training set, train one model per client, and write
     ``client_XX.safetensors`` files to ``out_dir`` (when given).
@@ -144,7 +144,6 @@ def simulate_clients(
         out_dir: output folder (created if missing); None keeps checkpoints in memory.
         device: ``auto``, ``cpu`` or ``cuda``.
         force: overwrite existing client files.
-        on_client: called after each client is trained (progress reporting).
 
     Returns:
         The clients, in index order.
@@ -196,8 +195,7 @@ def simulate_clients(
             result.epoch_losses[-1],
         )
         clients.append(client)
-        if on_client is not None:
-            on_client(client)
+        progress.advance("clients trained", i + 1, config.clients)
     return clients
 
 
