@@ -262,6 +262,21 @@ def test_auto_run_and_incompatible_checkpoints_fail_with_the_cli_message(service
         admin.result(job["id"], tmp_path / "none.safetensors")
 
 
+def test_a_width_beyond_the_memory_with_the_clients_models_fails_before_fusing(
+        service, admin, models):
+    """200,000 fused neurons pass the creation check (models of one input and output would
+    take 9.6 MB of the server's 16 MiB); with the clients' 6 inputs and 3 outputs they
+    need more, and the job fails before its fusion starts, the estimate in one line."""
+    job = admin.create_job("pfnm", list(NAMES), params={"width": 200_000}, auto_run=True)
+    for name, path in zip(NAMES, models, strict=True):
+        admin.submit(job["id"], name, path)
+    state = admin.wait(job["id"], timeout=60, every=0.1)
+    assert state["state"] == "failed", state
+    assert state["error"] == ("width: fused widths [200000] need at least 19.8 MiB with these "
+                              "3 clients' models ('0' reads 6 values), over the 16.0 MiB a "
+                              "job may use (fusekit serve --max-job-memory)")
+
+
 def test_a_long_job_error_is_bounded_and_whole_in_the_report(service, admin, models):
     """A spec naming a tensor of 50,000 characters (its form is right: only the models
     tell it is wrong): the job's error, in every status and on the page, a few hundred

@@ -41,7 +41,7 @@ from fusekit.service.errors import (
     TooLarge,
     bounded,
 )
-from fusekit.service.settings import GiB, Settings
+from fusekit.service.settings import Settings
 from fusekit.service.states import job_in_state
 from fusekit.service.store import (
     CHECKPOINT,
@@ -65,7 +65,16 @@ from fusekit.service.uploads import (
     targets_check,
 )
 from fusekit.service.web import add_web
-from fusekit.service.worker import CONFIG, FUSED, REPORT, RESULT, make_queue, recover
+from fusekit.service.worker import (
+    CONFIG,
+    FUSED,
+    REPORT,
+    RESULT,
+    fusion_memory,
+    in_units,
+    make_queue,
+    recover,
+)
 
 log = logging.getLogger(__name__)
 
@@ -454,22 +463,18 @@ def _check_widths(params: dict[str, Any], clients: int, limit: int, memory: int)
         raise ParameterError(f"width: expected at most {widest} per layer ({clients} "
                              f"client(s) of at most {limit} bytes, 8 bytes per fused neuron), "
                              f"found {asked}")
-    per_neuron = 8 * (3 + clients)  # float64: one weight in, a bias, one weight out, and a
-    # column of each client's cost matrix: the least a fused neuron takes while it is matched
+    per_neuron = fusion_memory([1], 1, 1, clients)  # models of one input and one output:
+    # the least a fused neuron takes; the worker checks again with the clients' models
     if asked * per_neuron > memory:
         raise ParameterError(f"width: {asked} fused neurons need at least "
-                             f"{_in_units(asked * per_neuron)} ({per_neuron} bytes each with "
-                             f"{clients} client(s)), over the {_in_units(memory)} a job may "
+                             f"{in_units(asked * per_neuron)} ({per_neuron} bytes each with "
+                             f"{clients} client(s)), over the {in_units(memory)} a job may "
                              f"use (fusekit serve --max-job-memory); expected at most "
                              f"{memory // per_neuron}")
     ratio = params.get("width_ratio")
     if ratio is not None and ratio > clients:
         raise ParameterError(f"width_ratio: expected at most {clients} (the number of "
                              f"clients: their neurons side by side), found {ratio:g}")
-
-
-def _in_units(size: int) -> str:
-    return f"{size / GiB:.1f} GiB" if size >= GiB else f"{size / 2**20:.1f} MiB"
 
 
 def _queue(store: JobStore, job_id: str, run_job_task: Any) -> dict[str, Any]:

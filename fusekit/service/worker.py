@@ -17,6 +17,7 @@ lives in the job store, so a message lost with a killed worker is found again by
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -27,20 +28,23 @@ import signal
 import threading
 import time
 from multiprocessing.connection import Connection
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from huey import Huey, RedisHuey, SqliteHuey
 
 import fusekit
-from fusekit.api import fused_spec, fusion_summary, model_points
+from fusekit.api import client_spec, fused_spec, fusion_summary, model_points
 from fusekit.core import progress
 from fusekit.core.checkpoint import load_checkpoint, write_atomic
 from fusekit.core.errors import FusekitError, ParameterError
+from fusekit.core.spec import PermutationSpec
 from fusekit.core.transformer import TransformerSpec, config_with_widths, infer_transformer
+from fusekit.methods.alignment import layer_inputs
 from fusekit.service import rounds
 from fusekit.service.errors import bounded
-from fusekit.service.settings import Settings
+from fusekit.service.settings import GiB, Settings
 from fusekit.service.store import (
     CHECKPOINT,
     FINISHED,
@@ -94,7 +98,8 @@ def run_job(settings: Settings, job_id: str) -> None:
     beat = threading.Thread(target=_heartbeat, args=(store, job_id, settings.lease_s / 5, stop),
                             daemon=True)
     beat.start()
-    step = _round if job.get("fused") else _fuse
+    step = _round if job.get("fused") else functools.partial(
+        _fuse, memory=settings.max_job_memory)
     try:
         while True:
             outcome = _run_step(store, job, attempt, step)
@@ -141,9 +146,11 @@ def _failed(store: JobStore, job: dict[str, Any], error: str) -> dict[str, Any]:
             "error": bounded(error, ERROR_CHARS, "the whole error is in the job's report")}
 
 
-def _fuse(store: JobStore, job: dict[str, Any], attempt: int, run: Path) -> dict[str, Any]:
+def _fuse(store: JobStore, job: dict[str, Any], attempt: int, run: Path, memory: int
+          ) -> dict[str, Any]:
     folder = store.root / job["id"]
     paths = _link_inputs(store, job, run, CHECKPOINT, "safetensors")
+    _check_memory(job, paths, memory)
     store.update(job["id"], attempt, progress="fusing")
     report = _apart(store, job, attempt, _fusion, [str(p) for p in paths], job["method"],
                     job["spec"], job["params"], str(run / RESULT))
@@ -164,6 +171,43 @@ def _fuse(store: JobStore, job: dict[str, Any], attempt: int, run: Path) -> dict
         return {"state": "calibrating", "fused": fused, "plan": plan, "round": first,
                 "error": None}
     return {"state": "succeeded", "error": None}
+
+
+def fusion_memory(widths: Sequence[int], inputs: int, outputs: int, clients: int) -> int:
+    """The least memory, in bytes, of a fusion to the hidden ``widths``: per fused neuron,
+    float64 weights from the layer below (``inputs`` values into the first hidden layer), a
+    bias, weights into the layer above (``outputs`` from the last), and a column of each
+    client's cost matrix."""
+    dims = [inputs, *widths, outputs]
+    return 8 * sum(w * (dims[i] + 1 + dims[i + 2] + clients) for i, w in enumerate(widths))
+
+
+def _check_memory(job: dict[str, Any], paths: list[Path], memory: int) -> None:
+    """A job's ``width`` against ``memory``, with its clients' input and output sizes: the
+    creation check knew neither. Refused before the fusion starts, not after minutes of
+    it or a MemoryError."""
+    width = job["params"].get("width")
+    if width is None or isinstance(width, str):  # the default, 'unlimited': what clients have
+        return
+    spec = client_spec(load_checkpoint(paths[0]), job["spec"])
+    if type(spec) is not PermutationSpec:  # a graph's, a transformer's widths are per group
+        return
+    widths = width if isinstance(width, list) else [width] * (len(spec.layers) - 1)
+    if len(widths) != len(spec.layers) - 1:
+        return  # the fusion refuses it, naming both counts
+    need = fusion_memory(widths, layer_inputs(spec)[spec.layers[0].name],
+                         spec.layers[-1].out_features, len(paths))
+    if need > memory:
+        raise ParameterError(f"width: fused widths {widths} need at least {in_units(need)} "
+                             f"with these {len(paths)} clients' models ({spec.layers[0].name!r}"
+                             f" reads {layer_inputs(spec)[spec.layers[0].name]} values), over "
+                             f"the {in_units(memory)} a job may use (fusekit serve "
+                             "--max-job-memory)")
+
+
+def in_units(size: int) -> str:
+    """A size in bytes as people read it: MiB, or GiB from one GiB on."""
+    return f"{size / GiB:.1f} GiB" if size >= GiB else f"{size / 2**20:.1f} MiB"
 
 
 def _fused_config(job: dict[str, Any], path: Path) -> dict[str, Any] | None:
