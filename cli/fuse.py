@@ -130,15 +130,18 @@ def fuse(
     target = resolve_output(recipe.output, recipe.method, force=force, inputs=recipe.inputs)
     start = time.perf_counter()
     result = _run(recipe)
-    summary = fusion_summary(result, str(target.path) + ("/" if target.folder else ""),
+    # A transformer's fused model is a model folder: an output folder (with its card,
+    # recipe and report) whether or not -o ends with a slash.
+    folder = target.folder or result.config is not None
+    summary = fusion_summary(result, str(target.path) + ("/" if folder else ""),
                              time.perf_counter() - start)
     try:
         with private_files():
-            if target.folder:
+            if folder:
                 write_folder(target.path, result, recipe, summary, force=force)
             else:
                 result.save(target.path, force=force)
-        if not target.folder:
+        if not folder:
             _warn_about_suffix(target.path)
     except OSError as exc:
         if isinstance(exc, FusekitError):

@@ -164,8 +164,9 @@ def resolve_output(output: str | None, method: str, *, force: bool,
             output that is or holds an input (even with ``force``), an existing output
             without ``force``, or a missing or unwritable parent folder.
     """
-    if output is None:
-        output = f"fused-{method}.safetensors"
+    if output is None:  # model folders in, an output folder out
+        folders = any(Path(p).is_dir() for p in inputs)
+        output = f"fused-{method}" + ("/" if folders else ".safetensors")
     if not output.strip():
         raise OutputError("--output: expected a file name or a folder name ending with '/', "
                           "found an empty string")

@@ -227,6 +227,17 @@ def test_cli_writes_a_folder_transformers_loads(tmp_path, family_folders):
     assert "from_pretrained" in (out / "README.md").read_text()
     np.testing.assert_allclose(logits(out, family), logits(original, family),
                                atol=ATOL_FUSED)
+    # Without the slash, and without -o: the same output folder (it was a bare model folder,
+    # without card, recipe or report, and by default one named fused-rebasin.safetensors).
+    bare = CliRunner().invoke(app, ["fuse", str(original), str(copies[0]), "-m", "rebasin",
+                                    "-o", str(tmp_path / "x6")])
+    assert bare.exit_code == 0, bare.output
+    assert {p.name for p in (tmp_path / "x6").iterdir()} == {p.name for p in out.iterdir()}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(tmp_path)
+        default = CliRunner().invoke(app, ["fuse", str(original), str(copies[0]), "-m", "avg"])
+        assert default.exit_code == 0, default.output
+    assert {p.name for p in (tmp_path / "fused-avg").iterdir()} == {p.name for p in out.iterdir()}
 
 
 def test_spec3_file_describes_the_same_groups(tmp_path, family_folders):
@@ -423,7 +434,10 @@ def test_cli_calibrates_a_model_folder(tmp_path):
         run = runner.invoke(app, ["stats", str(model), "--data", "tokens", "--data-path",
                                   str(data), "-o", str(path)])
         assert run.exit_code == 0, run.output
+        # transformers' own bars ("Loading weights") stay off while fusekit loads a folder
+        assert "Loading weights" not in run.stderr and "it/s" not in run.stderr, run.stderr
         files.append(str(path))
+    assert transformers.utils.logging.is_progress_bar_enabled()  # and are back on after
     run = runner.invoke(app, ["calibrate", str(fused), files[0], "--targets", files[1],
                               "--targets", files[2], "-o", f"{tmp_path / 'out'}/", "--json"])
     assert run.exit_code == 0, run.output

@@ -38,8 +38,15 @@ def load_pretrained(folder: str | os.PathLike[str], device: Any = "cpu"):
     """
     config = read_json_file(Path(folder) / HF_CONFIG, "model config", CheckpointError)
     cls = model_class(config, str(folder))
+    bars = _transformers(str(folder)).utils.logging
     with _LOADING:
-        model = cls.from_pretrained(folder)
+        shown = bars.is_progress_bar_enabled()
+        bars.disable_progress_bar()  # library code never prints ("Loading weights" bars)
+        try:
+            model = cls.from_pretrained(folder)
+        finally:
+            if shown:
+                bars.enable_progress_bar()
     return model.to(device).eval()
 
 
