@@ -17,6 +17,7 @@ from scipy.optimize import linear_sum_assignment
 
 from fusekit.core.errors import InfeasibleAssignmentError, ParameterError
 from fusekit.engine.matching import solve_assignment
+from fusekit.engine.native import core
 
 
 def random_cost(rng: np.random.Generator, n: int, m: int, kind: str, dtype=np.float64):
@@ -557,37 +558,49 @@ def test_maximize_positionally_and_boolean_matrices():
     assert solve_assignment(cost, True)[1].tolist() == [1, 0]
 
 
-def count_while_running(work) -> int:
-    """How often this thread increments a counter while ``work`` runs in another thread.
+def ran_during(call, attempts: int = 50) -> bool:
+    """Whether another thread ran Python code while ``call`` ran in this one.
 
-    With the GIL held for the whole native call, this thread cannot run until the call
-    returns, so the count stays near zero; released, it counts throughout.
+    The switch interval is raised beyond any call here, so this thread is never made to
+    hand the GIL over: the probe thread can run only if ``call`` releases the GIL itself.
+    Held throughout, no attempt can see the probe run; released, an attempt sees it unless
+    the machine is too busy to schedule the probe within the call, hence several attempts
+    (bounded), stopping at the first that sees it. No clock is read.
     """
-    started = threading.Event()
-    finished = threading.Event()
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1000.0)
+    try:
+        for _ in range(attempts):
+            go, probed = threading.Event(), threading.Event()
 
-    def target():
-        started.set()
-        work()
-        finished.set()
+            def probe(go=go, probed=probed):
+                if go.wait(timeout=60):
+                    probed.set()
 
-    worker = threading.Thread(target=target)
-    worker.start()
-    started.wait()
-    count = 0
-    while not finished.is_set():
-        count += 1
-    worker.join()
-    return count
+            thread = threading.Thread(target=probe)
+            thread.start()
+            go.set()  # keeps the GIL: the probe can take it only when the call releases it
+            call()
+            seen = probed.is_set()
+            thread.join()
+            if seen:
+                return True
+        return False
+    finally:
+        sys.setswitchinterval(interval)
 
 
 def test_gil_is_released_during_solves():
+    """The core's solve releases the GIL (the gatagat/lap trap: a kernel declared nogil
+    but called with the GIL held). The core is called on C-contiguous float64 matrices, so
+    no numpy conversion, which may release the GIL of its own, runs during the call."""
     rng = np.random.default_rng(0)
-    # Problems that take tens of milliseconds, so that this thread surely gets a core.
     square = rng.random((2000, 2000))
-    assert count_while_running(lambda: solve_assignment(square)) > 1000
-    tall = rng.integers(0, 4, (3000, 600)).astype(float)
-    assert count_while_running(lambda: solve_assignment(tall)) > 1000
+    assert ran_during(lambda: core().solve_assignment(square, False, False))
+    tall = np.ascontiguousarray(rng.integers(0, 4, (3000, 600)).astype(float))
+    assert ran_during(lambda: core().solve_assignment(tall, False, False))
+    # The check itself: a native call that keeps the GIL is seen as such.
+    assert not ran_during(lambda: sum(range(200_000)), attempts=5)
 
 
 @pytest.mark.parametrize("potentials", ["huge", "negative", "nan"])
