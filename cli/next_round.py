@@ -79,13 +79,13 @@ def after_refit(output: Path, clients: list[Path], layers: list[str], last: str)
 
 def _refit_round(model: Path, clients: list[Path], layers: list[str], index: int) -> dict:
     layer = layers[index]
-    replies = [own.with_name(f"{own.stem}.refit{own.suffix}") for own in clients]
+    replies = [own.with_name(f"{own.stem}.refit-{index + 1}{own.suffix}") for own in clients]
     start = ("the aligned model as written, not calibrated: each refit folds its layer's "
              "BatchNorm" if index == 0 else "the model the last refit wrote")
     return {"round": f"refit round {index + 1} of {len(layers)} refits layer {layer!r} of "
                      f"{model} (it starts from {start})",
             "clients": [command("stats", model, "--against", own, "--layer", layer,
-                                "--data-path", DATA, "-o", reply, "--force")
+                                "--data-path", DATA, "-o", reply)
                         for own, reply in zip(clients, replies, strict=True)],
             "then": command("refit", model, *clients,
                             *(word for reply in replies for word in ("--refit-stats", reply)),
