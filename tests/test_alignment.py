@@ -193,6 +193,8 @@ def test_bad_refit_statistics_are_refused_in_one_line(tmp_path):
              ([copy], [type(stats)(**{**vars(stats), "layer": "9"})], "not a layer"),
              ([copy], [type(stats)(**{**vars(stats), "num_samples": 8, "count": 8})],
               "over 8 inputs"),
+             ([copy], [type(stats)(**{**vars(stats), "num_samples": 10**30,
+                                      "count": 10**30})], "expected at most 2\\*\\*53"),
              ([copy], [path, path], "a second refit statistics file"),
              ([other], [path], "the 1 models"),
              ([copy], [write(tmp_path / "m.safetensors", mlp())], "not a refit statistics")]
@@ -222,6 +224,7 @@ def _tampered(tmp_path, cross, field, value):
     ("own_var", -1.0, "variances must be >= 0"),
     ("covariance", 1e6, "Cauchy-Schwarz"),
     ("own_mean", 1e150, "own_mean up to 1e\\+150; expected at most 1e\\+12"),
+    ("count", 64 * 2.0**900, "at most 2\\*\\*53"),
     ("reference_var", 1e300, "reference_var up to"),
 ])
 def test_bad_cross_statistics_are_refused_in_one_line_naming_the_file(tmp_path, field, value,

@@ -170,6 +170,8 @@ def test_statistics_refused_with_one_line_and_the_admin_finishes_early(
             "expected at most 1e+12")  # finite, but the calibrated float32 model would not be
     refused(tampered(good, point, var=np.full_like(good.points[point].var, 1e308)), 400,
             "statistics of client 'hospital-a'", "variances up to 1e+308")
+    refused(tampered(good, point, count=good.points[point].count * 2.0**900), 400,
+            "statistics of client 'hospital-a'", "of at most 2**53")  # count x mean: inf
     refused(bn_models[0].read_bytes(), 413, "this job's limit for a statistics file")
     small = write(tmp_path / "small.safetensors", mlp((3, 2, 2)))
     refused(small.read_bytes(), 400, "statistics of client 'hospital-a'",

@@ -36,7 +36,9 @@ from fusekit.core.stats import (
     MODES,
     chan,
     check_magnitude,
+    check_num_samples,
     point_fields,
+    whole_counts,
 )
 
 FIELDS = ("count", "reference_mean", "reference_var", "own_mean", "own_var", "covariance")
@@ -220,10 +222,7 @@ def check_cross_statistics(stats: CrossStatistics, *, reference: str | None = No
                 f"{label}: computed for model {stats.model[:16]}..., which is none of the "
                 f"{len(models)} client model(s) given")
         own_widths = models[stats.model]
-    if stats.num_samples < min_samples:
-        raise StatisticsError(
-            f"{label}: cross statistics over {stats.num_samples} inputs; at least "
-            f"{min_samples} are required (moments of a few samples reveal them)")
+    check_num_samples(label, "cross statistics", stats.num_samples, min_samples)
     expected = set(own_widths) if own_widths is not None else (
         set(widths) if widths is not None else None)
     if expected is not None and set(stats.points) != expected:
@@ -250,10 +249,10 @@ def _check_moments(label: str, point: str, moments: CrossMoments, num_samples: i
             f"{label}: point {point!r}: expected count (1,), reference (R={reference_width},), "
             f"own (O={own_width},) and covariance (R, O), found {found}")
     count = float(moments.count[0])
-    if not (count > 0 and count == round(count) and count % num_samples == 0):
+    if not whole_counts(count, num_samples):
         raise StatisticsError(
             f"{label}: point {point!r}: expected a positive count that is a multiple of the "
-            f"{num_samples} inputs, found {count}")
+            f"{num_samples} inputs, at most 2**53, found {count}")
     if not all(np.all(np.isfinite(getattr(moments, f))) for f in FIELDS[1:]):
         raise StatisticsError(f"{label}: point {point!r}: every moment must be finite")
     if np.any(moments.reference_var < 0) or np.any(moments.own_var < 0):
@@ -360,7 +359,7 @@ def _parse_refit(description: object, tensors: Mapping[str, np.ndarray],
     count = float(tensors["count"][0])
     return RefitStatistics(description["reference"], description["model"],
                            description["layer"], description["num_samples"],
-                           int(count) if count == round(count) else -1,
+                           int(count) if np.isfinite(count) and count == round(count) else -1,
                            tensors["gram"], tensors["cross"], label)
 
 
@@ -394,10 +393,7 @@ def check_refit_statistics(stats: RefitStatistics, *, reference: str | None = No
     if inputs is not None and stats.layer not in inputs:
         raise StatisticsError(f"{label}: layer {stats.layer!r} is not a layer of the fused "
                               f"model ({', '.join(list(inputs)[:4])}, ...)")
-    if stats.num_samples < min_samples:
-        raise StatisticsError(
-            f"{label}: refit statistics over {stats.num_samples} inputs; at least "
-            f"{min_samples} are required (moments of a few samples reveal them)")
+    check_num_samples(label, "refit statistics", stats.num_samples, min_samples)
     d = stats.gram.shape[0] - 1 if stats.gram.ndim == 2 else -1
     width = None if models is None else models[stats.model].get(stats.layer)
     expected_d = None if inputs is None else inputs[stats.layer]
@@ -409,9 +405,9 @@ def check_refit_statistics(stats: RefitStatistics, *, reference: str | None = No
             f"{label}: layer {stats.layer!r}: expected gram (d+1, d+1) and cross (O, d+1) "
             f"with d = {expected_d}, O = {width}; found gram {stats.gram.shape}, cross "
             f"{stats.cross.shape}")
-    if not (stats.count > 0 and stats.count % stats.num_samples == 0):
+    if not whole_counts(stats.count, stats.num_samples):
         raise StatisticsError(f"{label}: expected a positive count that is a multiple of the "
-                              f"{stats.num_samples} inputs, found {stats.count}")
+                              f"{stats.num_samples} inputs, at most 2**53, found {stats.count}")
     if not (np.all(np.isfinite(stats.gram)) and np.all(np.isfinite(stats.cross))):
         raise StatisticsError(f"{label}: layer {stats.layer!r}: every moment must be finite")
     for field in ("gram", "cross"):  # second moments, E[u uᵀ] and E[y uᵀ]

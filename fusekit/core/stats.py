@@ -59,6 +59,9 @@ DEFAULT_MIN_SAMPLES = 32
 #: its square). Real activations stay far below; beyond it the float32 tensors calibration
 #: writes could overflow (REPAIR scales a neuron by up to its target std / MIN_STD).
 MAX_MAGNITUDE = 1e12
+#: The largest count (of inputs, or of values at a point) a statistics file may report:
+#: float64 holds whole numbers exactly up to it, and pooled sums of count x mean stay finite.
+MAX_COUNT = 2**53
 
 
 @dataclass
@@ -256,10 +259,7 @@ def check_statistics(stats: Statistics, *, model: str | None = None,
         raise StatisticsError(
             f"{label}: computed for model {stats.model[:16]}..., expected {model[:16]}... "
             "(run `fusekit stats` on this model)")
-    if stats.num_samples < min_samples:
-        raise StatisticsError(
-            f"{label}: statistics over {stats.num_samples} inputs; at least {min_samples} are "
-            "required (moments of a few samples reveal them)")
+    check_num_samples(label, "statistics", stats.num_samples, min_samples)
     if points is not None:
         absent = sorted(set(points) - set(stats.points))
         extra = sorted(set(stats.points) - set(points))
@@ -289,6 +289,27 @@ def _check_input_point(where: str, point: str, moments: InputMoments,
                               f"multiplies vectors of {inputs[point]}")
 
 
+def check_num_samples(label: str, what: str, num_samples: int, min_samples: int) -> None:
+    """The number of inputs a file of ``what`` reports: at least ``min_samples`` (moments of
+    a few samples reveal them), at most :data:`MAX_COUNT`."""
+    if num_samples > MAX_COUNT:
+        raise StatisticsError(f"{label}: {what} over {str(num_samples)[:24]} inputs; expected "
+                              "at most 2**53")
+    if num_samples < min_samples:
+        raise StatisticsError(
+            f"{label}: {what} over {num_samples} inputs; at least {min_samples} are "
+            "required (moments of a few samples reveal them)")
+
+
+def whole_counts(count: np.ndarray | float, multiple: int) -> bool:
+    """Whether ``count`` holds positive whole multiples of ``multiple``, none above
+    :data:`MAX_COUNT`."""
+    count = np.asarray(count, np.float64)
+    with np.errstate(invalid="ignore"):  # inf % multiple: NaN, which is no multiple
+        return bool(np.all((count > 0) & (count == np.round(count)) & (count % multiple == 0)
+                           & (count <= MAX_COUNT)))
+
+
 def check_input_moments(label: str, moments: InputMoments, num_samples: int) -> None:
     """Input moments as untrusted input: shapes (1,), (d,), (d, d); a count that is a
     multiple of the inputs run and above d (no more vectors than dimensions lie in a
@@ -305,10 +326,10 @@ def check_input_moments(label: str, moments: InputMoments, num_samples: int) -> 
             f"{label}: expected count (1,), mean (d,) and cov (d, d), found "
             f"{count.shape}, {mean.shape}, {cov.shape}")
     n = float(count.reshape(-1)[0])
-    if not (n > d and n == round(n) and n % num_samples == 0):
+    if not (n > d and whole_counts(n, num_samples)):
         raise StatisticsError(
             f"{label}: expected a count above the dimension {d} that is a multiple of the "
-            f"{num_samples} inputs, found {n:g}")
+            f"{num_samples} inputs, at most 2**53, found {n:g}")
     if not (np.all(np.isfinite(mean)) and np.all(np.isfinite(cov))):
         raise StatisticsError(f"{label}: mean and covariance must be finite")
     check_magnitude(label, "mean", mean)
@@ -332,10 +353,10 @@ def _check_moments(label: str, point: str, moments: Moments, width: int | None,
             f"found {shapes}")
     count = moments.count
     tokens = point.partition(":")[0] in TOKEN_POINTS
-    if not (np.all(count > 0) and np.all(count == np.round(count))
-            and np.all(count % (1 if tokens else num_samples) == 0)):
+    if not whole_counts(count, 1 if tokens else num_samples):
         expected = "positive integer counts" if tokens else (
             f"positive counts that are multiples of the {num_samples} inputs")
+        expected += " of at most 2**53"
         raise StatisticsError(f"{label}: point {point!r}: expected {expected}, found "
                               f"{np.unique(count)[:4].tolist()}")
     if not np.all(np.isfinite(moments.mean)):
