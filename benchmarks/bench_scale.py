@@ -42,7 +42,11 @@ from fusekit.core.checkpoint import save_checkpoint, write_atomic
 
 RESNETS, BERTS = 10, 4
 READ_CHUNK = 64 << 20
-BEGIN, END = "<!-- bench_scale:begin -->", "<!-- bench_scale:end -->"
+
+def markers(cases: str) -> tuple[str, str]:
+    """RESULTS.md's markers of a run's table: the S-scaling rows have their own."""
+    tag = "bench_scale_mlp" if cases == "mlp" else "bench_scale"
+    return f"<!-- {tag}:begin -->", f"<!-- {tag}:end -->"
 
 
 def resnet_inputs(cache: Path, n_clients: int = RESNETS) -> list[Path]:
@@ -206,7 +210,7 @@ def main(argv: list[str] | None = None) -> None:
     write_json(args.json_out, {"machine": machine_info(load=os.getloadavg()),
                                "label": args.label, "rows": rows})
     if not args.no_write:
-        write_section(args.results_md, table, BEGIN, END)
+        write_section(args.results_md, table, *markers(args.cases))
 
 
 if __name__ == "__main__":

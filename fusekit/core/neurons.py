@@ -110,9 +110,17 @@ def fold_batchnorm(checkpoint: Checkpoint, layer: Layer) -> UnitLayer:
     return UnitLayer(weight, scale * (bias - mean) + shift)
 
 
-def client_layers(checkpoint: Checkpoint, spec: PermutationSpec) -> list[UnitLayer]:
-    """Every layer of one client, input to output, in unit form with BatchNorm folded."""
-    return [fold_batchnorm(checkpoint, layer) for layer in spec.layers]
+def client_layers(checkpoint: Checkpoint, spec: PermutationSpec, *,
+                  release: bool = False) -> list[UnitLayer]:
+    """Every layer of one client, input to output, in unit form with BatchNorm folded;
+    with ``release``, each layer's tensors are released from the checkpoint once folded
+    (the float64 layers are then all that is held of the client)."""
+    layers = []
+    for layer in spec.layers:
+        layers.append(fold_batchnorm(checkpoint, layer))
+        if release:
+            checkpoint.release(*layer.tensors)
+    return layers
 
 
 def map_incoming(weight: np.ndarray, assignment: np.ndarray | None,

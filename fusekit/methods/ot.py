@@ -140,7 +140,8 @@ class OptimalTransport(FusionMethod):
                     "activations: expected every client to be run on the same inputs, found "
                     f"samples per layer {sorted(samples)}"
                 )
-        clients = [neurons.client_layers(c, s) for c, s in zip(checkpoints, specs, strict=True)]
+        clients = [neurons.client_layers(c, s, release=True)
+                   for c, s in zip(checkpoints, specs, strict=True)]
         aligned, layer_reports, assignments = align_to_anchor(clients, anchor_index,
                                                               preactivations)
         weights = sample_weights(checkpoints)
@@ -343,8 +344,7 @@ def fuse_aligned(checkpoints: Sequence[Checkpoint], specs: Sequence[PermutationS
     """
     weights = sample_weights(checkpoints)
     spec = specs[anchor]
-    anchor_layers = neurons.client_layers(checkpoints[anchor], spec)
-    checkpoints[anchor].release()
+    anchor_layers = neurons.client_layers(checkpoints[anchor], spec, release=True)
     total = [neurons.UnitLayer(weights[anchor] * layer.weight, weights[anchor] * layer.bias)
              for layer in anchor_layers]
     reports = []
@@ -354,10 +354,9 @@ def fuse_aligned(checkpoints: Sequence[Checkpoint], specs: Sequence[PermutationS
         if s == anchor:
             continue
         start = time.perf_counter()
-        layers = neurons.client_layers(checkpoint, client_spec)
-        checkpoint.release()
-        aligned, report = align(anchor_layers, layers, client_spec)
-        del layers
+        # the client's layers are handed over, not kept: align frees each one it replaces
+        aligned, report = align(anchor_layers, neurons.client_layers(
+            checkpoint, client_spec, release=True), client_spec)
         for into, layer in zip(total, aligned, strict=True):
             into.weight += weights[s] * layer.weight
             into.bias += weights[s] * layer.bias

@@ -302,7 +302,8 @@ def fuse_network(checkpoints, specs, params: BayesianParams, method: str):
     sigmas = None if params.sigma is None else client_sigmas(params.sigma, n_clients)
     spec = specs[0]
     widths = layer_widths(params, [sp.hidden_widths for sp in specs])
-    clients = [neurons.client_layers(c, sp) for c, sp in zip(checkpoints, specs, strict=True)]
+    clients = [neurons.client_layers(c, sp, release=True)
+               for c, sp in zip(checkpoints, specs, strict=True)]
     n_hidden = len(spec.layers) - 1
     shares = _class_shares(checkpoints, spec.out_features, params)
     alphas = sample_weights(checkpoints)
