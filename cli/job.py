@@ -234,7 +234,7 @@ def calibrate(job: JobId, server: Server = DEFAULT_SERVER, token_file: TokenFile
 
     A calibrating job goes on by itself once every client's statistics of the round are in
     (and, where its fused model has no BatchNorm, every client's targets: then at least one
-    client's are needed here; a refit round needs every client's)."""
+    client's are needed here). A refit round refits with the clients that sent theirs."""
     with admin(server, token_file) as service:
         stdout.print(f"job {job}: {service.calibrate(job)['state']}", highlight=False)
 

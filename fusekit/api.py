@@ -562,7 +562,8 @@ def refit(
     Args:
         fused: the fused model the clients ran (after an alignment round: its
             ``fusekit.assignments`` say which client neuron each fused neuron fits).
-        clients: the clients' own models (the fusion's inputs).
+        clients: the clients' own models (the fusion's inputs; some of them: a fused
+            neuron that none of them was matched into keeps its weights).
         refit_statistics: one per client, all for the same layer (``fusekit stats FUSED
             --against OWN_MODEL --layer NAME``, or
             :func:`fusekit.toolkit.alignment.refit_statistics`).
@@ -591,10 +592,10 @@ def refit(
                               f"and {meta.INPUTS} metadata (run fusekit align first)")
     checkpoints = {c.content_hash: c for c in (
         c if isinstance(c, Checkpoint) else load_checkpoint(c) for c in clients)}
-    if set(checkpoints) != set(hashes):
-        raise IncompatibleModelsError(f"clients: expected the {len(hashes)} models "
+    if not checkpoints or not set(checkpoints) <= set(hashes):
+        raise IncompatibleModelsError(f"clients: expected some of the {len(hashes)} models "
                                       f"{fused.label} was fused from, found others")
-    ordered = [checkpoints[h] for h in hashes]
+    ordered = [checkpoints[h] for h in hashes if h in checkpoints]
     specs = [client_spec(c, None) for c in ordered]
     stats = _refit_statistics_by_client(fused, spec, ordered, specs, refit_statistics,
                                         min_samples)
@@ -602,7 +603,7 @@ def refit(
     layers = neurons.client_layers(fused, spec)
     group = spec.writes[index]
     rows = [np.arange(spec.layers[index].out_features) if group is None else a[group]
-            for a in assignments]
+            for h, a in zip(hashes, assignments, strict=True) if h in checkpoints]
     weights = sample_weights(ordered)
     layers[index] = alignment.refit_layer(layers[index], [s.gram for s in stats],
                                           [s.cross for s in stats], rows, weights, ridge)

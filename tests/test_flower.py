@@ -627,7 +627,7 @@ def test_without_usable_statistics_the_round_keeps_the_uncalibrated_fusion(train
     assert "No query function registered" in reasons[10]
     assert "computed for model" in reasons[11]
     assert reasons[12] == "node 12: statistics in eval mode; the query asked for batch"
-    assert "calibration failed: no node sent usable statistics" in caplog.text
+    assert "calibration failed: round 1 of 1 (statistics): no client sent usable statistics" in caplog.text
     for name, value in fused_pfnm(trained_bn).state_dict().items():
         np.testing.assert_array_equal(arrays_to_state_dict(result.arrays)[name], value)
     metrics = result.train_metrics_clientapp[1]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 
+import numpy as np
 import pytest
 
 pytest.importorskip("flwr", reason="needs the [flower] extra")
@@ -21,7 +22,12 @@ from fusekit.core.checkpoint import Checkpoint
 from fusekit.core.errors import ParameterError
 from fusekit.flower import FusekitStrategy, kept_model, statistics_reply, train_reply
 from fusekit.flower.records import query_checkpoint, statistics_query
-from fusekit.toolkit.alignment import align_locally, cross_statistics, refit_locally
+from fusekit.toolkit.alignment import (
+    align_locally,
+    cross_statistics,
+    refit_locally,
+    refit_statistics,
+)
 from fusekit.toolkit.calibration import calibrate_locally
 from fusekit.toolkit.simulate import SimulationConfig, simulate_clients
 from fusekit.toolkit.train import TrainConfig
@@ -138,30 +144,59 @@ def test_a_bad_cross_statistics_reply_is_left_out_and_the_others_are_aligned(
     assert_same_model(result.arrays, expected.state_dict)
 
 
-def test_a_refit_round_without_every_nodes_statistics_keeps_the_calibrated_fusion(
-        trained_bn, digits, caplog):
-    """Node 11 answers the refit query with statistics of another layer: the refit cannot
-    go on (each fused neuron fits the node neurons matched into it); the round's global
-    model is the calibrated fusion, logged as an error."""
+def test_a_refit_round_goes_on_with_the_nodes_that_answered(trained_bn, digits, caplog):
+    """Node 11 answers the first refit query with statistics of another layer: it is left
+    out of that round, which refits with nodes 10 and 12 (the protocol's rule for a node
+    that did not answer, as the service's); it takes part in the next refit rounds again.
+    The global model is what the protocol gives with the data at hand and the same
+    replies."""
+    caplog.set_level(logging.INFO, logger="fusekit")
     clients, _ = trained_bn
 
     def answer(node, message, x, state):
         config = message.content["config"]
-        if node == 11 and config.get("fusekit-stats-kind") == "refit":
+        if node == 11 and config.get("fusekit-refit-layer") == "net.0":
             content = RecordDict(message.content)
-            content["config"] = type(config)({**config, "fusekit-refit-layer": "net.0"}
-                                             if config["fusekit-refit-layer"] != "net.0"
-                                             else {**config, "fusekit-refit-layer": "net.3"})
+            content["config"] = type(config)({**config, "fusekit-refit-layer": "net.3"})
             return statistics_reply(content, x, own_model=kept_model(state))
         return statistics_reply(message.content, x, own_model=kept_model(state))
 
     nodes = Nodes(trained_bn, digits, answer)
     strategy, result = nodes.run(alignment_rounds=1)
+    assert list(strategy.left_out_alignment) == [11]
     assert "the query asked for 'net.0'" in strategy.left_out_alignment[11]
-    assert "alignment stopped: refit round of layer net.0: no usable statistics from " \
-           "node(s) [11]" in caplog.text
-    assert_the_calibrated_fusion(result, nodes, clients)
-    assert "fusekit.alignment" not in strategy.global_metadata
+    metrics = result.train_metrics_clientapp[1]
+    assert metrics["pfnm.aligned"] == 1 and metrics["pfnm.refit-rounds"] == 3
+    assert metrics["pfnm.alignment-nodes"] == 3
+    # The same rounds with every node's data at hand, node 11 silent in the first refit.
+    inputs = [nodes.inputs[n] for n in sorted(nodes.inputs)]
+    expected = refit_without(fused_pfnm(clients), [c.checkpoint for c in clients], inputs, 1)
+    assert_same_model(result.arrays, expected.state_dict())
+
+
+def refit_without(fused, models, inputs, silent):
+    """The fusion calibrated, aligned and refit with every client's data at hand, client
+    ``silent`` missing the first refit round; checks that its absence changes that round."""
+    calibrated = calibrate_locally(fused, inputs, clients=models)
+    reference = Checkpoint.from_state_dict(calibrated.state_dict, calibrated.metadata)
+    aligned = fusekit.align(reference, models, [cross_statistics(reference, c, x)
+                                                for c, x in zip(models, inputs, strict=True)])
+    current = Checkpoint.from_state_dict(aligned.state_dict, aligned.metadata)
+    layers = [layer.name for layer in fusekit.api.fused_spec(current).layers]
+    everyone = range(len(models))
+
+    def refit(model, answering, layer):
+        refit = fusekit.refit(model, [models[i] for i in answering],
+                              [refit_statistics(model, models[i], inputs[i], layer)
+                               for i in answering])
+        return Checkpoint.from_state_dict(refit.state_dict, refit.metadata)
+
+    expected = refit(current, [i for i in everyone if i != silent], layers[0])
+    assert not np.allclose(expected.tensor(f"{layers[0]}.weight"),
+                           refit(current, everyone, layers[0]).tensor(f"{layers[0]}.weight"))
+    for layer in layers[1:]:
+        expected = refit(expected, everyone, layer)
+    return expected
 
 
 def test_alignment_settings_and_queries_a_node_cannot_answer(trained_bn, digits):
@@ -196,8 +231,8 @@ def test_too_few_usable_cross_statistics_keep_the_calibrated_fusion(trained_bn, 
     strategy, result = nodes.run(alignment_rounds=1)
     assert sorted(strategy.left_out_alignment) == [10, 11]
     assert "expected an ArrayRecord 'cross-statistics'" in strategy.left_out_alignment[10]
-    assert ("alignment stopped: alignment round 1: usable cross statistics from 1 node(s), "
-            "fewer than 2 (min_fused_replies)") in caplog.text
+    assert ("alignment stopped: round 3 of 6 (cross): usable cross statistics from 1 "
+            "client(s), fewer than the 2 an alignment re-fuses") in caplog.text
     assert nodes.grid.sent == ["train"] * 3 + ["query.statistics"] * 3 * 2
     assert_the_calibrated_fusion(result, nodes, clients)
 

@@ -3,9 +3,9 @@ processes, deployment engine) and apps run with ``flwr run``. On three SuperNode
 example app fused by FedAvg (fusekit's avg) and by PFNM, and the app the Flower page
 (docs/flower.md) writes, file by file, over two rounds, each fused model calibrated with the
 statistics the nodes send in a query round; the example app's BatchNorm MLP fused,
-calibrated, aligned and refit in three query rounds. On one SuperNode: a run whose round
-cannot fuse (the initial model comes back) and a run that cannot finish, stopped at its
-timeout. Each test checks that every process the federation started has ended. About 6-7
+calibrated, aligned and refit in three query rounds, one node missing the first refit
+round. On one SuperNode: a run whose round cannot fuse (the initial model comes back) and
+a run that cannot finish, stopped at its timeout. Each test checks that every process the federation started has ended. About 6-7
 minutes on two busy cores (each query round about 15-30 s of it), up to 12 on a heavily
 loaded machine; progress lines are printed as the runs go. Deselect with
 ``-m "not flower_e2e"``."""
@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -27,10 +28,10 @@ pytest.importorskip("flwr", reason="needs the [flower] extra")
 import fusekit
 from fusekit.core.checkpoint import Checkpoint
 from fusekit.flower.local import LocalFederation, progress_lines
-from fusekit.toolkit.alignment import align_locally
 from fusekit.toolkit.data import load_dataset
 from fusekit.toolkit.nn import build_model
 from fusekit.toolkit.processes import descendant_groups, group_alive, groups_with_env
+from test_flower_alignment import refit_without
 
 ROOT = Path(__file__).resolve().parents[1]
 APP = ROOT / "examples" / "flower"
@@ -187,12 +188,25 @@ def test_one_node_a_round_that_cannot_fuse_and_a_run_that_cannot_finish(tmp_path
         assert (initial.tensor(name) == tensor.numpy()).all(), name
 
 
-def test_three_nodes_align_and_refit_the_fusion_as_align_locally_does(tmp_path, progress):
+def test_three_nodes_align_and_refit_the_fusion_one_missing_a_refit_round(tmp_path, progress):
     """A BatchNorm MLP from each node's own initial weights, fused by PFNM and calibrated
     layer by layer (its one BatchNorm from the input moments the train replies carry: no
     query), then one alignment round and a refit round per layer: three query rounds on
-    real SuperNodes. The global model is what ``align_locally`` gives in this process with
-    the same nodes' models and data."""
+    real SuperNodes. The node of partition 0 fails the first refit query: that round
+    refits with the other two, and it takes part in the next. The global model is what
+    the same rounds give in this process with the same nodes' models and data."""
+    app = tmp_path / "app"
+    shutil.copytree(APP, app, ignore=shutil.ignore_patterns("__pycache__"))
+    client_app = app / "fusekit_digits" / "client_app.py"
+    handler = "    data = task.dataset()\n    indices = task.node_indices(context.run_config, " \
+              "context.node_config, data)\n    return Message(statistics_reply("
+    source = client_app.read_text()
+    assert source.count(handler) == 1
+    client_app.write_text(source.replace(handler, textwrap.indent(textwrap.dedent("""\
+        if (context.node_config["partition-id"] == 0
+                and msg.content["config"].get("fusekit-refit-layer") == "net.0"):
+            raise RuntimeError("partition 0 misses the first refit round")
+        """), "    ") + handler))
     models_dir = tmp_path / "nodes"
     result_file, model_file = tmp_path / "align.json", tmp_path / "align.safetensors"
     config = {"method": "pfnm", "arch": "mlp:32", "batchnorm": True, "epochs": 5,
@@ -202,29 +216,32 @@ def test_three_nodes_align_and_refit_the_fusion_as_align_locally_does(tmp_path, 
               "result-file": str(result_file), "model-file": str(model_file),
               "models-dir": str(models_dir)}
     with Federation(tmp_path / "federation", 3, progress) as federation:
-        output = run(federation, APP, config, progress).stdout
+        output = run(federation, app, config, progress).stdout
     result = json.loads(result_file.read_text())
     metrics = result["train_metrics"]["1"]
     assert metrics["pfnm.calibration-rounds"] == 0  # derived from the input moments
     assert metrics["pfnm.aligned"] == 1 and metrics["pfnm.alignment-nodes"] == 3
-    assert metrics["pfnm.refit-rounds"] == 2 and result["left_out_alignment"] == {}
+    assert metrics["pfnm.refit-rounds"] == 2
+    (reason,) = result["left_out_alignment"].values()
+    assert "partition 0 misses the first refit round" in reason
     assert "round 1: aligned to 3 node(s) in 1 alignment and 2 refit round(s)" in output
 
     task = example_task()
     data = task.dataset()
     nodes = [fusekit.load_checkpoint(path) for path in sorted(models_dir.iterdir())]
-    inputs = {}  # each node's training inputs, found by its class counts
+    inputs, parts = {}, {}  # each node's training inputs and partition, by class counts
     for part in range(3):
         indices = task.node_indices(config, {"partition-id": part, "num-partitions": 3},
                                     data)
         counts = np.bincount(data.y_train[indices], minlength=data.num_classes)
         node = next(n for n in nodes if (n.class_counts == counts).all())
-        inputs[node.content_hash] = data.x_train[indices]
+        inputs[node.content_hash], parts[node.content_hash] = data.x_train[indices], part
     fused = fusekit.fuse(nodes, method="pfnm", width_ratio=1.5)
-    expected = align_locally(Checkpoint.from_state_dict(fused.state_dict, fused.metadata),
-                             nodes, [inputs[n.content_hash] for n in nodes])
+    silent = next(i for i, n in enumerate(nodes) if parts[n.content_hash] == 0)
+    expected = refit_without(Checkpoint.from_state_dict(fused.state_dict, fused.metadata),
+                             nodes, [inputs[n.content_hash] for n in nodes], silent)
     model = fusekit.load_checkpoint(model_file)
-    for name, value in expected.state_dict.items():
+    for name, value in expected.state_dict().items():
         np.testing.assert_allclose(model.tensor(name), value, rtol=1e-4, atol=1e-5,
                                    err_msg=name)
     assert result["accuracy"] > min(result["node_accuracy"])

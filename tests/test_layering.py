@@ -22,6 +22,7 @@ LAYERS = [
     ("fusekit.engine", 1),
     ("fusekit.methods", 2),
     ("fusekit.api", 2),
+    ("fusekit.protocol", 2),  # the round protocol: steps through fusekit.calibrate/align/refit
     ("fusekit.toolkit", 3),
     ("fusekit._cli", 4),
     ("fusekit.service", 4),
@@ -30,7 +31,8 @@ LAYERS = [
     ("fusekit.__main__", 4),
     ("fusekit", 4),  # the package's own __init__: the Python front door
 ]
-TORCH_FREE = ("fusekit.core", "fusekit.engine", "fusekit.methods", "fusekit.api")
+TORCH_FREE = ("fusekit.core", "fusekit.engine", "fusekit.methods", "fusekit.api",
+              "fusekit.protocol")
 
 
 def rank(module: str) -> int:

@@ -484,17 +484,20 @@ def test_a_protocol_known_only_once_fused_to_be_impossible_fails_the_job(
     assert "\n" not in state["error"]
 
 
-def test_alignment_round_finished_early_leaves_the_missing_client_out_of_the_refits(
+def test_rounds_finished_early_go_on_with_the_clients_that_answered(
         service, admin, models, digits, tmp_path):  # noqa: F811
     """The admin finishes the alignment round with two clients' cross statistics: the
     third takes no part in the refit rounds (its upload refused in one line, its status
-    says so); a refit round finished early with a participant missing is refused, 409 and
-    one line; the result equals fusekit.calibrate over the three clients' first-round
-    files, then fusekit.align and refit in process over the two who sent theirs."""
+    says so). The first refit round, finished early with one participant's statistics,
+    refits with that one's (the protocol's rule for a client that did not answer); the
+    other takes part again in the next refit round. The result equals fusekit.calibrate
+    over the three clients' first-round files, then fusekit.align and refit in process
+    over those who sent theirs."""
     job = create(admin, service, models, protocol="align")
     job_id, tokens = job["id"], job["tokens"]
     folders = {name: tmp_path / name for name in NAMES}
     sent, out = dict(zip(NAMES[:2], zip(models, digits, strict=False), strict=False)), NAMES[2]
+    first, late = NAMES[:2]
     with clients_of(service, tokens) as clients:
         for name, model, x in zip(NAMES, models, digits, strict=True):
             clients[name].contribute(job_id, name, model, x, folders[name])
@@ -511,16 +514,13 @@ def test_alignment_round_finished_early_leaves_the_missing_client_out_of_the_ref
         one_line_error(put_statistics(service, job_id, out, tokens[out], stale.read_bytes()),
                        409, f"client {out!r}: takes no part in the job's rounds since its "
                        "alignment round")
-        first = NAMES[0]
         clients[first].contribute(job_id, first, *sent[first], folders[first])
-        refused = httpx.post(f"{service.url}/v1/jobs/{job_id}/calibrate",
-                             headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30)
-        one_line_error(refused, 409, "a refit needs every client's; missing " + NAMES[1])
-        assert admin.status(job_id)["state"] == "calibrating"
-        for index in range(3, 7):
+        assert admin.calibrate(job_id)["state"] == "queued"
+        state = _next_round(admin, job_id, 4)
+        assert state["round"]["participants"] == list(sent)
+        for index in range(4, 7):
             for name, (model, x) in sent.items():
-                if (index, name) != (3, first):
-                    clients[name].contribute(job_id, name, model, x, folders[name])
+                clients[name].contribute(job_id, name, model, x, folders[name])
             state = _next_round(admin, job_id, index + 1)
     assert state["state"] == "succeeded", state
     current = fusekit.calibrate(admin.fused(job_id, tmp_path / "fused.safetensors"),
@@ -528,9 +528,10 @@ def test_alignment_round_finished_early_leaves_the_missing_client_out_of_the_ref
     current = fusekit.align(_checkpoint(current), models[:2],
                             [files_of(folders[n], n, 2) for n in sent])
     for index in range(3, 7):
-        current = fusekit.refit(_checkpoint(current), models[:2],
-                                [files_of(folders[n], n, index) for n in sent])
+        who = [first] if index == 3 else list(sent)
+        current = fusekit.refit(_checkpoint(current), [models[NAMES.index(n)] for n in who],
+                                [files_of(folders[n], n, index) for n in who])
     assert_same_tensors(admin.result(job_id, tmp_path / "result.safetensors"),
                         current.state_dict)
     rounds = admin.report(job_id)["calibration"]["rounds"]
-    assert [r["missing"] for r in rounds] == [[], [out], [], [], [], []]
+    assert [r["missing"] for r in rounds] == [[], [out], [late], [], [], []]

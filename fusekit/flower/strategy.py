@@ -28,8 +28,9 @@ activations and refit layer by layer (ALGORITHMS.md §12), in more query rounds:
 alignment rounds (each node sends its cross statistics of the current model and the model
 it trained, :func:`fusekit.align` re-fuses; between rounds the result is calibrated), then
 one refit round per layer (each node sends the layer's moments, :func:`fusekit.refit`
-refits it), as :func:`fusekit.toolkit.alignment.align_locally` runs them with every
-client's data at hand.
+refits it with the nodes that answered). The rounds are :mod:`fusekit.protocol`'s plan and
+steps, which the service and :func:`fusekit.toolkit.alignment.align_locally` (every
+client's data at hand) run too; the strategy only moves the queries and replies.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result
 
 import fusekit
+from fusekit import protocol
 from fusekit.api import SpecLike, check_compatible, client_spec, fused_spec, input_points
 from fusekit.core import metadata as meta
 from fusekit.core.checkpoint import Checkpoint
@@ -69,7 +71,6 @@ from fusekit.methods.alignment import cross_points, layer_inputs
 from fusekit.methods.avg import check_equal_shapes
 from fusekit.methods.base import FusionMethod, get_method
 from fusekit.methods.params import method_params, validate
-from fusekit.toolkit.calibration import calibration_layers
 from fusekit.toolkit.rounds import ENSEMBLES, EVERY_ROUND, round_method
 
 from .records import (
@@ -132,8 +133,8 @@ class FusekitStrategy(FedAvg):
             and re-fuses the nodes whose statistics are usable; between rounds the result
             is calibrated.
         refit: after the last alignment round, refit every layer, input to output, one
-            query round each (:func:`fusekit.refit`, ridge 0.1); ``False`` calibrates it
-            instead.
+            query round each (:func:`fusekit.refit`, ridge 0.1, with the nodes that
+            answered); ``False`` calibrates it instead.
         **fedavg: FedAvg's own arguments (``fraction_train``, ``min_train_nodes``,
             ``min_available_nodes``, ``weighted_by_key``, ...).
 
@@ -362,11 +363,6 @@ class FusekitStrategy(FedAvg):
         if self.calibrate:
             targets = self.repair_targets(server_round, result, fused_replies)
             result, calibration = self.calibrated(server_round, result, fused_nodes, targets)
-            if self.alignment_rounds:
-                result, alignment = self.aligned(
-                    server_round, result, calibration, self.fused_models,
-                    dict(zip(fused_nodes, targets, strict=True)) if targets else {})
-                calibration.update(alignment)
         self.last_fusion, self.global_metadata = result, dict(result.metadata)
         self.fused_rounds += 1
         metrics = self._round_metrics(fusion.name, usable, result, elapsed)
@@ -438,79 +434,121 @@ class FusekitStrategy(FedAvg):
 
     def calibrated(self, server_round: int, fused: FusionResult, nodes: Sequence[int],
                    targets: Sequence[Statistics] = ()) -> tuple[FusionResult, dict[str, Any]]:
-        """``fused`` calibrated with the statistics ``nodes`` compute of it on their own data,
-        in query rounds through the round's Grid (``calibration_rounds``): one pass, or one
-        round per calibrated layer, each on the model calibrated so far. With ``targets``
-        (:meth:`repair_targets`) every hidden layer is calibrated, else the BatchNorm ones.
+        """``fused`` calibrated with the statistics ``nodes`` compute of it on their own data
+        and, with ``alignment_rounds``, re-matched to the nodes by activations and refit:
+        the rounds of :func:`fusekit.protocol.plan`, each a query round through the round's
+        Grid (a layer derived from the nodes' input moments none), each step
+        :func:`fusekit.protocol.advance` on the usable replies, as
+        :func:`fusekit.toolkit.alignment.align_locally` steps with the data at hand.
 
-        Statistics replies are screened as ``fusekit calibrate`` screens files; a reply that
-        fails (an error, malformed, another model, too few inputs) is logged and left out
-        (``self.left_out_statistics``). A query round without any usable reply ends the
-        calibration: the round's global model is then the uncalibrated fusion (logged as an
-        error). A model without BatchNorm is returned as it is, without a query, unless
-        there are targets.
+        Calibration (``calibration_rounds``: one pass, or one round per calibrated layer):
+        with ``targets`` (:meth:`repair_targets`) every hidden layer, else the BatchNorm
+        ones; a model without BatchNorm is returned as it is, without a query, unless there
+        are targets. Replies are screened as ``fusekit calibrate``, ``align`` and ``refit``
+        screen files (another model, other points or widths, too few inputs, non-finite
+        moments, ...); a reply that fails is logged and left out
+        (``self.left_out_statistics``, ``self.left_out_alignment``), and the round goes on
+        with the others (the protocol's rule): an alignment round re-fuses the nodes that
+        answered (at least ``min_fused_replies``), who alone take part from then on; a refit
+        round refits with them. A calibration round without any usable reply leaves the
+        round's global model the uncalibrated fusion; a later round that cannot go on, the
+        calibrated fusion (each logged as an error).
 
         Returns:
-            The calibrated model (the same names, shapes and widths; its metadata holds
-            ``fusekit.calibration``), and the round's calibration metrics: ``calibrated``
-            (1 or 0), ``calibration-rounds``, ``calibration-nodes`` (the nodes whose
-            statistics were pooled in the last query round), ``calibration-samples`` and
-            ``calibration-time-s``, ``calibration-repair`` (1 with targets, else 0),
+            The model, and the round's metrics: ``calibrated`` (1 or 0),
+            ``calibration-rounds`` (query rounds), ``calibration-nodes`` (the nodes whose
+            statistics were pooled in the last one), ``calibration-samples``,
+            ``calibration-time-s``, ``calibration-repair`` (1 with targets),
             ``calibration-paired`` (1 when REPAIR read every fused neuron on its matched
-            nodes' data in every query round: :func:`pairable`).
+            nodes' data in every round: :func:`fusekit.protocol.pairs`); with alignment
+            rounds ``aligned`` (1 or 0), ``alignment-rounds``, ``refit-rounds``,
+            ``alignment-nodes``, ``alignment-correlation`` (the last round's mean matched
+            correlation), ``alignment-time-s``.
         """
         if self._grid is None:
             raise ParameterError("calibrate: the strategy queries the nodes through the "
                                  "round's Grid; run it with strategy.start(grid=...)")
-        start = time.perf_counter()
+        started = time.perf_counter()
         current = Checkpoint.from_state_dict(fused.state_dict, fused.metadata,
                                              source=f"round {server_round}'s fusion")
-        layers = calibration_layers(fused_spec(current), repair=bool(targets))
-        if not layers:
+        spec = fused_spec(current)
+        derive = bool(targets) and all(t.inputs for t in targets)
+        calibrating = protocol.calibration_rounds(spec, self.calibration_rounds,
+                                                  repair=bool(targets), derive_first=derive)
+        state = protocol.start(
+            current, protocol.plan(spec, calibration=self.calibration_rounds,
+                                   repair=bool(targets), derive_first=derive,
+                                   alignment_rounds=self.alignment_rounds, refit=self.refit),
+            {node: self.fused_models[node] for node in nodes},
+            targets=dict(zip(nodes, targets, strict=True)) if targets else {},
+            min_fused=self.min_fused_replies, min_samples=self.calibration_min_samples)
+        self.left_out_statistics, self.left_out_alignment = {}, {}
+        state, error = self._run(server_round, state, len(calibrating))
+        if error is not None:
+            log.error("round %d: calibration failed: %s; the global model is the "
+                      "uncalibrated fusion", server_round, error)
+            return fused, {"calibrated": 0, "calibration-rounds": state.index + 1,
+                           **({"aligned": 0} if self.alignment_rounds else {})}
+        if calibrating:
+            result, metrics = self._calibration_done(server_round, fused, state, calibrating,
+                                                     time.perf_counter() - started)
+        else:
             log.info("round %d: the fused model has no BatchNorm layer and no REPAIR targets: "
                      "nothing to calibrate", server_round)
-            return fused, {"calibrated": 0, "calibration-rounds": 0}
-        steps = ([("batch", None)] if self.calibration_rounds == "one-pass"
-                 else [("eval", [name]) for name in layers])
-        if (steps[0][0] == "eval" and layers[0] == fused_spec(current).layers[0].name
-                and targets and all(t.inputs for t in targets)):
-            steps[0] = ("derived", steps[0][1])  # from the nodes' input moments: no query
-        queries = sum(mode != "derived" for mode, _ in steps)
-        self.left_out_statistics = {}
-        paired = bool(targets)
-        for number, (mode, chosen) in enumerate(steps, 1):
-            by_node = ({} if mode == "derived"
-                       else self._query_statistics(server_round, current, mode, nodes))
-            if not by_node and mode != "derived":
-                log.error("round %d: calibration failed: no node sent usable statistics in "
-                          "query round %d of %d; the global model is the uncalibrated fusion",
-                          server_round, number, len(steps))
-                return fused, {"calibrated": 0, "calibration-rounds": number}
-            stats = [by_node[node] for node in nodes if node in by_node]
-            # derived: each node's statistics from its own input moments, paired by nature
-            pair = mode == "derived" or pairable(by_node, nodes, targets)
-            paired = paired and pair
-            result = fusekit.calibrate(current, stats, targets=targets, layers=chosen,
-                                       min_samples=self.calibration_min_samples, paired=pair)
-            current = Checkpoint.from_state_dict(result.state_dict, result.metadata,
-                                                 source=f"round {server_round}'s fusion")
+            result, metrics = fused, {"calibrated": 0, "calibration-rounds": 0}
+        if self.alignment_rounds:
+            result, alignment = self._aligned(server_round, result, state)
+            metrics.update(alignment)
+        return result, metrics
+
+    def _run(self, server_round: int, state: protocol.State, until: int
+             ) -> tuple[protocol.State, FusekitError | None]:
+        """The rounds of ``state`` up to index ``until``: the last state, and why a round
+        could not go on (None if every one did)."""
+        while state.index < until:
+            replies = self._replies(server_round, state) if state.round.asks else {}
+            try:
+                state = protocol.advance(state, replies)
+            except FusekitError as exc:
+                return state, exc
+        return state, None
+
+    def _replies(self, server_round: int, state: protocol.State) -> dict[int, Any]:
+        """The current round's query to its participants: their usable replies by node."""
+        round_ = state.round
+        if round_.calibrates:
+            return self._query_statistics(server_round, state.model, round_.mode,
+                                          state.participants)
+        number = 1 + sum(r.kind == round_.kind for r in state.plan[:state.index])
+        total = sum(r.kind == round_.kind for r in state.plan)
+        what = (f"alignment query {number} of {total}" if round_.kind == protocol.CROSS
+                else f"refit query {number} of {total} (layer {round_.layer})")
+        return self._query_alignment(server_round, state.participants, what, state.model,
+                                     state.clients, round_.layer)
+
+    def _calibration_done(self, server_round: int, fused: FusionResult, state: protocol.State,
+                          rounds: Sequence[protocol.Round], elapsed: float
+                          ) -> tuple[FusionResult, dict[str, Any]]:
+        """The calibrated fusion with its record, and the calibration's metrics."""
+        result = state.result
+        queries = sum(r.asks for r in rounds)
         report = result.report["calibration"]
         report.update(rounds=queries, layers="all")
         result.metadata[meta.CALIBRATION] = json.dumps(report)
         result.widths = fused.widths
-        elapsed = time.perf_counter() - start
+        paired = all(done["calibration"]["paired"] for done in state.history)
         log.info("round %d: calibrated with the statistics of %d node(s) over %d inputs "
                  "(%s, %d query round(s)%s) in %.2f s%s", server_round, report["clients"],
                  report["samples"], self.calibration_rounds, queries,
-                 ", the first layer from the nodes' input moments" if queries < len(steps)
+                 ", the first layer from the nodes' input moments" if queries < len(rounds)
                  else "", elapsed,
                  f", REPAIR targets of every layer without BatchNorm "
-                 f"({'paired' if paired else 'pooled'})" if targets else "")
+                 f"({'paired' if paired else 'pooled'})" if report["repair"] else "")
         return result, {"calibrated": 1, "calibration-rounds": queries,
                         "calibration-nodes": report["clients"],
                         "calibration-samples": report["samples"],
                         "calibration-time-s": elapsed,
-                        "calibration-repair": int(bool(targets)),
+                        "calibration-repair": int(report["repair"]),
                         "calibration-paired": int(paired)}
 
     def _query_statistics(self, server_round: int, model: Checkpoint, mode: str,
@@ -545,115 +583,35 @@ class FusekitStrategy(FedAvg):
                 reasons[node] = f"no reply within the round's timeout ({self._timeout:g} s)"
         return usable, reasons
 
-    def aligned(self, server_round: int, calibrated: FusionResult,
-                calibration: Mapping[str, Any], models: Mapping[int, Checkpoint],
-                targets: Mapping[int, Statistics]) -> tuple[FusionResult, dict[str, Any]]:
-        """The calibrated fusion re-matched to the nodes' ``models`` by activations and refit,
-        in query rounds (``alignment_rounds``, ``refit``), as
-        :func:`fusekit.toolkit.alignment.align_locally` does with the data at hand.
-
-        Each alignment round re-fuses the nodes whose cross statistics are usable (at least
-        ``min_fused_replies``), screened against the current model and each node's own
-        (content hashes, points and widths, counts, finite moments, variances >= 0,
-        Cauchy-Schwarz, ``calibration_min_samples``); the others are logged and left out
-        (``self.left_out_alignment``) of this and the later rounds. A refit round needs
-        every aligned node's statistics (each fused neuron is fit to the node neurons
-        matched into it). When a round cannot go on (too few usable cross statistics, a
-        refit reply missing or unusable, a calibration between rounds failing) the round's
-        global model is ``calibrated``, and the failure is logged as an error.
-
-        Returns:
-            The aligned and refit (or calibrated) model, and the round's alignment metrics:
-            ``aligned`` (1 or 0), ``alignment-rounds``, ``refit-rounds``,
-            ``alignment-nodes``, ``alignment-correlation`` (the last round's mean matched
-            correlation), ``alignment-time-s``.
-        """
-        self.left_out_alignment = {}
-        if calibration.get("calibration-rounds") and not calibration.get("calibrated"):
-            log.error("round %d: no alignment: the calibration of the fusion failed",
-                      server_round)
-            return calibrated, {"aligned": 0}
-        start = time.perf_counter()
-        metrics = {"aligned": 0, "alignment-rounds": 0, "refit-rounds": 0}
-        try:
-            result, nodes = self._align(server_round, calibrated, models, targets, metrics)
-            if self.refit:
-                result = self._refit(server_round, result, nodes, models, metrics)
-        except FusekitError as exc:
+    def _aligned(self, server_round: int, calibrated: FusionResult, state: protocol.State
+                 ) -> tuple[FusionResult, dict[str, Any]]:
+        """The alignment and refit rounds from ``state`` on: the model (``calibrated`` when
+        a round cannot go on), and the alignment metrics."""
+        started, first = time.perf_counter(), len(state.history)
+        state, error = self._run(server_round, state, len(state.plan))
+        done = state.history[first:]
+        metrics = {"aligned": 0,
+                   "alignment-rounds": sum(d["kind"] == protocol.CROSS for d in done),
+                   "refit-rounds": sum(d["kind"] == protocol.REFIT for d in done)}
+        if error is not None:
             log.error("round %d: alignment stopped: %s; the global model is the calibrated "
-                      "fusion", server_round, exc)
-            metrics.pop("alignment-correlation", None)
+                      "fusion", server_round, error)
             return calibrated, metrics
+        result = state.result
+        correlation = [d["alignment"]["mean_correlation"] for d in done
+                       if d["kind"] == protocol.CROSS]
         result.widths = calibrated.widths
         result.metadata[meta.ALIGNMENT] = json.dumps(
             {"rounds": self.alignment_rounds, "refit": self.refit,
-             "mean_correlation": metrics["alignment-correlation"]})
-        metrics.update({"aligned": 1, "alignment-nodes": len(nodes),
-                        "alignment-correlation": metrics["alignment-correlation"][-1],
-                        "alignment-time-s": time.perf_counter() - start})
+             "mean_correlation": correlation})
+        metrics.update({"aligned": 1, "alignment-nodes": len(state.participants),
+                        "alignment-correlation": correlation[-1],
+                        "alignment-time-s": time.perf_counter() - started})
         log.info("round %d: aligned to %d node(s) in %d alignment and %d refit round(s), "
-                 "mean matched correlation %.4f, in %.2f s", server_round, len(nodes),
-                 metrics["alignment-rounds"], metrics["refit-rounds"],
+                 "mean matched correlation %.4f, in %.2f s", server_round,
+                 len(state.participants), metrics["alignment-rounds"], metrics["refit-rounds"],
                  metrics["alignment-correlation"], metrics["alignment-time-s"])
         return result, metrics
-
-    def _align(self, server_round: int, calibrated: FusionResult,
-               models: Mapping[int, Checkpoint], targets: Mapping[int, Statistics],
-               metrics: dict[str, Any]) -> tuple[FusionResult, list[int]]:
-        """The alignment rounds: the last result (calibrated unless refit follows) and the
-        nodes it fused."""
-        result, nodes = calibrated, sorted(models)
-        metrics["alignment-correlation"] = []
-        for number in range(1, self.alignment_rounds + 1):
-            current = self._round_checkpoint(server_round, result)
-            cross = self._query_alignment(
-                server_round, nodes, f"alignment query {number} of {self.alignment_rounds}",
-                current, models, None)
-            if len(cross) < self.min_fused_replies:
-                raise StatisticsError(f"alignment round {number}: usable cross statistics "
-                                      f"from {len(cross)} node(s), fewer than "
-                                      f"{self.min_fused_replies} (min_fused_replies)")
-            nodes = sorted(cross)
-            result = fusekit.align(current, [models[n] for n in nodes],
-                                   [cross[n] for n in nodes],
-                                   min_samples=self.calibration_min_samples)
-            metrics["alignment-rounds"] = number
-            metrics["alignment-correlation"].append(
-                result.report["alignment"]["mean_correlation"])
-            if number < self.alignment_rounds or not self.refit:
-                result, calibration = self.calibrated(
-                    server_round, result, nodes, [targets[n] for n in nodes] if targets else [])
-                if calibration.get("calibration-rounds") and not calibration["calibrated"]:
-                    raise StatisticsError(f"the calibration after alignment round {number} "
-                                          "failed")
-        return result, nodes
-
-    def _refit(self, server_round: int, aligned: FusionResult, nodes: list[int],
-               models: Mapping[int, Checkpoint], metrics: dict[str, Any]) -> FusionResult:
-        """The refit rounds: every layer of ``aligned``, input to output, one round each."""
-        result = aligned
-        layers = [layer.name for layer in fused_spec(
-            self._round_checkpoint(server_round, aligned)).layers]
-        for number, layer in enumerate(layers, 1):
-            current = self._round_checkpoint(server_round, result)
-            stats = self._query_alignment(
-                server_round, nodes, f"refit query {number} of {len(layers)} (layer {layer})",
-                current, models, layer)
-            missing = [node for node in nodes if node not in stats]
-            if missing:
-                raise StatisticsError(f"refit round of layer {layer}: no usable statistics "
-                                      f"from node(s) {missing}; a refit needs every aligned "
-                                      "node's")
-            result = fusekit.refit(current, [models[n] for n in nodes],
-                                   [stats[n] for n in nodes],
-                                   min_samples=self.calibration_min_samples)
-            metrics["refit-rounds"] = number
-        return result
-
-    @staticmethod
-    def _round_checkpoint(server_round: int, result: FusionResult) -> Checkpoint:
-        return Checkpoint.from_state_dict(result.state_dict, result.metadata,
-                                          source=f"round {server_round}'s fusion")
 
     def _query_alignment(self, server_round: int, nodes: Sequence[int], what: str,
                          model: Checkpoint, models: Mapping[int, Checkpoint],
@@ -821,17 +779,6 @@ def _other_architectures(usable: Mapping[int, tuple[Checkpoint, Any, RecordDict]
         except IncompatibleModelsError as exc:
             reasons[node] = str(exc)
     return reasons
-
-
-def pairable(stats: Mapping[int, Statistics], nodes: Sequence[int],
-             targets: Sequence[Statistics]) -> bool:
-    """Whether REPAIR can read each fused neuron on its matched nodes' data
-    (``fusekit.calibrate(..., paired=True)``): every node's statistics of the fused model,
-    over the inputs its targets (``targets[k]``: ``nodes[k]``'s) were computed on. Else the
-    nodes' statistics are pooled."""
-    return bool(targets) and all(
-        node in stats and stats[node].num_samples == target.num_samples
-        for node, target in zip(nodes, targets, strict=True))
 
 
 def screen_replies(replies: Iterable[Message], parse: Callable[[int, RecordDict], T]

@@ -28,7 +28,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import fusekit
 from fusekit.api import client_spec, fused_spec, model_points
 from fusekit.core import metadata as meta
 from fusekit.core.checkpoint import load_checkpoint
@@ -37,39 +36,41 @@ from fusekit.core.errors import ParameterError, StatisticsError
 from fusekit.core.stats import BN_INPUT, load_statistics
 from fusekit.core.transformer import TransformerSpec
 from fusekit.methods.alignment import cross_points, layer_inputs
+from fusekit.protocol import (
+    CROSS,
+    DERIVED,
+    REFIT,
+    REPORTS,
+    STATISTICS,
+    Round,
+    start,
+)
+from fusekit.protocol import advance as step
+from fusekit.protocol import plan as protocol_plan
 from fusekit.service.errors import Conflict
 
 PROTOCOLS = ("one-pass", "layerwise", "align")
-STATISTICS, DERIVED, CROSS, REFIT = "statistics", "derived", "cross", "refit"
-#: The statistics of the one-pass protocol: each BatchNorm normalised with the batch's
-#: statistics, so that one round calibrates every layer.
-ONE_PASS_MODE = "batch"
 _HEADER_BYTES = 4096  # a statistics file's header beyond its per-point entries
 _POINT_BYTES = 768  # a header entry naming up to six tensors of a point
 
 
 def plan(protocol: str, model: Path, *, input_moments: bool) -> list[dict[str, Any]]:
-    """The steps of ``protocol`` for the fused model at ``model``."""
+    """The rounds of ``protocol`` for the fused model at ``model`` (:func:`fusekit.protocol.plan`:
+    ``one-pass`` and ``layerwise`` calibrate; ``align`` calibrates in one pass, then runs
+    an alignment round and the refit rounds), as the job records them."""
     checkpoint = load_checkpoint(model)
     spec = fused_spec(checkpoint)
-    transformer = isinstance(spec, TransformerSpec)
-    if protocol == "one-pass":
-        return [{"kind": STATISTICS, "layers": None,
-                 "mode": "eval" if transformer else ONE_PASS_MODE}]
-    if transformer:
+    if protocol != "one-pass" and isinstance(spec, TransformerSpec):
         raise ParameterError(f"protocol {protocol!r}: a transformer job calibrates in one "
                              "pass (protocol one-pass)")
-    if protocol == "align":
-        return [{"kind": STATISTICS, "layers": None, "mode": ONE_PASS_MODE}, {"kind": CROSS},
-                *({"kind": REFIT, "layer": layer.name} for layer in spec.layers)]
-    layers = [layer.name for layer in spec.layers[:-1]
-              if layer.norm is not None or needs_targets(checkpoint, spec)]
-    if not layers:
-        raise ParameterError(f"protocol 'layerwise': the fused model has no hidden layer to "
+    rounds = protocol_plan(spec, calibration="layerwise" if protocol == "layerwise"
+                           else "one-pass", repair=needs_targets(checkpoint, spec),
+                           derive_first=input_moments,
+                           alignment_rounds=1 if protocol == "align" else 0)
+    if not rounds or not rounds[0].calibrates:
+        raise ParameterError(f"protocol {protocol!r}: the fused model has no hidden layer to "
                              f"calibrate ({len(spec.layers)} layer(s))")
-    first = spec.layers[0].name
-    return [{"kind": DERIVED if input_moments and name == first else STATISTICS,
-             "layers": [name], "mode": "eval"} for name in layers]
+    return [r.as_dict() for r in rounds]
 
 
 def needs_targets(checkpoint, spec) -> bool:
@@ -148,10 +149,6 @@ def what_it_asks(round_: dict[str, Any]) -> str:
     return f"{where}: statistics of the round's model ({round_['mode']} mode, {layers})"
 
 
-def asks_statistics(round_: dict[str, Any]) -> bool:
-    return round_["kind"] != DERIVED
-
-
 # -- checking an upload (in a checker process) -----------------------------------------------
 
 def check_upload(part: Path, label: str, round_: dict[str, Any], own: Path | None,
@@ -224,44 +221,18 @@ def stale(label: str, index: int, round_: dict[str, Any]) -> str:
 
 # -- what the worker computes (in a process of its own) -----------------------------------
 
-def advance(round_: dict[str, Any], model: str, statistics: list[str], targets: list[str],
-            clients: list[str], min_samples: int, output: str) -> str:
-    """The next model from one round's files: calibrated (statistics, derived), re-matched
-    and re-fused (cross), one layer refit (refit); written to ``output``. Returns the
-    report of the step (JSON)."""
-    kind = round_["kind"]
-    if kind in (STATISTICS, DERIVED):
-        result = fusekit.calibrate(model, statistics, targets=targets,
-                                   layers=round_.get("layers"), min_samples=min_samples,
-                                   paired=_paired(model, statistics, targets)
-                                   if kind == STATISTICS else bool(targets))
-        key = "calibration"
-    elif kind == CROSS:
-        result = fusekit.align(model, clients, statistics, min_samples=min_samples)
-        key = "alignment"
-    else:
-        result = fusekit.refit(model, clients, statistics, min_samples=min_samples)
-        key = "refit"
-    result.save(output, force=True)
-    return json.dumps({key: result.report[key]}, default=jsonable)
-
-
-def _paired(model: str, statistics: list[str], targets: list[str]) -> bool:
-    """Whether REPAIR reads each fused neuron on the data of the clients matched into it
-    (``fusekit.calibrate``'s ``paired``, ALGORITHMS §12): where the clients that sent
-    statistics of a network's fused model are those that sent targets (the worker names
-    the files ``<client>.stats.safetensors``, ``<client>.targets.safetensors``, both in
-    the job's order of clients), each pair over the same number of inputs (its own data);
-    otherwise the statistics are pooled over every client's data. A derived first layer
-    is always paired: each client's statistics come from its own targets."""
-    senders = [Path(s).name.removesuffix(".stats.safetensors") for s in statistics]
-    if not statistics or senders != [Path(t).name.removesuffix(".targets.safetensors")
-                                     for t in targets] or isinstance(
-            fused_spec(load_checkpoint(model)), TransformerSpec):
-        return False
-    return all(load_statistics(s, min_samples=1).num_samples
-               == load_statistics(t, min_samples=1).num_samples
-               for s, t in zip(statistics, targets, strict=True))
+def advance(round_: dict[str, Any], model: str, statistics: dict[str, str],
+            targets: dict[str, str], clients: dict[str, str], min_samples: int,
+            output: str) -> str:
+    """One round's step (:func:`fusekit.protocol.advance`) from its files, by client:
+    the statistics received, the targets, the participants' checkpoints. Writes the next
+    model to ``output``; returns the step's report and who takes part next (JSON)."""
+    state = step(start(model, [Round.from_dict(round_)], clients, targets=targets,
+                       min_samples=min_samples), statistics)
+    state.result.save(output, force=True)
+    key = REPORTS[round_["kind"]]
+    return json.dumps({key: state.result.report[key], "participants": state.participants},
+                      default=jsonable)
 
 
 def jsonable(value: Any) -> Any:

@@ -38,8 +38,9 @@ from typing import Any
 from fusekit.core.checkpoint import owner_only_umask, write_atomic
 from fusekit.service.auth import matches, new_token, token_hash
 from fusekit.service.errors import Busy, Conflict, Forbidden, NotFound, ServiceError
-from fusekit.service.rounds import DERIVED, REFIT, asks_statistics, what_it_asks
-from fusekit.service.rounds import STATISTICS as STATISTICS_ROUND
+from fusekit.protocol import DERIVED, Round
+from fusekit.protocol import STATISTICS as STATISTICS_ROUND
+from fusekit.service.rounds import what_it_asks
 from fusekit.service.states import FINISHED, STATES, job_in_state
 
 ROUNDS = "rounds"  # the models of calibration rounds after the first
@@ -265,20 +266,17 @@ class JobStore:
 
     def finish_calibration(self, job_id: str) -> dict[str, Any]:
         """calibrating -> queued: the current round finishes with the statistics received
-        so far (at least one; a refit round needs every participant's)."""
+        so far (at least one: :mod:`fusekit.protocol`'s rule for a client that did not
+        answer)."""
         with self.locked(job_id) as job:
             if job["state"] != "calibrating":
                 raise Conflict(f"{job_in_state(job_id, job['state'])}; only a calibrating job can "
                                "be calibrated")
             round_ = job["round"]
-            missing = _missing(job, STATISTICS)
-            if asks_statistics(round_) and not job["statistics"]:
+            if Round.from_dict(round_).asks and not job["statistics"]:
                 raise Conflict(f"job {job_id}: is in {what_it_asks(round_)}; no statistics "
                                f"yet from any of its {len(round_['participants'])} clients; "
                                "calibration needs at least one")
-            if round_["kind"] == REFIT and missing:
-                raise Conflict(f"job {job_id}: {what_it_asks(round_)}, and a refit needs "
-                               f"every client's; missing {', '.join(missing)}")
             if _uses_targets(job) and not job.get("targets"):
                 raise Conflict(f"job {job_id}: no targets yet from any of its clients; "
                                f"{NEEDS_TARGETS}: it needs at least one client's")
@@ -404,7 +402,7 @@ def check_accepting(job: dict[str, Any], kind: SlotKind, client: str | None = No
                        "until it starts")
     if kind is STATISTICS:
         round_ = job["round"]
-        if not asks_statistics(round_):
+        if not Round.from_dict(round_).asks:
             raise Conflict(f"job {job['id']}: is in {what_it_asks(round_)}")
         if client is not None and client not in round_["participants"]:
             raise Conflict(f"client {client!r}: takes no part in the job's rounds since its "
@@ -500,7 +498,8 @@ def waiting_for(job: dict[str, Any]) -> dict[str, list[str]] | None:
     statistics are missing, and whose targets, when its fused model needs them."""
     if job["state"] != "calibrating":
         return None
-    missing = {"statistics": _missing(job, STATISTICS) if asks_statistics(job["round"]) else []}
+    asks = Round.from_dict(job["round"]).asks
+    missing = {"statistics": _missing(job, STATISTICS) if asks else []}
     if _uses_targets(job):
         missing["targets"] = _missing(job, TARGETS)
     return missing

@@ -42,6 +42,7 @@ from fusekit.core.errors import FusekitError, ParameterError
 from fusekit.core.spec import PermutationSpec
 from fusekit.core.transformer import TransformerSpec, config_with_widths, infer_transformer
 from fusekit.methods.alignment import layer_inputs
+from fusekit.protocol import CROSS, DERIVED, ONE_PASS_MODE, REFIT
 from fusekit.service import rounds
 from fusekit.service.errors import bounded
 from fusekit.service.settings import GiB, Settings
@@ -149,7 +150,7 @@ def _failed(store: JobStore, job: dict[str, Any], error: str) -> dict[str, Any]:
 def _fuse(store: JobStore, job: dict[str, Any], attempt: int, run: Path, memory: int
           ) -> dict[str, Any]:
     folder = store.root / job["id"]
-    paths = _link_inputs(store, job, run, CHECKPOINT, "safetensors")
+    paths = list(_link_inputs(store, job, run, CHECKPOINT, "safetensors").values())
     _check_memory(job, paths, memory)
     store.update(job["id"], attempt, progress="fusing")
     report = _apart(store, job, attempt, _fusion, [str(p) for p in paths], job["method"],
@@ -238,7 +239,7 @@ def _describe(path: Path, config: dict[str, Any] | None) -> dict[str, Any]:
             **rounds.file_record(path), "needs_targets": rounds.needs_targets(checkpoint, spec),
             "fused_at": time.time(), "config": config is not None,
             # A transformer has no BatchNorm to normalise with the batch: eval is its one mode.
-            "mode": "eval" if transformer else rounds.ONE_PASS_MODE}
+            "mode": "eval" if transformer else ONE_PASS_MODE}
 
 
 def _round(store: JobStore, job: dict[str, Any], attempt: int, run: Path) -> dict[str, Any]:
@@ -252,28 +253,27 @@ def _round(store: JobStore, job: dict[str, Any], attempt: int, run: Path) -> dic
     paths = _link_inputs(store, job, run, STATISTICS, "stats.safetensors")
     targets = _link_inputs(store, job, run, TARGETS, "targets.safetensors")
     received = [c for c in round_["participants"] if c in job["statistics"]]
-    clients = _link_inputs(store, job, run, CHECKPOINT, "safetensors",
-                           received if kind == rounds.CROSS else round_["participants"])
+    clients = _link_inputs(store, job, run, CHECKPOINT, "safetensors", round_["participants"])
     store.update(job["id"], attempt, progress=_working_on(round_, received))
-    step = _apart(store, job, attempt, _calibration, round_, str(model), [str(p) for p in paths],
-                  [str(p) for p in targets], [str(p) for p in clients],
-                  job["min_stats_samples"], str(run / RESULT))
+    step = _apart(store, job, attempt, _calibration, round_, str(model), _as_text(paths),
+                  _as_text(targets), _as_text(clients), job["min_stats_samples"],
+                  str(run / RESULT))
     if step is None or not store.update(job["id"], attempt, progress="writing the result"):
         return {"state": "cancelled"}
+    report = json.loads(step)
+    participants = report.pop("participants")
     done = {"round": index, "kind": kind, "model": round_["model"],
             **{k: round_[k] for k in ("layers", "layer", "mode") if k in round_},
             "statistics_from": received,
-            "missing": [c for c in round_["participants"] if c not in received],
-            **json.loads(step)}
+            "missing": [c for c in round_["participants"] if c not in received], **report}
     history = [*job.get("rounds_done", []), done]
     if index < total:
         following = f"{ROUNDS}/round-{index + 1}.safetensors"
         (folder / ROUNDS).mkdir(exist_ok=True)
         os.replace(run / RESULT, folder / following)
         upcoming = rounds.describe(job["plan"][index], index + 1, total, folder / following,
-                                   following, clients, job["spec"],
-                                   received if kind == rounds.CROSS
-                                   else round_["participants"])
+                                   following, [clients[c] for c in participants], job["spec"],
+                                   participants)
         return {"state": "calibrating", "round": upcoming, "statistics": {},
                 "rounds_done": history, "error": None}
     report = json.loads((folder / REPORT).read_text())
@@ -287,11 +287,11 @@ def _working_on(round_: dict[str, Any], received: list[str]) -> str:
     """The job's progress while the worker computes a round's step."""
     files = f"of {len(received)} of {len(round_['participants'])} clients"
     kind = round_["kind"]
-    if kind == rounds.DERIVED:
+    if kind == DERIVED:
         what = f"calibrating layer {round_['layers'][0]!r} from the targets' input moments"
-    elif kind == rounds.CROSS:
+    elif kind == CROSS:
         what = f"aligning with the cross statistics {files}"
-    elif kind == rounds.REFIT:
+    elif kind == REFIT:
         what = f"refitting layer {round_['layer']!r} with the refit statistics {files}"
     else:
         what = f"calibrating with the statistics {files}"
@@ -387,8 +387,9 @@ def _fusion(paths: list[str], method: str, spec: Any, params: dict[str, Any],
     return json.dumps(fusion_summary(result, RESULT, seconds), default=rounds.jsonable)
 
 
-def _calibration(round_: dict[str, Any], model: str, statistics: list[str],
-                 targets: list[str], clients: list[str], min_samples: int, output: str) -> str:
+def _calibration(round_: dict[str, Any], model: str, statistics: dict[str, str],
+                 targets: dict[str, str], clients: dict[str, str], min_samples: int,
+                 output: str) -> str:
     """A round's step (:func:`fusekit.service.rounds.advance`), writing ``output``."""
     return rounds.advance(round_, model, statistics, targets, clients, min_samples, output)
 
@@ -401,18 +402,22 @@ def _step_text(what: str, done: int, total: int) -> str:
 
 
 def _link_inputs(store: JobStore, job: dict[str, Any], run: Path, kind: SlotKind,
-                 suffix: str, clients: list[str] | None = None) -> list[Path]:
+                 suffix: str, clients: list[str] | None = None) -> dict[str, Path]:
     """The accepted files of ``kind`` of the job's ``clients`` (default all) in ``run``,
-    named ``<client>.<suffix>`` (as messages name them), in the job's order of clients."""
-    paths = []
+    named ``<client>.<suffix>`` (as messages name them), by client in the job's order."""
+    paths = {}
     for client in job["clients"]:
         if client not in job.get(kind.record, {}) or client not in (clients or job["clients"]):
             continue
         path = run / f"{client}.{suffix}"
         if not path.exists():  # linked already for an earlier use in this step
             os.link(store.file(job, client, kind), path)
-        paths.append(path)
+        paths[client] = path
     return paths
+
+
+def _as_text(paths: dict[str, Path]) -> dict[str, str]:
+    return {client: str(path) for client, path in paths.items()}
 
 
 def _heartbeat(store: JobStore, job_id: str, every: float, stop: threading.Event) -> None:

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from fusekit import api
+from fusekit import api, protocol
 from fusekit.core import metadata as meta
 from fusekit.core.checkpoint import Checkpoint, load_checkpoint
 from fusekit.core.cross_stats import (
@@ -32,9 +32,9 @@ from fusekit.core.stats import DEFAULT_MIN_SAMPLES, preactivation_point
 from fusekit.methods.base import FusionResult
 from fusekit.toolkit.calibration import (
     DEFAULT_BATCH_SIZE,
-    calibrate_locally,
     channel_samples,
     checked_inputs,
+    client_statistics,
 )
 from fusekit.toolkit.nn.fused import load_fused, preactivation_modules
 
@@ -168,13 +168,17 @@ def align_locally(
     device: str = "cpu",
 ) -> FusionResult:
     """Calibrate, run ``alignment_rounds`` alignment rounds, then refit every layer (or
-    calibrate), with every client's data at hand (simulations, demos, benchmarks).
+    calibrate), with every client's data at hand (simulations, demos, benchmarks): the
+    rounds of :func:`fusekit.protocol.plan`, each client's reply computed here
+    (:func:`run_locally`), each step :func:`fusekit.protocol.advance`, as the service and
+    the Flower strategy run them over the network.
 
-    Each alignment round: every client computes :func:`cross_statistics` of the current
-    (calibrated) fused model and its own model on its own inputs; :func:`fusekit.align`
-    re-matches and re-fuses. Between rounds the result is calibrated
-    (:func:`calibrate_locally`); after the last it is refit layer by layer
-    (:func:`refit_locally`), or calibrated without ``refit``.
+    Calibration takes REPAIR's targets from the clients' own models (paired, as
+    :func:`fusekit.toolkit.calibration.calibrate_locally`); each alignment round, every client computes
+    :func:`cross_statistics` of the current (calibrated) fused model and its own model on
+    its own inputs and :func:`fusekit.align` re-matches and re-fuses; between rounds the
+    result is calibrated; after the last it is refit layer by layer (each client's
+    :func:`refit_statistics`, :func:`fusekit.refit`), or calibrated without ``refit``.
 
     Args:
         fused: the one-shot fused model.
@@ -196,28 +200,17 @@ def align_locally(
             1 <= alignment_rounds <= 100):
         raise ParameterError(f"alignment_rounds: expected an integer in [1, 100], found "
                              f"{alignment_rounds!r}")
-
-    def calibrated(model: Checkpoint) -> Checkpoint:
-        result = calibrate_locally(model, client_inputs, clients=clients, rounds=rounds,
-                                   min_samples=min_samples, batch_size=batch_size,
-                                   device=device)
-        return _checkpoint(result, f"{model.label} (calibrated)")
-
-    current = calibrated(fused if isinstance(fused, Checkpoint) else load_checkpoint(fused))
-    history = []
-    for _ in range(alignment_rounds):
-        cross = [cross_statistics(current, own, x, batch_size=batch_size, device=device,
-                                  min_samples=min_samples)
-                 for own, x in zip(clients, client_inputs, strict=True)]
-        aligned = api.align(current, clients, cross, min_samples=min_samples)
-        history.append(aligned.report["alignment"])
-        current = _checkpoint(aligned, "aligned")
-        if len(history) < alignment_rounds or not refit:
-            current = calibrated(current)
-    if refit:
-        current = _checkpoint(refit_locally(current, clients, client_inputs, ridge=ridge,
-                                            min_samples=min_samples, batch_size=batch_size,
-                                            device=device), "refit")
+    fused = fused if isinstance(fused, Checkpoint) else load_checkpoint(fused)
+    options = {"batch_size": batch_size, "device": device, "min_samples": min_samples}
+    targets = {k: client_statistics(c, x, **options)
+               for k, (c, x) in enumerate(zip(clients, client_inputs, strict=True))}
+    plan = protocol.plan(api.fused_spec(fused), calibration=rounds, repair=True,
+                         alignment_rounds=alignment_rounds, refit=refit)
+    state = run_locally(protocol.start(fused, plan, dict(enumerate(clients)), targets=targets,
+                                       min_samples=min_samples, ridge=ridge),
+                        client_inputs, batch_size=batch_size, device=device)
+    history = [done["alignment"] for done in state.history if done["kind"] == protocol.CROSS]
+    current = state.model
     result = FusionResult(state_dict=current.state_dict(),
                           method=current.metadata.get(meta.METHOD, "unknown"), params={},
                           widths=api.fused_spec(current).hidden_widths,
@@ -228,8 +221,25 @@ def align_locally(
     return result
 
 
-def _checkpoint(result: FusionResult, source: str) -> Checkpoint:
-    return Checkpoint.from_state_dict(result.state_dict, result.metadata, source=source)
+def run_locally(state: protocol.State, client_inputs: Sequence[np.ndarray], *,
+                batch_size: int = DEFAULT_BATCH_SIZE, device: str = "cpu") -> protocol.State:
+    """Every round of ``state``, each taking part client's reply computed on its inputs
+    (``client_inputs[key]``: the clients are keyed by their index)."""
+    options = {"batch_size": batch_size, "device": device, "min_samples": state.min_samples}
+    while not state.done:
+        round_, model = state.round, state.model
+
+        def reply(key: int, round_=round_, model=model):
+            if round_.calibrates:
+                return client_statistics(model, client_inputs[key], mode=round_.mode, **options)
+            own = state.clients[key]
+            if round_.kind == protocol.CROSS:
+                return cross_statistics(model, own, client_inputs[key], **options)
+            return refit_statistics(model, own, client_inputs[key], round_.layer, **options)
+
+        state = protocol.advance(state, {key: reply(key) for key in state.participants}
+                                 if round_.asks else {})
+    return state
 
 
 def refit_statistics(
@@ -293,12 +303,8 @@ def refit_locally(aligned: Checkpoint, clients: Sequence[Checkpoint],
                   device: str = "cpu") -> FusionResult:
     """Refit rounds with every client's data at hand: every layer of ``aligned``, input to
     output, one round each (each round's statistics see the layers below already refit)."""
-    current, result = aligned, None
-    for layer in api.fused_spec(aligned).layers:
-        stats = [refit_statistics(current, own, x, layer.name, batch_size=batch_size,
-                                  device=device, min_samples=min_samples)
-                 for own, x in zip(clients, client_inputs, strict=True)]
-        result = api.refit(current, clients, stats, ridge=ridge, min_samples=min_samples)
-        current = Checkpoint.from_state_dict(result.state_dict, result.metadata,
-                                             source=f"{aligned.label} (refitting)")
-    return result
+    plan = [protocol.Round(protocol.REFIT, layer=layer.name)
+            for layer in api.fused_spec(aligned).layers]
+    state = protocol.start(aligned, plan, dict(enumerate(clients)), min_samples=min_samples,
+                           ridge=ridge)
+    return run_locally(state, client_inputs, batch_size=batch_size, device=device).result

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fusekit import api
+from fusekit.protocol import calibration_layers
 from fusekit.core import metadata as meta
 from fusekit.core.checkpoint import Checkpoint, load_checkpoint
 from fusekit.core.errors import DataError, ParameterError
@@ -279,12 +280,6 @@ def _batch_mode(network: nn.Module, checkpoint: Checkpoint, spec) -> None:
             with torch.no_grad():
                 norm.weight.copy_(torch.from_numpy(std))
                 norm.bias.copy_(torch.from_numpy(mean))
-
-
-def calibration_layers(spec, *, repair: bool) -> list[str]:
-    """The layers calibration changes, input to output: those with a BatchNorm, and with
-    REPAIR's targets every other hidden layer too."""
-    return [layer.name for layer in spec.layers[:-1] if layer.norm is not None or repair]
 
 
 def calibrate_locally(
