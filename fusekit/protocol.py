@@ -37,6 +37,7 @@ from fusekit.core.errors import ParameterError, StatisticsError
 from fusekit.core.stats import DEFAULT_MIN_SAMPLES, Statistics, load_statistics
 from fusekit.core.transformer import TransformerSpec
 from fusekit.methods.base import FusionResult
+from fusekit.methods.calibration import calibration_layers
 
 STATISTICS, DERIVED, CROSS, REFIT = "statistics", "derived", "cross", "refit"
 #: How calibration asks for statistics: one round with every BatchNorm normalised by the
@@ -88,12 +89,6 @@ class Round:
         layers = record.get("layers")
         return cls(record["kind"], None if layers is None else tuple(layers),
                    record.get("mode"), record.get("layer"))
-
-
-def calibration_layers(spec, *, repair: bool) -> list[str]:
-    """The layers calibration changes, input to output: those with a BatchNorm, and with
-    REPAIR's targets every other hidden layer too."""
-    return [layer.name for layer in spec.layers[:-1] if layer.norm is not None or repair]
 
 
 def calibration_rounds(spec, calibration: str = "one-pass", *, repair: bool = False,

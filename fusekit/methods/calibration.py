@@ -296,6 +296,12 @@ def derived_moments(weight: np.ndarray, bias: np.ndarray | None,
     return Moments(np.full(matrix.shape[0], float(inputs.count)), mean, np.maximum(var, 0.0))
 
 
+def calibration_layers(spec, *, repair: bool) -> list[str]:
+    """The layers calibration changes, input to output: those with a BatchNorm, and with
+    REPAIR's targets every other hidden layer too."""
+    return [layer.name for layer in spec.layers[:-1] if layer.norm is not None or repair]
+
+
 def changed_layers(spec, layers: Sequence[str] | None, *, repair: bool,
                    label: str) -> list[str]:
     """The hidden layers calibration changes, input to output: those with a BatchNorm, and
@@ -310,7 +316,7 @@ def changed_layers(spec, layers: Sequence[str] | None, *, repair: bool,
     if layers is not None and not layers:
         return []
     hidden = list(spec.layers[:-1])
-    changing = [layer.name for layer in hidden if layer.norm is not None or repair]
+    changing = calibration_layers(spec, repair=repair)
     why = ("it has no BatchNorm, and without targets (the clients' statistics of their own "
            "models: fusekit stats OWN_MODEL, calibrate --targets) REPAIR has nothing to "
            "restore")

@@ -18,7 +18,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from fusekit import api
-from fusekit.protocol import calibration_layers
 from fusekit.core import metadata as meta
 from fusekit.core.checkpoint import Checkpoint, load_checkpoint
 from fusekit.core.errors import DataError, ParameterError
@@ -35,7 +34,7 @@ from fusekit.core.stats import (
     preactivation_point,
 )
 from fusekit.methods.base import FusionResult
-from fusekit.methods.calibration import read_norm_targets
+from fusekit.methods.calibration import calibration_layers, read_norm_targets
 from fusekit.toolkit.nn.fused import load_fused, preactivation_modules
 
 log = logging.getLogger(__name__)
