@@ -210,7 +210,6 @@ def calibrate(
     import fusekit
 
     from fusekit.core.transformer import TransformerSpec
-    from fusekit.methods.calibration import changed_layers
 
     result = fusekit.calibrate(fused, statistics or (), targets=targets or (),
                                layers=layers.split(",") if layers else None,
@@ -218,10 +217,9 @@ def calibrate(
     written = result.save(output, force=force)
     report = {"output": str(written), **result.report["calibration"]}
     if not isinstance(result.spec, TransformerSpec):
-        order = changed_layers(result.spec, None, repair=bool(targets), label=str(fused))
-        done = order if report["layers"] == "all" else report["layers"]
-        report["next"] = next_round.after_calibration(output, done, order, statistics or [],
-                                                      targets or [], paired)
+        report["next"] = next_round.after_calibration(
+            output, result.spec, None if report["layers"] == "all" else report["layers"],
+            statistics or [], targets or [], paired)
     _report(report, f"wrote {written}: calibrated with {report['clients']} client(s), "
             f"{report['samples']} inputs ({report['mode']} statistics"
             f"{', REPAIR targets' if report['repair'] else ''}"
@@ -266,14 +264,10 @@ def align(
     written = result.save(output, force=force)
     report = {"output": str(written), "clients": len(clients), "widths": result.widths,
               "mean_correlation": result.report["alignment"]["mean_correlation"],
-              "next": next_round.after_alignment(output, clients, _layer_names(result))}
+              "next": next_round.after_alignment(output, result.spec, clients)}
     _report(report, f"wrote {written}: {len(clients)} client(s) re-matched to {reference} "
             f"(mean matched correlation {report['mean_correlation']}), widths "
             f"{result.widths}", as_json)
-
-
-def _layer_names(result) -> list[str]:
-    return [layer.name for layer in result.spec.layers]
 
 
 def refit(
@@ -304,7 +298,6 @@ def refit(
     result.inputs += [path.absolute() for path in [fused, *refit_stats]]
     written = result.save(output, force=force)
     report = {"output": str(written), **result.report["refit"]}
-    report["next"] = next_round.after_refit(output, clients, _layer_names(result),
-                                            report["layers"][-1])
+    report["next"] = next_round.after_refit(output, result.spec, clients, report["layers"][-1])
     _report(report, f"wrote {written}: layer {report['layers'][-1]} refit from "
             f"{len(clients)} client(s); layers refit so far: {len(report['layers'])}", as_json)

@@ -1,14 +1,16 @@
 """What the clients run next: the commands each server-side step of the file-based
 protocol prints (docs/calibration.md), so that the protocol runs by copy-paste.
 
-The order of rounds is the library's (``fusekit.toolkit.alignment.align_locally``):
-calibration (layer by layer, or in one pass), an alignment round against the calibrated
-model, then one refit round per layer, input to output, starting from the aligned model as
-``fusekit align`` wrote it: each refit folds its layer's BatchNorm into the layer, so the
-aligned model is not calibrated in between.
+Which round comes next is the library's plan (:func:`fusekit.protocol.plan`, the one the
+service, Flower and ``align_locally`` step through): calibration (layer by layer, or in
+one pass), an alignment round against the calibrated model, then one refit round per
+layer, input to output, starting from the aligned model as ``fusekit align`` wrote it
+(each refit folds its layer's BatchNorm into the layer). Here each step finds itself in
+that plan and prints the next round as commands.
 
 Commands name files the server knows (the model it wrote, the clients' own models, the
-statistics files it was given) and ``DATA.npz`` for the data only a client holds.
+statistics files it was given), ``DATA.npz`` for the data only a client holds and
+``CLIENTk`` for client k's own model where the server was not given it.
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ import re
 import shlex
 from pathlib import Path
 
+from fusekit.protocol import CROSS, REFIT, STATISTICS, Round, plan
+
 DATA = "DATA.npz"  # what only a client knows: its own data file
+KINDS = {STATISTICS: "calibration", CROSS: "alignment", REFIT: "refit"}
 
 
 def numbered(path: Path, index: int) -> Path:
@@ -31,65 +36,90 @@ def command(*words: object) -> str:
     return "fusekit " + " ".join(shlex.quote(str(word)) for word in words)
 
 
-def after_calibration(output: Path, calibrated: list[str], order: list[str],
-                      statistics: list[Path], targets: list[Path], paired: bool) -> dict:
-    """After ``fusekit calibrate`` wrote ``output`` with the layers ``calibrated`` (of the
-    model's calibration ``order``, input to output): the next layer's round, or, once the
-    last layer is calibrated, the alignment round that may follow."""
-    last = max(order.index(name) for name in calibrated)
-    if last + 1 == len(order):  # the alignment round, its clients' files named by index
-        own = [Path(f"CLIENT{k}.safetensors") for k in range(len(statistics or targets))]
-        cross = [path.with_suffix(".cross.safetensors") for path in own]
-        return {"round": f"{output} is calibrated. Optional, for clients from independent "
-                         "initialisations: an alignment round (docs/calibration.md, "
-                         "\"Alignment rounds\"; CLIENTk: client k's own model)",
-                "clients": [command("stats", output, "--against", model, "--data-path", DATA,
-                                    "-o", reply, "--force")
-                            for model, reply in zip(own, cross, strict=True)],
-                "then": command("align", output, *own,
-                                *(word for reply in cross for word in ("--cross-stats", reply)),
-                                "-o", output.with_name(f"aligned{output.suffix}"))}
-    layer, index = order[last + 1], last + 2
-    repeated = [word for path in targets for word in ("--targets", path)]
-    named = "" if statistics else " (CLIENTk: client k)"
-    statistics = statistics or [Path(f"CLIENT{k}.stats.safetensors") for k in range(len(targets))]
-    return {"round": f"calibration round {index} of {len(order)} calibrates layer {layer!r} "
-                     f"of {output}{named}",
-            "clients": [command("stats", output, "--data-path", DATA, "-o", path, "--force")
-                        for path in statistics],
-            "then": command("calibrate", output, *statistics, *repeated,
-                            *(["--paired"] if paired else []), "--layers", layer, "-o",
-                            numbered(output, index))}
+def after_calibration(output: Path, spec, layers: list[str] | None, statistics: list[Path],
+                      targets: list[Path], paired: bool) -> dict:
+    """After ``fusekit calibrate`` wrote ``output`` with ``layers`` calibrated (None: every
+    layer, one pass): the next layer's round, or the alignment round that may follow."""
+    rounds = plan(spec, calibration="one-pass" if layers is None else "layerwise",
+                  repair=bool(targets), alignment_rounds=1)
+    done = 0 if layers is None else max(
+        i for i, round_ in enumerate(rounds) if round_.calibrates and round_.layers
+        and round_.layers[0] in layers)
+    clients = len(statistics or targets)
+    return _announced(rounds, done + 1, output, [Path(f"CLIENT{k}.safetensors")
+                                                 for k in range(clients)],
+                      statistics=statistics or [Path(f"CLIENT{k}.stats.safetensors")
+                                                for k in range(clients)],
+                      targets=targets, paired=paired)
 
 
-def after_alignment(output: Path, clients: list[Path], layers: list[str]) -> dict:
+def after_alignment(output: Path, spec, clients: list[Path]) -> dict:
     """After ``fusekit align`` wrote ``output``: the first refit round."""
-    return _refit_round(output, clients, layers, 0)
+    rounds = plan(spec, alignment_rounds=1)
+    return _announced(rounds, [r.kind for r in rounds].index(CROSS) + 1, output, clients)
 
 
-def after_refit(output: Path, clients: list[Path], layers: list[str], last: str) -> dict:
-    """After ``fusekit refit`` wrote ``output`` with layer ``last`` refit: the next layer's
-    refit round, or the end of the protocol."""
-    index = layers.index(last) + 1
-    if index == len(layers):
-        return {"round": f"nothing: every layer is refit, {output} is the final model",
+def after_refit(output: Path, spec, clients: list[Path], layer: str) -> dict:
+    """After ``fusekit refit`` wrote ``output`` with ``layer`` refit: the next layer's
+    round, or the end of the protocol."""
+    rounds = plan(spec, alignment_rounds=1)
+    return _announced(rounds, rounds.index(Round(REFIT, layer=layer)) + 1, output, clients)
+
+
+def _announced(rounds: list[Round], index: int, model: Path, clients: list[Path],
+               **calibration) -> dict:
+    """Round ``index`` of ``rounds`` (0-based) as what it asks and the commands that run it
+    on ``model``; past the last round, the end."""
+    if index == len(rounds):
+        return {"round": f"nothing: every round is done, {model} is the final model",
                 "clients": [], "then": None}
-    return _refit_round(output, clients, layers, index)
+    round_ = rounds[index]
+    alike = [r for r in rounds if r.kind == round_.kind]
+    number = alike.index(round_) + 1
+    where = f"{KINDS[round_.kind]} round {number} of {len(alike)}"
+    if round_.kind == CROSS:
+        return _alignment_round(model, clients, where)
+    if round_.kind == REFIT:
+        return _refit_round(model, clients, round_.layer, where, number)
+    return _calibration_round(model, round_.layers[0], where, number, **calibration)
 
 
-def _refit_round(model: Path, clients: list[Path], layers: list[str], index: int) -> dict:
-    layer = layers[index]
-    replies = [own.with_name(f"{own.stem}.refit-{index + 1}{own.suffix}") for own in clients]
+def _calibration_round(model: Path, layer: str, where: str, number: int,
+                       statistics: list[Path], targets: list[Path], paired: bool) -> dict:
+    repeated = [word for path in targets for word in ("--targets", path)]
+    return {"round": f"{where} calibrates layer {layer!r} of {model}",
+            "clients": [command("stats", model, "--data-path", DATA, "-o", path, "--force")
+                        for path in statistics],
+            "then": command("calibrate", model, *statistics, *repeated,
+                            *(["--paired"] if paired else []), "--layers", layer, "-o",
+                            numbered(model, number))}
+
+
+def _alignment_round(model: Path, clients: list[Path], where: str) -> dict:
+    cross = [own.with_name(f"{own.stem}.cross{own.suffix}") for own in clients]
+    return {"round": f"{model} is calibrated; {where}, for clients from independent "
+                     "initialisations, re-matches them to it (docs/calibration.md, "
+                     "\"Alignment rounds\")",
+            "clients": [command("stats", model, "--against", own, "--data-path", DATA,
+                                "-o", reply, "--force")
+                        for own, reply in zip(clients, cross, strict=True)],
+            "then": command("align", model, *clients,
+                            *(word for reply in cross for word in ("--cross-stats", reply)),
+                            "-o", model.with_name(f"aligned{model.suffix}"))}
+
+
+def _refit_round(model: Path, clients: list[Path], layer: str, where: str,
+                 number: int) -> dict:
+    replies = [own.with_name(f"{own.stem}.refit-{number}{own.suffix}") for own in clients]
     start = ("the aligned model as written, not calibrated: each refit folds its layer's "
-             "BatchNorm" if index == 0 else "the model the last refit wrote")
-    return {"round": f"refit round {index + 1} of {len(layers)} refits layer {layer!r} of "
-                     f"{model} (it starts from {start})",
+             "BatchNorm" if number == 1 else "the model the last refit wrote")
+    return {"round": f"{where} refits layer {layer!r} of {model} (it starts from {start})",
             "clients": [command("stats", model, "--against", own, "--layer", layer,
                                 "--data-path", DATA, "-o", reply)
                         for own, reply in zip(clients, replies, strict=True)],
             "then": command("refit", model, *clients,
                             *(word for reply in replies for word in ("--refit-stats", reply)),
-                            "-o", model.with_name(f"refit-{index + 1}{model.suffix}"))}
+                            "-o", model.with_name(f"refit-{number}{model.suffix}"))}
 
 
 def lines(step: dict) -> list[str]:

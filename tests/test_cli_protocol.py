@@ -88,7 +88,7 @@ def _cli_layerwise_protocol(tmp_path: Path, own: list[Path], data: list[Path], m
     while step["next"]["then"] is not None:
         seen.append(step["next"]["round"].split(" of ")[0])
         step = _follow(step["next"], data, own)
-    assert step["next"]["round"].startswith("nothing: every layer is refit")
+    assert step["next"]["round"].startswith("nothing: every round is done")
     return Path(step["output"]), seen
 
 
@@ -96,9 +96,8 @@ def test_following_the_printed_commands_reproduces_align_locally(tmp_path):
     own, data = _clients(tmp_path, batchnorm=True)
     final, seen = _cli_layerwise_protocol(tmp_path, own, data, "ot")
     assert seen == ["calibration round 2", f"{tmp_path / 'calibrated-2.safetensors'} is "
-                    "calibrated. Optional, for clients from independent initialisations: an "
-                    "alignment round (docs/calibration.md, \"Alignment rounds\"; CLIENTk: "
-                    "client k's own model)", "refit round 1", "refit round 2", "refit round 3"]
+                    "calibrated; alignment round 1", "refit round 1", "refit round 2",
+                    "refit round 3"]
     assert final == tmp_path / "refit-3.safetensors"
     inputs = [load_dataset(path=path).x_train for path in data]
     fused = tmp_path / "fused.safetensors"
