@@ -220,8 +220,7 @@ class Checkpoint:
         dtype = self.tensors[name].dtype
         return np.dtype(np.float32 if dtype in WIDENED_DTYPES else STORAGE_DTYPES[dtype])
 
-    def pieces(self, name: str, step: int, buffer: np.ndarray | None = None
-               ) -> Iterator[np.ndarray]:
+    def pieces(self, name: str, step: int, buffer: np.ndarray) -> Iterator[np.ndarray]:
         """Tensor ``name``'s flat values, ``step`` at a time, **unchecked**, for passes that
         read each tensor once and check what they compute from it (a non-finite value
         makes a weighted sum non-finite; :meth:`tensor` then names the culprit).
