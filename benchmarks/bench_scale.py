@@ -8,7 +8,9 @@ Cases (``--cases``):
 - ``bert``: 4 BERT-base classifiers (``BertForSequenceClassification(BertConfig())``, two
   labels), each from its own random initialisation, saved as Hugging Face model folders;
 - ``mlp``: S random 784-100-10 MLPs (independent initialisations) at S = 10, 100, 1000
-  (``--scale-clients``), the default pfnm only: time and memory against S.
+  (``--scale-clients``), the default pfnm only: time and memory against S;
+- ``pool``: the same at S clients drawn from one pool of true neurons (the truth
+  benchmark's generative clients, where most neurons match).
 
 Nothing is downloaded. The inputs are written once into ``--cache`` and reused by later
 runs. The floor of each case is measured in the same run: reading every input file once
@@ -21,7 +23,7 @@ imports included). A fusion still running after ``--timeout`` seconds is stopped
 reported as such.
 
     python benchmarks/bench_scale.py --cases resnet50,bert --methods avg,ot,rebasin,pfnm,nafi
-    python benchmarks/bench_scale.py --cases mlp --scale-clients 10,100,1000
+    python benchmarks/bench_scale.py --cases mlp,pool --scale-clients 10,100,1000
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ READ_CHUNK = 64 << 20
 
 def markers(cases: str) -> tuple[str, str]:
     """RESULTS.md's markers of a run's table: the S-scaling rows have their own."""
-    tag = "bench_scale_mlp" if cases == "mlp" else "bench_scale"
+    tag = "bench_scale_mlp" if set(cases.split(",")) <= {"mlp", "pool"} else "bench_scale"
     return f"<!-- {tag}:begin -->", f"<!-- {tag}:end -->"
 
 
@@ -94,6 +96,21 @@ def mlp_inputs(cache: Path, n_clients: int) -> list[Path]:
                      "net.2.bias": np.zeros(10)}
             save_checkpoint(path, {k: v.astype(np.float32) for k, v in state.items()},
                             {"fusekit.num_samples": str(100 + s)}, force=True)
+    return paths
+
+
+def pool_inputs(cache: Path, n_clients: int) -> list[Path]:
+    """``n_clients`` 784-100-10 MLP files whose hidden neurons are noisy draws from a pool
+    of 150 true neurons (the truth benchmark's clients: PFNM's generative setting)."""
+    from bench_truth import pool_clients
+
+    folder = cache / f"pool-{n_clients}"
+    paths = [folder / f"pool-{s}.safetensors" for s in range(n_clients)]
+    if not all(p.exists() for p in paths):
+        folder.mkdir(parents=True, exist_ok=True)
+        for path, client in zip(paths, pool_clients(n_clients, 0)[0], strict=True):
+            save_checkpoint(path, {k: client.tensor(k).astype(np.float32) for k in client},
+                            client.metadata, force=True)
     return paths
 
 
@@ -198,9 +215,10 @@ def main(argv: list[str] | None = None) -> None:
     scratch.mkdir(parents=True, exist_ok=True)
     rows = []
     for case in args.cases.split(","):
-        if case == "mlp":
+        if case in ("mlp", "pool"):
+            make = mlp_inputs if case == "mlp" else pool_inputs
             for n in map(int, args.scale_clients.split(",")):
-                rows += measure_case(case, mlp_inputs(args.cache, n), ["pfnm"], scratch,
+                rows += measure_case(case, make(args.cache, n), ["pfnm"], scratch,
                                      args.timeout)
             continue
         inputs = {"resnet50": resnet_inputs, "bert": bert_inputs}[case](args.cache)

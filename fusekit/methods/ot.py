@@ -307,11 +307,8 @@ def align_groups(anchor: Sequence[neurons.UnitLayer], layers: Sequence[neurons.U
     for group in order:
         ready = [i for i, g in enumerate(spec.writes)
                  if g == group and (spec.reads[i] is None or spec.reads[i] in done)]
-        mine = np.hstack([b for _, b in neurons.group_parts(layers, spec, group, writers=ready,
-                                                             readers=False)])
-        theirs = np.hstack([b for _, b in neurons.group_parts(anchor, spec, group,
-                                                              writers=ready, readers=False)])
-        cost = sqeuclidean_cost(mine, theirs)
+        cost = sqeuclidean_cost(neurons.writer_rows(layers, spec, group, ready),
+                                neurons.writer_rows(anchor, spec, group, ready))
         plan, kind = transport_plan(cost)
         kinds.add(kind)
         costs.append(float((plan * cost).sum()))
