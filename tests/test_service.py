@@ -320,6 +320,10 @@ def test_a_long_job_error_is_bounded_and_whole_in_the_report(service, admin, mod
     ({"method": "ot", "clients": ["a", "b"], "params": {"anchor": "z" * 50_000}}, 422,
      ["anchor: expected the checkpoint of one of the job's clients (a.safetensors, "
       "b.safetensors) or a content-hash prefix of 8 to 64 hex digits, found 'zzz"]),
+    ({"method": "pfnm", "clients": ["a", "b"], "params": {"width": [5] * 50},
+      "spec": {"format": "fusekit.spec/1", "layers": [{"weight": "0.weight"},
+                                                      {"weight": "2.weight"}]}}, 422,
+     ["width: expected one value, or one per hidden layer (1 in the spec given), found 50"]),
     ({"method": "rebasin", "clients": ["a", "b"], "params": {"anchor": "a"}}, 422,
      ["anchor: expected the checkpoint", "found 'a'"]),
     ({"method": "pfnm", "clients": ["a", "b"], "params": {"width_ratio": 1e6}}, 422,

@@ -27,7 +27,7 @@ from fusekit._version import __version__
 from fusekit.api import validate_params
 from fusekit.core.errors import FusekitError, ParameterError, SpecError, UnknownMethodError
 from fusekit.core.metadata import load_json
-from fusekit.core.spec import check_spec_format
+from fusekit.core.spec import SPEC_FORMAT, check_spec_format
 from fusekit.core.transformer import TRANSFORMER_FORMAT, check_config_matches_spec
 from fusekit.methods import get_method
 from fusekit.methods.params import TEXT_KINDS
@@ -157,7 +157,7 @@ def create_app(settings: Settings) -> FastAPI:
     async def create_job(request: Request, authorization: Auth = None) -> dict[str, Any]:
         admin_only(authorization)  # before reading a byte of the body
         body = await _job_request(request)
-        _check_params(body.method, body.params, body.clients)
+        _check_params(body.method, body.params, body.clients, body.spec)
         if body.calibrate and not get_method(body.method).makes_one_network:
             raise ParameterError(f"calibrate: method {body.method!r} keeps every client's model "
                                  "(its result is not a single network to calibrate); expected a "
@@ -419,10 +419,14 @@ async def _job_request(request: Request) -> JobRequest:
         raise RequestValidationError(exc.errors()) from None
 
 
-def _check_params(method: str, params: dict[str, Any], clients: list[str]) -> None:
+def _check_params(method: str, params: dict[str, Any], clients: list[str],
+                  model_spec: dict[str, Any] | None) -> None:
     """As ``fusekit.fuse`` checks them, and only parameters a request can spell as values;
-    a per-client list with one value per client the job declares."""
+    a per-client list with one value per client the job declares, a per-layer list with
+    one value per hidden layer of the sequential spec (``model_spec``) it gives."""
     _, declared = validate_params(method, params)
+    layers = model_spec.get("layers") if isinstance(model_spec, dict) and model_spec.get(
+        "format") == SPEC_FORMAT else None
     for spec in declared:
         value = params.get(spec.name)
         if spec.name in params and spec.kind not in REQUEST_KINDS:
@@ -432,6 +436,11 @@ def _check_params(method: str, params: dict[str, Any], clients: list[str]) -> No
         if spec.per_client and isinstance(value, list) and len(value) != len(clients):
             raise ParameterError(f"{spec.name}: expected one value, or one per client "
                                  f"({len(clients)}), found {len(value)} values")
+        if (spec.kind == "ints" and isinstance(value, list) and isinstance(layers, list)
+                and len(value) != len(layers) - 1):
+            raise ParameterError(f"{spec.name}: expected one value, or one per hidden layer "
+                                 f"({len(layers) - 1} in the spec given), found {len(value)} "
+                                 "values")
     _check_anchor(params.get("anchor"), clients)
 
 
