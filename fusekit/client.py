@@ -173,8 +173,9 @@ class Client:
         return self._upload(job, client, Path(path), "checkpoint", progress)
 
     def fused(self, job: str, output: str | os.PathLike[str]) -> Path:
-        """Download the fused model of a job that calibrates (before calibration) to
-        ``output`` (a model folder for a job with a transformer's config)."""
+        """Download the job's fused model to ``output`` (a model folder for a job with a
+        transformer's config): a job that calibrates, its model before calibration; any
+        other job, its result once it has succeeded. Its clients' tokens can."""
         return self._download(job, "fused", output)
 
     def model(self, job: str, output: str | os.PathLike[str]) -> Path:

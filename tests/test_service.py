@@ -894,6 +894,10 @@ def test_cli_coordinator_and_clients_end_to_end(service, models, tmp_path, monke
     out = tmp_path / "fused.safetensors"
     assert cli("job", "result", job["id"], "-o", out).exit_code == 0
     assert stat.S_IMODE(out.stat().st_mode) == 0o600
+    for name in NAMES:  # each client gets the fused model of a job without calibration
+        with Client(service.url, job["tokens"][name]) as client:
+            mine = client.fused(job["id"], tmp_path / f"{name}.safetensors")
+        assert mine.read_bytes() == out.read_bytes()
     local = cli("fuse", *models, "--method", "pfnm", "-o", tmp_path / "local.safetensors")
     assert local.exit_code == 0, local.output
     assert stat.S_IMODE((tmp_path / "local.safetensors").stat().st_mode) == 0o600

@@ -213,13 +213,15 @@ def test_only_a_calibrating_job_takes_statistics(service, admin, bn_models, digi
     one_line_error(put_statistics(service, plain["id"], "a", plain["tokens"]["a"],
                                   stats.read_bytes()), 409, "was not created to calibrate")
     with (Client(service.url, plain["tokens"]["a"]) as client,
-          pytest.raises(ServiceError, match="was not created to calibrate")):
+          pytest.raises(ServiceError, match="is collecting checkpoints; its fused model is "
+                                            "there once it has succeeded")):
         client.fused(plain["id"], tmp_path / "f.safetensors")
     early = admin.create_job("avg", ["a"], calibrate=True)
     one_line_error(put_statistics(service, early["id"], "a", early["tokens"]["a"],
                                   stats.read_bytes()), 409, "is collecting", "calibrating")
     with (Client(service.url, early["tokens"]["a"]) as client,
-          pytest.raises(ServiceError, match="is collecting checkpoints; the fused model is there once")):
+          pytest.raises(ServiceError, match="is collecting checkpoints; the fused model is "
+                                            "there once")):
         client.fused(early["id"], tmp_path / "f.safetensors")
     assert not (tmp_path / "f.safetensors").exists()
 

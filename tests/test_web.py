@@ -3,7 +3,8 @@ Selenium through ``chromedriver``, against a real ``fusekit serve`` on 127.0.0.1
 fixtures of test_service.py). Without the browser, the browser tests are skipped with the
 reason (``-ra`` prints it); the page's routes and JSON are tested over HTTP either way.
 
-``FUSEKIT_SCREENSHOTS=docs/images`` saves a screenshot of each page there (the service page's, docs/service.md).
+``FUSEKIT_SCREENSHOTS=docs/images`` saves a screenshot of each page there (those of
+docs/service.md).
 """
 
 from __future__ import annotations
@@ -214,6 +215,18 @@ def upload(driver, url: str, job: str, client: str, token: str, path: Path) -> s
         "accepted", "refused") and by_id(d, "verdict").text, "the server's verdict")
 
 
+def offered(driver, label: str):
+    """The upload page's download button, once the token typed has shown what it offers."""
+    return wait_for(driver, lambda d: by_id(d, "fetch-fused").is_displayed() and by_id(
+        d, "fetch-fused").text == label and by_id(d, "fetch-fused"), f"the {label!r} button")
+
+
+def on_one_line(driver, element) -> bool:
+    return driver.execute_script("const r = document.createRange(); "
+                                 "r.selectNodeContents(arguments[0]); "
+                                 "return r.getClientRects().length === 1", element)
+
+
 def api_error(response: httpx.Response) -> str:
     return f"{response.json()['error']} (HTTP {response.status_code})"
 
@@ -231,6 +244,19 @@ def test_nothing_is_shown_before_the_admin_token_and_a_wrong_one_is_refused(brow
     assert shown == expected
     assert not select_all(browser, "#jobs")
     assert browser.execute_script("return sessionStorage.length + localStorage.length") == 0
+
+
+def test_chart_ticks_tell_close_values_apart(browser, service):
+    """An objective that moves from 21034 to 21466 over the sweeps: each y tick its own
+    label (every tick read 2.1e+4), in the page's own chart code."""
+    browser.get(service.url + "/")
+    wait_for(browser, lambda d: by_id(d, "admin-token"), "the page")
+    ticks = browser.execute_script(
+        "const chart = fkCharts.lines('Objective per sweep', 'objective', 'sweep', "
+        "[{name: 'layer 0', values: [21034, 21250, 21466]}]); "
+        "return Array.from(chart.querySelectorAll('text.tick'), (t) => t.textContent);")
+    assert len(ticks) >= 3 and len(set(ticks)) == len(ticks), ticks
+    assert ticks[0] == "21000", ticks
 
 
 def test_the_form_has_a_field_for_each_declared_parameter(browser, service):
@@ -309,6 +335,11 @@ def test_coordinator_and_two_clients_in_the_browser(browser, big_service, tmp_pa
         assert [r.get_attribute("data-client") for r in rows] == list(names)
         for row, path in zip(rows, paths, strict=True):
             assert hashlib.sha256(path.read_bytes()).hexdigest() in row.text
+        driver.set_window_size(640, 800)  # a narrow window: the SHA-256s wrap, not the names
+        for row in select_all(driver, "#slots tbody tr"):
+            name = row.find_element("css selector", "td:first-child")
+            assert on_one_line(driver, name), name.text
+        driver.set_window_size(1100, 800)
         shoot(driver, "job-collecting")
         driver.execute_script(  # every progress text the page shows, as it polls
             "window.seen = []; new MutationObserver(() => { const p = "
@@ -341,6 +372,10 @@ def test_coordinator_and_two_clients_in_the_browser(browser, big_service, tmp_pa
         assert fused == [f"layer {layer['layer']}, fused: {layer['width']}"
                          for layer in report["report"]["layers"]]
         assert len(charts[1].find_elements("css selector", "polyline")) == 3
+        for chart in charts:  # each tick its own label (the objective's all read 2.1e+4)
+            ticks = [t.get_attribute("textContent")
+                     for t in chart.find_elements("css selector", "text.tick")]
+            assert len(ticks) >= 2 and len(set(ticks)) == len(ticks), ticks
         shoot(driver, "job-succeeded")
 
         by_id(driver, "download").click()
@@ -378,6 +413,33 @@ def test_the_upload_page_refuses_as_the_api_does(browser, service, admin, models
     verdict = wait_for(browser, lambda d: by_id(d, "verdict").text, "the page's answer")
     assert "lacks the job id or the client name" in verdict
     assert not by_id(browser, "upload-form").is_displayed()
+
+
+def test_a_client_downloads_a_plain_jobs_fused_model_once_it_has_succeeded(
+        browser, service, admin, models, tmp_path):  # noqa: F811
+    """The upload page offers the download only where it works: not while the job collects,
+    and, once it has succeeded, the fused model a job without calibration gives its clients."""
+    job = admin.create_job("pfnm", ["a", "b"])  # the models differ in width
+    page = f"{service.url}/upload?job={job['id']}&client=a"
+    browser.get(page)
+    by_id(browser, "token").send_keys(job["tokens"]["a"])
+    hint = wait_for(browser, lambda d: by_id(d, "offer-hint").text, "what the page offers")
+    assert hint == ("Nothing to download now: the job is collecting; its fused model comes "
+                    "once it has succeeded.")
+    assert not by_id(browser, "fetch-fused").is_displayed()
+    for name, path in zip(("a", "b"), models, strict=False):
+        admin.submit(job["id"], name, path)
+    admin.run(job["id"])
+    assert admin.wait(job["id"], timeout=60, every=0.1)["state"] == "succeeded"
+    browser.get(page)
+    by_id(browser, "token").send_keys(job["tokens"]["a"])
+    offered(browser, "Download the fused model").click()
+    fused = browser.downloads / f"fused-{job['id']}.safetensors"
+    wait_for(browser, lambda d: fused.exists() and not list(
+        browser.downloads.glob("*.crdownload")), "the fused model")
+    assert fused.read_bytes() == admin.result(job["id"], tmp_path / "r.safetensors").read_bytes()
+    assert "The fused model is downloaded" in by_id(browser, "verdict").text
+    shoot(browser, "upload-fused")
 
 
 def test_a_failed_job_shows_its_error(browser, service, admin, tmp_path):  # noqa: F811
@@ -430,7 +492,7 @@ def test_a_calibrating_job_in_the_browser(browser, service, admin, tmp_path):  #
 
     browser.get(f"{service.url}/upload?job={job_id}&client={names[0]}")
     by_id(browser, "token").send_keys(tokens[names[0]])
-    by_id(browser, "fetch-fused").click()
+    offered(browser, "Download the fused model").click()
     fused = browser.downloads / f"round-1-{job_id}.safetensors"  # the first round's: fused
     wait_for(browser, lambda d: fused.exists() and not list(
         browser.downloads.glob("*.crdownload")), "the fused model")
@@ -520,7 +582,7 @@ def test_a_transformer_jobs_model_downloads_with_its_config(
     browser.get(f"{service.url}/upload?job={job_id}&client={names[0]}")
     assert not by_id(browser, "fetch-config").is_displayed()
     by_id(browser, "token").send_keys(job["tokens"][names[0]])
-    by_id(browser, "fetch-fused").click()
+    offered(browser, "Download the fused model").click()
     weights = browser.downloads / f"round-1-{job_id}.safetensors"
     wait_for(browser, lambda d: weights.exists() and not list(
         browser.downloads.glob("*.crdownload")), "the round's model")

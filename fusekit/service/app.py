@@ -263,14 +263,19 @@ def create_app(settings: Settings) -> FastAPI:
 
     @app.get("/v1/jobs/{job_id}/fused")
     async def fused(job_id: str, authorization: Auth = None) -> FileResponse:
-        """The uncalibrated fused model of a job that calibrates: for its clients (each
-        computes its statistics of it) and the admin, from the end of its fusion."""
+        """The fused model, for the job's clients and the admin: a job that calibrates, its
+        uncalibrated fused model from the end of its fusion (each client computes its
+        statistics of it); any other job, its result once it has succeeded."""
         token, admin = caller(authorization)
         job = store.read(job_id)
         authorize(job, token, admin)
         if not job.get("calibrate"):
-            raise Conflict(f"job {job_id}: was not created to calibrate; its fused model is "
-                           "its result (GET /v1/jobs/{job_id}/result, the admin's)")
+            if job["state"] != "succeeded":
+                raise Conflict(f"{job_in_state(job_id, job['state'])}; its fused model is "
+                               "there once it has succeeded")
+            return FileResponse(store.root / job_id / RESULT,
+                                media_type="application/octet-stream",
+                                filename=f"fused-{job_id}.safetensors")
         if not job.get("fused") or job["state"] == "cancelled":
             raise Conflict(f"{job_in_state(job_id, job['state'])}; the fused model is there "
                            "once the fusion has finished (calibrating)")

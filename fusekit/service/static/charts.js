@@ -25,11 +25,15 @@ const fkCharts = (() => {
     return out;
   }
 
-  function label(value) {
+  /** A number as a label: three significant digits, or as many more as tell it from a
+   * neighbour `step` away (ticks 21000, 21100, ... all read 2.1e+4 with a fixed count). */
+  function label(value, step) {
     if (value === 0) return "0";
     const abs = Math.abs(value);
-    if (abs >= 1e4 || abs < 1e-2) return value.toExponential(1);
-    return String(Number(value.toPrecision(3)));
+    const apart = step ? Math.floor(Math.log10(abs)) - Math.floor(Math.log10(step)) + 1 : 0;
+    const digits = Math.min(Math.max(3, apart), 12);
+    if (abs >= 1e6 || abs < 1e-3) return value.toExponential(digits - 1).replace(/\.?0+e/, "e");
+    return String(Number(value.toPrecision(digits)));
   }
 
   function frame(title, yLabel, lo, hi) {
@@ -38,12 +42,12 @@ const fkCharts = (() => {
     root.append(svg("title", {}, title));
     root.append(svg("text", {x: LEFT, y: 16, class: "chart-title"}, title));
     const ys = ticks(lo, hi);
-    const y0 = ys[0], y1 = ys[ys.length - 1];
+    const y0 = ys[0], y1 = ys[ys.length - 1], step = ys.length > 1 ? ys[1] - ys[0] : 0;
     const y = (v) => TOP + (H - TOP - BOTTOM) * (1 - (v - y0) / (y1 - y0));
     for (const t of ys) {
       root.append(svg("line", {x1: LEFT, x2: W - RIGHT, y1: y(t), y2: y(t), class: "grid"}));
       root.append(svg("text", {x: LEFT - 6, y: y(t) + 4, class: "tick", "text-anchor": "end"},
-                      label(t)));
+                      label(t, step)));
     }
     root.append(svg("text", {x: 12, y: (TOP + H - BOTTOM) / 2, class: "axis-label",
                              transform: `rotate(-90 12 ${(TOP + H - BOTTOM) / 2})`,

@@ -372,7 +372,7 @@
   function slots(job, kind, what) {
     const rows = Object.entries(job[kind]).map(([client, slot]) => el("tr",
       {"data-client": client, class: slot.filled ? "filled" : "waiting"},
-      el("td", {text: client}),
+      el("td", {class: "name", text: client}),
       el("td", {text: slot.filled ? "received" : "waiting"}),
       el("td", {class: "num", text: slot.filled ? fk.bytes(slot.size) : ""}),
       el("td", {}, slot.filled ? el("code", {class: "sha", text: slot.sha256}) : ""),

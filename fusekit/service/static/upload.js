@@ -102,22 +102,62 @@
         "ask the coordinator for your link.", "refused");
     return;
   }
-  /** The model of a calibrating job's current round (the fused model in the first),
-   * fetched with the token typed, then handed to the browser's downloads, with what the
-   * round asks for. */
+  /** The model this client can download now, if any: a calibrating job's current round's
+   * model (the fused model in the first round), or the fused model of a job without
+   * calibration once it has succeeded. */
+  function offered(state) {
+    if (state.state === "calibrating" && state.round) {
+      const first = state.round.index === 1;
+      return {path: "model", weights: `round-${state.round.index}-${job}.safetensors`,
+              label: first ? "Download the fused model" : "Download this round's model"};
+    }
+    if (!state.calibrate && state.state === "succeeded") {
+      return {path: "fused", weights: `fused-${job}.safetensors`,
+              label: "Download the fused model"};
+    }
+    return null;
+  }
+
+  /** Offer the download only where it works: asked once the token is typed. */
+  async function offer() {
+    const token = $("token").value.trim();
+    $("fetch-fused").hidden = $("fetch-config").hidden = true;
+    $("offer-hint").textContent = "";
+    if (!token) return;
+    try {
+      const state = await fk.json("GET", `/v1/jobs/${encodeURIComponent(job)}`, token);
+      const model = offered(state);
+      if (model) $("fetch-fused").textContent = model.label;
+      $("fetch-fused").hidden = !model;
+      $("offer-hint").textContent = model ? "" : `Nothing to download now: the job is ` +
+        `${state.state}${state.calibrate ? "" : "; its fused model comes once it has succeeded"}.`;
+    } catch (err) {
+      say("Refused: " + err.message, "refused");
+    }
+  }
+
+  /** That model, fetched with the token typed and handed to the browser's downloads; for
+   * a calibrating job, with what the round asks for. */
   async function fetchFused() {
     const token = $("token").value.trim();
     if (!token) return say("Type your token first.", "refused");
     try {
       const state = await fk.json("GET", `/v1/jobs/${encodeURIComponent(job)}`, token);
-      const round = state.round ? state.round.index : 1;
-      const weights = `round-${round}-${job}.safetensors`;
-      await fk.download(`/v1/jobs/${encodeURIComponent(job)}/model`, token, weights);
+      const model = offered(state);
+      if (!model) {
+        $("fetch-fused").hidden = true;
+        return say(`The job is ${state.state}: there is no model to download now.`,
+                   "refused");
+      }
+      await fk.download(`/v1/jobs/${encodeURIComponent(job)}/${model.path}`, token,
+                        model.weights);
       $("fetch-config").hidden = !state.config;
       const folder = state.config ? ` (a transformer: download its config.json too, then ` +
-        `${fk.folderHint(weights, job)})` : "";
-      say(`The model of ${state.round ? state.round.asks : "the round"} is downloaded` +
-          `${folder}: ` +
+        `${fk.folderHint(model.weights, job)})` : "";
+      if (model.path === "fused") {
+        return say(`The fused model is downloaded as ${model.weights}${folder}.`, "accepted");
+      }
+      say(`The model of ${state.round.asks} is downloaded${folder}: ` +
           "compute that on your own data (fusekit stats ...; fusekit contribute does every " +
           "round) and upload it here.", "accepted");
     } catch (err) {
@@ -136,5 +176,10 @@
   $("target").textContent = `Checkpoint of client ${client} for job ${job}`;
   form.addEventListener("submit", upload);
   $("fetch-fused").addEventListener("click", fetchFused);
+  let typing;
+  $("token").addEventListener("input", () => {  // typed or pasted: ask once it settles
+    clearTimeout(typing);
+    typing = setTimeout(offer, 300);
+  });
   $("fetch-config").addEventListener("click", fetchConfig);
 })();
