@@ -197,6 +197,7 @@ def aligned_clients(checkpoints: Sequence[Checkpoint], specs: Sequence[Transform
         progress.advance("clients aligned", s + (s < anchor), len(checkpoints) - 1)
         yield s, client, {"client": checkpoint.label, **report,
                           "time_s": time.perf_counter() - start}, orders
+        del client  # before the next client is read: one client's float64 tensors at a time
 
 
 def weighted_sum(clients: Iterable[tuple[float, dict[str, np.ndarray]]]
@@ -208,8 +209,11 @@ def weighted_sum(clients: Iterable[tuple[float, dict[str, np.ndarray]]]
         for name, array in client.items():
             if array.dtype.kind != "f":
                 total[name] = np.maximum(total[name], array) if name in total else array
+            elif name in total:
+                total[name] += weight * array  # in place: the total's own array
             else:
-                total[name] = total[name] + weight * array if name in total else weight * array
+                total[name] = weight * array
+        del client  # before the next one is read (the generator's own reference goes too)
     return total
 
 
@@ -236,6 +240,7 @@ def fuse_transformers(checkpoints: Sequence[Checkpoint], specs: Sequence[Transfo
                 reports.append(report)
             assignments[s] = hidden_assignments(specs[s], orders)
             yield weights[s], client
+            del client
 
     total = weighted_sum(weighted())
     return cast_all(total, checkpoints[anchor]), reports, assignments
