@@ -103,7 +103,7 @@ def follow(step: dict, data: list[Path], own: list[Path]) -> dict:
         if k is not None:
             line = line.replace("DATA.npz", str(data[k]))
         for i, path in enumerate(own):
-            line = line.replace(f"CLIENT{i}.", f"{path.parent / path.stem}.")
+            line = line.replace(f"CLIENT{i}.safetensors", str(path))
         return shlex.split(line)[1:]
 
     for k, line in enumerate(step["clients"]):

@@ -10,7 +10,8 @@ that plan and prints the next round as commands.
 
 Commands name files the server knows (the model it wrote, the clients' own models, the
 statistics files it was given), ``DATA.npz`` for the data only a client holds and
-``CLIENTk`` for client k's own model where the server was not given it.
+``CLIENTk`` for client k's own model where the server was not given it; the files the
+clients send back go beside the round's model, named after their own models and the round.
 """
 
 from __future__ import annotations
@@ -96,12 +97,12 @@ def _calibration_round(model: Path, layer: str, where: str, number: int,
 
 
 def _alignment_round(model: Path, clients: list[Path], where: str) -> dict:
-    cross = [own.with_name(f"{own.stem}.cross{own.suffix}") for own in clients]
+    cross = [model.with_name(f"{own.stem}.cross{own.suffix}") for own in clients]
     return {"round": f"{model} is calibrated; {where}, for clients from independent "
                      "initialisations, re-matches them to it (docs/calibration.md, "
                      "\"Alignment rounds\")",
             "clients": [command("stats", model, "--against", own, "--data-path", DATA,
-                                "-o", reply, "--force")
+                                "-o", reply)
                         for own, reply in zip(clients, cross, strict=True)],
             "then": command("align", model, *clients,
                             *(word for reply in cross for word in ("--cross-stats", reply)),
@@ -110,7 +111,7 @@ def _alignment_round(model: Path, clients: list[Path], where: str) -> dict:
 
 def _refit_round(model: Path, clients: list[Path], layer: str, where: str,
                  number: int) -> dict:
-    replies = [own.with_name(f"{own.stem}.refit-{number}{own.suffix}") for own in clients]
+    replies = [model.with_name(f"{own.stem}.refit-{number}{own.suffix}") for own in clients]
     start = ("the aligned model as written, not calibrated: each refit folds its layer's "
              "BatchNorm" if number == 1 else "the model the last refit wrote")
     return {"round": f"{where} refits layer {layer!r} of {model} (it starts from {start})",

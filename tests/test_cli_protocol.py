@@ -56,7 +56,7 @@ def _follow(step: dict, data: list[Path], own: list[Path]) -> dict:
     def words(line: str, k: int | None) -> list[str]:
         text = line.replace("DATA.npz", str(data[k])) if k is not None else line
         for i, path in enumerate(own):
-            text = text.replace(f"CLIENT{i}.", f"{path.parent / path.stem}.")
+            text = text.replace(f"CLIENT{i}.safetensors", str(path))
         assert text.startswith("fusekit ")
         return shlex.split(text)[1:]
 
