@@ -46,12 +46,10 @@ def after_calibration(output: Path, spec, layers: list[str] | None, statistics: 
     done = 0 if layers is None else max(
         i for i, round_ in enumerate(rounds) if round_.calibrates and round_.layers
         and round_.layers[0] in layers)
-    clients = len(statistics or targets)
-    return _announced(rounds, done + 1, output, [Path(f"CLIENT{k}.safetensors")
-                                                 for k in range(clients)],
-                      statistics=statistics or [Path(f"CLIENT{k}.stats.safetensors")
-                                                for k in range(clients)],
-                      targets=targets, paired=paired)
+    clients = range(len(statistics or targets))
+    asked = statistics or [output.with_name(f"CLIENT{k}.stats.safetensors") for k in clients]
+    return _announced(rounds, done + 1, output, [Path(f"CLIENT{k}.safetensors") for k in clients],
+                      statistics=asked, targets=targets, paired=paired)
 
 
 def after_alignment(output: Path, spec, clients: list[Path]) -> dict:
