@@ -21,6 +21,7 @@ import functools
 import hashlib
 import json
 import logging
+import math
 import multiprocessing
 import os
 import shutil
@@ -65,6 +66,7 @@ RESULT, REPORT = "result.safetensors", "report.json"
 CONFIG = "config.json"  # a transformer job's fused config.json (the job's, fused widths)
 TASK = "fusekit.run_job"
 CANCEL_CHECK_S = 0.5
+PROGRESS_EVERY_S = 0.5  # at most one record write per this many seconds of a fusion's steps
 ERROR_CHARS = 300  # of a failed job's error in its status; the whole text in its report  # how often a worker looks whether its running job was cancelled
 LOG_FORMAT = "%(asctime)s %(name)s: %(message)s"
 # Fusion processes start afresh: a fork would copy the worker's threads' locks.
@@ -366,8 +368,7 @@ def _child(sender: Connection, work, *args: Any) -> None:
     ("failed", message)."""
     threading.Thread(target=_exit_with, args=(os.getppid(),), daemon=True).start()
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
-    progress.listen(lambda what, done, total: sender.send(("progress", _step_text(what, done,
-                                                                                total))))
+    progress.listen(_progress_sender(sender))
     try:
         sender.send(("succeeded", work(*args)))
     except FusekitError as exc:
@@ -392,6 +393,21 @@ def _calibration(round_: dict[str, Any], model: str, statistics: dict[str, str],
                  output: str) -> str:
     """A round's step (:func:`fusekit.service.rounds.advance`), writing ``output``."""
     return rounds.advance(round_, model, statistics, targets, clients, min_samples, output)
+
+
+def _progress_sender(sender: Connection):
+    """Send the worker a fusion's steps: the first, the last of each kind, and others at most
+    every ``PROGRESS_EVERY_S`` (each one is a write of the job's record)."""
+    last = -math.inf
+
+    def send(what: str, done: int, total: int) -> None:
+        nonlocal last
+        now = time.monotonic()
+        if done == total or now - last >= PROGRESS_EVERY_S:
+            last = now
+            sender.send(("progress", _step_text(what, done, total)))
+
+    return send
 
 
 def _step_text(what: str, done: int, total: int) -> str:
