@@ -322,6 +322,7 @@ def fuse_network(checkpoints, specs, params: BayesianParams, method: str):
                 clients[s][index], below[s], n_below, clients[s][index + 1] if last else None
             )
             vecs.append(vec)
+            clients[s][index] = None  # its neuron vectors hold it now: one copy, not two
             observed.append(obs if params.unobserved == "mask" else np.ones(layout.size, bool))
         unit = neurons.block_variances(vecs, observed, layout)
         weights = [o.astype(np.float64) for o in observed]
