@@ -27,7 +27,7 @@ variants: avg with the class-weighted output layer, and AMS-full next to AMS's d
     python benchmarks/bench_quality.py --quick    # smaller grid, 2 seeds
     python benchmarks/bench_quality.py --frontier --data digits   # accuracy against width
     python benchmarks/bench_quality.py --frontier --calibrate --data digits  # calibrated too
-    python benchmarks/bench_quality.py --truth    # estimated hyperparameters (bench_truth.py)
+    python benchmarks/bench_truth.py              # estimated hyperparameters (its own file)
 Writes benchmarks/results/quality.json, benchmarks/results/quality_alpha.png and the
 "Fusion quality" section of benchmarks/RESULTS.md (between marker comments); with
 --frontier, benchmarks/results/frontier-<data>.json, benchmarks/results/frontier-<data>.png
@@ -977,15 +977,7 @@ def main(argv: list[str] | None = None) -> int:
                         "the change per cell instead of the width study (no λ study)")
     parser.add_argument("--note", default="", help="frontier: a sentence added to RESULTS.md "
                         "(for instance the machine's load)")
-    parser.add_argument("--truth", action="store_true", help="run only PFNM's estimated "
-                        "hyperparameters against the synthetic truth and a fixed-sigma grid "
-                        "(benchmarks/bench_truth.py; its own options: run that file)")
     args = parser.parse_args(argv)
-    if args.truth:
-        import bench_truth
-
-        return bench_truth.main(["--results-md", str(args.results_md)]
-                                + (["--no-write"] if args.no_write else []))
     if args.from_json is not None:
         payload = json.loads(args.from_json.read_text())
         if payload.get("frontier"):

@@ -1,6 +1,7 @@
 """PFNM's estimated hyperparameters against the truth and against a fixed-sigma grid.
 
-Two studies (``python benchmarks/bench_quality.py --truth`` runs this module):
+Two studies (``python benchmarks/bench_truth.py``; its grid trains clients with
+bench_quality's runner):
 
 truth  the PFNM authors' synthetic setting: a pool of 150 true neurons of a 784-100-10
        network (incoming weights and bias N(0, 0.1^2), bias mean 0.1, outgoing weights
@@ -263,7 +264,7 @@ def render(payload: dict[str, Any]) -> str:
     parts = [
         "## Estimated hyperparameters: the synthetic truth and a fixed-σ grid",
         "",
-        "`python benchmarks/bench_quality.py --truth` (benchmarks/bench_truth.py). "
+        "`python benchmarks/bench_truth.py`. "
         f"{m['platform']}, {m['core']}; total {payload['elapsed_s']:.0f} s. Times are wall "
         "clock on a shared machine: the default and the fixed-σ run alternate in one process "
         "and each time is the faster of two runs.",

@@ -1,4 +1,6 @@
-"""Imports run one way: front doors → toolkit → methods → engine → core (never upward).
+"""Imports run one way: front doors → service/toolkit → protocol → api → methods → engine →
+core (never upward), with no circle: no module imports, through any chain of imports, a
+module that imports it back (the benchmarks among themselves too).
 
 The layer of a module is the first rule below whose prefix it starts with. Every
 ``import`` statement in the package, at any depth (function-local ones too), is checked.
@@ -95,3 +97,60 @@ def test_fusion_layers_do_not_import_torch(module, path, is_package):
         return
     for target in imported(module, path, is_package):
         assert target.split(".")[0] != "torch", f"{module} imports torch"
+
+
+def imports_of(module: str, path: Path, is_package: bool) -> set[str]:
+    """The package's modules ``module`` imports, at any depth: ``from X import name``
+    imports X.name where that is a module, else X itself (its ``__init__``)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = module.split(".")[: len(module.split(".")) - node.level
+                                     + (1 if is_package else 0)] if node.level else []
+            target = ".".join([*base, node.module] if node.module else base)
+            for alias in node.names:
+                name = f"{target}.{alias.name}"
+                module_named = name.startswith("fusekit.") and (
+                    submodule_exists(name) or name == "fusekit._core")  # compiled
+                out.add(name if module_named else target)
+    return {name for name in out if name in MODULES}
+
+
+# The benchmarks, by the bare names they import each other by.
+BENCHMARKS = [(path.stem, path, False)
+              for path in sorted((PACKAGE.parent / "benchmarks").glob("*.py"))]
+MODULES = {module for module, _, _ in CASES + BENCHMARKS}
+
+
+def test_no_import_circle():
+    """No module of the package (or benchmark) imports, through any chain of imports, a
+    module that imports it back (Tarjan's strongly connected components of the import
+    graph)."""
+    graph = {module: imports_of(module, path, is_package)
+             for module, path, is_package in CASES + BENCHMARKS}
+    order: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles = []
+
+    def visit(module: str) -> None:
+        order[module] = low[module] = len(order)
+        stack.append(module)
+        for target in graph[module]:
+            if target not in order:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in stack:
+                low[module] = min(low[module], order[target])
+        if low[module] == order[module]:
+            component = stack[stack.index(module):]
+            del stack[stack.index(module):]
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for module in graph:
+        if module not in order:
+            visit(module)
+    assert circles == []

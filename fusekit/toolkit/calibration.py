@@ -1,5 +1,6 @@
 """The forward passes of calibration (ALGORITHMS.md §12): a client's statistics of a model
-on its own data, and the calibration of a fused model in rounds run locally.
+(a network, or a Hugging Face transformer: §13) on its own data, and the calibration of a
+fused model in rounds run locally.
 
 Only per-channel count, mean and variance leave :func:`client_statistics` (and, when asked
 for, the first layer's input moments: a d x d covariance); the inputs never do.
@@ -20,7 +21,7 @@ from torch import nn
 from fusekit import api
 from fusekit.core import metadata as meta
 from fusekit.core.checkpoint import Checkpoint, load_checkpoint
-from fusekit.core.errors import DataError, ParameterError
+from fusekit.core.errors import CheckpointError, DataError, ParameterError
 from fusekit.core.stats import (
     DEFAULT_MIN_SAMPLES,
     MODES,
@@ -33,9 +34,11 @@ from fusekit.core.stats import (
     input_point,
     preactivation_point,
 )
+from fusekit.core.transformer import calibration_points
 from fusekit.methods.base import FusionResult
 from fusekit.methods.calibration import calibration_layers, read_norm_targets
 from fusekit.toolkit.nn.fused import load_fused, preactivation_modules
+from fusekit.toolkit.nn.hf import load_pretrained, model_from_tensors, modules_by_saved_name
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +186,6 @@ def client_statistics(
         if mode == "batch":
             raise ParameterError(f"mode: {checkpoint.label} is a transformer, which has no "
                                  "BatchNorm to normalise with batch statistics; use eval")
-        from fusekit.toolkit.transformer_calibration import transformer_statistics
         return transformer_statistics(checkpoint, inputs, mode=mode, batch_size=batch_size,
                                       device=device)
     spec = api.fused_spec(checkpoint)
@@ -279,6 +281,75 @@ def _batch_mode(network: nn.Module, checkpoint: Checkpoint, spec) -> None:
             with torch.no_grad():
                 norm.weight.copy_(torch.from_numpy(std))
                 norm.bias.copy_(torch.from_numpy(mean))
+
+
+# -- a transformer's statistics (ALGORITHMS.md §13, "Calibration") --------------------------
+# Per channel count, mean and variance of every MLP's hidden pre-activation and every
+# LayerNorm's output, over every token that is not padding: a token model's inputs
+# (``input_ids``) run with an attention mask that is 0 where a token equals the config's
+# ``pad_token_id`` (when it has one), those positions left out; every other position of
+# every input counts once (a ViT: every patch and the class token).
+
+def transformer_statistics(checkpoint: Checkpoint, inputs: np.ndarray, *, mode: str,
+                           batch_size: int, device: str) -> Statistics:
+    """Statistics of a transformer (a model folder, or tensors with their config) on
+    ``inputs``: (N, ...) pixel values, or (N, L) token ids, as the model's main input.
+    Points appear in the order the forward pass reaches them (the layer-by-layer order).
+
+    Raises:
+        DataError: inputs the model does not take (token ids that are not integers in the
+            vocabulary, shapes it refuses).
+    """
+    spec = api.fused_spec(checkpoint)
+    shapes = {name: info.shape for name, info in checkpoint.tensors.items()}
+    points = calibration_points(spec, shapes)
+    model = _module(checkpoint, device)
+    modules = modules_by_saved_name(model)
+    accumulators: dict[str, ChannelAccumulator] = {}  # filled in forward order
+    mask: list[torch.Tensor | None] = [None]
+
+    def hook(point: str):
+        def record(_module, _args, output):
+            tokens = output.reshape(-1, output.shape[-1]) if mask[0] is None else (
+                output[mask[0]])
+            accumulators.setdefault(point, ChannelAccumulator()).add(tokens)
+        return record
+
+    hooks = [modules[p.module].register_forward_hook(hook(p.point)) for p in points]
+
+    def run(batch: np.ndarray) -> None:
+        feed, mask[0] = _feed(model, batch, device)
+        model(**feed)
+
+    return recorded_statistics(run, inputs, batch_size, hooks, accumulators, checkpoint, mode)
+
+
+def _module(checkpoint: Checkpoint, device: str):
+    if checkpoint.path is not None and checkpoint.path.is_dir():
+        return load_pretrained(checkpoint.path, device)
+    if checkpoint.config is None:
+        raise CheckpointError(f"{checkpoint.label}: a transformer's tensors without their "
+                              "config.json cannot be run")
+    return model_from_tensors(checkpoint.config, checkpoint.state_dict(), checkpoint.label,
+                              device)
+
+
+def _feed(model, batch: np.ndarray, device: str
+          ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+    """The model's keyword inputs for one batch, and the mask of the tokens counted."""
+    name = model.main_input_name
+    if name != "input_ids":
+        values = torch.from_numpy(np.ascontiguousarray(batch, dtype=np.float32))
+        return {name: values.to(device)}, None
+    if batch.dtype.kind == "f" and not np.array_equal(batch, np.round(batch)):
+        raise DataError("statistics: a token model's inputs must be integer token ids; "
+                        f"found {batch.dtype} values that are not integers")
+    ids = torch.from_numpy(np.ascontiguousarray(batch, dtype=np.int64)).to(device)
+    pad = getattr(model.config, "pad_token_id", None)
+    if pad is None:
+        return {name: ids}, None
+    mask = ids != pad
+    return {name: ids, "attention_mask": mask.long()}, mask
 
 
 def calibrate_locally(

@@ -31,6 +31,7 @@ from fusekit.core.arch import convnet_feature_size, hidden_widths, pan_encoding,
 from fusekit.core.checkpoint import Checkpoint, is_integer_buffer, load_checkpoint
 from fusekit.core.errors import CheckpointError, SpecError
 from fusekit.core.fed2 import layer_masks
+from fusekit.toolkit.nn.zoo import VGG, ResNet
 
 
 class PositionEncoding(nn.Module):
@@ -191,8 +192,6 @@ def build_model(arch: Mapping[str, Any], *, seed: int | None = None) -> nn.Modul
     Raises:
         SpecError: the description is invalid.
     """
-    from fusekit.toolkit.nn.zoo import VGG, ResNet
-
     classes = {"mlp": FusekitMLP, "convnet": FusekitConvNet, "resnet": ResNet, "vgg": VGG}
     cls = classes[validate_arch(arch)["type"]]
     if seed is None:

@@ -14,7 +14,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from fusekit.core.arch import named_arch, resnet_blocks, resnet_groups, validate_arch
+from fusekit.core.arch import (
+    named_arch,
+    resnet_blocks,
+    resnet_groups,
+    validate_arch,
+    with_hidden_widths,
+)
 
 
 def _conv(c_in: int, c_out: int, kernel: int, stride: int = 1) -> nn.Conv2d:
@@ -135,11 +141,10 @@ class VGG(nn.Module):
 
 def _named(name: str, num_classes: int, in_channels: int,
            widths: Sequence[int] | None) -> nn.Module:
-    from fusekit.core.arch import with_hidden_widths
-    from fusekit.toolkit.nn.modules import build_model
-
     arch = named_arch(name, num_classes, in_channels=in_channels)
-    return build_model(arch if widths is None else with_hidden_widths(arch, widths))
+    if widths is not None:
+        arch = with_hidden_widths(arch, widths)
+    return (ResNet if validate_arch(arch)["type"] == "resnet" else VGG)(arch)
 
 
 def resnet18(num_classes: int = 1000, *, in_channels: int = 3,
