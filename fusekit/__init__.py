@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 from fusekit._version import __version__
 
 if TYPE_CHECKING:
-    from fusekit.api import align, calibrate, fuse, refit
+    from fusekit.api import fuse
+    from fusekit.calibration import align, calibrate, refit
     from fusekit.core.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
     from fusekit.core.spec import PermutationSpec, infer_spec
     from fusekit.methods import METHODS, FusionResult
@@ -24,10 +25,10 @@ if TYPE_CHECKING:
 # `fusekit.*` module, the command line's included) pays for SciPy, POT and torch only when
 # a name that needs them is used.
 _HOMES = {
-    "align": "fusekit.api",
-    "calibrate": "fusekit.api",
+    "align": "fusekit.calibration",
+    "calibrate": "fusekit.calibration",
     "fuse": "fusekit.api",
-    "refit": "fusekit.api",
+    "refit": "fusekit.calibration",
     "Checkpoint": "fusekit.core.checkpoint",
     "load_checkpoint": "fusekit.core.checkpoint",
     "save_checkpoint": "fusekit.core.checkpoint",

@@ -30,7 +30,7 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from fusekit import api
+from fusekit import api, calibration
 from fusekit.core.checkpoint import Checkpoint, load_checkpoint
 from fusekit.core.cross_stats import DEFAULT_RIDGE
 from fusekit.core.errors import ParameterError, StatisticsError
@@ -229,14 +229,14 @@ def _step(state: State, round_: Round, answered: list[Hashable],
             not round_.asks or pairs(state.model, dict(zip(answered, statistics, strict=True)),
                                      {k: state.targets[k] for k in state.participants
                                       if k in state.targets}))
-        return api.calibrate(state.model, statistics, targets=targets,
+        return calibration.calibrate(state.model, statistics, targets=targets,
                              layers=None if round_.layers is None else list(round_.layers),
                              min_samples=state.min_samples, paired=paired)
     clients = [state.clients[key] for key in answered]
     statistics = [replies[key] for key in answered]
     if round_.kind == CROSS:
-        return api.align(state.model, clients, statistics, min_samples=state.min_samples)
-    return api.refit(state.model, clients, statistics, ridge=state.ridge,
+        return calibration.align(state.model, clients, statistics, min_samples=state.min_samples)
+    return calibration.refit(state.model, clients, statistics, ridge=state.ridge,
                      min_samples=state.min_samples)
 
 

@@ -24,6 +24,7 @@ LAYERS = [
     ("fusekit.engine", 1),
     ("fusekit.methods", 2),
     ("fusekit.api", 2),
+    ("fusekit.calibration", 2),  # fusekit.calibrate, align, refit: files in, methods' math
     ("fusekit.protocol", 2),  # the round protocol: steps through fusekit.calibrate/align/refit
     ("fusekit.toolkit", 3),
     ("fusekit._cli", 4),
@@ -34,7 +35,7 @@ LAYERS = [
     ("fusekit", 4),  # the package's own __init__: the Python front door
 ]
 TORCH_FREE = ("fusekit.core", "fusekit.engine", "fusekit.methods", "fusekit.api",
-              "fusekit.protocol")
+              "fusekit.calibration", "fusekit.protocol")
 
 
 def rank(module: str) -> int:

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fusekit import api
+from fusekit.calibration import calibrate
 from fusekit.core import metadata as meta
 from fusekit.core.checkpoint import Checkpoint, load_checkpoint
 from fusekit.core.errors import CheckpointError, DataError, ParameterError
@@ -405,7 +406,7 @@ def calibrate_locally(
     if not (clients if transformer else calibration_layers(api.fused_spec(current),
                                                            repair=bool(clients))):
         # nothing to calibrate (a transformer without targets is refused): no pass runs
-        return _with_rounds(api.calibrate(current, [], layers=[]), 0)
+        return _with_rounds(calibrate(current, [], layers=[]), 0)
     targets = [client_statistics(c, x, batch_size=batch_size, device=device,
                                  min_samples=min_samples, input_moments=input_moments)
                for c, x in zip(clients, client_inputs, strict=True)] if clients else []
@@ -413,7 +414,7 @@ def calibrate_locally(
     def one_round(model: Checkpoint, mode: str, layers: list[str] | None) -> FusionResult:
         stats = [client_statistics(model, x, mode=mode, batch_size=batch_size, device=device,
                                    min_samples=min_samples) for x in client_inputs]
-        return api.calibrate(model, stats, targets=targets, layers=layers,
+        return calibrate(model, stats, targets=targets, layers=layers,
                              min_samples=min_samples,
                              paired=paired and bool(targets) and not transformer)
 
@@ -427,12 +428,12 @@ def calibrate_locally(
     if layers is not None:
         names = [name for name in names if name in layers]
     if not names:  # none of the layers asked for: no pass runs
-        return _with_rounds(api.calibrate(current, [], targets=targets, layers=[]), 0)
+        return _with_rounds(calibrate(current, [], targets=targets, layers=[]), 0)
     derived = input_moments and not transformer and (
         names[0] == api.fused_spec(current).layers[0].name)
     for index, name in enumerate(names):
         if derived and index == 0:  # from the input moments: no round
-            result = api.calibrate(current, [], targets=targets, layers=[name],
+            result = calibrate(current, [], targets=targets, layers=[name],
                                    min_samples=min_samples, paired=paired)
         else:
             result = one_round(current, "eval", [name])
