@@ -45,8 +45,10 @@ demo: $(STAMP)
 flower-demo: $(STAMP)
 	$(PY) examples/flower/demo.py
 
+# Two pytest-xdist workers; tests that share a server run on the worker that holds it.
 test:
-	$(PY) -m pytest
+	@echo "==> running the tests on 2 workers: some start fusion servers and Flower federations (a SuperLink and SuperNodes) on 127.0.0.1, and stop them"
+	$(PY) -m pytest -n 2 --dist loadgroup --no-loadscope-reorder
 
 bench:
 	$(PY) benchmarks/bench_matching.py

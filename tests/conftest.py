@@ -102,3 +102,33 @@ def foreign(tmp_path_factory):
         return families[kind]
 
     return family
+
+
+# -- running the suite ------------------------------------------------------------------------
+# `make test` runs it on two pytest-xdist workers (`-n 2 --dist loadgroup`). A test that uses
+# one of these module-scoped servers runs on the worker that already holds it, so that each
+# is started once; every other test goes to whichever worker is free.
+SHARED_SERVERS = ("service", "big_service", "browser")
+
+
+def pytest_report_header(config) -> list[str]:
+    return ["some tests start real processes on 127.0.0.1 and stop them all: fusion servers "
+            "with their workers, and (marked flower_e2e) Flower federations of a SuperLink "
+            "and SuperNodes; deselect those with -m 'not flower_e2e'"]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items) -> None:
+    """The federations first, then the tests on a shared server, then the rest (each
+    kept in its order): the longest work starts first, so that neither worker is left
+    with it at the end."""
+    for item in items:
+        if any(name in item.fixturenames for name in SHARED_SERVERS):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+
+    def weight(item) -> int:
+        if item.get_closest_marker("flower_e2e"):
+            return 0
+        return 1 if item.get_closest_marker("xdist_group") else 2
+
+    items.sort(key=weight)
