@@ -55,6 +55,7 @@ from fusekit.toolkit.alignment import align_locally
 from fusekit.toolkit.calibration import ROUNDS, calibrate_locally, client_statistics
 from fusekit.toolkit.data import Dataset, load_dataset, partition
 from fusekit.toolkit.nn import build_model
+from fusekit.toolkit.simulate import fresh_model
 from fusekit.toolkit.train import TrainConfig, train_model
 
 METHODS = {  # label: (method, parameters)
@@ -177,12 +178,14 @@ def run_case(case: str, n_clients: int, split: str, init: str, seed: int,
     clients, client_inputs, scores, logits = [], [], [], []
     start = time.perf_counter()
     for s, index in enumerate(parts):
-        model = build_model(arch, seed=seed if init == "shared" else seed + 1 + s)
+        model = fresh_model(arch, data, seed=seed if init == "shared" else seed + 1 + s)
         train_model(model, x_train[index], data.y_train[index],
                     TrainConfig(epochs=epochs, batch_size=32, lr=lr), seed=seed + s)
         state = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
-        clients.append(Checkpoint.from_state_dict(
-            state, {"fusekit.num_samples": str(len(index)), "fusekit.arch": _json(arch)}))
+        metadata = {"fusekit.num_samples": str(len(index)), "fusekit.arch": _json(arch)}
+        if data.normalization is not None:  # what the model applies to the data as stored
+            metadata["fusekit.preprocess"] = data.normalization.to_json()
+        clients.append(Checkpoint.from_state_dict(state, metadata))
         client_inputs.append(x_train[index])
         scores.append(accuracy(model, x_test, data.y_test))
         with torch.no_grad():

@@ -54,6 +54,7 @@ from fusekit.methods import METHODS as METHOD_CLASSES
 from fusekit.toolkit.calibration import client_statistics
 from fusekit.toolkit.data import load_dataset, partition
 from fusekit.toolkit.nn import build_model
+from fusekit.toolkit.simulate import client_checkpoint, fresh_model
 from fusekit.toolkit.train import TrainConfig, train_model
 
 #: PFNM/NAFI with fixed hyperparameters: the timing is the engine's, not the EM search's.
@@ -134,11 +135,11 @@ def trained_case(n_clients: int = 4, epochs: int = 10, seed: int = 0, *,
     parts = partition(data.y_train, n_clients, "iid", seed=seed)
     clients, rows = [], []
     for s, index in enumerate(parts):
-        model = build_model(arch, seed=seed if shared_init else seed + s)
+        model = fresh_model(arch, data, seed=seed if shared_init else seed + s)
         train_model(model, x_train[index], data.y_train[index],
                     TrainConfig(epochs=epochs, batch_size=32, lr=3e-3), seed=seed + s)
-        state = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
-        clients.append(Checkpoint.from_state_dict(state, {"fusekit.num_samples": str(len(index))}))
+        clients.append(client_checkpoint(model, data, index))  # records the normalisation
+        state = clients[-1].state_dict()
         rows.append({"model": f"client {s}", "accuracy": _accuracy(model, x_test, y_test),
                      "widths": infer_spec(state).hidden_widths})
     expected = [_stage_rms(c, x_test.numpy()) for c in clients]

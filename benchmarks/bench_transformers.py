@@ -96,8 +96,10 @@ def sequences(task: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 def task_data(task: str, seed: int) -> dict[str, Any]:
     if task == "vit":
         digits = load_dataset("digits")
-        return {"train": (torch.from_numpy(digits.x_train), torch.from_numpy(digits.y_train)),
-                "test": (torch.from_numpy(digits.x_test), torch.from_numpy(digits.y_test))}
+        mean, std = digits.normalization.mean[0], digits.normalization.std[0]
+        x_train, x_test = ((x - mean) / std for x in (digits.x_train, digits.x_test))
+        return {"train": (torch.from_numpy(x_train), torch.from_numpy(digits.y_train)),
+                "test": (torch.from_numpy(x_test), torch.from_numpy(digits.y_test))}
     train, test = sequences(task, seed)
     return {"train": (train, train), "test": (test, test)}
 

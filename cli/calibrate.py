@@ -18,7 +18,10 @@ from fusekit._cli.options import (
     DeviceOption,
     FeaturesOption,
     JsonOption,
+    NormalizeOption,
     SamplesOption,
+    described,
+    normalization_option,
 )
 from fusekit._cli import next_round
 from fusekit._cli.output import emit_json, stdout
@@ -74,6 +77,7 @@ def stats(
         "d x d covariance), sent with the statistics of the client's own model: calibrate "
         "then derives the fused first layer without a round. They say more about the data "
         "than per-channel moments (docs/calibration.md).")] = False,
+    normalize: NormalizeOption = None,
     force: ForceOption = False,
     as_json: JsonOption = False,
 ) -> None:
@@ -83,7 +87,9 @@ def stats(
     Every hidden pre-activation and BatchNorm input: all that leaves the client. With
     --against OWN_MODEL: per hidden layer, the covariances of MODEL's channels with
     OWN_MODEL's (an alignment round); with --layer NAME as well: the moments that refit
-    that layer (a refit round)."""
+    that layer (a refit round). The data is used as stored; each model normalises it as
+    its checkpoint records (fusekit.preprocess), or as --normalize says."""
+    normalization = normalization_option(normalize)
     name, inputs = client_inputs(data, data_dir, data_path, samples, features, classes, seed)
     if against is not None:
         if input_moments:
@@ -92,8 +98,9 @@ def stats(
         if mode != "eval":
             raise ParameterError(f"--mode {mode}: cross statistics (--against) run both "
                                  "models as they are; expected --mode eval")
-        _cross_stats(model, against, inputs, name, output, layer, batch_size=batch_size,
-                     device=device, min_samples=min_samples, force=force, as_json=as_json)
+        _cross_stats(model, against, normalization, inputs, name, output, layer,
+                     batch_size=batch_size, device=device, min_samples=min_samples,
+                     force=force, as_json=as_json)
         return
     if layer is not None:
         raise ParameterError("--layer: refit statistics pair MODEL with the client's own "
@@ -102,9 +109,9 @@ def stats(
     from fusekit.toolkit.calibration import client_statistics
 
     try:
-        result = client_statistics(model, inputs, mode=mode, batch_size=batch_size,
-                                   device=device, min_samples=min_samples,
-                                   input_moments=input_moments)
+        result = client_statistics(described(model, normalization), inputs, mode=mode,
+                                   batch_size=batch_size, device=device,
+                                   min_samples=min_samples, input_moments=input_moments)
     except DataError as exc:  # name the option, not the library's argument
         raise DataError(str(exc).replace("(min_samples)", "(--min-samples)")) from None
     _something_to_calibrate(result, model)
@@ -146,18 +153,19 @@ def client_inputs(data: str | None, data_dir: Path | None, data_path: Path | Non
                               features=features, classes=classes, seed=seed).x_train
 
 
-def _cross_stats(reference: Path, own: Path, inputs, name: str, output: Path,
+def _cross_stats(reference: Path, own: Path, normalization, inputs, name: str, output: Path,
                  layer: str | None, *, batch_size: int, device: str, min_samples: int,
                  force: bool, as_json: bool) -> None:
     from fusekit.core.cross_stats import save_cross_statistics, save_refit_statistics
     from fusekit.toolkit.alignment import cross_statistics, refit_statistics
 
     options = {"batch_size": batch_size, "device": device, "min_samples": min_samples}
+    models = described(reference, normalization), described(own, normalization)
     try:
         if layer is None:
-            result = cross_statistics(reference, own, inputs, **options)
+            result = cross_statistics(*models, inputs, **options)
         else:
-            result = refit_statistics(reference, own, inputs, layer, **options)
+            result = refit_statistics(*models, inputs, layer, **options)
     except DataError as exc:  # name the option, not the library's argument
         raise DataError(str(exc).replace("(min_samples)", "(--min-samples)")) from None
     if layer is None:

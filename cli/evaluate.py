@@ -17,7 +17,10 @@ from fusekit._cli.options import (
     DeviceOption,
     FeaturesOption,
     JsonOption,
+    NormalizeOption,
     SamplesOption,
+    described,
+    normalization_option,
 )
 from fusekit._cli.output import emit_json, stdout, step_progress
 
@@ -33,11 +36,15 @@ def evaluate(
     features: FeaturesOption = 20,
     classes: ClassesOption = 10,
     seed: DataSeedOption = 0,
+    normalize: NormalizeOption = None,
     device: DeviceOption = "auto",
     batch_size: Annotated[int, typer.Option("--batch-size", help="Inference batch size.")] = 4096,
     as_json: JsonOption = False,
 ) -> None:
-    """Test accuracy and loss of every model, plus the logit- and softmax-average ensembles."""
+    """Test accuracy and loss of every model, plus the logit- and softmax-average ensembles.
+
+    The data is used as stored; each model normalises it as its checkpoint records
+    (fusekit.preprocess), or as --normalize says for models that record nothing."""
     from fusekit.toolkit.data import load_dataset
     from fusekit.toolkit.evaluate import evaluate_checkpoints
 
@@ -50,8 +57,10 @@ def evaluate(
         classes=classes,
         seed=seed,
     )
+    normalization = normalization_option(normalize)
+    models = [described(path, normalization) for path in files]
     with step_progress("evaluate"):
-        report = evaluate_checkpoints(files, dataset, device=device, batch_size=batch_size)
+        report = evaluate_checkpoints(models, dataset, device=device, batch_size=batch_size)
     if as_json:
         emit_json(report.as_dict())
         return

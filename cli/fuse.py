@@ -17,7 +17,7 @@ import typer
 from rich.table import Table
 
 import fusekit
-from fusekit._cli.options import JsonOption
+from fusekit._cli.options import JsonOption, NormalizeOption, described, normalization_option
 from fusekit._cli.output import emit_json, stdout, step_progress
 from fusekit.core.checkpoint import private_files
 from fusekit.core.errors import FusekitError, OutputError, ParameterError
@@ -108,6 +108,7 @@ def fuse(
                      help="Folder of the data set named by --activations (mnist, "
                      "fashion-mnist, cifar10)."),
     ] = None,
+    normalize: NormalizeOption = None,
     **method_values: Any,
 ) -> None:
     """Fuse client checkpoints into one model, in one shot and without data."""
@@ -120,6 +121,7 @@ def fuse(
         activations={k: v for k, v in {"source": activations, "samples": activation_samples,
                                        "seed": activation_seed, "data_dir": data_dir}.items()
                      if v is not None},
+        normalize=normalization_option(normalize),
     )
     if not recipe.inputs:
         raise ParameterError("CHECKPOINTS: expected at least one checkpoint (on the command "
@@ -170,8 +172,9 @@ def _run(recipe: Recipe):
             params[spec.name] = from_text(spec, params[spec.name])
     if recipe.activations:
         params["activations"] = _activation_provider(recipe.activations)
+    inputs = [described(Path(p), recipe.normalize) for p in recipe.inputs]
     with step_progress(f"fusing with {recipe.method}"):
-        return fusekit.fuse(recipe.inputs, method=recipe.method, spec=recipe.spec, **params)
+        return fusekit.fuse(inputs, method=recipe.method, spec=recipe.spec, **params)
 
 
 def _activation_provider(settings: dict[str, Any]):

@@ -31,6 +31,53 @@ DeviceOption = Annotated[
     str, typer.Option("--device", help="auto (cuda when available), cpu or cuda.")
 ]
 
+NormalizeOption = Annotated[list[str] | None, typer.Option(
+    "--normalize", metavar="MEAN,STD",
+    help="The input normalisation a model expects: it sees (x - MEAN) / STD of the data as "
+    "stored. Repeat once per input channel, in order (one pair: every value). For models "
+    "that record none (fusekit.preprocess); one recording another is refused. simulate: "
+    "what the clients train with and record.", show_default=False)]
+
+
+def normalization_option(values: list[str] | None):
+    """``--normalize`` as a :class:`~fusekit.core.metadata.Normalization` (None: not given).
+
+    Raises:
+        ParameterError: a value that is not two numbers ``MEAN,STD`` with STD > 0.
+    """
+    from fusekit.core.errors import ParameterError
+    from fusekit.core.metadata import normalization
+
+    if not values:
+        return None
+    pairs = []
+    for value in values:
+        try:
+            mean, std = (float(part) for part in value.split(","))
+            pairs.append((mean, std))
+        except ValueError:
+            raise ParameterError(f"--normalize: expected MEAN,STD (two numbers), found "
+                                 f"{value!r}") from None
+    try:
+        return normalization([m for m, _ in pairs], [s for _, s in pairs])
+    except ValueError as exc:
+        raise ParameterError(f"--normalize: {exc}; found {' '.join(values)!r}") from None
+
+
+def described(path: Path, normalization):
+    """The model at ``path`` as ``--normalize`` describes it: its checkpoint recording that
+    preprocessing (the file untouched), or ``path`` itself without ``--normalize``.
+
+    Raises:
+        ParameterError: the model records another preprocessing.
+    """
+    if normalization is None:
+        return path
+    from fusekit.core.checkpoint import load_checkpoint, with_preprocess
+
+    return with_preprocess(load_checkpoint(path), normalization)
+
+
 # How `fusekit demo` and `fusekit simulate --rounds` calibrate a fused model with the
 # clients' statistics of their own data (the forward passes run locally, ALGORITHMS §12).
 CalibrateOption = Annotated[bool, typer.Option(

@@ -9,6 +9,8 @@ own folder::
     output: fused/            # a trailing slash: an output folder
     spec: null                # optional permutation spec file
     activations: null         # ot only: {source: inputs.npy, samples: 256, seed: 0}
+    normalize: null           # what clients recording no preprocessing expect:
+                              # {mean: [0.1307], std: [0.3081]} (one value per channel)
 
 An output folder holds ``fused.safetensors``, ``recipe.yaml`` (the recipe as run, with the
 parameters the method used), ``report.json`` (what ``fusekit fuse --json`` prints) and a
@@ -37,10 +39,11 @@ from fusekit.core.checkpoint import (
     write_model_files,
 )
 from fusekit.core.errors import OutputError, ParameterError
+from fusekit.core.metadata import Normalization, normalization
 
 log = logging.getLogger(__name__)
 
-RECIPE_KEYS = ("method", "inputs", "parameters", "output", "spec", "activations")
+RECIPE_KEYS = ("method", "inputs", "parameters", "output", "spec", "activations", "normalize")
 ACTIVATION_KEYS = ("source", "samples", "seed", "data_dir")
 FOLDER_FILES = ("fused.safetensors", "recipe.yaml", "report.json", "README.md")
 
@@ -53,8 +56,10 @@ class Recipe:
     output: str | None = None
     spec: str | None = None
     activations: dict[str, Any] = field(default_factory=dict)
+    normalize: Normalization | None = None
 
-    def override(self, *, inputs, method, output, spec, parameters, activations) -> Recipe:
+    def override(self, *, inputs, method, output, spec, parameters, activations,
+                 normalize=None) -> Recipe:
         """This recipe with what the command line gave replacing it (None: not given)."""
         return dataclasses.replace(
             self,
@@ -64,6 +69,7 @@ class Recipe:
             spec=os.fspath(spec) if spec is not None else self.spec,
             parameters={**self.parameters, **parameters},
             activations={**self.activations, **activations},
+            normalize=normalize if normalize is not None else self.normalize,
         )
 
 
@@ -114,7 +120,19 @@ def load_recipe(path: Path) -> Recipe:
         if output is not None else None,
         spec=local(data["spec"], "spec") if data.get("spec") is not None else None,
         activations={k: v for k, v in activations.items() if v is not None},
+        normalize=_normalization(path, data.get("normalize")),
     )
+
+
+def _normalization(path: Path, value: Any) -> Normalization | None:
+    """The recipe's ``normalize: {mean: [...], std: [...]}``."""
+    if value is None:
+        return None
+    _refuse_unknown(path, "normalize.", _mapping(path, "normalize", value), ("mean", "std"))
+    try:
+        return normalization(value.get("mean"), value.get("std"))
+    except ValueError as exc:
+        raise ParameterError(f"{path}: normalize: {exc}; found {value!r}") from None
 
 
 def _mapping(path: Path, key: str, value: Any) -> dict[str, Any]:
@@ -226,6 +244,9 @@ def _as_run(recipe: Recipe, result, folder: Path) -> dict[str, Any]:
     if recipe.activations:
         as_run["activations"] = {k: _from_folder(v, folder) if _is_file_path(v) else v
                                  for k, v in recipe.activations.items()}
+    if recipe.normalize is not None:
+        as_run["normalize"] = {"mean": list(recipe.normalize.mean),
+                               "std": list(recipe.normalize.std)}
     return as_run
 
 

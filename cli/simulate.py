@@ -3,6 +3,7 @@ with ``--rounds``, run rounds of local training and fusion and write the global 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -20,7 +21,9 @@ from fusekit._cli.options import (
     DeviceOption,
     FeaturesOption,
     JsonOption,
+    NormalizeOption,
     SamplesOption,
+    normalization_option,
 )
 from fusekit._cli.output import emit_json, stdout, step_progress
 from fusekit.core.errors import ParameterError
@@ -122,6 +125,7 @@ def simulate(
     samples: SamplesOption = 10_000,
     features: FeaturesOption = 20,
     classes: ClassesOption = 10,
+    normalize: NormalizeOption = None,
     device: DeviceOption = "auto",
     force: Annotated[bool, typer.Option("--force", help="Replace existing client files.")] = False,
     as_json: JsonOption = False,
@@ -148,6 +152,8 @@ def simulate(
         classes=classes,
         seed=seed,
     )
+    if normalize:  # what the clients train with and record (fusekit.preprocess)
+        dataset = dataclasses.replace(dataset, normalization=normalization_option(normalize))
     pan_settings = (
         None if pan == "none" else {"mode": pan, "amplitude": pan_amplitude, "period": pan_period}
     )

@@ -17,7 +17,7 @@ from typing import Any
 
 from fusekit.core import metadata as meta
 from fusekit.core import neurons
-from fusekit.core.checkpoint import Checkpoint, load_checkpoint
+from fusekit.core.checkpoint import Checkpoint, common_preprocess, load_checkpoint
 from fusekit.core.errors import CheckpointError, IncompatibleModelsError, ParameterError
 from fusekit.core.metadata import load_json
 from fusekit.core.spec import (
@@ -80,6 +80,7 @@ def fuse(
     if len(inputs) == 1:  # once the input is known to be a checkpoint
         log.warning("fusing a single checkpoint with %s: there is nothing to combine; the "
                     "result is that client's model", fusion.name)
+    common_preprocess(checkpoints)
     specs = [client_spec(c, spec) for c in checkpoints]
     if fusion.requires_same_architecture:
         check_compatible(checkpoints, specs)

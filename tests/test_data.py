@@ -90,11 +90,17 @@ def test_class_counts():
     assert class_counts(np.array([0, 2, 2, 1]), np.array([1, 2, 3]), 4) == [0, 1, 2, 0]
 
 
-def test_digits_is_standardised_and_fixed():
+def test_digits_is_as_stored_and_fixed():
+    """scikit-learn's pixel values (0..16); the normalisation fusekit's models train with
+    is the training split's mean and std, named beside the arrays."""
+    from sklearn.datasets import load_digits
+
     ds = digits()
     assert ds.input_shape == (1, 8, 8) and ds.num_classes == 10
     assert (len(ds.y_train), len(ds.y_test)) == (1347, 450)
-    assert abs(float(ds.x_train.mean())) < 1e-4 and abs(float(ds.x_train.std()) - 1) < 1e-3
+    assert set(np.unique(ds.x_train)) <= set(np.unique(load_digits().images))
+    assert ds.normalization.mean == pytest.approx((float(ds.x_train.mean()),), rel=1e-6)
+    assert ds.normalization.std == pytest.approx((float(ds.x_train.std()),), rel=1e-5)
     assert ds.x_train.dtype == np.float32 and ds.y_train.dtype == np.int64
     assert np.array_equal(digits().y_test, ds.y_test)
 
@@ -119,6 +125,8 @@ def test_npz(tmp_path):
     )
     ds = load_dataset("npz", path=path)
     assert ds.input_shape == (3,) and ds.num_classes == 3
+    np.testing.assert_array_equal(ds.x_test, np.load(path)["x_test"].astype(np.float32))
+    assert ds.normalization is None  # used as stored: no normalisation is named for it
     np.savez(tmp_path / "bad.npz", x_train=np.zeros((2, 2)))
     with pytest.raises(DataError, match="missing array"):
         load_dataset("npz", path=tmp_path / "bad.npz")

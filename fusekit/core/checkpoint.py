@@ -8,6 +8,7 @@ Metadata (string -> string; parsers and bounds in fusekit.core.metadata):
     fusekit.num_samples   number of training samples of the client: 1 to 15 ASCII digits
     fusekit.class_counts  JSON list of per-class sample counts (non-negative integers)
     fusekit.arch          JSON architecture description (see fusekit.core.arch)
+    fusekit.preprocess    JSON {"mean": [...], "std": [...]}: the model sees (x - mean) / std
 Fused outputs add fusekit.method, fusekit.params (JSON), fusekit.inputs (JSON list of
 content hashes) and fusekit.version.
 """
@@ -15,6 +16,7 @@ content hashes) and fusekit.version.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import io
 import json
@@ -39,8 +41,10 @@ from fusekit.core import metadata as meta
 from fusekit.core.errors import (
     CheckpointError,
     CheckpointNotFoundError,
+    IncompatibleModelsError,
     NonFiniteOutputError,
     OutputError,
+    ParameterError,
 )
 
 # A safetensors header is a few KB per hundred tensors; anything near this is an attack or
@@ -273,6 +277,11 @@ class Checkpoint:
         return None if raw is None else meta.parse_json_object(raw, meta.ARCH, self.label)
 
     @cached_property
+    def preprocess(self) -> meta.Normalization | None:
+        """What the model expects of its inputs (``fusekit.preprocess``); None: raw inputs."""
+        return meta.read_preprocess(self.metadata, self.label)
+
+    @cached_property
     def content_hash(self) -> str:
         """sha256 over sorted tensor names, dtypes, shapes and bytes (not the file's bytes:
         safetensors orders metadata differently in each process). Streams the file: it
@@ -482,6 +491,44 @@ def _as_numpy(value: Any) -> np.ndarray:
     return np.asarray(value)
 
 
+def common_preprocess(checkpoints: Sequence[Checkpoint]) -> meta.Normalization | None:
+    """The input normalisation every checkpoint records (None: all take raw inputs).
+
+    Raises:
+        IncompatibleModelsError: two checkpoints expect different inputs (naming both).
+    """
+    first = checkpoints[0].preprocess if checkpoints else None
+    for other in checkpoints[1:]:
+        if other.preprocess != first:
+            def said(c: Checkpoint) -> str:
+                return c.preprocess.describe() if c.preprocess else "none (raw inputs)"
+            raise IncompatibleModelsError(
+                f"{other.label}: metadata {meta.PREPROCESS} is {said(other)}; "
+                f"{checkpoints[0].label} has {said(checkpoints[0])}; expected clients that "
+                "take the same inputs")
+    return first
+
+
+def with_preprocess(checkpoint: Checkpoint, normalization: meta.Normalization | None
+                    ) -> Checkpoint:
+    """``checkpoint`` expecting ``normalization`` (what a user says of a model that records
+    none): a copy whose metadata records it; the file is not touched. None, or the
+    normalisation it records already, returns ``checkpoint``.
+
+    Raises:
+        ParameterError: the checkpoint records a different normalisation.
+    """
+    if normalization is None or checkpoint.preprocess == normalization:
+        return checkpoint
+    if checkpoint.preprocess is not None:
+        raise ParameterError(
+            f"{checkpoint.label}: records {meta.PREPROCESS} {checkpoint.preprocess.describe()}; "
+            f"--normalize gives {normalization.describe()}; expected no --normalize for a "
+            "model that records its preprocessing")
+    metadata = {**checkpoint.metadata, meta.PREPROCESS: normalization.to_json()}
+    return dataclasses.replace(checkpoint, metadata=metadata)
+
+
 def load_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     """Open and validate a safetensors checkpoint without reading its tensors; a folder
     with a ``config.json`` is a Hugging Face model folder (:func:`load_model_folder`).
@@ -648,7 +695,7 @@ def _validate(ckpt: Checkpoint) -> Checkpoint:
     """What every opened checkpoint passes: weight dtypes and shapes, then fusekit's
     metadata (now, not halfway through a fusion)."""
     ckpt._validate_header()
-    for prop in ("num_samples", "class_counts", "arch"):
+    for prop in ("num_samples", "class_counts", "arch", "preprocess"):
         getattr(ckpt, prop)
     return ckpt
 

@@ -1,7 +1,7 @@
 """Every safetensors metadata key fusekit reads or writes, and the parsers of their values.
 
-Client checkpoints carry ``fusekit.num_samples``, ``fusekit.class_counts`` and
-``fusekit.arch``; fused files add provenance (method, parameters, input hashes, version),
+Client checkpoints carry ``fusekit.num_samples``, ``fusekit.class_counts``,
+``fusekit.arch`` and ``fusekit.preprocess`` (what the model expects of its inputs); fused files add provenance (method, parameters, input hashes, version),
 the fused permutation spec and, for AMS, the description of the packed models.
 
 Every JSON value is parsed through :func:`load_json`, which bounds its size and nesting
@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import re
 import stat
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +59,9 @@ REFIT_STATS_FORMAT = "fusekit.refit_stats/1"
 REFIT = "fusekit.refit"
 #: What an alignment round did: the reference it matched to, clients, matched correlations.
 ALIGNMENT = "fusekit.alignment"
+#: What a model expects of its inputs: ``{"mean": [...], "std": [...]}``, the model sees
+#: ``(x - mean) / std``; absent: the inputs as they are.
+PREPROCESS = "fusekit.preprocess"
 
 
 # Bounds on every JSON value fusekit parses (metadata values, spec files): far above what
@@ -218,3 +223,74 @@ def read_ams(metadata: Mapping[str, str], label: str) -> dict[str, Any]:
             f"\"{AMS_FORMAT}\" and a non-empty \"models\" list, found {raw[:120]!r}"
         )
     return description
+
+
+MAX_NORMALIZATION_VALUES = 1_000_000
+
+
+@dataclass(frozen=True)
+class Normalization:
+    """What a model expects of its inputs: it sees ``(x - mean) / std``.
+
+    ``mean`` and ``std`` hold one value (every input element), one per channel (axis 1
+    of an input (N, C, ...)) or one per feature (every element of a sample, flattened).
+    """
+
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if not 0 < len(self.mean) == len(self.std) <= MAX_NORMALIZATION_VALUES:
+            raise ValueError(f"expected mean and std of the same length, 1 to "
+                             f"{MAX_NORMALIZATION_VALUES}; found {len(self.mean)} and "
+                             f"{len(self.std)}")
+        if not (all(math.isfinite(m) for m in self.mean)
+                and all(math.isfinite(s) and s > 0 for s in self.std)):
+            raise ValueError("expected finite means and finite positive standard deviations")
+
+    def to_json(self) -> str:
+        return json.dumps({"mean": list(self.mean), "std": list(self.std)})
+
+    def describe(self) -> str:
+        """For messages: ``mean [0.1307], std [0.3081]`` (long lists shortened)."""
+        def short(values: tuple[float, ...]) -> str:
+            shown = ", ".join(f"{v:.6g}" for v in values[:4])
+            return f"[{shown}{', ...' if len(values) > 4 else ''}]"
+        return f"mean {short(self.mean)}, std {short(self.std)} ({len(self.mean)} value(s))"
+
+
+def parse_preprocess(raw: str, label: str) -> Normalization:
+    """``fusekit.preprocess``: a JSON object ``{"mean": [...], "std": [...]}`` of finite
+    numbers, equal lengths, every std > 0.
+
+    Raises:
+        CheckpointError: naming the file, what was expected and what was found.
+    """
+    what = f"{label}: metadata {PREPROCESS}"
+    value = load_json(raw, what)
+    try:
+        if not isinstance(value, dict) or set(value) != {"mean", "std"}:
+            raise ValueError("expected an object with exactly the keys \"mean\" and \"std\"")
+        return normalization(value["mean"], value["std"])
+    except ValueError as exc:
+        raise CheckpointError(f"{what}: {exc}; found {raw[:120]!r}") from None
+
+
+def normalization(mean: Sequence[Any], std: Sequence[Any]) -> Normalization:
+    """A :class:`Normalization` from two lists of numbers.
+
+    Raises:
+        ValueError: not lists of real numbers, lengths differ, non-finite values or a
+            std <= 0.
+    """
+    if not (isinstance(mean, list | tuple) and isinstance(std, list | tuple)):
+        raise ValueError("expected \"mean\" and \"std\" to be lists of numbers")
+    if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in (*mean, *std)):
+        raise ValueError("expected \"mean\" and \"std\" to hold numbers only")
+    return Normalization(tuple(float(v) for v in mean), tuple(float(v) for v in std))
+
+
+def read_preprocess(metadata: Mapping[str, str], label: str) -> Normalization | None:
+    """The model's recorded input normalisation, or None (inputs as they are)."""
+    raw = metadata.get(PREPROCESS)
+    return None if raw is None else parse_preprocess(raw, label)

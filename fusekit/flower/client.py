@@ -20,9 +20,9 @@ from fusekit.core.stats import DEFAULT_MIN_SAMPLES
 from fusekit.toolkit.alignment import cross_statistics, refit_statistics
 from fusekit.toolkit.calibration import client_statistics
 from fusekit.toolkit.nn.fused import load_fused
+from fusekit.toolkit.nn.preprocess import model_normalization
 
 from .records import (
-    ARCH,
     ARCH_RECORD,
     CLASS_COUNTS,
     NUM_EXAMPLES,
@@ -30,6 +30,7 @@ from .records import (
     keep_model,
     model_metadata,
     query_checkpoint,
+    reply_config,
     statistics_content,
 )
 
@@ -94,32 +95,36 @@ def train_reply(
         record[CLASS_COUNTS] = counts
     state = {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()}
     content = RecordDict({arrays_key: ArrayRecord(state), metrics_key: record})
-    arch = _arch(model)
-    if arch:
-        content[ARCH_RECORD] = ConfigRecord({ARCH: arch})
+    metadata = _own_metadata(model)
+    if metadata:
+        content[ARCH_RECORD] = reply_config(metadata)
     if statistics_inputs is not None:
         stats = client_statistics(_checkpoint(model), _numpy(statistics_inputs),
                                   min_samples=min_samples, input_moments=input_moments)
         content.update(statistics_content(stats))
     if keep_in is not None:
-        keep_model(keep_in, content[arrays_key], arch)
+        keep_model(keep_in, content[arrays_key], metadata)
     return content
 
 
-def _arch(model: nn.Module) -> str | None:
-    """A fusekit module's architecture (``fusekit.arch`` JSON), None for other modules."""
+def _own_metadata(model: nn.Module) -> dict[str, str]:
+    """What a module says of itself: a fusekit module's architecture (``fusekit.arch``),
+    the input normalisation it applies (``fusekit.preprocess``); none for other modules."""
     arch = getattr(model, "arch", None)
-    return json.dumps(dict(arch)) if isinstance(arch, Mapping) else None
+    metadata = {meta.ARCH: json.dumps(dict(arch))} if isinstance(arch, Mapping) else {}
+    normalization = model_normalization(model)
+    if normalization is not None:
+        metadata[meta.PREPROCESS] = normalization.to_json()
+    return metadata
 
 
 def _checkpoint(model: nn.Module | Checkpoint) -> Checkpoint:
     """A torch model as the checkpoint its train reply sends (the same content hash)."""
     if isinstance(model, Checkpoint):
         return model
-    arch = _arch(model)
     return Checkpoint.from_state_dict(
         {name: t.detach().cpu().numpy() for name, t in model.state_dict().items()},
-        {meta.ARCH: arch} if arch else {}, source="this node's trained model")
+        _own_metadata(model), source="this node's trained model")
 
 
 def _numpy(inputs: Any) -> np.ndarray:
@@ -135,7 +140,8 @@ def global_model(content: RecordDict, arch: Mapping[str, Any] | None = None, *,
 
     Its architecture is the one the server sent (``fusekit-arch``, ``fusekit-spec`` or
     ``fusekit-ams`` in the ConfigRecord: the fused model) or else ``arch``; without either
-    the model is read as a ReLU MLP from its tensors, as ``fusekit.load_fused`` does.
+    the model is read as a ReLU MLP from its tensors, as ``fusekit.load_fused`` does. It
+    normalises its inputs as the fused model's clients did (``fusekit-preprocess``).
 
     Raises:
         CheckpointError: the arrays do not match the architecture.

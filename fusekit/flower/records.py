@@ -60,9 +60,13 @@ ARCH = "fusekit-arch"
 SPEC = "fusekit-spec"
 AMS = "fusekit-ams"
 WIDTHS = "fusekit-widths"
-ARCH_RECORD = "fusekit"  # the reply's ConfigRecord carrying ARCH
+PREPROCESS = "fusekit-preprocess"
+ARCH_RECORD = "fusekit"  # the reply's ConfigRecord carrying REPLY_KEYS
+#: What a node says of the model it sends (architecture, input normalisation), and the
+#: ConfigRecord keys it travels under.
+REPLY_KEYS = {meta.ARCH: ARCH, meta.PREPROCESS: PREPROCESS}
 #: The fused model's metadata that rebuilds it, and the ConfigRecord keys it travels under.
-MODEL_KEYS = {meta.ARCH: ARCH, meta.SPEC: SPEC, meta.AMS: AMS}
+MODEL_KEYS = {meta.ARCH: ARCH, meta.SPEC: SPEC, meta.AMS: AMS, meta.PREPROCESS: PREPROCESS}
 #: The query action of calibration: a ClientApp answers it in ``@app.query("statistics")``.
 STATISTICS = "statistics"
 STATISTICS_QUERY = f"{MessageType.QUERY}.{STATISTICS}"
@@ -118,12 +122,11 @@ def reply_checkpoint(content: RecordDict, source: str,
     if CLASS_COUNTS in metrics:
         metadata[meta.CLASS_COUNTS] = json.dumps(metrics[CLASS_COUNTS])
     for config in content.config_records.values():
-        if ARCH in config:
-            metadata[meta.ARCH] = str(config[ARCH])
+        metadata.update(reply_metadata(config))
     checkpoint = Checkpoint.from_state_dict(arrays_to_state_dict(arrays), metadata,
                                             source=source)
     # Parse everything now: a bad reply must be left out before the fusion starts.
-    _ = checkpoint.num_samples, checkpoint.class_counts, checkpoint.arch
+    _ = checkpoint.num_samples, checkpoint.class_counts, checkpoint.arch, checkpoint.preprocess
     checkpoint.state_dict()
     return checkpoint
 
@@ -249,19 +252,31 @@ def reply_statistics(content: RecordDict, source: str, kind: str = "channels"
                               ) from None
 
 
-def keep_model(state: RecordDict, arrays: ArrayRecord, arch: str | None) -> None:
-    """Keep a node's trained model (its ArrayRecord, its ``fusekit.arch`` JSON) in its
-    ``Context.state``, for the alignment and refit queries of the same run."""
+def reply_metadata(config: ConfigRecord) -> dict[str, str]:
+    """The fusekit metadata a node's ConfigRecord says of its model (:data:`REPLY_KEYS`)."""
+    return {name: str(config[key]) for name, key in REPLY_KEYS.items() if key in config}
+
+
+def reply_config(metadata: Mapping[str, str]) -> ConfigRecord:
+    """A node's model's fusekit metadata (architecture, input normalisation) as the
+    ConfigRecord its reply carries."""
+    return ConfigRecord({key: metadata[name] for name, key in REPLY_KEYS.items()
+                         if name in metadata})
+
+
+def keep_model(state: RecordDict, arrays: ArrayRecord, metadata: Mapping[str, str]) -> None:
+    """Keep a node's trained model (its ArrayRecord, its ``fusekit.arch`` and
+    ``fusekit.preprocess``) in its ``Context.state``, for the alignment and refit queries
+    of the same run."""
     state[OWN_MODEL] = arrays
-    state[OWN_ARCH] = ConfigRecord({ARCH: arch} if arch else {})
+    state[OWN_ARCH] = reply_config(metadata)
 
 
 def kept_model(state: RecordDict) -> Checkpoint | None:
     """The model :func:`keep_model` kept, or None."""
     if OWN_MODEL not in state.array_records:
         return None
-    config = state.config_records.get(OWN_ARCH, ConfigRecord())
-    metadata = {meta.ARCH: str(config[ARCH])} if ARCH in config else {}
+    metadata = reply_metadata(state.config_records.get(OWN_ARCH, ConfigRecord()))
     return Checkpoint.from_state_dict(arrays_to_state_dict(state[OWN_MODEL]), metadata,
                                       source="this node's trained model")
 

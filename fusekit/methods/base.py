@@ -14,7 +14,12 @@ import numpy as np
 
 from fusekit._version import __version__
 from fusekit.core import metadata as meta
-from fusekit.core.checkpoint import Checkpoint, save_checkpoint, save_model_folder
+from fusekit.core.checkpoint import (
+    Checkpoint,
+    common_preprocess,
+    save_checkpoint,
+    save_model_folder,
+)
 from fusekit.core.errors import UnknownMethodError
 from fusekit.core.neurons import refuse_position_aware
 from fusekit.core.spec import PermutationSpec
@@ -162,6 +167,9 @@ def provenance(result: FusionResult, checkpoints: Sequence[Checkpoint]) -> None:
         meta.INPUTS: json.dumps([c.content_hash for c in checkpoints]),
         meta.VERSION: __version__,
     })
+    preprocess = common_preprocess(checkpoints)
+    if preprocess is not None:  # the fused model takes the inputs its clients took
+        result.metadata[meta.PREPROCESS] = preprocess.to_json()
 
 def sample_weights(checkpoints: Sequence[Checkpoint]) -> np.ndarray:
     """α_s = N_s / Σ N (ALGORITHMS §1); uniform, with a warning, when any count is missing."""

@@ -151,7 +151,6 @@ def simulate_clients(
     Raises:
         ParameterError, SpecError: invalid settings; OutputError: files exist without force.
     """
-    from fusekit.toolkit.nn.modules import build_model
     from fusekit.toolkit.train import resolve_device, train_model
 
     torch_device = resolve_device(device)
@@ -170,7 +169,7 @@ def simulate_clients(
     clients = []
     for i, (arch, indices) in enumerate(zip(archs, parts, strict=True)):
         init_seed = config.seed if config.shared_init else derive_seed(config.seed, "init", i)
-        model = build_model(arch, seed=init_seed)
+        model = fresh_model(arch, dataset, seed=init_seed)
         result = train_model(
             model,
             dataset.x_train[indices],
@@ -199,6 +198,17 @@ def simulate_clients(
     return clients
 
 
+def fresh_model(arch: Mapping[str, Any], dataset: Dataset, *, seed: int | None = None) -> Any:
+    """A newly initialised model of ``arch`` that normalises its inputs as fusekit's models
+    trained on ``dataset`` do (:attr:`Dataset.normalization`; :func:`client_checkpoint`
+    records it), so it trains and predicts on the data as stored."""
+    from fusekit.toolkit.nn.modules import build_model
+    from fusekit.toolkit.nn.preprocess import attach_normalization
+
+    return attach_normalization(build_model(arch, seed=seed), dataset.normalization,
+                                dataset.name)
+
+
 def client_checkpoint(
     model: Any,
     dataset: Dataset,
@@ -206,8 +216,11 @@ def client_checkpoint(
     extra: Mapping[str, str] | None = None,
 ) -> Checkpoint:
     """A model as an in-memory checkpoint with fusekit's metadata: its architecture, the
-    sample and class counts of its training indices (none when None), and ``extra``."""
+    input normalisation of ``dataset``'s models (see :func:`fresh_model`), the sample and
+    class counts of its training indices (none when None), and ``extra``."""
     metadata = {meta.ARCH: json.dumps(model.arch), **(extra or {})}
+    if dataset.normalization is not None:
+        metadata[meta.PREPROCESS] = dataset.normalization.to_json()
     if indices is not None:
         counts = class_counts(dataset.y_train, indices, dataset.num_classes)
         metadata[meta.NUM_SAMPLES] = str(len(indices))

@@ -19,8 +19,7 @@ from fusekit.flower import (
 )
 from fusekit.toolkit.data import class_counts
 from fusekit.toolkit.evaluate import predict_logits, score_logits
-from fusekit.toolkit.nn import build_model
-from fusekit.toolkit.simulate import derive_seed
+from fusekit.toolkit.simulate import derive_seed, fresh_model
 from fusekit.toolkit.train import TrainConfig, train_model
 from fusekit_digits import task
 
@@ -35,10 +34,11 @@ def train(msg: Message, context: Context) -> Message:
     indices = task.node_indices(config, context.node_config, data)
     seed = int(config["seed"])
     arch = task.architecture(config, data)
-    if WIDTHS in msg.content["config"] or config["shared-init"]:
+    if WIDTHS in msg.content["config"]:
         model = global_model(msg.content, arch)  # after a fusion: the fused widths
-    else:
-        model = build_model(arch, seed=derive_seed(seed, "init", node))
+    else:  # the digits' normalisation, applied by the model and recorded in its reply
+        model = fresh_model(arch, data, seed=seed if config["shared-init"]
+                            else derive_seed(seed, "init", node))
     training = train_model(
         model, data.x_train[indices], data.y_train[indices],
         TrainConfig(epochs=int(config["epochs"]), lr=float(config["lr"])),

@@ -8,12 +8,17 @@
 - ``synthetic``: seeded Gaussian-mixture classification of any size and dimension.
 
 Images are float32 (N, C, H, W), vectors float32 (N, D); labels int64 in 0..K-1. Inputs are
-standardised with the training set's mean and standard deviation (per channel for images)
-so every model sees inputs on the same scale.
+returned as stored (digits: pixel values 0..16; mnist, fashion-mnist, cifar10: bytes / 255;
+npz: the file's arrays, unchanged). Preprocessing belongs to the model: each built-in data
+set names the normalisation fusekit's own models train with (:attr:`Dataset.normalization`,
+its training split's mean and standard deviation, per channel for images, one value for
+vectors), which training records in the checkpoint (``fusekit.preprocess``) and every front
+door applies from there. An ``npz`` file names none: models trained on it see its arrays.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import os
 import pickle
@@ -26,6 +31,7 @@ from typing import BinaryIO
 import numpy as np
 
 from fusekit.core.errors import DataError, ParameterError
+from fusekit.core.metadata import Normalization
 
 DATASETS = ("digits", "mnist", "fashion-mnist", "cifar10", "npz", "synthetic")
 
@@ -52,6 +58,8 @@ class Dataset:
         x_test: float32 (M, *input_shape).
         y_test: int64 (M,).
         num_classes: K.
+        normalization: what fusekit's own models trained on it expect of their inputs
+            (recorded in their checkpoints), or None: the arrays as they are.
     """
 
     name: str
@@ -60,6 +68,7 @@ class Dataset:
     x_test: np.ndarray
     y_test: np.ndarray
     num_classes: int
+    normalization: Normalization | None = None
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -137,7 +146,7 @@ def digits() -> Dataset:
         random_state=0,
         stratify=bunch.target,
     )
-    return _standardised("digits", x_train, y_train, x_test, y_test)
+    return _built_in("digits", x_train, y_train, x_test, y_test)
 
 
 def synthetic(
@@ -161,7 +170,7 @@ def synthetic(
     blob = rng.integers(0, 2, size=samples)
     x = centres[y, blob] + rng.normal(0.0, 1.0, size=(samples, features))
     n_train = round(0.8 * samples)
-    return _standardised(
+    return _built_in(
         f"synthetic-{features}d-{classes}c",
         x[:n_train].astype(np.float32),
         y[:n_train].astype(np.int64),
@@ -220,7 +229,7 @@ def npz_dataset(path: str | os.PathLike[str]) -> Dataset:
                 f"{path}: expected x_{split} (N, ...) and integer y_{split} (N,); found shapes "
                 f"{x.shape} and {y.shape} ({y.dtype})"
             )
-    return _standardised(
+    return _as_stored(
         path.stem,
         arrays["x_train"].astype(np.float32),
         arrays["y_train"].astype(np.int64),
@@ -264,7 +273,7 @@ def idx_dataset(name: str, data_dir: Path) -> Dataset:
         found = {k: _find_file(folder, base) for k, base in _IDX_FILES.items()}
         if all(found.values()):
             arrays = {k: _read_idx(p) for k, p in found.items()}  # type: ignore[arg-type]
-            return _standardised(
+            return _built_in(
                 name,
                 arrays["x_train"].astype(np.float32)[:, None] / 255.0,
                 arrays["y_train"].astype(np.int64),
@@ -287,7 +296,7 @@ def cifar10(data_dir: Path) -> Dataset:
             batches = [_read_cifar_batch(folder / n) for n in names]
             x_train = np.concatenate([b[0] for b in batches[:5]])
             y_train = np.concatenate([b[1] for b in batches[:5]])
-            return _standardised(
+            return _built_in(
                 "cifar10", x_train / 255.0, y_train, batches[5][0] / 255.0, batches[5][1]
             )
     raise DataError(
@@ -384,7 +393,7 @@ def _require_dir(name: str, data_dir: str | os.PathLike[str] | None) -> Path:
     return folder
 
 
-def _standardised(
+def _as_stored(
     name: str, x_train: np.ndarray, y_train: np.ndarray, x_test: np.ndarray, y_test: np.ndarray
 ) -> Dataset:
     if x_train.shape[1:] != x_test.shape[1:]:
@@ -395,16 +404,24 @@ def _standardised(
     labels = np.concatenate([y_train, y_test])
     if labels.min() < 0:
         raise DataError(f"{name}: labels must be 0..K-1, found {int(labels.min())}")
-    # Per-channel statistics for images (N, C, H, W), per-feature-scalar for vectors.
+    return Dataset(name=name, x_train=x_train.astype(np.float32),
+                   y_train=y_train.astype(np.int64), x_test=x_test.astype(np.float32),
+                   y_test=y_test.astype(np.int64), num_classes=int(labels.max()) + 1)
+
+
+def _built_in(
+    name: str, x_train: np.ndarray, y_train: np.ndarray, x_test: np.ndarray, y_test: np.ndarray
+) -> Dataset:
+    """A built-in data set as stored, naming the normalisation fusekit's models train with."""
+    dataset = _as_stored(name, x_train, y_train, x_test, y_test)
+    return dataclasses.replace(dataset, normalization=training_normalization(dataset.x_train))
+
+
+def training_normalization(x_train: np.ndarray) -> Normalization:
+    """The mean and standard deviation of training inputs: per channel for images
+    (N, C, H, W), one value for anything else; a constant's std is taken as 1."""
     axes = (0, 2, 3) if x_train.ndim == 4 else tuple(range(x_train.ndim))
-    mean = x_train.mean(axis=axes, keepdims=True)
-    std = x_train.std(axis=axes, keepdims=True)
+    mean = x_train.mean(axis=axes, dtype=np.float64).reshape(-1)
+    std = x_train.std(axis=axes, dtype=np.float64).reshape(-1)
     std = np.where(std > 0, std, 1.0)
-    return Dataset(
-        name=name,
-        x_train=((x_train - mean) / std).astype(np.float32),
-        y_train=y_train.astype(np.int64),
-        x_test=((x_test - mean) / std).astype(np.float32),
-        y_test=y_test.astype(np.int64),
-        num_classes=int(labels.max()) + 1,
-    )
+    return Normalization(tuple(mean.tolist()), tuple(std.tolist()))

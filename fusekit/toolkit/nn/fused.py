@@ -33,6 +33,7 @@ from fusekit.core.spec import PermutationSpec, infer_spec, shapes_of, spec_from_
 from fusekit.methods.ams import ams_class_counts, read_ams_metadata
 from fusekit.toolkit.nn.ams import AMSModel
 from fusekit.toolkit.nn.modules import build_model, load_state_into, state_dict_to_torch
+from fusekit.toolkit.nn.preprocess import attach_normalization
 from fusekit.toolkit.train import resolve_device
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,8 @@ def load_fused(
         For AMS artefacts an :class:`AMSModel` (all sub-models on ``device``, selection per
         sample with the stored mode and k; change it with ``set_mode``); otherwise the
         model the checkpoint's architecture describes, with the stored (fused) widths.
-        Either maps inputs (B, ...) to logits (B, C).
+        Either maps inputs (B, ...) to logits (B, C), normalising them first as the
+        checkpoint's ``fusekit.preprocess`` records (so it takes the data as stored).
 
     Raises:
         CheckpointError: unreadable file, malformed metadata, tensors that do not match
@@ -74,6 +76,7 @@ def load_fused(
         spec_json = meta.parse_json_object(spec, meta.SPEC, checkpoint.label) if spec else None
         model = build_plain_model(checkpoint.state_dict(), checkpoint.arch, spec_json,
                                   checkpoint.label)
+    attach_normalization(model, checkpoint.preprocess, checkpoint.label)
     return model.to(target).eval()
 
 
@@ -151,7 +154,8 @@ def hidden_preactivations(checkpoint: Checkpoint, spec: PermutationSpec,
     Args:
         checkpoint: the client (built with :func:`build_plain_model`, on the CPU).
         spec: its permutation spec.
-        inputs: float32 (N, ...) inputs the model accepts (flattened for an MLP).
+        inputs: float32 (N, ...) inputs as stored (the model's ``fusekit.preprocess`` is
+            applied; flattened for an MLP).
 
     Returns:
         Per hidden layer, float64 (samples, J): linear layers give N rows; conv layers
@@ -163,6 +167,7 @@ def hidden_preactivations(checkpoint: Checkpoint, spec: PermutationSpec,
     spec_json = spec.to_json() if checkpoint.arch is None else None
     model = build_plain_model(checkpoint.state_dict(), checkpoint.arch, spec_json,
                               checkpoint.label).eval()
+    attach_normalization(model, checkpoint.preprocess, checkpoint.label)
     captured: list[torch.Tensor] = []
     hooks = [module.register_forward_hook(lambda _m, _i, out: captured.append(out.clone()))
              for module in preactivation_modules(model, spec)[:-1]]

@@ -31,6 +31,7 @@ from fusekit.core.arch import convnet_feature_size, hidden_widths, pan_encoding,
 from fusekit.core.checkpoint import Checkpoint, is_integer_buffer, load_checkpoint
 from fusekit.core.errors import CheckpointError, SpecError
 from fusekit.core.fed2 import layer_masks
+from fusekit.toolkit.nn.preprocess import attach_normalization
 from fusekit.toolkit.nn.zoo import VGG, ResNet
 
 
@@ -247,7 +248,8 @@ def load_model(
         device: where to put the model; it is returned in eval mode.
 
     Returns:
-        The torch module (``FusekitMLP`` or ``FusekitConvNet``).
+        The torch module (``FusekitMLP`` or ``FusekitConvNet``), normalising its inputs
+        as the checkpoint's ``fusekit.preprocess`` records.
 
     Raises:
         CheckpointError: no ``fusekit.arch`` metadata, an invalid one, or tensors that do
@@ -268,6 +270,7 @@ def load_model(
     except SpecError as exc:
         raise CheckpointError(f"{ckpt.label}: invalid fusekit.arch ({exc})") from None
     load_state_into(model, ckpt.state_dict(), ckpt.label)
+    attach_normalization(model, ckpt.preprocess, ckpt.label)
     return model.to(device).eval()
 
 
