@@ -5,6 +5,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 from typer.testing import CliRunner
 
 import foreign as own
@@ -164,3 +165,33 @@ def test_fusekits_own_models_record_what_they_were_trained_on(tmp_path):
     by_hand = own.accuracy(model, ((data.x_test - mean) / std).astype(np.float32), data.y_test)
     report = evaluate_checkpoints([client.path], data, device="cpu")
     assert report.scores[0].accuracy == by_hand > 0.5
+
+
+def test_flower_nodes_send_and_receive_the_models_preprocessing():
+    """A node's reply says what its model applies; the fused global model it gets back
+    applies the same, so nodes feed both the data as stored."""
+    from flwr.app import RecordDict
+
+    from fusekit.core.arch import parse_arch_string
+    from fusekit.flower import global_model, train_reply
+    from fusekit.flower.records import model_config, reply_checkpoint, state_dict_to_arrays
+    from fusekit.toolkit.data import digits
+    from fusekit.toolkit.nn.preprocess import model_normalization
+    from fusekit.toolkit.simulate import fresh_model
+
+    data = digits()
+    arch = parse_arch_string("mlp:16", input_shape=data.input_shape, num_classes=10)
+    replies = [reply_checkpoint(train_reply(fresh_model(arch, data, seed=s), 10 + s),
+                                f"node {s}") for s in range(2)]
+    assert [r.preprocess for r in replies] == [data.normalization] * 2
+    result = fusekit.fuse(replies, "avg")
+    model = global_model(RecordDict({"arrays": state_dict_to_arrays(result.state_dict),
+                                     "config": model_config(result.metadata, result.widths)}))
+    assert model_normalization(model) == data.normalization
+    bare = fusekit.load_fused(fusekit.Checkpoint.from_state_dict(
+        result.state_dict, {"fusekit.arch": json.dumps(arch)}), "cpu")
+    mean, std = data.normalization.mean[0], data.normalization.std[0]
+    x = data.x_test[:50]
+    with torch.inference_mode():
+        np.testing.assert_allclose(model(torch.from_numpy(x)).numpy(),
+                                   bare(torch.from_numpy((x - mean) / std)).numpy(), atol=1e-5)

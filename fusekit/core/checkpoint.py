@@ -516,10 +516,15 @@ def with_preprocess(checkpoint: Checkpoint, normalization: meta.Normalization | 
     normalisation it records already, returns ``checkpoint``.
 
     Raises:
-        ParameterError: the checkpoint records a different normalisation.
+        ParameterError: the checkpoint records a different normalisation, or is a Hugging
+            Face model folder.
     """
     if normalization is None or checkpoint.preprocess == normalization:
         return checkpoint
+    if checkpoint.config is not None:
+        raise ParameterError(f"{checkpoint.label}: a Hugging Face model folder takes its "
+                             "inputs as its tokenizer or processor gives them; expected no "
+                             "--normalize")
     if checkpoint.preprocess is not None:
         raise ParameterError(
             f"{checkpoint.label}: records {meta.PREPROCESS} {checkpoint.preprocess.describe()}; "
