@@ -52,7 +52,7 @@ from fusekit.flower.records import (
 )
 from fusekit.toolkit.calibration import calibrate_locally, client_statistics
 from fusekit.toolkit.data import load_dataset
-from fusekit.toolkit.nn import build_model, load_state_into
+from fusekit.toolkit.nn import build_model, load_model
 from fusekit.toolkit.nn.fused import load_fused
 from fusekit.toolkit.simulate import SimulationConfig, simulate_clients
 from fusekit.toolkit.train import TrainConfig
@@ -104,12 +104,8 @@ def trained_fed2(digits):
 
 
 def with_modules(clients):
-    models = []
-    for client in clients:
-        model = build_model(client.checkpoint.arch)
-        load_state_into(model, client.checkpoint.state_dict(), "client")
-        models.append(model)
-    return clients, models
+    """The clients' modules, as a node holds them: normalising their inputs as trained."""
+    return clients, [load_model(client.checkpoint) for client in clients]
 
 
 def trained_replies(trained, first_node: int = 10, inputs=None, **options) -> list[Message]:

@@ -419,9 +419,11 @@ def _built_in(
 
 def training_normalization(x_train: np.ndarray) -> Normalization:
     """The mean and standard deviation of training inputs: per channel for images
-    (N, C, H, W), one value for anything else; a constant's std is taken as 1."""
+    (N, C, H, W), one value for anything else; a constant's std is taken as 1. Computed in
+    the inputs' float32, so normalised inputs are bit for bit those fusekit's models
+    trained on when loaders standardised the data themselves."""
     axes = (0, 2, 3) if x_train.ndim == 4 else tuple(range(x_train.ndim))
-    mean = x_train.mean(axis=axes, dtype=np.float64).reshape(-1)
-    std = x_train.std(axis=axes, dtype=np.float64).reshape(-1)
+    mean = x_train.mean(axis=axes).reshape(-1)
+    std = x_train.std(axis=axes).reshape(-1)
     std = np.where(std > 0, std, 1.0)
     return Normalization(tuple(mean.tolist()), tuple(std.tolist()))
