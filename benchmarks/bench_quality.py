@@ -88,6 +88,7 @@ NONIID_PARTITIONS = {
 ALL_PARTITIONS = {**PARTITIONS, **NONIID_PARTITIONS}
 NONIID = ("dir-0.05", "dir-0.1", "labels-1-3")
 DEFAULT_RATIO_LABELS = ("pfnm@1.5", "nafi@1.5")  # the default width, 1.5 x the widest client
+DISTILL = "distill@1.5"
 AMS_RULES = {"ams-class": "class-share", "ams-logit": "logit", "ams-prob": "probability"}
 EPOCHS = {"digits": 20, "synthetic": 10, "mnist": 3, "npz": 3}
 LR = 3e-3  # Adam; brings digits clients close to zero training loss in 20 epochs
@@ -222,6 +223,7 @@ class Runner:
             fused.unlink()
             layers = result.report.get("layers", [])
             return {"accuracy": accuracy, "time_s": seconds, "widths": list(result.widths),
+                    "peak_memory_mb": result.report.get("peak_memory_mb"),
                     "inferred": [layer["inferred_width"] for layer in layers
                                  if "inferred_width" in layer],
                     **clients_differ(result.report), **calibrated}
@@ -508,6 +510,7 @@ def frontier_variants() -> dict[str, tuple[str, dict[str, Any]]]:
     out["ot@1"] = ("ot", {})
     out["avg@1"] = ("avg", {})
     out.update({label: ("ams", {"confidence": rule}) for label, rule in AMS_RULES.items()})
+    out[DISTILL] = ("distill", {})  # its defaults: pfnm's default width, 1.5 x
     return out
 
 
@@ -566,6 +569,36 @@ def frontier_checks(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def distill_checks(rows: list[dict[str, Any]]) -> list[str]:
+    """Issue 44's targets for distill at its default width, cell by cell: at least the
+    softmax ensemble, within 5 points of AMS's class-share rule; its time and peak memory
+    (the process's resident peak during the fusion) beside pfnm's."""
+    lines = []
+    for key, cells in summarise(rows, ("data", "partition", "clients")).items():
+        if DISTILL not in cells or "ensemble-softmax" not in cells or "ams-class" not in cells:
+            continue
+        mine = cells[DISTILL][0]
+        above = 100 * (mine - cells["ensemble-softmax"][0])
+        below = 100 * (cells["ams-class"][0] - mine)
+        cost = {label: _mean_cost(rows, key, label) for label in (DISTILL, "pfnm@1.5")}
+        lines.append(
+            f"- distill, {key[0]} {key[1]} S={key[2]}: distill - ensemble-softmax = {above:+.1f} "
+            f"points ({'met' if above >= 0 else 'NOT met'}), ams-class - distill = {below:+.1f} "
+            f"points ({'met' if below <= 5 else 'NOT met'}); "
+            + ", ".join(f"{label} {t:.1f} s, {m:.0f} MB" for label, (t, m) in cost.items()))
+    return lines
+
+
+def _mean_cost(rows: list[dict[str, Any]], key: tuple, label: str) -> tuple[float, float]:
+    """Mean time (s) and peak memory (MB) of one variant over a cell's seeds."""
+    found = [row["methods"][label] for row in rows
+             if tuple(row["cell"][f] for f in ("data", "partition", "clients")) == key
+             and "time_s" in row["methods"].get(label, {})]
+    memory = [r["peak_memory_mb"] for r in found if r.get("peak_memory_mb") is not None]
+    return (float(np.mean([r["time_s"] for r in found])) if found else math.nan,
+            float(np.mean(memory)) if memory else math.nan)
+
+
 def noniid_section(rows: list[dict[str, Any]]) -> list[str]:
     """The "Non-iid floor" subsection: its table and its two targets, cell by cell (empty
     when the run has none of the non-iid cells)."""
@@ -587,7 +620,7 @@ def noniid_section(rows: list[dict[str, Any]]) -> list[str]:
             *floor_checks(summary), *ams_checks(all_cells)]
 
 
-NONIID_COLUMNS = ("ensemble-softmax", *AMS_RULES, *DEFAULT_RATIO_LABELS, "pfnm-counts@1.5",
+NONIID_COLUMNS = ("ensemble-softmax", *AMS_RULES, DISTILL, *DEFAULT_RATIO_LABELS, "pfnm-counts@1.5",
                   "pfnm@1", "nafi@1", "avg@1", "ot@1")
 
 
@@ -763,7 +796,8 @@ def render_frontier(rows: dict[str, list], payload: dict[str, Any], plot: Path |
         "mean of the clients' probabilities / logits; ams-class = AMS's class-share mixture "
         "(its default with class counts), ams-logit = AMS-top1 by max logit (the paper's), "
         "ams-prob = AMS-top1 by max softmax probability; these keep all S client models "
-        "(S x 100 hidden neurons). Partitions: dir-α = Dirichlet(α) class shares; labels = "
+        "(S x 100 hidden neurons); distill@1.5 = distill's defaults (pfnm at 1.5x taught "
+        "ams-class on synthetic inputs, no data). Partitions: dir-α = Dirichlet(α) class shares; labels = "
         "3-6 classes per client; labels-1-3 = 1-3 classes per client. "
         f"{m['platform']}, torch {m['torch']}, {m['core']}; total {payload['elapsed_s']:.0f} s."
         + (f" {note}" if note else ""),
@@ -778,6 +812,7 @@ def render_frontier(rows: dict[str, list], payload: dict[str, Any], plot: Path |
         "Targets, cell by cell:",
         "",
         *frontier_checks(rows["frontier"]),
+        *distill_checks(rows["frontier"]),
         *noniid_section(rows["frontier"]),
     ]
     if plot is not None:

@@ -1,0 +1,208 @@
+"""Data-free distillation (docs/ALGORITHMS.md §14): a fused student taught the clients'
+ensemble on synthetic inputs made from the models alone.
+
+The student starts as another method's fusion (PFNM at its default width unless told
+otherwise), the teacher is the best ensemble fusekit has (AMS's class-share mixture when
+every client carries class counts, else the softmax average), and the inputs are drawn
+fresh for every step from a standard normal and moved a few steps toward what the teacher
+answers confidently and the student gets wrong (DeepInversion, CVPR 2020; DENSE, NeurIPS
+2022), with the clients' BatchNorm statistics as a prior where they have BatchNorm.
+
+The server uses the client checkpoints' tensors and their class counts; no data of any
+kind. This module declares the method and runs the initial fusion (torch-free); the
+training itself is torch and lives in :mod:`fusekit.toolkit.distill`, which the package's
+front door (``fusekit.fuse``) installs with :func:`set_student_trainer`: methods never
+import the toolkit.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+import numpy as np
+
+from fusekit.core import metadata as meta
+from fusekit.core.checkpoint import Checkpoint
+from fusekit.core.errors import IncompatibleModelsError, ParameterError
+from fusekit.core.spec import GraphSpec, PermutationSpec
+from fusekit.core.transformer import TransformerSpec
+from fusekit.methods.avg import class_counts_matrix, shares_of_counts
+from fusekit.methods.base import METHODS, FusionMethod, FusionResult, get_method, register
+from fusekit.methods.bayesian import DEFAULT_WIDTH_RATIO
+from fusekit.methods.params import Param, method_params
+
+#: Methods whose fusion can start the student: every registered one that makes one
+#: network of the clients' architecture (fed2 needs clients of its own structure).
+INITIAL_FUSIONS = tuple(sorted(name for name, cls in METHODS.items()
+                               if cls.makes_one_network and cls.client_structure is None))
+
+
+@dataclass(frozen=True)
+class DistillationTask:
+    """What the student's training gets: models and settings, no data.
+
+    Attributes:
+        clients: the client checkpoints, canonical order.
+        specs: their permutation specs.
+        student: the initial fusion (its state_dict, spec and architecture metadata).
+        class_shares: (S, C) float64 f_sc = N_sc / sum_s N_sc, or None without class counts
+            (the teacher is then the softmax average).
+        class_prior: (C,) float64 share of each class in all clients' samples (uniform
+            without class counts): the labels the synthetic batches are drawn for.
+        input_shape: one input's shape, e.g. (64,) or (1, 8, 8).
+        settings: the training parameters (steps, batch, ... as declared by :class:`Distill`).
+    """
+
+    clients: Sequence[Checkpoint]
+    specs: Sequence[PermutationSpec]
+    student: FusionResult
+    class_shares: np.ndarray | None
+    class_prior: np.ndarray
+    input_shape: tuple[int, ...]
+    settings: Mapping[str, Any]
+
+
+#: task -> (the student's state_dict, numpy, same names and dtypes; a report, JSON-able).
+StudentTrainer = Callable[[DistillationTask], tuple[dict[str, np.ndarray], dict[str, Any]]]
+_trainer: list[StudentTrainer] = []
+
+
+def set_student_trainer(trainer: StudentTrainer) -> None:
+    """Install the training stage (``fusekit.toolkit.distill.train_student``)."""
+    _trainer[:] = [trainer]
+
+
+@register
+class Distill(FusionMethod):
+    name = "distill"
+    summary = ("a fusion (pfnm by default) taught the clients' class-aware ensemble on "
+               "synthetic inputs made from the models alone (torch)")
+
+    def fuse(
+        self,
+        checkpoints: Sequence[Checkpoint],
+        specs: Sequence[PermutationSpec],
+        *,
+        initial: Annotated[str, Param(
+            help="the fusion the student starts from (its default parameters)",
+            choices=INITIAL_FUSIONS)] = "pfnm",
+        width_ratio: Annotated[float | None, Param(
+            help="the student's hidden width relative to the widest client, for initial "
+            "fusions that choose a width (pfnm, nafi)", minimum=1,
+            default_text=f"{DEFAULT_WIDTH_RATIO} for pfnm and nafi")] = None,
+        steps: Annotated[int, Param(
+            help="student updates, one fresh synthetic batch each (fewer when the stopping "
+            "rule ends the run)", minimum=1, maximum=100_000)] = 200,
+        batch: Annotated[int, Param(help="synthetic inputs per step", minimum=2,
+                                    maximum=65_536)] = 256,
+        input_steps: Annotated[int, Param(
+            help="gradient steps that move each fresh batch from the normal prior toward "
+            "confident, disputed inputs (0: plain noise)", minimum=0, maximum=100)] = 3,
+        input_lr: Annotated[float, Param(help="Adam learning rate of the synthetic inputs",
+                                         above=0, maximum=10)] = 0.1,
+        adversarial: Annotated[float, Param(
+            help="weight of the student's disagreement with the teacher, maximised by the "
+            "inputs", paper="DENSE (NeurIPS 2022) Eq. 6", minimum=0)] = 1.0,
+        batchnorm: Annotated[float, Param(
+            help="weight of the clients' BatchNorm statistics as the inputs' prior (clients "
+            "with BatchNorm only)", paper="DeepInversion (CVPR 2020) Eq. 4", minimum=0)] = 1.0,
+        temperature: Annotated[float, Param(
+            help="softening of the teacher's and the student's answers in the student's "
+            "KL loss", paper="Hinton et al. 2015", above=0, maximum=100)] = 1.0,
+        lr: Annotated[float, Param(help="Adam learning rate of the student", above=0,
+                                   maximum=1)] = 1e-3,
+        anchor: Annotated[float, Param(
+            help="weight of the squared distance of the student's weights to its initial "
+            "fusion", minimum=0)] = 0.0,
+        patience: Annotated[int, Param(
+            help="stop when the disagreement on fresh batches has not reached a new low for "
+            "this many steps (0: run every step)", minimum=0)] = 50,
+        seed: Annotated[int, Param(help="seed of the synthetic inputs and labels",
+                                   minimum=0)] = 0,
+        device: Annotated[str, Param(help="auto (CUDA when present), cpu or cuda[:N]")
+                          ] = "auto",
+    ) -> FusionResult:
+        """Fuse with ``initial``, then distil the clients' ensemble into that model.
+
+        Args:
+            checkpoints, specs: the S clients in canonical order and their specs.
+            initial: the method whose fused model starts the student.
+            width_ratio: the student's width relative to the widest client (``initial``
+                pfnm or nafi); the other initial fusions keep the clients' width.
+            steps, batch, input_steps, input_lr, adversarial, batchnorm, temperature, lr,
+                anchor, patience, seed, device: the training's settings (see the
+                declaration above and ALGORITHMS.md §14).
+
+        Returns:
+            FusionResult of the student (the initial fusion's widths and architecture);
+            ``report["initial"]`` is the initial fusion's report, ``report["distill"]``
+            what the training used and reached.
+
+        Raises:
+            ParameterError: width_ratio for an initial fusion without one; no training stage
+                installed (call ``fusekit.fuse``).
+            IncompatibleModelsError: transformers, residual networks, or models whose input
+                shape cannot be read from their checkpoints.
+        """
+        if any(isinstance(s, (TransformerSpec, GraphSpec)) for s in specs):
+            raise IncompatibleModelsError(
+                f"{checkpoints[0].label}: distill synthesises inputs for MLPs and plain "
+                "convolutional networks; use pfnm for transformers and residual networks")
+        input_shape = _input_shape(checkpoints[0], specs[0])
+        fusion = get_method(initial)
+        options = {}
+        if width_ratio is not None:
+            if "width_ratio" not in {p.name for p in method_params(fusion)}:
+                raise ParameterError(f"width_ratio: initial fusion {initial!r} keeps the "
+                                     "clients' width; use pfnm or nafi to choose one")
+            options["width_ratio"] = width_ratio
+        student = fusion.fuse(checkpoints, specs, **options)
+        if not _trainer:
+            raise ParameterError("method 'distill' trains its student with torch: call "
+                                 "fusekit.fuse, which installs fusekit.toolkit.distill")
+        settings = {"steps": steps, "batch": batch, "input_steps": input_steps,
+                    "input_lr": input_lr, "adversarial": adversarial, "batchnorm": batchnorm,
+                    "temperature": temperature, "lr": lr, "anchor": anchor,
+                    "patience": patience, "seed": seed, "device": device}
+        shares, prior = _class_shares(checkpoints, specs[0].out_features)
+        task = DistillationTask(checkpoints, specs, student, shares, prior, input_shape,
+                                settings)
+        state_dict, trained = _trainer[0](task)
+        params = {"initial": initial, "width_ratio": width_ratio, **settings}
+        report = {"initial": {"method": initial, "params": student.params,
+                              **{k: v for k, v in student.report.items() if k != "layers"}},
+                  "distill": trained}
+        return self.result(state_dict, checkpoints, student.spec, params, report)
+
+
+def _class_shares(checkpoints: Sequence[Checkpoint], classes: int
+                  ) -> tuple[np.ndarray | None, np.ndarray]:
+    """The class-share rule's f_sc and the classes' prior, when every client has counts."""
+    if any(c.class_counts is None for c in checkpoints):
+        return None, np.full(classes, 1.0 / classes)
+    counts = class_counts_matrix(checkpoints, classes)
+    totals = counts.sum(axis=0)
+    prior = totals / totals.sum() if totals.sum() > 0 else np.full(classes, 1.0 / classes)
+    return shares_of_counts(counts), prior
+
+
+def _input_shape(checkpoint: Checkpoint, spec: PermutationSpec) -> tuple[int, ...]:
+    """One input's shape: an MLP's fan-in, a ConvNet's (C, H, W) from its ``fusekit.arch``.
+
+    Raises:
+        IncompatibleModelsError: a convolutional model whose image size is not recorded.
+    """
+    arch = checkpoint.arch or {}
+    if arch.get("type") == "convnet" and "image_size" in arch:
+        return (int(arch["in_channels"]), *map(int, arch["image_size"]))
+    first = spec.layers[0]
+    shape = checkpoint.tensors[first.weight].shape
+    if len(shape) == 2:
+        return (int(shape[1]),)
+    raise IncompatibleModelsError(
+        f"{checkpoint.label}: distill needs the inputs' image size, which a convolutional "
+        f"model records in {meta.ARCH} (type convnet, image_size); found "
+        f"{json.dumps(arch) if arch else 'none'}")

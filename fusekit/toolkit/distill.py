@@ -1,0 +1,219 @@
+"""The student's training of ``--method distill`` (docs/ALGORITHMS.md §14), in torch.
+
+Each step draws a fresh batch of inputs from a standard normal and labels from the classes'
+prior, moves the inputs ``input_steps`` Adam steps toward what the teacher answers with
+those labels (fidelity), where the student disagrees with it (DENSE's adversarial term)
+and, for clients with BatchNorm, where every BatchNorm sees its running statistics
+(DeepInversion), then updates the student on the batch with the temperature-softened KL
+to the teacher. Drawing every batch afresh keeps the synthetic set diverse: inputs
+optimised over many steps drift to where every client is confident for no reason, and a
+student taught there loses what its matched start knew (benchmarks/RESULTS.md,
+"Distillation"). The run stops when the disagreement on the fresh batches, averaged over
+steps, has not reached a new low for ``patience`` steps: a rule computed from the models
+alone.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fusekit.core import metadata as meta
+from fusekit.methods.distill import DistillationTask
+from fusekit.toolkit.nn.fused import build_plain_model
+from fusekit.toolkit.train import resolve_device
+
+log = logging.getLogger(__name__)
+
+#: Smoothing of the disagreement the stopping rule watches (an average over ~20 steps).
+SMOOTHING = 0.05
+#: The adversarial term is capped: past it, inputs only chase where the student is wrong
+#: for reasons the teacher does not share (DENSE clips it the same way).
+DISAGREEMENT_CAP = 5.0
+
+
+def train_student(task: DistillationTask) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """Distil the clients' ensemble into the initial fusion (no data; see the module).
+
+    Args:
+        task: the clients, the initial fusion and the settings (``fusekit.methods.distill``).
+
+    Returns:
+        The student's state_dict (the initial fusion's names and dtypes) and the report:
+        teacher rule, steps run and why the run stopped, synthetic inputs used, and the
+        disagreement (KL teacher || student, nats) and top-1 agreement at the start and end.
+    """
+    settings = task.settings
+    device = resolve_device(settings["device"])
+    teachers = [_frozen(_client_module(c, s), device)
+                for c, s in zip(task.clients, task.specs, strict=True)]
+    student = _student_module(task).to(device).eval()  # eval: BatchNorm keeps its statistics
+    shares = (None if task.class_shares is None
+              else torch.as_tensor(task.class_shares, dtype=torch.float32, device=device))
+    teacher = Teacher(teachers, shares)
+    trainer = _Trainer(teacher, student, task, device)
+    report = trainer.run()
+    state = {name: _like(value, task.student.state_dict[name])
+             for name, value in student.state_dict().items()}
+    return state, report
+
+
+class Teacher:
+    """The clients' ensemble: log of the class-share mixture sum_s f_sc softmax(z_s)_c (AMS's
+    class-aware rule, ALGORITHMS §6) or of the softmax average, and, for clients with
+    BatchNorm, DeepInversion's statistics loss of the last batch it answered."""
+
+    def __init__(self, models: Sequence[nn.Module], shares: torch.Tensor | None):
+        self.models = list(models)
+        self.shares = shares
+        self.norms = [m for model in self.models for m in model.modules()
+                      if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+        self.rule = "class-share" if shares is not None else "softmax"
+
+    def log_probs(self, x: torch.Tensor) -> torch.Tensor:
+        probs = torch.stack([model(x) for model in self.models]).float().softmax(dim=2)
+        mixture = ((self.shares[:, None, :] * probs).sum(dim=0) if self.shares is not None
+                   else probs.mean(dim=0))
+        # normalised: the class-share mixture sums to one only when every f_sc does
+        return mixture.clamp_min(torch.finfo(mixture.dtype).tiny).log().log_softmax(dim=1)
+
+    @contextmanager
+    def batchnorm_loss(self) -> Iterator[list[torch.Tensor]]:
+        """Collect, per BatchNorm run inside the block, || mean - running mean || + || var -
+        running var || of its input batch (DeepInversion Eq. 4)."""
+        losses: list[torch.Tensor] = []
+
+        def hook(module: nn.Module, inputs: tuple[torch.Tensor, ...], _out: Any) -> None:
+            x = inputs[0]
+            dims = [d for d in range(x.dim()) if d != 1]
+            losses.append(torch.linalg.vector_norm(x.mean(dims) - module.running_mean)
+                          + torch.linalg.vector_norm(x.var(dims, unbiased=False)
+                                                     - module.running_var))
+
+        handles = [norm.register_forward_hook(hook) for norm in self.norms]
+        try:
+            yield losses
+        finally:
+            for handle in handles:
+                handle.remove()
+
+
+class _Trainer:
+    def __init__(self, teacher: Teacher, student: nn.Module, task: DistillationTask,
+                 device: torch.device):
+        self.teacher, self.student, self.task, self.device = teacher, student, task, device
+        s = task.settings
+        self.settings = s
+        self.generator = torch.Generator(device=device).manual_seed(s["seed"])
+        self.prior = torch.as_tensor(task.class_prior, dtype=torch.float32, device=device)
+        self.optimizer = torch.optim.Adam(student.parameters(), lr=s["lr"])
+        self.start = [p.detach().clone() for p in student.parameters()]
+
+    def run(self) -> dict[str, Any]:
+        s = self.settings
+        smoothed, best, since, stopped = math.nan, math.inf, 0, "steps"
+        first = last = None
+        step = 0
+        for step in range(1, s["steps"] + 1):
+            x, labels = self._synthetic_batch()
+            measured = self._student_step(x)
+            first = first or measured
+            last = measured
+            kl = measured["disagreement"]
+            smoothed = kl if math.isnan(smoothed) else smoothed + SMOOTHING * (kl - smoothed)
+            if smoothed < best * (1 - 1e-3):
+                best, since = smoothed, 0
+            else:
+                since += 1
+            if step % max(1, s["steps"] // 20) == 0 or step == s["steps"]:
+                log.info("distill: step %d/%d, disagreement %.4f (smoothed %.4f), agreement "
+                         "%.3f", step, s["steps"], kl, smoothed, measured["agreement"],
+                         extra={"step": (step, s["steps"])})  # progress, for front doors
+            if s["patience"] and since >= s["patience"]:
+                stopped = "patience"
+                break
+        return {"teacher": self.teacher.rule, "steps": step, "stopped": stopped,
+                "synthetic_inputs": step * s["batch"], "data": "none",
+                "input_shape": list(self.task.input_shape), "device": str(self.device),
+                "start": first, "end": last, "smoothed_disagreement": smoothed}
+
+    def _synthetic_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fresh normal inputs, moved toward confident, disputed, BatchNorm-like ones."""
+        s = self.settings
+        labels = torch.multinomial(self.prior, s["batch"], replacement=True,
+                                   generator=self.generator)
+        x = torch.randn((s["batch"], *self.task.input_shape), generator=self.generator,
+                        device=self.device).requires_grad_(True)
+        optimizer = torch.optim.Adam([x], lr=s["input_lr"])
+        for _ in range(s["input_steps"]):
+            with self.teacher.batchnorm_loss() as norms:
+                target = self.teacher.log_probs(x)
+            disagreement = _kl(target, self.student(x))
+            loss = (F.nll_loss(target, labels)
+                    - s["adversarial"] * disagreement.clamp(max=DISAGREEMENT_CAP))
+            if norms and s["batchnorm"]:
+                loss = loss + s["batchnorm"] * torch.stack(norms).sum() / len(
+                    self.teacher.models)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        return x.detach(), labels
+
+    def _student_step(self, x: torch.Tensor) -> dict[str, float]:
+        """One KL step of the student; the disagreement and agreement it had on ``x``."""
+        s = self.settings
+        tau = s["temperature"]
+        with torch.no_grad():
+            target = self.teacher.log_probs(x)
+        logits = self.student(x)
+        loss = _kl(target / tau, logits / tau) * tau * tau
+        if s["anchor"]:
+            loss = loss + s["anchor"] * sum(((p - p0) ** 2).sum() for p, p0 in
+                                            zip(self.student.parameters(), self.start,
+                                                strict=True))
+        self.optimizer.zero_grad()
+        loss.backward()
+        self.optimizer.step()
+        with torch.no_grad():
+            return {"disagreement": float(_kl(target, logits)),
+                    "agreement": float((logits.argmax(1) == target.argmax(1)).float().mean())}
+
+
+def _kl(target_log_probs: torch.Tensor, student_logits: torch.Tensor) -> torch.Tensor:
+    """KL(teacher || student) per sample, averaged; the teacher's scores are renormalised
+    (a temperature divides log-probabilities, which then no longer sum to one)."""
+    return F.kl_div(F.log_softmax(student_logits, dim=1), F.log_softmax(target_log_probs, dim=1),
+                    reduction="batchmean", log_target=True)
+
+
+def _client_module(checkpoint: Any, spec: Any) -> nn.Module:
+    spec_json = spec.to_json() if checkpoint.arch is None else None
+    return build_plain_model(checkpoint.state_dict(), checkpoint.arch, spec_json,
+                             checkpoint.label)
+
+
+def _student_module(task: DistillationTask) -> nn.Module:
+    result = task.student
+    arch = result.metadata.get(meta.ARCH)
+    return build_plain_model(result.state_dict, json.loads(arch) if arch else None,
+                             result.spec.to_json(), f"the initial {result.method} fusion")
+
+
+def _frozen(model: nn.Module, device: torch.device) -> nn.Module:
+    return model.to(device).eval().requires_grad_(False)
+
+
+def _like(value: torch.Tensor, reference: np.ndarray) -> np.ndarray:
+    """The student's tensor as numpy in the initial fusion's dtype (counters untouched)."""
+    array = value.detach().cpu().numpy()
+    return np.asarray(reference) if array.dtype.kind in "iu" else array.astype(
+        np.asarray(reference).dtype, copy=False)

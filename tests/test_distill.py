@@ -1,0 +1,164 @@
+"""``--method distill``: a matched fusion taught the clients' ensemble on synthetic inputs.
+
+Clients are plain torch MLPs trained here on a generated Gaussian mixture, each on a few
+classes (fusekit trains none of them); the test data stays in the test.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import fusekit
+from fusekit.core.errors import IncompatibleModelsError, ParameterError
+from fusekit.methods import distill as method
+from conftest import cnn, mlp, write
+
+FEATURES, CLASSES = 10, 4
+SMALL = {"steps": 40, "batch": 64, "patience": 0}
+
+
+def mixture(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Standardised inputs around one random centre per class."""
+    rng = np.random.default_rng(seed)
+    centres = np.random.default_rng(99).normal(size=(CLASSES, FEATURES)) * 1.5
+    y = rng.integers(0, CLASSES, n)
+    x = centres[y] + rng.normal(size=(n, FEATURES))
+    return ((x - x.mean(0)) / x.std(0)).astype(np.float32), y
+
+
+def trained_client(classes: list[int], seed: int) -> tuple[nn.Module, list[int]]:
+    x, y = mixture(600, seed)
+    keep = np.isin(y, classes)
+    x, y = torch.from_numpy(x[keep]), torch.from_numpy(y[keep])
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(FEATURES, 16), nn.ReLU(), nn.Linear(16, CLASSES))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(150):
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    return model.eval(), np.bincount(y.numpy(), minlength=CLASSES).tolist()
+
+
+@pytest.fixture(scope="module")
+def clients(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("distill-clients")
+    paths = []
+    for i, classes in enumerate([[0, 1], [1, 2], [2, 3], [3, 0]]):
+        model, counts = trained_client(classes, seed=i)
+        paths.append(write(folder / f"client{i}.safetensors", model,
+                           num_samples=sum(counts), class_counts=json.dumps(counts)))
+    return paths
+
+
+def logits_of(state_dict, x: np.ndarray) -> torch.Tensor:
+    names = sorted(n for n in state_dict if n.endswith(".weight"))
+    h = torch.from_numpy(x)
+    for i, name in enumerate(names):
+        h = h @ torch.as_tensor(np.asarray(state_dict[name])).T + torch.as_tensor(
+            np.asarray(state_dict[name.replace("weight", "bias")]))
+        h = h.relu() if i < len(names) - 1 else h
+    return h
+
+
+def test_same_seed_same_student_other_seed_another(clients):
+    first = fusekit.fuse(clients, method="distill", seed=3, **SMALL)
+    again = fusekit.fuse(list(reversed(clients)), method="distill", seed=3, **SMALL)
+    other = fusekit.fuse(clients, method="distill", seed=4, **SMALL)
+    for name, value in first.state_dict.items():
+        np.testing.assert_array_equal(value, again.state_dict[name])
+    assert any(not np.array_equal(v, other.state_dict[n]) for n, v in first.state_dict.items())
+    assert first.widths == [24]  # pfnm's default width, 1.5 x 16
+    report = first.report["distill"]
+    assert report["teacher"] == "class-share" and report["data"] == "none"
+    assert report["steps"] == 40 and report["synthetic_inputs"] == 40 * 64
+
+
+def test_the_student_agrees_with_the_ensemble_more_than_its_start(clients):
+    """On held-out inputs the method never saw: top-1 agreement with the class-share
+    ensemble, the distilled student against the fusion it started from (avg: independently
+    initialised clients average to a poor model, which the ensemble must teach)."""
+    x, _ = mixture(2000, seed=123)
+    models = [fusekit.load_fused(p, device="cpu") for p in clients]
+    counts = np.array([json.loads(fusekit.load_checkpoint(p).metadata["fusekit.class_counts"])
+                       for p in clients], dtype=float)
+    shares = torch.as_tensor(counts / counts.sum(0), dtype=torch.float32)
+    with torch.no_grad():
+        probs = torch.stack([m(torch.from_numpy(x)) for m in models]).softmax(2)
+        ensemble = (shares[:, None, :] * probs).sum(0).argmax(1)
+    start = fusekit.fuse(clients, method="avg")
+    student = fusekit.fuse(clients, method="distill", initial="avg", steps=100, batch=128)
+
+    def agreement(result):
+        return float((logits_of(result.state_dict, x).argmax(1) == ensemble).float().mean())
+
+    start_rate, student_rate = agreement(start), agreement(student)
+    assert 1 - student_rate <= 0.5 * (1 - start_rate), (start_rate, student_rate)
+
+
+def test_no_file_but_the_checkpoints_is_opened(clients, tmp_path):
+    """The server has the checkpoints and nothing else: a data set lying beside them is
+    never read (every open during the fusion is recorded)."""
+    x, y = mixture(100, seed=0)
+    data = tmp_path / "data.npz"
+    np.savez(data, x=x, y=y)
+    fusekit.fuse(clients, method="distill", steps=2, batch=8)  # imports done beforehand
+    opened: list[str] = []
+    recording = [True]
+
+    def audit(event, args):
+        if recording[0] and event == "open" and isinstance(args[0], str):
+            opened.append(args[0])
+
+    sys.addaudithook(audit)
+    try:
+        fusekit.fuse(clients, method="distill", **SMALL)
+    finally:
+        recording[0] = False
+    checkpoints = {str(p) for p in clients}
+    folders = {str(p.parent) for p in clients} | {str(tmp_path)}
+    beside = [p for p in opened if any(p.startswith(f) for f in folders)]
+    assert beside and set(beside) <= checkpoints, beside
+
+
+def test_clients_with_batchnorm_and_without_class_counts(tmp_path):
+    paths = [write(tmp_path / f"bn{i}.safetensors", mlp((6, 8, 3), batchnorm=True, seed=i))
+             for i in range(3)]
+    result = fusekit.fuse(paths, method="distill", initial="avg", steps=5, batch=16)
+    assert result.report["distill"]["teacher"] == "softmax"
+    assert result.widths == [8]
+    assert all(np.isfinite(v).all() for v in result.state_dict.values())
+    loaded = fusekit.load_fused(result.save(tmp_path / "student.safetensors"), device="cpu")
+    assert loaded(torch.zeros(2, 6)).shape == (2, 3)
+
+
+@pytest.mark.parametrize(("params", "message"), [
+    ({"steps": 0}, "steps: expected an integer >= 1"),
+    ({"initial": "ams"}, "initial: expected one of"),
+    ({"temperature": 0.0}, "temperature: expected a finite number > 0"),
+    ({"initial": "avg", "width_ratio": 2.0}, "width_ratio: initial fusion 'avg' keeps"),
+    ({"device": "tpu"}, "device: expected auto, cpu or cuda"),
+])
+def test_parameters_are_checked(clients, params, message):
+    with pytest.raises(ParameterError, match=message):
+        fusekit.fuse(clients, method="distill", **{"steps": 1, "batch": 4, **params})
+
+
+def test_convolutional_clients_need_their_image_size(tmp_path):
+    paths = [write(tmp_path / f"c{i}.safetensors", cnn(seed=i)) for i in range(2)]
+    with pytest.raises(IncompatibleModelsError, match="image_size"):
+        fusekit.fuse(paths, method="distill", initial="avg", steps=1)
+
+
+def test_the_method_refuses_to_run_without_its_training_stage(clients, monkeypatch):
+    from fusekit import api
+
+    monkeypatch.setattr(method, "_trainer", [])
+    with pytest.raises(ParameterError, match="trains its student with torch"):
+        api.fuse(clients, method="distill", steps=1)
