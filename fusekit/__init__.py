@@ -47,22 +47,9 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module 'fusekit' has no attribute {name!r}")
     value = getattr(import_module(_HOMES[name]), name)
     if name == "fuse":
-        _install_distillation()
+        import_module("fusekit.toolkit")  # installs --method distill's training stage
     globals()[name] = value  # later uses skip this function
     return value
-
-
-def _install_distillation() -> None:
-    """Give ``--method distill`` its training stage: a torch loop that lives in the toolkit,
-    which the torch-free methods may not import; torch loads when a distillation runs."""
-    from fusekit.methods.distill import set_student_trainer
-
-    def train_student(task: Any) -> Any:
-        from fusekit.toolkit.distill import train_student
-
-        return train_student(task)
-
-    set_student_trainer(train_student)
 
 
 def __dir__() -> list[str]:

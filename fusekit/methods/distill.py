@@ -10,9 +10,9 @@ answers confidently and the student gets wrong (DeepInversion, CVPR 2020; DENSE,
 
 The server uses the client checkpoints' tensors and their class counts; no data of any
 kind. This module declares the method and runs the initial fusion (torch-free); the
-training itself is torch and lives in :mod:`fusekit.toolkit.distill`, which the package's
-front door (``fusekit.fuse``) installs with :func:`set_student_trainer`: methods never
-import the toolkit.
+training itself is torch and lives in :mod:`fusekit.toolkit.distill`, which the toolkit
+installs with :func:`set_student_trainer` when it is imported (``fusekit.fuse`` imports
+it): methods never import the toolkit.
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ class Distill(FusionMethod):
 
         Raises:
             ParameterError: width_ratio for an initial fusion without one; no training stage
-                installed (call ``fusekit.fuse``).
+                installed (import ``fusekit.toolkit``; ``fusekit.fuse`` does).
             IncompatibleModelsError: transformers, residual networks, or models whose input
                 shape cannot be read from their checkpoints.
         """
@@ -161,8 +161,8 @@ class Distill(FusionMethod):
             options["width_ratio"] = width_ratio
         student = fusion.fuse(checkpoints, specs, **options)
         if not _trainer:
-            raise ParameterError("method 'distill' trains its student with torch: call "
-                                 "fusekit.fuse, which installs fusekit.toolkit.distill")
+            raise ParameterError("method 'distill' trains its student with torch: import "
+                                 "fusekit.toolkit (fusekit.fuse does) to install its training")
         settings = {"steps": steps, "batch": batch, "input_steps": input_steps,
                     "input_lr": input_lr, "adversarial": adversarial, "batchnorm": batchnorm,
                     "temperature": temperature, "lr": lr, "anchor": anchor,

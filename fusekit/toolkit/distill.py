@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fusekit.core import metadata as meta
+from fusekit.core import progress
 from fusekit.methods.distill import DistillationTask
 from fusekit.toolkit.nn.fused import build_plain_model
 from fusekit.toolkit.train import resolve_device
@@ -134,13 +135,15 @@ class _Trainer:
                 best, since = smoothed, 0
             else:
                 since += 1
-            if step % max(1, s["steps"] // 20) == 0 or step == s["steps"]:
-                log.info("distill: step %d/%d, disagreement %.4f (smoothed %.4f), agreement "
-                         "%.3f", step, s["steps"], kl, smoothed, measured["agreement"],
-                         extra={"step": (step, s["steps"])})  # progress, for front doors
+            progress.advance("distillation steps", step, s["steps"])
+            log.debug("distill: step %d, disagreement %.4f (smoothed %.4f), agreement %.3f",
+                      step, kl, smoothed, measured["agreement"])
             if s["patience"] and since >= s["patience"]:
                 stopped = "patience"
                 break
+        log.info("distill: %d steps (%s), disagreement with the %s ensemble %.4f -> %.4f",
+                 step, "stopping rule" if stopped == "patience" else "all steps",
+                 self.teacher.rule, first["disagreement"], last["disagreement"])
         return {"teacher": self.teacher.rule, "steps": step, "stopped": stopped,
                 "synthetic_inputs": step * s["batch"], "data": "none",
                 "input_shape": list(self.task.input_shape), "device": str(self.device),
