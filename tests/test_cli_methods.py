@@ -76,8 +76,9 @@ def test_fuse_inspect_evaluate_every_method(mlp_clients, tmp_path, method, as_js
         (report,) = json.loads(inspected.stdout)["files"]
         assert report["problems"] == []
         widths = report["hidden_widths"]
-        assert widths == ([[5]] * 3 if method == "ams" else [5] if method != "pfnm" and
-                          method != "nafi" else widths)
+        widening = ("pfnm", "nafi", "distill")  # distill: pfnm's width by default
+        assert widths == ([[5]] * 3 if method == "ams" else widths if method in widening
+                          else [5])
     else:
         assert "hidden widths" in inspected.stdout
     scored = run("evaluate", *mlp_clients, out, "--data", "synthetic", "--features", 6,
