@@ -13,6 +13,7 @@ from fusekit.core.errors import IncompatibleModelsError, SpecError
 from fusekit.core.fed2 import allocate_classes, group_sizes, layer_masks, validate_fed2
 from fusekit.toolkit.data import load_dataset
 from fusekit.toolkit.nn import build_model
+from fusekit.toolkit.nn.preprocess import attach_normalization
 from fusekit.toolkit.simulate import SimulationConfig, simulate_clients
 from fusekit.toolkit.train import TrainConfig, train_model
 
@@ -160,7 +161,8 @@ def test_simulated_fed2_clients_round_trip_through_load_fused(tmp_path):
     assert type(model.net[4]).__name__ == "GroupMaskedLinear"  # the decoupled logit layer
     stored = fusekit.load_checkpoint(saved)
     assert stored.arch["fed2"]["groups"] == 5
-    rebuilt = build_model(stored.arch)
+    assert stored.preprocess == data.normalization  # the clients' inputs, carried
+    rebuilt = attach_normalization(build_model(stored.arch), stored.preprocess, "fused")
     rebuilt.load_state_dict({k: torch.from_numpy(stored.tensor(k).copy()) for k in stored.tensors})
     x = torch.from_numpy(data.x_test[:16])
     with torch.no_grad():
