@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import os
 from pathlib import Path
 
 import numpy as np
@@ -109,6 +110,13 @@ def foreign(tmp_path_factory):
 # one of these module-scoped servers runs on the worker that already holds it, so that each
 # is started once; every other test goes to whichever worker is free.
 SHARED_SERVERS = ("service", "big_service", "browser")
+
+
+def pytest_configure(config) -> None:
+    # A worker of `make test` shares the cores with the other: one torch thread each, as
+    # two each would oversubscribe them (torch's threads then wait on one another).
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(1)
 
 
 def pytest_report_header(config) -> list[str]:
