@@ -22,6 +22,9 @@ from flwr.app import (
     MetricRecord,
     RecordDict,
 )
+from flwr.server.superlink.linkstate.utils import (
+    create_message_error_unavailable_res_message,
+)
 from flwr.supercore.task_identity import TaskIdentity
 
 import fusekit
@@ -340,10 +343,16 @@ def assert_nodes_rebuild_the_global_model(strategy, arrays, digits):
         torch.testing.assert_close(global_model(message.content)(x), server_model(x))
 
 
+#: A handler's answer for a node that stopped: the SuperLink answers in its stead.
+STOPPED = object()
+
+
 class Federation:
     """A Grid stand-in for ``strategy.start``: nodes 10-12 answer each train message with
     ``train(node, message)`` and each query (calibration's) with ``query(node, message)``
-    (a RecordDict or an Error); evaluate messages are not sent (``fraction_evaluate=0``).
+    (a RecordDict, an Error, or :data:`STOPPED`: the SuperLink's own error reply for a
+    node whose heartbeats lapsed); evaluate messages are not sent
+    (``fraction_evaluate=0``). Each message gets its id as a Grid's push gives it.
     ``sent`` lists the type of every message sent."""
 
     def __init__(self, train, query=None):
@@ -356,9 +365,13 @@ class Federation:
     def send_and_receive(self, messages, timeout=None):
         answers = []
         for m in messages:
+            m.metadata.__dict__["_message_id"] = m.object_id
             self.sent.append(m.metadata.message_type)
             handler = self.handlers[m.metadata.message_type.split(".")[0]]
-            answers.append(Message(handler(m.metadata.dst_node_id, m), reply_to=m))
+            answer = handler(m.metadata.dst_node_id, m)
+            answers.append(
+                create_message_error_unavailable_res_message(m.metadata, "node_unavail")
+                if answer is STOPPED else Message(answer, reply_to=m))
         return answers
 
 

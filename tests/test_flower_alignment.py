@@ -15,9 +15,10 @@ pytest.importorskip("flwr", reason="needs the [flower] extra")
 
 import test_flower
 from flwr.app import Error, RecordDict
-from test_flower import Federation, assert_same_model, with_modules
+from test_flower import STOPPED, Federation, assert_same_model, with_modules
 
 import fusekit
+from fusekit import protocol
 from fusekit.core.checkpoint import Checkpoint
 from fusekit.core.errors import ParameterError
 from fusekit.flower import FusekitStrategy, kept_model, statistics_reply, train_reply
@@ -28,7 +29,7 @@ from fusekit.toolkit.alignment import (
     refit_locally,
     refit_statistics,
 )
-from fusekit.toolkit.calibration import calibrate_locally
+from fusekit.toolkit.calibration import calibrate_locally, client_statistics
 from fusekit.toolkit.simulate import SimulationConfig, simulate_clients
 from fusekit.toolkit.train import TrainConfig
 
@@ -172,6 +173,71 @@ def test_a_refit_round_goes_on_with_the_nodes_that_answered(trained_bn, digits, 
     inputs = [nodes.inputs[n] for n in sorted(nodes.inputs)]
     expected = refit_without(fused_pfnm(clients), [c.checkpoint for c in clients], inputs, 1)
     assert_same_model(result.arrays, expected.state_dict())
+
+
+def test_nodes_that_stop_are_named_and_the_rounds_go_on(trained_bn, digits, caplog):
+    """Node 12 stops while training and node 11 during the first refit query: the
+    SuperLink answers for each (its error comes from the SuperLink, not the node). Each is
+    named by its own node id as having stopped; the round fuses nodes 10 and 11, and the
+    refit rounds go on with node 10 alone (node 11 is asked again and has stopped)."""
+    caplog.set_level(logging.INFO, logger="fusekit")
+
+    def answer(node, message, x, state):
+        if node == 11 and message.content["config"]["fusekit-stats-kind"] == "refit":
+            return STOPPED
+        return statistics_reply(message.content, x, own_model=kept_model(state))
+
+    clients, _ = trained_bn
+    nodes = Nodes(trained_bn, digits, answer)
+    train = nodes.grid.handlers["train"]
+    nodes.grid.handlers["train"] = lambda node, m: STOPPED if node == 12 else train(node, m)
+    strategy, result = nodes.run(alignment_rounds=1)
+    stopped = "the node stopped answering (error 5: Error: Node Unavailable"
+    assert list(strategy.left_out) == [12] and strategy.left_out[12].startswith(stopped)
+    assert list(strategy.left_out_alignment) == [11]
+    assert strategy.left_out_alignment[11].startswith(stopped)
+    assert f"refit statistics of node 11 left out: {stopped}" in caplog.text
+    metrics = result.train_metrics_clientapp[1]
+    assert metrics["pfnm.fused-replies"] == 2 and metrics["pfnm.alignment-nodes"] == 2
+    assert metrics["pfnm.refit-rounds"] == 3
+    # The protocol's rounds with nodes 10 and 11's models and data, node 11 silent from
+    # the first refit round on.
+    inputs = [nodes.inputs[n] for n in (10, 11)]
+    models = [c.checkpoint for c in clients[:2]]
+    expected = protocol_with_nodes_killed(fused_pfnm(clients[:2]), models, inputs,
+                                          {protocol.REFIT: 1}, input_moments=True)
+    assert_same_model(result.arrays, expected.model.state_dict())
+
+
+def protocol_with_nodes_killed(fused, models, inputs, killed, input_moments=False):
+    """The strategy's rounds (:func:`fusekit.protocol.plan`: REPAIR layer by layer, the
+    first layer from the input moments with ``input_moments``, one alignment round, a
+    refit round per layer) with every node's data at hand, each node's REPAIR targets
+    those its train reply carries; ``killed``: kind of round -> the node (index) that
+    answers no round from the first of that kind on. The last state."""
+    targets = {k: client_statistics(m, x, input_moments=input_moments)
+               for k, (m, x) in enumerate(zip(models, inputs, strict=True))}
+    plan = protocol.plan(fusekit.api.fused_spec(fused), calibration="layerwise",
+                         repair=True, derive_first=input_moments, alignment_rounds=1)
+    state = protocol.start(fused, plan, dict(enumerate(models)), targets=targets,
+                           min_fused=2)
+    dead = set()
+    while not state.done:
+        dead |= {node for kind, node in killed.items() if kind == state.round.kind}
+        state = protocol.advance(state, {key: local_reply(state, key, inputs[key])
+                                         for key in state.participants if key not in dead}
+                                 if state.round.asks else {})
+    return state
+
+
+def local_reply(state, key, x):
+    """What node ``key`` answers the query of ``state``'s round, on its inputs ``x``."""
+    round_, model = state.round, state.model
+    if round_.calibrates:
+        return client_statistics(model, x, mode=round_.mode)
+    if round_.kind == protocol.CROSS:
+        return cross_statistics(model, state.clients[key], x)
+    return refit_statistics(model, state.clients[key], x, round_.layer)
 
 
 def refit_without(fused, models, inputs, silent):

@@ -4,10 +4,12 @@ example app fused by FedAvg (fusekit's avg) and by PFNM, and the app the Flower 
 (docs/flower.md) writes, file by file, over two rounds, each fused model calibrated with the
 statistics the nodes send in a query round; the example app's BatchNorm MLP fused,
 calibrated, aligned and refit in three query rounds, one node missing the first refit
-round. On one SuperNode: a run whose round cannot fuse (the initial model comes back) and
-a run that cannot finish, stopped at its timeout. Each test checks that every process the federation started has ended. About 6-7
-minutes on two busy cores (each query round about 15-30 s of it), up to 12 on a heavily
-loaded machine; progress lines are printed as the runs go. Deselect with
+round. On four SuperNodes: the same rounds with a SuperNode killed (SIGKILL) in each kind
+of query round. On one SuperNode: a run whose round cannot fuse (the initial model comes
+back) and a run that cannot finish, stopped at its timeout. Each test checks that every
+process the federation started has ended. About 10 minutes on two busy cores (each query
+round about 15-30 s of it, each killed node up to a minute until the SuperLink gives it
+up), more on a heavily loaded machine; progress lines are printed as the runs go. Deselect with
 ``-m "not flower_e2e"``."""
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ import importlib.util
 import json
 import re
 import shutil
+import signal
 import subprocess
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -26,17 +30,21 @@ import torch
 pytest.importorskip("flwr", reason="needs the [flower] extra")
 
 import fusekit
+from fusekit import protocol
 from fusekit.core.checkpoint import Checkpoint
 from fusekit.flower.local import LocalFederation, progress_lines
 from fusekit.toolkit.data import load_dataset
 from fusekit.toolkit.nn import build_model
 from fusekit.toolkit.processes import descendant_groups, group_alive, groups_with_env
-from test_flower_alignment import refit_without
+from test_flower_alignment import protocol_with_nodes_killed, refit_without
 
 ROOT = Path(__file__).resolve().parents[1]
 APP = ROOT / "examples" / "flower"
 
 pytestmark = pytest.mark.flower_e2e
+#: The example ClientApp's query handler, after which the tests' apps insert their faults.
+QUERY_HANDLER = ("    data = task.dataset()\n    indices = task.node_indices(context.run_config, "
+                 "context.node_config, data)\n    return Message(statistics_reply(")
 
 
 @pytest.fixture
@@ -198,15 +206,13 @@ def test_three_nodes_align_and_refit_the_fusion_one_missing_a_refit_round(tmp_pa
     app = tmp_path / "app"
     shutil.copytree(APP, app, ignore=shutil.ignore_patterns("__pycache__"))
     client_app = app / "fusekit_digits" / "client_app.py"
-    handler = "    data = task.dataset()\n    indices = task.node_indices(context.run_config, " \
-              "context.node_config, data)\n    return Message(statistics_reply("
     source = client_app.read_text()
-    assert source.count(handler) == 1
-    client_app.write_text(source.replace(handler, textwrap.indent(textwrap.dedent("""\
+    assert source.count(QUERY_HANDLER) == 1
+    client_app.write_text(source.replace(QUERY_HANDLER, textwrap.indent(textwrap.dedent("""\
         if (context.node_config["partition-id"] == 0
                 and msg.content["config"].get("fusekit-refit-layer") == "net.0"):
             raise RuntimeError("partition 0 misses the first refit round")
-        """), "    ") + handler))
+        """), "    ") + QUERY_HANDLER))
     models_dir = tmp_path / "nodes"
     result_file, model_file = tmp_path / "align.json", tmp_path / "align.safetensors"
     config = {"method": "pfnm", "arch": "mlp:32", "batchnorm": True, "epochs": 5,
@@ -226,25 +232,111 @@ def test_three_nodes_align_and_refit_the_fusion_one_missing_a_refit_round(tmp_pa
     assert "partition 0 misses the first refit round" in reason
     assert "round 1: aligned to 3 node(s) in 1 alignment and 2 refit round(s)" in output
 
+    nodes, inputs, parts = fused_nodes(models_dir, config, 3)
+    fused = fusekit.fuse(nodes, method="pfnm", width_ratio=1.5)
+    silent = parts.index(0)
+    expected = refit_without(Checkpoint.from_state_dict(fused.state_dict, fused.metadata),
+                             nodes, inputs, silent)
+    assert_same_model(fusekit.load_checkpoint(model_file), expected.state_dict())
+    assert result["accuracy"] > min(result["node_accuracy"])
+
+
+def fused_nodes(models_dir: Path, config: dict, count: int
+                ) -> tuple[list[Checkpoint], list[np.ndarray], list[int]]:
+    """The nodes' models the ServerApp wrote (node-<id>.safetensors, by file name), and
+    for each its training inputs and partition, found by its class counts."""
     task = example_task()
     data = task.dataset()
     nodes = [fusekit.load_checkpoint(path) for path in sorted(models_dir.iterdir())]
-    inputs, parts = {}, {}  # each node's training inputs and partition, by class counts
-    for part in range(3):
-        indices = task.node_indices(config, {"partition-id": part, "num-partitions": 3},
+    inputs, parts = [None] * len(nodes), [None] * len(nodes)
+    for part in range(count):
+        indices = task.node_indices(config, {"partition-id": part, "num-partitions": count},
                                     data)
         counts = np.bincount(data.y_train[indices], minlength=data.num_classes)
-        node = next(n for n in nodes if (n.class_counts == counts).all())
-        inputs[node.content_hash], parts[node.content_hash] = data.x_train[indices], part
-    fused = fusekit.fuse(nodes, method="pfnm", width_ratio=1.5)
-    silent = next(i for i, n in enumerate(nodes) if parts[n.content_hash] == 0)
-    expected = refit_without(Checkpoint.from_state_dict(fused.state_dict, fused.metadata),
-                             nodes, [inputs[n.content_hash] for n in nodes], silent)
-    model = fusekit.load_checkpoint(model_file)
-    for name, value in expected.state_dict().items():
+        (i,) = [i for i, n in enumerate(nodes) if (n.class_counts == counts).all()]
+        inputs[i], parts[i] = data.x_train[indices], part
+    return nodes, inputs, parts
+
+
+def assert_same_model(model: Checkpoint, expected: dict) -> None:
+    for name, value in expected.items():
         np.testing.assert_allclose(model.tensor(name), value, rtol=1e-4, atol=1e-5,
                                    err_msg=name)
-    assert result["accuracy"] > min(result["node_accuracy"])
+
+
+#: The SuperNode killed (SIGKILL) in each kind of query round, by partition, and the
+#: query's kind (its ``fusekit-stats-kind``): one SuperNode per kind of round.
+KILLED = {1: "channels", 2: "cross", 3: "refit"}
+
+
+def test_four_nodes_one_killed_in_each_kind_of_query_round(tmp_path, progress):
+    """A BatchNorm MLP from each node's own initial weights, fused by PFNM on four
+    SuperNodes, then calibrated layer by layer (REPAIR: one query round), one alignment
+    round and a refit round per layer. While it computes its reply, a SuperNode is killed
+    with SIGKILL (with its process group: the SuperExec and the ClientApp) in each kind of
+    query round: partition 1's in the calibration round, partition 2's in the alignment
+    round, partition 3's in the first refit round. The run finishes; each round goes on
+    with the nodes that answered (the SuperLink answers for a stopped node once its
+    heartbeats have lapsed), the stopped nodes are named in the log and in the result; the
+    global model is what the protocol's steps give in this process over the same nodes'
+    models and data, each killed node answering no round from its round on."""
+    app = tmp_path / "app"
+    shutil.copytree(APP, app, ignore=shutil.ignore_patterns("__pycache__"))
+    client_app = app / "fusekit_digits" / "client_app.py"
+    source = client_app.read_text()
+    assert source.count(QUERY_HANDLER) == 1
+    client_app.write_text(source.replace(QUERY_HANDLER, textwrap.indent(textwrap.dedent(f"""\
+        import os, signal
+        if {KILLED!r}.get(context.node_config["partition-id"]) == (
+                msg.content["config"]["fusekit-stats-kind"]):
+            os.killpg(os.getpgrp(), signal.SIGKILL)  # this SuperNode's group
+        """), "    ") + QUERY_HANDLER))
+    models_dir = tmp_path / "nodes"
+    result_file, model_file = tmp_path / "killed.json", tmp_path / "killed.safetensors"
+    config = {"method": "pfnm", "arch": "mlp:32", "batchnorm": True, "epochs": 5,
+              "min-nodes": 4, "partition": "dirichlet", "alpha": 0.5, "seed": 0,
+              "calibrate": True, "calibration-rounds": "layerwise", "alignment-rounds": 1,
+              "fraction-evaluate": 0.0, "result-file": str(result_file),
+              "model-file": str(model_file), "models-dir": str(models_dir)}
+    with Federation(tmp_path / "federation", 4, progress) as federation:
+        output = run(federation, app, config, progress, timeout=600).stdout
+        supernodes = federation.processes[1:]
+        assert [node.poll() for node in supernodes] == [None] + [-signal.SIGKILL] * 3
+    result = json.loads(result_file.read_text())
+    metrics = result["train_metrics"]["1"]
+    assert metrics["pfnm.fused-replies"] == 4 and metrics["pfnm.calibration-rounds"] == 1
+    assert metrics["pfnm.calibration-nodes"] == 3 and metrics["pfnm.calibration-paired"] == 0
+    assert metrics["pfnm.aligned"] == 1 and metrics["pfnm.alignment-nodes"] == 2
+    assert metrics["pfnm.refit-rounds"] == 2
+
+    nodes, inputs, parts = fused_nodes(models_dir, config, 4)
+    ids = {part: int(path.stem.removeprefix("node-"))
+           for part, path in zip(parts, sorted(models_dir.iterdir()), strict=True)}
+    stopped = "the node stopped answering (error 5: Error: Node Unavailable"
+    assert list(result["left_out_statistics"]) == [str(ids[1])]
+    assert sorted(result["left_out_alignment"]) == sorted(str(ids[p]) for p in (1, 2, 3))
+    for reason in [*result["left_out_statistics"].values(),
+                   *result["left_out_alignment"].values()]:
+        assert reason.startswith(stopped), reason
+    lines = {f"round 1: statistics of node {ids[1]} left out: {stopped}",
+             f"round 1: cross statistics of node {ids[2]} left out: {stopped}",
+             f"round 1: refit statistics of node {ids[3]} left out: {stopped}"}
+    assert all(line in output for line in lines), output
+    assert "round 1: aligned to 2 node(s) in 1 alignment and 2 refit round(s)" in output
+
+    fused = fusekit.fuse(nodes, method="pfnm", width_ratio=1.5)
+    fused = Checkpoint.from_state_dict(fused.state_dict, fused.metadata)
+    # Rounds: calibration, alignment, refit of each of the two layers.
+    killed = {protocol.STATISTICS: parts.index(1), protocol.CROSS: parts.index(2),
+              protocol.REFIT: parts.index(3)}
+    expected = protocol_with_nodes_killed(fused, nodes, inputs, killed)
+    assert [set(done["missing"]) for done in expected.history] == [
+        {parts.index(1)}, {parts.index(1), parts.index(2)}, {parts.index(3)},
+        {parts.index(3)}]
+    assert_same_model(fusekit.load_checkpoint(model_file), expected.model.state_dict())
+    everyone = protocol_with_nodes_killed(fused, nodes, inputs, {})
+    assert not np.allclose(everyone.model.tensor("net.0.weight"),
+                           expected.model.tensor("net.0.weight"), atol=1e-3)
 
 
 def example_task():

@@ -43,6 +43,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result
 
@@ -232,8 +233,9 @@ class FusekitStrategy(FedAvg):
         self.left_out_alignment: dict[int, str] = {}
         #: The Grid of the round being run (calibration queries the nodes through it).
         self._grid: Grid | None = None
-        #: The global model sent to the nodes for the round being run.
+        #: The global model sent to the nodes for the round being run, and the messages.
         self._sent: ArrayRecord | None = None
+        self._train_messages: list[Message] = []
         self._timeout = 3600.0
 
     @property
@@ -301,8 +303,10 @@ class FusekitStrategy(FedAvg):
                         grid: Grid) -> Iterable[Message]:
         self._grid = grid  # aggregate_train, which calibrates, is not given it
         self._sent = arrays  # the global model the nodes train: its architecture wins ties
-        return super().configure_train(server_round, arrays, self._with_global_model(config),
-                                       grid)
+        # Kept: pushing them gives them the ids the SuperLink's answers for stopped nodes name.
+        self._train_messages = list(super().configure_train(
+            server_round, arrays, self._with_global_model(config), grid))
+        return self._train_messages
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                            grid: Grid) -> Iterable[Message]:
@@ -340,7 +344,8 @@ class FusekitStrategy(FedAvg):
         """
         replies = list(replies)
         fusion, params = self.round_fusion()
-        usable, self.left_out = self.usable_replies(replies, fusion)
+        asked = sent_to(self._train_messages)
+        usable, self.left_out = self.usable_replies(replies, fusion, asked)
         for node, reason in self.left_out.items():
             log.warning("round %d: reply of node %d left out: %s", server_round, node, reason)
         if len(usable) < self.min_fused_replies:
@@ -356,8 +361,8 @@ class FusekitStrategy(FedAvg):
         log.info("round %d: %s fused %d models in %.2f s, hidden widths %s", server_round,
                  fusion.name, len(usable), elapsed, result.widths)
         calibration = {}
-        fused_nodes = [reply.metadata.src_node_id for reply in replies
-                       if reply.metadata.src_node_id not in self.left_out]
+        fused_nodes = [node for node in (reply_node(reply, asked) for reply in replies)
+                       if node not in self.left_out]
         fused_replies = dict(zip(fused_nodes, usable, strict=True))
         self.fused_models = {node: checkpoint for node, (checkpoint, _) in fused_replies.items()}
         if self.calibrate:
@@ -559,8 +564,8 @@ class FusekitStrategy(FedAvg):
         stats, reasons = self._query(
             server_round, nodes, f"statistics query ({mode} mode)",
             statistics_query(model.state_dict(), model.metadata, spec.hidden_widths, mode),
-            lambda replies: self.usable_statistics(replies, model.content_hash,
-                                                   statistic_points(spec), mode))
+            lambda replies, asked: self.usable_statistics(
+                replies, model.content_hash, statistic_points(spec), mode, asked))
         for node, reason in reasons.items():
             log.warning("round %d: statistics of node %d left out: %s", server_round, node,
                         reason)
@@ -568,16 +573,18 @@ class FusekitStrategy(FedAvg):
         return stats
 
     def _query(self, server_round: int, nodes: Sequence[int], what: str, content: RecordDict,
-               screen: Callable[[list[Message]], tuple[dict[int, T], dict[int, str]]]
+               screen: Callable[[list[Message], Mapping[str, int]],
+                                tuple[dict[int, T], dict[int, str]]]
                ) -> tuple[dict[int, T], dict[int, str]]:
-        """One query round: ``content`` to ``nodes``; their replies ``screen``ed into the
-        usable ones and the others' reasons (a node that did not answer within the
-        round's timeout among them), by node id."""
+        """One query round: ``content`` to ``nodes``; their replies ``screen``ed, with the
+        node each message went to by message id, into the usable ones and the others'
+        reasons (a node that stopped, or did not answer within the round's timeout, among
+        them), by node id."""
         messages = [Message(content, dst_node_id=node, message_type=STATISTICS_QUERY)
                     for node in nodes]
         log.info("round %d: %s to %d node(s)", server_round, what, len(messages))
         replies = list(self._grid.send_and_receive(messages, timeout=self._timeout))
-        usable, reasons = screen(replies)
+        usable, reasons = screen(replies, sent_to(messages))
         for node in nodes:
             if node not in usable and node not in reasons:
                 reasons[node] = f"no reply within the round's timeout ({self._timeout:g} s)"
@@ -625,8 +632,9 @@ class FusekitStrategy(FedAvg):
                                    "eval", kind, layer)
         stats, reasons = self._query(
             server_round, nodes, what, content,
-            lambda replies: screen_replies(replies, lambda node, reply: self._node_statistics(
-                node, reply, model, spec, models[node], layer)))
+            lambda replies, asked: screen_replies(
+                replies, lambda node, reply: self._node_statistics(
+                    node, reply, model, spec, models[node], layer), asked))
         for node, reason in reasons.items():
             log.warning("round %d: %s statistics of node %d left out: %s", server_round, kind,
                         node, reason)
@@ -656,13 +664,15 @@ class FusekitStrategy(FedAvg):
         return stats
 
     def usable_statistics(self, replies: Iterable[Message], model: str,
-                          points: Mapping[str, int], mode: str
+                          points: Mapping[str, int], mode: str,
+                          asked: Mapping[str, int] | None = None
                           ) -> tuple[dict[int, Statistics], dict[int, str]]:
         """Split statistics replies into those calibration pools (by node id) and the
         others' one-line reasons: an error, malformed records, statistics of another model
         (``model``: its content hash) or other ``points``, in another ``mode``, over fewer
         than ``calibration_min_samples`` inputs, or with values ``fusekit calibrate``
-        refuses (negative or non-finite variances, ...)."""
+        refuses (negative or non-finite variances, ...). ``asked``: see
+        :func:`screen_replies`."""
 
         def parse(node: int, content: RecordDict) -> Statistics:
             stats = reply_statistics(content, f"node {node}")
@@ -673,14 +683,15 @@ class FusekitStrategy(FedAvg):
                                       f"query asked for {mode}")
             return stats
 
-        return screen_replies(replies, parse)
+        return screen_replies(replies, parse, asked)
 
     def usable_replies(
-        self, replies: Iterable[Message], fusion: FusionMethod | None = None
+        self, replies: Iterable[Message], fusion: FusionMethod | None = None,
+        asked: Mapping[str, int] | None = None
     ) -> tuple[list[tuple[Checkpoint, RecordDict]], dict[int, str]]:
         """Split replies into (checkpoint, content) pairs ``fusion`` (the strategy's
         method if None) can fuse together, and the others' one-line reasons (those
-        ``fusekit fuse`` gives), by node id."""
+        ``fusekit fuse`` gives), by node id (:func:`reply_node`)."""
         fusion = fusion or self.fusion
 
         def parse(node: int, content: RecordDict
@@ -690,7 +701,7 @@ class FusekitStrategy(FedAvg):
             fusion.check_client(checkpoint, spec)
             return checkpoint, spec, content
 
-        usable, reasons = screen_replies(replies, parse)
+        usable, reasons = screen_replies(replies, parse, asked)
         if fusion.requires_same_architecture:
             same_shapes = fusion.name in EVERY_ROUND
             reasons.update(_other_architectures(usable, same_shapes,
@@ -781,16 +792,35 @@ def _other_architectures(usable: Mapping[int, tuple[Checkpoint, Any, RecordDict]
     return reasons
 
 
-def screen_replies(replies: Iterable[Message], parse: Callable[[int, RecordDict], T]
+def reply_node(reply: Message, asked: Mapping[str, int] | None = None) -> int:
+    """The node a reply is from; one the SuperLink sent in a node's stead (the node
+    stopped) is that node's: the one its message went to (``asked``: node by message
+    id, as pushing the messages set their ids)."""
+    node = reply.metadata.src_node_id
+    if node == SUPERLINK_NODE_ID:
+        node = (asked or {}).get(reply.metadata.reply_to_message_id, node)
+    return node
+
+
+def sent_to(messages: Iterable[Message]) -> dict[str, int]:
+    """The node each pushed message went to, by message id."""
+    return {m.metadata.message_id: m.metadata.dst_node_id for m in messages}
+
+
+def screen_replies(replies: Iterable[Message], parse: Callable[[int, RecordDict], T],
+                   asked: Mapping[str, int] | None = None
                    ) -> tuple[dict[int, T], dict[int, str]]:
     """Each reply's ``parse(node, content)`` by node id, and for the others the one-line
-    reason: the ClientApp's error, or the FusekitError ``parse`` raised."""
+    reason: the node stopped (the SuperLink's error for a node whose heartbeats ended),
+    the ClientApp's error, or the FusekitError ``parse`` raised; by :func:`reply_node`."""
     parsed, reasons = {}, {}
     for reply in replies:
-        node = reply.metadata.src_node_id
+        node = reply_node(reply, asked)
         if reply.has_error():
-            reasons[node] = (f"the ClientApp failed (error {reply.error.code}: "
-                             f"{reply.error.reason})")
+            reasons[node] = (
+                f"the node stopped answering (error {reply.error.code}: {reply.error.reason})"
+                if reply.error.code == ErrorCode.NODE_UNAVAILABLE else
+                f"the ClientApp failed (error {reply.error.code}: {reply.error.reason})")
             continue
         try:
             parsed[node] = parse(node, reply.content)
