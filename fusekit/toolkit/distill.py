@@ -62,7 +62,8 @@ def train_student(task: DistillationTask) -> tuple[dict[str, np.ndarray], dict[s
               else torch.as_tensor(task.class_shares, dtype=torch.float32, device=device))
     teacher = Teacher(teachers, shares)
     trainer = _Trainer(teacher, student, task, device)
-    report = trainer.run()
+    with _cpu_threads(settings["threads"] if device.type == "cpu" else None):
+        report = trainer.run()
     state = {name: _like(value, task.student.state_dict[name])
              for name, value in student.state_dict().items()}
     return state, report
@@ -189,6 +190,18 @@ class _Trainer:
         with torch.no_grad():
             return {"disagreement": float(_kl(target, logits)),
                     "agreement": float((logits.argmax(1) == target.argmax(1)).float().mean())}
+
+
+@contextmanager
+def _cpu_threads(threads: int | None) -> Iterator[None]:
+    """torch's intra-op threads set to ``threads`` for the block (None: unchanged)."""
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _kl(target_log_probs: torch.Tensor, student_logits: torch.Tensor) -> torch.Tensor:
