@@ -50,7 +50,7 @@ from fusekit.core.stats import (
     pool,
 )
 from fusekit.core.transformer import CalibrationPoint, TransformerSpec, calibration_points
-from fusekit.methods import alignment, calibration, transformer_calibration
+from fusekit.methods import alignment, calibration
 from fusekit.methods.base import FusionResult, provenance, sample_weights
 
 StatisticsLike = str | os.PathLike[str] | Statistics
@@ -228,8 +228,8 @@ def _calibrated_transformer(checkpoint: Checkpoint, spec: TransformerSpec,
         raise ParameterError(f"layers: {unknown[:3]} are not calibration points of "
                              f"{checkpoint.label}; expected some of {modules[:4]}...")
     stats, chosen = _target_assignments(checkpoint, spec, targets, min_samples)
-    goals = transformer_calibration.point_targets(spec, where, stats, chosen)
-    return transformer_calibration.calibrated_transformer(
+    goals = calibration.point_targets(spec, where, stats, chosen)
+    return calibration.calibrated_transformer(
         checkpoint.state_dict(), where, pooled, goals, modules=layers)
 
 

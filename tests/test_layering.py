@@ -1,6 +1,6 @@
-"""Imports run one way: front doors → service/toolkit → protocol → api → methods → engine →
-core (never upward), with no circle: no module imports, through any chain of imports, a
-module that imports it back (the benchmarks among themselves too).
+"""Imports run one way: front doors → service/toolkit → protocol → calibration → api →
+methods → engine → core (never upward), with no circle: no module imports, through any
+chain of imports, a module that imports it back (the benchmarks among themselves too).
 
 The layer of a module is the first rule below whose prefix it starts with. Every
 ``import`` statement in the package, at any depth (function-local ones too), is checked.

@@ -37,7 +37,7 @@ from fusekit.core.transformer import (
     permute_transformer,
 )
 from fusekit.methods.calibration import read_assignments
-from fusekit.methods.transformer_calibration import point_targets
+from fusekit.methods.calibration import point_targets
 
 transformers = pytest.importorskip("transformers", reason="the [hf] extra is not installed")
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from fusekit.core import metadata as meta
-from fusekit.core.checkpoint import load_checkpoint, save_checkpoint
+from fusekit.core.checkpoint import load_checkpoint
 from fusekit.core.errors import CheckpointError, StatisticsError
 from fusekit.core.stats import (
     DEFAULT_MIN_SAMPLES,
@@ -38,6 +38,7 @@ from fusekit.core.stats import (
     check_magnitude,
     check_num_samples,
     point_fields,
+    save_statistics_file,
     whole_counts,
 )
 
@@ -98,9 +99,8 @@ class CrossStatistics:
 def save_cross_statistics(path: str | os.PathLike[str], stats: CrossStatistics, *,
                           force: bool = False) -> Path:
     """Write ``stats`` as safetensors, atomically (see :func:`save_checkpoint`)."""
-    metadata = {meta.CROSS_STATS: cross_statistics_description(stats),
-                meta.NUM_SAMPLES: str(stats.num_samples)}
-    return save_checkpoint(path, cross_statistics_tensors(stats), metadata, force=force)
+    return save_statistics_file(path, meta.CROSS_STATS, cross_statistics_description(stats),
+                                cross_statistics_tensors(stats), stats.num_samples, force)
 
 
 def cross_statistics_tensors(stats: CrossStatistics) -> dict[str, np.ndarray]:
@@ -296,9 +296,8 @@ class RefitStatistics:
 def save_refit_statistics(path: str | os.PathLike[str], stats: RefitStatistics, *,
                           force: bool = False) -> Path:
     """Write ``stats`` as safetensors, atomically (see :func:`save_checkpoint`)."""
-    metadata = {meta.REFIT_STATS: refit_statistics_description(stats),
-                meta.NUM_SAMPLES: str(stats.num_samples)}
-    return save_checkpoint(path, refit_statistics_tensors(stats), metadata, force=force)
+    return save_statistics_file(path, meta.REFIT_STATS, refit_statistics_description(stats),
+                                refit_statistics_tensors(stats), stats.num_samples, force)
 
 
 def refit_statistics_tensors(stats: RefitStatistics) -> dict[str, np.ndarray]:

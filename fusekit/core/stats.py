@@ -135,9 +135,17 @@ def statistic_points(spec) -> dict[str, int]:
 def save_statistics(path: str | os.PathLike[str], stats: Statistics, *,
                     force: bool = False) -> Path:
     """Write ``stats`` as safetensors, atomically (see :func:`save_checkpoint`)."""
-    metadata = {meta.STATS: statistics_description(stats),
-                meta.NUM_SAMPLES: str(stats.num_samples)}
-    return save_checkpoint(path, statistics_tensors(stats), metadata, force=force)
+    return save_statistics_file(path, meta.STATS, statistics_description(stats),
+                                statistics_tensors(stats), stats.num_samples, force)
+
+
+def save_statistics_file(path: str | os.PathLike[str], key: str, description: str,
+                         tensors: Mapping[str, np.ndarray], num_samples: int,
+                         force: bool) -> Path:
+    """A statistics file of any kind (per-channel, cross, refit): its tensors, and its
+    description under the metadata ``key`` beside the number of inputs it covers."""
+    return save_checkpoint(path, tensors, {key: description,
+                                           meta.NUM_SAMPLES: str(num_samples)}, force=force)
 
 
 def statistics_tensors(stats: Statistics) -> dict[str, np.ndarray]:
