@@ -67,13 +67,15 @@ def build(case: str, seed: int, widths: list[int] | None = None) -> nn.Module:
 
 
 def train(model: nn.Module, x: np.ndarray, y: np.ndarray, epochs: int, seed: int) -> nn.Module:
+    """Plain torch: Adam, cross-entropy, batches of 32, ``epochs`` passes; eval mode after
+    (also the tests' foreign models, tests/foreign.py)."""
     generator = torch.Generator().manual_seed(seed)
     inputs, targets = torch.from_numpy(x), torch.from_numpy(y)
     optimiser = torch.optim.Adam(model.parameters(), lr=3e-3)
     model.train()
     for _ in range(epochs):
         for batch in torch.randperm(len(x), generator=generator).split(32):
-            if len(batch) > 1:
+            if len(batch) > 1:  # BatchNorm needs two samples
                 optimiser.zero_grad()
                 nn.functional.cross_entropy(model(inputs[batch]), targets[batch]).backward()
                 optimiser.step()

@@ -27,6 +27,8 @@ from pathlib import Path
 import numpy as np
 import safetensors.torch
 import torch
+from bench_own_models import raw_digits as digits_as_stored
+from bench_own_models import train
 from threadpoolctl import threadpool_limits
 from torch import nn
 
@@ -59,14 +61,7 @@ class Arrays:
 
 def raw_digits() -> Arrays:
     """scikit-learn's digits as a user holds them: pixels / 16, no standardisation."""
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-
-    bunch = load_digits()
-    images = (bunch.images / 16.0).astype(np.float32)[:, None]
-    x_train, x_test, y_train, y_test = train_test_split(
-        images, bunch.target.astype(np.int64), test_size=0.25, random_state=0,
-        stratify=bunch.target)
+    x_train, x_test, y_train, y_test = digits_as_stored()
     return Arrays(x_train, y_train, x_test, y_test)
 
 
@@ -113,22 +108,6 @@ def build(kind: str, seed: int) -> nn.Module:
 
 
 EPOCHS = {"mlp": 30, "bn_mlp": 20, "cnn": 15, "resnet20": 8}
-
-
-def train(model: nn.Module, x: np.ndarray, y: np.ndarray, epochs: int, seed: int) -> nn.Module:
-    """Plain torch: Adam, cross-entropy, batches of 32, ``epochs`` passes; eval mode after."""
-    generator = torch.Generator().manual_seed(seed)
-    inputs, targets = torch.from_numpy(x), torch.from_numpy(y)
-    optimiser = torch.optim.Adam(model.parameters(), lr=3e-3)
-    model.train()
-    for _ in range(epochs):
-        for batch in torch.randperm(len(x), generator=generator).split(32):
-            if len(batch) < 2:  # BatchNorm needs two samples
-                continue
-            optimiser.zero_grad()
-            nn.functional.cross_entropy(model(inputs[batch]), targets[batch]).backward()
-            optimiser.step()
-    return model.eval()
 
 
 def accuracy(model: nn.Module, x: np.ndarray, y: np.ndarray) -> float:
