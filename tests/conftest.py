@@ -78,6 +78,12 @@ def file_digest(path: Path) -> str:
 
 
 @pytest.fixture
+def small_synthetic_args() -> list[str]:
+    """The CLI's data flags for a small synthetic set: 300 samples, 5 features, 3 classes."""
+    return ["--data", "synthetic", "--samples", "300", "--features", "5", "--classes", "3"]
+
+
+@pytest.fixture
 def mlp_clients(tmp_path) -> list[Path]:
     """Three 6-5-3 MLP clients with BatchNorm and sample/class counts."""
     counts = [[5, 3, 2], [1, 8, 1], [0, 2, 8]]

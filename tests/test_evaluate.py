@@ -86,21 +86,14 @@ def test_evaluator_moves_test_set_once():
     assert evaluator.inputs.device.type == "cpu" and len(evaluator.targets) == len(DATA.y_test)
 
 
-def test_cli_evaluate_json_and_table(tmp_path):
+def test_cli_evaluate_json_and_table(tmp_path, small_synthetic_args):
     p1, _ = _write(tmp_path / "a.safetensors", mlp_arch(5, [7], 3), 0)
     p2, _ = _write(tmp_path / "b.safetensors", mlp_arch(5, [7], 3), 1)
     common = [
         "evaluate",
         str(p1),
         str(p2),
-        "--data",
-        "synthetic",
-        "--samples",
-        "300",
-        "--features",
-        "5",
-        "--classes",
-        "3",
+        *small_synthetic_args,
         "--seed",
         "1",
         "--device",

@@ -106,18 +106,11 @@ def test_simulate_fuse_evaluate_end_to_end(tmp_path):
     assert report.scores[-1].accuracy > 1.5 / DATA.num_classes  # ensemble beats chance
 
 
-def test_cli_simulate(tmp_path):
+def test_cli_simulate(tmp_path, small_synthetic_args):
     out = tmp_path / "ckpts"
     args = [
         "simulate",
-        "--data",
-        "synthetic",
-        "--samples",
-        "300",
-        "--features",
-        "5",
-        "--classes",
-        "3",
+        *small_synthetic_args,
         "--clients",
         "3",
         "--partition",
