@@ -20,6 +20,7 @@ from fusekit._cli.options import (
     JsonOption,
     NormalizeOption,
     SamplesOption,
+    dataset_option,
     described,
     normalization_option,
 )
@@ -142,15 +143,15 @@ def client_inputs(data: str | None, data_dir: Path | None, data_path: Path | Non
     """The data set's name and the training inputs a client computes statistics on (the
     ``--data`` options, or token ids for a token transformer; a synthetic set's options
     at ``fusekit stats``'s defaults unless given)."""
-    from fusekit.toolkit.data import dataset_name, load_dataset, token_ids
+    from fusekit.toolkit.data import dataset_name, token_ids
 
     name = dataset_name(data, data_path)
     if name == "tokens":
         if data_path is None:
             raise ParameterError("--data tokens: give the .npz of token ids with --data-path")
         return name, token_ids(data_path)
-    return name, load_dataset(name, data_dir=data_dir, path=data_path, samples=samples,
-                              features=features, classes=classes, seed=seed).x_train
+    return name, dataset_option(name, data_dir, data_path, samples, features, classes,
+                                seed).x_train
 
 
 def _cross_stats(reference: Path, own: Path, normalization, inputs, name: str, output: Path,

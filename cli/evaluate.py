@@ -19,6 +19,7 @@ from fusekit._cli.options import (
     JsonOption,
     NormalizeOption,
     SamplesOption,
+    dataset_option,
     described,
     normalization_option,
 )
@@ -45,18 +46,9 @@ def evaluate(
 
     The data is used as stored; each model normalises it as its checkpoint records
     (fusekit.preprocess), or as --normalize says for models that record nothing."""
-    from fusekit.toolkit.data import load_dataset
     from fusekit.toolkit.evaluate import evaluate_checkpoints
 
-    dataset = load_dataset(
-        data,
-        data_dir=data_dir,
-        path=data_path,
-        samples=samples,
-        features=features,
-        classes=classes,
-        seed=seed,
-    )
+    dataset = dataset_option(data, data_dir, data_path, samples, features, classes, seed)
     normalization = normalization_option(normalize)
     models = [described(path, normalization) for path in files]
     with step_progress("evaluate"):

@@ -64,6 +64,16 @@ def normalization_option(values: list[str] | None):
         raise ParameterError(f"--normalize: {exc}; found {' '.join(values)!r}") from None
 
 
+def dataset_option(data: str | None, data_dir: Path | None, data_path: Path | None,
+                   samples: int, features: int, classes: int, seed: int):
+    """The data set the ``--data`` options name (toolkit.data: torch, so imported only by
+    the commands that run models)."""
+    from fusekit.toolkit.data import load_dataset
+
+    return load_dataset(data, data_dir=data_dir, path=data_path, samples=samples,
+                        features=features, classes=classes, seed=seed)
+
+
 def described(path: Path, normalization):
     """The model at ``path`` as ``--normalize`` describes it: its checkpoint recording that
     preprocessing (the file untouched), or ``path`` itself without ``--normalize``.

@@ -23,6 +23,7 @@ from fusekit._cli.options import (
     JsonOption,
     NormalizeOption,
     SamplesOption,
+    dataset_option,
     normalization_option,
 )
 from fusekit._cli.output import emit_json, stdout, step_progress
@@ -138,20 +139,11 @@ def simulate(
         raise ParameterError("--method, --clients-per-round, --calibrate and --align: only "
                              "with --rounds R (with them the sampled clients calibrate each "
                              "round's fused model)")
-    from fusekit.toolkit.data import load_dataset  # torch: only for commands that train
     from fusekit.toolkit.rounds import RoundsConfig
     from fusekit.toolkit.simulate import SimulationConfig, client_archs, simulate_clients
     from fusekit.toolkit.train import FedNLRConfig, TrainConfig
 
-    dataset = load_dataset(
-        data,
-        data_dir=data_dir,
-        path=data_path,
-        samples=samples,
-        features=features,
-        classes=classes,
-        seed=seed,
-    )
+    dataset = dataset_option(data, data_dir, data_path, samples, features, classes, seed)
     if normalize:  # what the clients train with and record (fusekit.preprocess)
         dataset = dataclasses.replace(dataset, normalization=normalization_option(normalize))
     pan_settings = (
