@@ -37,6 +37,9 @@ OutputOption = Annotated[
     Path, typer.Option("--output", "-o", help="The .safetensors file to write.",
                        show_default=False)
 ]
+ClientModelsArgument = Annotated[list[Path], typer.Argument(
+    help="The clients' own models (the fusion's inputs).", metavar="CLIENTS...",
+    show_default=False)]
 ForceOption = Annotated[bool, typer.Option("--force", help="Replace an existing output file.")]
 MinSamplesOption = Annotated[
     int, typer.Option("--min-samples", help="Refuse statistics over fewer inputs (privacy: "
@@ -250,9 +253,7 @@ def align(
     reference: Annotated[Path, typer.Argument(
         help="The fused model the clients ran (.safetensors; calibrated first).",
         show_default=False)],
-    clients: Annotated[list[Path], typer.Argument(
-        help="The clients' own models (the fusion's inputs).", metavar="CLIENTS...",
-        show_default=False)],
+    clients: ClientModelsArgument,
     output: OutputOption,
     cross_stats: Annotated[list[Path], typer.Option(
         "--cross-stats", help="A client's cross statistics (fusekit stats REFERENCE "
@@ -282,9 +283,7 @@ def align(
 def refit(
     fused: Annotated[Path, typer.Argument(
         help="The aligned fused model the clients ran (.safetensors).", show_default=False)],
-    clients: Annotated[list[Path], typer.Argument(
-        help="The clients' own models (the fusion's inputs).", metavar="CLIENTS...",
-        show_default=False)],
+    clients: ClientModelsArgument,
     output: OutputOption,
     refit_stats: Annotated[list[Path], typer.Option(
         "--refit-stats", help="A client's refit statistics of one layer (fusekit stats FUSED "

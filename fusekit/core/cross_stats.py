@@ -33,10 +33,10 @@ from fusekit.core.checkpoint import load_checkpoint
 from fusekit.core.errors import CheckpointError, StatisticsError
 from fusekit.core.stats import (
     DEFAULT_MIN_SAMPLES,
-    MODES,
     chan,
     check_magnitude,
     check_num_samples,
+    is_statistics_header,
     point_fields,
     save_statistics_file,
     whole_counts,
@@ -171,13 +171,7 @@ def _read(path: str | os.PathLike[str], key: str, kind: str,
 
 def _parse(description: object, tensors: Mapping[str, np.ndarray],
            label: str) -> CrossStatistics:
-    if (not isinstance(description, dict)
-            or description.get("format") != meta.CROSS_STATS_FORMAT
-            or not isinstance(description.get("reference"), str)
-            or not isinstance(description.get("model"), str)
-            or description.get("mode") not in MODES
-            or not isinstance(description.get("num_samples"), int)
-            or isinstance(description.get("num_samples"), bool)):
+    if not is_statistics_header(description, meta.CROSS_STATS_FORMAT, ("reference", "model")):
         raise StatisticsError(
             f"{label}: metadata {meta.CROSS_STATS} must be {{\"format\": "
             f"\"{meta.CROSS_STATS_FORMAT}\", \"reference\": <hash>, \"model\": <hash>, "
@@ -343,12 +337,8 @@ def parse_refit_statistics(description: str, tensors: Mapping[str, np.ndarray],
 
 def _parse_refit(description: object, tensors: Mapping[str, np.ndarray],
                  label: str) -> RefitStatistics:
-    keys = ("reference", "model", "layer")
-    if (not isinstance(description, dict)
-            or description.get("format") != meta.REFIT_STATS_FORMAT
-            or not all(isinstance(description.get(k), str) for k in keys)
-            or not isinstance(description.get("num_samples"), int)
-            or isinstance(description.get("num_samples"), bool)
+    if (not is_statistics_header(description, meta.REFIT_STATS_FORMAT,
+                                 ("reference", "model", "layer"), with_mode=False)
             or set(tensors) != set(REFIT_FIELDS) or tensors["count"].shape != (1,)):
         raise StatisticsError(
             f"{label}: expected metadata {meta.REFIT_STATS} {{\"format\": "

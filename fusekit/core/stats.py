@@ -215,11 +215,7 @@ def load_statistics(path: str | os.PathLike[str], *, model: str | None = None,
 
 
 def _parse(description: object, tensors: Mapping[str, np.ndarray], label: str) -> Statistics:
-    if (not isinstance(description, dict) or description.get("format") != meta.STATS_FORMAT
-            or not isinstance(description.get("model"), str)
-            or description.get("mode") not in MODES
-            or not isinstance(description.get("num_samples"), int)
-            or isinstance(description.get("num_samples"), bool)):
+    if not is_statistics_header(description, meta.STATS_FORMAT, ("model",)):
         raise StatisticsError(
             f"{label}: metadata {meta.STATS} must be {{\"format\": \"{meta.STATS_FORMAT}\", "
             f"\"model\": <hash>, \"num_samples\": <int>, \"mode\": eval|batch}}, found "
@@ -233,6 +229,18 @@ def _parse(description: object, tensors: Mapping[str, np.ndarray], label: str) -
                                                              label).items()}
     return Statistics(description["model"], description["num_samples"], description["mode"],
                       points, label, moments)
+
+
+def is_statistics_header(description: object, format_: str, names: Sequence[str], *,
+                         with_mode: bool = True) -> bool:
+    """Whether a statistics file's metadata is a dict in ``format_`` with a string (a
+    content hash, a layer) at each of ``names``, an integer ``num_samples`` and, when
+    ``with_mode``, a ``mode`` of :data:`MODES`."""
+    return (isinstance(description, dict) and description.get("format") == format_
+            and all(isinstance(description.get(name), str) for name in names)
+            and (not with_mode or description.get("mode") in MODES)
+            and isinstance(description.get("num_samples"), int)
+            and not isinstance(description.get("num_samples"), bool))
 
 
 def point_fields(tensors: Mapping[str, np.ndarray], fields: Sequence[str],
