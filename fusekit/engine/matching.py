@@ -244,63 +244,6 @@ def _per_coordinate(
     return np.ascontiguousarray(array)
 
 
-def _posterior_cost(
-    local,
-    client_precision,
-    global_sums,
-    global_precisions,
-    global_counts,
-    n_clients,
-    mu0,
-    sigma0_2,
-    gamma0,
-    lam,
-    check_finite,
-) -> np.ndarray:
-    local = _finite_matrix(local, "local", check_finite)
-    p = local.shape[1]
-    sums = _finite_matrix(global_sums, "global_sums", check_finite)
-    precisions = _finite_matrix(global_precisions, "global_precisions", check_finite)
-    if sums.shape[1:] != (p,) or precisions.shape != sums.shape:
-        raise ParameterError(
-            f"global_sums {sums.shape} and global_precisions {precisions.shape}: expected "
-            f"the same shape (J_global, {p})"
-        )
-    if check_finite and not core().finite_min(precisions) > 0:
-        raise ParameterError(
-            "global_precisions: expected values > 0 (they include the prior 1/sigma0^2)"
-        )
-    counts = np.ascontiguousarray(np.asarray(global_counts, dtype=np.float64))
-    if counts.shape != (sums.shape[0],):
-        raise ParameterError(
-            f"global_counts: expected shape ({sums.shape[0]},), got {counts.shape}"
-        )
-    if isinstance(n_clients, bool) or not isinstance(n_clients, (int, np.integer)) or n_clients < 2:
-        raise ParameterError(f"n_clients: expected an integer >= 2, got {n_clients!r}")
-    if check_finite and counts.size and not ((counts >= 1).all() and (counts < n_clients).all()):
-        raise ParameterError(
-            f"global_counts: expected 1 <= n_i < n_clients={n_clients} (clients other than "
-            f"this one), found range [{counts.min()}, {counts.max()}]"
-        )
-    if not (np.isfinite(gamma0) and gamma0 > 0):
-        raise ParameterError(f"gamma0: expected a finite value > 0, got {gamma0!r}")
-    if not (np.isfinite(lam) and lam >= 0):
-        raise ParameterError(f"lam: expected a finite value >= 0, got {lam!r}")
-    checked = {"check_finite": check_finite}
-    return core().posterior_cost(
-        local,
-        _per_coordinate(client_precision, p, "client_precision", bound="non-negative", **checked),
-        sums,
-        precisions,
-        counts,
-        _per_coordinate(mu0, p, "mu0", bound=None, **checked),
-        _per_coordinate(sigma0_2, p, "sigma0_2", bound="positive", **checked),
-        float(n_clients),
-        float(gamma0),
-        float(lam),
-    )
-
-
 def pfnm_cost(
     local,
     client_precision,
@@ -355,19 +298,9 @@ def pfnm_cost(
     ParameterError (a ValueError)
         Shapes disagree, values are non-finite or out of range.
     """
-    return _posterior_cost(
-        local,
-        client_precision,
-        global_sums,
-        global_precisions,
-        global_counts,
-        n_clients,
-        mu0,
-        sigma0_2,
-        gamma0,
-        0.0,
-        check_finite,
-    )
+    return nafi_cost(local, client_precision, global_sums, global_precisions, global_counts,
+                     n_clients=n_clients, mu0=mu0, sigma0_2=sigma0_2, gamma0=gamma0, lam=0.0,
+                     check_finite=check_finite)
 
 
 def nafi_cost(
@@ -401,16 +334,45 @@ def nafi_cost(
     ParameterError (a ValueError)
         As :func:`pfnm_cost`, or ``lam`` negative.
     """
-    return _posterior_cost(
+    local = _finite_matrix(local, "local", check_finite)
+    p = local.shape[1]
+    sums = _finite_matrix(global_sums, "global_sums", check_finite)
+    precisions = _finite_matrix(global_precisions, "global_precisions", check_finite)
+    if sums.shape[1:] != (p,) or precisions.shape != sums.shape:
+        raise ParameterError(
+            f"global_sums {sums.shape} and global_precisions {precisions.shape}: expected "
+            f"the same shape (J_global, {p})"
+        )
+    if check_finite and not core().finite_min(precisions) > 0:
+        raise ParameterError(
+            "global_precisions: expected values > 0 (they include the prior 1/sigma0^2)"
+        )
+    counts = np.ascontiguousarray(np.asarray(global_counts, dtype=np.float64))
+    if counts.shape != (sums.shape[0],):
+        raise ParameterError(
+            f"global_counts: expected shape ({sums.shape[0]},), got {counts.shape}"
+        )
+    if isinstance(n_clients, bool) or not isinstance(n_clients, (int, np.integer)) or n_clients < 2:
+        raise ParameterError(f"n_clients: expected an integer >= 2, got {n_clients!r}")
+    if check_finite and counts.size and not ((counts >= 1).all() and (counts < n_clients).all()):
+        raise ParameterError(
+            f"global_counts: expected 1 <= n_i < n_clients={n_clients} (clients other than "
+            f"this one), found range [{counts.min()}, {counts.max()}]"
+        )
+    if not (np.isfinite(gamma0) and gamma0 > 0):
+        raise ParameterError(f"gamma0: expected a finite value > 0, got {gamma0!r}")
+    if not (np.isfinite(lam) and lam >= 0):
+        raise ParameterError(f"lam: expected a finite value >= 0, got {lam!r}")
+    checked = {"check_finite": check_finite}
+    return core().posterior_cost(
         local,
-        client_precision,
-        global_sums,
-        global_precisions,
-        global_counts,
-        n_clients,
-        mu0,
-        sigma0_2,
-        gamma0,
-        lam,
-        check_finite,
+        _per_coordinate(client_precision, p, "client_precision", bound="non-negative", **checked),
+        sums,
+        precisions,
+        counts,
+        _per_coordinate(mu0, p, "mu0", bound=None, **checked),
+        _per_coordinate(sigma0_2, p, "sigma0_2", bound="positive", **checked),
+        float(n_clients),
+        float(gamma0),
+        float(lam),
     )

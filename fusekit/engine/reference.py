@@ -19,17 +19,45 @@ def sqeuclidean_cost(a, b) -> np.ndarray:
     return ((a[:, None, :] - b[None, :, :]) ** 2).sum(axis=2)
 
 
-def _posterior_cost(
-    local, client_precision, sums, precisions, counts, n_clients, mu0, sigma0_2, gamma0, lam
+def pfnm_cost(
+    local,
+    client_precision,
+    global_sums,
+    global_precisions,
+    global_counts,
+    *,
+    n_clients: int,
+    mu0=0.0,
+    sigma0_2=1.0,
+    gamma0: float = 1.0,
 ) -> np.ndarray:
+    """Reference of :func:`fusekit.engine.matching.pfnm_cost` (ALGORITHMS.md §3)."""
+    return nafi_cost(local, client_precision, global_sums, global_precisions, global_counts,
+                     n_clients=n_clients, mu0=mu0, sigma0_2=sigma0_2, gamma0=gamma0, lam=0.0)
+
+
+def nafi_cost(
+    local,
+    client_precision,
+    global_sums,
+    global_precisions,
+    global_counts,
+    *,
+    n_clients: int,
+    mu0=0.0,
+    sigma0_2=1.0,
+    gamma0: float = 1.0,
+    lam: float = 1e-2,
+) -> np.ndarray:
+    """Reference of :func:`fusekit.engine.matching.nafi_cost` (ALGORITHMS.md §4)."""
     w = np.asarray(local, dtype=np.float64)
     j_local, p = w.shape
     s = np.broadcast_to(np.asarray(client_precision, dtype=np.float64), (p,))
     mu0 = np.broadcast_to(np.asarray(mu0, dtype=np.float64), (p,))
     sigma0_2 = np.broadcast_to(np.asarray(sigma0_2, dtype=np.float64), (p,))
-    big_p = np.asarray(precisions, dtype=np.float64)
-    means = np.asarray(sums, dtype=np.float64) / big_p
-    counts = np.asarray(counts, dtype=np.float64)
+    big_p = np.asarray(global_precisions, dtype=np.float64)
+    means = np.asarray(global_sums, dtype=np.float64) / big_p
+    counts = np.asarray(global_counts, dtype=np.float64)
 
     def block(prec, centre):
         # prec, centre: (rows, P) -> (rows, J_local)
@@ -48,58 +76,3 @@ def _posterior_cost(
     slots = np.arange(1, j_local + 1, dtype=np.float64)
     new = prior + 2.0 * np.log(slots * n_clients / gamma0)[:, None]
     return np.vstack([existing.reshape(-1, j_local), new])
-
-
-def pfnm_cost(
-    local,
-    client_precision,
-    global_sums,
-    global_precisions,
-    global_counts,
-    *,
-    n_clients: int,
-    mu0=0.0,
-    sigma0_2=1.0,
-    gamma0: float = 1.0,
-) -> np.ndarray:
-    """Reference of :func:`fusekit.engine.matching.pfnm_cost` (ALGORITHMS.md §3)."""
-    return _posterior_cost(
-        local,
-        client_precision,
-        global_sums,
-        global_precisions,
-        global_counts,
-        n_clients,
-        mu0,
-        sigma0_2,
-        gamma0,
-        0.0,
-    )
-
-
-def nafi_cost(
-    local,
-    client_precision,
-    global_sums,
-    global_precisions,
-    global_counts,
-    *,
-    n_clients: int,
-    mu0=0.0,
-    sigma0_2=1.0,
-    gamma0: float = 1.0,
-    lam: float = 1e-2,
-) -> np.ndarray:
-    """Reference of :func:`fusekit.engine.matching.nafi_cost` (ALGORITHMS.md §4)."""
-    return _posterior_cost(
-        local,
-        client_precision,
-        global_sums,
-        global_precisions,
-        global_counts,
-        n_clients,
-        mu0,
-        sigma0_2,
-        gamma0,
-        lam,
-    )
