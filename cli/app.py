@@ -89,19 +89,23 @@ def _main(
     set_verbose(verbose)
 
 
-app.command("inspect", cls=Command)(handle_errors(inspect.inspect))
-app.command("simulate", cls=Command)(handle_errors(simulate.simulate))
-app.command("evaluate", cls=Command)(handle_errors(evaluate.evaluate))
-app.command("stats", cls=Command)(handle_errors(calibrate.stats))
-app.command("calibrate", cls=Command)(handle_errors(calibrate.calibrate))
-app.command("align", cls=Command)(handle_errors(calibrate.align))
-app.command("refit", cls=Command)(handle_errors(calibrate.refit))
-app.command("demo", cls=Command)(handle_errors(demo.demo))
-app.command("serve", cls=Command)(handle_errors(serve.serve))
-app.command("worker", cls=Command)(handle_errors(serve.worker))
-app.command("submit", cls=Command)(handle_errors(submit.submit))
-app.command("fetch", cls=Command)(handle_errors(submit.fetch))
-app.command("contribute", cls=Command)(handle_errors(submit.contribute))
+COMMANDS = {
+    "inspect": inspect.inspect,
+    "simulate": simulate.simulate,
+    "evaluate": evaluate.evaluate,
+    "stats": calibrate.stats,
+    "calibrate": calibrate.calibrate,
+    "align": calibrate.align,
+    "refit": calibrate.refit,
+    "demo": demo.demo,
+    "serve": serve.serve,
+    "worker": serve.worker,
+    "submit": submit.submit,
+    "fetch": submit.fetch,
+    "contribute": submit.contribute,
+}
+for name, command in COMMANDS.items():  # each refuses bad input in one line (handle_errors)
+    app.command(name, cls=Command)(handle_errors(command))
 app.add_typer(job.app, name="job")
 
 
