@@ -1086,6 +1086,13 @@ def publish(payload: dict[str, Any], args: argparse.Namespace) -> int:
     return 0
 
 
+def summary_section(title: str, rows: list, keys: tuple[str, ...],
+                    headers: tuple[str, ...] | None = None) -> list[str]:
+    """A ``### title`` section: the mean ± std table of ``rows`` grouped by ``keys`` (its
+    columns headed ``headers``, default the keys)."""
+    return ["", f"### {title}", "", markdown_table(summarise(rows, keys), headers or keys)]
+
+
 def render(
     rows: dict[str, list], payload: dict[str, Any], args: argparse.Namespace, plotted: bool
 ) -> str:
@@ -1124,35 +1131,21 @@ def render(
         "Fusion time (s, mean over seeds):",
         "",
         time_table(summarise(rows["clients"], ("clients",)), ("S",)),
-        "",
-        "### Depth (digits, S = 10)",
-        "",
-        markdown_table(summarise(rows["depth"], ("partition", "arch")), ("partition", "arch")),
-        "",
-        "### PANs (digits, hetero-dir alpha = 0.5, S = 10, shared initial model)",
-        "",
-        markdown_table(summarise(rows["pans"], ("pan",)), ("PANs",)),
+        *summary_section("Depth (digits, S = 10)", rows["depth"], ("partition", "arch")),
+        *summary_section("PANs (digits, hetero-dir alpha = 0.5, S = 10, shared initial model)",
+                         rows["pans"], ("pan",), ("PANs",)),
     ]
     checks = paper_checks(rows)
     if checks:
         parts += ["", "### Against the papers (computed from the tables above)", "", *checks]
     if "lambda" in rows:
-        parts += [
-            "",
-            "### NAFI's λ (digits, S = 10, 1 hidden layer; pfnm = λ 0)",
-            "",
-            markdown_table(summarise(rows["lambda"], ("partition",)), ("partition",)),
-        ]
+        parts += summary_section("NAFI's λ (digits, S = 10, 1 hidden layer; pfnm = λ 0)",
+                                 rows["lambda"], ("partition",))
     if "full" in rows:
-        keys = ("data", "partition", "clients", "arch")
-        parts += ["", "### Full grid", "", markdown_table(summarise(rows["full"], keys), keys)]
+        parts += summary_section("Full grid", rows["full"],
+                                 ("data", "partition", "clients", "arch"))
     if "mnist" in rows:
-        parts += [
-            "",
-            "### MNIST (S = 10, 1 hidden layer)",
-            "",
-            markdown_table(summarise(rows["mnist"], ("partition",)), ("partition",)),
-        ]
+        parts += summary_section("MNIST (S = 10, 1 hidden layer)", rows["mnist"], ("partition",))
     return "\n".join(parts) + "\n"
 
 
