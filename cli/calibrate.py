@@ -24,7 +24,6 @@ from fusekit._cli.options import (
     described,
     normalization_option,
 )
-from fusekit._cli import next_round
 from fusekit._cli.output import emit_json, stdout
 from fusekit.core.cross_stats import DEFAULT_RIDGE
 from fusekit.core.errors import DataError, ParameterError
@@ -220,6 +219,7 @@ def calibrate(
 
     Pools the statistics exactly; --targets adds REPAIR to the layers without BatchNorm."""
     import fusekit
+    from fusekit._cli import next_round  # imports the library: not at --help
 
     from fusekit.core.transformer import TransformerSpec
 
@@ -245,6 +245,7 @@ def _report(report: dict, line: str, as_json: bool) -> None:
         return
     stdout.print(line, highlight=False)
     if "next" in report:
+        from fusekit._cli import next_round
         stdout.print("\n".join(next_round.lines(report["next"])), highlight=False,
                      soft_wrap=True)
 
@@ -268,6 +269,7 @@ def align(
     refit rounds start from this model as written (each refit folds its layer's BatchNorm),
     as fusekit.toolkit.alignment.align_locally does; calibrate it instead to stop here."""
     import fusekit
+    from fusekit._cli import next_round  # imports the library: not at --help
 
     result = fusekit.align(reference, clients, cross_stats, min_samples=min_samples)
     result.inputs += [path.absolute() for path in [reference, *cross_stats]]
@@ -301,6 +303,7 @@ def refit(
     One round per layer, input to output: the next layer's statistics are computed with
     the model this writes."""
     import fusekit
+    from fusekit._cli import next_round  # imports the library: not at --help
 
     result = fusekit.refit(fused, clients, refit_stats, ridge=ridge, min_samples=min_samples)
     result.inputs += [path.absolute() for path in [fused, *refit_stats]]

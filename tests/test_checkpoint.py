@@ -150,7 +150,7 @@ def test_bfloat16_tensors_are_read_as_float32(tmp_path):
 def test_save_refuses_to_overwrite_and_force_replaces(tmp_path):
     path = write(tmp_path / "out.safetensors", mlp())
     before = file_digest(path)
-    with pytest.raises(OutputError, match=r"out\.safetensors: output file exists.*--force"):
+    with pytest.raises(OutputError, match=r"out\.safetensors: output file exists; pass force=True"):
         save_checkpoint(path, {"w": np.zeros(2, np.float32)})
     assert file_digest(path) == before
     save_checkpoint(path, {"w": np.zeros(2, np.float32)}, force=True)

@@ -141,6 +141,16 @@ def test_help_shows_every_declared_parameter_plainly():
     assert re.search(r"nafi / pfnm options", help_text)
 
 
+def test_a_parameter_several_methods_declare_has_one_kind():
+    """The CLI gives a shared name one option, typed by one declaration: a second kind would
+    make the other methods' values unparsable (``--anchor c0.safetensors`` read as a float)."""
+    kinds: dict[str, set[str]] = {}
+    for name in EVERY_METHOD:
+        for spec in method_params(METHODS[name]):
+            kinds.setdefault(spec.name, set()).add(spec.kind)
+    assert {name: k for name, k in kinds.items() if len(k) > 1} == {}
+
+
 @pytest.mark.parametrize(("method", "params", "culprit"), [
     ("nafi", {"lam": "0.1"}, r"lam: expected a finite number >= 0, or None, found '0\.1' \(str\)"),
     ("avg", {"class_weighted": "no"}, r"class_weighted: expected a bool .*found 'no' \(str\)"),

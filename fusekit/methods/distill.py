@@ -114,9 +114,9 @@ class Distill(FusionMethod):
             "KL loss", paper="Hinton et al. 2015", above=0, maximum=100)] = 1.0,
         lr: Annotated[float, Param(help="Adam learning rate of the student", above=0,
                                    maximum=1)] = 1e-3,
-        anchor: Annotated[float, Param(
+        proximal: Annotated[float, Param(
             help="weight of the squared distance of the student's weights to its initial "
-            "fusion", minimum=0)] = 0.0,
+            "fusion (a proximal term)", paper="FedProx (MLSys 2020) Eq. 2", minimum=0)] = 0.0,
         patience: Annotated[int, Param(
             help="stop when the disagreement on fresh batches has not reached a new low for "
             "this many steps (0: run every step)", minimum=0)] = 50,
@@ -137,7 +137,7 @@ class Distill(FusionMethod):
             width_ratio: the student's width relative to the widest client (``initial``
                 pfnm or nafi); the other initial fusions keep the clients' width.
             steps, batch, input_steps, input_lr, adversarial, batchnorm, temperature, lr,
-                anchor, patience, seed, device, threads: the training's settings (see the
+                proximal, patience, seed, device, threads: the training's settings (see the
                 declaration above and ALGORITHMS.md §14).
 
         Returns:
@@ -169,7 +169,7 @@ class Distill(FusionMethod):
                                  "fusekit.toolkit (fusekit.fuse does) to install its training")
         settings = {"steps": steps, "batch": batch, "input_steps": input_steps,
                     "input_lr": input_lr, "adversarial": adversarial, "batchnorm": batchnorm,
-                    "temperature": temperature, "lr": lr, "anchor": anchor,
+                    "temperature": temperature, "lr": lr, "proximal": proximal,
                     "patience": patience, "seed": seed, "device": device, "threads": threads}
         shares, prior = _class_shares(checkpoints, specs[0].out_features)
         task = DistillationTask(checkpoints, specs, student, shares, prior, input_shape,

@@ -180,8 +180,8 @@ class _Trainer:
             target = self.teacher.log_probs(x)
         logits = self.student(x)
         loss = _kl(target / tau, logits / tau) * tau * tau
-        if s["anchor"]:
-            loss = loss + s["anchor"] * sum(((p - p0) ** 2).sum() for p, p0 in
+        if s["proximal"]:
+            loss = loss + s["proximal"] * sum(((p - p0) ** 2).sum() for p, p0 in
                                             zip(self.student.parameters(), self.start,
                                                 strict=True))
         self.optimizer.zero_grad()
