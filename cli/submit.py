@@ -18,7 +18,13 @@ from rich.progress import (
 )
 
 from fusekit._cli.calibrate import ClientDataOption, client_inputs
-from fusekit._cli.options import DataDirOption, DataPathOption, DeviceOption
+from fusekit._cli.options import (
+    DataDirOption,
+    DataPathOption,
+    DeviceOption,
+    NormalizeOption,
+    normalization_option,
+)
 from fusekit._cli.output import stderr, stdout
 
 Server = Annotated[str, typer.Argument(help="The service's URL.", show_default=False)]
@@ -88,6 +94,7 @@ def contribute(
     device: DeviceOption = "cpu",
     timeout: Annotated[float, typer.Option(
         "--timeout", help="Seconds to take part at most.")] = 3600.0,
+    normalize: NormalizeOption = None,
 ) -> None:
     """Take part in a job's calibration rounds until the job has finished.
 
@@ -96,16 +103,20 @@ def contribute(
     alignment round), or refit statistics of one layer (a refit round); and, where the
     job needs them, your targets (statistics of your own model). This downloads each
     round's model, computes what the round asks and uploads it, round after round; only
-    these aggregates leave your machine (docs/calibration.md, "What leaves a client")."""
+    these aggregates leave your machine (docs/calibration.md, "What leaves a client").
+    The data is used as stored; each model normalises it as its checkpoint records
+    (fusekit.preprocess), or as --normalize says, as fusekit stats does."""
     from fusekit.client import Client
     from fusekit.core.checkpoint import private_files
 
+    normalization = normalization_option(normalize)
     name, inputs = client_inputs(data, data_dir, data_path)
     work_dir.mkdir(parents=True, exist_ok=True)
     tell = lambda line: stderr.print(line, highlight=False, soft_wrap=True)  # noqa: E731
     with Client(server, token, on_retry=tell) as service, private_files():
         state = service.take_part(job, client, model, inputs, work_dir, timeout=timeout,
                                   batch_size=batch_size, device=device,
+                                  normalization=normalization,
                                   on_round=lambda asks: tell(f"{client}: {asks} ({name})"))
     reason = f": {state['error']}" if state.get("error") else ""
     stdout.print(f"job {job}: {state['state']}{reason}", highlight=False, soft_wrap=True)

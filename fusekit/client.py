@@ -49,7 +49,7 @@ from typing import Any, TypeVar
 import httpx
 
 from fusekit.core import metadata as meta
-from fusekit.core.checkpoint import load_checkpoint, private_files
+from fusekit.core.checkpoint import load_checkpoint, private_files, with_preprocess
 from fusekit.core.errors import FusekitError, StatisticsError
 from fusekit.core.stats import load_statistics
 from fusekit.service.states import FINISHED, job_in_state
@@ -218,13 +218,18 @@ class Client:
 
     def contribute(self, job: str, client: str, own: str | os.PathLike[str], inputs: Any,
                    folder: str | os.PathLike[str], *, batch_size: int = 1024,
-                   device: str = "cpu") -> dict[str, Any]:
+                   device: str = "cpu", normalization: meta.Normalization | None = None
+                   ) -> dict[str, Any]:
         """The client's part of the job's current round, whatever it asks: its targets
         (statistics of its ``own`` checkpoint, with input moments where the job uses
         them) while the job takes them and needs them, then the round's model downloaded
         into ``folder``, the round's statistics of it computed on ``inputs`` (its own
         data; with ``own`` for an alignment or refit round) and uploaded. Returns the
-        job's status as this client saw it."""
+        job's status as this client saw it.
+
+        ``inputs`` are used as stored; each model normalises them as its checkpoint
+        records (``fusekit.preprocess``), or as ``normalization`` says of models that
+        record none (``fusekit stats --normalize``; one recording another is refused)."""
         folder = Path(folder)
         state = self.status(job)
         round_ = state.get("round")
@@ -236,23 +241,25 @@ class Client:
             if _wants_targets(state):
                 targets = folder / f"{client}.targets.safetensors"
                 _compute(round_, None, own, inputs, targets, batch_size, device,
-                         input_moments=state.get("input_moments", False))
+                         normalization, input_moments=state.get("input_moments", False))
                 self.submit_targets(job, client, targets)
             if round_["kind"] == "derived" or state["statistics"]["filled"]:
                 return state
             model = self.model(job, folder / f"round-{round_['index']}.safetensors")
             stats = folder / f"{client}.round-{round_['index']}.stats.safetensors"
-            _compute(round_, model, own, inputs, stats, batch_size, device)
+            _compute(round_, model, own, inputs, stats, batch_size, device, normalization)
             self.submit_statistics(job, client, stats, round=round_["index"])
         return state
 
     def take_part(self, job: str, client: str, own: str | os.PathLike[str], inputs: Any,
                   folder: str | os.PathLike[str], *, timeout: float = 3600.0,
                   every: float = 0.5, batch_size: int = 1024, device: str = "cpu",
+                  normalization: meta.Normalization | None = None,
                   on_round: Callable[[str], None] | None = None) -> dict[str, Any]:
         """:meth:`contribute` to every round of the job that asks this client for something,
-        until the job has finished (at most ``timeout`` seconds). ``on_round`` is told,
-        in one line, what each round asked. Returns the job's last status."""
+        until the job has finished (at most ``timeout`` seconds), ``normalization`` as
+        there. ``on_round`` is told, in one line, what each round asked. Returns the job's
+        last status."""
         deadline, done = time.monotonic() + timeout, None
         while True:
             state = self.status(job)
@@ -265,7 +272,8 @@ class Client:
                         on_round(round_["asks"])
                     try:
                         self.contribute(job, client, own, inputs, folder,
-                                        batch_size=batch_size, device=device)
+                                        batch_size=batch_size, device=device,
+                                        normalization=normalization)
                     except ServiceError as exc:  # the round ended meanwhile: the next one
                         if exc.status != CONFLICT:
                             raise
@@ -393,16 +401,21 @@ def _wants_targets(state: dict[str, Any]) -> bool:
 
 
 def _compute(round_: dict[str, Any], model: Path | None, own: str | os.PathLike[str],
-             inputs: Any, output: Path, batch_size: int, device: str, *,
-             input_moments: bool = False) -> Path:
+             inputs: Any, output: Path, batch_size: int, device: str,
+             normalization: meta.Normalization | None, *, input_moments: bool = False) -> Path:
     """What the round asks of this client, written to ``output``; without ``model``, its
-    targets (statistics of its ``own`` model)."""
+    targets (statistics of its ``own`` model). Both models see ``inputs`` normalised as
+    they record, or as ``normalization`` says."""
     from fusekit.core.cross_stats import save_cross_statistics, save_refit_statistics
     from fusekit.core.stats import save_statistics
     from fusekit.toolkit.alignment import cross_statistics, refit_statistics
     from fusekit.toolkit.calibration import client_statistics
 
     options = {"batch_size": batch_size, "device": device}
+    if normalization is not None:  # the file untouched: its copy recording it
+        own = with_preprocess(load_checkpoint(own), normalization)
+        if model is not None:
+            model = with_preprocess(load_checkpoint(model), normalization)
     if model is None:
         return save_statistics(output, client_statistics(
             own, inputs, input_moments=input_moments, **options), force=True)

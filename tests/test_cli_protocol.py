@@ -19,6 +19,7 @@ from conftest import mlp, write
 from fusekit._cli.app import app
 from fusekit.client import Client
 from fusekit.core.checkpoint import load_checkpoint
+from fusekit.core.metadata import normalization
 from fusekit.toolkit.alignment import align_locally
 from fusekit.toolkit.data import load_dataset
 
@@ -231,6 +232,41 @@ def test_a_service_align_job_gives_the_model_the_cli_protocol_gives(
     result = load_checkpoint(admin.result(job["id"], tmp_path / "service.safetensors"))
     cli = load_checkpoint(_cli_protocol(tmp_path / "cli", own, data, "ot"))
     assert sorted(result.tensors) == sorted(cli.tensors)
+    for name in cli.tensors:
+        np.testing.assert_allclose(result.tensor(name), cli.tensor(name), rtol=1e-6,
+                                   atol=1e-7, err_msg=name)
+
+
+def test_contribute_normalize_gives_the_model_stats_normalize_gives(
+        service, admin, tmp_path):  # noqa: F811
+    """Clients whose models expect normalised inputs but record none take part in a
+    calibrating job, one through ``Client.take_part(normalization=...)``, one through
+    ``fusekit contribute --normalize``: the result is the model ``fusekit stats
+    --normalize`` and ``calibrate`` give on the same data files."""
+    own, data = _clients(tmp_path, batchnorm=True)
+    names = ["clinic-0", "clinic-1"]
+    job = admin.create_job("ot", names, auto_run=True, calibrate=True)
+    for name, path in zip(names, own, strict=True):
+        with Client(service.url, job["tokens"][name]) as client:
+            client.submit(job["id"], name, path)
+    assert admin.wait(job["id"], timeout=120, every=0.1)["state"] == "calibrating"
+    thread = TakingPart(service, job, names[0], own[0], load_dataset(path=data[0]).x_train,
+                        tmp_path / names[0], normalization=normalization([0.5], [2.0]))
+    took = runner.invoke(app, list(map(str, (
+        "contribute", service.url, own[1], "--job", job["id"], "--client", names[1],
+        "--token", job["tokens"][names[1]], "--data-path", data[1], "--normalize", "0.5,2",
+        "--work-dir", tmp_path / names[1], "--timeout", "120"))))
+    thread.finish()
+    assert took.exit_code == 0 and "succeeded" in took.stdout, took.output
+    result = load_checkpoint(admin.result(job["id"], tmp_path / "service.safetensors"))
+    fused = admin.fused(job["id"], tmp_path / "fused.safetensors")
+    stats = [_run("stats", fused, "--mode", "batch", "--normalize", "0.5,2", "--data-path",
+                  path, "-o", tmp_path / f"c{k}.stats.safetensors")["output"]
+             for k, path in enumerate(data)]
+    cli = load_checkpoint(_run("calibrate", fused, *stats, "-o",
+                               tmp_path / "cli.safetensors")["output"])
+    raw = fusekit.load_checkpoint(fused)
+    assert any(not np.allclose(cli.tensor(n), raw.tensor(n)) for n in cli.tensors)
     for name in cli.tensors:
         np.testing.assert_allclose(result.tensor(name), cli.tensor(name), rtol=1e-6,
                                    atol=1e-7, err_msg=name)

@@ -71,12 +71,13 @@ def create(admin, service, models, **options) -> dict:  # noqa: F811
 
 
 class TakingPart(threading.Thread):
-    """A client's every round (``Client.take_part``) in a thread of its own; ``join``
-    raises what it raised."""
+    """A client's every round (``Client.take_part``, with ``options``) in a thread of its
+    own; ``join`` raises what it raised."""
 
-    def __init__(self, service, job, name, model, inputs, folder) -> None:  # noqa: F811
+    def __init__(self, service, job, name, model, inputs, folder, **options) -> None:  # noqa: F811
         super().__init__(name=name, daemon=True)
         self.args_ = (service.url, job, name, model, inputs, folder)
+        self.options = options
         self.error: BaseException | None = None
         self.start()
 
@@ -85,7 +86,7 @@ class TakingPart(threading.Thread):
         try:
             with Client(url, job["tokens"][name]) as client:
                 client.take_part(job["id"], name, model, inputs, folder, timeout=120,
-                                 every=0.1)
+                                 every=0.1, **self.options)
         except BaseException as exc:
             self.error = exc
 
