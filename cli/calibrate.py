@@ -3,6 +3,7 @@ whoever fused): calibration from per-channel statistics, ALGORITHMS.md §12."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Annotated
 
@@ -27,7 +28,9 @@ from fusekit._cli.options import (
 from fusekit._cli.output import emit_json, stdout
 from fusekit.core.cross_stats import DEFAULT_RIDGE
 from fusekit.core.errors import DataError, ParameterError
-from fusekit.core.stats import DEFAULT_MIN_SAMPLES, MODES
+from fusekit.core.stats import BN_INPUT, DEFAULT_MIN_SAMPLES, MODES
+
+log = logging.getLogger(__name__)
 
 ClientDataOption = Annotated[str | None, typer.Option(
     "--data", help=f"{DATA_CHOICES}, or tokens (x_train of --data-path as token ids, for a "
@@ -118,6 +121,9 @@ def stats(
     except DataError as exc:  # name the option, not the library's argument
         raise DataError(str(exc).replace("(min_samples)", "(--min-samples)")) from None
     _something_to_calibrate(result, model)
+    if mode == "batch" and not any(point.startswith(f"{BN_INPUT}:") for point in result.points):
+        log.warning("%s: no BatchNorm, so --mode batch computes what --mode eval does",
+                    model)
     written = save_statistics(output, result, force=force)
     summary = {"output": str(written), "model": result.model, "samples": result.num_samples,
                "mode": result.mode, "points": len(result.points),

@@ -345,6 +345,7 @@ def align(
             of a model that is none of the clients, two for one client or none for one.
         IncompatibleModelsError: clients whose layers are not the reference's, or a
             transformer.
+        ParameterError: a reference without a hidden layer (no neuron to re-match).
     """
     reference = reference if isinstance(reference, Checkpoint) else load_checkpoint(reference)
     reference_spec = fused_spec(reference)
@@ -352,6 +353,8 @@ def align(
         raise IncompatibleModelsError(
             f"{reference.label}: a transformer; alignment rounds re-match the ReLU units of "
             "MLPs, CNNs and ResNets and do not cover transformers' heads and streams")
+    if len(reference_spec.layers) < 2:
+        raise ParameterError(f"{reference.label}: no hidden layer, so nothing to align")
     checkpoints = [c if isinstance(c, Checkpoint) else load_checkpoint(c) for c in clients]
     specs = [client_spec(c, None) for c in checkpoints]
     order = canonical_order(checkpoints, specs)
@@ -403,6 +406,9 @@ def _cross_statistics_by_client(reference: Checkpoint, reference_spec: Any,
 
 
 RefitStatisticsLike = str | os.PathLike[str] | RefitStatistics
+#: A refit that moves no weight or bias by more than this (relative to the layer's largest
+#: value) leaves the layer as it is: float64 rounding, not a change.
+REFIT_UNCHANGED = 1e-9
 
 
 def refit(
@@ -435,7 +441,8 @@ def refit(
         StatisticsError: statistics that are malformed, of another fused model, of a model
             that is none of the clients, of different layers, two or none for a client.
         CheckpointError: a fused model without ``fusekit.assignments``.
-        ParameterError: a ridge that is not > 0.
+        ParameterError: a ridge that is not > 0; statistics that cannot change the layer
+            (no given client matched into it, or pre-activations it already computes).
     """
     if isinstance(ridge, bool) or not isinstance(ridge, (int, float)) or not ridge > 0:
         raise ParameterError(f"ridge: expected a number > 0, found {ridge!r}")
@@ -462,8 +469,10 @@ def refit(
     rows = [np.arange(spec.layers[index].out_features) if group is None else a[group]
             for h, a in zip(hashes, assignments, strict=True) if h in checkpoints]
     weights = sample_weights(ordered)
-    layers[index] = alignment.refit_layer(layers[index], [s.gram for s in stats],
-                                          [s.cross for s in stats], rows, weights, ridge)
+    refit_layer = alignment.refit_layer(layers[index], [s.gram for s in stats],
+                                        [s.cross for s in stats], rows, weights, ridge)
+    _refit_changes(fused.label, stats[0].layer, rows, layers[index], refit_layer)
+    layers[index] = refit_layer
     state_dict = neurons.to_state_dict(ordered, spec, layers)
     state_dict.update({name: fused.tensor(name) for name in spec.other})
     done = load_json(fused.metadata.get(meta.REFIT, "{}"), f"{fused.label}: metadata "
@@ -474,6 +483,22 @@ def refit(
     return FusionResult(state_dict=state_dict, method=fused.metadata.get(meta.METHOD, "unknown"),
                         params={}, widths=spec.hidden_widths, report={"refit": record},
                         metadata=metadata, assignments=assignments, spec=spec)
+
+
+def _refit_changes(label: str, layer: str, rows: Sequence[np.ndarray],
+                   prior: neurons.UnitLayer, refit: neurons.UnitLayer) -> None:
+    """Refuse a refit that leaves the layer as it is: it would write the model unchanged
+    under a record saying the layer was refit."""
+    if not any(np.any(np.asarray(r) >= 0) for r in rows):
+        raise ParameterError(
+            f"{label}: nothing to refit: no neuron of the given client(s) is matched into "
+            f"layer {layer!r} ({meta.ASSIGNMENTS}), so their statistics cannot change it")
+    before = np.concatenate([prior.weight.ravel(), prior.bias])
+    change = np.abs(np.concatenate([refit.weight.ravel(), refit.bias]) - before)
+    if np.max(change) <= REFIT_UNCHANGED * np.max(np.abs(before)):
+        raise ParameterError(
+            f"{label}: nothing to refit: layer {layer!r} already computes the pre-activations "
+            "its refit statistics ask of it, so the refit cannot change it")
 
 
 def _refit_statistics_by_client(fused: Checkpoint, spec: Any, clients: Sequence[Checkpoint],

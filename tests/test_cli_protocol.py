@@ -17,9 +17,14 @@ from typer.testing import CliRunner
 import fusekit
 from conftest import mlp, write
 from fusekit._cli.app import app
+from fusekit.api import fused_spec
 from fusekit.client import Client
-from fusekit.core.checkpoint import load_checkpoint
+from fusekit.core import metadata as meta
+from fusekit.core.checkpoint import load_checkpoint, save_checkpoint
+from fusekit.core.cross_stats import load_refit_statistics, save_refit_statistics
 from fusekit.core.metadata import normalization
+from fusekit.core.neurons import client_layers
+from fusekit.methods.calibration import assignments_json, read_assignments
 from fusekit.toolkit.alignment import align_locally
 from fusekit.toolkit.data import load_dataset
 
@@ -195,6 +200,91 @@ def test_statistics_of_a_model_without_hidden_layer_are_refused(tmp_path, agains
                      "--data-path", data[0], "-o", out)
     assert "no hidden layer, so nothing to calibrate or align; no statistics written" in error
     assert not out.exists()
+
+
+@pytest.mark.parametrize("batchnorm", [False, True])
+def test_batch_mode_statistics_of_a_model_without_batchnorm_say_they_are_eval_mode(
+        tmp_path, batchnorm):
+    own, data = _clients(tmp_path, batchnorm=batchnorm)
+    fused, out = tmp_path / "fused.safetensors", tmp_path / "s.safetensors"
+    _run("fuse", *own, "-m", "ot", "-o", fused)
+    result = runner.invoke(app, ["stats", str(fused), "--mode", "batch", "--data-path",
+                                 str(data[0]), "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    note = "no BatchNorm, so --mode batch computes what --mode eval does"
+    if batchnorm:
+        assert note not in result.stderr
+    else:
+        assert note in " ".join(result.stderr.split())
+        assert result.stderr.count("WARNING") == 1  # one note (rich wraps it to the width)
+    assert out.exists()
+
+
+def test_aligning_a_model_without_hidden_layer_is_refused_and_writes_nothing(tmp_path):
+    own, data = _clients(tmp_path, batchnorm=False, widths=(6, 3))
+    fused, out = tmp_path / "fused.safetensors", tmp_path / "aligned.safetensors"
+    _run("fuse", *own, "-m", "ot", "-o", fused)
+    error = _refused("align", fused, *own, "--cross-stats", tmp_path / "x0.safetensors",
+                     "--cross-stats", tmp_path / "x1.safetensors", "-o", out)
+    assert f"{fused}: no hidden layer, so nothing to align" in error
+    assert not out.exists()
+
+
+def _aligned_with_refit_statistics(tmp_path: Path) -> tuple[Path, list[Path], list[str]]:
+    """An aligned fusion of plain torch MLPs and each client's refit statistics of its
+    first layer."""
+    own, data = _clients(tmp_path, batchnorm=False)
+    fused, aligned = tmp_path / "fused.safetensors", tmp_path / "aligned.safetensors"
+    _run("fuse", *own, "-m", "ot", "-o", fused)
+    cross = [_run("stats", fused, "--against", model, "--data-path", path, "-o",
+                  tmp_path / f"x{k}.safetensors")["output"]
+             for k, (model, path) in enumerate(zip(own, data, strict=True))]
+    _run("align", fused, *own, *(w for c in cross for w in ("--cross-stats", c)), "-o", aligned)
+    refit = [_run("stats", aligned, "--against", model, "--layer", "0", "--data-path", path,
+                  "-o", tmp_path / f"r{k}.safetensors")["output"]
+             for k, (model, path) in enumerate(zip(own, data, strict=True))]
+    return aligned, own, refit
+
+
+def test_a_refit_that_cannot_change_the_layer_is_refused_and_writes_nothing(tmp_path):
+    aligned, own, refit = _aligned_with_refit_statistics(tmp_path)
+    out = tmp_path / "refit.safetensors"
+    flags = [w for r in refit for w in ("--refit-stats", r)]
+    checkpoint = load_checkpoint(aligned)
+    spec = fused_spec(checkpoint)
+    assignments = read_assignments(checkpoint, spec)
+    group = spec.writes[0]
+
+    # No client neuron matched into layer 0 (same tensors, so the same model hash).
+    unmatched = tmp_path / "unmatched.safetensors"
+    none = [[np.full_like(a, -1) if g == group else a for g, a in enumerate(client)]
+            for client in assignments]
+    save_checkpoint(unmatched, checkpoint.state_dict(),
+                    {**checkpoint.metadata, meta.ASSIGNMENTS: assignments_json(none)})
+    error = _refused("refit", unmatched, *own, *flags, "-o", out)
+    assert (f"{unmatched}: nothing to refit: no neuron of the given client(s) is matched "
+            "into layer '0'") in error
+
+    # Statistics saying each client's pre-activations are what layer 0 already computes.
+    layer = client_layers(checkpoint, spec)[0]
+    theta = np.hstack([layer.weight.reshape(layer.out_features, -1), layer.bias[:, None]])
+    inputs = json.loads(checkpoint.metadata[meta.INPUTS])  # the assignments' client order
+    exact = []
+    for k, path in enumerate(refit):
+        stats = load_refit_statistics(path)
+        stats.cross = theta[assignments[inputs.index(stats.model)][group]] @ stats.gram
+        exact.append(save_refit_statistics(tmp_path / f"exact{k}.safetensors", stats))
+    error = _refused("refit", aligned, *own, *(w for e in exact for w in ("--refit-stats", e)),
+                     "-o", out)
+    assert (f"{aligned}: nothing to refit: layer '0' already computes the pre-activations "
+            "its refit statistics ask of it") in error
+
+    # The refit written, its statistics (of the aligned model) do not apply to it again.
+    _run("refit", aligned, *own, *flags, "-o", out)
+    again = tmp_path / "again.safetensors"
+    error = _refused("refit", out, *own, *flags, "-o", again)
+    assert "computed against fused model" in error
+    assert not again.exists()
 
 
 def _cli_protocol(tmp_path: Path, own: list[Path], data: list[Path], method: str) -> Path:
