@@ -272,6 +272,34 @@ def test_server_evaluation_before_the_first_round_uses_the_initial_architecture(
     assert 0 < scores["accuracy"] < 1
 
 
+def test_server_evaluation_before_the_first_round_applies_the_given_preprocess(digits):
+    """A plain torch MLP trained on normalised digits, as the initial model: told its
+    preprocessing, the round-0 server evaluation scores it as torch does on the same
+    arrays; untold, it sees the data as stored."""
+    mean, std = float(digits.x_train.mean()), float(digits.x_train.std())
+    model = mlp((64, 32, 10), seed=3)
+    flat = lambda a: torch.tensor((a.reshape(len(a), -1) - mean) / std)  # noqa: E731
+    x, y = flat(digits.x_train), torch.tensor(digits.y_train)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    for _ in range(100):
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    with torch.no_grad():
+        predicted = model(flat(digits.x_test)).argmax(1).numpy()
+    expected = float((predicted == digits.y_test).mean())
+    arrays = train_reply(model, 1)["arrays"]
+    told = FusekitStrategy("avg", preprocess={"mean": [mean], "std": [std]})
+    assert told.evaluate_fn(digits)(0, arrays)["accuracy"] == pytest.approx(expected, abs=1e-9)
+    assert expected > 0.9
+    untold = FusekitStrategy("avg").evaluate_fn(digits)(0, arrays)["accuracy"]
+    assert untold < expected - 0.1
+    for bad, found in (({"mean": [0.0]}, "exactly the keys"), ({"mean": [0], "std": [0]},
+                       "positive standard deviations"), ("0,1", "expected {")):
+        with pytest.raises(ParameterError, match=f"preprocess: .*{re.escape(found)}"):
+            FusekitStrategy("avg", preprocess=bad)
+
+
 def test_train_reply_packs_counts_and_architecture():
     model = build_model(json.loads(json.dumps(
         {"type": "mlp", "in_features": 4, "hidden": [3], "out_features": 2})))

@@ -109,6 +109,10 @@ class FusekitStrategy(FedAvg):
         spec: a permutation spec for models whose structure fusekit cannot infer.
         arch: the ``fusekit.arch`` of the initial model, for server-side evaluation before
             the first round (later rounds use the fused architecture).
+        preprocess: the ``fusekit.preprocess`` of the initial model (``{"mean": [...],
+            "std": [...]}``, or a :class:`~fusekit.core.metadata.Normalization`): the
+            normalisation it applies to inputs as stored, for server-side evaluation before
+            the first round (later rounds use the fused model's, which its nodes record).
         min_fused_replies: the fewest usable replies a round fuses; with fewer the round
             fails and the global model stays as it was.
         later_rounds: after a method that rematches neurons (PFNM, NAFI, OT) has fused a
@@ -143,6 +147,7 @@ class FusekitStrategy(FedAvg):
         UnknownMethodError: ``method`` is not registered.
         ParameterError: ``params`` do not match the method's declaration (names, types,
             choices, bounds), or give a per-client parameter one value per client;
+            ``preprocess`` is no normalisation;
             ``min_fused_replies`` is not a positive integer; calibration settings out of
             range, or ``calibrate`` with a method whose result is an ensemble (AMS).
     """
@@ -154,6 +159,7 @@ class FusekitStrategy(FedAvg):
         *,
         spec: SpecLike | None = None,
         arch: Mapping[str, Any] | None = None,
+        preprocess: Mapping[str, Any] | meta.Normalization | None = None,
         min_fused_replies: int = 2,
         later_rounds: str = "avg",
         calibrate: bool = False,
@@ -181,6 +187,8 @@ class FusekitStrategy(FedAvg):
         self._set_calibration(calibrate, calibration_rounds, calibration_min_samples)
         self._set_alignment(alignment_rounds, refit)
         self.initial_metadata = {meta.ARCH: json.dumps(dict(arch))} if arch else {}
+        if preprocess is not None:
+            self.initial_metadata[meta.PREPROCESS] = _normalization(preprocess).to_json()
         self._begin()
 
     def _set_calibration(self, calibrate: bool, rounds: str, min_samples: int) -> None:
@@ -757,6 +765,19 @@ class FusekitStrategy(FedAvg):
                                  "hidden-widths": widths})
 
         return evaluate
+
+
+def _normalization(preprocess: Any) -> meta.Normalization:
+    """The strategy's ``preprocess`` argument, checked as a checkpoint's metadata is."""
+    if isinstance(preprocess, meta.Normalization):
+        return preprocess
+    if not isinstance(preprocess, Mapping):
+        raise ParameterError(f"preprocess: expected {{\"mean\": [...], \"std\": [...]}} or a "
+                             f"Normalization, found {preprocess!r}")
+    try:
+        return meta.parse_preprocess(json.dumps(dict(preprocess)), "preprocess")
+    except (CheckpointError, TypeError, ValueError) as exc:
+        raise ParameterError(str(exc)) from None
 
 
 def _architecture(checkpoint: Checkpoint, spec: Any, same_shapes: bool) -> tuple:

@@ -31,6 +31,7 @@ def main(grid: Grid, context: Context) -> None:
     arch = task.architecture(config, data)
     strategy = FusekitStrategy(
         method, task.method_params(config, method), arch=arch,
+        preprocess=data.normalization,  # what the initial model, like the nodes', expects
         min_train_nodes=nodes, min_available_nodes=nodes, min_evaluate_nodes=nodes,
         fraction_evaluate=float(config["fraction-evaluate"]),
         later_rounds=str(config["later-rounds"]), calibrate=bool(config["calibrate"]),
