@@ -8,6 +8,7 @@ from conftest import mlp, write
 from typer.testing import CliRunner
 
 import fusekit
+from fusekit._cli import output
 from fusekit._cli.app import app
 from fusekit.core.checkpoint import Checkpoint, load_checkpoint
 from fusekit.methods.avg import class_shares, information_shares
@@ -84,11 +85,12 @@ def test_report_without_class_counts_has_no_contrast():
     assert differ["class_contrast"] is None and differ["compact_ok"] is True
 
 
-def test_cli_summary_says_the_clients_are_too_different(tmp_path):
+def test_cli_summary_says_the_clients_are_too_different(tmp_path, monkeypatch):
     paths = clients_with_counts([[30, 0, 0], [0, 30, 0], [0, 2, 30]], tmp_path)
+    # The console's width, not COLUMNS: a console made while COLUMNS was set keeps that width.
+    monkeypatch.setattr(output.stdout, "width", 300)
     result = CliRunner().invoke(app, ["fuse", *map(str, paths), "--method", "pfnm",
-                                      "-o", str(tmp_path / "fused.safetensors")],
-                                env={"COLUMNS": "300"})
+                                      "-o", str(tmp_path / "fused.safetensors")])
     assert result.exit_code == 0, result.output
     assert "class contrast 0.06" in result.stdout  # 3.75 / (92 x 2/3)
     assert "classes held only by one-class clients [0]" in result.stdout
