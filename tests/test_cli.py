@@ -74,6 +74,10 @@ def test_errors_name_the_options_where_the_api_names_keywords(mlp_clients, tmp_p
     both = run("fuse", *mlp_clients, "--method", "pfnm", "--width", "10", "--width-ratio",
                "1.5", "-o", out)
     assert "error: --width and --width-ratio: expected one of them, found both" in both.stderr
+    other = run("fuse", *mlp_clients, "--method", "avg", "--width-ratio", "2", "-o", out)
+    assert other.stderr.strip().splitlines()[-1] == (
+        "error: method 'avg' does not take parameter(s) --width-ratio; it takes: "
+        "--class-weighted")
     with pytest.raises(ParameterError, match=r"^width_ratio: expected a finite number >= 1, "
                                              r"or None, found 0\.5"):
         fusekit.fuse(mlp_clients, method="pfnm", width_ratio=0.5)

@@ -221,7 +221,7 @@ def validate(method_name: str, specs: list[ParamSpec], values: dict[str, Any]) -
         raise ParameterError(
             f"method {method_name!r} does not take parameter(s) {', '.join(unknown)}; "
             f"it takes: {', '.join(known) or 'none'}"
-        )
+        ).naming(*unknown, *known)
     for name, value in values.items():
         check_value(known[name], value)
 
