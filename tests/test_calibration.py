@@ -413,6 +413,7 @@ def test_inspect_cuts_long_metadata(tmp_path):
     assert "characters; --json shows all" in result.stdout
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_statistics_on_cuda_equal_cpu():
     fused = _fused(_clients(batchnorm=True))

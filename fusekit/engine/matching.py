@@ -7,6 +7,9 @@ the PFNM / NAFI matching costs of ALGORITHMS.md sections 3-4 and the squared-Euc
 ground cost of OT fusion.
 
 Numpy reference implementations with the same signatures live in ``fusekit.engine.reference``.
+Inside a ``fusekit.engine.offload.on_device`` block, the cost matrices may be computed on a
+CUDA device instead (the toolkit's torch kernels, same results to rounding); the inputs are
+validated here either way.
 
 The cost kernels call the BLAS that SciPy ships. Products under about 256 MFLOP run on one
 BLAS thread (two threads on busy cores wait for each other); OpenBLAS's thread count is
@@ -19,6 +22,7 @@ import numpy as np
 
 from fusekit.core.errors import ParameterError, ParameterTypeError
 from fusekit.engine.native import core
+from fusekit.engine.offload import accelerator_for
 
 __all__ = [
     "add_rows",
@@ -212,7 +216,8 @@ def sqeuclidean_cost(a, b) -> np.ndarray:
         raise ParameterError(
             f"a and b: expected the same number of columns, got {a.shape[1]} and {b.shape[1]}"
         )
-    return core().sqeuclidean_cost(a, b)
+    kernels = accelerator_for(2.0 * a.shape[0] * b.shape[0] * a.shape[1]) or core()
+    return kernels.sqeuclidean_cost(a, b)
 
 
 def _finite_matrix(x, name: str, check_finite: bool = True) -> np.ndarray:
@@ -364,7 +369,8 @@ def nafi_cost(
     if not (np.isfinite(lam) and lam >= 0):
         raise ParameterError(f"lam: expected a finite value >= 0, got {lam!r}")
     checked = {"check_finite": check_finite}
-    return core().posterior_cost(
+    kernels = accelerator_for(2.0 * sums.shape[0] * local.shape[0] * p) or core()
+    return kernels.posterior_cost(
         local,
         _per_coordinate(client_precision, p, "client_precision", bound="non-negative", **checked),
         sums,

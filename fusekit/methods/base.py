@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
@@ -24,6 +26,7 @@ from fusekit.core.errors import UnknownMethodError
 from fusekit.core.neurons import refuse_position_aware
 from fusekit.core.spec import PermutationSpec
 from fusekit.core.transformer import TransformerSpec, config_with_widths
+from fusekit.engine.offload import on_device
 
 log = logging.getLogger(__name__)
 
@@ -151,6 +154,33 @@ class FusionMethod(ABC):
             spec=spec,
             config=config,
         )
+
+Fuse = Callable[..., FusionResult]
+
+
+def places_cost_kernels(fuse: Fuse) -> Fuse:
+    """Decorate a method's ``fuse`` that declares ``device`` (:data:`~fusekit.methods.params.
+    Device`): it runs inside :func:`fusekit.engine.offload.on_device` with that device, so
+    the engine's cost matrices go there; the result's params record the device and its
+    report where the matrices went (``report["cost_matrices"]``).
+
+    Raises (from the call):
+        ParameterError: a device that is not auto, cpu or cuda[:N], or not present.
+    """
+    default = inspect.signature(fuse).parameters["device"].default
+
+    @functools.wraps(fuse)
+    def placed(self: FusionMethod, checkpoints: Sequence[Checkpoint],
+               specs: Sequence[PermutationSpec], **params: Any) -> FusionResult:
+        device = params.get("device", default)
+        with on_device(device) as placement:
+            result = fuse(self, checkpoints, specs, **params)
+        result.params.setdefault("device", device)
+        result.report["cost_matrices"] = placement.summary()
+        return result
+
+    return placed
+
 
 def _arch_with_widths(arch: dict[str, Any], widths: list[int]) -> dict[str, Any]:
     from fusekit.core.arch import hidden_widths, with_hidden_widths

@@ -30,9 +30,16 @@ from fusekit.core.errors import IncompatibleModelsError, ParameterError
 from fusekit.core.spec import GraphSpec, PermutationSpec
 from fusekit.core.transformer import TransformerSpec
 from fusekit.methods.avg import class_counts_matrix, shares_of_counts
-from fusekit.methods.base import METHODS, FusionMethod, FusionResult, get_method, register
+from fusekit.methods.base import (
+    METHODS,
+    FusionMethod,
+    FusionResult,
+    get_method,
+    places_cost_kernels,
+    register,
+)
 from fusekit.methods.bayesian import DEFAULT_WIDTH_RATIO
-from fusekit.methods.params import Param, method_params
+from fusekit.methods.params import Device, Param, method_params
 
 #: Methods whose fusion can start the student: every registered one that makes one
 #: network of the clients' architecture (fed2 needs clients of its own structure).
@@ -81,6 +88,7 @@ class Distill(FusionMethod):
     summary = ("a fusion (pfnm by default) taught the clients' class-aware ensemble on "
                "synthetic inputs made from the models alone (torch)")
 
+    @places_cost_kernels
     def fuse(
         self,
         checkpoints: Sequence[Checkpoint],
@@ -122,8 +130,7 @@ class Distill(FusionMethod):
             "this many steps (0: run every step)", minimum=0)] = 50,
         seed: Annotated[int, Param(help="seed of the synthetic inputs and labels",
                                    minimum=0)] = 0,
-        device: Annotated[str, Param(help="auto (CUDA when present), cpu or cuda[:N]")
-                          ] = "auto",
+        device: Device = "auto",
         threads: Annotated[int, Param(
             help="CPU threads of the training (its small products run slower split across "
             "threads: 18 s on one, 85 s on two for a digits cell on a busy 2-core machine)",
@@ -157,9 +164,10 @@ class Distill(FusionMethod):
                 "convolutional networks; use pfnm for transformers and residual networks")
         input_shape = _input_shape(checkpoints[0], specs[0])
         fusion = get_method(initial)
-        options = {}
+        declared = {p.name for p in method_params(fusion)}
+        options: dict[str, Any] = {"device": device} if "device" in declared else {}
         if width_ratio is not None:
-            if "width_ratio" not in {p.name for p in method_params(fusion)}:
+            if "width_ratio" not in declared:
                 raise ParameterError(f"width_ratio: initial fusion {initial!r} keeps the "
                                      "clients' width; use pfnm or nafi to choose one")
             options["width_ratio"] = width_ratio

@@ -44,8 +44,14 @@ from fusekit.core.spec import GraphSpec, PermutationSpec
 from fusekit.core.transformer import TransformerSpec
 from fusekit.engine.matching import solve_assignment, sqeuclidean_cost
 from fusekit.methods.avg import average_tensor, check_same_shapes
-from fusekit.methods.base import FusionMethod, FusionResult, register, sample_weights
-from fusekit.methods.params import Param
+from fusekit.methods.base import (
+    FusionMethod,
+    FusionResult,
+    places_cost_kernels,
+    register,
+    sample_weights,
+)
+from fusekit.methods.params import Device, Param
 from fusekit.methods.transformer import check_aligned_sizes, fuse_transformers
 
 log = logging.getLogger(__name__)
@@ -69,6 +75,7 @@ class OptimalTransport(FusionMethod):
     handles_groups = True
     handles_transformers = True
 
+    @places_cost_kernels
     def fuse(
         self,
         checkpoints: Sequence[Checkpoint],
@@ -84,6 +91,7 @@ class OptimalTransport(FusionMethod):
             paper="Singh & Jaggi 2020, §4 (activation-based alignment)",
             default_text="weights",
         )] = None,
+        device: Device = "auto",
     ) -> FusionResult:
         """Align every client to the anchor with optimal transport and average them.
 
@@ -99,6 +107,9 @@ class OptimalTransport(FusionMethod):
                 returning, for one client, its pre-activations on a batch of inputs shared
                 by all clients: per hidden layer an array (samples, J) (conv layers: every
                 spatial position is a sample).
+            device: where the ground costs are computed: "auto" (a CUDA device for the
+                large ones, when present), "cpu" or "cuda[:N]"
+                (:func:`~fusekit.methods.base.places_cost_kernels`).
 
         Returns:
             FusionResult at the anchor's widths; report per layer: transport kind

@@ -69,6 +69,13 @@ class Param:
     flags: tuple[str, ...] = ()
 
 
+#: ``device``, declared once for every method that takes it: where the engine's cost matrices
+#: (and distill's training) are computed (:func:`fusekit.methods.base.places_cost_kernels`).
+Device = typing.Annotated[str, Param(
+    help="auto (CUDA when present; cost matrices only when large enough to gain), cpu or "
+    "cuda[:N]")]
+
+
 @dataclass(frozen=True)
 class ParamSpec:
     """One parameter of one method, read from its ``fuse`` signature.

@@ -14,7 +14,7 @@ from typing import Annotated, ClassVar
 from fusekit.core.checkpoint import Checkpoint
 from fusekit.core.spec import GraphSpec, PermutationSpec
 from fusekit.core.transformer import TransformerSpec
-from fusekit.methods.base import FusionMethod, FusionResult, register
+from fusekit.methods.base import FusionMethod, FusionResult, places_cost_kernels, register
 from fusekit.methods.bayesian.layer import (
     BACKENDS,
     LayerMatching,
@@ -37,7 +37,7 @@ from fusekit.methods.bayesian.network import (
     ratio_width,
 )
 from fusekit.methods.bayesian.transformer import fuse_transformer_mlps
-from fusekit.methods.params import Param
+from fusekit.methods.params import Device, Param
 
 #: NAFI's default KL weight (ALGORITHMS.md §4 explains its scale).
 DEFAULT_LAMBDA = 0.01
@@ -65,6 +65,7 @@ class BayesianMatching(FusionMethod):
     handles_transformers = True
     default_lam: ClassVar[float] = 0.0
 
+    @places_cost_kernels
     def fuse(
         self,
         checkpoints: Sequence[Checkpoint],
@@ -120,6 +121,7 @@ class BayesianMatching(FusionMethod):
         backend: Annotated[str, Param(
             help="core: fusekit's C++ kernels; numpy: reference kernels and SciPy",
             choices=BACKENDS)] = "core",
+        device: Device = "auto",
     ) -> FusionResult:
         """Match hidden neurons bottom-up and average matched neurons (posterior means).
 
@@ -160,6 +162,9 @@ class BayesianMatching(FusionMethod):
                 per-coordinate weight variance of the layer's neuron vectors, per block) or
                 "absolute".
             backend: "core" (C++ kernels) or "numpy" (reference kernels + SciPy).
+            device: where the core backend's cost matrices are computed: "auto" (a CUDA
+                device for the large ones, when present), "cpu" or "cuda[:N]"
+                (:func:`~fusekit.methods.base.places_cost_kernels`).
 
         Raises:
             IncompatibleModelsError: PAN checkpoints (use avg).
