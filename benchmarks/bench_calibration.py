@@ -51,8 +51,9 @@ from threadpoolctl import threadpool_limits
 import fusekit
 from fusekit.core.arch import named_arch
 from fusekit.core.checkpoint import Checkpoint, save_checkpoint
-from fusekit.toolkit.alignment import align_locally
-from fusekit.toolkit.calibration import ROUNDS, calibrate_locally, client_statistics
+from fusekit.protocol import CALIBRATIONS
+from fusekit.toolkit.calibration import client_statistics
+from fusekit.toolkit.local import align_locally, calibrate_locally
 from fusekit.toolkit.data import Dataset, load_dataset, partition
 from fusekit.toolkit.nn import build_model
 from fusekit.toolkit.simulate import fresh_model
@@ -167,7 +168,7 @@ def loaded(result) -> torch.nn.Module:
 
 
 def run_case(case: str, n_clients: int, split: str, init: str, seed: int,
-             methods: list[str], protocols: tuple[str, ...] = ROUNDS,
+             methods: list[str], protocols: tuple[str, ...] = CALIBRATIONS,
              alignment_rounds: int = 0, ridges: tuple[float, ...] = (),
              first_layer: bool = False, data: Dataset | None = None) -> dict[str, Any]:
     """Train clients, fuse with each method, calibrate, evaluate (module docstring)."""
@@ -357,7 +358,7 @@ def main() -> None:
     parser.add_argument("--seeds", default="0")
     parser.add_argument("--settings", default="iid/independent,iid/shared,dirichlet/independent,"
                         "dirichlet/shared", help="split/init pairs")
-    parser.add_argument("--protocols", default=",".join(ROUNDS),
+    parser.add_argument("--protocols", default=",".join(CALIBRATIONS),
                         help="calibration protocols to measure (the last one also calibrates "
                         "in the alignment rounds)")
     parser.add_argument("--alignment-rounds", type=int, default=0,

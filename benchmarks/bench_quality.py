@@ -60,7 +60,7 @@ from fusekit.core.errors import DataError
 from fusekit.core.stats import DEFAULT_MIN_SAMPLES
 from fusekit.methods import METHODS
 from fusekit.methods.bayesian import ratio_width
-from fusekit.toolkit.calibration import calibrate_locally
+from fusekit.toolkit.local import calibrate_locally
 from fusekit.toolkit.data import Dataset, load_dataset
 from fusekit.toolkit.evaluate import Evaluator
 from fusekit.toolkit.simulate import SimulationConfig, simulate_clients
@@ -939,7 +939,7 @@ def render_calibration(rows: list[dict[str, Any]], payload: dict[str, Any], note
         f"{' '.join(map(str, grid['clients']))} --seeds {payload['seeds']}`: the frontier's "
         "clients (one hidden layer of 100, independent initialisations) and fused models, "
         "each fused model also calibrated layer by layer "
-        "(`fusekit.toolkit.calibration.calibrate_locally`: REPAIR, its targets each client's "
+        "(`fusekit.toolkit.local.calibrate_locally`: REPAIR, its targets each client's "
         "statistics of its own model on its own training split, paired with the same "
         "client's statistics of the fused model; ALGORITHMS §12). Test accuracy (%), mean over "
         f"{payload['seeds']} seeds: uncalibrated → calibrated (change); fused widths in "

@@ -19,7 +19,7 @@ fine-tuning case):
 
 Every client is saved with ``save_pretrained``, fused from the folders with
 ``fusekit.fuse``, the result saved as a folder and loaded back with ``from_pretrained``,
-then calibrated (``fusekit.toolkit.calibration.calibrate_locally``: layer by layer, one
+then calibrated (``fusekit.toolkit.local.calibrate_locally``: layer by layer, one
 round per MLP and LayerNorm; each client's statistics over its own training share, the
 targets its statistics of its own model) and loaded back again. Peers in the same run:
 every client, the softmax ensemble of the clients (mean of their probabilities), avg, and
@@ -49,7 +49,7 @@ from bench_support import machine_info, status_mb, write_json
 import fusekit
 from fusekit.core.checkpoint import load_checkpoint
 from fusekit.core.transformer import LAYERNORM, MLP_HIDDEN, calibration_points
-from fusekit.toolkit.calibration import calibrate_locally
+from fusekit.toolkit.local import calibrate_locally
 from fusekit.toolkit.data import load_dataset
 from fusekit.toolkit.nn.hf import load_pretrained
 

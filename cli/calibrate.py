@@ -273,7 +273,7 @@ def align(
 
     Writes the re-fused model at REFERENCE's widths and prints the first refit round: the
     refit rounds start from this model as written (each refit folds its layer's BatchNorm),
-    as fusekit.toolkit.alignment.align_locally does; calibrate it instead to stop here."""
+    as fusekit.toolkit.local.align_locally does; calibrate it instead to stop here."""
     import fusekit
     from fusekit._cli import next_round  # imports the library: not at --help
 

@@ -9,7 +9,7 @@ what the server does with one round's replies: the next model, and who takes par
 
 The drivers only move bytes: the service (files over HTTP, :mod:`fusekit.service.rounds`),
 the Flower strategy (query Messages, :mod:`fusekit.flower.strategy`) and the local driver
-(every client's data at hand, :func:`fusekit.toolkit.alignment.align_locally`) each ask
+(every client's data at hand, :mod:`fusekit.toolkit.local`) each ask
 the taking part clients for what the round asks, collect the replies that pass their
 screening, and call :func:`advance` when the round ends (every participant answered, or
 the driver stops waiting). One rule for a client that did not answer, in every kind of
@@ -26,7 +26,7 @@ Torch-free: the steps are :func:`fusekit.calibrate`, :func:`fusekit.align` and
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -92,7 +92,8 @@ class Round:
 
 
 def calibration_rounds(spec, calibration: str = "one-pass", *, repair: bool = False,
-                       derive_first: bool = False) -> list[Round]:
+                       derive_first: bool = False, layers: Collection[str] | None = None,
+                       order: Sequence[str] | None = None) -> list[Round]:
     """The rounds that calibrate a fused model of ``spec``: none when no layer needs it.
 
     Args:
@@ -100,23 +101,33 @@ def calibration_rounds(spec, calibration: str = "one-pass", *, repair: bool = Fa
         repair: REPAIR's targets will be at hand (every hidden layer is calibrated).
         derive_first: layer by layer, the first layer comes from the input moments the
             targets carry, without a round that asks anything.
+        layers: calibrate only these layers (by name: a transformer's points by module);
+            default every one.
+        order: a transformer's calibrated modules in the order its forward pass reaches
+            them, as a client's statistics of it list their points: layer by layer, one
+            round each in that order. The spec alone does not give it, so without it a
+            transformer calibrates in one pass only.
     """
     if calibration not in CALIBRATIONS:
         raise ParameterError(f"calibration: expected one of {list(CALIBRATIONS)}, found "
                              f"{calibration!r}")
+    chosen = None if layers is None else tuple(layers)
     if isinstance(spec, TransformerSpec):  # no BatchNorm; REPAIR of every MLP and LayerNorm
-        if calibration != "one-pass":
+        if calibration == "one-pass":
+            return [Round(STATISTICS, chosen, "eval")]
+        if order is None:
             raise ParameterError(f"calibration {calibration!r}: a transformer calibrates in "
-                                 "one pass (one-pass)")
-        return [Round(STATISTICS, None, "eval")]
-    layers = calibration_layers(spec, repair=repair)
-    if not layers:
-        return []
-    if calibration == "one-pass":
-        return [Round(STATISTICS, None, ONE_PASS_MODE)]
-    first = spec.layers[0].name
+                                 "one pass (one-pass), or layer by layer in the order its "
+                                 "forward pass reaches its points (order)")
+        names, first = list(order), None
+    else:
+        names, first = calibration_layers(spec, repair=repair), spec.layers[0].name
+        if not names:
+            return []
+        if calibration == "one-pass":
+            return [Round(STATISTICS, chosen, ONE_PASS_MODE)]
     return [Round(DERIVED if derive_first and name == first else STATISTICS, (name,), "eval")
-            for name in layers]
+            for name in names if chosen is None or name in chosen]
 
 
 def plan(spec, *, calibration: str = "one-pass", repair: bool = False,

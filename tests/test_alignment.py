@@ -30,8 +30,8 @@ from fusekit.core.cross_stats import (
 from fusekit.core.errors import StatisticsError
 from fusekit.core.spec import infer_spec, permute
 from fusekit.methods.alignment import group_correlations, match_to_reference
-from fusekit.toolkit.alignment import align_locally, cross_statistics, refit_statistics
-from fusekit.toolkit.calibration import calibrate_locally
+from fusekit.toolkit.alignment import cross_statistics, refit_statistics
+from fusekit.toolkit.local import align_locally, calibrate_locally
 from fusekit.toolkit.demo import DemoConfig, run_demo
 from fusekit.toolkit.nn import build_model
 

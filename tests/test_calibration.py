@@ -41,7 +41,8 @@ from fusekit.methods.calibration import (
     neuron_targets,
     read_assignments,
 )
-from fusekit.toolkit.calibration import _InputAccumulator, calibrate_locally, client_statistics
+from fusekit.toolkit.calibration import _InputAccumulator, client_statistics
+from fusekit.toolkit.local import calibrate_locally
 from fusekit.toolkit.nn import build_model
 
 runner = CliRunner()

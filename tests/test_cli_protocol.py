@@ -25,7 +25,7 @@ from fusekit.core.cross_stats import load_refit_statistics, save_refit_statistic
 from fusekit.core.metadata import normalization
 from fusekit.core.neurons import client_layers
 from fusekit.methods.calibration import assignments_json, read_assignments
-from fusekit.toolkit.alignment import align_locally
+from fusekit.toolkit.local import align_locally
 from fusekit.toolkit.data import load_dataset
 
 runner = CliRunner()

@@ -53,7 +53,8 @@ from fusekit.flower.records import (
     statistics_content,
     statistics_query,
 )
-from fusekit.toolkit.calibration import calibrate_locally, client_statistics
+from fusekit.toolkit.calibration import client_statistics
+from fusekit.toolkit.local import calibrate_locally
 from fusekit.toolkit.data import load_dataset
 from fusekit.toolkit.nn import build_model, load_model
 from fusekit.toolkit.nn.fused import load_fused

@@ -23,13 +23,9 @@ from fusekit.core.checkpoint import Checkpoint
 from fusekit.core.errors import ParameterError
 from fusekit.flower import FusekitStrategy, kept_model, statistics_reply, train_reply
 from fusekit.flower.records import query_checkpoint, statistics_query
-from fusekit.toolkit.alignment import (
-    align_locally,
-    cross_statistics,
-    refit_locally,
-    refit_statistics,
-)
-from fusekit.toolkit.calibration import calibrate_locally, client_statistics
+from fusekit.toolkit.alignment import cross_statistics, refit_statistics
+from fusekit.toolkit.calibration import client_statistics
+from fusekit.toolkit.local import align_locally, calibrate_locally, refit_locally
 from fusekit.toolkit.simulate import SimulationConfig, simulate_clients
 from fusekit.toolkit.train import TrainConfig
 

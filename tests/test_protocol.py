@@ -15,8 +15,10 @@ from fusekit import protocol
 from fusekit.core.checkpoint import Checkpoint
 from fusekit.core.errors import ParameterError, StatisticsError
 from fusekit.core.spec import infer_spec, permute
+from fusekit.core.transformer import TransformerSpec
 from fusekit.protocol import CROSS, DERIVED, REFIT, STATISTICS, Round
-from fusekit.toolkit.alignment import cross_statistics, refit_statistics, run_locally
+from fusekit.toolkit.alignment import cross_statistics, refit_statistics
+from fusekit.toolkit.local import run_locally
 
 
 def _family() -> tuple[list[Checkpoint], np.ndarray]:
@@ -58,6 +60,26 @@ def test_the_plan_of_each_protocol():
     assert protocol.plan(plain, repair=True) == [Round(STATISTICS, None, "batch")]
     with pytest.raises(ParameterError, match="calibration: expected one of"):
         protocol.plan(spec, calibration="twice")
+
+
+def test_calibration_rounds_of_chosen_layers_and_of_a_transformer():
+    """calibrate_locally's rounds: only the layers asked for, input to output; a
+    transformer's points layer by layer in the order its forward pass reaches them."""
+    clients, _ = _family()
+    spec = fusekit.api.fused_spec(clients[0])
+    first, second, _ = (layer.name for layer in spec.layers)
+    assert protocol.calibration_rounds(spec, "layerwise", layers=[second, first]) == [
+        Round(STATISTICS, (first,), "eval"), Round(STATISTICS, (second,), "eval")]
+    assert protocol.calibration_rounds(spec, layers=[second]) == [
+        Round(STATISTICS, (second,), "batch")]
+    transformer = TransformerSpec("vit", ())
+    order = ["vit.layers.0.ln1", "vit.layers.0.mlp.fc1", "vit.ln_f"]
+    assert protocol.calibration_rounds(transformer, "layerwise", derive_first=True,
+                                       layers=[order[2], order[0]], order=order) == [
+        Round(STATISTICS, (order[0],), "eval"), Round(STATISTICS, (order[2],), "eval")]
+    assert protocol.calibration_rounds(transformer) == [Round(STATISTICS, None, "eval")]
+    with pytest.raises(ParameterError, match="layer by layer in the order its forward pass"):
+        protocol.calibration_rounds(transformer, "layerwise")
 
 
 def test_a_refit_round_goes_on_with_the_clients_that_answered():

@@ -43,7 +43,8 @@ from conftest import mlp, write
 from fusekit.client import Client
 from fusekit.core.cross_stats import load_cross_statistics
 from fusekit.core.stats import load_statistics
-from fusekit.toolkit.calibration import calibrate_locally, client_statistics
+from fusekit.toolkit.calibration import client_statistics
+from fusekit.toolkit.local import calibrate_locally
 from fusekit.toolkit.data import load_dataset
 
 NAMES = ("clinic-a", "clinic-b", "clinic-c")  # as many as digits' shares

@@ -44,7 +44,8 @@ transformers = pytest.importorskip("transformers", reason="the [hf] extra is not
 from typer.testing import CliRunner  # noqa: E402
 
 from fusekit._cli.app import app  # noqa: E402
-from fusekit.toolkit.calibration import calibrate_locally, client_statistics  # noqa: E402
+from fusekit.toolkit.calibration import client_statistics  # noqa: E402
+from fusekit.toolkit.local import calibrate_locally  # noqa: E402
 from fusekit.toolkit.nn.hf import load_pretrained  # noqa: E402
 
 ATOL_PERMUTED = 1e-5

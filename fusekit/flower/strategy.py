@@ -29,7 +29,7 @@ alignment rounds (each node sends its cross statistics of the current model and 
 it trained, :func:`fusekit.align` re-fuses; between rounds the result is calibrated), then
 one refit round per layer (each node sends the layer's moments, :func:`fusekit.refit`
 refits it with the nodes that answered). The rounds are :mod:`fusekit.protocol`'s plan and
-steps, which the service and :func:`fusekit.toolkit.alignment.align_locally` (every
+steps, which the service and :func:`fusekit.toolkit.local.align_locally` (every
 client's data at hand) run too; the strategy only moves the queries and replies.
 """
 
@@ -452,7 +452,7 @@ class FusekitStrategy(FedAvg):
         the rounds of :func:`fusekit.protocol.plan`, each a query round through the round's
         Grid (a layer derived from the nodes' input moments none), each step
         :func:`fusekit.protocol.advance` on the usable replies, as
-        :func:`fusekit.toolkit.alignment.align_locally` steps with the data at hand.
+        :func:`fusekit.toolkit.local.align_locally` steps with the data at hand.
 
         Calibration (``calibration_rounds``: one pass, or one round per calibrated layer):
         with ``targets`` (:meth:`repair_targets`) every hidden layer, else the BatchNorm

@@ -1,6 +1,7 @@
 """The forward passes of an alignment round (ALGORITHMS.md §12): a client's cross
 statistics of the reference (the fused model sent back) and its own model on its own data,
-and the whole round run locally for simulations, demos and benchmarks.
+and its refit statistics of one layer. The rounds that ask for them run locally in
+:mod:`fusekit.toolkit.local`.
 
 Only aggregates leave :func:`cross_statistics`: per hidden layer, the count, the two
 models' per-channel means and variances and the covariance matrix of their channels.
@@ -9,7 +10,6 @@ models' per-channel means and variances and the covariance matrix of their chann
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 from collections.abc import Sequence
@@ -17,11 +17,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from fusekit import api, protocol
-from fusekit.core import metadata as meta
+from fusekit import api
 from fusekit.core.checkpoint import Checkpoint, load_checkpoint
 from fusekit.core.cross_stats import (
-    DEFAULT_RIDGE,
     CrossMoments,
     CrossStatistics,
     RefitStatistics,
@@ -29,12 +27,10 @@ from fusekit.core.cross_stats import (
 )
 from fusekit.core.errors import DataError, ParameterError
 from fusekit.core.stats import DEFAULT_MIN_SAMPLES, preactivation_point
-from fusekit.methods.base import FusionResult
 from fusekit.toolkit.calibration import (
     DEFAULT_BATCH_SIZE,
     channel_samples,
     checked_inputs,
-    client_statistics,
 )
 from fusekit.toolkit.nn.fused import load_fused, preactivation_modules
 
@@ -154,94 +150,6 @@ def _recorder(outputs: dict[str, torch.Tensor], point: str):
     return record
 
 
-def align_locally(
-    fused: Checkpoint | str | os.PathLike[str],
-    clients: Sequence[Checkpoint],
-    client_inputs: Sequence[np.ndarray],
-    *,
-    alignment_rounds: int = 1,
-    refit: bool = True,
-    ridge: float = DEFAULT_RIDGE,
-    rounds: str = "layerwise",
-    min_samples: int = DEFAULT_MIN_SAMPLES,
-    batch_size: int = DEFAULT_BATCH_SIZE,
-    device: str = "cpu",
-) -> FusionResult:
-    """Calibrate, run ``alignment_rounds`` alignment rounds, then refit every layer (or
-    calibrate), with every client's data at hand (simulations, demos, benchmarks): the
-    rounds of :func:`fusekit.protocol.plan`, each client's reply computed here
-    (:func:`run_locally`), each step :func:`fusekit.protocol.advance`, as the service and
-    the Flower strategy run them over the network.
-
-    Calibration takes REPAIR's targets from the clients' own models (paired, as
-    :func:`fusekit.toolkit.calibration.calibrate_locally`); each alignment round, every client computes
-    :func:`cross_statistics` of the current (calibrated) fused model and its own model on
-    its own inputs and :func:`fusekit.align` re-matches and re-fuses; between rounds the
-    result is calibrated; after the last it is refit layer by layer (each client's
-    :func:`refit_statistics`, :func:`fusekit.refit`), or calibrated without ``refit``.
-
-    Args:
-        fused: the one-shot fused model.
-        clients: the clients' own models, in the order of ``client_inputs``.
-        client_inputs: per client, its inputs.
-        alignment_rounds: alignment rounds (>= 1), each against the previous result.
-        refit: end with refit rounds (one per layer) instead of calibration.
-        ridge: the refit's relative ridge (:func:`fusekit.refit`).
-        rounds: see :func:`calibrate_locally`.
-        min_samples: see :func:`calibrate_locally`.
-        batch_size: see :func:`calibrate_locally`.
-        device: see :func:`calibrate_locally`.
-
-    Returns:
-        The aligned model, refit or calibrated; ``report["alignment"]`` per round, the mean
-        matched correlation.
-    """
-    if isinstance(alignment_rounds, bool) or not isinstance(alignment_rounds, int) or not (
-            1 <= alignment_rounds <= 100):
-        raise ParameterError(f"alignment_rounds: expected an integer in [1, 100], found "
-                             f"{alignment_rounds!r}")
-    fused = fused if isinstance(fused, Checkpoint) else load_checkpoint(fused)
-    options = {"batch_size": batch_size, "device": device, "min_samples": min_samples}
-    targets = {k: client_statistics(c, x, **options)
-               for k, (c, x) in enumerate(zip(clients, client_inputs, strict=True))}
-    plan = protocol.plan(api.fused_spec(fused), calibration=rounds, repair=True,
-                         alignment_rounds=alignment_rounds, refit=refit)
-    state = run_locally(protocol.start(fused, plan, dict(enumerate(clients)), targets=targets,
-                                       min_samples=min_samples, ridge=ridge),
-                        client_inputs, batch_size=batch_size, device=device)
-    history = [done["alignment"] for done in state.history if done["kind"] == protocol.CROSS]
-    current = state.model
-    result = FusionResult(state_dict=current.state_dict(),
-                          method=current.metadata.get(meta.METHOD, "unknown"), params={},
-                          widths=api.fused_spec(current).hidden_widths,
-                          report={"alignment": history}, metadata=dict(current.metadata))
-    result.metadata[meta.ALIGNMENT] = json.dumps(
-        {"rounds": alignment_rounds, "refit": refit,
-         "mean_correlation": [h["mean_correlation"] for h in history]})
-    return result
-
-
-def run_locally(state: protocol.State, client_inputs: Sequence[np.ndarray], *,
-                batch_size: int = DEFAULT_BATCH_SIZE, device: str = "cpu") -> protocol.State:
-    """Every round of ``state``, each taking part client's reply computed on its inputs
-    (``client_inputs[key]``: the clients are keyed by their index)."""
-    options = {"batch_size": batch_size, "device": device, "min_samples": state.min_samples}
-    while not state.done:
-        round_, model = state.round, state.model
-
-        def reply(key: int, round_=round_, model=model):
-            if round_.calibrates:
-                return client_statistics(model, client_inputs[key], mode=round_.mode, **options)
-            own = state.clients[key]
-            if round_.kind == protocol.CROSS:
-                return cross_statistics(model, own, client_inputs[key], **options)
-            return refit_statistics(model, own, client_inputs[key], round_.layer, **options)
-
-        state = protocol.advance(state, {key: reply(key) for key in state.participants}
-                                 if round_.asks else {})
-    return state
-
-
 def refit_statistics(
     fused: Checkpoint | str | os.PathLike[str],
     own: Checkpoint | str | os.PathLike[str],
@@ -295,16 +203,3 @@ def _rows(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         x = cols.transpose(1, 2).reshape(-1, cols.shape[1])
     x = x.reshape(x.shape[0], -1).double()
     return torch.cat([x, torch.ones(x.shape[0], 1, dtype=x.dtype, device=x.device)], 1)
-
-
-def refit_locally(aligned: Checkpoint, clients: Sequence[Checkpoint],
-                  client_inputs: Sequence[np.ndarray], *, ridge: float = DEFAULT_RIDGE,
-                  min_samples: int = DEFAULT_MIN_SAMPLES, batch_size: int = DEFAULT_BATCH_SIZE,
-                  device: str = "cpu") -> FusionResult:
-    """Refit rounds with every client's data at hand: every layer of ``aligned``, input to
-    output, one round each (each round's statistics see the layers below already refit)."""
-    plan = [protocol.Round(protocol.REFIT, layer=layer.name)
-            for layer in api.fused_spec(aligned).layers]
-    state = protocol.start(aligned, plan, dict(enumerate(clients)), min_samples=min_samples,
-                           ridge=ridge)
-    return run_locally(state, client_inputs, batch_size=batch_size, device=device).result

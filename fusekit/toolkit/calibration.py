@@ -1,6 +1,6 @@
 """The forward passes of calibration (ALGORITHMS.md §12): a client's statistics of a model
-(a network, or a Hugging Face transformer: §13) on its own data, and the calibration of a
-fused model in rounds run locally.
+(a network, or a Hugging Face transformer: §13) on its own data. The rounds that ask for
+them run locally in :mod:`fusekit.toolkit.local`.
 
 Only per-channel count, mean and variance leave :func:`client_statistics` (and, when asked
 for, the first layer's input moments: a d x d covariance); the inputs never do.
@@ -8,10 +8,9 @@ for, the first layer's input moments: a d x d covariance); the inputs never do.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -19,8 +18,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from fusekit import api
-from fusekit.calibration import calibrate
-from fusekit.core import metadata as meta
 from fusekit.core.checkpoint import Checkpoint, load_checkpoint
 from fusekit.core.errors import CheckpointError, DataError, ParameterError
 from fusekit.core.stats import (
@@ -36,8 +33,7 @@ from fusekit.core.stats import (
     preactivation_point,
 )
 from fusekit.core.transformer import calibration_points
-from fusekit.methods.base import FusionResult
-from fusekit.methods.calibration import calibration_layers, read_norm_targets
+from fusekit.methods.calibration import read_norm_targets
 from fusekit.toolkit.nn.fused import load_fused, preactivation_modules
 from fusekit.toolkit.nn.hf import load_pretrained, model_from_tensors, modules_by_saved_name
 
@@ -351,101 +347,3 @@ def _feed(model, batch: np.ndarray, device: str
         return {name: ids}, None
     mask = ids != pad
     return {name: ids, "attention_mask": mask.long()}, mask
-
-
-def calibrate_locally(
-    fused: Checkpoint | str | os.PathLike[str],
-    client_inputs: Sequence[np.ndarray],
-    *,
-    clients: Sequence[Checkpoint] | None = None,
-    rounds: str = "layerwise",
-    layers: Collection[str] | None = None,
-    min_samples: int = DEFAULT_MIN_SAMPLES,
-    batch_size: int = DEFAULT_BATCH_SIZE,
-    device: str = "cpu",
-    input_moments: bool = False,
-    paired: bool = True,
-) -> FusionResult:
-    """Run the calibration protocol with every client's data at hand (simulations, demos,
-    benchmarks): each round, each client computes statistics of the current model on its
-    own inputs and :func:`fusekit.calibrate` pools them.
-
-    Args:
-        fused: the fused model.
-        client_inputs: per client, its inputs.
-        clients: the clients' own models, in the order of ``client_inputs``: their
-            statistics become REPAIR's targets for layers without BatchNorm (a
-            transformer needs them: every MLP and LayerNorm is calibrated towards them).
-        rounds: ``layerwise`` (one round per calibrated layer, input to output; each
-            layer's statistics are taken with the layers below already calibrated: exact)
-            or ``one-pass`` (one round in ``batch`` mode, for a transformer in ``eval``
-            mode: approximate, see §12).
-        layers: calibrate only these layers (by name: a transformer's MLP input layers
-            and LayerNorms by module), in their order; default all.
-        min_samples: see :func:`fusekit.calibrate`.
-        batch_size: see :func:`client_statistics`.
-        device: see :func:`client_statistics`.
-        input_moments: the clients send their first layer's input moments with their own
-            models' statistics (needs ``clients``): layer by layer, the first layer is
-            calibrated from them without a round (exact). One pass is unchanged.
-        paired: REPAIR reads each fused neuron on the data of the clients matched into
-            it, each client's statistics of the fused model paired with those of its own
-            model (:func:`fusekit.calibrate`'s ``paired``; not for transformers); False:
-            on the union of their data, as where statistics come from some clients only.
-
-    Returns:
-        The calibrated model; ``report["calibration"]["rounds"]`` counts the rounds.
-    """
-    if rounds not in ROUNDS:
-        raise ParameterError(f"rounds: expected one of {list(ROUNDS)}, found {rounds!r}")
-    if input_moments and not clients:
-        raise ParameterError("input_moments: needs clients (the moments travel with the "
-                             "statistics of their own models)")
-    current = fused if isinstance(fused, Checkpoint) else load_checkpoint(fused)
-    transformer = current.config is not None  # no BatchNorm: one pass runs it as it is
-    if not (clients if transformer else calibration_layers(api.fused_spec(current),
-                                                           repair=bool(clients))):
-        # nothing to calibrate (a transformer without targets is refused): no pass runs
-        return _with_rounds(calibrate(current, [], layers=[]), 0)
-    targets = [client_statistics(c, x, batch_size=batch_size, device=device,
-                                 min_samples=min_samples, input_moments=input_moments)
-               for c, x in zip(clients, client_inputs, strict=True)] if clients else []
-
-    def one_round(model: Checkpoint, mode: str, layers: list[str] | None) -> FusionResult:
-        stats = [client_statistics(model, x, mode=mode, batch_size=batch_size, device=device,
-                                   min_samples=min_samples) for x in client_inputs]
-        return calibrate(model, stats, targets=targets, layers=layers,
-                             min_samples=min_samples,
-                             paired=paired and bool(targets) and not transformer)
-
-    if rounds == "one-pass":
-        return _with_rounds(one_round(current, "eval" if transformer else "batch",
-                                      None if layers is None else list(layers)), 1)
-    if transformer:  # its points, in the order the forward pass reached them
-        names = [point.partition(":")[2] for point in targets[0].points]
-    else:
-        names = calibration_layers(api.fused_spec(current), repair=bool(targets))
-    if layers is not None:
-        names = [name for name in names if name in layers]
-    if not names:  # none of the layers asked for: no pass runs
-        return _with_rounds(calibrate(current, [], targets=targets, layers=[]), 0)
-    derived = input_moments and not transformer and (
-        names[0] == api.fused_spec(current).layers[0].name)
-    for index, name in enumerate(names):
-        if derived and index == 0:  # from the input moments: no round
-            result = calibrate(current, [], targets=targets, layers=[name],
-                                   min_samples=min_samples, paired=paired)
-        else:
-            result = one_round(current, "eval", [name])
-        current = Checkpoint.from_state_dict(result.state_dict, result.metadata,
-                                             source=f"{current.label} (calibrating)",
-                                             config=result.config)
-    result.report["calibration"]["layers"] = "all" if layers is None else names
-    return _with_rounds(result, len(names) - derived)
-
-
-def _with_rounds(result: FusionResult, rounds: int) -> FusionResult:
-    """Record the number of rounds in the report and the ``fusekit.calibration`` metadata."""
-    result.report["calibration"]["rounds"] = rounds
-    result.metadata[meta.CALIBRATION] = json.dumps(result.report["calibration"])
-    return result

@@ -237,8 +237,7 @@ def _calibrated_score(fused_path: Path, clients, dataset, evaluator: Evaluator,
     """Calibrate a fused file with every client's statistics of its own training data
     (and of its own model: REPAIR's targets), layer by layer; with ``align``, then run one
     alignment round and a refit round per layer. Score the result."""
-    from fusekit.toolkit.alignment import align_locally
-    from fusekit.toolkit.calibration import calibrate_locally
+    from fusekit.toolkit.local import align_locally, calibrate_locally
 
     inputs = [dataset.x_train[c.indices] for c in clients]
     own = [c.checkpoint for c in clients]

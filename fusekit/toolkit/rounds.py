@@ -77,7 +77,7 @@ class RoundsConfig:
             their own data (fusions that record assignments; others are left as they are).
         align: calibrate each such fused model, then run one alignment round and a refit
             round per layer with the sampled clients' data
-            (:func:`fusekit.toolkit.alignment.align_locally`); ``calibrate`` adds nothing.
+            (:func:`fusekit.toolkit.local.align_locally`); ``calibrate`` adds nothing.
     """
 
     rounds: int = 10
@@ -182,8 +182,7 @@ def calibrate_round(fused: Checkpoint, updates: Sequence[Checkpoint],
     """Calibrate a round's fused model layer by layer with the clients' statistics of their
     own data (of the fused model, and of their updates: REPAIR's targets); with ``align``,
     then one alignment round and a refit round per layer (``align_locally``)."""
-    from fusekit.toolkit.alignment import align_locally
-    from fusekit.toolkit.calibration import calibrate_locally
+    from fusekit.toolkit.local import align_locally, calibrate_locally
 
     min_samples = min(DEFAULT_MIN_SAMPLES, *(len(x) for x in client_inputs))
     result = (align_locally(fused, updates, client_inputs, min_samples=min_samples) if align
