@@ -36,8 +36,9 @@ from fusekit.core.transformer import (
     infer_transformer,
     permute_transformer,
 )
-from fusekit.methods.calibration import read_assignments
-from fusekit.methods.calibration import point_targets
+from fusekit.engine.matching import solve_assignment
+from fusekit.methods.calibration import point_targets, read_assignments
+from fusekit.methods.transformer import align_client, apply_moves, client_arrays
 
 transformers = pytest.importorskip("transformers", reason="the [hf] extra is not installed")
 
@@ -184,6 +185,24 @@ def test_fusions_record_where_each_unit_went(family_folders, method):
         for k, group in enumerate(hidden):
             np.testing.assert_array_equal(assigned[k], reference[k][perms[label][group.name]])
     assert meta.ASSIGNMENTS in result.metadata
+
+
+def test_alignment_moves_replay_on_the_files_tensors(family_folders, tmp_path):
+    """ot and rebasin average tensors read again from the files, moved by the takes the
+    alignment noted: replayed on the stored tensors they give the aligned client exactly,
+    sweeps in random order included (heads and their q/k dimensions share an axis)."""
+    family, original, _ = family_folders
+    other = save(tiny_model(family, seed=5), tmp_path / "other")
+    spec = spec_of(other)
+    anchor = client_arrays(load_checkpoint(original))
+    client = client_arrays(load_checkpoint(other))
+    moves: dict = {}
+    report, _ = align_client(anchor, client, spec, sweeps=3, rng=np.random.default_rng(0),
+                             solver=solve_assignment, moves=moves)
+    assert report["groups_moved"] > 0 and report["sweeps"] > 0
+    stored = safetensors.numpy.load_file(other / "model.safetensors")
+    for name, array in client.items():
+        np.testing.assert_array_equal(apply_moves(stored[name], moves.get(name, ())), array)
 
 
 def test_avg_of_a_shared_initialisation_is_the_coordinate_mean(tmp_path):

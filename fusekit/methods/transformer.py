@@ -61,11 +61,11 @@ def check_aligned_sizes(checkpoints: Sequence[Checkpoint], specs: Sequence[Trans
 
 
 def client_arrays(checkpoint: Checkpoint) -> dict[str, np.ndarray]:
-    """Every tensor of one client in float64 (counters as they are), released after."""
+    """Every tensor of one client as :meth:`Checkpoint.tensor` gives it (no float64 copy:
+    similarities widen what they compare, a slot at a time), released from the checkpoint."""
     out = {}
     for name in checkpoint.tensors:
-        array = checkpoint.tensor(name)
-        out[name] = array.astype(np.float64) if array.dtype.kind == "f" else array
+        out[name] = checkpoint.tensor(name)
         checkpoint.release(name)
     return out
 
@@ -87,12 +87,14 @@ def group_similarity(anchor: dict[str, np.ndarray], client: dict[str, np.ndarray
     slots = group.slots if slots is None else slots
     if group.kind == "heads" and {s.role for s in slots} >= {"q", "k", "v", "o"}:
         mine, theirs = circuits(anchor, group), circuits(client, group)
+        heads, dim = group.size, mine["q"].shape[1]
 
-        def gram(role: str) -> np.ndarray:  # (a, b, i, j): ⟨row i of head a, row j of b⟩
-            return np.einsum("aif,bjf->abij", mine[role], theirs[role])
+        def gram(role: str) -> np.ndarray:  # (a, i, b, j): ⟨row i of head a, row j of b⟩
+            rows = mine[role].reshape(heads * dim, -1) @ theirs[role].reshape(heads * dim, -1).T
+            return rows.reshape(heads, dim, heads, dim)  # one BLAS product, not an einsum
 
-        return ((gram("q") * gram("k")).sum(axis=(2, 3))
-                + (gram("v") * gram("o")).sum(axis=(2, 3)))
+        return ((gram("q") * gram("k")).sum(axis=(1, 3))
+                + (gram("v") * gram("o")).sum(axis=(1, 3)))
     return sum(unit_rows(anchor[s.tensor], s, group.size)
                @ unit_rows(client[s.tensor], s, group.size).T for s in slots)
 
@@ -117,7 +119,8 @@ def settled_slots(spec: TransformerSpec, shapes: dict[str, tuple[int, ...]]
 
 def align_client(anchor: dict[str, np.ndarray], client: dict[str, np.ndarray],
                  spec: TransformerSpec, *, sweeps: int, rng: np.random.Generator | None,
-                 solver: Solver, skip: frozenset[int] | set[int] = frozenset()
+                 solver: Solver, skip: frozenset[int] | set[int] = frozenset(),
+                 moves: dict[str, list[tuple[int, np.ndarray]]] | None = None
                  ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """Permute ``client`` (in place of its dict's arrays) onto the anchor, group by group.
 
@@ -125,6 +128,9 @@ def align_client(anchor: dict[str, np.ndarray], client: dict[str, np.ndarray],
     (:func:`settled_slots`); then, with ``rng``, up to ``sweeps`` sweeps over the groups in
     a random order on all their slots (Git Re-Basin's objective), stopping at a sweep that
     changes nothing. Groups in ``skip`` are left as they are (PFNM / NAFI match them).
+    With ``moves``, every take the alignment made is noted there per tensor, as
+    ``(axis, index)`` in the order made (:func:`apply_moves` replays them on the file's
+    tensor).
 
     Returns:
         (report, orders): orders[group name][u] is the client's original unit now at
@@ -132,14 +138,27 @@ def align_client(anchor: dict[str, np.ndarray], client: dict[str, np.ndarray],
     """
     orders: dict[str, np.ndarray] = {}
     first_pass = settled_slots(spec, {name: a.shape for name, a in anchor.items()})
-    moved = sum(_align_group(anchor, client, group, solver, orders, slots)
+
+    def align(group: Group, slots: Sequence[Slot] | None = None) -> int:
+        cols = _best_permutation(anchor, client, group, solver, slots)
+        if cols is None:
+            return 0
+        if moves is not None:
+            for slot in group.slots:
+                moves.setdefault(slot.tensor, []).append(
+                    (slot.axis, slot.index(cols, client[slot.tensor].shape[slot.axis])))
+        permute_group(client, group, cols)
+        orders[group.name] = orders.get(group.name, np.arange(group.size))[cols]
+        return 1
+
+    moved = sum(align(group, slots)
                 for index, (group, slots) in enumerate(zip(spec.groups, first_pass,
                                                            strict=True))
                 if index not in skip)
     sweep = 0
     while rng is not None and sweep < sweeps:
         sweep += 1
-        changed = sum(_align_group(anchor, client, spec.groups[index], solver, orders)
+        changed = sum(align(spec.groups[index])
                       for index in map(int, rng.permutation(len(spec.groups)))
                       if index not in skip)
         moved += changed
@@ -148,20 +167,27 @@ def align_client(anchor: dict[str, np.ndarray], client: dict[str, np.ndarray],
     return {"sweeps": sweep, "groups_moved": moved}, orders
 
 
-def _align_group(anchor: dict[str, np.ndarray], client: dict[str, np.ndarray], group: Group,
-                 solver: Solver, orders: dict[str, np.ndarray],
-                 slots: Sequence[Slot] | None = None) -> int:
-    """Permute one group of the client to its best assignment, noting it in ``orders``;
-    1 if it moved, else 0."""
+def _best_permutation(anchor: dict[str, np.ndarray], client: dict[str, np.ndarray],
+                      group: Group, solver: Solver,
+                      slots: Sequence[Slot] | None = None) -> np.ndarray | None:
+    """The permutation of the group's client units that maximises their similarity to the
+    anchor's, or None when it does not beat the current order."""
     similarity = group_similarity(anchor, client, group, slots)
     current = float(np.trace(similarity))
     _, cols = solver(similarity, maximize=True)
     best = float(similarity[np.arange(cols.size), cols].sum())
-    if best > current + 1e-12 * max(abs(current), 1.0):
-        permute_group(client, group, cols)
-        orders[group.name] = orders.get(group.name, np.arange(group.size))[cols]
-        return 1
-    return 0
+    return cols if best > current + 1e-12 * max(abs(current), 1.0) else None
+
+
+def apply_moves(array: np.ndarray, moves: Sequence[tuple[int, np.ndarray]]) -> np.ndarray:
+    """``array`` after the takes :func:`align_client` noted for its tensor, composed into
+    one take per axis (taking ``a`` then ``b`` on an axis is taking ``a[b]``)."""
+    composed: dict[int, np.ndarray] = {}
+    for axis, index in moves:
+        composed[axis] = composed[axis][index] if axis in composed else index
+    for axis, index in composed.items():
+        array = np.take(array, index, axis=axis)
+    return array
 
 
 def hidden_assignments(spec: TransformerSpec, orders: Mapping[str, np.ndarray]
@@ -222,28 +248,57 @@ def fuse_transformers(checkpoints: Sequence[Checkpoint], specs: Sequence[Transfo
                       solver: Solver) -> tuple[dict[str, np.ndarray], list[dict[str, Any]],
                                                list[list[np.ndarray]]]:
     """Align every client to the anchor (:func:`align_client`) and average them with
-    sample-count weights; tensors in the clients' dtypes. Holds the anchor, one client and
-    the running sum.
+    sample-count weights; tensors in the clients' dtypes.
+
+    Aligning holds the anchor and one client as stored (no float64 copies) and keeps only
+    the takes that aligned each client; the average is then streamed a tensor at a time
+    (:func:`average_aligned`), so no float64 model is ever held.
 
     Returns:
         (state_dict, per client alignment reports, assignments: per client and group of
         the stream and the MLPs, :func:`hidden_assignments`)."""
-    weights = sample_weights(checkpoints)
     reports: list[dict[str, Any]] = []
     assignments: list[list[np.ndarray]] = [[] for _ in checkpoints]
+    moves: list[dict[str, list[tuple[int, np.ndarray]]]] = [{} for _ in checkpoints]
+    reference = client_arrays(checkpoints[anchor])
+    assignments[anchor] = hidden_assignments(specs[anchor], {})
+    for s, checkpoint in enumerate(checkpoints):
+        if s == anchor:
+            continue
+        start = time.perf_counter()
+        report, orders = align_client(reference, client_arrays(checkpoint), specs[s],
+                                      sweeps=sweeps, rng=rng, solver=solver, moves=moves[s])
+        assignments[s] = hidden_assignments(specs[s], orders)
+        reports.append({"client": checkpoint.label, **report,
+                        "time_s": time.perf_counter() - start})
+        progress.advance("clients aligned", len(reports), len(checkpoints) - 1)
+    del reference
+    return average_aligned(checkpoints, anchor, moves), reports, assignments
 
-    def weighted() -> Iterator[tuple[float, dict[str, np.ndarray]]]:
-        for s, client, report, orders in aligned_clients(checkpoints, specs, anchor,
-                                                         sweeps=sweeps, rng=rng,
-                                                         solver=solver):
-            if report is not None:
-                reports.append(report)
-            assignments[s] = hidden_assignments(specs[s], orders)
-            yield weights[s], client
-            del client
 
-    total = weighted_sum(weighted())
-    return cast_all(total, checkpoints[anchor]), reports, assignments
+def average_aligned(checkpoints: Sequence[Checkpoint], anchor: int,
+                    moves: Sequence[Mapping[str, Sequence[tuple[int, np.ndarray]]]]
+                    ) -> dict[str, np.ndarray]:
+    """Σ_s w_s · (client s aligned), a tensor at a time: each client's tensor is read
+    again, moved as its alignment moved it (:func:`apply_moves`) and added in float64 (the
+    anchor first, then the others in order), then cast back to the anchor's storage dtype;
+    integer counters take the maximum."""
+    weights = sample_weights(checkpoints)
+    order = [anchor] + [s for s in range(len(checkpoints)) if s != anchor]
+    out = {}
+    for name, info in checkpoints[anchor].tensors.items():
+        total = None
+        for s in order:
+            array = apply_moves(checkpoints[s].tensor(name), moves[s].get(name, ()))
+            checkpoints[s].release(name)
+            if array.dtype.kind != "f":
+                total = array if total is None else np.maximum(total, array)
+            elif total is None:
+                total = weights[s] * array
+            else:
+                total += weights[s] * array
+        out[name] = cast_like(total, info.dtype)
+    return out
 
 
 def cast_all(state_dict: dict[str, np.ndarray], like: Checkpoint) -> dict[str, np.ndarray]:
