@@ -249,7 +249,28 @@ def _per_coordinate(
     return np.ascontiguousarray(array)
 
 
-def pfnm_cost(
+def pfnm_cost(*arrays, **options) -> np.ndarray:
+    """PFNM matching cost of one client against the global posterior (NAFI paper Eq. 5):
+    :func:`nafi_cost` without its KL term (``lam=0``), with the same arrays and the same
+    keyword arguments but ``lam``.
+
+    Returns
+    -------
+    ndarray of float64, shape (J_g + J_l, J_l)
+        Cost to minimise (up to a per-column constant):
+        row i < J_g: ``sum_p a_ip (w_jp - m_ip)^2 + 2 log((S - n_i) / n_i)`` with
+        ``a = s P / (s + P)``, ``m = sums / P``; row J_g + k - 1 (new-neuron slot k):
+        ``sum_p s/(1 + s sigma0^2) (w_jp - mu0_p)^2 + 2 log(k S / gamma0)``.
+
+    Raises
+    ------
+    ParameterError (a ValueError)
+        Shapes disagree, values are non-finite or out of range.
+    """
+    return nafi_cost(*arrays, **options, lam=0.0)
+
+
+def nafi_cost(
     local,
     client_precision,
     global_sums,
@@ -260,9 +281,15 @@ def pfnm_cost(
     mu0=0.0,
     sigma0_2=1.0,
     gamma0: float = 1.0,
+    lam: float = 1e-2,
     check_finite: bool = True,
 ) -> np.ndarray:
-    """PFNM matching cost of one client against the global posterior (NAFI paper Eq. 5).
+    """NAFI matching cost: PFNM's cost (:func:`pfnm_cost`) plus ``lam`` times a KL term
+    (NAFI paper Eq. 14).
+
+    The KL between the global neuron's posterior before and after adding w_j is
+    ``1/2 sum_p [r - 1 - ln r + s^2 (w_jp - m_ip)^2 / (P_ip + s_p)]`` with
+    ``r = (P_ip + s_p) / P_ip``; new slots use P = 1/sigma0^2 and m = mu0 (Lemma 5.1).
 
     Parameters
     ----------
@@ -283,6 +310,8 @@ def pfnm_cost(
         Prior mean and variance of global neurons.
     gamma0 : float
         Mass of the Beta-Bernoulli process.
+    lam : float
+        The KL weight (>= 0).
     check_finite : bool
         Check that the arrays are finite and in range (precisions > 0, counts in
         [1, n_clients), client_precision >= 0, sigma0_2 > 0), as SciPy's ``check_finite``.
@@ -293,51 +322,12 @@ def pfnm_cost(
     Returns
     -------
     ndarray of float64, shape (J_g + J_l, J_l)
-        Cost to minimise (up to a per-column constant):
-        row i < J_g: ``sum_p a_ip (w_jp - m_ip)^2 + 2 log((S - n_i) / n_i)`` with
-        ``a = s P / (s + P)``, ``m = sums / P``; row J_g + k - 1 (new-neuron slot k):
-        ``sum_p s/(1 + s sigma0^2) (w_jp - mu0_p)^2 + 2 log(k S / gamma0)``.
+        :func:`pfnm_cost`'s cost plus ``lam`` times the KL.
 
     Raises
     ------
     ParameterError (a ValueError)
-        Shapes disagree, values are non-finite or out of range.
-    """
-    return nafi_cost(local, client_precision, global_sums, global_precisions, global_counts,
-                     n_clients=n_clients, mu0=mu0, sigma0_2=sigma0_2, gamma0=gamma0, lam=0.0,
-                     check_finite=check_finite)
-
-
-def nafi_cost(
-    local,
-    client_precision,
-    global_sums,
-    global_precisions,
-    global_counts,
-    *,
-    n_clients: int,
-    mu0=0.0,
-    sigma0_2=1.0,
-    gamma0: float = 1.0,
-    lam: float = 1e-2,
-    check_finite: bool = True,
-) -> np.ndarray:
-    """NAFI matching cost: PFNM's cost plus ``lam`` times a KL term (NAFI paper Eq. 14).
-
-    Parameters are those of :func:`pfnm_cost` (``check_finite`` included), plus ``lam``
-    (>= 0), the KL weight.
-    The KL between the global neuron's posterior before and after adding w_j is
-    ``1/2 sum_p [r - 1 - ln r + s^2 (w_jp - m_ip)^2 / (P_ip + s_p)]`` with
-    ``r = (P_ip + s_p) / P_ip``; new slots use P = 1/sigma0^2 and m = mu0 (Lemma 5.1).
-
-    Returns
-    -------
-    ndarray of float64, shape (J_g + J_l, J_l)
-
-    Raises
-    ------
-    ParameterError (a ValueError)
-        As :func:`pfnm_cost`, or ``lam`` negative.
+        Shapes disagree, values are non-finite or out of range, or ``lam`` negative.
     """
     local = _finite_matrix(local, "local", check_finite)
     p = local.shape[1]

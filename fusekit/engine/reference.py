@@ -19,21 +19,10 @@ def sqeuclidean_cost(a, b) -> np.ndarray:
     return ((a[:, None, :] - b[None, :, :]) ** 2).sum(axis=2)
 
 
-def pfnm_cost(
-    local,
-    client_precision,
-    global_sums,
-    global_precisions,
-    global_counts,
-    *,
-    n_clients: int,
-    mu0=0.0,
-    sigma0_2=1.0,
-    gamma0: float = 1.0,
-) -> np.ndarray:
-    """Reference of :func:`fusekit.engine.matching.pfnm_cost` (ALGORITHMS.md §3)."""
-    return nafi_cost(local, client_precision, global_sums, global_precisions, global_counts,
-                     n_clients=n_clients, mu0=mu0, sigma0_2=sigma0_2, gamma0=gamma0, lam=0.0)
+def pfnm_cost(*arrays, **prior) -> np.ndarray:
+    """Reference of :func:`fusekit.engine.matching.pfnm_cost` (ALGORITHMS.md §3): the
+    reference :func:`nafi_cost` without its KL term (``lam=0``), same arguments."""
+    return nafi_cost(*arrays, **prior, lam=0.0)
 
 
 def nafi_cost(
