@@ -11,7 +11,7 @@ import uuid
 
 import pytest
 
-from fusekit.toolkit.processes import end_groups, group_alive, groups_with_env
+from fusekit.toolkit.processes import end_groups, group_alive, groups_with_env, process_alive
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux /proc")
 
@@ -35,3 +35,14 @@ def test_an_orphan_in_its_own_session_is_found_by_its_environment_and_ended():
     assert not any(group_alive(group) for group in groups)
     assert groups_with_env("FUSEKIT_TEST_MARK", mark) == set()
     assert groups_with_env("FUSEKIT_TEST_MARK", "no-such-value") == set()
+
+
+def test_a_process_and_its_group_are_alive_until_ended():
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                               start_new_session=True)
+    try:
+        assert process_alive(process.pid) and group_alive(process.pid)
+    finally:
+        end_groups([process], grace=5)
+    assert not process_alive(process.pid) and not group_alive(process.pid)
+    assert process_alive(os.getpid())

@@ -42,6 +42,7 @@ from fusekit.protocol import DERIVED, Round
 from fusekit.protocol import STATISTICS as STATISTICS_ROUND
 from fusekit.service.rounds import what_it_asks
 from fusekit.service.states import FINISHED, STATES, job_in_state
+from fusekit.toolkit.processes import process_alive
 
 ROUNDS = "rounds"  # the models of calibration rounds after the first
 FUSED = "fused.safetensors"  # a calibrating job's fused model; its result is calibrated
@@ -164,7 +165,7 @@ class JobStore:
         with contextlib.suppress(FileNotFoundError):  # the job deleted meanwhile
             for owner in (folder / "uploads").iterdir():
                 host, _, pid = owner.name.rpartition("-")
-                if host == _HOST and pid.isdigit() and not _alive(int(pid)):
+                if host == _HOST and pid.isdigit() and not process_alive(int(pid)):
                     shutil.rmtree(owner, ignore_errors=True)
 
     def create(self, *, method: str, params: dict[str, Any], spec: dict[str, Any] | None,
@@ -526,16 +527,6 @@ def authorize(job: dict[str, Any], token: str, admin: bool, client: str | None =
     if client is not None and owner != client:
         raise Forbidden(f"client {owner!r}: its token cannot act for client {client!r}")
     return owner
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
 
 
 def make_private(data_dir: Path) -> None:

@@ -73,8 +73,21 @@ def groups_with_env(name: str, value: str) -> set[int]:
 
 def group_alive(pgid: int) -> bool:
     """Whether any process of group ``pgid`` is left (zombies included)."""
+    return _answers(os.killpg, pgid)
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` is left (someone else's included)."""
+    return _answers(os.kill, pid)
+
+
+def _answers(send, target: int) -> bool:
+    """Whether signal 0 sent with ``send`` finds ``target``: a process of another user
+    refuses it (PermissionError) but is there."""
     try:
-        os.killpg(pgid, 0)
+        send(target, 0)
     except ProcessLookupError:
         return False
+    except PermissionError:
+        return True
     return True
