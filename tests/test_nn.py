@@ -101,23 +101,18 @@ def test_parse_arch_string():
         parse_arch_string("conv:8", input_shape=(20,), num_classes=3)
 
 
+def _kinds(model) -> list[str]:
+    """The module types of ``model.net``, in order."""
+    return [type(m).__name__ for m in model.net]
+
+
 def test_mlp_layout_and_tensor_order():
     arch = mlp_arch(64, [30, 20], 10, batchnorm=True, pan={"mode": "additive"})
     model = build_model(arch, seed=0)
     names = list(model.state_dict())
     assert names[:2] == ["net.0.weight", "net.0.bias"]
-    kinds = [type(m).__name__ for m in model.net]
-    assert kinds == [
-        "Linear",
-        "BatchNorm1d",
-        "ReLU",
-        "PositionEncoding",
-        "Linear",
-        "BatchNorm1d",
-        "ReLU",
-        "PositionEncoding",
-        "Linear",
-    ]
+    hidden = ["Linear", "BatchNorm1d", "ReLU", "PositionEncoding"]  # per hidden layer
+    assert _kinds(model) == [*hidden, *hidden, "Linear"]
     assert pan_buffer_names(model) == ["net.3.encoding", "net.7.encoding"]
     assert "net.3.encoding" not in dict(model.named_parameters())
     assert model(torch.zeros(5, 1, 8, 8)).shape == (5, 10)
@@ -125,21 +120,8 @@ def test_mlp_layout_and_tensor_order():
 
 def test_convnet_layout_and_forward_accepts_flat_inputs():
     model = build_model(convnet_arch((1, 8, 8), [4, 6], 10, hidden=[12]), seed=0)
-    kinds = [type(m).__name__ for m in model.net]
-    assert kinds == [
-        "Conv2d",
-        "BatchNorm2d",
-        "ReLU",
-        "MaxPool2d",
-        "Conv2d",
-        "BatchNorm2d",
-        "ReLU",
-        "MaxPool2d",
-        "Flatten",
-        "Linear",
-        "ReLU",
-        "Linear",
-    ]
+    conv = ["Conv2d", "BatchNorm2d", "ReLU", "MaxPool2d"]  # per conv layer
+    assert _kinds(model) == [*conv, *conv, "Flatten", "Linear", "ReLU", "Linear"]
     assert model.net[0].padding == (1, 1)
     assert model.net[9].in_features == 6 * 2 * 2
     x = torch.randn(3, 1, 8, 8)
