@@ -249,6 +249,23 @@ Array posterior_cost(const py::object& local_in, const py::object& precision_in,
     return out;
 }
 
+// A writeable C-contiguous 2-D float64 array, written in place (a converted copy would
+// silently drop the update).
+void require_target(const py::array& target, const char* name) {
+    if (!py::isinstance<py::array_t<double>>(target) || !(target.flags() & py::array::c_style) ||
+        !target.writeable() || target.ndim() != 2) {
+        raise_parameter(std::string(name) + ": expected a writeable C-contiguous 2-D float64 array");
+    }
+}
+
+void require_rows(const Index& rows, py::ssize_t capacity) {
+    if (rows.ndim() != 1) raise_parameter("rows: expected a 1-D array");
+    const std::int64_t* r = rows.data();
+    for (py::ssize_t k = 0; k < rows.size(); ++k) {
+        if (r[k] < 0 || r[k] >= capacity) throw py::index_error("rows: index out of range");
+    }
+}
+
 // target[rows[k]] += sign * values[k] (* scale) for every k, in place: one pass over the
 // rows, where numpy's fancy-index += gathers, adds and scatters, and with scale the product
 // values * scale is never stored. rows must be unique; values is (n, p), or (p,) for the
@@ -256,11 +273,7 @@ Array posterior_cost(const py::object& local_in, const py::object& precision_in,
 void add_rows(py::array target, const Index& rows, const py::object& values_in, double sign,
               const py::object& scale_in) {
     const Array values = real(values_in, "values");
-    // Written in place: a converted copy would silently drop the update.
-    if (!py::isinstance<py::array_t<double>>(target) || !(target.flags() & py::array::c_style) ||
-        !target.writeable() || target.ndim() != 2) {
-        raise_parameter("target: expected a writeable C-contiguous 2-D float64 array");
-    }
+    require_target(target, "target");
     const py::ssize_t n = rows.size(), p = target.shape(1), capacity = target.shape(0);
     const bool one_vector = values.ndim() == 1 && values.shape(0) == p;
     if (rows.ndim() != 1 ||
@@ -275,16 +288,59 @@ void add_rows(py::array target, const Index& rows, const py::object& values_in, 
         require_length(scale, p, "scale");
     }
     if (sign != 1.0 && sign != -1.0) raise_parameter("sign: expected 1 or -1");
+    require_rows(rows, capacity);
     const std::int64_t* r = rows.data();
-    for (py::ssize_t k = 0; k < n; ++k) {
-        if (r[k] < 0 || r[k] >= capacity) throw py::index_error("rows: index out of range");
-    }
     double* t = static_cast<double*>(target.mutable_data());
     const double* scale_data = scaled ? scale.data() : nullptr;
     py::gil_scoped_release release;
     fusekit::add_rows(t, static_cast<std::size_t>(p), r, values.data(),
                       one_vector ? 0 : static_cast<std::size_t>(p), scale_data,
                       static_cast<std::size_t>(n), sign);
+}
+
+// sums / squares / counts[rows[k]] += x * seen, (x * x) * seen, seen with x = values[k] * scale.
+void add_moments(py::array sums, py::array squares, py::array counts, const Index& rows,
+                 const py::object& values_in, const py::object& scale_in,
+                 const py::object& seen_in) {
+    require_target(sums, "sums");
+    require_target(squares, "squares");
+    require_target(counts, "counts");
+    const py::ssize_t capacity = sums.shape(0), p = sums.shape(1);
+    for (const py::array* t : {&squares, &counts}) {
+        if (t->shape(0) != capacity || t->shape(1) != p) {
+            raise_parameter("sums / squares / counts: expected the same shape");
+        }
+    }
+    const Array values = real(values_in, "values"), scale = real(scale_in, "scale"),
+                seen = real(seen_in, "seen");
+    require_rows(rows, capacity);
+    if (values.ndim() != 2 || values.shape(0) != rows.size() || values.shape(1) != p) {
+        raise_parameter("values: expected shape (" + std::to_string(rows.size()) + ", " +
+                        std::to_string(p) + ")");
+    }
+    require_length(scale, p, "scale");
+    require_length(seen, p, "seen");
+    double* s = static_cast<double*>(sums.mutable_data());
+    double* q = static_cast<double*>(squares.mutable_data());
+    double* c = static_cast<double*>(counts.mutable_data());
+    py::gil_scoped_release release;
+    fusekit::add_moments(s, q, c, static_cast<std::size_t>(p), rows.data(), values.data(),
+                         scale.data(), seen.data(), static_cast<std::size_t>(rows.size()));
+}
+
+// Per global row, sum_q ln(1/s_q + 1/P_iq) over the coordinates with s_q > 0.
+Array log_det_rows(const py::object& precision_in, const py::object& precisions_in) {
+    const Array precision = real(precision_in, "client_precision"),
+                precisions = real(precisions_in, "global_precisions");
+    require_2d(precisions, "global_precisions");
+    const py::ssize_t ng = precisions.shape(0), p = precisions.shape(1);
+    require_length(precision, p, "client_precision");
+    Array out(ng);
+    double* o = out.mutable_data();
+    py::gil_scoped_release release;
+    fusekit::log_det_rows(precision.data(), precisions.data(), static_cast<std::size_t>(ng),
+                          static_cast<std::size_t>(p), o);
+    return out;
 }
 
 double finite_min(const py::object& x_in) {
@@ -321,6 +377,14 @@ PYBIND11_MODULE(_core, m) {
     m.def("add_rows", &add_rows, py::arg("target"), py::arg("rows"), py::arg("values"),
           py::arg("sign") = 1.0, py::arg("scale") = py::none(),
           "In place: target[rows[k]] += sign * values[k] (* scale) (rows unique), one pass.");
+    m.def("add_moments", &add_moments, py::arg("sums"), py::arg("squares"), py::arg("counts"),
+          py::arg("rows"), py::arg("values"), py::arg("scale"), py::arg("seen"),
+          "In place, with x = values[k] * scale: sums[rows[k]] += x * seen, "
+          "squares[rows[k]] += (x * x) * seen, counts[rows[k]] += seen (rows unique).");
+    m.def("log_det_rows", &log_det_rows, py::arg("client_precision"),
+          py::arg("global_precisions"),
+          "Per global row i, sum over the coordinates q with s_q > 0 of "
+          "ln(1/s_q + 1/P_iq).");
     m.def("finite_min", &finite_min, py::arg("x"),
           "Smallest value of a float64 array, NaN when some value is NaN or infinite.");
     m.def("has_openmp", &has_openmp, "Whether the extension was built with OpenMP.");

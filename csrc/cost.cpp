@@ -375,6 +375,57 @@ FUSEKIT_CLONES void add_rows(double* target, std::size_t p, const std::int64_t* 
     }
 }
 
+FUSEKIT_CLONES void add_moments(double* sums, double* squares, double* counts, std::size_t p,
+                                const std::int64_t* rows, const double* values,
+                                const double* scale, const double* seen, std::size_t n) {
+    for (std::size_t k = 0; k < n; ++k) {
+        const std::size_t offset = static_cast<std::size_t>(rows[k]) * p;
+        double* __restrict sum = sums + offset;
+        double* __restrict square = squares + offset;
+        double* __restrict count = counts + offset;
+        const double* __restrict v = values + k * p;
+        // The products rounded as numpy rounds them (x, then x * x; seen is 0 or 1), so the
+        // moments equal those of scaled copies added with add_rows, bit for bit.
+#pragma omp simd
+        for (std::size_t q = 0; q < p; ++q) {
+            const double x = v[q] * scale[q];
+            const double xx = x * x;
+            sum[q] += x * seen[q];
+            square[q] += xx * seen[q];
+            count[q] += seen[q];
+        }
+    }
+}
+
+void log_det_rows(const double* s, const double* precisions, std::size_t n_global,
+                  std::size_t p, double* out) {
+    std::vector<std::size_t> seen;
+    std::vector<double> noise;
+    for (std::size_t q = 0; q < p; ++q) {
+        if (s[q] > 0.0) {
+            seen.push_back(q);
+            noise.push_back(1.0 / s[q]);
+        }
+    }
+    for (std::size_t i = 0; i < n_global; ++i) {
+        const double* row = precisions + i * p;
+        // With scalar variances most coordinates of a row hold the same s and P: one
+        // logarithm (and division) per run of equal arguments instead of one per coordinate.
+        const double nan = std::numeric_limits<double>::quiet_NaN();
+        double acc = 0.0, last_noise = nan, last_precision = nan, last_log = 0.0;
+        for (std::size_t k = 0; k < seen.size(); ++k) {
+            const double P = row[seen[k]];
+            if (P != last_precision || noise[k] != last_noise) {
+                last_precision = P;
+                last_noise = noise[k];
+                last_log = std::log(noise[k] + 1.0 / P);
+            }
+            acc += last_log;
+        }
+        out[i] = acc;
+    }
+}
+
 Status sqeuclidean_cost(const Blas& blas, const double* a, std::size_t n, const double* b,
                         std::size_t m, std::size_t p, double* out) {
     if (n == 0 || m == 0) return Status::ok;

@@ -32,9 +32,22 @@ double finite_min(const double* x, std::size_t n);
 void add_rows(double* target, std::size_t p, const std::int64_t* rows, const double* values,
               std::size_t stride, const double* scale, std::size_t n, double sign);
 
+// The moments of an assignment, one pass per client: with x = values[k] * scale,
+// sums[rows[k]] += x * seen, squares[rows[k]] += (x * x) * seen, counts[rows[k]] += seen
+// (rows of p doubles, unique and in range; scale and seen of length p).
+void add_moments(double* sums, double* squares, double* counts, std::size_t p,
+                 const std::int64_t* rows, const double* values, const double* scale,
+                 const double* seen, std::size_t n);
+
 // out[i, j] = sum_p (a[i, p] - b[j, p])^2 for a (n x p), b (m x p); out is n x m.
 Status sqeuclidean_cost(const Blas& blas, const double* a, std::size_t n, const double* b,
                         std::size_t m, std::size_t p, double* out);
+
+// out[i] = sum over the coordinates q with s[q] > 0 of ln(1/s[q] + 1/precisions[i, q]) for
+// the n_global rows of precisions (n_global x p): the log-determinant of a local neuron's
+// Gaussian marginal under global i (ALGORITHMS.md section 3, "Empirical Bayes").
+void log_det_rows(const double* s, const double* precisions, std::size_t n_global,
+                  std::size_t p, double* out);
 
 // Inputs of the PFNM / NAFI matching cost of one client against the global posterior
 // (ALGORITHMS.md section 3-4). Per-coordinate arrays have length p; s = client precision

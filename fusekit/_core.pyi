@@ -3,6 +3,8 @@
 import numpy as np
 import numpy.typing as npt
 
+Floats = npt.NDArray[np.float64]
+
 def solve_assignment(
     cost: np.ndarray, return_duals: bool = False, negated: bool = False
 ) -> tuple[
@@ -33,5 +35,10 @@ def add_rows(
     sign: float = 1.0,
     scale: npt.NDArray[np.float64] | None = None,
 ) -> None: ...
+def add_moments(
+    sums: Floats, squares: Floats, counts: Floats, rows: npt.NDArray[np.int64],
+    values: Floats, scale: Floats, seen: Floats,
+) -> None: ...
+def log_det_rows(client_precision: Floats, global_precisions: Floats) -> Floats: ...
 def finite_min(x: npt.NDArray[np.float64]) -> float: ...
 def has_openmp() -> bool: ...

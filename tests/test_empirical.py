@@ -146,3 +146,45 @@ def test_sigma2_is_pooled_over_all_but_the_loosest_quarter_of_the_globals():
     # Equal variances (the model's case) are all kept; no shared global gives None.
     assert empirical.trimmed_within(np.array([4.0, 8.0]), np.array([2.0, 4.0])) == 2.0
     assert empirical.trimmed_within(np.zeros(3), np.zeros(3)) is None
+
+
+def _numpy_log_det_rows(client_precision, global_precisions):
+    seen = client_precision > 0
+    return np.log(1.0 / client_precision[seen] + 1.0 / global_precisions[:, seen]).sum(axis=1)
+
+
+def _numpy_add_moments(sums, squares, counts, rows, values, scale, seen):
+    scaled = values * scale
+    sums[rows] += scaled * seen
+    squares[rows] += scaled * scaled * seen
+    counts[rows] += seen
+
+
+def _random_clients(n_clients, widths=(24, 32, 10)):
+    """Independent random initialisations: nothing matches, the width is imposed."""
+    clients = []
+    for s in range(n_clients):
+        rng = np.random.default_rng(100 + s)
+        clients.append(fusekit.Checkpoint.from_state_dict({
+            "fc1.weight": rng.normal(0, 0.2, (widths[1], widths[0])),
+            "fc1.bias": np.zeros(widths[1]),
+            "fc2.weight": rng.normal(0, 0.2, (widths[2], widths[1])),
+            "fc2.bias": np.zeros(widths[2])}, {"fusekit.num_samples": str(50 + s)}))
+    return clients
+
+
+@pytest.mark.parametrize("method", ["pfnm", "nafi"])
+def test_the_cores_estimation_kernels_fuse_what_their_numpy_forms_fuse(
+        authors_setting, monkeypatch, method):
+    """The M-step's moments and the log-determinant rows run in the C++ core; the fused
+    models are those of the numpy forms, bit for bit (a speed change only)."""
+    clients, _ = authors_setting
+    cases = [(clients, {}), (clients, {"width": 120}), (_random_clients(5), {})]
+    fast = [fusekit.fuse(c, method=method, **kw).state_dict for c, kw in cases]
+    monkeypatch.setattr(empirical.matching, "add_moments", _numpy_add_moments)
+    monkeypatch.setattr(empirical.matching, "log_det_rows", _numpy_log_det_rows)
+    for got, (c, kw) in zip(fast, cases, strict=True):
+        want = fusekit.fuse(c, method=method, **kw).state_dict
+        assert got.keys() == want.keys()
+        for name in want:
+            assert np.array_equal(got[name], want[name]), name

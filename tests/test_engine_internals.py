@@ -61,6 +61,56 @@ def test_add_rows_rejects_bad_arguments(rows, values, sign):
     assert not target.any()
 
 
+def test_add_moments_matches_add_rows_of_scaled_copies_bit_for_bit():
+    rng = np.random.default_rng(1)
+    targets = [rng.standard_normal((30, 11)) for _ in range(3)]
+    rows = rng.permutation(30)[:8]
+    values, scale = rng.standard_normal((8, 11)), rng.random(11) + 0.5
+    seen = (rng.random(11) < 0.7).astype(np.float64)
+    expected = [t.copy() for t in targets]
+    scaled = values * scale
+    matching.add_rows(expected[0], rows, scaled, 1.0, seen)
+    matching.add_rows(expected[1], rows, scaled * scaled, 1.0, seen)
+    matching.add_rows(expected[2], rows, seen)
+    matching.add_moments(*targets, rows, values, scale, seen)
+    for got, want in zip(targets, expected, strict=True):
+        assert np.array_equal(got, want)
+
+
+def test_add_moments_rejects_bad_arguments():
+    sums, squares, counts = np.zeros((5, 4)), np.zeros((5, 4)), np.zeros((5, 3))
+    with pytest.raises(ValueError, match="same shape"):
+        matching.add_moments(sums, squares, counts, np.array([0]), np.ones((1, 4)),
+                             np.ones(4), np.ones(4))
+    counts = np.zeros((5, 4))
+    with pytest.raises(IndexError, match="rows"):
+        matching.add_moments(sums, squares, counts, np.array([5]), np.ones((1, 4)),
+                             np.ones(4), np.ones(4))
+    with pytest.raises(ValueError, match="seen"):
+        matching.add_moments(sums, squares, counts, np.array([0]), np.ones((1, 4)),
+                             np.ones(4), np.ones(3))
+    with pytest.raises(ValueError, match="float64"):
+        matching.add_moments(sums, squares, counts.astype(np.float32), np.array([0]),
+                             np.ones((1, 4)), np.ones(4), np.ones(4))
+    assert not (sums.any() or squares.any() or counts.any())
+
+
+def test_log_det_rows_equal_the_logarithms_summed_over_observed_coordinates():
+    """Runs of equal (s, P) share one logarithm; rows that differ anywhere, unobserved
+    coordinates (s = 0) and coordinates of their own give the plain sum."""
+    rng = np.random.default_rng(2)
+    s = np.r_[np.full(40, 2.0), [0.0, 0.5, 0.0, 3.0, 3.0]]
+    counts = rng.integers(1, 5, size=(9, 1))
+    precisions = 1.0 + counts * s + np.r_[np.zeros(44), 0.25][None, :]
+    precisions[3, 7] += 1.0  # one coordinate breaks a run
+    seen = s > 0
+    expected = np.log(1.0 / s[seen] + 1.0 / precisions[:, seen]).sum(axis=1)
+    np.testing.assert_allclose(matching.log_det_rows(s, precisions), expected, rtol=1e-13)
+    assert matching.log_det_rows(np.zeros(45), precisions).tolist() == [0.0] * 9
+    with pytest.raises(ValueError, match="client_precision"):
+        matching.log_det_rows(s[:-1], precisions)
+
+
 def _cost_inputs(rng, nl=7, ng=9, p=12):
     s = np.r_[np.full(p - 3, 2.0), [0.5, 0.0, 3.0]]
     return dict(

@@ -25,8 +25,10 @@ from fusekit.engine.native import core
 from fusekit.engine.offload import accelerator_for
 
 __all__ = [
+    "add_moments",
     "add_rows",
     "all_finite",
+    "log_det_rows",
     "nafi_cost",
     "pfnm_cost",
     "solve_assignment",
@@ -182,6 +184,54 @@ def add_rows(
         A row outside ``target``.
     """
     core().add_rows(target, rows, values, sign, scale)
+
+
+def add_moments(
+    sums: np.ndarray,
+    squares: np.ndarray,
+    counts: np.ndarray,
+    rows: np.ndarray,
+    values: np.ndarray,
+    scale: np.ndarray,
+    seen: np.ndarray,
+) -> None:
+    """In place, with ``x = values * scale``: ``sums[rows] += x * seen``,
+    ``squares[rows] += (x * x) * seen``, ``counts[rows] += seen``: the per-global moments of
+    one client's assigned neurons in one pass of the C++ core, without the scaled copies
+    (bit-identical to :func:`add_rows` of ``x`` and ``x * x``).
+
+    Parameters
+    ----------
+    sums, squares, counts : ndarray, float64, C-contiguous, (n_rows, p); written in place.
+    rows : ndarray of int64, (n,); unique indices into the targets.
+    values : ndarray of float64, (n, p).
+    scale, seen : ndarray of float64, (p,); seen is 1 (observed) or 0.
+
+    Raises
+    ------
+    ParameterError (a ValueError)
+        A target not writeable float64 C-contiguous 2-D, or shapes that disagree.
+    IndexError
+        A row outside the targets.
+    """
+    core().add_moments(sums, squares, counts, rows, values, scale, seen)
+
+
+def log_det_rows(client_precision: np.ndarray, global_precisions: np.ndarray) -> np.ndarray:
+    """Per global neuron i, ``sum_p ln(1/s_p + 1/P_ip)`` over the coordinates the client
+    observes (s_p > 0): the log-determinant of a local neuron's Gaussian marginal under
+    global i, one pass in the C++ core (one logarithm per run of equal arguments).
+
+    Parameters
+    ----------
+    client_precision : ndarray of float64, (p,); s >= 0.
+    global_precisions : ndarray of float64, (J, p); P > 0.
+
+    Returns
+    -------
+    ndarray of float64, (J,)
+    """
+    return core().log_det_rows(client_precision, global_precisions)
 
 
 def all_finite(x) -> bool:

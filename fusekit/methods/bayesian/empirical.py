@@ -108,11 +108,7 @@ def moments(
     counts = np.zeros((n_global, n_coords))
     scale = 1.0 / np.sqrt(unit)
     for vec, obs, rows in zip(vectors, observed, assignments, strict=True):
-        seen = obs.astype(np.float64)
-        scaled = np.ascontiguousarray(vec * scale)
-        matching.add_rows(sums, rows, scaled, 1.0, seen)
-        matching.add_rows(squares, rows, scaled * scaled, 1.0, seen)
-        matching.add_rows(counts, rows, seen)
+        matching.add_moments(sums, squares, counts, rows, vec, scale, obs.astype(np.float64))
     has = counts > 0
     means = sums / np.maximum(counts, 1)
     within = squares - counts * means * means

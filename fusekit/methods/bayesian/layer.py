@@ -286,15 +286,20 @@ class _Matcher:
         self.state = _GlobalState(vecs[0].shape[1], mu0 / sigma0_2, 1.0 / sigma0_2)
         self.assignments: list[np.ndarray] = [np.empty(0, dtype=np.int64)] * self.n_clients
         self.timing = {"cost": 0.0, "assignment": 0.0, "n": 0}
+        self.squares = [np.einsum("jp,jp->p", v, v) for v in vecs]
         self._set_values(Prior(precs, sigma0_2, gamma0))
 
     def _set_values(self, prior: Prior) -> None:
         self.precs, self.sigma0_2, self.gamma0 = prior.precisions, prior.sigma0_2, prior.gamma0
         self.cost_kwargs = dict(n_clients=self.n_clients, mu0=self.mu0,
                                 sigma0_2=self.sigma0_2, gamma0=self.gamma0)
-        # sum_p s_p w_p^2 as (w * s) * w, the order of the posterior sums (same rounding).
-        self.data_term = sum(float(np.sum(v * p * v))
-                             for v, p in zip(self.vecs, self.precs, strict=True))
+        # sum over neurons and coordinates of s_p w_p^2, from each client's column sums of
+        # squares (computed once: the precisions change at every M-step, the vectors never)
+        self.data_term = sum(float(squares @ p)
+                             for squares, p in zip(self.squares, self.precs, strict=True))
+        # the new slots' log-determinant per client (_log_det_rows), fixed between M-steps
+        self.new_log_det = [float(np.log(1.0 / p[p > 0] + self.sigma0_2[p > 0]).sum())
+                            for p in self.precs] if self.log_det else []
 
     def refit(self, refit: MStep, clients: list[int]) -> bool:
         """Ask ``refit`` for new values given the assignment of ``clients`` (the others are
@@ -330,7 +335,7 @@ class _Matcher:
             cost = self.kernels.pfnm_cost(self.vecs[s], self.precs[s], sums, global_precisions,
                                           counts, **self.cost_kwargs)
         if self.log_det:
-            cost = cost + self._log_det_rows(s, global_precisions)[:, None]
+            cost += self._log_det_rows(s, global_precisions)[:, None]
         if cap is not None:
             # Only the first (cap - J) "new" slots stay open; since cap >= J_s, the rows
             # kept (min(J + J_s, cap) >= J_s) still give every local neuron a global.
@@ -357,11 +362,8 @@ class _Matcher:
         """Per row, sum_p ln(sigma_s^2 + 1/P_ip) over the coordinates client s observes
         (ln(sigma_s^2 + sigma0^2) for the new slots): the log-determinant of the Gaussian
         marginal of a local neuron, in the cost's units (2 x negative log likelihood)."""
-        seen = self.precs[s] > 0
-        noise = 1.0 / self.precs[s][seen]
-        existing = np.log(noise + 1.0 / global_precisions[:, seen]).sum(axis=1)
-        new = float(np.log(noise + self.sigma0_2[seen]).sum())
-        return np.concatenate([existing, np.full(self.vecs[s].shape[0], new)])
+        existing = matching.log_det_rows(self.precs[s], global_precisions)
+        return np.concatenate([existing, np.full(self.vecs[s].shape[0], self.new_log_det[s])])
 
     def take_out(self, s: int) -> np.ndarray:
         """Remove client s from the state; returns its old globals under the new
@@ -428,6 +430,15 @@ class _Matcher:
         the Gaussian part of the objective, so the split that costs the least likelihood);
         when no global is shared any more, add globals at the prior (mu0 in, mu0 out:
         inert). Returns (globals split off, globals padded)."""
+        split = self._split_until(width) if self.state.size < width else 0
+        padded = width - self.state.size
+        if padded > 0:
+            self.state.open_empty(padded)
+        return split, padded
+
+    def _split_until(self, width: int) -> int:
+        """Split shared globals, the best split first, until ``width`` globals exist or none
+        is shared; returns the number of splits."""
         groups: dict[int, list[tuple[int, int]]] = {}
         for s in range(self.n_clients):
             for j, row in enumerate(self.assignments[s].tolist()):
@@ -447,10 +458,7 @@ class _Matcher:
             for changed in (row, new_row):
                 if len(groups[changed]) > 1:
                     splits[changed] = self._best_split(groups[changed])
-        padded = width - self.state.size
-        if padded > 0:
-            self.state.open_empty(padded)
-        return split, padded
+        return split
 
     def _best_split(self, members: list[tuple[int, int]]) -> tuple[float, list[tuple[int, int]]]:
         """(scatter removed, members of the smaller part) of a global's best two-way split."""
