@@ -230,3 +230,18 @@ def test_core_functions_refuse_non_numeric_arrays_without_crashing():
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "all refused" in done.stdout
+
+
+def test_the_core_is_checked_for_every_function_its_stubs_declare():
+    """native.FUNCTIONS names what fusekit/_core.pyi declares, and the built core has them
+    all (a core compiled from older sources is refused at import, naming what it lacks)."""
+    import ast
+    from pathlib import Path
+
+    from fusekit.engine import native
+
+    stubs = Path(native.__file__).parents[1] / "_core.pyi"
+    declared = {node.name for node in ast.parse(stubs.read_text()).body
+                if isinstance(node, ast.FunctionDef)}
+    assert set(native.FUNCTIONS) == declared
+    assert native.CORE_IMPORT_ERROR is None and all(hasattr(core(), f) for f in declared)
