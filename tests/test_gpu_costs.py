@@ -77,6 +77,15 @@ def test_torch_sqeuclidean_on_empty_shapes(n, m, p):
     assert_same_costs(costs.sqeuclidean_cost(a, b, device="cpu"), matching.sqeuclidean_cost(a, b))
 
 
+def test_torch_inner_products_equal_numpys():
+    rng = np.random.default_rng(5)
+    pairs = [(rng.normal(size=(7, p)), rng.normal(size=(9, p))) for p in (3, 11, 1)]
+    got = costs.inner_products(pairs, device="cpu")
+    want = matching.inner_products(pairs)
+    assert_same_costs(got, want)
+    np.testing.assert_allclose(want, sum(a @ b.T for a, b in pairs), rtol=0, atol=0)
+
+
 def test_torch_posterior_cost_without_globals_gives_the_new_neuron_slots():
     w, s, sums, precisions, counts, *rest = posterior_case(np.random.default_rng(2))
     args = (w, s, sums[:0], precisions[:0], counts[:0], *rest)
@@ -96,8 +105,8 @@ def torch_kernels_on_the_cpu():
 
     def factory(device):
         asked.append(device)
-        return Accelerator("cpu", partial(costs.sqeuclidean_cost, device="cpu"),
-                           partial(costs.posterior_cost, device="cpu"))
+        return Accelerator("cpu", *(partial(kernel, device="cpu") for kernel in (
+            costs.sqeuclidean_cost, costs.posterior_cost, costs.inner_products)))
 
     offload.set_accelerator(factory)
     yield asked
@@ -165,7 +174,7 @@ def assert_same_fusion(got, want):
                                    err_msg=name)
 
 
-@pytest.mark.parametrize("method", ["pfnm", "nafi", "ot"])
+@pytest.mark.parametrize("method", ["pfnm", "nafi", "ot", "rebasin"])
 @pytest.mark.parametrize("kind", ["mlp", "cnn"])
 def test_a_fusion_through_the_device_kernels_equals_the_cpu_one(
         tmp_path, torch_kernels_on_the_cpu, method, kind):
@@ -177,6 +186,30 @@ def test_a_fusion_through_the_device_kernels_equals_the_cpu_one(
     placed = through.report["cost_matrices"]
     assert placed["matrices_on_device"] > 0 and placed["matrices_on_cpu"] == 0
     assert on_cpu.report["cost_matrices"]["matrices_on_device"] == 0
+
+
+def tiny_berts(tmp_path, n_clients=2):
+    """Hugging Face BERT folders fusekit did not train (random weights)."""
+    transformers = pytest.importorskip("transformers", reason="the [hf] extra is not installed")
+    folders = []
+    for seed in range(n_clients):
+        torch.manual_seed(seed)
+        config = transformers.BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=2,
+                                         num_attention_heads=4, intermediate_size=24,
+                                         max_position_embeddings=16, num_labels=3)
+        model = transformers.BertForSequenceClassification(config).eval()
+        model.save_pretrained(tmp_path / f"bert{seed}")
+        folders.append(tmp_path / f"bert{seed}")
+    return folders
+
+
+@pytest.mark.parametrize("method", ["pfnm", "ot", "rebasin"])
+def test_a_transformer_fusion_through_the_device_kernels_equals_the_cpu_one(
+        tmp_path, torch_kernels_on_the_cpu, method):
+    folders = tiny_berts(tmp_path)
+    through = fusekit.fuse(folders, method, device="cuda")
+    assert_same_fusion(through, fusekit.fuse(folders, method, device="cpu"))
+    assert through.report["cost_matrices"]["matrices_on_device"] > 0
 
 
 # -- on CUDA ---------------------------------------------------------------------------------
@@ -211,7 +244,15 @@ def test_auto_sends_large_problems_to_cuda():
 
 @pytest.mark.gpu
 @CUDA
-@pytest.mark.parametrize("method", ["pfnm", "nafi", "ot"])
+def test_cuda_inner_products_equal_numpys():
+    rng = np.random.default_rng(6)
+    pairs = [(rng.normal(size=(300, p)), rng.normal(size=(300, p))) for p in (500, 1000, 7)]
+    assert_same_costs(costs.inner_products(pairs, device="cuda"), matching.inner_products(pairs))
+
+
+@pytest.mark.gpu
+@CUDA
+@pytest.mark.parametrize("method", ["pfnm", "nafi", "ot", "rebasin"])
 @pytest.mark.parametrize("kind", ["mlp", "cnn"])
 def test_a_fusion_on_cuda_equals_the_cpu_one(tmp_path, method, kind):
     paths = plain_torch_clients(tmp_path, kind)
@@ -224,7 +265,7 @@ def test_a_fusion_on_cuda_equals_the_cpu_one(tmp_path, method, kind):
 
 @pytest.mark.gpu
 @CUDA
-@pytest.mark.parametrize("method", ["pfnm", "ot"])
+@pytest.mark.parametrize("method", ["pfnm", "ot", "rebasin"])
 def test_a_residual_network_fused_on_cuda_equals_the_cpu_one(tmp_path, method):
     from fusekit.core.arch import named_arch
     from fusekit.toolkit.nn import build_model

@@ -18,6 +18,8 @@ process-wide, so other threads' SciPy BLAS calls also run on one thread during s
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numpy as np
 
 from fusekit.core.errors import ParameterError, ParameterTypeError
@@ -28,6 +30,7 @@ __all__ = [
     "add_moments",
     "add_rows",
     "all_finite",
+    "inner_products",
     "log_det_rows",
     "nafi_cost",
     "pfnm_cost",
@@ -268,6 +271,29 @@ def sqeuclidean_cost(a, b) -> np.ndarray:
         )
     kernels = accelerator_for(2.0 * a.shape[0] * b.shape[0] * a.shape[1]) or core()
     return kernels.sqeuclidean_cost(a, b)
+
+
+def inner_products(pairs: Iterable[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+    """``sum_k a_k @ b_k.T``: how alike the units of two models are over every tensor they
+    appear in, the similarity weight matching maximises (Git Re-Basin §3.2).
+
+    Parameters
+    ----------
+    pairs : iterable of (a_k (n, p_k), b_k (m, p_k)) arrays, at least one.
+
+    Returns
+    -------
+    ndarray, shape (n, m): numpy's products summed in order (their dtype), or float64 from a
+        device (inside ``fusekit.engine.offload.on_device``, for large enough problems).
+    """
+    pairs = list(pairs)
+    kernels = accelerator_for(sum(2.0 * a.shape[0] * b.shape[0] * a.shape[1] for a, b in pairs))
+    if kernels is not None:
+        return kernels.inner_products(pairs)
+    total = pairs[0][0] @ pairs[0][1].T
+    for a, b in pairs[1:]:
+        total = total + a @ b.T
+    return total
 
 
 def _finite_matrix(x, name: str, check_finite: bool = True) -> np.ndarray:

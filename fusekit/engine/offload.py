@@ -6,8 +6,9 @@ with :func:`set_accelerator` when it is imported (``fusekit.fuse`` imports it), 
 installs distillation's training stage. A fusion runs inside ``with on_device(device):``
 (methods with a ``device`` parameter do, see :func:`fusekit.methods.base.places_cost_kernels`),
 and the engine's cost kernels (:func:`~fusekit.engine.matching.sqeuclidean_cost`,
-:func:`~fusekit.engine.matching.pfnm_cost`, :func:`~fusekit.engine.matching.nafi_cost`) then
-ask :func:`accelerator_for` whether one problem goes to the device:
+:func:`~fusekit.engine.matching.pfnm_cost`, :func:`~fusekit.engine.matching.nafi_cost`,
+:func:`~fusekit.engine.matching.inner_products`) then ask :func:`accelerator_for` whether one
+problem goes to the device:
 
 - ``"cpu"``: never; the C++ core computes every matrix (the path without an accelerator);
 - ``"cuda"`` / ``"cuda:N"``: always (the device is checked when the block is entered);
@@ -59,20 +60,22 @@ _DEVICE_TEXT = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 @dataclass(frozen=True)
 class Accelerator:
-    """Cost kernels bound to one device, with the C++ core's signatures and results
+    """Cost kernels bound to one device, with the CPU kernels' signatures and results
     (``fusekit._core.sqeuclidean_cost`` / ``posterior_cost``: contiguous float64 numpy
-    arrays in, a float64 numpy matrix out).
+    arrays in, a float64 numpy matrix out; ``inner_products`` as the engine's).
 
     Attributes:
         device: where they run, e.g. ``"cuda:0"``.
         sqeuclidean_cost: ``(a (n, p), b (m, p)) -> (n, m)``.
         posterior_cost: ``(local, client_precision, global_sums, global_precisions,
             global_counts, mu0, sigma0_2, n_clients, gamma0, lam) -> (J_g + J_l, J_l)``.
+        inner_products: ``[(a_k (n, p_k), b_k (m, p_k)), ...] -> (n, m)``.
     """
 
     device: str
     sqeuclidean_cost: Callable[[np.ndarray, np.ndarray], np.ndarray]
     posterior_cost: Callable[..., np.ndarray]
+    inner_products: Callable[[list[tuple[np.ndarray, np.ndarray]]], np.ndarray]
 
 
 #: device text ("auto" or "cuda[:N]") -> its Accelerator, or None for "auto" without a CUDA

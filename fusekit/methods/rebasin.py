@@ -24,11 +24,11 @@ from fusekit.core.checkpoint import Checkpoint
 from fusekit.core.errors import IncompatibleModelsError, ParameterError
 from fusekit.core.spec import GraphSpec, PermutationSpec
 from fusekit.core.transformer import TransformerSpec
-from fusekit.engine.matching import solve_assignment
-from fusekit.methods.base import FusionMethod, FusionResult, register
+from fusekit.engine.matching import inner_products, solve_assignment
+from fusekit.methods.base import FusionMethod, FusionResult, places_cost_kernels, register
 from fusekit.methods.bayesian import BACKENDS
 from fusekit.methods.ot import ANCHOR_HELP, fuse_aligned, resolve_anchor
-from fusekit.methods.params import Param
+from fusekit.methods.params import Device, Param
 from fusekit.methods.transformer import check_aligned_sizes, fuse_transformers
 
 
@@ -42,6 +42,7 @@ class ReBasin(FusionMethod):
     handles_groups = True
     handles_transformers = True
 
+    @places_cost_kernels
     def fuse(
         self,
         checkpoints: Sequence[Checkpoint],
@@ -59,6 +60,7 @@ class ReBasin(FusionMethod):
         backend: Annotated[str, Param(
             help="core: fusekit's C++ assignment solver; numpy: SciPy's linear_sum_assignment",
             choices=BACKENDS)] = "core",
+        device: Device = "auto",
     ) -> FusionResult:
         """Permute every client onto the anchor by weight matching and average them.
 
@@ -72,6 +74,9 @@ class ReBasin(FusionMethod):
             seed: seeds the order in which groups are visited.
             backend: assignment solver, "core" (fusekit's C++ solver) or "numpy" (SciPy's
                 ``linear_sum_assignment``; for benchmarks and cross-checks).
+            device: where the groups' similarities are computed: "auto" (a CUDA device
+                for the large ones, when present), "cpu" or "cuda[:N]"
+                (:func:`~fusekit.methods.base.places_cost_kernels`).
 
         Returns:
             FusionResult at the anchor's widths; ``report["alignment"]`` per non-anchor
@@ -186,4 +191,4 @@ def group_similarity(anchor: Sequence[neurons.UnitLayer], layers: Sequence[neuro
     """S[j, i] = ⟨anchor neuron j, client neuron i⟩ over every member of ``group``."""
     pairs = zip(neurons.group_parts(anchor, spec, group), neurons.group_parts(layers, spec, group),
                 strict=True)
-    return sum(mine @ theirs.T for (_, mine), (_, theirs) in pairs)
+    return inner_products((mine, theirs) for (_, mine), (_, theirs) in pairs)

@@ -37,7 +37,7 @@ from fusekit.core.transformer import (
     permute_group,
     unit_rows,
 )
-from fusekit.engine.matching import solve_assignment
+from fusekit.engine.matching import inner_products, solve_assignment
 from fusekit.methods.base import sample_weights
 
 Solver = Callable[..., tuple]
@@ -90,13 +90,14 @@ def group_similarity(anchor: dict[str, np.ndarray], client: dict[str, np.ndarray
         heads, dim = group.size, mine["q"].shape[1]
 
         def gram(role: str) -> np.ndarray:  # (a, i, b, j): ⟨row i of head a, row j of b⟩
-            rows = mine[role].reshape(heads * dim, -1) @ theirs[role].reshape(heads * dim, -1).T
-            return rows.reshape(heads, dim, heads, dim)  # one BLAS product, not an einsum
+            rows = inner_products([(mine[role].reshape(heads * dim, -1),
+                                    theirs[role].reshape(heads * dim, -1))])
+            return rows.reshape(heads, dim, heads, dim)  # one product, not an einsum
 
         return ((gram("q") * gram("k")).sum(axis=(1, 3))
                 + (gram("v") * gram("o")).sum(axis=(1, 3)))
-    return sum(unit_rows(anchor[s.tensor], s, group.size)
-               @ unit_rows(client[s.tensor], s, group.size).T for s in slots)
+    return inner_products((unit_rows(anchor[s.tensor], s, group.size),
+                           unit_rows(client[s.tensor], s, group.size)) for s in slots)
 
 
 def settled_slots(spec: TransformerSpec, shapes: dict[str, tuple[int, ...]]

@@ -24,7 +24,7 @@ from fusekit.core.errors import ParameterError
 from fusekit.engine.offload import Accelerator
 from fusekit.toolkit.train import resolve_device
 
-__all__ = ["accelerator", "posterior_cost", "sqeuclidean_cost"]
+__all__ = ["accelerator", "inner_products", "posterior_cost", "sqeuclidean_cost"]
 
 #: csrc/cost.cpp's kCancellation: an entry below this fraction of the magnitude of its
 #: terms has lost digits and is recomputed exactly.
@@ -50,7 +50,8 @@ def accelerator(device: str) -> Accelerator | None:
     if target.index is None:
         target = torch.device("cuda", torch.cuda.current_device())
     return Accelerator(str(target), partial(sqeuclidean_cost, device=target),
-                       partial(posterior_cost, device=target))
+                       partial(posterior_cost, device=target),
+                       partial(inner_products, device=target))
 
 
 def _tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -79,6 +80,18 @@ def sqeuclidean_cost(a: np.ndarray, b: np.ndarray, *, device: torch.device | str
         _recompute(out, out < CANCELLATION * scale, left.shape[1],
                    lambda i, j: ((left[i] - right[j]) ** 2).sum(1))
         return out.cpu().numpy()
+
+
+def inner_products(pairs: list[tuple[np.ndarray, np.ndarray]], *,
+                   device: torch.device | str) -> np.ndarray:
+    """``sum_k a_k @ b_k.T`` in float64 on ``device``, as
+    :func:`fusekit.engine.matching.inner_products` (weight matching's similarity)."""
+    with torch.inference_mode():
+        total = None
+        for a, b in pairs:
+            left, right = _tensor(a, device), _tensor(b, device)
+            total = left @ right.T if total is None else total.addmm_(left, right.T)
+        return total.cpu().numpy()
 
 
 def _posterior_weight(s: torch.Tensor, precision: torch.Tensor, lam: float) -> torch.Tensor:
