@@ -435,12 +435,13 @@ def move_group(layers: Sequence[UnitLayer], spec, group: int,
                 layer = UnitLayer(np.tensordot(mapping, layer.weight, axes=(0, 0)),
                                   mapping.T @ layer.bias)
             else:
-                layer = UnitLayer(layer.weight[mapping], layer.bias[mapping])
+                layer = UnitLayer(np.take(layer.weight, mapping, axis=0), layer.bias[mapping])
         if reads == group:
             if plan:
                 mapped = np.tensordot(layer.weight, mapping, axes=(1, 0))  # (J, B, G)
                 layer = UnitLayer(np.ascontiguousarray(mapped.transpose(0, 2, 1)), layer.bias)
             else:
-                layer = UnitLayer(layer.weight[:, mapping], layer.bias)
+                # np.take, not fancy indexing: 2-5x faster on a middle axis
+                layer = UnitLayer(np.take(layer.weight, mapping, axis=1), layer.bias)
         out[index] = layer
     return out

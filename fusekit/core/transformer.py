@@ -458,10 +458,10 @@ def permute_transformer(state_dict: Mapping[str, np.ndarray], spec: TransformerS
 
 
 def unit_rows(array: np.ndarray, slot: Slot, size: int) -> np.ndarray:
-    """The slot's units as rows: (size, block * everything else), float64."""
-    moved = np.moveaxis(np.asarray(array, dtype=np.float64), slot.axis, 0)
-    span = moved[slot.offset:slot.offset + size * slot.block]
-    return span.reshape(size, slot.block, -1).reshape(size, -1)
+    """The slot's units as rows: (size, block * everything else), float64 (the slot's span
+    alone is widened, in one copy)."""
+    span = np.moveaxis(array, slot.axis, 0)[slot.offset:slot.offset + size * slot.block]
+    return np.ascontiguousarray(span, dtype=np.float64).reshape(size, -1)
 
 
 #: Per family, the config keys of its stream width, MLP width (GPT-2's default: 4 x the

@@ -320,12 +320,20 @@ def align_groups(anchor: Sequence[neurons.UnitLayer], layers: Sequence[neurons.U
                  if g == group and (spec.reads[i] is None or spec.reads[i] in done)]
         cost = sqeuclidean_cost(neurons.writer_rows(layers, spec, group, ready),
                                 neurons.writer_rows(anchor, spec, group, ready))
-        plan, kind = transport_plan(cost)
-        kinds.add(kind)
-        costs.append(float((plan * cost).sum()))
-        mapping = plan.argmax(axis=0) if kind == "assignment" else plan / plan.sum(0)
+        if cost.shape[0] == cost.shape[1]:  # the plan is a permutation / J: no dense plan
+            rows, cols = solve_assignment(cost)
+            kinds.add("assignment")
+            costs.append(float(cost[rows, cols].sum() / len(rows)))
+            mapping = np.empty_like(rows)
+            mapping[cols] = rows  # new neuron j = old neuron mapping[j]
+            assignment[group] = cols
+        else:
+            plan, kind = transport_plan(cost)
+            kinds.add(kind)
+            costs.append(float((plan * cost).sum()))
+            mapping = plan / plan.sum(0)
+            assignment[group] = plan.argmax(axis=1)
         layers = neurons.move_group(layers, spec, group, mapping)
-        assignment[group] = plan.argmax(axis=1)
         done.add(group)
     return list(layers), {"transport": sorted(kinds), "mean_cost": costs,
                           "assignment": assignment}
