@@ -29,8 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from fusekit.core import metadata as meta
-from fusekit.core.checkpoint import load_checkpoint
-from fusekit.core.errors import CheckpointError, StatisticsError
+from fusekit.core.errors import StatisticsError
 from fusekit.core.stats import (
     DEFAULT_MIN_SAMPLES,
     chan,
@@ -38,6 +37,7 @@ from fusekit.core.stats import (
     check_num_samples,
     is_statistics_header,
     point_fields,
+    read_statistics_file,
     save_statistics_file,
     whole_counts,
 )
@@ -125,10 +125,7 @@ def parse_cross_statistics(description: str, tensors: Mapping[str, np.ndarray],
     Raises:
         StatisticsError: malformed description or tensor names (the message names ``label``).
     """
-    parsed = meta.load_json(description, f"{label}: metadata {meta.CROSS_STATS}",
-                            StatisticsError)
-    return _parse(parsed, {name: np.asarray(t, np.float64) for name, t in tensors.items()},
-                  label)
+    return _parse(*_received(description, tensors, label, meta.CROSS_STATS), label)
 
 
 def load_cross_statistics(path: str | os.PathLike[str], *, reference: str | None = None,
@@ -140,33 +137,19 @@ def load_cross_statistics(path: str | os.PathLike[str], *, reference: str | None
     Raises:
         StatisticsError: one line naming the file.
     """
-    description, tensors = _read(path, meta.CROSS_STATS, "cross statistics",
-                                 "fusekit stats FUSED --against OWN_MODEL")
-    stats = _parse(description, tensors, str(path))
+    stats = parse_cross_statistics(*read_statistics_file(
+        path, meta.CROSS_STATS, "cross statistics", "fusekit stats FUSED --against OWN_MODEL"),
+        str(path))
     check_cross_statistics(stats, reference=reference, models=models, widths=widths,
                            min_samples=min_samples)
     return stats
 
 
-def _read(path: str | os.PathLike[str], key: str, kind: str,
-          command: str) -> tuple[object, dict[str, np.ndarray]]:
-    """A statistics file's ``key`` metadata (parsed) and tensors (float64).
-
-    Raises:
-        StatisticsError: unreadable, or not a file of this kind.
-    """
-    try:
-        checkpoint = load_checkpoint(path)
-        raw = checkpoint.metadata.get(key)
-        if raw is None:
-            raise StatisticsError(f"{path}: not a {kind} file (no {key} metadata; write one "
-                                  f"with `{command}`)")
-        description = meta.load_json(raw, f"{path}: metadata {key}", StatisticsError)
-        tensors = {name: np.asarray(checkpoint.tensor(name), np.float64)
-                   for name in checkpoint.tensors}
-    except CheckpointError as exc:
-        raise StatisticsError(f"{kind} file {exc}") from None
-    return description, tensors
+def _received(description: str, tensors: Mapping[str, np.ndarray], label: str,
+              key: str) -> tuple[object, dict[str, np.ndarray]]:
+    """A file's ``key`` description parsed and its tensors in float64."""
+    return (meta.load_json(description, f"{label}: metadata {key}", StatisticsError),
+            {name: np.asarray(t, np.float64) for name, t in tensors.items()})
 
 
 def _parse(description: object, tensors: Mapping[str, np.ndarray],
@@ -313,9 +296,9 @@ def load_refit_statistics(path: str | os.PathLike[str], **checks) -> RefitStatis
     Raises:
         StatisticsError: one line naming the file.
     """
-    description, tensors = _read(path, meta.REFIT_STATS, "refit statistics",
-                                 "fusekit stats FUSED --against OWN_MODEL --layer NAME")
-    stats = _parse_refit(description, tensors, str(path))
+    stats = parse_refit_statistics(*read_statistics_file(
+        path, meta.REFIT_STATS, "refit statistics",
+        "fusekit stats FUSED --against OWN_MODEL --layer NAME"), str(path))
     check_refit_statistics(stats, **checks)
     return stats
 
@@ -329,10 +312,7 @@ def parse_refit_statistics(description: str, tensors: Mapping[str, np.ndarray],
     Raises:
         StatisticsError: malformed description or tensors (the message names ``label``).
     """
-    parsed = meta.load_json(description, f"{label}: metadata {meta.REFIT_STATS}",
-                            StatisticsError)
-    return _parse_refit(parsed, {name: np.asarray(t, np.float64)
-                                 for name, t in tensors.items()}, label)
+    return _parse_refit(*_received(description, tensors, label, meta.REFIT_STATS), label)
 
 
 def _parse_refit(description: object, tensors: Mapping[str, np.ndarray],

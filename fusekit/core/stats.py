@@ -148,6 +148,27 @@ def save_statistics_file(path: str | os.PathLike[str], key: str, description: st
                                            meta.NUM_SAMPLES: str(num_samples)}, force=force)
 
 
+def read_statistics_file(path: str | os.PathLike[str], key: str, kind: str,
+                         command: str | None = None) -> tuple[str, dict[str, np.ndarray]]:
+    """A statistics file of any kind (what :func:`save_statistics_file` wrote): its
+    description under the metadata ``key``, as written, and its tensors.
+
+    Raises:
+        StatisticsError: unreadable, or not a ``kind`` file (the message names the
+            ``command`` that writes one).
+    """
+    try:
+        checkpoint = load_checkpoint(path)
+        raw = checkpoint.metadata.get(key)
+        if raw is None:
+            how = f"; write one with `{command}`" if command else ""
+            raise StatisticsError(f"{path}: not a {kind} file (no {key} metadata{how})")
+        tensors = {name: np.asarray(checkpoint.tensor(name)) for name in checkpoint.tensors}
+    except CheckpointError as exc:
+        raise StatisticsError(f"{kind} file {exc}") from None
+    return raw, tensors
+
+
 def statistics_tensors(stats: Statistics) -> dict[str, np.ndarray]:
     """A statistics file's tensors: ``<point>.count``, ``.mean``, ``.var``, float64 (input
     moments: ``.count`` (1,), ``.mean``, ``.cov``)."""
@@ -200,15 +221,7 @@ def load_statistics(path: str | os.PathLike[str], *, model: str | None = None,
             semi-definite or over no more vectors than their dimension, or fewer than
             ``min_samples`` inputs.
     """
-    try:
-        checkpoint = load_checkpoint(path)
-        raw = checkpoint.metadata.get(meta.STATS)
-        if raw is None:
-            raise StatisticsError(f"{path}: not a statistics file (no {meta.STATS} metadata)")
-        tensors = {name: np.asarray(checkpoint.tensor(name)) for name in checkpoint.tensors}
-    except CheckpointError as exc:
-        raise StatisticsError(f"statistics file {exc}") from None
-    stats = parse_statistics(raw, tensors, str(path))
+    stats = parse_statistics(*read_statistics_file(path, meta.STATS, "statistics"), str(path))
     check_statistics(stats, model=model, points=points, min_samples=min_samples,
                      inputs=inputs)
     return stats
