@@ -188,3 +188,24 @@ def test_the_cores_estimation_kernels_fuse_what_their_numpy_forms_fuse(
         assert got.keys() == want.keys()
         for name in want:
             assert np.array_equal(got[name], want[name]), name
+
+
+def test_a_width_the_fixed_point_already_meets_costs_no_capped_sweep():
+    """At a fixed point with nothing to prune, the capped re-match would give every client
+    the assignment it has: the layer is the unlimited run's, with no sweep added; with
+    globals pruned, the capped sweeps run."""
+    vectors, n_atoms = ibp_clients(8, gamma=20.0, dim=30, sigma=0.1, sigma0=1.0, seed=0)
+    dim = vectors[0].shape[1]
+    observed = [np.ones(dim, bool)] * 8
+
+    def run(width):
+        return empirical.estimate_and_match(vectors, observed, np.ones(dim), width=width)[0]
+
+    unlimited, met, pruned = run(None), run(n_atoms), run(n_atoms - 3)
+    assert unlimited.report["moves"][-1] == 0 and met.report["pruned"] == 0
+    assert met.report["sweeps_run"] == unlimited.report["sweeps_run"]
+    for got, want in zip(met.assignments, unlimited.assignments, strict=True):
+        np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(met.means, unlimited.means)
+    assert pruned.report["pruned"] == 3
+    assert pruned.report["sweeps_run"] > unlimited.report["sweeps_run"]

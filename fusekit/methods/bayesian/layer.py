@@ -614,7 +614,8 @@ def match_neurons(
                    log_det=log_det)
     objective, lap_totals, moves = [], [], []
 
-    def refine(cap: int | None, at_least_one: bool, refit: MStep | None = None) -> None:
+    def refine(cap: int | None, at_least_one: bool, refit: MStep | None = None) -> bool:
+        """Sweeps until a fixed point (returns True) or the sweep budget is spent."""
         rng = np.random.default_rng(seed)
         n_sweeps = int(sweeps) if n_clients > 1 else 0
         for _ in range(max(n_sweeps, 1 if at_least_one else 0)):
@@ -625,23 +626,27 @@ def match_neurons(
             moves.append(moved)
             if moved == 0 and not changed:
                 # A fixed point: every client's assignment is optimal given the others.
-                break
+                return True
+        return False
 
     lap_totals.append(run.greedy(refit))
     objective.append(run.objective())
-    refine(None, False, refit)
+    fixed = refine(None, False, refit)
     if refit is not None and lam:
         # NAFI's KL penalty is no part of the model whose likelihood the values maximise:
         # they are estimated with PFNM's cost, then NAFI's refines at the values found.
         run.lam = float(lam)
-        refine(None, False)
+        fixed = refine(None, False)
     inferred = run.state.size
     pruned = split = padded = 0
     if width is not None:
         pruned = run.keep_most_massive(width)
-        # Members of pruned globals are placed by the re-match (every client is taken
-        # out and matched again, at most `width` globals open).
-        refine(width, pruned > 0)
+        if pruned or not fixed:
+            # Members of pruned globals are placed by the re-match (every client is taken
+            # out and matched again, at most `width` globals open). At a fixed point with
+            # none pruned there is nothing to re-match: each client's assignment is optimal
+            # without the cap and keeps within it (it opened no more globals than it had).
+            refine(width, pruned > 0)
         split, padded = run.fill(width)
 
     means, final_precisions, counts = _final_posterior(run.state, vecs, run.precs,
