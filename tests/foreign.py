@@ -20,6 +20,7 @@ Small and fast: the whole set trains in seconds on one CPU core.
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -156,6 +157,30 @@ def make_family(kind: str, folder: Path, clients: int = 2, seed: int = 0) -> Fam
         family.models.append(model)
         family.files.append(save_state(model, folder / f"{kind}_{i}.safetensors"))
         family.client_data.append(own.save(folder / f"{kind}_client{i}.npz"))
+    return family
+
+
+def make_shared_family(kind: str, folder: Path, clients: int = 3, seed: int = 0) -> Family:
+    """Clients fine-tuned from one base model (federated fine-tuning): the base is trained
+    on a first share of the training split, then each client continues from a copy of it on
+    its own share for half the epochs; written as :func:`make_family` writes them, under
+    the names ``<kind>_shared_<i>.safetensors``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    arrays = raw_digits()
+    arrays = arrays.as_vectors() if kind in VECTOR_KINDS else arrays
+    family = Family(kind, arrays, data=arrays.save(folder / f"{kind}_shared.npz"))
+    public, *shares = client_indices(arrays.y_train, clients + 1, seed)
+    with one_thread():
+        base = train(build(kind, seed=100 * seed), arrays.x_train[public],
+                     arrays.y_train[public], EPOCHS[kind], seed=seed)
+    for i, index in enumerate(shares):
+        own = arrays.subset(index)
+        with one_thread():
+            model = train(copy.deepcopy(base), own.x_train, own.y_train,
+                          max(EPOCHS[kind] // 2, 1), seed=i)
+        family.models.append(model)
+        family.files.append(save_state(model, folder / f"{kind}_shared_{i}.safetensors"))
+        family.client_data.append(own.save(folder / f"{kind}_shared_client{i}.npz"))
     return family
 
 

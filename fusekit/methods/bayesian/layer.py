@@ -128,6 +128,10 @@ class LayerMatching:
         assignments: per client (in the order given), (J_s,) int global index of each
             local neuron; injective within a client.
         report: JSON-able summary (see :func:`match_neurons`).
+        base: when the clients are copies of one base model (:func:`base_neurons`), per
+            global the base neuron it holds (-1: an inert padded global); else None. Then
+            every global holding base neuron j has the same fused vector, the members'
+            mean over all the neurons j (a copy of the neuron the average has).
     """
 
     means: np.ndarray
@@ -135,10 +139,23 @@ class LayerMatching:
     counts: np.ndarray
     assignments: list[np.ndarray]
     report: dict[str, Any] = field(default_factory=dict)
+    base: np.ndarray | None = None
 
     @property
     def width(self) -> int:
         return int(self.means.shape[0])
+
+    def reader_shares(self) -> np.ndarray | None:
+        """(J,) weights for the layers reading these neurons, or None to read them as they
+        are. From one base, a neuron the average holds once may sit in several globals
+        (copies made to reach the width, or counterparts the matching left apart); a
+        reader weights each copy by its share of the clients, so the copies add up to the
+        average's neuron instead of counting it once per copy (ALGORITHMS.md §3, "Clients
+        from one base")."""
+        n_clients = len(self.assignments)
+        if self.base is None or (self.counts >= n_clients).all():
+            return None
+        return self.counts / n_clients
 
 
 class _GlobalState:
@@ -581,7 +598,9 @@ def match_neurons(
     Returns:
         LayerMatching (``means`` as ``shrink`` says). ``report`` holds ``width``,
         ``inferred_width`` (before the width was imposed), ``pruned`` / ``split`` (globals
-        dropped / opened to reach ``width``),
+        dropped / opened to reach ``width``), ``one_base`` (the clients are copies of one
+        base model, :func:`base_neurons`: then every global holding base neuron j is the
+        members' mean over all neurons j, and ``LayerMatching.base`` says which j),
         ``clients`` (per client in the order given: ``width``, ``matched`` = local neurons
         that share their global neuron with another client, ``new`` = the others),
         ``objective`` (per pass: 2 x negative log posterior up to constants, Eq. 3 with
@@ -638,6 +657,8 @@ def match_neurons(
         run.lam = float(lam)
         fixed = refine(None, False)
     inferred = run.state.size
+    # judged on the inferred assignment: the splits that reach a width keep indices apart
+    one_base = base_neurons(run.assignments, inferred, whole=0.5) is not None
     pruned = split = padded = 0
     if width is not None:
         pruned = run.keep_most_massive(width)
@@ -649,16 +670,45 @@ def match_neurons(
             refine(width, pruned > 0)
         split, padded = run.fill(width)
 
+    base = base_neurons(run.assignments, run.state.size) if one_base else None
     means, final_precisions, counts = _final_posterior(run.state, vecs, run.precs,
                                                     run.assignments, shrink)
+    if base is not None:
+        identity = [np.arange(v.shape[0]) for v in vecs]
+        whole, _, _ = _final_posterior(run.state, vecs, run.precs, identity, shrink,
+                                       n_global=vecs[0].shape[0])
+        means[base >= 0] = whole[base[base >= 0]]
     report = _report(run.assignments, counts, objective, lap_totals, run.timing,
                      run.kernels.name, true_labels)
     report.update(inferred_width=inferred, pruned=pruned, split=split, padded=padded,
-                  moves=moves,
-                  sweeps_run=len(moves))
+                  one_base=base is not None, moves=moves, sweeps_run=len(moves))
     logger.debug("matched layer: %d clients -> %d global neurons (inferred %d)",
                  n_clients, means.shape[0], inferred)
-    return LayerMatching(means, final_precisions, counts, run.assignments, report)
+    return LayerMatching(means, final_precisions, counts, run.assignments, report, base)
+
+
+def base_neurons(assignments: Sequence[np.ndarray], n_global: int,
+                 whole: float = 0.0) -> np.ndarray | None:
+    """Per global, the neuron index of its members when the assignment is the identity of
+    copies of one model up to neurons kept apart (-1: a global without members), else None.
+
+    Copies of one model: every client has the same width J, no global holds neurons of two
+    different indices, and for at least ``whole`` x J indices j every client's neuron j
+    is in one global. Independently initialised clients never pass (a correspondence
+    between them pairs different indices), nor do permuted copies of one model.
+    """
+    width = assignments[0].size
+    if any(a.size != width for a in assignments):
+        return None
+    index = np.arange(width)
+    base = np.full(n_global, -1)
+    for rows in assignments:
+        seen = base[rows]
+        if ((seen >= 0) & (seen != index)).any():
+            return None
+        base[rows] = index
+    together = np.all([rows == assignments[0] for rows in assignments], axis=0)
+    return base if int(together.sum()) >= whole * width else None
 
 
 def _final_posterior(
@@ -667,14 +717,15 @@ def _final_posterior(
     precs: list[np.ndarray],
     assignments: list[np.ndarray],
     shrink: bool,
+    n_global: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Means, posterior precisions and member counts recomputed from the assignments (no
     drift from add/remove). The means are the posterior means (Eq. 4), or without
     ``shrink`` the members' precision-weighted means (mu0 where no member observes a
     coordinate)."""
     zero = np.zeros_like(state.prior_sum)
-    member_sums, member_precisions, counts = _posterior_sums(zero, zero, vecs, precs,
-                                                             assignments, state.size)
+    member_sums, member_precisions, counts = _posterior_sums(
+        zero, zero, vecs, precs, assignments, state.size if n_global is None else n_global)
     precisions = member_precisions + state.prior_precision
     if shrink:
         return (member_sums + state.prior_sum) / precisions, precisions, counts

@@ -311,7 +311,7 @@ def fuse_network(checkpoints, specs, params: BayesianParams, method: str):
     below: list[np.ndarray | None] = [None] * n_clients
     n_below = spec.in_features
     layer_reports = []
-    outgoing = None
+    outgoing = shares_below = None
     assignments: list[list[np.ndarray]] = [[] for _ in range(n_clients)]
     for index in range(n_hidden):
         start = time.perf_counter()
@@ -332,6 +332,10 @@ def fuse_network(checkpoints, specs, params: BayesianParams, method: str):
         fit = match_layer(params, sigmas, vecs, observed, unit, index, widths[index], weights)
         result, hyper = fit.matching, fit.report
         incoming, bias, outgoing = layout.split(result.means)
+        if shares_below is not None and params.unobserved == "mask":
+            # (with "zeros" the clients lacking a part already averaged in as zeros)
+            incoming = incoming * shares_below[None, :, None]
+        shares_below = result.reader_shares()
         fused.append(neurons.UnitLayer(incoming, bias))
         layer_reports.append({"layer": spec.layers[index].name, "width_asked": widths[index],
                               **result.report, "hyperparameters": hyper,
@@ -348,6 +352,8 @@ def fuse_network(checkpoints, specs, params: BayesianParams, method: str):
     head = [c[-1] for c in clients]
     fused.append(_output_layer(head, below, n_below, outgoing if n_hidden == 1 else None,
                                shares, alphas))
+    if shares_below is not None:
+        fused[-1].weight[...] *= shares_below[None, :, None]
     fused_spec = spec.with_hidden_widths([layer.out_features for layer in fused[:-1]])
     report = _report(layer_reports, shares,
                      heterogeneity(checkpoints, spec.out_features,
@@ -448,6 +454,8 @@ def fuse_groups(checkpoints, specs, params: BayesianParams, method: str):
     assignments: list[list[np.ndarray | None]] = [[None] * n_groups for _ in checkpoints]
     fused_widths: list[int | None] = [None] * n_groups
     relative: list[tuple[np.ndarray, float] | None] = [None] * n_groups
+    reader_shares: list[np.ndarray | None] = [None] * n_groups
+    bases: list[np.ndarray | None] = [None] * n_groups
     reports = []
     for group in sorted(range(n_groups), key=spec.writes.index):
         start = time.perf_counter()
@@ -457,6 +465,7 @@ def fuse_groups(checkpoints, specs, params: BayesianParams, method: str):
         for s in range(n_clients):
             assignments[s][group] = result.assignments[s]
         fused_widths[group] = result.width
+        reader_shares[group], bases[group] = result.reader_shares(), result.base
         reports.append({"layer": spec.group_names[group], "width_asked": widths[group],
                         **result.report, "hyperparameters": hyper,
                         "members": len(spec.writers(group)) + len(spec.readers(group))})
@@ -468,7 +477,11 @@ def fuse_groups(checkpoints, specs, params: BayesianParams, method: str):
     shares = _class_shares(checkpoints, spec.out_features, params)
     alphas = sample_weights(checkpoints)
     fused = [_fuse_layer(checkpoints, specs, index, assignments, fused_widths, relative,
-                         params.mu0, shares, alphas) for index in range(len(spec.layers))]
+                         bases, params.mu0, shares, alphas) for index in range(len(spec.layers))]
+    for index, layer in enumerate(fused):
+        source = spec.reads[index]
+        if source is not None and reader_shares[source] is not None:
+            layer.weight[...] *= reader_shares[source][None, :, None]
     fused_spec = spec.with_hidden_widths(fused_widths)
     state_dict = _state_dict(checkpoints, spec, fused, alphas)
     for checkpoint in checkpoints:
@@ -533,10 +546,11 @@ def _group_vector(checkpoint, spec, group, assigned, fused_widths):
             np.concatenate(labels).astype(np.int64))
 
 
-def _fuse_layer(checkpoints, specs, index, assignments, fused_widths, relative, mu0, shares,
-                alphas) -> neurons.UnitLayer:
+def _fuse_layer(checkpoints, specs, index, assignments, fused_widths, relative, bases, mu0,
+                shares, alphas) -> neurons.UnitLayer:
     """Layer ``index`` at the fused widths of the groups it reads and writes (see
-    :func:`fuse_groups`); hidden layers read one client at a time."""
+    :func:`fuse_groups`); hidden layers read one client at a time. A group from one base
+    (``bases``) has its rows fused per base neuron, then copied to each global holding it."""
     source, target = specs[0].reads[index], specs[0].writes[index]
     below = [None if source is None else a[source] for a in assignments]
     n_below = specs[0].layers[index].in_features if source is None else fused_widths[source]
@@ -545,7 +559,8 @@ def _fuse_layer(checkpoints, specs, index, assignments, fused_widths, relative, 
                                                                    strict=True)]
         return _output_layer(head, below, n_below, None, shares, alphas)
     per_client, prior = relative[target]
-    width = fused_widths[target]
+    base = bases[target]
+    width = fused_widths[target] if base is None else int(base.max()) + 1
     total = bias_total = precision = bias_precision = None
     for s, (checkpoint, spec) in enumerate(zip(checkpoints, specs, strict=True)):
         layer = _read_layer(checkpoint, spec.layers[index])
@@ -555,10 +570,17 @@ def _fuse_layer(checkpoints, specs, index, assignments, fused_widths, relative, 
             precision = np.full((width, n_below), 1.0 / prior)
             bias_total, bias_precision = np.full(width, mu0 / prior), np.full(width, 1.0 / prior)
         rows, weight = assignments[s][target], 1.0 / per_client[s]
+        if base is not None:
+            rows = base[rows]
         total[rows] += weight * mapped
         precision[rows] += weight * seen
         bias_total[rows] += weight * layer.bias
         bias_precision[rows] += weight
     precision = np.broadcast_to(precision[:, :, None], total.shape)
-    return neurons.UnitLayer(member_means(total, precision, np.float64(mu0)),
-                             member_means(bias_total, bias_precision, np.float64(mu0)))
+    weight = member_means(total, precision, np.float64(mu0))
+    bias = member_means(bias_total, bias_precision, np.float64(mu0))
+    if base is None:
+        return neurons.UnitLayer(weight, bias)
+    copies = np.where(base >= 0, base, width)  # a global without members: the prior, mu0
+    return neurons.UnitLayer(np.concatenate([weight, np.full_like(weight[:1], mu0)])[copies],
+                             np.append(bias, mu0)[copies])

@@ -109,7 +109,25 @@ def _match_mlp(clients: Sequence[dict], groups: Sequence[Group], params: Bayesia
     unit = neurons.block_variances(vecs, observed, labels)
     fit = match_layer(params, sigmas, vecs, observed, unit, index, width)
     result = fit.matching
-    return result.means, {**result.report, "hyperparameters": fit.report}, result.assignments
+    means, shares = result.means, result.reader_shares()
+    if shares is not None:  # the block's output layer reads the units: its columns
+        means = means.copy()
+        for part in _reader_slots(groups[0]):
+            means[:, labels == part] *= shares[:, None]
+    return means, {**result.report, "hyperparameters": fit.report}, result.assignments
+
+
+def _reader_slots(group: Group) -> list[int]:
+    """Positions of the slots of an MLP group that read its units (the output layer's
+    weight): every slot but the input layer's weight and bias, the weight whose module's
+    bias is in the group (as :func:`fusekit.core.transformer.calibration_points` finds it)."""
+    biases = {slot.tensor for slot in group.slots if slot.tensor.endswith(".bias")}
+    writers = biases | {t.removesuffix(".bias") + ".weight" for t in biases}
+    readers = [i for i, slot in enumerate(group.slots) if slot.tensor not in writers]
+    if len(readers) == len(group.slots) or not readers:
+        raise SpecError(f"group {group.name!r}: cannot tell the MLP's input layer (the "
+                        "weight with a bias in the group) from its output layer")
+    return readers
 
 
 def _write_back(means: np.ndarray, group: Group, like: dict[str, np.ndarray]
