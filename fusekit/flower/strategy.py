@@ -94,8 +94,8 @@ T = TypeVar("T")
 LATER_ROUNDS = ("avg", "rematch")
 #: How calibration queries the nodes: one round per calibrated layer, each with the layers
 #: below already calibrated (exact), or one round with every BatchNorm normalised by the
-#: node's batch statistics (approximate; as ``calibrate_locally``'s ``rounds``).
-CALIBRATION_ROUNDS = ("one-pass", "layerwise")
+#: node's batch statistics (approximate): the protocol's calibrations.
+CALIBRATION_ROUNDS = protocol.CALIBRATIONS
 
 
 class FusekitStrategy(FedAvg):
