@@ -65,15 +65,23 @@ ActivationProvider = Callable[[Checkpoint, PermutationSpec], Sequence[np.ndarray
 ANCHOR_HELP = ("the client to align to: its path, file name or content-hash prefix "
                "(>= 8 hex digits)")
 
-@register
-class OptimalTransport(FusionMethod):
-    name = "ot"
-    summary = ("optimal-transport alignment to an anchor client, then weighted averaging "
-               "(Singh & Jaggi); fused widths = the anchor's")
+
+class AnchorAlignment(FusionMethod):
+    """A method that permutes every client's neurons to an anchor client and averages them
+    (ot, rebasin): any network it can permute, residual networks and transformers
+    included, BatchNorms folded first."""
+
     permutes_neurons = True
     folds_batchnorm = True
     handles_groups = True
     handles_transformers = True
+
+
+@register
+class OptimalTransport(AnchorAlignment):
+    name = "ot"
+    summary = ("optimal-transport alignment to an anchor client, then weighted averaging "
+               "(Singh & Jaggi); fused widths = the anchor's")
 
     @places_cost_kernels
     def fuse(

@@ -25,22 +25,18 @@ from fusekit.core.errors import IncompatibleModelsError, ParameterError
 from fusekit.core.spec import GraphSpec, PermutationSpec
 from fusekit.core.transformer import TransformerSpec
 from fusekit.engine.matching import inner_products, solve_assignment
-from fusekit.methods.base import FusionMethod, FusionResult, places_cost_kernels, register
+from fusekit.methods.base import FusionResult, places_cost_kernels, register
 from fusekit.methods.bayesian import BACKENDS
-from fusekit.methods.ot import ANCHOR_HELP, fuse_aligned, resolve_anchor
+from fusekit.methods.ot import ANCHOR_HELP, AnchorAlignment, fuse_aligned, resolve_anchor
 from fusekit.methods.params import Device, Param
 from fusekit.methods.transformer import check_aligned_sizes, fuse_transformers
 
 
 @register
-class ReBasin(FusionMethod):
+class ReBasin(AnchorAlignment):
     name = "rebasin"
     summary = ("weight matching of every permutation group to an anchor client (Git "
                "Re-Basin), then weighted averaging; equal widths")
-    permutes_neurons = True
-    folds_batchnorm = True
-    handles_groups = True
-    handles_transformers = True
 
     @places_cost_kernels
     def fuse(
