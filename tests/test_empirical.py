@@ -209,3 +209,41 @@ def test_a_width_the_fixed_point_already_meets_costs_no_capped_sweep():
     np.testing.assert_array_equal(met.means, unlimited.means)
     assert pruned.report["pruned"] == 3
     assert pruned.report["sweeps_run"] > unlimited.report["sweeps_run"]
+
+
+def _dense_moments(vectors, observed, unit, assignments, n_global, mu0):
+    """The moments from every (global, coordinate) pair's members, one pair at a time."""
+    scale = 1.0 / np.sqrt(unit)
+    members = [[[] for _ in range(unit.size)] for _ in range(n_global)]
+    for vec, obs, rows in zip(vectors, observed, assignments, strict=True):
+        for j, g in enumerate(rows):
+            for p in np.flatnonzero(obs):
+                members[g][p].append(vec[j, p] * scale[p])
+    scatter, dof, between, inverse_n, seen = np.zeros(n_global), np.zeros(n_global), 0.0, 0.0, 0
+    for g in range(n_global):
+        for p in range(unit.size):
+            values = np.array(members[g][p])
+            if values.size:
+                scatter[g] += np.sum((values - values.mean()) ** 2)
+                dof[g] += values.size - 1
+                between += (values.mean() - mu0 * scale[p]) ** 2
+                inverse_n += 1.0 / values.size
+                seen += 1
+    return empirical.trimmed_within(scatter, dof), between / seen, inverse_n / seen
+
+
+def test_moments_count_lone_globals_in_the_between_moments_only():
+    # Globals of one member (most of them when nothing matches across clients) have no
+    # within-global scatter; the moments skip building their rows and must still agree.
+    rng = np.random.default_rng(3)
+    n_global, n_coords = 30, 12
+    assignments = [rng.permutation(n_global)[:size] for size in (20, 9, 14)]
+    vectors = [rng.normal(0.2, 1.0, (rows.size, n_coords)) for rows in assignments]
+    observed = [rng.random(n_coords) > 0.3 for _ in assignments]
+    unit = rng.uniform(0.5, 2.0, n_coords)
+    got = empirical.moments(vectors, observed, unit, assignments, n_global, 0.1)
+    np.testing.assert_allclose(got, _dense_moments(vectors, observed, unit, assignments,
+                                                   n_global, 0.1), rtol=1e-12)
+    lone = [np.arange(5), np.arange(5, 9)]
+    assert empirical.moments([v[: r.size] for v, r in zip(vectors, lone)], observed[:2], unit,
+                             lone, 9, 0.1)[0] is None

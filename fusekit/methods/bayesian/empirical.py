@@ -102,21 +102,37 @@ def moments(
         global has two members observing a coordinate), the mean of (member mean - mu0)^2 and the mean of 1/n over the
         (global, coordinate) pairs observed (E[(mean - mu0)^2] = sigma0^2 + sigma^2 / n).
     """
-    n_coords = unit.size
-    sums = np.zeros((n_global, n_coords))
-    squares = np.zeros((n_global, n_coords))
-    counts = np.zeros((n_global, n_coords))
     scale = 1.0 / np.sqrt(unit)
+    centre = mu0 * scale
+    # A global of one member has that member as its mean and no within-global scatter:
+    # it adds to the between-global moments alone, so only the shared globals get rows.
+    shared = np.bincount(np.concatenate(assignments), minlength=n_global) > 1
+    row_of = np.cumsum(shared) - 1
+    n_shared = int(np.count_nonzero(shared))
+    sums = np.zeros((n_shared, unit.size))
+    squares = np.zeros((n_shared, unit.size))
+    counts = np.zeros((n_shared, unit.size))
+    alone_between, alone_seen = 0.0, 0
     for vec, obs, rows in zip(vectors, observed, assignments, strict=True):
-        matching.add_moments(sums, squares, counts, rows, vec, scale, obs.astype(np.float64))
+        seen = obs.astype(np.float64)
+        together = shared[rows]
+        if not together.all():
+            centred = vec[~together] * scale - centre
+            alone_between += float(np.sum((centred * centred) @ seen))
+            alone_seen += int(np.count_nonzero(~together)) * int(np.count_nonzero(obs))
+        if together.any():
+            part = slice(None) if together.all() else together  # a view when all are shared
+            matching.add_moments(sums, squares, counts, row_of[rows[part]],
+                                 np.ascontiguousarray(vec[part]), scale, seen)
     has = counts > 0
     means = sums / np.maximum(counts, 1)
     within = squares - counts * means * means
     sigma2 = trimmed_within(within.sum(axis=1), np.maximum(counts - 1, 0).sum(axis=1))
-    centred = np.where(has, means - mu0 * scale, 0.0)
-    n_seen = max(int(has.sum()), 1)
-    between = float(np.sum(centred * centred)) / n_seen
-    inverse_n = float(np.sum(np.where(has, 1.0 / np.maximum(counts, 1), 0.0))) / n_seen
+    centred = np.where(has, means - centre, 0.0)
+    n_seen = max(int(has.sum()) + alone_seen, 1)
+    between = (float(np.sum(centred * centred)) + alone_between) / n_seen
+    inverse_n = (float(np.sum(np.where(has, 1.0 / np.maximum(counts, 1), 0.0)))
+                 + alone_seen) / n_seen
     return sigma2, between, inverse_n
 
 

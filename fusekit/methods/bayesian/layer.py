@@ -203,13 +203,21 @@ class _GlobalState:
     def drop_empty(self) -> np.ndarray:
         """Drop globals without members. Returns old -> new index (-1 for dropped ones;
         index -1 itself maps to -1)."""
-        keep = np.flatnonzero(self.counts[: self.size] > 0)
+        empty = self.counts[: self.size] == 0
+        keep = np.flatnonzero(~empty)
         remap = np.full(self.size + 1, -1, dtype=np.int64)  # remap[-1] == -1
         remap[keep] = np.arange(keep.size)
         if keep.size < self.size:
-            for name in ("sums", "precisions", "counts"):
-                array = getattr(self, name)
-                array[: keep.size] = array[keep]
+            # Slide each run of kept globals down over the gaps, in order (no gathered copy
+            # of the whole state: a client's globals are mostly one run).
+            gaps = np.flatnonzero(empty)
+            ends = np.append(gaps[1:], self.size)
+            to = int(gaps[0])
+            for start, end in zip((gaps + 1).tolist(), ends.tolist(), strict=True):
+                if end > start:
+                    for array in (self.sums, self.precisions, self.counts):
+                        array[to : to + end - start] = array[start:end]
+                    to += end - start
             self.size = keep.size
         return remap
 
@@ -764,7 +772,9 @@ def _objective(state: _GlobalState, data_term: float, n_clients: int, gamma0: fl
     """
     sums, precisions, counts = state.view()
     prior_term = float(np.sum(state.prior_sum * state.prior_sum / state.prior_precision))
-    gaussian = data_term + sums.shape[0] * prior_term - float(np.sum(sums * sums / precisions))
+    fit = sums * sums
+    fit /= precisions
+    gaussian = data_term + sums.shape[0] * prior_term - float(np.sum(fit))
     log_ibp = sums.shape[0] * math.log(gamma0) + sum(
         math.lgamma(n_clients - m + 1) + math.lgamma(m) - math.lgamma(n_clients + 1)
         for m in counts.tolist()
