@@ -161,13 +161,16 @@ class LayerMatching:
 class _GlobalState:
     """Posterior statistics of the global neurons, with room to grow in place."""
 
-    def __init__(self, n_coords: int, prior_sum: np.ndarray, prior_precision: np.ndarray):
+    def __init__(self, n_coords: int, prior_sum: np.ndarray, prior_precision: np.ndarray,
+                 capacity: int = 0):
         self.prior_sum = prior_sum
         self.prior_precision = prior_precision
         self.size = 0
-        self.sums = np.empty((0, n_coords))
-        self.precisions = np.empty((0, n_coords))
-        self.counts = np.empty(0, dtype=np.int64)
+        # Room for ``capacity`` globals up front: the pages of rows never written are never
+        # resident, and growing by copies (which held two copies at once) is not needed.
+        self.sums = np.empty((capacity, n_coords))
+        self.precisions = np.empty((capacity, n_coords))
+        self.counts = np.empty(capacity, dtype=np.int64)
 
     def _reserve(self, size: int) -> None:
         if size <= self.sums.shape[0]:
@@ -308,7 +311,9 @@ class _Matcher:
         self.log_det = log_det
         self.n_clients = len(vecs)
         self.lam, self.kernels = lam, kernels
-        self.state = _GlobalState(vecs[0].shape[1], mu0 / sigma0_2, 1.0 / sigma0_2)
+        # Every local neuron in a global of its own is the most globals a matching opens.
+        self.state = _GlobalState(vecs[0].shape[1], mu0 / sigma0_2, 1.0 / sigma0_2,
+                                  capacity=sum(v.shape[0] for v in vecs))
         self.assignments: list[np.ndarray] = [np.empty(0, dtype=np.int64)] * self.n_clients
         self.timing = {"cost": 0.0, "assignment": 0.0, "n": 0}
         self.squares = [np.einsum("jp,jp->p", v, v) for v in vecs]
@@ -340,11 +345,9 @@ class _Matcher:
         state.prior_precision = 1.0 / self.sigma0_2
         state.prior_sum = self.mu0 * state.prior_precision
         placed = [s for s in clients if self.assignments[s].size]
-        sums, precisions, _ = _posterior_sums(
-            state.prior_sum, state.prior_precision, [self.vecs[s] for s in placed],
-            [self.precs[s] for s in placed], [self.assignments[s] for s in placed], state.size)
-        state.sums[: state.size] = sums
-        state.precisions[: state.size] = precisions
+        _posterior_sums(state.prior_sum, state.prior_precision, [self.vecs[s] for s in placed],
+                        [self.precs[s] for s in placed], [self.assignments[s] for s in placed],
+                        state.size, out=state.view()[:2])
         return True
 
     def assign(self, s: int, cap: int | None) -> float:
@@ -749,11 +752,14 @@ def member_means(sums: np.ndarray, precisions: np.ndarray, fallback: np.ndarray)
     return np.where(seen, means, fallback)
 
 
-def _posterior_sums(prior_sum, prior_precision, vecs, precs, assignments, n_global):
+def _posterior_sums(prior_sum, prior_precision, vecs, precs, assignments, n_global, out=None):
     """(J, P) sums and precisions (starting from the prior's) and (J,) member counts of
-    the globals, from the clients' assignments."""
-    sums = np.tile(prior_sum, (n_global, 1))
-    precisions = np.tile(prior_precision, (n_global, 1))
+    the globals, from the clients' assignments; written into ``out`` (two C-contiguous
+    (J, P) arrays) when given."""
+    sums, precisions = out if out is not None else (np.empty((n_global, prior_sum.size)),
+                                                    np.empty((n_global, prior_sum.size)))
+    sums[:] = prior_sum
+    precisions[:] = prior_precision
     counts = np.zeros(n_global, dtype=np.int64)
     for rows, v, p in zip(assignments, vecs, precs, strict=True):
         matching.add_rows(sums, rows, v, 1.0, p)
