@@ -45,10 +45,12 @@ demo: $(STAMP)
 flower-demo: $(STAMP)
 	$(PY) examples/flower/demo.py
 
-# Two pytest-xdist workers; tests that share a server run on the worker that holds it.
+# Seven pytest-xdist workers: one for each of the five Flower federations, which mostly
+# wait on Flower's polls, and two kept busy with the rest (tests/conftest.py orders them);
+# tests that share a server run on the worker that holds it.
 test:
-	@echo "==> running the tests on 2 workers: some start fusion servers and Flower federations (a SuperLink and SuperNodes) on 127.0.0.1, and stop them"
-	$(PY) -m pytest -n 2 --dist loadgroup --no-loadscope-reorder
+	@echo "==> running the tests on 7 workers: some start fusion servers and Flower federations (a SuperLink and SuperNodes) on 127.0.0.1, and stop them"
+	$(PY) -m pytest -n 7 --dist loadgroup --no-loadscope-reorder
 
 bench:
 	$(PY) benchmarks/bench_matching.py

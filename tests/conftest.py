@@ -112,15 +112,18 @@ def foreign(tmp_path_factory):
 
 
 # -- running the suite ------------------------------------------------------------------------
-# `make test` runs it on two pytest-xdist workers (`-n 2 --dist loadgroup`). A test that uses
-# one of these module-scoped servers runs on the worker that already holds it, so that each
-# is started once; every other test goes to whichever worker is free.
+# `make test` runs it on seven pytest-xdist workers (`-n 7 --dist loadgroup`) on two cores:
+# a Flower federation mostly waits (Flower polls every 3 s, and gives up a killed SuperNode
+# only once its heartbeats have lapsed), so each of the five runs on a worker of its own
+# beside two workers kept busy with the rest. A test that uses one of these module-scoped servers runs
+# on the worker that already holds it, so that each is started once; every other test goes
+# to whichever worker is free.
 SHARED_SERVERS = ("service", "big_service", "browser")
 
 
 def pytest_configure(config) -> None:
-    # A worker of `make test` shares the cores with the other: one torch thread each, as
-    # two each would oversubscribe them (torch's threads then wait on one another).
+    # A worker of `make test` shares the cores with the others: one torch thread each, as
+    # more would oversubscribe them (torch's threads then wait on one another).
     if os.environ.get("PYTEST_XDIST_WORKER"):
         torch.set_num_threads(1)
 
@@ -134,15 +137,18 @@ def pytest_report_header(config) -> list[str]:
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items) -> None:
     """The federations first, then the tests on a shared server, then the rest (each
-    kept in its order): the longest work starts first, so that neither worker is left
-    with it at the end."""
+    kept in its order): the longest work starts first, so that no worker is left with it
+    at the end. xdist hands every worker a second unit of work at the start, which a
+    federation's worker runs only once its federation has ended: single tests come right
+    after the federations, so that no shared server's tests wait behind one."""
     for item in items:
         if any(name in item.fixturenames for name in SHARED_SERVERS):
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
-
-    def weight(item) -> int:
-        if item.get_closest_marker("flower_e2e"):
-            return 0
-        return 1 if item.get_closest_marker("xdist_group") else 2
-
-    items.sort(key=weight)
+    kinds: dict[str, list] = {"federation": [], "grouped": [], "single": []}
+    for item in items:
+        kind = ("federation" if item.get_closest_marker("flower_e2e") else
+                "grouped" if item.get_closest_marker("xdist_group") else "single")
+        kinds[kind].append(item)
+    federations, grouped, single = kinds.values()
+    behind = 2 * int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    items[:] = federations + single[:behind] + grouped + single[behind:]

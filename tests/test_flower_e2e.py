@@ -1,16 +1,18 @@
 """Real Flower federations on 127.0.0.1: a SuperLink and SuperNodes (Flower's own
 processes, deployment engine) and apps run with ``flwr run``. On three SuperNodes: the
-example app fused by FedAvg (fusekit's avg) and by PFNM, and the app the Flower page
+example app fused by FedAvg (fusekit's avg) and by PFNM; the app the Flower page
 (docs/flower.md) writes, file by file, over two rounds, each fused model calibrated with the
 statistics the nodes send in a query round; the example app's BatchNorm MLP fused,
 calibrated, aligned and refit in three query rounds, one node missing the first refit
 round. On four SuperNodes: the same rounds with a SuperNode killed (SIGKILL) in each kind
 of query round. On one SuperNode: a run whose round cannot fuse (the initial model comes
 back) and a run that cannot finish, stopped at its timeout. Each test checks that every
-process the federation started has ended. About 10 minutes on two busy cores (each query
-round about 15-30 s of it, each killed node up to a minute until the SuperLink gives it
-up), more on a heavily loaded machine; progress lines are printed as the runs go. Deselect with
-``-m "not flower_e2e"``."""
+process the federation started has ended. Each test starts a federation of its own, so
+that `make test` runs the five side by side (they mostly wait: Flower polls every 3 s, a
+ClientApp is a new process per message, a killed node is given up only once its
+heartbeats have lapsed, up to a minute); the longest, the killed nodes', takes about 3-4
+minutes, more on a heavily loaded machine. Progress lines are printed as the runs go.
+Deselect with ``-m "not flower_e2e"``."""
 
 from __future__ import annotations
 
@@ -108,7 +110,7 @@ def readme_app(folder: Path) -> Path:
     return folder
 
 
-def test_three_nodes_run_the_example_and_the_readme_app(tmp_path, progress):
+def test_three_nodes_run_the_example_by_avg_and_by_pfnm(tmp_path, progress):
     with Federation(tmp_path / "federation", 3, progress) as federation:
         results = {}
         for method, evaluate in (("avg", 0.0), ("pfnm", 1.0)):
@@ -117,9 +119,6 @@ def test_three_nodes_run_the_example_and_the_readme_app(tmp_path, progress):
                                   "fraction-evaluate": evaluate,
                                   "result-file": str(result_file)}, progress)
             results[method] = json.loads(result_file.read_text())
-        model_file = tmp_path / "readme-global.safetensors"
-        readme = run(federation, readme_app(tmp_path / "readme-app"),
-                     {"model-file": str(model_file)}, progress).stdout
 
     avg, pfnm = results["avg"], results["pfnm"]
     assert avg["hidden_widths"] == [100]
@@ -132,8 +131,15 @@ def test_three_nodes_run_the_example_and_the_readme_app(tmp_path, progress):
     # The nodes rebuilt the fused model from the widths in the ConfigRecord and scored it.
     assert pfnm["client_evaluation"]["1"]["accuracy"] > 0.8
 
-    # The Flower page's app: fusekit's lines with their level, no evaluate failures, PFNM's
-    # width kept by the averaged second round (the nodes trained the 150-wide model).
+
+def test_three_nodes_run_the_flower_pages_app(tmp_path, progress):
+    """The Flower page's app: fusekit's lines with their level, no evaluate failures, PFNM's
+    width kept by the averaged second round (the nodes trained the 150-wide model)."""
+    with Federation(tmp_path / "federation", 3, progress) as federation:
+        model_file = tmp_path / "readme-global.safetensors"
+        readme = run(federation, readme_app(tmp_path / "readme-app"),
+                     {"model-file": str(model_file)}, progress).stdout
+
     lines = [re.sub(r"\x1b\[[0-9;]*m", "", line) for line in readme.splitlines()]
     assert any(re.match(r"INFO\s*:\s+round 1: pfnm fused 3 models .* \[150\]$", line)
                for line in lines)

@@ -39,6 +39,8 @@ CONNECTION = "fusekit-local"
 PROGRESS = re.compile(r"\[ROUND|configure_(train|evaluate)|round \d+: |fusekit |left out|"
                       r"failed|ERROR|WARNING")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
+#: The line of ``flwr run`` once the SuperLink has the run.
+STARTED = re.compile(r"Successfully started run \d+")
 
 
 def progress_lines(write: Callable[[str], None]) -> Callable[[str], None]:
@@ -174,6 +176,8 @@ class LocalFederation:
         """``flwr run <app> --stream`` on this federation; its output is returned.
 
         Args:
+            timeout: seconds the run may take once the SuperLink has started it (``flwr
+                run`` gets ``start_timeout`` seconds to submit it, however busy the machine).
             on_line: called with each line of the output as it comes (the ServerApp's log:
                 rounds, fusions, evaluations), for progress.
 
@@ -186,12 +190,17 @@ class LocalFederation:
         for key, value in (run_config or {}).items():
             command += ["--run-config", f"{key}={toml_value(value)}"]
         lines: list[str] = []
+        started = threading.Event()
         with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True, env=self.env, start_new_session=True) as process:
             reader = threading.Thread(target=_read_lines, daemon=True,
-                                      args=(process.stdout, lines, on_line))
+                                      args=(process.stdout, lines, on_line, started))
             reader.start()
             try:
+                deadline = time.monotonic() + self.start_timeout
+                while (not started.wait(0.2) and process.poll() is None
+                       and time.monotonic() < deadline):
+                    pass
                 process.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
                 end_groups([process])  # first, so that it submits nothing more
@@ -238,9 +247,11 @@ class LocalFederation:
         return groups_with_env("FLWR_HOME", str(self.home)) - {os.getpgrp()}
 
 
-def _read_lines(stream: Any, lines: list[str],
-                on_line: Callable[[str], None] | None) -> None:
+def _read_lines(stream: Any, lines: list[str], on_line: Callable[[str], None] | None,
+                started: threading.Event) -> None:
     for line in stream:
         lines.append(line)
+        if STARTED.search(line):
+            started.set()
         if on_line is not None:
             on_line(line.rstrip("\n"))
