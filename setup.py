@@ -3,7 +3,7 @@
 Flags are portable by default (no -march=native) so a built wheel runs on any x86-64 or
 ARM machine; hot kernels get wider vector units through function multi-versioning.
 Set FUSEKIT_NATIVE=1 to build for the local CPU only. OpenMP is used when the compiler
-accepts it.
+accepts it. NPY_NUM_BUILD_JOBS=N compiles the sources N at a time (one by default).
 """
 
 import os
@@ -11,8 +11,10 @@ import sys
 import tempfile
 from glob import glob
 
-from pybind11.setup_helpers import Pybind11Extension, build_ext
+from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext
 from setuptools import setup
+
+ParallelCompile("NPY_NUM_BUILD_JOBS", default=1).install()
 
 
 def _compiler_accepts(compiler, flag: str) -> bool:

@@ -59,6 +59,7 @@ def test_torch_sqeuclidean_equals_the_core_near_equal_rows_included():
     rng = np.random.default_rng(0)
     a = rng.normal(size=(30, 17)) * 40.0
     b = np.vstack([a[:10] + 1e-7, rng.normal(size=(20, 17))])  # 10 pairs cancel
+    a.flags.writeable = False  # read-only, as a memory-mapped checkpoint's arrays
     got = costs.sqeuclidean_cost(a, b, device="cpu")
     assert_same_costs(got, matching.sqeuclidean_cost(a, b))
     assert (got >= 0).all() and got[np.arange(10), np.arange(10)].max() < 1e-12

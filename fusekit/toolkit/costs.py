@@ -54,8 +54,13 @@ def accelerator(device: str) -> Accelerator | None:
                        partial(inner_products, device=target))
 
 
-def _tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    return torch.as_tensor(np.asarray(array, dtype=np.float64), device=device)
+def _tensor(array: np.ndarray, device: torch.device | str) -> torch.Tensor:
+    """float64 on ``device``; a read-only array (a memory-mapped checkpoint's) is copied,
+    as torch keeps no read-only tensors."""
+    array = np.asarray(array, dtype=np.float64)
+    if array.flags.writeable:
+        return torch.as_tensor(array, device=device)
+    return torch.tensor(array, device=device)
 
 
 def _recompute(out: torch.Tensor, cancelled: torch.Tensor, p: int,
