@@ -77,6 +77,10 @@ def _median_seconds(call, repeats: int) -> tuple[float, Any]:
     return float(np.median(times)), result
 
 
+def _significant(value: float) -> float:
+    return float(f"{value:.3g}")
+
+
 def kernel_inputs(kind: str, rows: int, cols: int, p: int, per_coordinate: bool,
                   rng: np.random.Generator) -> tuple:
     """Arguments of the core kernel: neuron vectors at He scale, a quarter of the client's
@@ -126,8 +130,8 @@ def kernel_rows(device: str, repeats: int) -> list[dict[str, Any]]:
             rows.append({
                 "case": case, "kernel": kind, "precision": precision,
                 "shape": f"{n} x {m} x {p}", "gflop": round(flops / 1e9, 2),
-                "cpu_ms": round(cpu_s * 1e3, 2), "device_ms": round(dev_s * 1e3, 2),
-                "speedup": round(cpu_s / dev_s, 1),
+                "cpu_ms": _significant(cpu_s * 1e3), "device_ms": _significant(dev_s * 1e3),
+                "speedup": _significant(cpu_s / dev_s),
                 "max_rel_diff": float(np.abs(got - want).max() / np.abs(want).max()),
             })
             print(rows[-1], flush=True)
