@@ -13,7 +13,8 @@ Studies (each cell: mean ± std over seeds):
            pfnm and nafi at width ratio 1.0, 1.25, 1.5, 2 and unlimited (pfnm at 1.5 also
            with the paper's class shares), ot and avg (the clients' width), next to the
            softmax and logit ensembles, AMS (class-share mixture, max logit, max
-           probability) and the mean client; data digits / synthetic / npz (--data-path),
+           probability), distill and the mean client; data digits / digits28 (the digits
+           at MNIST's 28x28 format: 784-100-10 clients) / synthetic / npz (--data-path),
            Dirichlet alpha 0.05 / 0.1 / 0.5 / 1.0, label skew (3-6 and 1-3 classes per
            client), S = 10 and 20; the non-iid floor (pfnm/nafi at the default width against
            avg/ot, AMS against the softmax ensemble) on alpha <= 0.1 and 1-3 classes; NAFI's
@@ -46,6 +47,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+import dataclasses
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -62,6 +64,7 @@ from fusekit.methods import METHODS
 from fusekit.methods.bayesian import ratio_width
 from fusekit.toolkit.local import calibrate_locally
 from fusekit.toolkit.data import Dataset, load_dataset
+from fusekit.toolkit.data.datasets import training_normalization
 from fusekit.toolkit.evaluate import Evaluator
 from fusekit.toolkit.simulate import SimulationConfig, simulate_clients
 from fusekit.toolkit.train import TrainConfig
@@ -90,7 +93,7 @@ NONIID = ("dir-0.05", "dir-0.1", "labels-1-3")
 DEFAULT_RATIO_LABELS = ("pfnm@1.5", "nafi@1.5")  # the default width, 1.5 x the widest client
 DISTILL = "distill@1.5"
 AMS_RULES = {"ams-class": "class-share", "ams-logit": "logit", "ams-prob": "probability"}
-EPOCHS = {"digits": 20, "synthetic": 10, "mnist": 3, "npz": 3}
+EPOCHS = {"digits": 20, "digits28": 20, "synthetic": 10, "mnist": 3, "npz": 3}
 LR = 3e-3  # Adam; brings digits clients close to zero training loss in 20 epochs
 
 log = logging.getLogger("bench_quality")
@@ -134,11 +137,31 @@ def methods_for(
 
 
 def load(name: str, data_dir: Path | None, data_path: Path | None = None) -> Dataset:
+    if name == "digits28":
+        return digits_at_mnist_format()
     if name == "synthetic":
         return load_dataset("synthetic", samples=5000, features=20, classes=10, seed=0)
     if name == "npz":
         return load_dataset("npz", path=data_path)
     return load_dataset(name, data_dir=data_dir)
+
+
+def digits_at_mnist_format() -> Dataset:
+    """The digits at MNIST's format, for 784-100-10 clients where no MNIST files are at hand:
+    each 8x8 image resized to 28x28 (bilinear), pixels scaled to 0..1 as MNIST's bytes / 255
+    are, the same split, normalised as fusekit's MNIST models are (the training split's mean
+    and standard deviation, recorded in the clients' fusekit.preprocess)."""
+    digits = load_dataset("digits")
+
+    def resized(x: np.ndarray) -> np.ndarray:
+        big = torch.nn.functional.interpolate(torch.from_numpy(x), size=(28, 28),
+                                              mode="bilinear", align_corners=False)
+        return (big / 16).numpy()
+
+    x_train = resized(digits.x_train)
+    return dataclasses.replace(digits, name="digits28", x_train=x_train,
+                               x_test=resized(digits.x_test),
+                               normalization=training_normalization(x_train))
 
 
 class Runner:
@@ -998,7 +1021,7 @@ def main(argv: list[str] | None = None) -> int:
     add_output_arguments(parser, HERE / "results" / "quality.json", "the tables and plot")
     parser.add_argument("--frontier", action="store_true",
                         help="run only the accuracy-against-width study")
-    parser.add_argument("--data", nargs="+", choices=("digits", "synthetic", "npz", "mnist"),
+    parser.add_argument("--data", nargs="+", choices=("digits", "digits28", "synthetic", "npz", "mnist"),
                         help="frontier: data sets [digits]")
     parser.add_argument("--data-path", type=Path, default=None,
                         help="frontier: the MNIST-format .npz for --data npz")

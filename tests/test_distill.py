@@ -162,3 +162,29 @@ def test_the_method_refuses_to_run_without_its_training_stage(clients, monkeypat
     monkeypatch.setattr(method, "_trainer", [])
     with pytest.raises(ParameterError, match="trains its student with torch"):
         api.fuse(clients, method="distill", steps=1)
+
+
+def test_the_weights_prior_varies_where_the_clients_data_varies():
+    """Clients trained on inputs whose last half is constant: inputs drawn in the span of
+    their first-layer weights vary on the first half, not on the constant half (training
+    never moved those weights, and their random starts cancel across clients), and have
+    unit variance per input on average, as normalised inputs do."""
+    from fusekit.toolkit.distill import weight_basis
+
+    x, y = mixture(600, seed=0)
+    x = np.concatenate([x, np.zeros_like(x)], axis=1)
+    models = []
+    for seed in range(6):
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(2 * FEATURES, 32), nn.ReLU(), nn.Linear(32, CLASSES))
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+        for _ in range(150):
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(torch.from_numpy(x)), torch.from_numpy(y)
+                                        ).backward()
+            optimizer.step()
+        models.append(model)
+    inputs = (torch.randn(4000, 6 * 32) @ weight_basis(
+        [m[0].weight.detach().numpy() for m in models])).var(dim=0)
+    assert inputs.mean() == pytest.approx(1.0, rel=0.1)
+    assert inputs[:FEATURES].mean() > 4 * inputs[FEATURES:].mean(), inputs

@@ -4,7 +4,8 @@ ensemble on synthetic inputs made from the models alone.
 The student starts as another method's fusion (PFNM at its default width unless told
 otherwise), the teacher is the best ensemble fusekit has (AMS's class-share mixture when
 every client carries class counts, else the softmax average), and the inputs are drawn
-fresh for every step from a standard normal and moved a few steps toward what the teacher
+fresh for every step (in the span of the clients' first-layer weights for MLPs, else from a
+standard normal) and moved a few steps toward what the teacher
 answers confidently and the student gets wrong (DeepInversion, CVPR 2020; DENSE, NeurIPS
 2022), with the clients' BatchNorm statistics as a prior where they have BatchNorm.
 
@@ -45,6 +46,10 @@ from fusekit.methods.params import Device, Param, method_params
 #: network of the clients' architecture (fed2 needs clients of its own structure).
 INITIAL_FUSIONS = tuple(sorted(name for name, cls in METHODS.items()
                                if cls.makes_one_network and cls.client_structure is None))
+
+#: Where a synthetic batch starts (ALGORITHMS §14): the span of the clients' first-layer
+#: weights (the directions training moved them in, i.e. the data's) or N(0, I).
+INPUT_PRIORS = ("weights", "normal")
 
 
 @dataclass(frozen=True)
@@ -107,8 +112,9 @@ class Distill(FusionMethod):
         batch: Annotated[int, Param(help="synthetic inputs per step", minimum=2,
                                     maximum=65_536)] = 256,
         input_steps: Annotated[int, Param(
-            help="gradient steps that move each fresh batch from the normal prior toward "
-            "confident, disputed inputs (0: plain noise)", minimum=0, maximum=100)] = 3,
+            help="gradient steps that move each fresh batch from the prior toward "
+            "confident, disputed inputs (0: the prior's draws as they are)", minimum=0,
+            maximum=100)] = 3,
         input_lr: Annotated[float, Param(help="Adam learning rate of the synthetic inputs",
                                          above=0, maximum=10)] = 0.1,
         adversarial: Annotated[float, Param(
@@ -128,6 +134,11 @@ class Distill(FusionMethod):
         patience: Annotated[int, Param(
             help="stop when the disagreement on fresh batches has not reached a new low for "
             "this many steps (0: run every step)", minimum=0)] = 50,
+        prior: Annotated[str, Param(
+            help="where each batch starts: weights = random combinations of the clients' "
+            "centred first-layer weight rows, scaled to unit variance per input (MLPs; "
+            "convolutional models draw normal), normal = N(0, I)",
+            choices=INPUT_PRIORS)] = "weights",
         seed: Annotated[int, Param(help="seed of the synthetic inputs and labels",
                                    minimum=0)] = 0,
         device: Device = "auto",
@@ -144,7 +155,7 @@ class Distill(FusionMethod):
             width_ratio: the student's width relative to the widest client (``initial``
                 pfnm or nafi); the other initial fusions keep the clients' width.
             steps, batch, input_steps, input_lr, adversarial, batchnorm, temperature, lr,
-                proximal, patience, seed, device, threads: the training's settings (see the
+                proximal, patience, prior, seed, device, threads: the training's settings (see the
                 declaration above and ALGORITHMS.md §14).
 
         Returns:
@@ -178,9 +189,10 @@ class Distill(FusionMethod):
         settings = {"steps": steps, "batch": batch, "input_steps": input_steps,
                     "input_lr": input_lr, "adversarial": adversarial, "batchnorm": batchnorm,
                     "temperature": temperature, "lr": lr, "proximal": proximal,
-                    "patience": patience, "seed": seed, "device": device, "threads": threads}
-        shares, prior = _class_shares(checkpoints, specs[0].out_features)
-        task = DistillationTask(checkpoints, specs, student, shares, prior, input_shape,
+                    "patience": patience, "prior": prior, "seed": seed, "device": device,
+                    "threads": threads}
+        shares, class_prior = _class_shares(checkpoints, specs[0].out_features)
+        task = DistillationTask(checkpoints, specs, student, shares, class_prior, input_shape,
                                 settings)
         state_dict, trained = _trainer[0](task)
         params = {"initial": initial, "width_ratio": width_ratio, **settings}

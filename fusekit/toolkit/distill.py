@@ -1,16 +1,17 @@
 """The student's training of ``--method distill`` (docs/ALGORITHMS.md §14), in torch.
 
-Each step draws a fresh batch of inputs from a standard normal and labels from the classes'
-prior, moves the inputs ``input_steps`` Adam steps toward what the teacher answers with
-those labels (fidelity), where the student disagrees with it (DENSE's adversarial term)
-and, for clients with BatchNorm, where every BatchNorm sees its running statistics
-(DeepInversion), then updates the student on the batch with the temperature-softened KL
-to the teacher. Drawing every batch afresh keeps the synthetic set diverse: inputs
-optimised over many steps drift to where every client is confident for no reason, and a
-student taught there loses what its matched start knew (benchmarks/RESULTS.md,
-"Distillation"). The run stops when the disagreement on the fresh batches, averaged over
-steps, has not reached a new low for ``patience`` steps: a rule computed from the models
-alone.
+Each step draws a fresh batch of inputs from the input prior (for MLPs by default random
+combinations of the clients' first-layer weight rows, :func:`weight_basis`; else a
+standard normal) and labels from the classes' prior, moves the inputs ``input_steps`` Adam
+steps toward what the teacher answers with those labels (fidelity), where the student
+disagrees with it (DENSE's adversarial term) and, for clients with BatchNorm, where every
+BatchNorm sees its running statistics (DeepInversion), then updates the student on the
+batch with the temperature-softened KL to the teacher. Drawing every batch afresh keeps
+the synthetic set diverse: inputs optimised over many steps drift to where every client is
+confident for no reason, and a student taught there loses what its matched start knew
+(benchmarks/RESULTS.md, "Distillation"). The run stops when the disagreement on the fresh
+batches, averaged over steps, has not reached a new low for ``patience`` steps: a rule
+computed from the models alone.
 """
 
 from __future__ import annotations
@@ -119,6 +120,7 @@ class _Trainer:
         self.prior = torch.as_tensor(task.class_prior, dtype=torch.float32, device=device)
         self.optimizer = torch.optim.Adam(student.parameters(), lr=s["lr"])
         self.start = [p.detach().clone() for p in student.parameters()]
+        self.basis = _input_basis(task, device)
 
     def run(self) -> dict[str, Any]:
         s = self.settings
@@ -147,16 +149,23 @@ class _Trainer:
                  self.teacher.rule, first["disagreement"], last["disagreement"])
         return {"teacher": self.teacher.rule, "steps": step, "stopped": stopped,
                 "synthetic_inputs": step * s["batch"], "data": "none",
+                "prior": "normal" if self.basis is None else "weights",
                 "input_shape": list(self.task.input_shape), "device": str(self.device),
                 "start": first, "end": last, "smoothed_disagreement": smoothed}
 
     def _synthetic_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Fresh normal inputs, moved toward confident, disputed, BatchNorm-like ones."""
+        """Fresh inputs from the prior, moved toward confident, disputed, BatchNorm-like ones."""
         s = self.settings
         labels = torch.multinomial(self.prior, s["batch"], replacement=True,
                                    generator=self.generator)
-        x = torch.randn((s["batch"], *self.task.input_shape), generator=self.generator,
-                        device=self.device).requires_grad_(True)
+        if self.basis is None:
+            x = torch.randn((s["batch"], *self.task.input_shape), generator=self.generator,
+                            device=self.device)
+        else:
+            z = torch.randn((s["batch"], len(self.basis)), generator=self.generator,
+                            device=self.device)
+            x = (z @ self.basis).view(s["batch"], *self.task.input_shape)
+        x.requires_grad_(True)
         optimizer = torch.optim.Adam([x], lr=s["input_lr"])
         for _ in range(s["input_steps"]):
             with self.teacher.batchnorm_loss() as norms:
@@ -190,6 +199,32 @@ class _Trainer:
         with torch.no_grad():
             return {"disagreement": float(_kl(target, logits)),
                     "agreement": float((logits.argmax(1) == target.argmax(1)).float().mean())}
+
+
+def weight_basis(first_layers: Sequence[np.ndarray]) -> torch.Tensor:
+    """The ``weights`` prior's rows: every client's first-layer weight rows (out, in),
+    centred and scaled so that x = z @ rows, z ~ N(0, I), has unit variance per input on
+    average, the scale of normalised inputs.
+
+    Trained from independent initialisations, the rows share little but the directions
+    training moved them in, the data's: inputs drawn in their span vary where the data
+    varies and hardly where it is constant, unlike N(0, I) noise, on which the clients
+    agree with the student from the start (ALGORITHMS §14).
+    """
+    rows = torch.from_numpy(np.concatenate([np.asarray(w, dtype=np.float32)
+                                            for w in first_layers]))
+    rows = rows - rows.mean(dim=0)
+    return rows / rows.pow(2).sum(dim=0).mean().sqrt().clamp_min(torch.finfo(rows.dtype).tiny)
+
+
+def _input_basis(task: DistillationTask, device: torch.device) -> torch.Tensor | None:
+    """:func:`weight_basis` of MLP clients with the ``weights`` prior, else None (N(0, I);
+    a convolutional model's first weights are filters, not inputs)."""
+    first = [c.tensor(spec.layers[0].weight) for c, spec in zip(task.clients, task.specs,
+                                                                   strict=True)]
+    if task.settings["prior"] != "weights" or first[0].ndim != 2:
+        return None
+    return weight_basis(first).to(device)
 
 
 @contextmanager
