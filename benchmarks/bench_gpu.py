@@ -180,18 +180,32 @@ def fuse_once(method: str, params: dict[str, Any], device: str, out: Path,
                       "cost_matrices": result.report["cost_matrices"]}))
 
 
+#: The fusion running in a child process (its own process group), stopped with this one.
+_running: list[subprocess.Popen] = []
+
+
+def _stop_children(signum: int, frame: Any) -> None:
+    """SIGTERM (``timeout`` ending the run): the running fusion goes too, then this process."""
+    for child in _running:
+        os.killpg(child.pid, signal.SIGKILL)
+    raise SystemExit(128 + signum)
+
+
 def run_child(method: str, params: dict[str, Any], device: str, out: Path, paths: list[Path],
               timeout: float) -> dict[str, Any]:
     command = [sys.executable, __file__, "--child", method, json.dumps(params), device,
                str(out), *map(str, paths)]
     child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              start_new_session=True, text=True)
+    _running[:] = [child]
     try:
         stdout, stderr = child.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(child.pid, signal.SIGKILL)
         child.communicate()
         return {"status": f"timeout ({timeout:g} s)"}
+    finally:
+        _running.clear()
     if child.returncode != 0:
         last = stderr.strip().splitlines()[-1:] or [str(child.returncode)]
         return {"status": f"failed ({last[0]})"}
@@ -274,7 +288,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--clients", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=120.0,
                         help="seconds each fusion may take")
-    parser.add_argument("--methods", default="ot,rebasin,pfnm",
+    parser.add_argument("--methods", default="ot,pfnm,rebasin",
                         help="the fusion rows' methods, comma-separated ('' for none)")
     parser.add_argument("--pfnm-params", type=json.loads, default=FIXED_PFNM,
                         help="pfnm's parameters in the fusion rows, as JSON ({} for defaults)")
@@ -314,4 +328,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, _stop_children)  # the program's, not a caller's of main()
     main()

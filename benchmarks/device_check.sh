@@ -49,7 +49,7 @@ rc=$?
 stage "pytest -m gpu (${#files[@]} files): $(tail -1 "$OUT/pytest-gpu.log")" $rc
 [ $rc = 0 ] || grep -E "^(FAILED|ERROR)" "$OUT/pytest-gpu.log" | head -20
 
-timeout "$BENCH_S" "$PYTHON" benchmarks/bench_gpu.py --device cuda --timeout 45 \
+timeout "$BENCH_S" "$PYTHON" benchmarks/bench_gpu.py --device cuda --timeout 40 --repeats 3 \
     --json-out "$OUT/bench_gpu.json" --md-out "$OUT/bench_gpu.md" > "$OUT/bench.log" 2>&1
 rc=$?
 stage bench_gpu $rc
