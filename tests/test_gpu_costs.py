@@ -18,7 +18,13 @@ from conftest import cnn, mlp, write
 import fusekit
 from fusekit.core.errors import ParameterError
 from fusekit.engine import matching, offload
-from fusekit.engine.offload import AUTO_MIN_FLOPS, Accelerator, accelerator_for, on_device
+from fusekit.engine.offload import (
+    AUTO_MIN_FLOPS,
+    AUTO_START_FLOPS,
+    Accelerator,
+    accelerator_for,
+    on_device,
+)
 from fusekit.toolkit import costs
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -122,11 +128,15 @@ def test_cpu_never_asks_for_the_device_and_auto_only_for_large_problems(
     assert placement.summary()["matrices_on_cpu"] == 1 and not torch_kernels_on_the_cpu
     monkeypatch.setattr(offload, "_driver_loaded", lambda: True)
     with on_device("auto") as placement:
+        assert accelerator_for(AUTO_MIN_FLOPS / 2) is None  # never worth a transfer
+        large = AUTO_START_FLOPS / 4  # large problems: the first ones wait on the CPU
+        assert [accelerator_for(large) for _ in range(3)] == [None] * 3
+        assert torch_kernels_on_the_cpu == []  # until they add up to the device's start
+        assert accelerator_for(large).device == "cpu"  # (the torch kernels stand in)
+        assert accelerator_for(AUTO_MIN_FLOPS).device == "cpu"  # now every large one
         assert accelerator_for(AUTO_MIN_FLOPS / 2) is None
-        assert torch_kernels_on_the_cpu == []  # small problems do not even look for one
-        assert accelerator_for(AUTO_MIN_FLOPS).device == "cpu"
     assert placement.summary() == {"device": "auto", "ran_on": "cpu",
-                                   "matrices_on_device": 1, "matrices_on_cpu": 1}
+                                   "matrices_on_device": 2, "matrices_on_cpu": 5}
     monkeypatch.setattr(offload, "_driver_loaded", lambda: False)
     with on_device("auto"):
         assert accelerator_for(1e18) is None  # no NVIDIA driver: torch is not consulted
@@ -239,6 +249,7 @@ def test_cuda_sqeuclidean_equals_the_core():
 def test_auto_sends_large_problems_to_cuda():
     with on_device("auto") as placement:
         assert accelerator_for(AUTO_MIN_FLOPS / 2) is None
+        assert accelerator_for(AUTO_START_FLOPS).device.startswith("cuda")
         assert accelerator_for(AUTO_MIN_FLOPS).device.startswith("cuda")
     assert placement.summary()["ran_on"].startswith("cuda")
 

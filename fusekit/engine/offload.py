@@ -12,9 +12,11 @@ problem goes to the device:
 
 - ``"cpu"``: never; the C++ core computes every matrix (the path without an accelerator);
 - ``"cuda"`` / ``"cuda:N"``: always (the device is checked when the block is entered);
-- ``"auto"``: problems of at least :data:`AUTO_MIN_FLOPS`, when a CUDA device is present.
-  torch is imported only on a machine whose NVIDIA driver is loaded, at the first problem
-  that large, so a machine without a GPU, or a fusion of small layers, never pays for it.
+- ``"auto"``: problems of at least :data:`AUTO_MIN_FLOPS`, when a CUDA device is present,
+  once the fusion has computed :data:`AUTO_START_FLOPS` of such problems on the CPU (about
+  what importing torch and starting CUDA cost, a few seconds, which a fusion with few large
+  matrices would not win back). torch is imported only on a machine whose NVIDIA driver is
+  loaded, so a machine without a GPU, or a fusion of small layers, never pays for it.
 
 The assignment solver stays on the CPU (the C++ core): the plans are combinatorial, the
 cost matrices are the arithmetic. The device kernels compute what the C++ kernels do, in
@@ -43,6 +45,7 @@ from fusekit.core.errors import ParameterError
 
 __all__ = [
     "AUTO_MIN_FLOPS",
+    "AUTO_START_FLOPS",
     "Accelerator",
     "Placement",
     "accelerator_for",
@@ -54,6 +57,10 @@ __all__ = [
 #: about 10 ms of float64 BLAS on 2 cores, against well under 1 ms for the transfers and
 #: kernel launches of a matrix that size on a current GPU.
 AUTO_MIN_FLOPS = 2.0**28
+#: ``auto`` starts the device (imports torch, starts CUDA: seconds) once the problems of at
+#: least AUTO_MIN_FLOPS computed on the CPU reach this many flops in total (34 GFLOP: one to
+#: two seconds of float64 BLAS on 2 cores).
+AUTO_START_FLOPS = 2.0**35
 
 _DEVICE_TEXT = re.compile(r"auto|cpu|cuda(:\d+)?")
 
@@ -95,9 +102,10 @@ class Placement:
 
     Attributes:
         device: as asked: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.
-        accelerator: the device kernels once resolved (``auto`` resolves at its first large
-            problem); None: every matrix on the CPU.
+        accelerator: the device kernels once resolved (``auto`` resolves once its large
+            problems reach AUTO_START_FLOPS); None: every matrix on the CPU.
         on_device, on_cpu: cost matrices computed on each side so far.
+        waiting_flops: ``auto``'s large problems computed on the CPU before it resolved.
     """
 
     device: str
@@ -105,6 +113,7 @@ class Placement:
     resolved: bool = False
     on_device: int = 0
     on_cpu: int = 0
+    waiting_flops: float = 0.0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def summary(self) -> dict[str, Any]:
@@ -116,7 +125,7 @@ class Placement:
     def choose(self, flops: float) -> Accelerator | None:
         """The kernels for one problem of ``flops`` (None: the C++ core), counted."""
         accelerator = None
-        if self.device != "cpu" and (self.device != "auto" or flops >= AUTO_MIN_FLOPS):
+        if self.device != "cpu" and (self.device != "auto" or self._worth_starting(flops)):
             accelerator = self.resolve()
         with self._lock:
             if accelerator is None:
@@ -124,6 +133,16 @@ class Placement:
             else:
                 self.on_device += 1
         return accelerator
+
+    def _worth_starting(self, flops: float) -> bool:
+        """``auto``: whether a problem of ``flops`` goes to the device (once found)."""
+        if flops < AUTO_MIN_FLOPS:
+            return False
+        with self._lock:
+            if self.resolved or self.waiting_flops + flops >= AUTO_START_FLOPS:
+                return True
+            self.waiting_flops += flops
+            return False
 
     def resolve(self) -> Accelerator | None:
         """The device kernels, made at the first call (None: ``auto`` found no device)."""
