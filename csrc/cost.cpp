@@ -397,6 +397,24 @@ FUSEKIT_CLONES void add_moments(double* sums, double* squares, double* counts, s
     }
 }
 
+// The end of the run of equal (P, noise) that starts at k: the first index after k where
+// either differs from index k's, or n. Blocks of 8 compared in vector lanes.
+FUSEKIT_CLONES std::size_t run_end(const double* __restrict P, const double* __restrict noise,
+                                   std::size_t k, std::size_t n) {
+    const double p0 = P[k], n0 = noise[k];
+    constexpr std::size_t kBlock = 8;
+    std::size_t j = k + 1;
+    while (j + kBlock <= n) {
+        LaneFlag<double> differ = 0;
+#pragma omp simd reduction(| : differ)
+        for (std::size_t b = 0; b < kBlock; ++b) differ |= (P[j + b] != p0) | (noise[j + b] != n0);
+        if (differ) break;
+        j += kBlock;
+    }
+    while (j < n && P[j] == p0 && noise[j] == n0) ++j;
+    return j;
+}
+
 void log_det_rows(const double* s, const double* precisions, std::size_t n_global,
                   std::size_t p, double* out) {
     std::vector<std::size_t> seen;
@@ -407,20 +425,21 @@ void log_det_rows(const double* s, const double* precisions, std::size_t n_globa
             noise.push_back(1.0 / s[q]);
         }
     }
+    const std::size_t n = seen.size();
+    std::vector<double> gathered(n == p ? 0 : n);
     for (std::size_t i = 0; i < n_global; ++i) {
         const double* row = precisions + i * p;
-        // With scalar variances most coordinates of a row hold the same s and P: one
-        // logarithm (and division) per run of equal arguments instead of one per coordinate.
-        const double nan = std::numeric_limits<double>::quiet_NaN();
-        double acc = 0.0, last_noise = nan, last_precision = nan, last_log = 0.0;
-        for (std::size_t k = 0; k < seen.size(); ++k) {
-            const double P = row[seen[k]];
-            if (P != last_precision || noise[k] != last_noise) {
-                last_precision = P;
-                last_noise = noise[k];
-                last_log = std::log(noise[k] + 1.0 / P);
-            }
-            acc += last_log;
+        if (n != p) {  // unobserved coordinates: the observed ones gathered side by side
+            for (std::size_t k = 0; k < n; ++k) gathered[k] = row[seen[k]];
+            row = gathered.data();
+        }
+        // With scalar variances a row holds a few runs of equal s and P: one logarithm
+        // per run, times its length.
+        double acc = 0.0;
+        for (std::size_t k = 0; k < n;) {
+            const std::size_t end = run_end(row, noise.data(), k, n);
+            acc += static_cast<double>(end - k) * std::log(noise[k] + 1.0 / row[k]);
+            k = end;
         }
         out[i] = acc;
     }
