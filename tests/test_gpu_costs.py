@@ -6,6 +6,7 @@ and are skipped without it."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from functools import partial
@@ -167,6 +168,26 @@ def test_auto_without_a_gpu_never_imports_torch(tmp_path):
     out = subprocess.run([sys.executable, "-c", code, *map(str, paths)], capture_output=True,
                          text=True, timeout=120, check=True)
     assert out.stdout.split() == ["cpu", "False"]
+
+
+def test_the_command_line_takes_device(tmp_path):
+    from typer.testing import CliRunner
+
+    from fusekit._cli.app import app
+
+    paths = [str(write(tmp_path / f"c{i}.safetensors", mlp(seed=i))) for i in range(2)]
+    out = tmp_path / "fused.safetensors"
+    result = CliRunner().invoke(app, ["fuse", *paths, "-m", "ot", "--device", "cpu", "-o",
+                                      str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["params"]["device"] == "cpu"
+    assert summary["report"]["cost_matrices"]["ran_on"] == "cpu"
+    refused = CliRunner().invoke(app, ["fuse", *paths, "-m", "pfnm", "--device", "gpu", "-o",
+                                       str(tmp_path / "other.safetensors")])
+    assert refused.exit_code == 2
+    assert "device: expected auto, cpu or cuda[:N], found 'gpu'" in refused.output
+    assert not (tmp_path / "other.safetensors").exists()
 
 
 def plain_torch_clients(tmp_path, kind):
