@@ -197,8 +197,8 @@ def build_model(arch: Mapping[str, Any], *, seed: int | None = None) -> nn.Modul
     cls = classes[validate_arch(arch)["type"]]
     if seed is None:
         return cls(arch)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with torch.random.fork_rng(devices=[]):  # the models are built on the CPU
+        torch.default_generator.manual_seed(seed)  # torch.manual_seed would reseed CUDA too
         return cls(arch)
 
 
