@@ -173,7 +173,7 @@ def _driver_loaded() -> bool:
     NVIDIA driver is loaded and CUDA_VISIBLE_DEVICES does not hide every device."""
     if os.environ.get("CUDA_VISIBLE_DEVICES", "unset").strip() in ("", "-1"):
         return False
-    return Path("/proc/driver/nvidia/version").exists() or Path("/dev/nvidiactl").exists()
+    return Path("/proc/driver/nvidia/version").exists() or any(Path("/dev").glob("nvidia*"))
 
 
 @contextlib.contextmanager
