@@ -24,10 +24,11 @@ Two tables:
 
 Inputs and fused models go to ``--scratch``; the rows to ``--json-out`` and the tables, as
 markdown, to ``--md-out`` (with ``--results-md`` also into that file between its
-``bench_gpu`` markers).
+``bench_gpu`` markers; ``--from-json`` re-renders a saved run there without running).
 
     python benchmarks/bench_gpu.py --device cuda --json-out OUT/bench_gpu.json --md-out OUT/bench_gpu.md
     python benchmarks/bench_gpu.py --device cpu --methods ''   # a check of the script
+    python benchmarks/bench_gpu.py --from-json OUT/bench_gpu.json --results-md benchmarks/RESULTS.md
 """
 
 from __future__ import annotations
@@ -297,7 +298,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--md-out", type=Path, default=None)
     parser.add_argument("--results-md", type=Path, default=None,
                         help="also write the tables into this file's bench_gpu section")
+    parser.add_argument("--from-json", type=Path, default=None,
+                        help="no runs: the tables of a saved JSON (into --results-md)")
     args = parser.parse_args(argv)
+    if args.from_json is not None:
+        text = markdown(json.loads(args.from_json.read_text()))
+        print(text)
+        if args.results_md is not None:
+            write_section(args.results_md, text, BEGIN, END)
+        return
     import torch
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():

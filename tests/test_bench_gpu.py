@@ -32,3 +32,6 @@ def test_bench_gpu_writes_its_rows_and_tables(tmp_path, monkeypatch):
     table = (out / "rows.md").read_text()
     assert "| small pfnm | per coordinate | 30 x 12 x 17 |" in table
     assert "| ResNet-50 | 2 | ot | defaults |" in table
+    results = tmp_path / "RESULTS.md"
+    bench_gpu.main(["--from-json", str(out / "rows.json"), "--results-md", str(results)])
+    assert table.strip() in results.read_text()
