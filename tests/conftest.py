@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import itertools
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -94,18 +97,36 @@ def mlp_clients(tmp_path) -> list[Path]:
     ]
 
 
+@contextlib.contextmanager
+def made_once(tmp_path_factory, name: str) -> Iterator[tuple[Path, bool]]:
+    """``(folder, made)``: a folder every pytest-xdist worker of this run shares, held under
+    a lock; ``made`` says whether a worker already made what it holds (else the caller
+    makes it, and it counts as made once the block ends without an error)."""
+    root = tmp_path_factory.getbasetemp()
+    root = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+    folder, done = root / name, root / f"{name}.made"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        made = done.exists()
+        folder.mkdir(exist_ok=True)
+        yield folder, made
+        done.touch()
+
+
 @pytest.fixture(scope="session")
 def foreign(tmp_path_factory):
-    """Models fusekit did not train (:mod:`foreign`), trained once per session, by kind:
+    """Models fusekit did not train (:mod:`foreign`), trained once per run (the first
+    worker to need a kind trains it, the others read its files), by kind:
     ``foreign(kind)`` -> :class:`foreign.Family`."""
     import foreign as own
 
-    folder = tmp_path_factory.mktemp("foreign")
     families: dict[str, own.Family] = {}
 
     def family(kind: str) -> own.Family:
         if kind not in families:
-            families[kind] = own.make_family(kind, folder)
+            with made_once(tmp_path_factory, f"foreign-{kind}") as (folder, made):
+                families[kind] = (own.load_family(kind, folder) if made else
+                                  own.make_family(kind, folder))
         return families[kind]
 
     return family
@@ -116,7 +137,8 @@ def foreign(tmp_path_factory):
 # a Flower federation mostly waits (Flower polls every 3 s, and gives up a killed SuperNode
 # only once its heartbeats have lapsed), so each of the five runs on a worker of its own
 # beside two workers kept busy with the rest. A test that uses one of these module-scoped servers runs
-# on the worker that already holds it, so that each is started once; every other test goes
+# on the worker that already holds it, so that each is started once, and so do the tests
+# that use a module-scoped fixture of their module (trained models); every other test goes
 # to whichever worker is free.
 SHARED_SERVERS = ("service", "big_service", "browser")
 
@@ -134,6 +156,15 @@ def pytest_report_header(config) -> list[str]:
             "and SuperNodes; deselect those with -m 'not flower_e2e'"]
 
 
+def uses_module_fixture(item) -> bool:
+    """Whether the test uses a module-scoped fixture of its own module (a trained model, a
+    server): the tests that do run on one worker, which makes it once."""
+    module = item.nodeid.split("::")[0]
+    return any(fixturedef.scope in ("module", "class") and fixturedef.baseid == module
+               for fixturedefs in item._fixtureinfo.name2fixturedefs.values()
+               for fixturedef in fixturedefs[-1:])
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items) -> None:
     """The federations first, then the tests on a shared server, then the rest (each
@@ -142,7 +173,8 @@ def pytest_collection_modifyitems(config, items) -> None:
     federation's worker runs only once its federation has ended: single tests come right
     after the federations, so that no shared server's tests wait behind one."""
     for item in items:
-        if any(name in item.fixturenames for name in SHARED_SERVERS):
+        if (any(name in item.fixturenames for name in SHARED_SERVERS)
+                or uses_module_fixture(item)):
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
     kinds: dict[str, list] = {"federation": [], "grouped": [], "single": []}
     for item in items:

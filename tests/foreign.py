@@ -160,6 +160,18 @@ def make_family(kind: str, folder: Path, clients: int = 2, seed: int = 0) -> Fam
     return family
 
 
+def load_family(kind: str, folder: Path, clients: int = 2) -> Family:
+    """The family :func:`make_family` wrote under ``folder``, read back from its files."""
+    arrays = raw_digits()
+    arrays = arrays.as_vectors() if kind in VECTOR_KINDS else arrays
+    family = Family(kind, arrays, data=folder / f"{kind}.npz")
+    for i in range(clients):
+        family.files.append(folder / f"{kind}_{i}.safetensors")
+        family.models.append(load_into(kind, family.files[-1]))
+        family.client_data.append(folder / f"{kind}_client{i}.npz")
+    return family
+
+
 def make_shared_family(kind: str, folder: Path, clients: int = 3, seed: int = 0) -> Family:
     """Clients fine-tuned from one base model (federated fine-tuning): the base is trained
     on a first share of the training split, then each client continues from a copy of it on

@@ -26,6 +26,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from conftest import made_once
 from fusekit.toolkit.processes import end_groups
 
 ROOT = Path(__file__).parents[1]
@@ -78,7 +79,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def environment(tmp_path_factory) -> dict[str, str]:
     """This tree's ``fusekit`` first on PATH, and no token from the caller's shell."""
     bin_dir = tmp_path_factory.mktemp("bin")
@@ -162,8 +163,11 @@ def outputs_named(code: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def readme_folder(tmp_path_factory, environment) -> Path:
-    folder = tmp_path_factory.mktemp("readme")
-    run_page(ROOT / "README.md", folder, environment)
+    """The README's commands run once for every worker (the pages that start from its
+    clients copy them)."""
+    with made_once(tmp_path_factory, "readme") as (folder, made):
+        if not made:
+            run_page(ROOT / "README.md", folder, environment)
     return folder
 
 
