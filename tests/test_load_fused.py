@@ -62,7 +62,9 @@ def test_every_method_round_trips(tmp_path, method, kind):
         arch = {**arch, "fed2": {"groups": 2, "depth": 2}}
     paths = [write_client(tmp_path / f"c{i}.safetensors", arch, seed=i, num_samples=10 + i)
              for i in range(3)]
-    saved = fusekit.fuse(paths, method=method).save(tmp_path / "fused.safetensors")
+    # The round trip of the file distill writes, not its training: a few student updates.
+    params = {"steps": 3} if method == "distill" else {}
+    saved = fusekit.fuse(paths, method=method, **params).save(tmp_path / "fused.safetensors")
     model = fusekit.load_fused(saved, device="cpu")
     assert not model.training
     stored = load_checkpoint(saved)
