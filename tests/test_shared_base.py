@@ -60,6 +60,19 @@ def test_fine_tuned_copies_fuse_to_the_average_at_every_width(shared_family, tmp
             assert accuracy >= floor - 0.01, (method, ratio, accuracy, floor)
 
 
+def test_every_width_and_the_zeros_option_answer_as_the_clients_width(shared_family, tmp_path):
+    """Two hidden layers: the copies of layer 1 are read by layer 2's fused columns (with
+    unobserved="zeros" averaged in as zeros, not weighted again) and layer 2's by the head."""
+    family = shared_family("bn_mlp")
+    x = family.arrays.x_test
+    _, reference = fused_scores(family.files, "pfnm", x, tmp_path, width_ratio=1.0)
+    for params in ({"width_ratio": 3.0}, {"width": "unlimited"},
+                   {"width_ratio": 1.5, "unobserved": "zeros"}):
+        result, scores = fused_scores(family.files, "pfnm", x, tmp_path, **params)
+        assert all(layer["one_base"] for layer in result.report["layers"])
+        np.testing.assert_allclose(scores, reference, atol=1e-4, err_msg=str(params))
+
+
 @pytest.mark.parametrize("kind", ["mlp", "bn_mlp"])
 def test_independent_clients_are_not_taken_for_one_base(foreign, kind):
     family = foreign(kind)
