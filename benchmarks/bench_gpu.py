@@ -26,7 +26,7 @@ Inputs and fused models go to ``--scratch``; the rows to ``--json-out`` and the 
 markdown, to ``--md-out`` (with ``--results-md`` also into that file between its
 ``bench_gpu`` markers; ``--from-json`` re-renders a saved run there without running).
 
-    python benchmarks/bench_gpu.py --device cuda --json-out OUT/bench_gpu.json --md-out OUT/bench_gpu.md
+    python benchmarks/bench_gpu.py --device cuda --json-out OUT/rows.json --md-out OUT/rows.md
     python benchmarks/bench_gpu.py --device cpu --methods ''   # a check of the script
     python benchmarks/bench_gpu.py --from-json OUT/bench_gpu.json --results-md benchmarks/RESULTS.md
 """
@@ -156,7 +156,8 @@ def resnet_files(folder: Path, n_clients: int) -> list[Path]:
     paths = [folder / f"resnet50-{s}.safetensors" for s in range(n_clients)]
     for s, path in enumerate(paths):
         if not path.exists():
-            state = {k: v.detach().numpy() for k, v in build_model(arch, seed=s).state_dict().items()}
+            model = build_model(arch, seed=s)
+            state = {k: v.detach().numpy() for k, v in model.state_dict().items()}
             save_checkpoint(path, state, {"fusekit.num_samples": str(1000 + s)}, force=True)
     return paths
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import bench_gpu
+
 from conftest import mlp, write
 
 

@@ -14,9 +14,9 @@ from functools import partial
 import numpy as np
 import pytest
 import torch
-from conftest import cnn, mlp, write
 
 import fusekit
+from conftest import cnn, mlp, write
 from fusekit.core.errors import ParameterError
 from fusekit.engine import matching, offload
 from fusekit.engine.offload import (
