@@ -98,7 +98,7 @@ def test_copies_of_a_base_neuron_are_equal_and_read_by_their_shares():
 
 
 class TestTransformers:
-    """Tiny GPT-2 and ViT clients: one random base, each client the base plus its own
+    """Tiny GPT-2, ViT and BERT clients: one random base, each client the base plus its own
     perturbation of every weight (a tenth of the weights' scale)."""
 
     @pytest.fixture(autouse=True)
@@ -119,7 +119,7 @@ class TestTransformers:
             folders.append(save(model, folder / f"{family}-{shared}-{s}"))
         return folders
 
-    @pytest.mark.parametrize("family", ["gpt2", "vit"])
+    @pytest.mark.parametrize("family", ["gpt2", "vit", "bert"])
     def test_fine_tuned_copies_fuse_to_the_average(self, tmp_path, family):
         from test_transformers import logits
 
