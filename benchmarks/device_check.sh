@@ -43,7 +43,8 @@ stage build $rc
 if [ $rc != 0 ]; then tail -20 "$OUT/build.log"; exit $rc; fi
 
 mapfile -t files < <(grep -l "pytest.mark.gpu" tests/test_*.py)
-timeout "$TESTS_S" "$PYTHON" -m pytest -m gpu -q -p no:cacheprovider -rs "${files[@]}" \
+timeout "$TESTS_S" "$PYTHON" -m pytest -m gpu -q -p no:cacheprovider -rs \
+    --continue-on-collection-errors "${files[@]}" \
     > "$OUT/pytest-gpu.log" 2>&1
 rc=$?
 stage "pytest -m gpu (${#files[@]} files): $(tail -1 "$OUT/pytest-gpu.log")" $rc
