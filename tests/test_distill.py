@@ -156,6 +156,36 @@ def test_convolutional_clients_need_their_image_size(tmp_path):
         fusekit.fuse(paths, method="distill", initial="avg", steps=1)
 
 
+def test_residual_clients_are_distilled_into_the_fusion_at_their_architecture(tmp_path):
+    """Two plain-torch ResNet-20s (narrow, BatchNorm statistics of their own): the student
+    is pfnm's ResNet at 1.5x, taught on images of the size asked, with every client
+    BatchNorm's statistics as the inputs' prior; without a size the method says it needs
+    one."""
+    from fusekit.core.arch import hidden_widths, named_arch
+    from fusekit.toolkit.nn.zoo import resnet20
+
+    widths = [w // 4 for w in hidden_widths(named_arch("resnet20", 3))]
+    paths = []
+    for seed in range(2):
+        torch.manual_seed(seed)
+        model = resnet20(3, in_channels=1, widths=widths)
+        for module in model.modules():
+            if isinstance(module, nn.BatchNorm2d):
+                module.running_mean.uniform_(-0.5, 0.5)
+                module.running_var.uniform_(0.5, 2.0)
+        paths.append(write(tmp_path / f"resnet{seed}.safetensors", model.eval()))
+    with pytest.raises(IncompatibleModelsError, match="image_size"):
+        fusekit.fuse(paths, method="distill", steps=1)
+    result = fusekit.fuse(paths, method="distill", image_size=8, steps=3, batch=8)
+    report = result.report["distill"]
+    assert report["input_shape"] == [1, 8, 8] and report["prior"] == "normal"
+    norms = sum(isinstance(m, nn.BatchNorm2d) for m in model.modules())
+    assert report["batchnorm_layers"] == 2 * norms  # every BatchNorm of both clients
+    assert result.widths == [w * 3 // 2 for w in widths]  # pfnm's default width, 1.5x
+    loaded = fusekit.load_fused(result.save(tmp_path / "student.safetensors"), device="cpu")
+    assert loaded(torch.zeros(2, 1, 8, 8)).shape == (2, 3)
+
+
 def test_the_method_refuses_to_run_without_its_training_stage(clients, monkeypatch):
     from fusekit import api
 

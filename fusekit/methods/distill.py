@@ -28,8 +28,7 @@ import numpy as np
 from fusekit.core import metadata as meta
 from fusekit.core.checkpoint import Checkpoint
 from fusekit.core.errors import IncompatibleModelsError, ParameterError
-from fusekit.core.spec import GraphSpec, PermutationSpec
-from fusekit.core.transformer import TransformerSpec
+from fusekit.core.spec import PermutationSpec
 from fusekit.methods.avg import class_counts_matrix, shares_of_counts
 from fusekit.methods.base import (
     METHODS,
@@ -92,6 +91,7 @@ class Distill(FusionMethod):
     name = "distill"
     summary = ("a fusion (pfnm by default) taught the clients' class-aware ensemble on "
                "synthetic inputs made from the models alone (torch)")
+    handles_groups = True  # residual networks: the student is the fusion's network
 
     @places_cost_kernels
     def fuse(
@@ -134,6 +134,10 @@ class Distill(FusionMethod):
         patience: Annotated[int, Param(
             help="stop when the disagreement on fresh batches has not reached a new low for "
             "this many steps (0: run every step)", minimum=0)] = 50,
+        image_size: Annotated[int | None, Param(
+            help="height and width of the synthetic images of convolutional models that do "
+            "not record theirs (ResNets, VGGs)", minimum=1, maximum=4096,
+            default_text="the recorded size")] = None,
         prior: Annotated[str, Param(
             help="where each batch starts: weights = random combinations of the clients' "
             "centred first-layer weight rows, scaled to unit variance per input (MLPs; "
@@ -155,7 +159,7 @@ class Distill(FusionMethod):
             width_ratio: the student's width relative to the widest client (``initial``
                 pfnm or nafi); the other initial fusions keep the clients' width.
             steps, batch, input_steps, input_lr, adversarial, batchnorm, temperature, lr,
-                proximal, patience, prior, seed, device, threads: the training's settings (see the
+                proximal, patience, image_size, prior, seed, device, threads: the training's settings (see the
                 declaration above and ALGORITHMS.md §14).
 
         Returns:
@@ -166,14 +170,10 @@ class Distill(FusionMethod):
         Raises:
             ParameterError: width_ratio for an initial fusion without one; no training stage
                 installed (import ``fusekit.toolkit``; ``fusekit.fuse`` does).
-            IncompatibleModelsError: transformers, residual networks, or models whose input
-                shape cannot be read from their checkpoints.
+            IncompatibleModelsError: convolutional models whose image size is neither
+                recorded nor given.
         """
-        if any(isinstance(s, (TransformerSpec, GraphSpec)) for s in specs):
-            raise IncompatibleModelsError(
-                f"{checkpoints[0].label}: distill synthesises inputs for MLPs and plain "
-                "convolutional networks; use pfnm for transformers and residual networks")
-        input_shape = _input_shape(checkpoints[0], specs[0])
+        input_shape = _input_shape(checkpoints[0], specs[0], image_size)
         fusion = get_method(initial)
         declared = {p.name for p in method_params(fusion)}
         options: dict[str, Any] = {"device": device} if "device" in declared else {}
@@ -195,7 +195,8 @@ class Distill(FusionMethod):
         task = DistillationTask(checkpoints, specs, student, shares, class_prior, input_shape,
                                 settings)
         state_dict, trained = _trainer[0](task)
-        params = {"initial": initial, "width_ratio": width_ratio, **settings}
+        params = {"initial": initial, "width_ratio": width_ratio, "image_size": image_size,
+                  **settings}
         report = {"initial": {"method": initial, "params": student.params,
                               **{k: v for k, v in student.report.items() if k != "layers"}},
                   "distill": trained}
@@ -213,20 +214,25 @@ def _class_shares(checkpoints: Sequence[Checkpoint], classes: int
     return shares_of_counts(counts), prior
 
 
-def _input_shape(checkpoint: Checkpoint, spec: PermutationSpec) -> tuple[int, ...]:
-    """One input's shape: an MLP's fan-in, a ConvNet's (C, H, W) from its ``fusekit.arch``.
+def _input_shape(checkpoint: Checkpoint, spec: PermutationSpec,
+                 image_size: int | None) -> tuple[int, ...]:
+    """One input's shape: an MLP's fan-in; a convolutional model's (C, H, W), H and W from
+    its ``fusekit.arch`` (a ConvNet's image_size) or else ``image_size``.
 
     Raises:
-        IncompatibleModelsError: a convolutional model whose image size is not recorded.
+        IncompatibleModelsError: a convolutional model whose image size is neither recorded
+            nor given.
     """
     arch = checkpoint.arch or {}
     if arch.get("type") == "convnet" and "image_size" in arch:
         return (int(arch["in_channels"]), *map(int, arch["image_size"]))
-    first = spec.layers[0]
-    shape = checkpoint.tensors[first.weight].shape
+    shape = checkpoint.tensors[spec.layers[0].weight].shape
     if len(shape) == 2:
         return (int(shape[1]),)
+    if image_size is not None:
+        return (int(shape[1]), image_size, image_size)
     raise IncompatibleModelsError(
-        f"{checkpoint.label}: distill needs the inputs' image size, which a convolutional "
-        f"model records in {meta.ARCH} (type convnet, image_size); found "
-        f"{json.dumps(arch) if arch else 'none'}")
+        f"{checkpoint.label}: distill needs the inputs' image size, which a ConvNet records "
+        f"in {meta.ARCH} (type convnet, image_size) and other convolutional models take from "
+        f"image_size; found {json.dumps(arch) if arch else 'no architecture'} and no "
+        "image_size")

@@ -150,6 +150,7 @@ class _Trainer:
         return {"teacher": self.teacher.rule, "steps": step, "stopped": stopped,
                 "synthetic_inputs": step * s["batch"], "data": "none",
                 "prior": "normal" if self.basis is None else "weights",
+                "batchnorm_layers": len(self.teacher.norms),
                 "input_shape": list(self.task.input_shape), "device": str(self.device),
                 "start": first, "end": last, "smoothed_disagreement": smoothed}
 
