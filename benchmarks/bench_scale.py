@@ -24,6 +24,7 @@ reported as such.
 
     python benchmarks/bench_scale.py --cases resnet50,bert --methods avg,ot,rebasin,pfnm,nafi
     python benchmarks/bench_scale.py --cases mlp,pool --scale-clients 10,100,1000
+    python benchmarks/bench_scale.py --cases resnet50 --methods pfnm --clients 3 --no-write
 """
 
 from __future__ import annotations
@@ -209,6 +210,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--scale-clients", default="10,100,1000")
     parser.add_argument("--cache", type=Path, default=Path("/tmp/fusekit-bench-scale"))
     parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--clients", type=int, default=None,
+                        help="resnet50/bert: fuse the first N clients only (default: all)")
     parser.add_argument("--label", default="", help="a name for this run in the JSON")
     args = parser.parse_args(argv)
     scratch = args.cache / "out"
@@ -222,6 +225,7 @@ def main(argv: list[str] | None = None) -> None:
                                      args.timeout)
             continue
         inputs = {"resnet50": resnet_inputs, "bert": bert_inputs}[case](args.cache)
+        inputs = inputs[: args.clients]
         rows += measure_case(case, inputs, args.methods.split(","), scratch, args.timeout)
     table = markdown(rows)
     print(table)
