@@ -7,7 +7,9 @@ inside a fork of the global random state (so neither what ran before nor the tra
 changes the other's draws). Models are initialised by ``build_model(arch, seed=...)``.
 Bitwise for a given number of CPU threads: a model above
 :data:`SINGLE_THREAD_MAX_PARAMETERS` trains on the caller's thread count, and other counts
-sum in other orders (a VGG-11 at 1/4 width: weights 2e-3 apart after one epoch).
+sum in other orders (a VGG-11 at 1/4 width: weights 2e-3 apart after one epoch). On CUDA,
+kernels that sum with atomic additions (cuDNN's weight gradients, an adaptive pooling that
+widens) add in the order the threads arrive: the same draws, weights equal to rounding.
 """
 
 from __future__ import annotations
