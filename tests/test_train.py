@@ -1,7 +1,6 @@
 """fusekit.toolkit.train: local training, determinism, FedNLR learning rates (paper Eq. 14-17)."""
 
 import math
-from functools import partial
 
 import numpy as np
 import pytest
@@ -68,10 +67,14 @@ def test_dropout_training_is_deterministic_for_a_seed_whatever_drew_before(devic
     second = trained(0)
     after = torch.get_rng_state() if device == "cpu" else torch.cuda.get_rng_state()
     assert torch.equal(after, state)  # and training leaves it as it was
-    # CUDA's atomic additions sum in arrival order: equal to rounding there (another dropout
-    # mask or data order would move the weights by far more)
-    same = torch.equal if device == "cpu" else partial(torch.allclose, rtol=1e-4, atol=1e-6)
-    assert all(same(first[k].float(), second[k].float()) for k in first)
+    for name in first:
+        if device == "cpu":
+            assert torch.equal(first[name], second[name]), name
+        else:  # CUDA adds atomically in arrival order: equal to rounding, but for what Adam
+            # steps on a gradient that is zero up to rounding (a conv's bias before its
+            # BatchNorm, and the running mean that follows it); dropout is in the classifier
+            atol = 1e-6 if name.startswith("classifier") else 1e-2
+            assert torch.allclose(first[name].float(), second[name].float(), atol=atol), name
     other = trained(1)
     assert not torch.equal(first["classifier.0.weight"], other["classifier.0.weight"])
 
