@@ -4,15 +4,18 @@ S clients of a 784-100-10 MLP drawn from a pool of 150 true neurons (bench_truth
 generative clients, saved as float32 safetensors files as bench_scale's ``pool`` case), fused
 three ways, alternating, each timed as the fastest of ``--repeats`` runs:
 
-- ``authors``: the authors' ``layer_group_descent`` (benchmarks/authors_pfnm.py, their code
-  verbatim) with the values and sweeps of their experiments (sigma = sigma0 = gamma = 1,
-  ``it=5``) on the same weights read from the files, class counts as their frequencies;
+- ``authors``: the authors' ``layer_group_descent`` (``matching/pfnm.py`` of
+  https://github.com/IBM/probabilistic-federated-neural-matching, run from a checkout of
+  theirs: ``--authors-code`` or ``$FUSEKIT_AUTHORS_PFNM``; fusekit does not redistribute it)
+  with the values and sweeps of their experiments (sigma = sigma0 = gamma = 1, ``it=5``) on
+  the same weights read from the files, class counts as their frequencies;
 - ``default``: ``fusekit.fuse(paths, "pfnm")`` from the files (estimated values, width 1.5x);
 - ``fixed``: the same with the authors' values (``--sigma 1 --sigma0 1 --gamma 1
   --variance-units absolute``).
 
-    python benchmarks/bench_authors.py                      # S = 10, 20, 30
-    python benchmarks/bench_authors.py --clients 30 --repeats 5
+    git clone https://github.com/IBM/probabilistic-federated-neural-matching pfnm-authors
+    python benchmarks/bench_authors.py --authors-code pfnm-authors/matching/pfnm.py
+    python benchmarks/bench_authors.py --authors-code ... --clients 30 --repeats 5
 
 Writes benchmarks/results/bench_authors.json and the "Against the authors' code" part of
 benchmarks/RESULTS.md.
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import io
 import os
 import tempfile
@@ -30,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from authors_pfnm import layer_group_descent
 from bench_scale import pool_inputs
 from bench_support import add_output_arguments, machine_info, write_json, write_section
 from bench_truth import AUTHORS
@@ -59,17 +62,30 @@ def authors_inputs(paths: list[Path]) -> tuple[list[list[np.ndarray]], list[np.n
     return weights, frequencies
 
 
-def run_authors(weights, frequencies) -> list[np.ndarray]:
+def authors_code(path: str | os.PathLike) -> Any:
+    """The authors' ``matching/pfnm.py``, loaded as a module from their checkout."""
+    path = Path(path)
+    if not path.is_file():
+        raise SystemExit(f"{path}: the authors' matching/pfnm.py is not there; clone "
+                         "https://github.com/IBM/probabilistic-federated-neural-matching and "
+                         "pass --authors-code CLONE/matching/pfnm.py")
+    spec = importlib.util.spec_from_file_location("authors_pfnm", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_authors(code, weights, frequencies) -> list[np.ndarray]:
     """Their fused model: [W1 (in, hidden), b1, W2 (hidden, out), b2]."""
     np.random.seed(0)  # their sweeps draw client orders from numpy's global generator
     with contextlib.redirect_stdout(io.StringIO()):  # they print every layer's width
-        return layer_group_descent(weights, frequencies, **AUTHORS_RUN)
+        return code.layer_group_descent(weights, frequencies, **AUTHORS_RUN)
 
 
-def measure(n_clients: int, cache: Path, repeats: int) -> dict[str, Any]:
+def measure(code, n_clients: int, cache: Path, repeats: int) -> dict[str, Any]:
     paths = pool_inputs(cache, n_clients)
     weights, frequencies = authors_inputs(paths)
-    runs = {"authors": lambda: run_authors(weights, frequencies),
+    runs = {"authors": lambda: run_authors(code, weights, frequencies),
             "default": lambda: fusekit.fuse(paths, method="pfnm"),
             "fixed": lambda: fusekit.fuse(paths, method="pfnm", **AUTHORS)}
     fusekit.fuse(paths[:2], method="pfnm")  # imports and first calls out of the timings
@@ -109,10 +125,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--clients", default="10,20,30", help="comma-separated S")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--build", default="this build", help="the rows' build label")
+    parser.add_argument("--authors-code", default=os.environ.get("FUSEKIT_AUTHORS_PFNM"),
+                        required="FUSEKIT_AUTHORS_PFNM" not in os.environ,
+                        help="the authors' matching/pfnm.py in a checkout of their repository")
     add_output_arguments(parser, HERE / "results" / "bench_authors.json")
     args = parser.parse_args(argv)
+    code = authors_code(args.authors_code)
     with tempfile.TemporaryDirectory() as scratch:
-        rows = [measure(int(s), Path(scratch), args.repeats) for s in args.clients.split(",")]
+        rows = [measure(code, int(s), Path(scratch), args.repeats)
+                for s in args.clients.split(",")]
     write_json(args.json_out, {"machine": machine_info(), "target_x": TARGET, "rows": rows})
     table = markdown(rows, args.build)
     print(table)
