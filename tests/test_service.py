@@ -13,6 +13,7 @@ import signal
 import socket
 import stat
 import struct
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -676,15 +677,23 @@ def test_cli_submit_waits_while_the_service_is_busy(service, admin, models, monk
     body = models[0].read_bytes()
     held = [send_partial(service, job["id"], c, job["tokens"][c], body, keep_open=True)
             for c in ("b", "c")]
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 120  # a bound on a hang, not a timing
     while put(service, job["id"], "a", job["tokens"]["a"], body).status_code != 429:
         assert time.monotonic() < deadline, "the held uploads never reached the server"
         time.sleep(0.05)
     monkeypatch.setenv("FUSEKIT_TOKEN", job["tokens"]["a"])
+    refused = threading.Event()
+    tell = Client._tell
+
+    def told(self, line: str) -> None:  # the submit's client says it waits, then waits
+        tell(self, line)
+        refused.set()
+
+    monkeypatch.setattr(Client, "_tell", told)
     with ThreadPoolExecutor(1) as pool:
         submitted = pool.submit(cli, "submit", service.url, models[1], "--job", job["id"],
                                 "--client", "a")
-        time.sleep(1.5)  # refused while both upload places are held
+        assert refused.wait(120), "the submit was never refused while both places were held"
         for sock in held:
             sock.close()
         result = submitted.result(timeout=120)
