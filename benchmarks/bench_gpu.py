@@ -278,6 +278,22 @@ def markdown(payload: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
+OUTPUT_OPTIONS = ("--json-out", "--md-out", "--results-md")
+
+
+def run_command(argv: list[str]) -> str:
+    """The run's command line as RESULTS shows it: its options, not where it wrote."""
+    kept, value_follows = [], False
+    for arg in argv:
+        if value_follows:
+            value_follows = False
+        elif arg in OUTPUT_OPTIONS:
+            value_follows = True
+        elif arg.split("=", 1)[0] not in OUTPUT_OPTIONS:
+            kept.append(arg)
+    return " ".join(["python benchmarks/bench_gpu.py", *kept])
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--child"]:
@@ -316,7 +332,7 @@ def main(argv: list[str] | None = None) -> None:
     gpu = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else None
     payload: dict[str, Any] = {
         "machine": machine_info(torch=torch.__version__, gpu=gpu, load=os.getloadavg()),
-        "device": args.device, "command": "python benchmarks/bench_gpu.py " + " ".join(argv),
+        "device": args.device, "command": run_command(argv),
         "kernels": kernel_rows(args.device, args.repeats), "fusions": []}
     json_out = args.json_out or args.scratch / "bench_gpu.json"
     md_out = args.md_out or args.scratch / "bench_gpu.md"

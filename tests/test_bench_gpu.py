@@ -36,3 +36,9 @@ def test_bench_gpu_writes_its_rows_and_tables(tmp_path, monkeypatch):
     results = tmp_path / "RESULTS.md"
     bench_gpu.main(["--from-json", str(out / "rows.json"), "--results-md", str(results)])
     assert table.strip() in results.read_text()
+
+
+def test_the_recorded_command_leaves_out_where_the_run_wrote():
+    argv = ["--device", "cuda", "--json-out", "/machine/out/a.json", "--md-out=/machine/b.md",
+            "--repeats", "3", "--results-md", "RESULTS.md"]
+    assert bench_gpu.run_command(argv) == "python benchmarks/bench_gpu.py --device cuda --repeats 3"
