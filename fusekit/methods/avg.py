@@ -82,22 +82,22 @@ def average_from_files(checkpoints: Sequence[Checkpoint], name: str, weights: np
                        buffers: Sequence[np.ndarray]) -> np.ndarray:
     """Tensor ``name`` averaged over the clients as :func:`average_tensor` does, streamed:
     each client's values are read a piece at a time into its reused buffer (at most
-    ``PIECE_BYTES``) and summed in cache-sized blocks; nothing of the clients' tensor is
-    kept and no float64 copy of it is made. A non-finite sum (any NaN or Inf among the
+    ``PIECE_BYTES``; a tensor in memory is sliced) and summed in cache-sized blocks
+    (:func:`weighted_sum`); nothing of the clients' tensor is kept and no float64 copy of it
+    is made. A non-finite sum (any NaN or Inf among the
     inputs makes one) sends the tensor through :meth:`Checkpoint.tensor`, whose check names
     the client holding it."""
     dtypes = {c.value_dtype(name) for c in checkpoints}
     dtype = dtypes.pop()
     if (dtypes or dtype.kind != "f" or is_integer_buffer(name)
-            or name.endswith(VARIANCE_SUFFIXES)  # mixed types, checked variances
-            or any(c.path is None for c in checkpoints)):  # the caller's arrays
+            or name.endswith(VARIANCE_SUFFIXES)):  # mixed types, checked variances
         fused = average_tensor([c.tensor(name) for c in checkpoints], weights, name)
         for checkpoint in checkpoints:
             checkpoint.release(name)
         return fused
     shape = checkpoints[0].tensors[name].shape
     out = np.empty(math.prod(shape), dtype=dtype)
-    scratch = np.empty((2, SUM_BLOCK))
+    scratch = np.empty((2, SUM_BLOCK), dtype=accumulator(dtype))
     first = 0
     for pieces in zip(*(c.pieces(name, PIECE_BYTES // 8, b)
                         for c, b in zip(checkpoints, buffers, strict=True)), strict=True):
@@ -113,8 +113,9 @@ def average_from_files(checkpoints: Sequence[Checkpoint], name: str, weights: np
 
 def weighted_sum(arrays: Sequence[np.ndarray], weights: np.ndarray, out: np.ndarray,
                  scratch: np.ndarray) -> None:
-    """``out = sum_s weights[s] * arrays[s]`` (1-D, equal sizes) in float64, rounded once to
-    out's dtype, ``SUM_BLOCK`` values at a time in ``scratch`` ((2, SUM_BLOCK) float64)."""
+    """``out = sum_s weights[s] * arrays[s]`` (1-D, equal sizes), ``SUM_BLOCK`` values at a
+    time in ``scratch`` ((2, SUM_BLOCK) of :func:`accumulator`'s dtype for out's dtype)."""
+    weights = weights.astype(scratch.dtype)  # a float64 weight would widen every product
     for first in range(0, len(out), SUM_BLOCK):
         stop = min(len(out), first + SUM_BLOCK)
         total, product = scratch[0, :stop - first], scratch[1, :stop - first]
@@ -122,6 +123,14 @@ def weighted_sum(arrays: Sequence[np.ndarray], weights: np.ndarray, out: np.ndar
         for weight, array in zip(weights[1:], arrays[1:], strict=True):
             total += np.multiply(array[first:stop], weight, out=product)
         out[first:stop] = total
+
+
+def accumulator(dtype: np.dtype) -> np.dtype:
+    """The dtype a weighted sum of ``dtype`` values is accumulated in: float32 for float32
+    and narrower outputs (its rounding error, a few units of float32's precision at the
+    terms' magnitude, is that of the output's own rounding; benchmarks/RESULTS.md, issue 43),
+    float64 for float64 outputs."""
+    return np.dtype(np.float32 if np.dtype(dtype).itemsize <= 4 else np.float64)
 
 
 def average_tensor(arrays: Sequence[np.ndarray], weights: np.ndarray, name: str) -> np.ndarray:
