@@ -15,6 +15,7 @@ import stat
 import struct
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -35,14 +36,15 @@ from fusekit.service.auth import admin_token_hash, token_hash
 ADMIN = secrets.token_urlsafe(32)
 NAMES = ("hospital-a", "hospital-b", "hospital-c")
 IDLE_S = 3  # seconds a test server lets an upload send nothing
-MAX_JOBS = 150  # jobs a test server keeps
 MIN_RATE = 2000  # bytes/s a test server's uploads must average after their first IDLE_S
+HANG_S = 120  # a bound on a hang: how long a test waits for what must come, at most
+MAX_JOBS = 12  # jobs big_service keeps
 
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
     data = tmp_path_factory.mktemp("service") / "data"
-    server = ServiceProcess(data, options=("--max-uploads", "2", "--max-jobs", str(MAX_JOBS),
+    server = ServiceProcess(data, options=("--max-uploads", "2",
                                            "--max-checkpoint-bytes", str(2**20),
                                            "--upload-idle-timeout", str(IDLE_S),
                                            "--upload-min-rate", str(MIN_RATE),
@@ -59,6 +61,23 @@ def models(tmp_path_factory):
     folder = tmp_path_factory.mktemp("clients")
     return [write(folder / f"{name}.safetensors", mlp((6, 5 + i, 3), seed=i),
                   num_samples=20 + i) for i, name in enumerate(NAMES)]
+
+
+@pytest.fixture(scope="module")
+def big_service(tmp_path_factory):
+    """A server for large uploads whose value checks work in 1 MiB, and for held ones: an
+    upload that sends nothing keeps its place for HANG_S, so that the uploads a test holds
+    open stay held however busy the machine is; 2 upload places and MAX_JOBS jobs, so that
+    its limits are reached in a few requests."""
+    data = tmp_path_factory.mktemp("big-service") / "data"
+    server = ServiceProcess(data, options=("--max-checkpoint-bytes", str(64 * 2**20),
+                                           "--upload-check-bytes", str(2**20),
+                                           "--max-uploads", "2", "--max-jobs", str(MAX_JOBS),
+                                           "--upload-idle-timeout", str(HANG_S)),
+                            env={"FUSEKIT_ADMIN_TOKEN": ADMIN})
+    server.start()
+    yield server
+    server.stop()
 
 
 @pytest.fixture
@@ -542,31 +561,38 @@ def test_a_trickling_upload_is_abandoned_and_frees_its_place(service, admin, mod
     assert_nothing_stored(service, admin, job["id"])
 
 
-def test_one_upload_at_a_time_per_slot(service, admin, models):
+def test_one_upload_at_a_time_per_slot(big_service, models):
     """A second upload into a slot while one is received is refused (429, Retry-After),
     and takes no place from other clients."""
-    job = admin.create_job("avg", ["a", "b"])
+    with Client(big_service.url, ADMIN) as admin:
+        job = admin.create_job("avg", ["a", "b"])
     body = models[0].read_bytes()
-    held = send_partial(service, job["id"], "a", job["tokens"]["a"], body, keep_open=True)
-    try:
-        # until the held upload has reached the server
-        response = put_until_refused(service, job, "a", body)
+    with held_uploads(big_service, job, ["a"], body):
+        response = put_until_refused(big_service, job, "a", body)
         one_line_error(response, 429, "client 'a'", "one at a time per slot")
         assert response.headers["Retry-After"] == "5"
-        assert put(service, job["id"], "b", job["tokens"]["b"], body).status_code == 201
-    finally:
-        held.close()
+        assert put(big_service, job["id"], "b", job["tokens"]["b"], body).status_code == 201
+
+
+@contextlib.contextmanager
+def held_uploads(service, job, clients, body) -> Iterator[list[socket.socket]]:
+    """Uploads of half ``body`` into the slots of ``clients``, held open until the block
+    ends (big_service keeps an idle upload for HANG_S), then hung up."""
+    with contextlib.ExitStack() as stack:
+        yield [stack.enter_context(send_partial(service, job["id"], client,
+                                                job["tokens"][client], body, keep_open=True))
+               for client in clients]
 
 
 def put_until_refused(service, job, client, body) -> httpx.Response:
-    """PUT ``body`` into ``client``'s slot until the server answers 429 (uploads it holds
-    open have reached it), for at most 10 s; the last answer."""
-    deadline = time.monotonic() + 10
-    while True:
-        response = put(service, job["id"], client, job["tokens"][client], body)
-        if response.status_code == 429 or time.monotonic() > deadline:
-            return response
+    """PUT ``body`` into ``client``'s slot until the server answers 429, which it does once
+    the uploads a test holds open have reached it (at most HANG_S); that answer."""
+    deadline = time.monotonic() + HANG_S
+    while (response := put(service, job["id"], client, job["tokens"][client], body)
+           ).status_code != 429:
+        assert time.monotonic() < deadline, "the held uploads never reached the server"
         time.sleep(0.05)
+    return response
 
 
 def read_answer(sock, seconds: float) -> bytes:
@@ -594,52 +620,46 @@ def send_partial(service, job_id, client, token, body, keep_open=False, part=Non
     return None
 
 
-def test_a_job_deleted_during_an_upload_answers_404(service, admin, models):
-    job = admin.create_job("avg", ["a"])
+def test_a_job_deleted_during_an_upload_answers_404(big_service, models):
     body = models[0].read_bytes()
-    sock = send_partial(service, job["id"], "a", job["tokens"]["a"], body, keep_open=True)
-    try:
-        deadline = time.monotonic() + 10
-        while not files_in(service.data_dir / "jobs" / job["id"] / "uploads"):
-            assert time.monotonic() < deadline, "the upload never started"
-            time.sleep(0.05)
-        admin.delete(job["id"])
-        sock.sendall(body[len(body) // 2:])
-        answer = read_answer(sock, 10).decode()  # the headers and body may come apart
-    finally:
-        sock.close()
+    with Client(big_service.url, ADMIN) as admin:
+        job = admin.create_job("avg", ["a"])
+        with held_uploads(big_service, job, ["a"], body) as (sock,):
+            deadline = time.monotonic() + HANG_S
+            while not files_in(big_service.data_dir / "jobs" / job["id"] / "uploads"):
+                assert time.monotonic() < deadline, "the upload never started"
+                time.sleep(0.05)
+            admin.delete(job["id"])
+            sock.sendall(body[len(body) // 2:])
+            answer = read_answer(sock, HANG_S).decode()  # headers and body may come apart
     assert answer.startswith("HTTP/1.1 404"), answer
     assert f"job '{job['id']}': no such job" in answer, answer
 
 
-def test_upload_and_job_limits_answer_429(service, admin, models):
-    job = admin.create_job("avg", ["a", "b", "c"])
-    body = models[0].read_bytes()
-    held = [send_partial(service, job["id"], c, job["tokens"][c], body, keep_open=True)
-            for c in ("a", "b")]
-    try:
-        # the two held uploads must have reached the server
-        response = put_until_refused(service, job, "c", body)
-        one_line_error(response, 429, "uploads", "2")
-        assert response.headers["Retry-After"] == "1"
-    finally:
-        for sock in held:
-            sock.close()
-    created = []
-    for _ in range(MAX_JOBS):  # the server keeps at most MAX_JOBS jobs
-        response = httpx.post(f"{service.url}/v1/jobs", json={"method": "avg", "clients": ["a"]},
-                              headers={"Authorization": f"Bearer {ADMIN}"})
-        if response.status_code != 201:
-            break
-        created.append(response.json()["id"])
-    one_line_error(response, 429, str(MAX_JOBS))
-    assert response.headers["Retry-After"] == "30"
-    for job_id in created:
-        admin.delete(job_id)
-    one_line_error(httpx.get(f"{service.url}/v1/jobs/{created[0]}",
+def test_upload_and_job_limits_answer_429(big_service, models):
+    with Client(big_service.url, ADMIN) as admin:
+        job = admin.create_job("avg", ["a", "b", "c"])
+        body = models[0].read_bytes()
+        with held_uploads(big_service, job, ["a", "b"], body):
+            response = put_until_refused(big_service, job, "c", body)
+            one_line_error(response, 429, "uploads", "2")
+            assert response.headers["Retry-After"] == "1"
+        created = []
+        for _ in range(MAX_JOBS):  # the server keeps at most MAX_JOBS jobs
+            response = httpx.post(f"{big_service.url}/v1/jobs",
+                                  json={"method": "avg", "clients": ["a"]},
+                                  headers={"Authorization": f"Bearer {ADMIN}"})
+            if response.status_code != 201:
+                break
+            created.append(response.json()["id"])
+        one_line_error(response, 429, str(MAX_JOBS))
+        assert response.headers["Retry-After"] == "30"
+        for job_id in created:
+            admin.delete(job_id)
+    one_line_error(httpx.get(f"{big_service.url}/v1/jobs/{created[0]}",
                              headers={"Authorization": f"Bearer {ADMIN}"}), 404)
-    assert not (service.data_dir / "jobs" / created[0]).exists()
-    assert not any((service.data_dir / "trash").iterdir())
+    assert not (big_service.data_dir / "jobs" / created[0]).exists()
+    assert not any((big_service.data_dir / "trash").iterdir())
 
 
 def test_forty_concurrent_submits_all_succeed_through_busy_answers(service, admin, models):
@@ -672,15 +692,11 @@ def test_backoff_grows_with_jitter_and_honours_retry_after():
         assert all(backoff(attempt, 40.0) >= 40.0 for _ in range(10))
 
 
-def test_cli_submit_waits_while_the_service_is_busy(service, admin, models, monkeypatch):
-    job = admin.create_job("avg", ["a", "b", "c"])
-    body = models[0].read_bytes()
-    held = [send_partial(service, job["id"], c, job["tokens"][c], body, keep_open=True)
-            for c in ("b", "c")]
-    deadline = time.monotonic() + 120  # a bound on a hang, not a timing
-    while put(service, job["id"], "a", job["tokens"]["a"], body).status_code != 429:
-        assert time.monotonic() < deadline, "the held uploads never reached the server"
-        time.sleep(0.05)
+def test_cli_submit_waits_while_the_service_is_busy(big_service, models, monkeypatch):
+    """With both upload places held, ``fusekit submit`` is refused, says that it waits, and
+    goes through once the places are free."""
+    with Client(big_service.url, ADMIN) as admin:
+        job = admin.create_job("avg", ["a", "b", "c"])
     monkeypatch.setenv("FUSEKIT_TOKEN", job["tokens"]["a"])
     refused = threading.Event()
     tell = Client._tell
@@ -691,29 +707,19 @@ def test_cli_submit_waits_while_the_service_is_busy(service, admin, models, monk
 
     monkeypatch.setattr(Client, "_tell", told)
     with ThreadPoolExecutor(1) as pool:
-        submitted = pool.submit(cli, "submit", service.url, models[1], "--job", job["id"],
-                                "--client", "a")
-        assert refused.wait(120), "the submit was never refused while both places were held"
-        for sock in held:
-            sock.close()
-        result = submitted.result(timeout=120)
+        with held_uploads(big_service, job, ["b", "c"], models[0].read_bytes()):
+            put_until_refused(big_service, job, "a", models[0].read_bytes())  # places held
+            submitted = pool.submit(cli, "submit", big_service.url, models[1], "--job",
+                                    job["id"], "--client", "a")
+            refused_while_held = refused.wait(HANG_S)
+        result = submitted.result(timeout=HANG_S)  # the places are free again
+    assert refused_while_held, "the submit was never refused while both places were held"
     assert result.exit_code == 0, result.output
     assert "client a: submit: the service is busy (HTTP 429); trying again in" in result.stderr
     assert result.stderr.count("submit: the service is busy") == result.stderr.count(
         "client a: submit: the service is busy"), result.stderr  # each wait said once
-    assert admin.status(job["id"])["slots"]["a"]["sha256"] == sha256(models[1])
-
-
-@pytest.fixture(scope="module")
-def big_service(tmp_path_factory):
-    """A server for large uploads whose value checks work in 1 MiB."""
-    data = tmp_path_factory.mktemp("big-service") / "data"
-    server = ServiceProcess(data, options=("--max-checkpoint-bytes", str(64 * 2**20),
-                                           "--upload-check-bytes", str(2**20)),
-                            env={"FUSEKIT_ADMIN_TOKEN": ADMIN})
-    server.start()
-    yield server
-    server.stop()
+    with Client(big_service.url, ADMIN) as admin:
+        assert admin.status(job["id"])["slots"]["a"]["sha256"] == sha256(models[1])
 
 
 def test_a_large_tensor_is_checked_within_the_memory_budget(big_service, tmp_path):
