@@ -7,7 +7,9 @@ every client carries class counts, else the softmax average), and the inputs are
 fresh for every step (in the span of the clients' first-layer weights for MLPs, else from a
 standard normal) and moved a few steps toward what the teacher
 answers confidently and the student gets wrong (DeepInversion, CVPR 2020; DENSE, NeurIPS
-2022), with the clients' BatchNorm statistics as a prior where they have BatchNorm.
+2022), with the clients' BatchNorm statistics as a prior where they have BatchNorm. A GPT-2
+language model's inputs are token sequences sampled from the ensemble instead (a share of
+the tokens uniform); a ViT's are pixel values drawn and moved like any image.
 
 The server uses the client checkpoints' tensors and their class counts; no data of any
 kind. This module declares the method and runs the initial fusion (torch-free); the
@@ -29,6 +31,7 @@ from fusekit.core import metadata as meta
 from fusekit.core.checkpoint import Checkpoint
 from fusekit.core.errors import IncompatibleModelsError, ParameterError
 from fusekit.core.spec import PermutationSpec
+from fusekit.core.transformer import TransformerSpec
 from fusekit.methods.avg import class_counts_matrix, shares_of_counts
 from fusekit.methods.base import (
     METHODS,
@@ -92,6 +95,7 @@ class Distill(FusionMethod):
     summary = ("a fusion (pfnm by default) taught the clients' class-aware ensemble on "
                "synthetic inputs made from the models alone (torch)")
     handles_groups = True  # residual networks: the student is the fusion's network
+    handles_transformers = True  # ViTs and GPT-2 language models (ALGORITHMS §14)
 
     @places_cost_kernels
     def fuse(
@@ -138,6 +142,15 @@ class Distill(FusionMethod):
             help="height and width of the synthetic images of convolutional models that do "
             "not record theirs (ResNets, VGGs)", minimum=1, maximum=4096,
             default_text="the recorded size")] = None,
+        sequence_length: Annotated[int | None, Param(
+            help="tokens in each synthetic sequence of a language model (GPT-2), sampled "
+            "from the clients' ensemble", minimum=2, maximum=65_536,
+            default_text="the model's n_positions")] = None,
+        exploration: Annotated[float, Param(
+            help="share of the tokens of a language model's synthetic sequences drawn "
+            "uniformly from the vocabulary instead of from the clients' ensemble (diversity: "
+            "clients trained on answers alone repeat their prompts' tokens)", minimum=0,
+            maximum=1)] = 0.5,
         prior: Annotated[str, Param(
             help="where each batch starts: weights = random combinations of the clients' "
             "centred first-layer weight rows, scaled to unit variance per input (MLPs; "
@@ -159,8 +172,10 @@ class Distill(FusionMethod):
             width_ratio: the student's width relative to the widest client (``initial``
                 pfnm or nafi); the other initial fusions keep the clients' width.
             steps, batch, input_steps, input_lr, adversarial, batchnorm, temperature, lr,
-                proximal, patience, image_size, prior, seed, device, threads: the training's settings (see the
-                declaration above and ALGORITHMS.md §14).
+                proximal, patience, image_size, sequence_length, exploration, prior, seed,
+                device,
+                threads: the training's settings (see the declaration above and
+                ALGORITHMS.md §14).
 
         Returns:
             FusionResult of the student (the initial fusion's widths and architecture);
@@ -173,7 +188,7 @@ class Distill(FusionMethod):
             IncompatibleModelsError: convolutional models whose image size is neither
                 recorded nor given.
         """
-        input_shape = _input_shape(checkpoints[0], specs[0], image_size)
+        input_shape = _input_shape(checkpoints[0], specs[0], image_size, sequence_length)
         fusion = get_method(initial)
         declared = {p.name for p in method_params(fusion)}
         options: dict[str, Any] = {"device": device} if "device" in declared else {}
@@ -189,14 +204,14 @@ class Distill(FusionMethod):
         settings = {"steps": steps, "batch": batch, "input_steps": input_steps,
                     "input_lr": input_lr, "adversarial": adversarial, "batchnorm": batchnorm,
                     "temperature": temperature, "lr": lr, "proximal": proximal,
-                    "patience": patience, "prior": prior, "seed": seed, "device": device,
-                    "threads": threads}
-        shares, class_prior = _class_shares(checkpoints, specs[0].out_features)
+                    "patience": patience, "exploration": exploration, "prior": prior,
+                    "seed": seed, "device": device, "threads": threads}
+        shares, class_prior = _class_shares(checkpoints, _classes(checkpoints[0], specs[0]))
         task = DistillationTask(checkpoints, specs, student, shares, class_prior, input_shape,
                                 settings)
         state_dict, trained = _trainer[0](task)
         params = {"initial": initial, "width_ratio": width_ratio, "image_size": image_size,
-                  **settings}
+                  "sequence_length": sequence_length, **settings}
         report = {"initial": {"method": initial, "params": student.params,
                               **{k: v for k, v in student.report.items() if k != "layers"}},
                   "distill": trained}
@@ -214,15 +229,29 @@ def _class_shares(checkpoints: Sequence[Checkpoint], classes: int
     return shares_of_counts(counts), prior
 
 
-def _input_shape(checkpoint: Checkpoint, spec: PermutationSpec,
-                 image_size: int | None) -> tuple[int, ...]:
+def _classes(checkpoint: Checkpoint, spec: PermutationSpec | TransformerSpec) -> int:
+    """The teacher's outputs: classes, or a language model's vocabulary."""
+    if not isinstance(spec, TransformerSpec):
+        return spec.out_features
+    config = checkpoint.config or {}
+    if config.get("model_type") == "gpt2":
+        return int(config["vocab_size"])
+    return int(checkpoint.tensors["classifier.weight"].shape[0])
+
+
+def _input_shape(checkpoint: Checkpoint, spec: PermutationSpec | TransformerSpec,
+                 image_size: int | None, sequence_length: int | None) -> tuple[int, ...]:
     """One input's shape: an MLP's fan-in; a convolutional model's (C, H, W), H and W from
-    its ``fusekit.arch`` (a ConvNet's image_size) or else ``image_size``.
+    its ``fusekit.arch`` (a ConvNet's image_size) or else ``image_size``; a ViT's (C, H, W)
+    from its config.json; a GPT-2's (tokens,), ``sequence_length`` or its n_positions.
 
     Raises:
         IncompatibleModelsError: a convolutional model whose image size is neither recorded
-            nor given.
+            nor given; a transformer that is neither a ViT nor a GPT-2 language model; a
+            sequence longer than the model's positions.
     """
+    if isinstance(spec, TransformerSpec):
+        return _transformer_input_shape(checkpoint, spec, sequence_length)
     arch = checkpoint.arch or {}
     if arch.get("type") == "convnet" and "image_size" in arch:
         return (int(arch["in_channels"]), *map(int, arch["image_size"]))
@@ -236,3 +265,26 @@ def _input_shape(checkpoint: Checkpoint, spec: PermutationSpec,
         f"in {meta.ARCH} (type convnet, image_size) and other convolutional models take from "
         f"image_size; found {json.dumps(arch) if arch else 'no architecture'} and no "
         "image_size")
+
+
+def _transformer_input_shape(checkpoint: Checkpoint, spec: TransformerSpec,
+                             sequence_length: int | None) -> tuple[int, ...]:
+    """A ViT's pixel values (C, H, W) or a GPT-2 language model's token sequence (L,)."""
+    config = checkpoint.config or {}
+    names = config.get("architectures") or []
+    if spec.family == "vit" and "classifier.weight" in checkpoint.tensors:
+        size = config.get("image_size", 224)
+        height, width = (size, size) if isinstance(size, int) else size
+        return (int(config.get("num_channels", 3)), int(height), int(width))
+    if spec.family == "gpt2" and names[:1] == ["GPT2LMHeadModel"]:
+        positions = int(config.get("n_positions", 1024))
+        length = positions if sequence_length is None else sequence_length
+        if length > positions:
+            raise IncompatibleModelsError(
+                f"{checkpoint.label}: sequence_length {length} exceeds the model's "
+                f"n_positions {positions}; expected at most {positions}")
+        return (length,)
+    raise IncompatibleModelsError(
+        f"{checkpoint.label}: distill synthesises pixel values for ViT classifiers and "
+        "samples token sequences from GPT-2 language models (GPT2LMHeadModel); found a "
+        f"{spec.family} model ({', '.join(names) or 'config.json names no class'})")

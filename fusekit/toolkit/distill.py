@@ -32,6 +32,7 @@ from fusekit.core import metadata as meta
 from fusekit.core import progress
 from fusekit.methods.distill import DistillationTask
 from fusekit.toolkit.nn.fused import build_plain_model
+from fusekit.toolkit.nn.hf import ClassifierLogits, model_from_tensors, saved_state_dict
 from fusekit.toolkit.train import resolve_device
 
 log = logging.getLogger(__name__)
@@ -65,8 +66,9 @@ def train_student(task: DistillationTask) -> tuple[dict[str, np.ndarray], dict[s
     trainer = _Trainer(teacher, student, task, device)
     with _cpu_threads(settings["threads"] if device.type == "cpu" else None):
         report = trainer.run()
-    state = {name: _like(value, task.student.state_dict[name])
-             for name, value in student.state_dict().items()}
+    trained = saved_state_dict(student.model) if task.student.config else student.state_dict()
+    state = {name: _like(trained[name], reference)
+             for name, reference in task.student.state_dict.items()}
     return state, report
 
 
@@ -121,6 +123,8 @@ class _Trainer:
         self.optimizer = torch.optim.Adam(student.parameters(), lr=s["lr"])
         self.start = [p.detach().clone() for p in student.parameters()]
         self.basis = _input_basis(task, device)
+        #: a language model's inputs are token sequences sampled from the teacher
+        self.tokens = (task.clients[0].config or {}).get("model_type") == "gpt2"
 
     def run(self) -> dict[str, Any]:
         s = self.settings
@@ -128,7 +132,7 @@ class _Trainer:
         first = last = None
         step = 0
         for step in range(1, s["steps"] + 1):
-            x, labels = self._synthetic_batch()
+            x = self._synthetic_batch()
             measured = self._student_step(x)
             first = first or measured
             last = measured
@@ -149,14 +153,17 @@ class _Trainer:
                  self.teacher.rule, first["disagreement"], last["disagreement"])
         return {"teacher": self.teacher.rule, "steps": step, "stopped": stopped,
                 "synthetic_inputs": step * s["batch"], "data": "none",
-                "prior": "normal" if self.basis is None else "weights",
+                "prior": ("sampled from the teacher" if self.tokens
+                          else "normal" if self.basis is None else "weights"),
                 "batchnorm_layers": len(self.teacher.norms),
                 "input_shape": list(self.task.input_shape), "device": str(self.device),
                 "start": first, "end": last, "smoothed_disagreement": smoothed}
 
-    def _synthetic_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def _synthetic_batch(self) -> torch.Tensor:
         """Fresh inputs from the prior, moved toward confident, disputed, BatchNorm-like ones."""
         s = self.settings
+        if self.tokens:
+            return self._sampled_sequences()
         labels = torch.multinomial(self.prior, s["batch"], replacement=True,
                                    generator=self.generator)
         if self.basis is None:
@@ -180,7 +187,24 @@ class _Trainer:
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-        return x.detach(), labels
+        return x.detach()
+
+    @torch.no_grad()
+    def _sampled_sequences(self) -> torch.Tensor:
+        """Token sequences sampled a token at a time from the teacher mixed with the uniform
+        distribution (weight ``exploration``), the first uniformly (nothing in the models
+        says how a sequence starts)."""
+        batch, length = self.settings["batch"], self.task.input_shape[0]
+        uniform = self.settings["exploration"]
+        vocabulary = len(self.prior)
+        x = torch.empty((batch, length), dtype=torch.long, device=self.device)
+        x[:, 0] = torch.randint(vocabulary, (batch,), generator=self.generator,
+                                device=self.device)
+        for t in range(1, length):
+            last = self.teacher.log_probs(x[:, :t]).view(batch, t, vocabulary)[:, -1]
+            probs = (1 - uniform) * last.exp() + uniform / vocabulary
+            x[:, t] = torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
+        return x
 
     def _student_step(self, x: torch.Tensor) -> dict[str, float]:
         """One KL step of the student; the disagreement and agreement it had on ``x``."""
@@ -221,9 +245,11 @@ def weight_basis(first_layers: Sequence[np.ndarray]) -> torch.Tensor:
 def _input_basis(task: DistillationTask, device: torch.device) -> torch.Tensor | None:
     """:func:`weight_basis` of MLP clients with the ``weights`` prior, else None (N(0, I);
     a convolutional model's first weights are filters, not inputs)."""
+    if task.settings["prior"] != "weights" or task.clients[0].config is not None:
+        return None
     first = [c.tensor(spec.layers[0].weight) for c, spec in zip(task.clients, task.specs,
                                                                    strict=True)]
-    if task.settings["prior"] != "weights" or first[0].ndim != 2:
+    if first[0].ndim != 2:
         return None
     return weight_basis(first).to(device)
 
@@ -248,6 +274,9 @@ def _kl(target_log_probs: torch.Tensor, student_logits: torch.Tensor) -> torch.T
 
 
 def _client_module(checkpoint: Any, spec: Any) -> nn.Module:
+    if checkpoint.config is not None:
+        return ClassifierLogits(model_from_tensors(checkpoint.config, checkpoint.state_dict(),
+                                                   checkpoint.label))
     spec_json = spec.to_json() if checkpoint.arch is None else None
     return build_plain_model(checkpoint.state_dict(), checkpoint.arch, spec_json,
                              checkpoint.label)
@@ -255,6 +284,9 @@ def _client_module(checkpoint: Any, spec: Any) -> nn.Module:
 
 def _student_module(task: DistillationTask) -> nn.Module:
     result = task.student
+    if result.config is not None:
+        return ClassifierLogits(model_from_tensors(
+            result.config, result.state_dict, f"the initial {result.method} fusion"))
     arch = result.metadata.get(meta.ARCH)
     return build_plain_model(result.state_dict, json.loads(arch) if arch else None,
                              result.spec.to_json(), f"the initial {result.method} fusion")

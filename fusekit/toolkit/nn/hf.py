@@ -75,15 +75,17 @@ def _transformers(label: str) -> Any:
 
 
 class ClassifierLogits(nn.Module):
-    """A transformers classifier as a module from its one input tensor (``pixel_values``
-    or ``input_ids``) to logits (batch, classes): how an AMS artefact runs it."""
+    """A transformers model as a module from its one input tensor (``pixel_values`` or
+    ``input_ids``) to logits (answers, classes): a classifier's (batch, classes), a
+    language model's every position as one row (batch x tokens, vocabulary). How an AMS
+    artefact runs a classifier and distillation its teacher and student."""
 
     def __init__(self, model: nn.Module):
         super().__init__()
         self.model = model
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model(**{self.model.main_input_name: x}).logits
+        return self.model(**{self.model.main_input_name: x}).logits.flatten(0, -2)
 
 
 def classifier_from_tensors(config: Mapping[str, Any], tensors: Mapping[str, np.ndarray],
@@ -111,6 +113,16 @@ def model_from_tensors(config: Mapping[str, Any], tensors: Mapping[str, np.ndarr
         except (OSError, ValueError, RuntimeError) as exc:
             raise CheckpointError(f"{label}: transformers cannot load it as the model its "
                                   f"config describes ({str(exc).splitlines()[0]})") from None
+
+
+def saved_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's tensors under the names ``save_pretrained`` writes (transformers 5
+    renames some modules in memory; tied weights appear once)."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers before 5 saves tensors under their own names
+        return model.state_dict()
+    return revert_weight_conversion(model, model.state_dict())
 
 
 def modules_by_saved_name(model: nn.Module) -> dict[str, nn.Module]:
