@@ -15,10 +15,13 @@ import pytest
 transformers = pytest.importorskip("transformers", reason="the [hf] extra is not installed")
 torch = pytest.importorskip("torch")
 
+from test_service import HANG_S, NAMES, admin, service  # noqa: E402, F401
+from test_service_calibration import assert_same_tensors  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
 import fusekit  # noqa: E402
 from fusekit._cli.app import app  # noqa: E402
+from fusekit.client import Client  # noqa: E402
 from fusekit.core.errors import IncompatibleModelsError  # noqa: E402
 from fusekit.toolkit.nn.hf import load_pretrained  # noqa: E402
 
@@ -164,3 +167,26 @@ def test_cli_distils_model_folders_into_a_folder_transformers_loads(family_clien
     assert report["report"]["distill"]["steps"] == 3
     model = load_pretrained(out)
     assert log_probs(model, family, held_out_inputs(family)[:4]).isfinite().all()
+
+
+def test_a_service_job_distils_transformer_clients_as_the_library_does(service, admin,  # noqa: F811
+                                                                       tmp_path):
+    """A distill job of two ViT clients given their config.json, on a real server with its
+    workers: the result downloads as a model folder with the library's student, tensor for
+    tensor."""
+    names = NAMES[:2]
+    folders = [tiny_client("vit", tmp_path / name, seed=i) for i, name in enumerate(names)]
+    spec = fusekit.api.client_spec(fusekit.load_checkpoint(folders[0]), None).to_json()
+    config = json.loads((folders[0] / "config.json").read_text())
+    params = {"steps": 3, "batch": 8}
+    job = admin.create_job("distill", list(names), params=params, spec=spec, auto_run=True,
+                           config=config)
+    for name, folder in zip(names, folders, strict=True):
+        with Client(service.url, job["tokens"][name]) as client:
+            client.submit(job["id"], name, folder / "model.safetensors")
+    state = admin.wait(job["id"], timeout=HANG_S, every=0.1)
+    assert state["state"] == "succeeded", state
+    result = admin.result(job["id"], tmp_path / "result")
+    assert_same_tensors(result / "model.safetensors",
+                        fusekit.fuse(folders, method="distill", **params).state_dict)
+    assert load_pretrained(result).config.intermediate_size == 36  # pfnm's 1.5x of 24

@@ -17,6 +17,7 @@ lives in the job store, so a message lost with a killed worker is found again by
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import json
@@ -156,7 +157,7 @@ def _fuse(store: JobStore, job: dict[str, Any], attempt: int, run: Path, memory:
     _check_memory(job, paths, memory)
     store.update(job["id"], attempt, progress="fusing")
     report = _apart(store, job, attempt, _fusion, [str(p) for p in paths], job["method"],
-                    job["spec"], job["params"], str(run / RESULT))
+                    job["spec"], job["params"], str(run / RESULT), job.get("config"))
     if report is None or not store.update(job["id"], attempt, progress="writing the result"):
         return {"state": "cancelled"}
     config = _fused_config(job, run / RESULT)
@@ -379,12 +380,17 @@ def _child(sender: Connection, work, *args: Any) -> None:
 
 
 def _fusion(paths: list[str], method: str, spec: Any, params: dict[str, Any],
-            output: str) -> str:
-    """Fuse, write ``output``; the report as ``fusekit fuse --json`` prints it."""
+            output: str, config: dict[str, Any] | None = None) -> str:
+    """Fuse, write ``output``; the report as ``fusekit fuse --json`` prints it. A
+    transformer job's ``config`` goes with every client, as it would in its model folder
+    (distill runs the clients as transformers models); ``output`` stays the tensors file,
+    the job writes the fused config.json beside it."""
+    inputs = [load_checkpoint(p) if config is None
+              else dataclasses.replace(load_checkpoint(p), config=dict(config)) for p in paths]
     start = time.perf_counter()
-    result = fusekit.fuse(paths, method=method, spec=spec, **params)
+    result = fusekit.fuse(inputs, method=method, spec=spec, **params)
     seconds = time.perf_counter() - start
-    result.save(output, force=True)
+    dataclasses.replace(result, config=None).save(output, force=True)
     return json.dumps(fusion_summary(result, RESULT, seconds), default=rounds.jsonable)
 
 
