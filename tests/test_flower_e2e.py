@@ -16,6 +16,7 @@ Deselect with ``-m "not flower_e2e"``."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import re
@@ -23,7 +24,11 @@ import shutil
 import signal
 import subprocess
 import textwrap
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import pytest
@@ -44,6 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 APP = ROOT / "examples" / "flower"
 
 pytestmark = pytest.mark.flower_e2e
+T = TypeVar("T")
 #: The example ClientApp's query handler, after which the tests' apps insert their faults.
 QUERY_HANDLER = ("    data = task.dataset()\n    indices = task.node_indices(context.run_config, "
                  "context.node_config, data)\n    return Message(statistics_reply(")
@@ -51,13 +57,15 @@ QUERY_HANDLER = ("    data = task.dataset()\n    indices = task.node_indices(con
 
 @pytest.fixture
 def progress(request):
-    """Writes a line to the terminal at once, output capture or not."""
+    """Writes a line to the terminal at once, output capture or not (one line at a time:
+    runs side by side write from their threads)."""
     plugins = request.config.pluginmanager
     reporter, capture = plugins.get_plugin("terminalreporter"), plugins.get_plugin(
         "capturemanager")
+    one_at_a_time = threading.Lock()
 
     def write(line: str) -> None:
-        with capture.global_and_fixture_disabled():
+        with one_at_a_time, capture.global_and_fixture_disabled():
             reporter.write_line(f"    [flower] {line}")
 
     return write
@@ -88,11 +96,22 @@ class Federation:
             assert not groups_with_env("FLWR_HOME", str(federation.home))
 
 
-def run(federation: LocalFederation, app: Path, config: dict, progress, timeout=900):
+def run(federation: LocalFederation, app: Path, config: dict, progress, timeout=900,
+        label: str = ""):
     """The run's output; ``timeout`` only bounds a run that hangs: the Flower page's app
-    took 467 s on two cores running five federations and other tests at a load of 25."""
-    progress(f"flwr run {app.name} {config}")
-    return federation.run(app, config, timeout=timeout, on_line=progress_lines(progress))
+    took 467 s on two cores running five federations and other tests at a load of 25.
+    ``label`` starts its progress lines (runs that go on side by side)."""
+    progress(f"{label}flwr run {app.name} {config}")
+    return federation.run(app, config, timeout=timeout,
+                          on_line=progress_lines(lambda line: progress(label + line)))
+
+
+def side_by_side(*runs: Callable[[], T]) -> list[Future[T]]:
+    """``runs`` (independent runs on one federation) started at once, each in a thread of
+    its own; their futures once every one has ended, in order."""
+    with ThreadPoolExecutor(len(runs)) as pool:
+        futures = [pool.submit(one) for one in runs]
+    return futures
 
 
 def readme_app(folder: Path) -> Path:
@@ -113,16 +132,17 @@ def readme_app(folder: Path) -> Path:
 
 
 def test_three_nodes_run_the_example_by_avg_and_by_pfnm(tmp_path, progress):
+    """Two runs side by side on one federation: the nodes answer both."""
     with Federation(tmp_path / "federation", 3, progress) as federation:
-        results = {}
-        for method, evaluate in (("avg", 0.0), ("pfnm", 1.0)):
-            result_file = tmp_path / f"{method}.json"
-            run(federation, APP, {"method": method, "epochs": 10,
-                                  "fraction-evaluate": evaluate,
-                                  "result-file": str(result_file)}, progress)
-            results[method] = json.loads(result_file.read_text())
-
-    avg, pfnm = results["avg"], results["pfnm"]
+        for done in side_by_side(*(
+                functools.partial(run, federation, APP, {
+                    "method": method, "epochs": 10, "fraction-evaluate": evaluate,
+                    "result-file": str(tmp_path / f"{method}.json")}, progress,
+                    label=f"{method}: ")
+                for method, evaluate in (("avg", 0.0), ("pfnm", 1.0)))):
+            done.result()
+    avg, pfnm = (json.loads((tmp_path / f"{method}.json").read_text())
+                 for method in ("avg", "pfnm"))
     assert avg["hidden_widths"] == [100]
     assert pfnm["hidden_widths"] == [150]  # the default fused width: 1.5 × the widest node
     assert pfnm["accuracy"] > avg["accuracy"] + 0.05
@@ -183,14 +203,20 @@ def assert_running_statistics_are_the_nodes_pooled(model, app: Path) -> None:
 def test_one_node_a_round_that_cannot_fuse_and_a_run_that_cannot_finish(tmp_path, progress):
     """One reply is fewer than the two a round fuses: the round fails and the run hands
     back the initial model. Two nodes required, one started: the ServerApp would wait for
-    ever; the run is stopped on the SuperLink at its timeout."""
+    ever; the run is stopped on the SuperLink at its timeout, the other run, beside it,
+    going on."""
     with Federation(tmp_path / "federation", 1, progress) as federation:
         result_file, model_file = tmp_path / "one.json", tmp_path / "one.safetensors"
-        run(federation, APP, {"min-nodes": 1, "epochs": 1, "fraction-evaluate": 0.0,
-                              "result-file": str(result_file),
-                              "model-file": str(model_file)}, progress)
+        one, waiting = side_by_side(
+            functools.partial(run, federation, APP, {
+                "min-nodes": 1, "epochs": 1, "fraction-evaluate": 0.0,
+                "result-file": str(result_file), "model-file": str(model_file)}, progress,
+                label="one node: "),
+            functools.partial(run, federation, APP, {"min-nodes": 2}, progress, timeout=20,
+                              label="two nodes: "))
+        one.result()
         with pytest.raises(subprocess.TimeoutExpired):
-            run(federation, APP, {"min-nodes": 2}, progress, timeout=20)
+            waiting.result()
         assert sorted(r["status"] for r in federation.runs()) == ["finished:completed",
                                                                    "finished:stopped"]
     result = json.loads(result_file.read_text())

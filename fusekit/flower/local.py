@@ -39,8 +39,8 @@ CONNECTION = "fusekit-local"
 PROGRESS = re.compile(r"\[ROUND|configure_(train|evaluate)|round \d+: |fusekit |left out|"
                       r"failed|ERROR|WARNING")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
-#: The line of ``flwr run`` once the SuperLink has the run.
-STARTED = re.compile(r"Successfully started run \d+")
+#: The line of ``flwr run`` once the SuperLink has the run, with the run's id.
+STARTED = re.compile(r"Successfully started run (\d+)")
 
 
 def progress_lines(write: Callable[[str], None]) -> Callable[[str], None]:
@@ -173,7 +173,8 @@ class LocalFederation:
     def run(self, app: str | os.PathLike[str], run_config: Mapping[str, Any] | None = None,
             timeout: float = 600.0, on_line: Callable[[str], None] | None = None
             ) -> subprocess.CompletedProcess[str]:
-        """``flwr run <app> --stream`` on this federation; its output is returned.
+        """``flwr run <app> --stream`` on this federation; its output is returned. Runs
+        are independent: several may go on at once (each from a thread of its own).
 
         Args:
             timeout: seconds the run may take once the SuperLink has started it (``flwr
@@ -183,14 +184,15 @@ class LocalFederation:
 
         Raises:
             subprocess.TimeoutExpired: the run took longer than ``timeout`` (the run is
-                stopped on the SuperLink after the ``flwr`` process group is ended).
+                stopped on the SuperLink after the ``flwr`` process group is ended; the
+                other runs go on).
             RuntimeError: ``flwr run`` failed (its output is in the message).
         """
         command = ["flwr", "run", str(app), CONNECTION, "--stream"]
         for key, value in (run_config or {}).items():
             command += ["--run-config", f"{key}={toml_value(value)}"]
         lines: list[str] = []
-        started = threading.Event()
+        started = _Started()
         with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True, env=self.env, start_new_session=True) as process:
             reader = threading.Thread(target=_read_lines, daemon=True,
@@ -204,7 +206,7 @@ class LocalFederation:
                 process.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
                 end_groups([process])  # first, so that it submits nothing more
-                self._stop_unfinished_runs()
+                self._stop_runs(started.run_id)
                 raise
             finally:
                 reader.join(timeout=10)
@@ -218,15 +220,18 @@ class LocalFederation:
         ``status`` such as ``finished:completed`` or ``finished:stopped``, ...)."""
         return json.loads(self._flwr("ls", CONNECTION, "--format", "json").stdout)["runs"]
 
-    def _stop_unfinished_runs(self) -> None:
-        """Stop on the SuperLink every run that has not finished: ending ``flwr run`` alone
-        would leave its ServerApp waiting there (this federation runs one app at a time)."""
+    def _stop_runs(self, run_id: str | None) -> None:
+        """Stop run ``run_id`` on the SuperLink: ending ``flwr run`` alone would leave its
+        ServerApp waiting there. Without the id (``flwr run`` ended before it printed it),
+        every run that has not finished."""
         try:
-            for run in self.runs():
-                if not str(run["status"]).startswith("finished"):
-                    self._flwr("stop", str(run["run-id"]), CONNECTION)
+            ids = [run_id] if run_id is not None else [
+                str(run["run-id"]) for run in self.runs()
+                if not str(run["status"]).startswith("finished")]
+            for unfinished in ids:
+                self._flwr("stop", unfinished, CONNECTION)
         except (subprocess.SubprocessError, OSError, ValueError, KeyError) as exc:
-            log.warning("could not stop the unfinished runs: %s", exc)
+            log.warning("could not stop run %s: %s", run_id or "(every unfinished one)", exc)
 
     def _flwr(self, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
         return subprocess.run(["flwr", *args], capture_output=True, text=True, env=self.env,
@@ -247,11 +252,18 @@ class LocalFederation:
         return groups_with_env("FLWR_HOME", str(self.home)) - {os.getpgrp()}
 
 
+class _Started(threading.Event):
+    """Set once ``flwr run`` has printed that the SuperLink has the run, whose id it keeps."""
+
+    run_id: str | None = None
+
+
 def _read_lines(stream: Any, lines: list[str], on_line: Callable[[str], None] | None,
-                started: threading.Event) -> None:
+                started: _Started) -> None:
     for line in stream:
         lines.append(line)
-        if STARTED.search(line):
+        if match := STARTED.search(line):
+            started.run_id = match.group(1)
             started.set()
         if on_line is not None:
             on_line(line.rstrip("\n"))
