@@ -138,6 +138,41 @@ def test_sequences_sample_the_tokens_the_ensemble_predicts(tmp_path, monkeypatch
     assert len(torch.cat(sampled)[:, 0].unique()) > 1
 
 
+def test_pixels_stay_in_the_range_the_image_processor_gives(tmp_path, monkeypatch):
+    """A folder's preprocessor_config.json (pixels / 255, then (x - 0.5) / 0.25) bounds
+    every synthetic image to [-2, 2], before and after each input step; a processor with
+    an unusable std is refused, naming the folder and the file."""
+    from fusekit.toolkit.distill import _Trainer
+
+    clients = [tiny_client("vit", tmp_path / f"c{s}", seed=s) for s in range(2)]
+    processor = {"do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+                 "image_mean": [0.5], "image_std": [0.25]}
+    for folder in clients:
+        (folder / "preprocessor_config.json").write_text(json.dumps(processor))
+    drawn = []
+    original = _Trainer._synthetic_batch
+
+    def keep(self):
+        drawn.append(original(self))
+        return drawn[-1]
+
+    monkeypatch.setattr(_Trainer, "_synthetic_batch", keep)
+    result = fusekit.fuse(clients, method="distill", steps=4, batch=64, input_lr=5.0)
+    assert result.report["distill"]["pixel_range"] == [[-2.0], [2.0]]
+    x = torch.cat(drawn)
+    assert x.min() == -2 and x.max() == 2  # N(0, I) and large steps reach both bounds
+    processor["image_std"] = [0.5]
+    (clients[0] / "preprocessor_config.json").write_text(json.dumps(processor))
+    with pytest.raises(IncompatibleModelsError, match=r"c\d: its preprocessor_config.json "
+                       r"gives pixels in \[\[-\d.0\], \[\d.0\]\]; .*c\d's in .*same inputs"):
+        fusekit.fuse(clients, method="distill", steps=1)
+    processor["image_std"] = [0.0]
+    (clients[0] / "preprocessor_config.json").write_text(json.dumps(processor))
+    with pytest.raises(fusekit.core.errors.CheckpointError,
+                       match=r"c0: preprocessor_config.json image_std: expected positive"):
+        fusekit.fuse(clients, method="distill", steps=1)
+
+
 def test_transformers_distill_cannot_train_are_refused_in_one_line(tmp_path):
     gpt2 = [tiny_client("gpt2", tmp_path / f"g{s}", seed=s) for s in range(2)]
     with pytest.raises(IncompatibleModelsError, match="sequence_length 11 exceeds the "

@@ -80,6 +80,8 @@ WIDENED_DTYPES = ("BF16", "F8_E4M3", "F8_E5M2")
 HF_CONFIG = "config.json"
 HF_WEIGHTS = "model.safetensors"
 HF_INDEX = "model.safetensors.index.json"
+#: An image model's processor settings beside its config (image_mean, image_std, ...).
+HF_PROCESSOR = "preprocessor_config.json"
 # Integer buffers older transformers saved with the weights (BERT's position_ids): indices
 # the model rebuilds, read past in a model folder rather than refused as non-weights.
 DERIVED_BUFFERS = ("position_ids",)
@@ -568,6 +570,25 @@ def _read_header(path: Path) -> Checkpoint:
                 tensors[name] = TensorInfo(sl.get_dtype(), tuple(sl.get_shape()))
         offsets = _data_offsets(path, header_len)
     return Checkpoint(path=path, metadata=metadata, tensors=tensors, _offsets=offsets)
+
+
+def image_processor(checkpoint: Checkpoint) -> dict[str, Any] | None:
+    """A Hugging Face model folder's ``preprocessor_config.json`` (how its processor
+    rescales and normalises pixels), or None: not a folder, or no such file.
+
+    Raises:
+        CheckpointError: the file is not a bounded JSON object.
+    """
+    if checkpoint.config is None or checkpoint.path is None or not checkpoint.path.is_dir():
+        return None
+    path = checkpoint.path / HF_PROCESSOR
+    if not path.exists():
+        return None
+    settings = meta.read_json_file(path, "image processor config", CheckpointError)
+    if not isinstance(settings, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, found "
+                              f"{type(settings).__name__}")
+    return settings
 
 
 def load_model_folder(path: Path) -> Checkpoint:

@@ -21,6 +21,7 @@ it): methods never import the toolkit.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -28,8 +29,8 @@ from typing import Annotated, Any
 import numpy as np
 
 from fusekit.core import metadata as meta
-from fusekit.core.checkpoint import Checkpoint
-from fusekit.core.errors import IncompatibleModelsError, ParameterError
+from fusekit.core.checkpoint import HF_PROCESSOR, Checkpoint, image_processor
+from fusekit.core.errors import CheckpointError, IncompatibleModelsError, ParameterError
 from fusekit.core.spec import PermutationSpec
 from fusekit.core.transformer import TransformerSpec
 from fusekit.methods.avg import class_counts_matrix, shares_of_counts
@@ -68,6 +69,8 @@ class DistillationTask:
             without class counts): the labels the synthetic batches are drawn for.
         input_shape: one input's shape, e.g. (64,) or (1, 8, 8).
         settings: the training parameters (steps, batch, ... as declared by :class:`Distill`).
+        input_range: per channel, the lowest and highest value a pixel can have in the
+            space the model computes in (from a ViT folder's image processor), or None.
     """
 
     clients: Sequence[Checkpoint]
@@ -77,6 +80,7 @@ class DistillationTask:
     class_prior: np.ndarray
     input_shape: tuple[int, ...]
     settings: Mapping[str, Any]
+    input_range: tuple[np.ndarray, np.ndarray] | None = None
 
 
 #: task -> (the student's state_dict, numpy, same names and dtypes; a report, JSON-able).
@@ -208,7 +212,7 @@ class Distill(FusionMethod):
                     "seed": seed, "device": device, "threads": threads}
         shares, class_prior = _class_shares(checkpoints, _classes(checkpoints[0], specs[0]))
         task = DistillationTask(checkpoints, specs, student, shares, class_prior, input_shape,
-                                settings)
+                                settings, _common_pixel_range(checkpoints, input_shape))
         state_dict, trained = _trainer[0](task)
         params = {"initial": initial, "width_ratio": width_ratio, "image_size": image_size,
                   "sequence_length": sequence_length, **settings}
@@ -227,6 +231,64 @@ def _class_shares(checkpoints: Sequence[Checkpoint], classes: int
     totals = counts.sum(axis=0)
     prior = totals / totals.sum() if totals.sum() > 0 else np.full(classes, 1.0 / classes)
     return shares_of_counts(counts), prior
+
+
+def _common_pixel_range(checkpoints: Sequence[Checkpoint], input_shape: tuple[int, ...]
+                        ) -> tuple[np.ndarray, np.ndarray] | None:
+    """:func:`_pixel_range` of the clients, which must agree.
+
+    Raises:
+        IncompatibleModelsError: two clients' processors give different pixel ranges.
+    """
+    ranges = [_pixel_range(c, input_shape) for c in checkpoints]
+    for checkpoint, other in zip(checkpoints[1:], ranges[1:]):
+        if (other is None) != (ranges[0] is None) or (other is not None and not all(
+                np.allclose(a, b) for a, b in zip(other, ranges[0], strict=True))):
+            raise IncompatibleModelsError(
+                f"{checkpoint.label}: its {HF_PROCESSOR} gives pixels in {_said(other)}; "
+                f"{checkpoints[0].label}'s in {_said(ranges[0])}; expected clients that "
+                "take the same inputs")
+    return ranges[0]
+
+
+def _said(bounds: tuple[np.ndarray, np.ndarray] | None) -> str:
+    return "no recorded range" if bounds is None else (
+        f"[{bounds[0].round(4).tolist()}, {bounds[1].round(4).tolist()}]")
+
+
+def _pixel_range(checkpoint: Checkpoint, input_shape: tuple[int, ...]
+                 ) -> tuple[np.ndarray, np.ndarray] | None:
+    """Per channel, the range (low, high) of a pixel as the model sees it, from the image
+    processor its folder records: pixels 0..255 times ``rescale_factor`` (when
+    ``do_rescale``), then (x - image_mean) / image_std (when ``do_normalize``); None
+    without a processor.
+
+    Raises:
+        CheckpointError: the processor's values are not numbers, or not one or one per
+            channel, or a std is not positive.
+    """
+    settings = image_processor(checkpoint) if len(input_shape) == 3 else None
+    if settings is None:
+        return None
+    channels = input_shape[0]
+    top = 255.0 * float(settings.get("rescale_factor", 1 / 255)) if settings.get(
+        "do_rescale", True) else 255.0
+
+    def per_channel(key: str, default: float) -> np.ndarray:
+        value = settings.get(key, default) if settings.get("do_normalize", True) else default
+        values = np.atleast_1d(np.asarray(value, dtype=object))
+        if values.size not in (1, channels) or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                for v in values):
+            raise CheckpointError(f"{checkpoint.label}: {HF_PROCESSOR} {key}: expected a "
+                                  f"number or {channels} numbers, found {value!r}")
+        return np.broadcast_to(values.astype(np.float64), (channels,))
+
+    mean, std = per_channel("image_mean", 0.0), per_channel("image_std", 1.0)
+    if (std <= 0).any():
+        raise CheckpointError(f"{checkpoint.label}: {HF_PROCESSOR} image_std: expected "
+                              f"positive numbers, found {std.tolist()}")
+    return (0.0 - mean) / std, (top - mean) / std
 
 
 def _classes(checkpoint: Checkpoint, spec: PermutationSpec | TransformerSpec) -> int:

@@ -123,6 +123,9 @@ class _Trainer:
         self.optimizer = torch.optim.Adam(student.parameters(), lr=s["lr"])
         self.start = [p.detach().clone() for p in student.parameters()]
         self.basis = _input_basis(task, device)
+        self.input_range = None if task.input_range is None else tuple(
+            torch.as_tensor(bound, dtype=torch.float32, device=device).view(1, -1, 1, 1)
+            for bound in task.input_range)
         #: a language model's inputs are token sequences sampled from the teacher
         self.tokens = (task.clients[0].config or {}).get("model_type") == "gpt2"
 
@@ -155,6 +158,8 @@ class _Trainer:
                 "synthetic_inputs": step * s["batch"], "data": "none",
                 "prior": ("sampled from the teacher" if self.tokens
                           else "normal" if self.basis is None else "weights"),
+                "pixel_range": (None if self.task.input_range is None
+                                else [b.tolist() for b in self.task.input_range]),
                 "batchnorm_layers": len(self.teacher.norms),
                 "input_shape": list(self.task.input_shape), "device": str(self.device),
                 "start": first, "end": last, "smoothed_disagreement": smoothed}
@@ -173,6 +178,7 @@ class _Trainer:
             z = torch.randn((s["batch"], len(self.basis)), generator=self.generator,
                             device=self.device)
             x = (z @ self.basis).view(s["batch"], *self.task.input_shape)
+        self._keep_in_range(x)
         x.requires_grad_(True)
         optimizer = torch.optim.Adam([x], lr=s["input_lr"])
         for _ in range(s["input_steps"]):
@@ -187,7 +193,15 @@ class _Trainer:
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
+            self._keep_in_range(x)
         return x.detach()
+
+    @torch.no_grad()
+    def _keep_in_range(self, x: torch.Tensor) -> None:
+        """Pixels clamped, channel by channel, to what the image processor can give."""
+        if self.input_range is not None:
+            torch.maximum(x, self.input_range[0], out=x)
+            torch.minimum(x, self.input_range[1], out=x)
 
     @torch.no_grad()
     def _sampled_sequences(self) -> torch.Tensor:
