@@ -111,11 +111,14 @@ class LocalFederation:
 
     @property
     def env(self) -> dict[str, str]:
-        """The environment of every Flower process: private FLWR_HOME, no telemetry, and
+        """The environment of every Flower process: private FLWR_HOME, no telemetry,
         this interpreter's scripts first on PATH (the SuperLink starts
-        ``flower-superexec`` from it, the SuperNodes ``flwr-clientapp``)."""
+        ``flower-superexec`` from it, the SuperNodes ``flwr-clientapp``), and one torch
+        thread per app unless ``OMP_NUM_THREADS`` says otherwise: the nodes' apps share
+        this machine's cores, and more threads each would oversubscribe them (an app's
+        training then took four times the CPU on two busy cores)."""
         bin_dir = str(Path(sys.executable).parent)
-        return {**os.environ, "FLWR_HOME": str(self.home),
+        return {"OMP_NUM_THREADS": "1", **os.environ, "FLWR_HOME": str(self.home),
                 "FLWR_TELEMETRY_ENABLED": "0",
                 "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
 
