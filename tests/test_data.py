@@ -4,6 +4,7 @@ import gzip
 import io
 import pickle
 import struct
+import sys
 import zipfile
 
 import numpy as np
@@ -20,6 +21,7 @@ from fusekit.toolkit.data import (
     partition,
     synthetic,
 )
+from fusekit.toolkit.data.datasets import _read_digits
 
 LABELS = np.repeat(np.arange(10), 60)
 
@@ -103,6 +105,47 @@ def test_digits_is_as_stored_and_fixed():
     assert ds.normalization.std == pytest.approx((float(ds.x_train.std()),), rel=1e-5)
     assert ds.x_train.dtype == np.float32 and ds.y_train.dtype == np.int64
     assert np.array_equal(digits().y_test, ds.y_test)
+
+
+def test_digits_split_is_made_once_and_read_from_the_cache(tmp_path, monkeypatch):
+    """The first call makes scikit-learn's split and caches it; later ones read it without
+    importing scikit-learn; a damaged or foreign cache file is made again; a cache folder
+    that cannot be written leaves the data as it is."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    bunch = load_digits()
+    expected = train_test_split(bunch.images.astype(np.float32)[:, None],
+                                bunch.target.astype(np.int64), test_size=0.25,
+                                random_state=0, stratify=bunch.target)
+    expected = [expected[0], expected[2], expected[1], expected[3]]
+
+    def assert_split(ds):
+        for array, want in zip((ds.x_train, ds.y_train, ds.x_test, ds.y_test), expected,
+                               strict=True):
+            assert array.dtype == want.dtype and np.array_equal(array, want)
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert_split(digits())
+    (cached,) = (tmp_path / "fusekit").iterdir()
+    assert cached.name.startswith("digits-scikit-learn-")
+    with monkeypatch.context() as without:
+        for module in ("sklearn", "sklearn.datasets", "sklearn.model_selection"):
+            without.setitem(sys.modules, module, None)  # importing it raises
+        assert_split(digits())
+    for damaged in (b"not an npz", _npz(x_train=np.zeros((3, 1, 8, 8), np.float32))):
+        cached.write_bytes(damaged)
+        assert_split(digits())
+        assert _read_digits(cached) is not None
+    (tmp_path / "fusekit").rename(tmp_path / "moved")
+    (tmp_path / "fusekit").write_text("a file where the folder would be")
+    assert_split(digits())
+
+
+def _npz(**arrays) -> bytes:
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    return buffer.getvalue()
 
 
 def test_synthetic_is_seeded_and_sized():

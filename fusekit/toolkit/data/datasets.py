@@ -18,19 +18,24 @@ door applies from there. An ``npz`` file names none: models trained on it see it
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gzip
+import io
 import os
 import pickle
 import struct
 import zipfile
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as package_version
 from pathlib import Path
 from typing import BinaryIO
 
 import numpy as np
 
-from fusekit.core.errors import DataError, ParameterError
+from fusekit.core.checkpoint import write_atomic
+from fusekit.core.errors import DataError, FusekitError, ParameterError
 from fusekit.core.metadata import Normalization
 
 DATASETS = ("digits", "mnist", "fashion-mnist", "cifar10", "npz", "synthetic")
@@ -133,7 +138,37 @@ def load_dataset(
 
 def digits() -> Dataset:
     """scikit-learn's bundled digits: 8x8 grey images, 10 classes; a fixed stratified
-    75/25 train/test split (1347/450)."""
+    75/25 train/test split (1347/450).
+
+    The split is made once per scikit-learn version and kept in fusekit's cache folder
+    (:func:`cache_dir`): importing scikit-learn costs a process about a second of CPU,
+    which every Flower ClientApp and every command on the digits paid."""
+    try:
+        path = cache_dir() / f"digits-scikit-learn-{package_version('scikit-learn')}.npz"
+    except PackageNotFoundError:
+        return _built_in("digits", *_digits_split())
+    arrays = _read_digits(path)
+    if arrays is None:
+        arrays = _digits_split()
+        buffer = io.BytesIO()
+        np.savez(buffer, **dict(zip(_DIGITS_ARRAYS, arrays, strict=True)))
+        with contextlib.suppress(OSError, FusekitError):  # a cache that cannot be written
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(path, buffer.getvalue())
+    return _built_in("digits", *arrays)
+
+
+def cache_dir() -> Path:
+    """fusekit's cache folder: ``$XDG_CACHE_HOME/fusekit``, else ``~/.cache/fusekit``."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fusekit"
+
+
+#: The digits split's arrays, their shapes and dtypes (x as stored: pixel values 0..16).
+_DIGITS_ARRAYS = {"x_train": ((1347, 1, 8, 8), np.float32), "y_train": ((1347,), np.int64),
+                  "x_test": ((450, 1, 8, 8), np.float32), "y_test": ((450,), np.int64)}
+
+
+def _digits_split() -> tuple[np.ndarray, ...]:
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
@@ -146,7 +181,18 @@ def digits() -> Dataset:
         random_state=0,
         stratify=bunch.target,
     )
-    return _built_in("digits", x_train, y_train, x_test, y_test)
+    return x_train, y_train, x_test, y_test
+
+
+def _read_digits(path: Path) -> tuple[np.ndarray, ...] | None:
+    """The cached split, or None where there is none or it is not the split's arrays."""
+    try:
+        with np.load(path) as stored:
+            arrays = tuple(stored[name] for name in _DIGITS_ARRAYS)
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
+        return None
+    expected = [(shape, np.dtype(dtype)) for shape, dtype in _DIGITS_ARRAYS.values()]
+    return arrays if [(a.shape, a.dtype) for a in arrays] == expected else None
 
 
 def synthetic(
