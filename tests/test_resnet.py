@@ -17,12 +17,15 @@ from torch import nn
 
 import fusekit
 from conftest import numpy_state, write
+from fusekit.core import neurons
 from fusekit.core.arch import hidden_widths, infer_arch, named_arch, with_hidden_widths
 from fusekit.core.checkpoint import Checkpoint, load_checkpoint
 from fusekit.core.errors import IncompatibleModelsError, SpecError
 from fusekit.core.spec import GraphSpec, infer_spec, permute, spec_from_json
+from fusekit.engine.matching import solve_assignment, sqeuclidean_cost
 from fusekit.methods import METHODS
 from fusekit.methods.base import FusionMethod
+from fusekit.methods.ot import group_aligner, group_order
 from fusekit.toolkit.nn import build_model
 from fusekit.toolkit.nn.zoo import resnet18, resnet20, resnet50, vgg
 
@@ -402,6 +405,30 @@ def test_ot_fuses_residual_networks_of_different_widths():
     fused = fusekit.load_fused(Checkpoint.from_state_dict(result.state_dict, result.metadata),
                                device="cpu")
     assert torch.isfinite(fused(_inputs())).all()
+
+
+@pytest.mark.parametrize("name", ["resnet18", "resnet50"])
+def test_ot_assigns_groups_as_float64_squared_distances_do(name):
+    """ot compares a group's rows by one float32 inner product against the anchor's rows,
+    stacked once: on clients from independent initialisations every unit goes where the
+    float64 squared-distance cost sends it, and the report's costs are those distances."""
+    torch.manual_seed(0)
+    anchor, client = (Checkpoint.from_state_dict(numpy_state(_random_statistics(
+        MODELS[name](), seed=s))) for s in range(2))
+    spec = infer_spec({k: anchor.tensor(k) for k in anchor.tensors})
+    anchor_layers = neurons.client_layers(anchor, spec)
+    _, report = group_aligner(anchor_layers, spec)(neurons.client_layers(client, spec), spec)
+    layers = neurons.client_layers(client, spec)
+    for group, ready in group_order(spec):
+        cost = sqeuclidean_cost(neurons.writer_rows(layers, spec, group, ready),
+                                neurons.writer_rows(anchor_layers, spec, group, ready))
+        rows, cols = solve_assignment(cost)
+        np.testing.assert_array_equal(report["assignment"][group], cols, err_msg=str(group))
+        assert report["mean_cost"][group_order(spec).index((group, ready))] == pytest.approx(
+            cost[rows, cols].mean(), rel=1e-5)
+        mapping = np.empty_like(rows)
+        mapping[cols] = rows
+        layers = neurons.move_group(layers, spec, group, mapping)
 
 
 def test_pfnm_fuses_residual_networks_of_different_widths():

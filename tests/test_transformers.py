@@ -34,11 +34,18 @@ from fusekit.core.transformer import (
     MLP_HIDDEN,
     calibration_points,
     infer_transformer,
+    permute_group,
     permute_transformer,
 )
 from fusekit.engine.matching import solve_assignment
 from fusekit.methods.calibration import point_targets, read_assignments
-from fusekit.methods.transformer import align_client, apply_moves, client_arrays
+from fusekit.methods.transformer import (
+    align_client,
+    apply_moves,
+    client_arrays,
+    group_similarity,
+    settled_slots,
+)
 
 transformers = pytest.importorskip("transformers", reason="the [hf] extra is not installed")
 
@@ -203,6 +210,31 @@ def test_alignment_moves_replay_on_the_files_tensors(family_folders, tmp_path):
     stored = safetensors.numpy.load_file(other / "model.safetensors")
     for name, array in client.items():
         np.testing.assert_array_equal(apply_moves(stored[name], moves.get(name, ())), array)
+
+
+@pytest.mark.parametrize("products", [np.float64, np.float32])
+def test_first_pass_with_solves_overlapped_is_one_group_after_another(family_folders,
+                                                                      tmp_path, products):
+    """The first pass solves a group's assignment while it computes the next group's
+    similarity: the same permutations as one group after another; and float32 products
+    (ot's) assign every unit as float64 products do, on independent random models."""
+    family, original, _ = family_folders
+    other = save(tiny_model(family, seed=5), tmp_path / "other")
+    spec = spec_of(other)
+    anchor = client_arrays(load_checkpoint(original))
+    client = client_arrays(load_checkpoint(other))
+    _, orders = align_client(anchor, dict(client), spec, sweeps=0, rng=None,
+                             solver=solve_assignment, products=products)
+    expected = {}  # one group after another, in float64
+    for group, slots in zip(spec.groups, settled_slots(spec, shapes_of(original)), strict=True):
+        similarity = group_similarity(anchor, client, group, slots)
+        _, cols = solve_assignment(similarity, maximize=True)
+        if similarity[np.arange(cols.size), cols].sum() > np.trace(similarity) + 1e-9:
+            permute_group(client, group, cols)
+            expected[group.name] = cols
+    assert orders.keys() == expected.keys() and len(expected) > 3
+    for name, cols in expected.items():
+        np.testing.assert_array_equal(orders[name], cols, err_msg=name)
 
 
 def test_avg_of_a_shared_initialisation_is_the_coordinate_mean(tmp_path):

@@ -362,13 +362,13 @@ def group_parts(layers: Sequence[UnitLayer], spec, group: int, *,
 
 
 def writer_rows(layers: Sequence[UnitLayer], spec, group: int,
-                writers: Sequence[int]) -> np.ndarray:
+                writers: Sequence[int], dtype: type = np.float64) -> np.ndarray:
     """The (J, P) rows [incoming weights, bias] of ``writers`` (layers writing ``group``),
-    side by side in spec order, filled into one float64 array: what ``np.hstack`` of
+    side by side in spec order, filled into one array of ``dtype``: what ``np.hstack`` of
     :func:`group_parts`' row blocks gives, without a copy per member first."""
     chosen = [i for i, g in enumerate(spec.writes) if g == group and i in set(writers)]
     sizes = [layers[i].weight[0].size + 1 for i in chosen]
-    rows = np.empty((layers[chosen[0]].out_features, sum(sizes)))
+    rows = np.empty((layers[chosen[0]].out_features, sum(sizes)), dtype=dtype)
     first = 0
     for index, size in zip(chosen, sizes, strict=True):
         layer = layers[index]

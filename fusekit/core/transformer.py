@@ -457,11 +457,12 @@ def permute_transformer(state_dict: Mapping[str, np.ndarray], spec: TransformerS
     return out
 
 
-def unit_rows(array: np.ndarray, slot: Slot, size: int) -> np.ndarray:
-    """The slot's units as rows: (size, block * everything else), float64 (the slot's span
-    alone is widened, in one copy)."""
+def unit_rows(array: np.ndarray, slot: Slot, size: int, dtype: type = np.float64
+              ) -> np.ndarray:
+    """The slot's units as rows: (size, block * everything else), in ``dtype`` (the slot's
+    span alone is converted, in one copy)."""
     span = np.moveaxis(array, slot.axis, 0)[slot.offset:slot.offset + size * slot.block]
-    return np.ascontiguousarray(span, dtype=np.float64).reshape(size, -1)
+    return np.ascontiguousarray(span, dtype=dtype).reshape(size, -1)
 
 
 #: Per family, the config keys of its stream width, MLP width (GPT-2's default: 4 x the

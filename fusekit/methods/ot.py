@@ -31,7 +31,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -42,7 +43,7 @@ from fusekit.core.checkpoint import Checkpoint
 from fusekit.core.errors import DataError, ParameterError
 from fusekit.core.spec import GraphSpec, PermutationSpec
 from fusekit.core.transformer import TransformerSpec
-from fusekit.engine.matching import solve_assignment, sqeuclidean_cost
+from fusekit.engine.matching import inner_products, solve_assignment, sqeuclidean_cost
 from fusekit.methods.avg import average_tensor, check_same_shapes
 from fusekit.methods.base import (
     FusionMethod,
@@ -60,6 +61,13 @@ log = logging.getLogger(__name__)
 #: one shared batch of inputs (``fusekit.toolkit.activations.ActivationInputs`` is one).
 ActivationProvider = Callable[[Checkpoint, PermutationSpec], Sequence[np.ndarray]]
 
+
+#: The precision of the products that compare units of residual networks and transformers:
+#: float32, the weights' own as stored, at twice float64's speed; the assignments of ten
+#: ResNet-50s and four BERT-bases were those of float64 products (benchmarks/RESULTS.md).
+PRODUCTS = np.float32
+#: Rows widened to float64 at a time for the assigned pairs' distances (the report's cost).
+PAIR_ROWS = 256
 
 #: How ``anchor`` (ot, rebasin) names a client: :func:`resolve_anchor` reads it.
 ANCHOR_HELP = ("the client to align to: its path, file name or content-hash prefix "
@@ -144,7 +152,7 @@ class OptimalTransport(AnchorAlignment):
                 raise ParameterError("activations: the activation cost needs a sequential "
                                      "network; residual networks use the weight cost")
             state_dict, client_reports, assignments = fuse_aligned(
-                checkpoints, specs, anchor_index, align_groups)
+                checkpoints, specs, anchor_index, group_aligner)
             report = {"anchor": checkpoints[anchor_index].label, "cost": "weights",
                       "alignment": client_reports, "align_time_s": time.perf_counter() - start}
             return self.result(state_dict, checkpoints, specs[anchor_index], params, report,
@@ -180,14 +188,16 @@ class OptimalTransport(AnchorAlignment):
     def _fuse_transformers(self, checkpoints, specs, anchor_index, params,
                            activations) -> FusionResult:
         """One pass over the groups in data-flow order (:mod:`fusekit.methods.transformer`):
-        with equal widths and uniform masses the transport plan is a permutation."""
+        with equal widths and uniform masses the transport plan is a permutation. The
+        similarities are float32 products (``PRODUCTS``)."""
         if activations is not None:
             raise ParameterError("activations: transformers are aligned by their weights; "
                                  "leave --activations out")
         check_aligned_sizes(checkpoints, specs, anchor_index, self.name)
         start = time.perf_counter()
         state_dict, reports, assignments = fuse_transformers(
-            checkpoints, specs, anchor_index, sweeps=0, rng=None, solver=solve_assignment)
+            checkpoints, specs, anchor_index, sweeps=0, rng=None, solver=solve_assignment,
+            products=PRODUCTS)
         report = {"anchor": checkpoints[anchor_index].label, "cost": "weights",
                   "alignment": reports, "align_time_s": time.perf_counter() - start}
         return self.result(state_dict, checkpoints, specs[anchor_index], params, report,
@@ -305,61 +315,94 @@ def align_to_anchor(
     return aligned, reports, assignments
 
 
-def align_groups(anchor: Sequence[neurons.UnitLayer], layers: Sequence[neurons.UnitLayer],
+def group_order(spec: GraphSpec) -> list[tuple[int, list[int]]]:
+    """The groups in the order their first writer appears, each with the layers that write
+    it and whose input group comes earlier (the first writer always does): what a group's
+    ground cost compares."""
+    done: set[int] = set()
+    out = []
+    for group in sorted(range(len(spec.group_names)), key=spec.writes.index):
+        out.append((group, [i for i, g in enumerate(spec.writes)
+                            if g == group and (spec.reads[i] is None or spec.reads[i] in done)]))
+        done.add(group)
+    return out
+
+
+def group_aligner(anchor: Sequence[neurons.UnitLayer], spec: GraphSpec
+                  ) -> Callable[..., tuple[list[neurons.UnitLayer], dict[str, Any]]]:
+    """:func:`align_groups` bound to the anchor's group rows, stacked once for every client
+    in ``PRODUCTS`` precision (the anchor's layers are not kept)."""
+    rows = {group: neurons.writer_rows(anchor, spec, group, ready, PRODUCTS)
+            for group, ready in group_order(spec)}
+    return partial(align_groups, rows)
+
+
+def align_groups(anchor_rows: Mapping[int, np.ndarray], layers: Sequence[neurons.UnitLayer],
                  spec: GraphSpec) -> tuple[list[neurons.UnitLayer], dict[str, Any]]:
     """Align one client's groups to the anchor with optimal transport (§5 on groups, §11).
 
-    Groups are visited in the order their first writer appears. A group's ground cost is
-    the squared distance between the concatenated rows [incoming weights, bias] of the
-    layers that write it and whose input group is already aligned (the first writer always
-    is); its transport plan then moves every member, writers' rows and readers' columns.
+    Groups are visited in :func:`group_order`. A group's ground cost is the squared
+    distance between the concatenated rows [incoming weights, bias] of the layers that
+    write it and whose input group is already aligned (``anchor_rows[group]``: the
+    anchor's, in the precision they are compared in); its transport plan then moves every
+    member, writers' rows and readers' columns. At equal widths the plan is the assignment
+    that minimises the summed distances, that is maximises the summed inner products of
+    the rows (the rows' norms add the same to every assignment): one product, no distances.
 
     Returns:
         (the client's layers at the anchor's widths, {"transport": kinds used,
         "mean_cost": per group ⟨T, M⟩, "assignment": per group, the anchor neuron each
         client neuron sends most of its mass to}).
     """
-    order = sorted(range(len(spec.group_names)), key=spec.writes.index)
-    done: set[int] = set()
     kinds, costs = set(), []
-    assignment: list[np.ndarray] = [np.empty(0, np.int64)] * len(order)
-    for group in order:
-        ready = [i for i, g in enumerate(spec.writes)
-                 if g == group and (spec.reads[i] is None or spec.reads[i] in done)]
-        cost = sqeuclidean_cost(neurons.writer_rows(layers, spec, group, ready),
-                                neurons.writer_rows(anchor, spec, group, ready))
-        if cost.shape[0] == cost.shape[1]:  # the plan is a permutation / J: no dense plan
-            rows, cols = solve_assignment(cost)
+    assignment: list[np.ndarray] = [np.empty(0, np.int64)] * len(anchor_rows)
+    for group, ready in group_order(spec):
+        theirs = anchor_rows[group]
+        mine = neurons.writer_rows(layers, spec, group, ready, theirs.dtype)
+        if len(mine) == len(theirs):  # the plan is a permutation / J: no dense plan
+            rows, cols = solve_assignment(inner_products([(mine, theirs)]), maximize=True)
             kinds.add("assignment")
-            costs.append(float(cost[rows, cols].sum() / len(rows)))
+            costs.append(paired_distances(mine, theirs, cols) / len(rows))
             mapping = np.empty_like(rows)
             mapping[cols] = rows  # new neuron j = old neuron mapping[j]
             assignment[group] = cols
         else:
+            cost = sqeuclidean_cost(mine, theirs)
             plan, kind = transport_plan(cost)
             kinds.add(kind)
             costs.append(float((plan * cost).sum()))
             mapping = plan / plan.sum(0)
             assignment[group] = plan.argmax(axis=1)
+        del mine
         layers = neurons.move_group(layers, spec, group, mapping)
-        done.add(group)
     return list(layers), {"transport": sorted(kinds), "mean_cost": costs,
                           "assignment": assignment}
 
 
+def paired_distances(a: np.ndarray, b: np.ndarray, cols: np.ndarray) -> float:
+    """``sum_i ||a[i] - b[cols[i]]||^2`` in float64, ``PAIR_ROWS`` rows at a time."""
+    total = 0.0
+    for first in range(0, len(a), PAIR_ROWS):
+        chunk = a[first:first + PAIR_ROWS].astype(np.float64)
+        chunk -= b[cols[first:first + PAIR_ROWS]]
+        total += float(np.einsum("ij,ij->", chunk, chunk))
+    return total
+
+
 def fuse_aligned(checkpoints: Sequence[Checkpoint], specs: Sequence[PermutationSpec | GraphSpec],
-                 anchor: int, align) -> tuple[dict[str, np.ndarray], list[dict[str, Any]]]:
+                 anchor: int, aligner) -> tuple[dict[str, np.ndarray], list[dict[str, Any]]]:
     """Align every client to the anchor, one client at a time, and average them (step 5).
 
-    Only the anchor, one client and the running weighted sum are held in float64, whatever
-    the number of clients: each client's tensors are read when its turn comes and released
-    after.
+    Only the running weighted sum and one client are held in float64, with what the
+    aligner keeps of the anchor, whatever the number of clients: each client's tensors are
+    read when its turn comes and released after.
 
     Args:
         checkpoints, specs: the clients in canonical order.
         anchor: index of the anchor client.
-        align: ``align(anchor_layers, client_layers, client_spec) -> (aligned layers,
-            report dict)``, unit-form layers in and out.
+        aligner: ``aligner(anchor_layers, anchor_spec) -> align``, with ``align(client_layers,
+            client_spec) -> (aligned layers, report dict)``, unit-form layers in and out;
+            the anchor's layers are dropped once ``align`` is made (it keeps what it needs).
 
     Returns:
         (fused state_dict with the anchor's widths, per non-anchor client its report, per
@@ -369,8 +412,10 @@ def fuse_aligned(checkpoints: Sequence[Checkpoint], specs: Sequence[PermutationS
     weights = sample_weights(checkpoints)
     spec = specs[anchor]
     anchor_layers = neurons.client_layers(checkpoints[anchor], spec, release=True)
+    align = aligner(anchor_layers, spec)
     total = [neurons.UnitLayer(weights[anchor] * layer.weight, weights[anchor] * layer.bias)
              for layer in anchor_layers]
+    del anchor_layers
     reports = []
     identity = [np.arange(width) for width in spec.hidden_widths]
     assignments = [identity] * len(checkpoints)
@@ -379,8 +424,8 @@ def fuse_aligned(checkpoints: Sequence[Checkpoint], specs: Sequence[PermutationS
             continue
         start = time.perf_counter()
         # the client's layers are handed over, not kept: align frees each one it replaces
-        aligned, report = align(anchor_layers, neurons.client_layers(
-            checkpoint, client_spec, release=True), client_spec)
+        aligned, report = align(neurons.client_layers(checkpoint, client_spec, release=True),
+                                client_spec)
         for into, layer in zip(total, aligned, strict=True):
             into.weight += weights[s] * layer.weight
             into.bias += weights[s] * layer.bias

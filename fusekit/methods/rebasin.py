@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Annotated, Any
 
 import numpy as np
@@ -107,11 +108,12 @@ class ReBasin(AnchorAlignment):
             return self.result(state_dict, checkpoints, specs[anchor_index], params, report,
                                assignments)
 
-        def align(anchor_layers, layers, spec):
-            return weight_matching(anchor_layers, layers, spec, max_sweeps=max_sweeps, rng=rng,
-                                   solver=solver)
+        def aligner(anchor_layers, _spec):
+            return partial(weight_matching, anchor_layers, max_sweeps=max_sweeps, rng=rng,
+                           solver=solver)
 
-        state_dict, reports, assignments = fuse_aligned(checkpoints, specs, anchor_index, align)
+        state_dict, reports, assignments = fuse_aligned(checkpoints, specs, anchor_index,
+                                                        aligner)
         report = {"anchor": checkpoints[anchor_index].label, "alignment": reports,
                   "align_time_s": time.perf_counter() - start}
         return self.result(state_dict, checkpoints, specs[anchor_index], params, report,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -70,23 +71,25 @@ def client_arrays(checkpoint: Checkpoint) -> dict[str, np.ndarray]:
     return out
 
 
-def circuits(state: dict[str, np.ndarray], group: Group) -> dict[str, np.ndarray]:
-    """Per role (q, k, v, o), the heads' (heads, head_dim, features) blocks, the bias as
-    one more feature."""
+def circuits(state: dict[str, np.ndarray], group: Group, dtype: type = np.float64
+             ) -> dict[str, np.ndarray]:
+    """Per role (q, k, v, o), the heads' (heads, head_dim, features) blocks in ``dtype``,
+    the bias as one more feature."""
     parts: dict[str, list[np.ndarray]] = {}
     for slot in group.slots:
-        rows = unit_rows(state[slot.tensor], slot, group.size)
+        rows = unit_rows(state[slot.tensor], slot, group.size, dtype)
         parts.setdefault(slot.role, []).append(rows.reshape(group.size, slot.block, -1))
     return {role: np.concatenate(blocks, axis=2) for role, blocks in parts.items()}
 
 
 def group_similarity(anchor: dict[str, np.ndarray], client: dict[str, np.ndarray],
-                     group: Group, slots: Sequence[Slot] | None = None) -> np.ndarray:
+                     group: Group, slots: Sequence[Slot] | None = None,
+                     products: type = np.float64) -> np.ndarray:
     """S[a, b]: how alike anchor unit a and client unit b are (module docstring), over
-    ``slots`` (default: all of the group's)."""
+    ``slots`` (default: all of the group's), the products in ``products`` precision."""
     slots = group.slots if slots is None else slots
     if group.kind == "heads" and {s.role for s in slots} >= {"q", "k", "v", "o"}:
-        mine, theirs = circuits(anchor, group), circuits(client, group)
+        mine, theirs = circuits(anchor, group, products), circuits(client, group, products)
         heads, dim = group.size, mine["q"].shape[1]
 
         def gram(role: str) -> np.ndarray:  # (a, i, b, j): ⟨row i of head a, row j of b⟩
@@ -96,8 +99,9 @@ def group_similarity(anchor: dict[str, np.ndarray], client: dict[str, np.ndarray
 
         return ((gram("q") * gram("k")).sum(axis=(1, 3))
                 + (gram("v") * gram("o")).sum(axis=(1, 3)))
-    return inner_products((unit_rows(anchor[s.tensor], s, group.size),
-                           unit_rows(client[s.tensor], s, group.size)) for s in slots)
+    return inner_products((unit_rows(anchor[s.tensor], s, group.size, products),
+                           unit_rows(client[s.tensor], s, group.size, products))
+                          for s in slots)
 
 
 def settled_slots(spec: TransformerSpec, shapes: dict[str, tuple[int, ...]]
@@ -121,8 +125,8 @@ def settled_slots(spec: TransformerSpec, shapes: dict[str, tuple[int, ...]]
 def align_client(anchor: dict[str, np.ndarray], client: dict[str, np.ndarray],
                  spec: TransformerSpec, *, sweeps: int, rng: np.random.Generator | None,
                  solver: Solver, skip: frozenset[int] | set[int] = frozenset(),
-                 moves: dict[str, list[tuple[int, np.ndarray]]] | None = None
-                 ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+                 moves: dict[str, list[tuple[int, np.ndarray]]] | None = None,
+                 products: type = np.float64) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """Permute ``client`` (in place of its dict's arrays) onto the anchor, group by group.
 
     First one pass in data-flow order, each group compared on its settled slots
@@ -131,7 +135,12 @@ def align_client(anchor: dict[str, np.ndarray], client: dict[str, np.ndarray],
     changes nothing. Groups in ``skip`` are left as they are (PFNM / NAFI match them).
     With ``moves``, every take the alignment made is noted there per tensor, as
     ``(axis, index)`` in the order made (:func:`apply_moves` replays them on the file's
-    tensor).
+    tensor). ``products``: the similarities' precision.
+
+    In the first pass a group's assignment is solved on another thread while the next
+    group's similarity is computed, when that group compares none of the tensors the first
+    one moves (a block's MLP units and the next block's heads): the solver and BLAS release
+    the GIL, and every group is compared on the same tensors as one after the other.
 
     Returns:
         (report, orders): orders[group name][u] is the client's original unit now at
@@ -140,8 +149,7 @@ def align_client(anchor: dict[str, np.ndarray], client: dict[str, np.ndarray],
     orders: dict[str, np.ndarray] = {}
     first_pass = settled_slots(spec, {name: a.shape for name, a in anchor.items()})
 
-    def align(group: Group, slots: Sequence[Slot] | None = None) -> int:
-        cols = _best_permutation(anchor, client, group, solver, slots)
+    def permute(group: Group, cols: np.ndarray | None) -> int:
         if cols is None:
             return 0
         if moves is not None:
@@ -152,31 +160,40 @@ def align_client(anchor: dict[str, np.ndarray], client: dict[str, np.ndarray],
         orders[group.name] = orders.get(group.name, np.arange(group.size))[cols]
         return 1
 
-    moved = sum(align(group, slots)
-                for index, (group, slots) in enumerate(zip(spec.groups, first_pass,
-                                                           strict=True))
-                if index not in skip)
+    moved = 0
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="fusekit-solve") as pool:
+        pending: tuple[Group, Future] | None = None  # a group whose solve is in flight
+        for index, (group, slots) in enumerate(zip(spec.groups, first_pass, strict=True)):
+            if index in skip:
+                continue
+            if pending and {s.tensor for s in slots} & {s.tensor for s in pending[0].slots}:
+                moved += permute(pending[0], pending[1].result())
+                pending = None
+            similarity = group_similarity(anchor, client, group, slots, products)
+            if pending:
+                moved += permute(pending[0], pending[1].result())
+            pending = group, pool.submit(_better_order, similarity, solver)
+        if pending:
+            moved += permute(pending[0], pending[1].result())
     sweep = 0
     while rng is not None and sweep < sweeps:
         sweep += 1
-        changed = sum(align(spec.groups[index])
-                      for index in map(int, rng.permutation(len(spec.groups)))
-                      if index not in skip)
+        changed = sum(permute(group, _better_order(
+            group_similarity(anchor, client, group, products=products), solver))
+            for group in (spec.groups[i] for i in map(int, rng.permutation(len(spec.groups)))
+                          if i not in skip))
         moved += changed
         if not changed:
             break
     return {"sweeps": sweep, "groups_moved": moved}, orders
 
 
-def _best_permutation(anchor: dict[str, np.ndarray], client: dict[str, np.ndarray],
-                      group: Group, solver: Solver,
-                      slots: Sequence[Slot] | None = None) -> np.ndarray | None:
-    """The permutation of the group's client units that maximises their similarity to the
-    anchor's, or None when it does not beat the current order."""
-    similarity = group_similarity(anchor, client, group, slots)
-    current = float(np.trace(similarity))
+def _better_order(similarity: np.ndarray, solver: Solver) -> np.ndarray | None:
+    """The permutation of a group's client units that maximises their ``similarity`` to
+    the anchor's, or None when it does not beat the current order (sums in float64)."""
+    current = float(np.trace(similarity, dtype=np.float64))
     _, cols = solver(similarity, maximize=True)
-    best = float(similarity[np.arange(cols.size), cols].sum())
+    best = float(similarity[np.arange(cols.size), cols].sum(dtype=np.float64))
     return cols if best > current + 1e-12 * max(abs(current), 1.0) else None
 
 
@@ -246,10 +263,12 @@ def weighted_sum(clients: Iterable[tuple[float, dict[str, np.ndarray]]]
 
 def fuse_transformers(checkpoints: Sequence[Checkpoint], specs: Sequence[TransformerSpec],
                       anchor: int, *, sweeps: int, rng: np.random.Generator | None,
-                      solver: Solver) -> tuple[dict[str, np.ndarray], list[dict[str, Any]],
-                                               list[list[np.ndarray]]]:
-    """Align every client to the anchor (:func:`align_client`) and average them with
-    sample-count weights; tensors in the clients' dtypes.
+                      solver: Solver, products: type = np.float64
+                      ) -> tuple[dict[str, np.ndarray], list[dict[str, Any]],
+                                 list[list[np.ndarray]]]:
+    """Align every client to the anchor (:func:`align_client`, similarities in
+    ``products`` precision) and average them with sample-count weights; tensors in the
+    clients' dtypes.
 
     Aligning holds the anchor and one client as stored (no float64 copies) and keeps only
     the takes that aligned each client; the average is then streamed a tensor at a time
@@ -268,7 +287,8 @@ def fuse_transformers(checkpoints: Sequence[Checkpoint], specs: Sequence[Transfo
             continue
         start = time.perf_counter()
         report, orders = align_client(reference, client_arrays(checkpoint), specs[s],
-                                      sweeps=sweeps, rng=rng, solver=solver, moves=moves[s])
+                                      sweeps=sweeps, rng=rng, solver=solver, moves=moves[s],
+                                      products=products)
         assignments[s] = hidden_assignments(specs[s], orders)
         reports.append({"client": checkpoint.label, **report,
                         "time_s": time.perf_counter() - start})
