@@ -145,9 +145,13 @@ SHARED_SERVERS = ("service", "big_service", "browser")
 
 def pytest_configure(config) -> None:
     # A worker of `make test` shares the cores with the others: one torch thread each, as
-    # more would oversubscribe them (torch's threads then wait on one another).
+    # more would oversubscribe them (torch's threads then wait on one another), and one
+    # OpenMP thread in each process the tests start (a command, a server's worker, a
+    # SuperNode): on 2 busy cores the page's 20-epoch training took 62 s of CPU with two
+    # spinning OpenMP threads, 6 s with one.
     if os.environ.get("PYTEST_XDIST_WORKER"):
         torch.set_num_threads(1)
+        os.environ["OMP_NUM_THREADS"] = "1"
 
 
 def pytest_report_header(config) -> list[str]:

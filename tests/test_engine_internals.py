@@ -154,10 +154,13 @@ def test_kernels_restore_the_blas_thread_count():
         info = threadpoolctl.threadpool_info()
         return [i["num_threads"] for i in info if "scipy_openblas" in i["filepath"]]
 
-    before = scipy_blas_threads()
-    matching.pfnm_cost(**args, n_clients=6)
-    matching.sqeuclidean_cost(args["local"], args["global_sums"])
-    assert scipy_blas_threads() == before
+    matching.sqeuclidean_cost(args["local"], args["global_sums"])  # loads the BLAS they use
+    with threadpoolctl.threadpool_limits(2, user_api="blas"):  # more than the one they use
+        before = scipy_blas_threads()
+        assert before and all(n == 2 for n in before), before
+        matching.pfnm_cost(**args, n_clients=6)
+        matching.sqeuclidean_cost(args["local"], args["global_sums"])
+        assert scipy_blas_threads() == before
 
 
 def test_add_rows_refuses_a_target_it_would_have_to_copy():
