@@ -4,10 +4,11 @@ and the examples the pages mark with ``<!-- run -->`` run as they stand.
 A marked block is a fenced ``bash`` or ``python`` block right after the marker. A page's
 marked blocks run in order (consecutive bash blocks in one shell, as a reader types them),
 each in a process group of its own (ended when it returns), in one fresh folder per page,
-with ``fusekit`` on PATH meaning this tree's command line. The marker's option says what the block needs: ``background`` runs it for the rest of the page
-(the service's server; the page's port 8420 becomes a free one), ``readme-clients`` starts
-the page in a folder holding the README's simulated clients (``ckpts/``). Every path a
-bash block names with ``-o``/``--out`` must exist once it has run. The first example of
+with ``fusekit`` on PATH meaning this tree's command line (each command forked from a warm
+process, :mod:`warm_fusekit`). The marker's option says what the block needs:
+``background`` runs it for the rest of the page (the service's server; the page's port 8420
+becomes a free one), ``readme-clients`` starts the page in a folder holding the README's
+simulated clients (``ckpts/``). Every path a bash block names with ``-o``/``--out`` must exist once it has run. The first example of
 every page is marked, except on the pages named in ``NOT_RUN``.
 """
 
@@ -20,6 +21,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +29,7 @@ import httpx
 import pytest
 
 from conftest import made_once
+from warm_fusekit import WarmFusekit
 from fusekit.toolkit.processes import end_groups
 
 ROOT = Path(__file__).parents[1]
@@ -80,17 +83,18 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="session")
-def environment(tmp_path_factory) -> dict[str, str]:
-    """This tree's ``fusekit`` first on PATH, and no token from the caller's shell."""
-    bin_dir = tmp_path_factory.mktemp("bin")
-    wrapper = bin_dir / "fusekit"
-    wrapper.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m fusekit "$@"\n')
-    wrapper.chmod(0o755)
+def environment(tmp_path_factory) -> Iterator[dict[str, str]]:
+    """This tree's ``fusekit`` first on PATH (forked from a warm process: :mod:`warm_fusekit`),
+    and no token from the caller's shell."""
     env = {name: value for name, value in os.environ.items()
            if not name.startswith("FUSEKIT_")}
-    env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    return env
+    bin_dir = tmp_path_factory.mktemp("bin")
+    warm = WarmFusekit(bin_dir).start(env)
+    try:
+        yield {**env, "PATH": f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"}
+    finally:
+        warm.stop()
 
 
 def run_page(page: Path, folder: Path, env: dict[str, str]) -> None:

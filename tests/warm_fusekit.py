@@ -1,0 +1,167 @@
+"""``fusekit`` commands forked from one warm process, for tests that run many of them.
+
+A fresh ``python -m fusekit`` spends most of a small command's CPU importing torch; the docs
+pages run about sixty. :class:`WarmFusekit` imports the command line (and torch) once in a
+process of its own and forks a child for each command a ``fusekit`` script on PATH asks
+for. The child is the command as a reader runs it: this tree's ``fusekit._cli.app.main`` with
+the caller's arguments, folder, environment, stdin, stdout and stderr (passed over a Unix
+socket), its exit status the script's. ``fusekit serve`` is exec'd afresh instead: the
+service's server is tested as the process it is. A child whose script goes away (ended with
+its shell's process group) is killed with its process group; stopping the warm process
+ends every child it has.
+
+The parent never runs torch code, so no thread pool exists when it forks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+MESSAGE_BYTES = 1 << 20  # a request: arguments, folder and environment, as JSON
+FRESH = ("serve",)  # commands run as a fresh process, never forked
+
+SCRIPT = """#!{python} -I
+import json, os, socket, sys
+if sys.argv[1:2] and sys.argv[1] in {fresh!r}:
+    os.execv({python!r}, [{python!r}, "-m", "fusekit", *sys.argv[1:]])
+with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as warm:
+    warm.connect({address!r})
+    request = {{"argv": sys.argv[1:], "cwd": os.getcwd(), "env": dict(os.environ)}}
+    socket.send_fds(warm, [json.dumps(request).encode()], [0, 1, 2])
+    status = warm.recv(64)  # empty if the warm process went away
+sys.exit(int(status) if status else 70)
+"""
+
+
+class WarmFusekit:
+    """The warm process and the ``fusekit`` script that talks to it, in ``folder``."""
+
+    def __init__(self, folder: Path) -> None:
+        self.address = str(folder / "warm.sock")
+        self.script = folder / "fusekit"
+        self.script.write_text(SCRIPT.format(python=sys.executable, fresh=FRESH,
+                                             address=self.address))
+        self.script.chmod(0o755)
+        self.process: subprocess.Popen | None = None
+
+    def start(self, env: dict[str, str], timeout: float = 120.0) -> WarmFusekit:
+        self.process = subprocess.Popen([sys.executable, __file__, self.address], env=env,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + timeout  # a bound on a hang: the imports take seconds
+        while not os.path.exists(self.address):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the warm fusekit process did not start "
+                                   f"(exit status {self.process.returncode})")
+            time.sleep(0.05)
+        return self
+
+    def stop(self) -> None:
+        from fusekit.toolkit.processes import end_groups
+
+        if self.process is not None:
+            end_groups([self.process])
+
+
+def serve(address: str) -> None:
+    """Fork a child for each request on ``address`` until SIGTERM; answer its exit status."""
+    import torch  # noqa: F401  (what most commands import first, once)
+
+    import fusekit._cli.app  # noqa: F401
+
+    children: dict[int, socket.socket] = {}  # child pid -> its caller's connection
+    signal.signal(signal.SIGTERM, lambda *_: end_all(children))
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(address + ".new")
+    listener.listen(64)
+    os.rename(address + ".new", address)  # ready once it exists
+    while True:
+        ready, _, _ = select.select([listener, *children.values()], [], [], 0.05)
+        for connection in ready:
+            if connection is listener:
+                caller, _ = listener.accept()
+                pid = fork_command(caller, listener, children)
+                if pid:
+                    children[pid] = caller
+            else:  # a caller hung up (its shell was ended): so does its command
+                pid = next(p for p, c in children.items() if c is connection)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
+        while children:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if not pid:
+                break
+            code = os.waitstatus_to_exitcode(status)  # -N: killed by signal N
+            with children.pop(pid) as caller, contextlib.suppress(OSError):
+                caller.send(str(code if code >= 0 else 128 - code).encode())
+
+
+def fork_command(caller: socket.socket, listener: socket.socket,
+                 children: dict[int, socket.socket]) -> int:
+    """The child's pid, in the parent; the child runs the command and never returns."""
+    message, fds, _, _ = socket.recv_fds(caller, MESSAGE_BYTES, 3)
+    request = json.loads(message)
+    pid = os.fork()
+    if pid:
+        with contextlib.suppress(OSError):  # the child sets it too: whichever runs first
+            os.setpgid(pid, pid)
+        for fd in fds:
+            os.close(fd)
+        return pid
+    code = 70
+    try:
+        with contextlib.suppress(OSError):
+            os.setpgid(0, 0)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        listener.close()
+        for other in (caller, *children.values()):
+            other.close()
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+            os.close(fd)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        sys.argv = ["fusekit", *request["argv"]]
+        from fusekit._cli.app import main
+
+        main()
+        code = 0
+    except SystemExit as exit_:
+        code = exit_code(exit_.code)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def exit_code(code: object) -> int:
+    """The status ``sys.exit(code)`` gives a process (a message is printed, status 1)."""
+    if code is None or isinstance(code, int):
+        return code or 0
+    print(code, file=sys.stderr)
+    return 1
+
+
+def end_all(children: dict[int, socket.socket]) -> None:
+    for pid in children:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])
