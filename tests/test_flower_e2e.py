@@ -8,11 +8,14 @@ round. On four SuperNodes: the same rounds with a SuperNode killed (SIGKILL) in 
 of query round. On one SuperNode: a run whose round cannot fuse (the initial model comes
 back) and a run that cannot finish, stopped at its timeout. Each test checks that every
 process the federation started has ended. Each test starts a federation of its own, so
-that `make test` runs the five side by side (they mostly wait: Flower polls every 3 s, a
-ClientApp is a new process per message, a killed node is given up only once its
-heartbeats have lapsed, up to a minute); the longest, the killed nodes', takes about 3-4
-minutes, more on a heavily loaded machine. Progress lines are printed as the runs go.
-Deselect with ``-m "not flower_e2e"``."""
+that `make test` runs the five side by side, and runs that do not depend on each other go
+on side by side on their federation (they mostly wait: Flower polls every 3 s, a
+ClientApp is a new process per message). The longest, the killed nodes', waits three
+times for a killed node's heartbeats to lapse (37.5-60 s each: Flower's SuperNode sends
+one every 17.5-22.5 s, its SuperLink gives a node up 60 s after the last, neither has a
+setting for it), one after the other: each round's query exists only once the round
+before it has ended. Progress lines are printed as the runs go. Deselect with
+``-m "not flower_e2e"``."""
 
 from __future__ import annotations
 
