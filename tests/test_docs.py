@@ -8,8 +8,9 @@ with ``fusekit`` on PATH meaning this tree's command line (each command forked f
 process, :mod:`warm_fusekit`). The marker's option says what the block needs:
 ``background`` runs it for the rest of the page (the service's server; the page's port 8420
 becomes a free one), ``readme-clients`` starts the page in a folder holding the README's
-simulated clients (``ckpts/``). Every path a bash block names with ``-o``/``--out`` must exist once it has run. The first example of
-every page is marked, except on the pages named in ``NOT_RUN``.
+simulated clients (``ckpts/``). Every path a bash block names with ``-o``/``--out`` must
+exist once it has run. The first example of every page is marked, except on the pages named
+in ``NOT_RUN``.
 """
 
 from __future__ import annotations
