@@ -197,8 +197,9 @@ def test_the_method_refuses_to_run_without_its_training_stage(clients, monkeypat
 def test_the_weights_prior_varies_where_the_clients_data_varies():
     """Clients trained on inputs whose last half is constant: inputs drawn in the span of
     their first-layer weights vary on the first half, not on the constant half (training
-    never moved those weights, and their random starts cancel across clients), and have
-    unit variance per input on average, as normalised inputs do."""
+    never moved those weights, and their random starts cancel across clients), next to
+    nothing with the principal prior (the directions the random starts spread over are
+    dropped), and have unit variance per input on average, as normalised inputs do."""
     from fusekit.toolkit.distill import weight_basis
 
     x, y = mixture(600, seed=0)
@@ -214,7 +215,9 @@ def test_the_weights_prior_varies_where_the_clients_data_varies():
                                         ).backward()
             optimizer.step()
         models.append(model)
-    inputs = (torch.randn(4000, 6 * 32) @ weight_basis(
-        [m[0].weight.detach().numpy() for m in models])).var(dim=0)
-    assert inputs.mean() == pytest.approx(1.0, rel=0.1)
-    assert inputs[:FEATURES].mean() > 4 * inputs[FEATURES:].mean(), inputs
+    weights = [m[0].weight.detach().numpy() for m in models]
+    for principal, contrast in ((False, 4), (True, 50)):
+        basis = weight_basis(weights, principal=principal)
+        inputs = (torch.randn(4000, len(basis)) @ basis).var(dim=0)
+        assert inputs.mean() == pytest.approx(1.0, rel=0.1)
+        assert inputs[:FEATURES].mean() > contrast * inputs[FEATURES:].mean(), inputs

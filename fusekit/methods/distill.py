@@ -51,8 +51,9 @@ INITIAL_FUSIONS = tuple(sorted(name for name, cls in METHODS.items()
                                if cls.makes_one_network and cls.client_structure is None))
 
 #: Where a synthetic batch starts (ALGORITHMS §14): the span of the clients' first-layer
-#: weights (the directions training moved them in, i.e. the data's) or N(0, I).
-INPUT_PRIORS = ("weights", "normal")
+#: weights (the directions training moved them in, i.e. the data's), its principal
+#: directions above the initialisations' noise, or N(0, I).
+INPUT_PRIORS = ("weights", "principal", "normal")
 
 
 @dataclass(frozen=True)
@@ -157,7 +158,8 @@ class Distill(FusionMethod):
             maximum=1)] = 0.5,
         prior: Annotated[str, Param(
             help="where each batch starts: weights = random combinations of the clients' "
-            "centred first-layer weight rows, scaled to unit variance per input (MLPs; "
+            "centred first-layer weight rows, scaled to unit variance per input, principal = "
+            "of their principal directions above the initialisations' noise (MLPs; "
             "convolutional models draw normal), normal = N(0, I)",
             choices=INPUT_PRIORS)] = "weights",
         seed: Annotated[int, Param(help="seed of the synthetic inputs and labels",
