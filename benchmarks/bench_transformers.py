@@ -38,7 +38,6 @@ resident size just before the call (torch and the models already loaded are not 
 from __future__ import annotations
 
 import argparse
-import math
 import copy
 import tempfile
 import time
@@ -261,9 +260,11 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     for (task, init), group in cases.items():
         for label in labels:
             fused = [r["fused"][label] for r in group]
+            calibration = ("-" if label in UNCALIBRATED
+                           else mean(f["calibration_s"] for f in fused))
             lines.append(f"| {task} | {init} | {label} | {fused[0]['widths']} | "
                          f"{mean((f['time_s'] for f in fused), 3)} | "
-                         f"{mean(f.get('calibration_s', math.nan) for f in fused)} | "
+                         f"{calibration} | "
                          f"{max(f['peak_above_mb'] for f in fused)} |")
     return "\n".join(lines)
 
