@@ -176,11 +176,17 @@ def readme_folder(tmp_path_factory, environment) -> Path:
     return folder
 
 
+# The tests that run commands share one worker, so that one warm process serves them all.
+runs_commands = pytest.mark.xdist_group("test_docs")
+
+
+@runs_commands
 def test_the_readme_first_fusion_runs(readme_folder):
     assert (readme_folder / "pfnm" / "recipe.yaml").is_file()
     assert (readme_folder / "nafi.safetensors").is_file()
 
 
+@runs_commands
 @pytest.mark.parametrize("page", [p.name for p in PAGES if marked_blocks(p)])
 def test_marked_examples_run(page, tmp_path, environment, request):
     folder = tmp_path / "work"

@@ -56,3 +56,15 @@ def test_demos_install_only_when_what_the_install_builds_from_changed(tmp_path):
     assert not installs()
     (tmp_path / sources[4]).unlink()  # the C++ core is gone
     assert installs()
+
+
+@pytest.mark.xdist_group("packaging")
+def test_a_grouped_test_carries_its_group_under_loadgroup(request):
+    """`make test`'s --dist loadgroup runs a group's tests on one worker only if
+    pytest-xdist can tag their ids with it (pytest 9.2 no longer lets it: each module's
+    servers and trained fixtures were then made on every worker)."""
+    if not getattr(request.config.option, "loadgroup", False):  # set in a worker only
+        pytest.skip("not run by pytest-xdist with --dist loadgroup")
+    assert request.node.nodeid.endswith("@packaging"), (
+        f"pytest {pytest.__version__}: pytest-xdist could not tag {request.node.nodeid} with "
+        "its group (pyproject.toml's test extra names the pytest it can)")
