@@ -88,16 +88,14 @@ def average_from_files(checkpoints: Sequence[Checkpoint], name: str, weights: np
     inputs makes one) sends the tensor through :meth:`Checkpoint.tensor`, whose check names
     the client holding it."""
     dtypes = {c.value_dtype(name) for c in checkpoints}
-    dtype = dtypes.pop()
-    if (dtypes or dtype.kind != "f" or is_integer_buffer(name)
-            or name.endswith(VARIANCE_SUFFIXES)):  # mixed types, checked variances
+    if not streamed(dtypes, name):
         fused = average_tensor([c.tensor(name) for c in checkpoints], weights, name)
         for checkpoint in checkpoints:
             checkpoint.release(name)
         return fused
     shape = checkpoints[0].tensors[name].shape
-    out = np.empty(math.prod(shape), dtype=dtype)
-    scratch = np.empty((2, SUM_BLOCK), dtype=accumulator(dtype))
+    out = np.empty(math.prod(shape), dtype=dtypes.pop())
+    scratch = np.empty((2, SUM_BLOCK), dtype=accumulator(out.dtype))
     first = 0
     for pieces in zip(*(c.pieces(name, PIECE_BYTES // 8, b)
                         for c, b in zip(checkpoints, buffers, strict=True)), strict=True):
@@ -109,6 +107,25 @@ def average_from_files(checkpoints: Sequence[Checkpoint], name: str, weights: np
                 checkpoint.release(name)
         first = stop
     return out.reshape(shape)
+
+
+def streamed(dtypes: set[np.dtype], name: str) -> bool:
+    """Whether avg sums tensor ``name`` of these value types in blocks (:func:`weighted_sum`):
+    floats of one type; mixed types, integers and checked variances go whole
+    (:func:`average_tensor`)."""
+    (dtype, *others) = dtypes
+    return (not others and dtype.kind == "f" and not is_integer_buffer(name)
+            and not name.endswith(VARIANCE_SUFFIXES))
+
+
+def average_arrays(arrays: Sequence[np.ndarray], weights: np.ndarray, name: str) -> np.ndarray:
+    """What avg gives for these clients' tensor ``name`` held in memory, bit for bit."""
+    if not streamed({a.dtype for a in arrays}, name):
+        return average_tensor(arrays, weights, name)
+    out = np.empty(arrays[0].size, dtype=arrays[0].dtype)
+    weighted_sum([a.reshape(-1) for a in arrays], weights, out,
+                 np.empty((2, SUM_BLOCK), dtype=accumulator(out.dtype)))
+    return out.reshape(arrays[0].shape)
 
 
 def weighted_sum(arrays: Sequence[np.ndarray], weights: np.ndarray, out: np.ndarray,

@@ -12,7 +12,7 @@ from fusekit.core.checkpoint import Checkpoint
 from fusekit.core.errors import CheckpointError, IncompatibleModelsError, SpecError
 from fusekit.core.fed2 import group_slices
 from fusekit.core.spec import PermutationSpec, permute
-from fusekit.methods.avg import average_tensor, check_equal_shapes
+from fusekit.methods.avg import average_arrays, check_equal_shapes
 from fusekit.methods.base import FusionMethod, FusionResult, register, sample_weights
 from fusekit.methods.params import Param
 
@@ -61,7 +61,7 @@ class FeaturePairedAverage(FusionMethod):
             aligned.append(permute(checkpoint.state_dict(), spec, perms))
         weights = (np.full(len(checkpoints), 1.0 / len(checkpoints)) if uniform
                    else sample_weights(checkpoints))
-        fused = {name: average_tensor([a[name] for a in aligned], weights, name)
+        fused = {name: average_arrays([a[name] for a in aligned], weights, name)
                  for name in checkpoints[0].tensors}
         report = {"groups": reference["groups"], "depth": reference["depth"],
                   "classes": reference["classes"]}
