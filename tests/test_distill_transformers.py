@@ -123,14 +123,7 @@ def test_sequences_sample_the_tokens_the_ensemble_predicts(tmp_path, monkeypatch
             model.transformer.ln_f.bias.copy_(3 * embedding[7] / embedding[7].norm())
         model.save_pretrained(folder)
         clients.append(folder)
-    sampled = []
-    original = _Trainer._sampled_sequences
-
-    def keep(self):
-        sampled.append(original(self))
-        return sampled[-1]
-
-    monkeypatch.setattr(_Trainer, "_sampled_sequences", keep)
+    sampled = recorded(monkeypatch, _Trainer, "_sampled_sequences")
     fusekit.fuse(clients, method="distill", initial="avg", steps=2, batch=16,
                  exploration=0.0, sequence_length=6)
     assert len(sampled) == 2 and all(s.shape == (16, 6) for s in sampled)
@@ -149,14 +142,7 @@ def test_pixels_stay_in_the_range_the_image_processor_gives(tmp_path, monkeypatc
                  "image_mean": [0.5], "image_std": [0.25]}
     for folder in clients:
         (folder / "preprocessor_config.json").write_text(json.dumps(processor))
-    drawn = []
-    original = _Trainer._synthetic_batch
-
-    def keep(self):
-        drawn.append(original(self))
-        return drawn[-1]
-
-    monkeypatch.setattr(_Trainer, "_synthetic_batch", keep)
+    drawn = recorded(monkeypatch, _Trainer, "_synthetic_batch")
     result = fusekit.fuse(clients, method="distill", steps=4, batch=64, input_lr=5.0)
     assert result.report["distill"]["pixel_range"] == [[-2.0], [2.0]]
     x = torch.cat(drawn)
@@ -225,3 +211,15 @@ def test_a_service_job_distils_transformer_clients_as_the_library_does(service, 
     assert_same_tensors(result / "model.safetensors",
                         fusekit.fuse(folders, method="distill", **params).state_dict)
     assert load_pretrained(result).config.intermediate_size == 36  # pfnm's 1.5x of 24
+
+
+def recorded(monkeypatch, cls, method: str) -> list:
+    """What every call of ``cls.method`` returns during the test, in order."""
+    returned, original = [], getattr(cls, method)
+
+    def keep(self):
+        returned.append(original(self))
+        return returned[-1]
+
+    monkeypatch.setattr(cls, method, keep)
+    return returned
