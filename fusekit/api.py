@@ -17,7 +17,12 @@ from typing import Any
 
 from fusekit.core import metadata as meta
 from fusekit.core import neurons
-from fusekit.core.checkpoint import Checkpoint, common_preprocess, load_checkpoint
+from fusekit.core.checkpoint import (
+    HASH_THREADS,
+    Checkpoint,
+    common_preprocess,
+    load_checkpoint,
+)
 from fusekit.core.errors import CheckpointError, IncompatibleModelsError, ParameterError
 from fusekit.core.metadata import load_json
 from fusekit.core.spec import (
@@ -34,10 +39,6 @@ from fusekit.methods.base import FusionMethod, FusionResult, provenance, sample_
 from fusekit.methods.params import ParamSpec, method_params, validate
 
 log = logging.getLogger(__name__)
-
-#: Threads hashing the inputs during a fusion: sha256 costs more per byte than a streamed
-#: average (on 2 cores, one thread made avg wait for it), and two keep pace with it.
-HASH_THREADS = 2
 
 CheckpointLike = str | os.PathLike[str] | Checkpoint
 SpecLike = str | os.PathLike[str] | Mapping[str, Any] | PermutationSpec | GraphSpec
@@ -108,7 +109,7 @@ def fuse(
     specs = [specs[i] for i in order]
     per_client = [p.name for p in declared if p.per_client]
     params = _in_canonical_order(params, per_client, order)
-    with _content_hashes_meanwhile(checkpoints):
+    with _content_hashes_meanwhile([] if fusion.hashes_inputs else checkpoints):
         start = time.perf_counter()
         with _peak_memory() as peak:
             result = fusion.fuse(checkpoints, specs, **params)

@@ -192,3 +192,38 @@ def test_a_non_finite_value_met_while_streaming_is_named(tmp_path, monkeypatch):
     with pytest.raises(CheckpointError, match=r"c2\.safetensors: tensor '0\.weight' has 1 "
                                               r"non-finite value"):
         fusekit.fuse(paths, method="avg")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_avg_hashes_each_input_from_the_values_it_averages(tmp_path, monkeypatch, dtype):
+    """avg reads every file once: the inputs' content hashes are fed with the values it
+    averages, and are those the files' own hashing pass gives (pieces, 0-d counters,
+    variances, BF16, a tensor held before the fusion)."""
+    import safetensors.torch
+
+    from fusekit.core.checkpoint import Checkpoint
+    from fusekit.methods import avg
+
+    paths = []
+    for seed in range(3):  # plain torch models, written by safetensors itself
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(9, 40), torch.nn.BatchNorm1d(40),
+                                    torch.nn.ReLU(), torch.nn.Linear(40, 4)).to(dtype)
+        model(torch.randn(16, 9, dtype=dtype))  # running statistics and a counter
+        paths.append(tmp_path / f"c{seed}.safetensors")
+        safetensors.torch.save_file(model.state_dict(), paths[-1])
+    expected = sorted(load_checkpoint(p).content_hash for p in paths)
+    monkeypatch.setattr(avg, "PIECE_BYTES", 256)  # several pieces per tensor
+    monkeypatch.setattr(avg, "SMALL_HASH_BYTES", 128)  # on the hashing threads
+    reads = []
+    pieces = Checkpoint.pieces
+    monkeypatch.setattr(Checkpoint, "pieces", lambda self, name, *args: (
+        reads.append((self.label, name)), pieces(self, name, *args))[1])
+    clients = [load_checkpoint(p) for p in paths]
+    clients[1].tensor("0.weight")  # held before the fusion: hashed as held
+    result = fusekit.fuse(clients, method="avg")
+    assert sorted(json.loads(result.metadata["fusekit.inputs"])) == expected
+    assert sorted(c.content_hash for c in clients) == expected
+    streamed = [name for name in clients[0].tensors
+                if not name.endswith(("num_batches_tracked", "running_var"))]
+    assert sorted(reads) == sorted((str(p), name) for p in paths for name in streamed)

@@ -74,6 +74,9 @@ FLOAT_DTYPES = ("F16", "F32", "F64", "BF16", "F8_E4M3", "F8_E5M2")
 SAMPLE_VALUES = 32
 # Bytes a content hash reads at a time (one reused buffer, whatever the tensors' sizes).
 HASH_PIECE_BYTES = 8 << 20
+#: Threads hashing the inputs during a fusion: sha256 costs more per byte than a streamed
+#: average (on 2 cores, one thread made avg wait for it), and two keep pace with it.
+HASH_THREADS = 2
 # Stored types that tensor() widens to float32.
 WIDENED_DTYPES = ("BF16", "F8_E4M3", "F8_E5M2")
 # A Hugging Face model folder: its config, its weights, or the index of its shards.
@@ -297,15 +300,25 @@ class Checkpoint:
                 _hash_values(digest, name, self.tensor(name))
                 continue
             # a held tensor as held; any other read and checked piece by piece, not kept
-            shape = self.tensors[name].shape or (1,)  # as _hash_values sees a 0-d tensor
-            digest.update(name.encode())
-            digest.update(f"|{self.value_dtype(name).str}|{shape}|".encode())
+            digest.update(self.hash_header(name))
             pieces = self.pieces(name, step, buffer)
             if name not in self._arrays:
                 pieces = self._checked_pieces(name, pieces)
             for piece in pieces:
                 digest.update(np.ascontiguousarray(piece).view(np.uint8))
         return digest.hexdigest()
+
+    def hash_header(self, name: str) -> bytes:
+        """What :attr:`content_hash` of a checkpoint read from files feeds before tensor
+        ``name``'s values (then each of :meth:`pieces`' bytes, tensors in sorted order)."""
+        shape = self.tensors[name].shape or (1,)  # as _hash_values sees a 0-d tensor
+        return f"{name}|{self.value_dtype(name).str}|{shape}|".encode()
+
+    def adopt_content_hash(self, digest: Any) -> None:
+        """Take ``digest`` (a sha256 fed as :meth:`hash_header` says, with every tensor's
+        values, checked by the pass that read them) as :attr:`content_hash`, so that the
+        files are not read a second time to hash them."""
+        self.__dict__["content_hash"] = digest.hexdigest()  # what cached_property stores
 
     def _checked_pieces(self, name: str, pieces: Iterable[np.ndarray]) -> Iterator[np.ndarray]:
         """``pieces`` passed on, each checked as :meth:`_check_pieces` checks a tensor."""

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Sequence
-from typing import Annotated
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Annotated, Any
 
 import numpy as np
 
 from fusekit.core import progress
 from fusekit.core.checkpoint import (
+    HASH_THREADS,
     VARIANCE_SUFFIXES,
     Checkpoint,
     count_non_finite,
@@ -26,6 +29,9 @@ from fusekit.methods.params import Param
 PIECE_BYTES = 4 << 20
 #: Values summed at a time: the float64 sum and product stay in the CPU's cache.
 SUM_BLOCK = 1 << 15
+#: Bytes of a round of pieces (all clients) hashed on the calling thread: handing fewer to
+#: the hashing threads costs more than it saves.
+SMALL_HASH_BYTES = 1 << 18
 
 
 @register
@@ -34,6 +40,7 @@ class Average(FusionMethod):
     summary = "coordinate averaging weighted by sample counts (FedAvg)"
     handles_groups = True
     handles_transformers = True
+    hashes_inputs = True
 
     def fuse(
         self,
@@ -59,10 +66,14 @@ class Average(FusionMethod):
         check_equal_shapes(checkpoints)
         weights = sample_weights(checkpoints)
         buffers = [np.empty(PIECE_BYTES, dtype=np.uint8) for _ in checkpoints]
-        fused = {}
-        for name in checkpoints[0].tensors:
-            fused[name] = average_from_files(checkpoints, name, weights, buffers)
-            progress.advance("tensors averaged", len(fused), len(checkpoints[0].tensors))
+        names = checkpoints[0].tensors
+        fused: dict[str, np.ndarray] = dict.fromkeys(names)  # type: ignore[arg-type]
+        with ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="fusekit-hash") as pool:
+            hashes = InputHashes(checkpoints, pool)
+            for done, name in enumerate(sorted(names), 1):  # the content hashes' order
+                fused[name] = average_from_files(checkpoints, name, weights, buffers, hashes)
+                progress.advance("tensors averaged", done, len(names))
+            hashes.finish()
         if class_weighted:
             if isinstance(specs[0], TransformerSpec):
                 raise ParameterError("class_weighted: averages a sequential network's output "
@@ -79,17 +90,24 @@ class Average(FusionMethod):
 
 
 def average_from_files(checkpoints: Sequence[Checkpoint], name: str, weights: np.ndarray,
-                       buffers: Sequence[np.ndarray]) -> np.ndarray:
+                       buffers: Sequence[np.ndarray], hashes: InputHashes | None = None
+                       ) -> np.ndarray:
     """Tensor ``name`` averaged over the clients as :func:`average_tensor` does, streamed:
     each client's values are read a piece at a time into its reused buffer (at most
     ``PIECE_BYTES``; a tensor in memory is sliced) and summed in cache-sized blocks
     (:func:`weighted_sum`); nothing of the clients' tensor is kept and no float64 copy of it
     is made. A non-finite sum (any NaN or Inf among the
     inputs makes one) sends the tensor through :meth:`Checkpoint.tensor`, whose check names
-    the client holding it."""
+    the client holding it. ``hashes``, if given, is fed every value read."""
     dtypes = {c.value_dtype(name) for c in checkpoints}
+    if hashes is not None:
+        hashes.begin(name)
     if not streamed(dtypes, name):
-        fused = average_tensor([c.tensor(name) for c in checkpoints], weights, name)
+        arrays = [c.tensor(name) for c in checkpoints]
+        if hashes is not None:
+            hashes.feed(arrays)
+            hashes.wait()
+        fused = average_tensor(arrays, weights, name)
         for checkpoint in checkpoints:
             checkpoint.release(name)
         return fused
@@ -99,6 +117,8 @@ def average_from_files(checkpoints: Sequence[Checkpoint], name: str, weights: np
     first = 0
     for pieces in zip(*(c.pieces(name, PIECE_BYTES // 8, b)
                         for c, b in zip(checkpoints, buffers, strict=True)), strict=True):
+        if hashes is not None:  # hashed on other threads while summed here
+            hashes.feed(pieces)
         stop = first + len(pieces[0])
         weighted_sum(pieces, weights, out[first:stop], scratch)
         if count_non_finite(out[first:stop]):
@@ -106,7 +126,63 @@ def average_from_files(checkpoints: Sequence[Checkpoint], name: str, weights: np
                 checkpoint.tensor(name)
                 checkpoint.release(name)
         first = stop
+        if hashes is not None:  # the next pieces are read into the same buffers
+            hashes.wait()
     return out.reshape(shape)
+
+
+class InputHashes:
+    """The clients' content hashes fed with the values the average reads, so that each
+    input file is read once: tensors in sorted order (as :attr:`Checkpoint.content_hash`
+    takes them), each round of pieces hashed on ``pool``'s ``HASH_THREADS`` threads while the main thread
+    sums it. The values are checked by the average (a non-finite sum, or
+    :meth:`Checkpoint.tensor` for tensors read whole), as the hash's own pass checks them.
+
+    Only clients read from files whose tensors are the first client's are fed; the others
+    (in memory, or with more tensors) hash themselves when asked."""
+
+    def __init__(self, checkpoints: Sequence[Checkpoint], pool: ThreadPoolExecutor) -> None:
+        names = sorted(checkpoints[0].tensors)
+        self._fed = [(i, c, hashlib.sha256()) for i, c in enumerate(checkpoints)
+                     if c.path is not None and sorted(c.tensors) == names
+                     and "content_hash" not in vars(c)]  # not hashed already
+        self._pool = pool
+        self._pending: list[Future[None]] = []
+
+    def begin(self, name: str) -> None:
+        """Tensor ``name``'s values come next."""
+        self.wait()
+        for _, checkpoint, digest in self._fed:
+            digest.update(checkpoint.hash_header(name))
+
+    def feed(self, pieces: Sequence[np.ndarray]) -> None:
+        """The clients' next values (one array per client, in the clients' order), hashed
+        on the pool; they must stay unchanged until :meth:`wait` returns."""
+        self.wait()
+        work = [(digest, np.ascontiguousarray(pieces[i]).reshape(-1).view(np.uint8))
+                for i, _, digest in self._fed]
+        if sum(len(data) for _, data in work) < SMALL_HASH_BYTES:  # not worth a thread
+            _update(work)
+            return
+        self._pending = [self._pool.submit(_update, work[k::HASH_THREADS])
+                         for k in range(HASH_THREADS)]
+
+    def wait(self) -> None:
+        """Until the values fed so far are hashed."""
+        for future in self._pending:
+            future.result()
+        self._pending = []
+
+    def finish(self) -> None:
+        """Every tensor fed: the hashes become the clients' content hashes."""
+        self.wait()
+        for _, checkpoint, digest in self._fed:
+            checkpoint.adopt_content_hash(digest)
+
+
+def _update(work: Sequence[tuple[Any, np.ndarray]]) -> None:
+    for digest, data in work:
+        digest.update(data)
 
 
 def streamed(dtypes: set[np.dtype], name: str) -> bool:

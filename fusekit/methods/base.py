@@ -103,6 +103,10 @@ class FusionMethod(ABC):
     #: False for methods whose result is not one network (AMS keeps every client's side by
     #: side): there is no fused network to calibrate (ALGORITHMS §12).
     makes_one_network: ClassVar[bool] = True
+    #: True for methods that read every value of every input and feed the inputs' content
+    #: hashes as they go (Checkpoint.adopt_content_hash): fusekit.fuse then starts no
+    #: threads that read the files again to hash them.
+    hashes_inputs: ClassVar[bool] = False
 
     @abstractmethod
     def fuse(
