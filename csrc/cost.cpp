@@ -132,167 +132,172 @@ inline double kl_constant(double s, double P) {
     return 0.5 * (x - std::log1p(x));
 }
 
-// Coordinates that enter the product. Unobserved ones (s = 0) cost nothing. A coordinate
-// is "shared" when its weight a_ip equals the reference coordinate's for every global
-// neuron (same s, same P_ip: scalar client variance, the usual PFNM state); all shared
-// coordinates of row i then have one weight a_i and need one product column (m_ip w_jp),
-// the others ("own") two (a_ip m_ip w_jp and a_ip w_jp^2).
-struct Coordinates {
-    std::vector<std::size_t> shared, own;
+// Coordinates that enter the product, cut into runs of equal weight. Unobserved ones
+// (s = 0) cost nothing. Consecutive observed coordinates q, q' share a run when s_q = s_q'
+// and P_iq = P_iq' for every global i, so that each global weighs the whole run by one
+// a_i = s P_i / (s + P_i) (PFNM's usual state: one precision per client and tensor). A
+// run's term sum_q a_i (w_jq - m_iq)^2 = a_i |w_j|^2 - 2 a_i m_i.w_j + a_i |m_i|^2 then
+// takes one product column per coordinate and one per run (a_i against |w_j|^2 over the
+// run), where a weight per coordinate would take two per coordinate: the same sums, up to
+// rounding, in about half the product.
+struct Runs {
+    std::vector<std::size_t> observed;  // the coordinates with s > 0, in order
+    std::vector<std::size_t> start;     // run r: observed[start[r]] .. observed[start[r + 1] - 1]
+
+    std::size_t count() const { return start.empty() ? 0 : start.size() - 1; }
+    // Whether the observed coordinates are 0, 1, ..., n - 1, so that no loop gathers.
+    bool contiguous() const { return observed.empty() || observed.back() + 1 == observed.size(); }
 };
 
-FUSEKIT_CLONES void mark_equal(const double* __restrict row, std::size_t ref, std::size_t p,
-                               unsigned char* __restrict same) {
-    const double reference = row[ref];
+// brk[k] |= x[k] != x[k - 1] for k >= 1: where a run of equal values ends.
+FUSEKIT_CLONES void mark_changes(const double* __restrict x, std::size_t n,
+                                 unsigned char* __restrict brk) {
 #pragma omp simd
-    for (std::size_t q = 0; q < p; ++q) same[q] &= row[q] == reference;
+    for (std::size_t k = 1; k < n; ++k) brk[k] |= x[k] != x[k - 1];
 }
 
-Coordinates classify(const PosteriorCostInput& in) {
-    Coordinates c;
+Runs find_runs(const PosteriorCostInput& in) {
+    Runs runs;
     const std::size_t p = in.p;
-    std::size_t ref = p;
-    for (std::size_t q = 0; q < p && ref == p; ++q) {
-        if (in.precision[q] > 0.0) ref = q;
-    }
-    if (ref == p) return c;
-    std::vector<unsigned char> same(p);
-    for (std::size_t q = 0; q < p; ++q) same[q] = in.precision[q] == in.precision[ref];
-    for (std::size_t i = 0; i < in.n_global; ++i) {
-        mark_equal(in.precisions + i * p, ref, p, same.data());
-    }
+    std::vector<double> values;
     for (std::size_t q = 0; q < p; ++q) {
-        if (in.precision[q] > 0.0) (same[q] ? c.shared : c.own).push_back(q);
+        if (in.precision[q] > 0.0) {
+            runs.observed.push_back(q);
+            values.push_back(in.precision[q]);
+        }
     }
-    return c;
+    const std::size_t n = runs.observed.size();
+    if (n == 0) return runs;
+    std::vector<unsigned char> brk(n, 0);
+    brk[0] = 1;
+    mark_changes(values.data(), n, brk.data());
+    const bool contiguous = runs.contiguous();
+    for (std::size_t i = 0; i < in.n_global; ++i) {
+        const double* row = in.precisions + i * p;
+        if (!contiguous) {
+            for (std::size_t k = 0; k < n; ++k) values[k] = row[runs.observed[k]];
+            row = values.data();
+        }
+        mark_changes(row, n, brk.data());
+    }
+    for (std::size_t k = 0; k < n; ++k) {
+        if (brk[k]) runs.start.push_back(k);
+    }
+    runs.start.push_back(n);
+    return runs;
 }
 
-// The per-global-neuron side of the expansion: row i of the product's left operand
-// [-2 a_i m_i(shared) | -2 a_i m_i(own) | a_i(own)], and the terms outside the product.
+// The per-global-neuron terms outside the product.
 struct GlobalTerms {
-    std::vector<double> shared_weight;  // a_i of the shared coordinates
-    std::vector<double> row_term;       // sum_p a_ip m_ip^2
-    std::vector<double> max_weight;     // max_p a_ip, for the cancellation bound
-    std::vector<double> offset;         // 2 log((S - n_i) / n_i) + lam * KL constant
-    std::vector<double> row_scale;      // factor of the product row (see global_row)
+    std::vector<double> norm_weight;  // factor of the local neuron's |w_j|^2 (direct product)
+    std::vector<double> row_term;     // sum_p a_ip m_ip^2
+    std::vector<double> max_weight;   // max_p a_ip, for the cancellation bound
+    std::vector<double> offset;       // 2 log((S - n_i) / n_i) + lam * KL constant
+    std::vector<double> row_scale;    // factor of the product row (direct product)
+
+    explicit GlobalTerms(std::size_t n)
+        : norm_weight(n), row_term(n), max_weight(n), offset(n), row_scale(n, 1.0) {}
+
+    void set_offset(const PosteriorCostInput& in, std::size_t i, double kl) {
+        const double S = in.n_clients, n_i = in.counts[i];
+        offset[i] = 2.0 * std::log((S - n_i) / n_i) + in.lam * kl;
+    }
 };
 
 // Coordinate k of a list, or k itself when the list is 0, 1, 2, ... (the common case: all
-// coordinates shared, or all own), so that the loops below need no gathers.
+// coordinates observed), so that the loops below need no gathers.
 template <bool kContiguous>
 inline std::size_t coordinate(const std::size_t* list, std::size_t k) {
     return kContiguous ? k : list[k];
 }
 
-inline bool is_contiguous(const std::vector<std::size_t>& list) {
-    return list.empty() || list.back() + 1 == list.size();
-}
-
+// left[k] = scale * m_k with m_k = sums[coordinate k] * inv_precision; returns sum m_k^2.
 template <bool kContiguous>
-FUSEKIT_CLONES double shared_part(const double* __restrict sums, const std::size_t* shared,
-                                  std::size_t ns, double scale, double inv_precision,
-                                  double* __restrict left) {
+FUSEKIT_CLONES double scaled_means(const double* __restrict sums, const std::size_t* list,
+                                   std::size_t n, double scale, double inv_precision,
+                                   double* __restrict left) {
     double mm = 0.0;
 #pragma omp simd reduction(+ : mm)
-    for (std::size_t k = 0; k < ns; ++k) {
-        const double m = sums[coordinate<kContiguous>(shared, k)] * inv_precision;
+    for (std::size_t k = 0; k < n; ++k) {
+        const double m = sums[coordinate<kContiguous>(list, k)] * inv_precision;
         left[k] = scale * m;
         mm += m * m;
     }
     return mm;
 }
 
-// Fills the own coordinates' two blocks of left; returns sum a m^2, max a and the KL sum.
-template <bool kContiguous>
-FUSEKIT_CLONES void own_part(const double* __restrict s, const double* __restrict sums,
-                             const double* __restrict prec, const std::size_t* own,
-                             std::size_t no, double lam, double* __restrict left,
-                             double& row_term, double& max_weight, double& kl) {
-    double acc = 0.0, top = 0.0;
-#pragma omp simd reduction(+ : acc) reduction(max : top)
-    for (std::size_t k = 0; k < no; ++k) {
-        const std::size_t q = coordinate<kContiguous>(own, k);
-        const double a = posterior_weight(s[q], prec[q], lam);
-        const double m = sums[q] / prec[q];
-        left[k] = -2.0 * a * m;
-        left[no + k] = a;
-        acc += a * m * m;
-        top = a > top ? a : top;
-    }
-    row_term += acc;
-    max_weight = std::max(max_weight, top);
-    if (lam != 0.0) {
-        for (std::size_t k = 0; k < no; ++k) {
-            const std::size_t q = coordinate<kContiguous>(own, k);
-            kl += kl_constant(s[q], prec[q]);
-        }
-    }
+// One run over every coordinate: the product reads the sums in place and its row is scaled
+// by -2 a_i / P_i afterwards, a_i |w_j|^2 added in the epilogue.
+void direct_row(const PosteriorCostInput& in, std::size_t i, GlobalTerms& t) {
+    const double* sums = in.sums + i * in.p;
+    const double s = in.precision[0], P = in.precisions[i * in.p];
+    const double a = posterior_weight(s, P, in.lam), inv = 1.0 / P;
+    t.norm_weight[i] = a;
+    t.row_scale[i] = -2.0 * a * inv;
+    t.row_term[i] = a * squared_norm(sums, in.p) * inv * inv;
+    t.max_weight[i] = a;
+    // Identical terms of the KL constant: one evaluation for all coordinates.
+    t.set_offset(in, i, in.lam != 0.0 ? static_cast<double>(in.p) * kl_constant(s, P) : 0.0);
 }
 
-// With left == nullptr (every coordinate shared) the product reads the sums in place and
-// its row is scaled by -2 a_i / P_i afterwards: no operand is built at all.
-void global_row(const PosteriorCostInput& in, const Coordinates& c, std::size_t i,
-                double* left, GlobalTerms& t) {
+// Row i of the product's left operand, [-2 a_ir m_iq (each observed q, run r) | a_ir (each
+// run)], and the terms outside the product.
+template <bool kContiguous>
+void global_row(const PosteriorCostInput& in, const Runs& runs, std::size_t i, double* left,
+                GlobalTerms& t) {
     const double* sums = in.sums + i * in.p;
     const double* prec = in.precisions + i * in.p;
-    const std::size_t ns = c.shared.size(), no = c.own.size();
-    double row_term = 0.0, max_weight = 0.0, shared_weight = 0.0, kl = 0.0;
-    if (ns > 0) {
-        const std::size_t ref = c.shared[0];
-        const double s = in.precision[ref], P = prec[ref];
-        shared_weight = posterior_weight(s, P, in.lam);
-        const double scale = -2.0 * shared_weight, inv = 1.0 / P;
-        if (left == nullptr) {
-            row_term = shared_weight * squared_norm(sums, ns) * inv * inv;
-            t.row_scale[i] = scale * inv;
-        } else {
-            const double mm =
-                is_contiguous(c.shared)
-                    ? shared_part<true>(sums, nullptr, ns, scale, inv, left)
-                    : shared_part<false>(sums, c.shared.data(), ns, scale, inv, left);
-            row_term = shared_weight * mm;
-        }
-        max_weight = shared_weight;
-        // Identical terms of the KL constant: one evaluation for all shared coordinates.
-        if (in.lam != 0.0) kl = static_cast<double>(ns) * kl_constant(s, P);
+    const std::size_t n = runs.observed.size(), nr = runs.count();
+    double row_term = 0.0, max_weight = 0.0, kl = 0.0;
+    for (std::size_t r = 0; r < nr; ++r) {
+        const std::size_t first = runs.start[r], length = runs.start[r + 1] - first;
+        const std::size_t q = runs.observed[first];
+        const double s = in.precision[q], P = prec[q];
+        const double a = posterior_weight(s, P, in.lam);
+        const double mm = kContiguous
+                              ? scaled_means<true>(sums + first, nullptr, length, -2.0 * a,
+                                                   1.0 / P, left + first)
+                              : scaled_means<false>(sums, runs.observed.data() + first, length,
+                                                    -2.0 * a, 1.0 / P, left + first);
+        left[n + r] = a;
+        row_term += a * mm;
+        max_weight = std::max(max_weight, a);
+        if (in.lam != 0.0) kl += static_cast<double>(length) * kl_constant(s, P);
     }
-    if (no > 0 && is_contiguous(c.own)) {
-        own_part<true>(in.precision, sums, prec, nullptr, no, in.lam, left + ns, row_term,
-                       max_weight, kl);
-    } else if (no > 0) {
-        own_part<false>(in.precision, sums, prec, c.own.data(), no, in.lam, left + ns,
-                        row_term, max_weight, kl);
-    }
-    const double S = in.n_clients, n_i = in.counts[i];
-    t.shared_weight[i] = shared_weight;
     t.row_term[i] = row_term;
     t.max_weight[i] = max_weight;
-    t.offset[i] = 2.0 * std::log((S - n_i) / n_i) + in.lam * kl;
+    t.set_offset(in, i, kl);
 }
 
-// out[k] = w[coordinate k of list] (and squares[k] = its square unless null), for the
-// right operand of the product; returns the sum of squares.
+// out[k] = w[coordinate k of list]; returns the sum of squares.
 template <bool kContiguous>
 FUSEKIT_CLONES double gather(const double* __restrict w, const std::size_t* list, std::size_t n,
-                             double* __restrict out, double* __restrict squares) {
+                             double* __restrict out) {
     double acc = 0.0;
-    if (squares == nullptr) {
 #pragma omp simd reduction(+ : acc)
-        for (std::size_t k = 0; k < n; ++k) {
-            const double x = w[coordinate<kContiguous>(list, k)];
-            out[k] = x;
-            acc += x * x;
-        }
-    } else {
-#pragma omp simd reduction(+ : acc)
-        for (std::size_t k = 0; k < n; ++k) {
-            const double x = w[coordinate<kContiguous>(list, k)];
-            out[k] = x;
-            squares[k] = x * x;
-            acc += x * x;
-        }
+    for (std::size_t k = 0; k < n; ++k) {
+        const double x = w[coordinate<kContiguous>(list, k)];
+        out[k] = x;
+        acc += x * x;
     }
     return acc;
+}
+
+// Row j of the product's right operand, [w_jq (each observed q) | |w_j|^2 over each run];
+// returns |w_j|^2 over the observed coordinates.
+template <bool kContiguous>
+double local_row(const double* w, const Runs& runs, double* right) {
+    const std::size_t n = runs.observed.size(), nr = runs.count();
+    double total = 0.0;
+    for (std::size_t r = 0; r < nr; ++r) {
+        const std::size_t first = runs.start[r], length = runs.start[r + 1] - first;
+        const double norm =
+            kContiguous ? gather<true>(w + first, nullptr, length, right + first)
+                        : gather<false>(w, runs.observed.data() + first, length, right + first);
+        right[n + r] = norm;
+        total += norm;
+    }
+    return total;
 }
 
 // sum_q weight_q (w_q - mu0_q)^2.
@@ -470,45 +475,39 @@ Status sqeuclidean_cost(const Blas& blas, const double* a, std::size_t n, const 
 Status posterior_cost(const Blas& blas, const PosteriorCostInput& in, double* out) {
     const std::size_t p = in.p, nl = in.n_local, ng = in.n_global;
     if (nl == 0) return Status::ok;
-    const Coordinates c = classify(in);
-    const std::size_t ns = c.shared.size(), no = c.own.size(), k = ns + 2 * no;
+    const Runs runs = find_runs(in);
+    const std::size_t n = runs.observed.size(), k = n + runs.count();
+    const bool contiguous = runs.contiguous();
 
-    // Every coordinate shared (scalar variances, all observed): one product of the inputs.
-    const bool direct = no == 0 && ns == p;
+    // One run over every coordinate (scalar variances, all observed): one product of the
+    // inputs themselves.
+    const bool direct = runs.count() == 1 && n == p;
 
-    // The per-local-neuron side: right operand [w(shared) | w(own) | w(own)^2] and norms.
+    // The per-local-neuron side: the right operand and |w_j|^2 over the observed coordinates.
     thread_local std::vector<double> right_buffer, left_buffer;
     double* right = direct ? nullptr : scratch(right_buffer, nl * k);
-    std::vector<double> shared_norm(nl), full_norm(nl);
-    // "own" coordinates follow the shared ones when both lists are contiguous runs.
-    const bool shared_contiguous = is_contiguous(c.shared);
-    const bool own_contiguous =
-        shared_contiguous && !c.own.empty() && c.own.front() == ns && c.own.back() + 1 == ns + no;
+    std::vector<double> norm(nl);
     for (std::size_t j = 0; j < nl; ++j) {
         const double* w = in.local + j * p;
-        if (direct) {
-            shared_norm[j] = full_norm[j] = squared_norm(w, p);
-            continue;
-        }
-        double* r = right + j * k;
-        const double shared =
-            shared_contiguous ? gather<true>(w, nullptr, ns, r, nullptr)
-                              : gather<false>(w, c.shared.data(), ns, r, nullptr);
-        const double own = own_contiguous ? gather<true>(w + ns, nullptr, no, r + ns, r + ns + no)
-                                          : gather<false>(w, c.own.data(), no, r + ns, r + ns + no);
-        shared_norm[j] = shared;
-        full_norm[j] = shared + own;
+        norm[j] = direct       ? squared_norm(w, p)
+                  : contiguous ? local_row<true>(w, runs, right + j * k)
+                               : local_row<false>(w, runs, right + j * k);
     }
 
-    GlobalTerms terms{std::vector<double>(ng), std::vector<double>(ng), std::vector<double>(ng),
-                      std::vector<double>(ng), std::vector<double>(ng, 1.0)};
+    GlobalTerms terms(ng);
     const std::size_t tile =
         direct ? ng : std::max<std::size_t>(1, kTileElements / std::max<std::size_t>(k, 1));
     double* left = direct ? nullptr : scratch(left_buffer, std::min(tile, ng) * k);
     for (std::size_t i0 = 0; i0 < ng; i0 += tile) {
         const std::size_t rows = std::min(tile, ng - i0);
         for (std::size_t r = 0; r < rows; ++r) {
-            global_row(in, c, i0 + r, direct ? nullptr : left + r * k, terms);
+            if (direct) {
+                direct_row(in, i0 + r, terms);
+            } else if (contiguous) {
+                global_row<true>(in, runs, i0 + r, left + r * k, terms);
+            } else {
+                global_row<false>(in, runs, i0 + r, left + r * k, terms);
+            }
         }
         if (direct) {
             product(blas, in.sums + i0 * p, rows, in.local, nl, p, 1.0, out + i0 * nl, nl);
@@ -516,13 +515,12 @@ Status posterior_cost(const Blas& blas, const PosteriorCostInput& in, double* ou
             product(blas, left, rows, right, nl, k, 1.0, out + i0 * nl, nl);
         }
         for (std::size_t i = i0; i < i0 + rows; ++i) {
-            const double a = terms.shared_weight[i], row_term = terms.row_term[i];
-            const double a_max = terms.max_weight[i];
+            const double row_term = terms.row_term[i], a_max = terms.max_weight[i];
             double* row = out + i * nl;
-            if (finish_row(row, nl, terms.row_scale[i], a, shared_norm.data(), row_term, row_term,
-                           a_max, full_norm.data())) {
+            if (finish_row(row, nl, terms.row_scale[i], terms.norm_weight[i], norm.data(),
+                           row_term, row_term, a_max, norm.data())) {
                 for (std::size_t j = 0; j < nl; ++j) {
-                    if (row[j] < kCancellation * (row_term + a_max * full_norm[j])) {
+                    if (row[j] < kCancellation * (row_term + a_max * norm[j])) {
                         row[j] = exact_posterior_entry(in, i, j);
                     }
                 }

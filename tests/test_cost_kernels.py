@@ -115,6 +115,33 @@ def test_unobserved_coordinates_cost_nothing():
     )
 
 
+@pytest.mark.parametrize("unobserved", [False, True])
+def test_blocks_of_equal_precision_match_reference(unobserved):
+    # PFNM's state on a network: one precision per client and tensor, so the coordinates
+    # come in blocks over which every global has one precision (its members' count times the
+    # block's). The kernel weighs each block once; a block's last coordinate differing in
+    # one global only must split it. Every entry as the reference computes it.
+    rng = np.random.default_rng(7)
+    lengths = [40, 1, 9, 30, 2, 25]
+    block_precision = np.repeat(rng.uniform(0.5, 20.0, len(lengths)), lengths)
+    prior = np.repeat(rng.uniform(0.5, 2.0, len(lengths)), lengths)
+    p, j_global, j_local = block_precision.size, 33, 12
+    members = rng.integers(1, 5, (j_global, 1))
+    precisions = 1.0 / prior + members * block_precision
+    precisions[5, lengths[0] - 1] += 0.5
+    client_precision = block_precision.copy()
+    if unobserved:
+        client_precision[rng.random(p) < 0.2] = 0.0
+    means = rng.normal(size=(j_global, p))
+    local = rng.normal(size=(j_local, p))
+    local[0] = means[3]
+    args = (local, client_precision, means * precisions, precisions, members[:, 0])
+    kwargs = dict(n_clients=6, mu0=0.0, sigma0_2=prior, gamma0=1.3)
+    assert_close(matching.pfnm_cost(*args, **kwargs), reference.pfnm_cost(*args, **kwargs))
+    assert_close(matching.nafi_cost(*args, **kwargs, lam=0.3),
+                 reference.nafi_cost(*args, **kwargs, lam=0.3))
+
+
 def test_new_neuron_block_penalties_increase():
     rng = np.random.default_rng(4)
     args, kwargs = posterior_state(rng, 3, 5, 4, per_coordinate=False, unobserved=False)
