@@ -118,3 +118,27 @@ def test_position_aware_checkpoints_are_refused_with_a_pointer_to_avg():
     spec = infer_spec(ckpt.state_dict())
     with pytest.raises(IncompatibleModelsError, match=r"position-aware.*avg"):
         neurons.refuse_position_aware([ckpt], [spec], "pfnm")
+
+
+def test_batchnorm_folded_in_float32_is_the_float64_fold_to_float32_precision():
+    """Folding into float32 (ot) rounds the scale and each scaled weight: within float32's
+    eps of the float64 fold, relative, the same bias; a layer without a BatchNorm is not
+    widened, and float64 weights stay float64."""
+    model = cnn(seed=3)
+    checkpoint = Checkpoint.from_state_dict(
+        {k: v.numpy() for k, v in model.state_dict().items()})
+    spec = infer_spec({k: v.shape for k, v in model.state_dict().items()})
+    wide = neurons.client_layers(checkpoint, spec)
+    narrow = neurons.client_layers(checkpoint, spec, dtype=np.float32)
+    for layer, w64, w32 in zip(spec.layers, wide, narrow, strict=True):
+        assert w64.weight.dtype == np.float64 and w32.weight.dtype == np.float32, layer.name
+        np.testing.assert_array_equal(w32.bias, w64.bias)
+        # two roundings (the scale, the product), each at most half of eps32 relative
+        bound = 1.001 * np.finfo(np.float32).eps * np.abs(w64.weight)
+        assert np.all(np.abs(w32.weight - w64.weight) <= bound), layer.name
+        if layer.norm is None:  # as stored
+            np.testing.assert_array_equal(w32.weight, w64.weight)
+    double = Checkpoint.from_state_dict({k: v.double().numpy()
+                                         for k, v in model.state_dict().items()})
+    assert all(layer.weight.dtype == np.float64
+               for layer in neurons.client_layers(double, spec, dtype=np.float32))

@@ -40,10 +40,11 @@ PAN_SUFFIX = ".encoding"
 
 @dataclass
 class UnitLayer:
-    """One layer in unit form (see module docstring), BatchNorm folded, float64.
+    """One layer in unit form (see module docstring), BatchNorm folded.
 
     Attributes:
-        weight: (out, in_units, block) float64.
+        weight: (out, in_units, block) float64 (float32 where a method folds in float32:
+            :func:`fold_batchnorm`).
         bias: (out,) float64 (zeros when the layer has neither a bias nor a BatchNorm).
     """
 
@@ -84,21 +85,26 @@ def refuse_position_aware(checkpoints: Sequence[Checkpoint], specs: Sequence[Per
             )
 
 
-def unit_weight(weight: np.ndarray, layer: Layer) -> np.ndarray:
-    """A layer's weight tensor in unit form ``(out, in_units, block)``, float64."""
-    weight = np.asarray(weight, dtype=np.float64)
+def unit_weight(weight: np.ndarray, layer: Layer, dtype: type = np.float64) -> np.ndarray:
+    """A layer's weight tensor in unit form ``(out, in_units, block)``, in ``dtype`` or the
+    stored one where wider (not copied when it already is)."""
+    weight = np.asarray(weight, dtype=np.promote_types(weight.dtype, dtype))
     return weight.reshape(weight.shape[0], layer.in_features, -1)
 
 
-def fold_batchnorm(checkpoint: Checkpoint, layer: Layer) -> UnitLayer:
+def fold_batchnorm(checkpoint: Checkpoint, layer: Layer,
+                   dtype: type = np.float64) -> UnitLayer:
     """A client's layer in unit form with its BatchNorm (if any) folded in (NAFI App. E).
-    The weight is widened to float64 and scaled in one pass (one float64 array made)."""
+    The weight is scaled in one pass into one array of ``dtype`` (float64, or float32 for
+    a method whose results are float32's precision: one rounding of the product, at half
+    the memory); the BatchNorm's scale is computed in float64 either way, and the bias is
+    float64."""
     raw = checkpoint.tensor(layer.weight)
     bias = (np.asarray(checkpoint.tensor(layer.bias), dtype=np.float64) if layer.bias
             else np.zeros(raw.shape[0]))
     norm = layer.norm
     if norm is None:
-        return UnitLayer(unit_weight(raw, layer), bias)
+        return UnitLayer(unit_weight(raw, layer, dtype), bias)
     scale = 1.0 / np.sqrt(np.asarray(checkpoint.tensor(norm.running_var), np.float64)
                           + norm.eps)
     if norm.weight is not None:
@@ -106,18 +112,20 @@ def fold_batchnorm(checkpoint: Checkpoint, layer: Layer) -> UnitLayer:
     shift = np.asarray(checkpoint.tensor(norm.bias), np.float64) if norm.bias else 0.0
     mean = np.asarray(checkpoint.tensor(norm.running_mean), np.float64)
     weight = np.multiply(raw.reshape(raw.shape[0], layer.in_features, -1),
-                         scale[:, None, None], dtype=np.float64)
+                         scale[:, None, None], dtype=np.promote_types(raw.dtype, dtype),
+                         casting="same_kind")
     return UnitLayer(weight, scale * (bias - mean) + shift)
 
 
 def client_layers(checkpoint: Checkpoint, spec: PermutationSpec, *,
-                  release: bool = False) -> list[UnitLayer]:
-    """Every layer of one client, input to output, in unit form with BatchNorm folded;
-    with ``release``, each layer's tensors are released from the checkpoint once folded
-    (the float64 layers are then all that is held of the client)."""
+                  release: bool = False, dtype: type = np.float64) -> list[UnitLayer]:
+    """Every layer of one client, input to output, in unit form with BatchNorm folded
+    (weights in ``dtype``, or the stored one where wider: :func:`fold_batchnorm`); with
+    ``release``, each layer's tensors are released from the checkpoint once folded (the
+    unit-form layers are then all that is held of the client)."""
     layers = []
     for layer in spec.layers:
-        layers.append(fold_batchnorm(checkpoint, layer))
+        layers.append(fold_batchnorm(checkpoint, layer, dtype))
         if release:
             checkpoint.release(*layer.tensors)
     return layers

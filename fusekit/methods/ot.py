@@ -152,7 +152,7 @@ class OptimalTransport(AnchorAlignment):
                 raise ParameterError("activations: the activation cost needs a sequential "
                                      "network; residual networks use the weight cost")
             state_dict, client_reports, assignments = fuse_aligned(
-                checkpoints, specs, anchor_index, group_aligner)
+                checkpoints, specs, anchor_index, group_aligner, PRODUCTS)
             report = {"anchor": checkpoints[anchor_index].label, "cost": "weights",
                       "alignment": client_reports, "align_time_s": time.perf_counter() - start}
             return self.result(state_dict, checkpoints, specs[anchor_index], params, report,
@@ -390,12 +390,14 @@ def paired_distances(a: np.ndarray, b: np.ndarray, cols: np.ndarray) -> float:
 
 
 def fuse_aligned(checkpoints: Sequence[Checkpoint], specs: Sequence[PermutationSpec | GraphSpec],
-                 anchor: int, aligner) -> tuple[dict[str, np.ndarray], list[dict[str, Any]]]:
+                 anchor: int, aligner, dtype: type = np.float64
+                 ) -> tuple[dict[str, np.ndarray], list[dict[str, Any]]]:
     """Align every client to the anchor, one client at a time, and average them (step 5).
 
-    Only the running weighted sum and one client are held in float64, with what the
-    aligner keeps of the anchor, whatever the number of clients: each client's tensors are
-    read when its turn comes and released after.
+    Only the running weighted sum (float64) and one client (its BatchNorms folded into
+    ``dtype``: float32 for ot, whose units are compared in float32) are held, with what
+    the aligner keeps of the anchor, whatever the number of clients: each client's
+    tensors are read when its turn comes and released after.
 
     Args:
         checkpoints, specs: the clients in canonical order.
@@ -411,7 +413,8 @@ def fuse_aligned(checkpoints: Sequence[Checkpoint], specs: Sequence[PermutationS
     """
     weights = sample_weights(checkpoints)
     spec = specs[anchor]
-    anchor_layers = neurons.client_layers(checkpoints[anchor], spec, release=True)
+    anchor_layers = neurons.client_layers(checkpoints[anchor], spec, release=True,
+                                          dtype=dtype)
     align = aligner(anchor_layers, spec)
     total = [neurons.UnitLayer(weights[anchor] * layer.weight, weights[anchor] * layer.bias)
              for layer in anchor_layers]
@@ -424,8 +427,8 @@ def fuse_aligned(checkpoints: Sequence[Checkpoint], specs: Sequence[PermutationS
             continue
         start = time.perf_counter()
         # the client's layers are handed over, not kept: align frees each one it replaces
-        aligned, report = align(neurons.client_layers(checkpoint, client_spec, release=True),
-                                client_spec)
+        aligned, report = align(neurons.client_layers(checkpoint, client_spec, release=True,
+                                                      dtype=dtype), client_spec)
         for into, layer in zip(total, aligned, strict=True):
             into.weight += weights[s] * layer.weight
             into.bias += weights[s] * layer.bias
