@@ -4,8 +4,9 @@ and the examples the pages mark with ``<!-- run -->`` run as they stand.
 A marked block is a fenced ``bash`` or ``python`` block right after the marker. A page's
 marked blocks run in order (consecutive bash blocks in one shell, as a reader types them),
 each in a process group of its own (ended when it returns), in one fresh folder per page,
-with ``fusekit`` on PATH meaning this tree's command line (each command forked from a warm
-process, :mod:`warm_fusekit`). The marker's option says what the block needs:
+with ``fusekit`` on PATH meaning this tree's command line (each command, and each python
+block, forked from a warm process: :mod:`warm_fusekit`). The marker's option says what the
+block needs:
 ``background`` runs it for the rest of the page (the service's server; the page's port 8420
 becomes a free one), ``readme-clients`` starts the page in a folder holding the README's
 simulated clients (``ckpts/``). Every path a bash block names with ``-o``/``--out`` must
@@ -113,7 +114,7 @@ def run_page(page: Path, folder: Path, env: dict[str, str]) -> None:
             elif block.language == "python":
                 script = folder.parent / f"{folder.name}-block-{number}.py"
                 script.write_text(code)
-                command = [sys.executable, str(script)]
+                command = ["warm-python", str(script)]  # python FILE, forked warm
             else:
                 raise AssertionError(f"{where}: a {block.language} block cannot run")
             if block.needs == "background":

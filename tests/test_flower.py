@@ -22,9 +22,6 @@ from flwr.app import (
     MetricRecord,
     RecordDict,
 )
-from flwr.server.superlink.linkstate.utils import (
-    create_message_error_unavailable_res_message,
-)
 from flwr.supercore.task_identity import TaskIdentity
 
 import fusekit
@@ -392,6 +389,12 @@ class Federation:
         return [10, 11, 12]
 
     def send_and_receive(self, messages, timeout=None):
+        # Here, not at collection: the SuperLink's state (SQLAlchemy, alembic, FastAPI)
+        # costs every pytest worker a second to import.
+        from flwr.server.superlink.linkstate.utils import (
+            create_message_error_unavailable_res_message,
+        )
+
         answers = []
         for m in messages:
             m.metadata.__dict__["_message_id"] = m.object_id

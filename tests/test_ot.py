@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import numpy as np
-import ot as pot
 import pytest
 import torch
 from torch import nn
@@ -70,6 +69,8 @@ def folded_layers(model: nn.Sequential) -> list[tuple[np.ndarray, np.ndarray]]:
 
 def reference_ot(models, weights, anchor, activations=None):
     """§5 steps 1-5, plainly: returns the fused (W, b) per layer."""
+    import ot as pot  # here, not at collection: POT costs every pytest worker a second
+
     clients = [folded_layers(m) for m in models]
     n_layers = len(clients[0])
     aligned = [[None] * n_layers for _ in models]
@@ -205,6 +206,8 @@ def test_activation_cost_matches_direct_pot_computation(tmp_path):
 
 
 def test_transport_plan_marginals_and_kinds():
+    import ot as pot
+
     rng = np.random.default_rng(0)
     for n, m in [(5, 5), (4, 7), (8, 3)]:
         cost = rng.random((n, m))

@@ -6,9 +6,10 @@ process of its own and forks a child for each command a ``fusekit`` script on PA
 for. The child is the command as a reader runs it: this tree's ``fusekit._cli.app.main`` with
 the caller's arguments, folder, environment, stdin, stdout and stderr (passed over a Unix
 socket), its exit status the script's. ``fusekit serve`` is exec'd afresh instead: the
-service's server is tested as the process it is. A child whose script goes away (ended with
-its shell's process group) is killed with its process group; stopping the warm process
-ends every child it has.
+service's server is tested as the process it is. The ``warm-python`` script beside it runs
+a Python file the same way, as ``python FILE`` would (``__main__``, ``sys.argv``). A child
+whose script goes away (ended with its shell's process group) is killed with its process
+group; stopping the warm process ends every child it has.
 
 The parent never runs torch code, so no thread pool exists when it forks.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import runpy
 import select
 import signal
 import socket
@@ -32,11 +34,12 @@ FRESH = ("serve",)  # commands run as a fresh process, never forked
 
 SCRIPT = """#!{python} -I
 import json, os, socket, sys
-if sys.argv[1:2] and sys.argv[1] in {fresh!r}:
+if {command!r} == "fusekit" and sys.argv[1:2] and sys.argv[1] in {fresh!r}:
     os.execv({python!r}, [{python!r}, "-m", "fusekit", *sys.argv[1:]])
 with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as warm:
     warm.connect({address!r})
-    request = {{"argv": sys.argv[1:], "cwd": os.getcwd(), "env": dict(os.environ)}}
+    request = {{"command": {command!r}, "argv": sys.argv[1:], "cwd": os.getcwd(),
+                "env": dict(os.environ)}}
     socket.send_fds(warm, [json.dumps(request).encode()], [0, 1, 2])
     status = warm.recv(64)  # empty if the warm process went away
 sys.exit(int(status) if status else 70)
@@ -44,14 +47,16 @@ sys.exit(int(status) if status else 70)
 
 
 class WarmFusekit:
-    """The warm process and the ``fusekit`` script that talks to it, in ``folder``."""
+    """The warm process and the scripts that talk to it, in ``folder``: ``fusekit`` (a
+    command) and ``warm-python`` (``python FILE [ARGS]``)."""
 
     def __init__(self, folder: Path) -> None:
         self.address = str(folder / "warm.sock")
-        self.script = folder / "fusekit"
-        self.script.write_text(SCRIPT.format(python=sys.executable, fresh=FRESH,
-                                             address=self.address))
-        self.script.chmod(0o755)
+        self.script, self.python = folder / "fusekit", folder / "warm-python"
+        for script in (self.script, self.python):
+            script.write_text(SCRIPT.format(python=sys.executable, fresh=FRESH,
+                                            address=self.address, command=script.name))
+            script.chmod(0o755)
         self.process: subprocess.Popen | None = None
 
     def start(self, env: dict[str, str], timeout: float = 120.0) -> WarmFusekit:
@@ -132,10 +137,7 @@ def fork_command(caller: socket.socket, listener: socket.socket,
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
-        sys.argv = ["fusekit", *request["argv"]]
-        from fusekit._cli.app import main
-
-        main()
+        run(request["command"], request["argv"])
         code = 0
     except SystemExit as exit_:
         code = exit_code(exit_.code)
@@ -146,6 +148,20 @@ def fork_command(caller: socket.socket, listener: socket.socket,
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def run(command: str, argv: list[str]) -> None:
+    """``fusekit ARGV``, or ``python ARGV`` (a file, then its arguments) for ``warm-python``,
+    in this process."""
+    if command == "warm-python":
+        sys.argv = argv
+        sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))  # as python FILE sets it
+        runpy.run_path(argv[0], run_name="__main__")
+        return
+    sys.argv = ["fusekit", *argv]
+    from fusekit._cli.app import main
+
+    main()
 
 
 def exit_code(code: object) -> int:
