@@ -217,8 +217,8 @@ def children(pid: int) -> list[int]:
 
 
 def spawned(pid: int) -> list[int]:
-    """The processes ``pid`` started through multiprocessing: a server's upload checkers,
-    a worker's fusion (not multiprocessing's resource tracker)."""
+    """The processes ``pid`` started afresh through multiprocessing: a server's upload
+    checkers (not multiprocessing's resource tracker)."""
     return [child for child in children(pid)
             if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes()]
 

@@ -859,7 +859,7 @@ def test_deleting_a_running_job_stops_its_fusion(service, admin, tmp_path):
     wait_for_progress(admin, job["id"], "fusing", prefix=True)
     (worker,) = workers(service.process.pid)
     deadline = time.monotonic() + 60
-    while not (fusions := spawned(worker)):  # the job's fusion process, starting
+    while not (fusions := forked(worker)):  # the job's fusion process, starting
         assert time.monotonic() < deadline, "no fusion process"
         time.sleep(0.05)
     assert len(fusions) == 1 and admin.status(job["id"])["state"] == "running"
@@ -980,3 +980,10 @@ def workers(pid: int) -> list[int]:
     """The worker processes among the children of a server."""
     return [child for child in children(pid) if b"fusekit.service.worker" in
             Path(f"/proc/{child}/cmdline").read_bytes()]
+
+
+def forked(worker: int) -> list[int]:
+    """A worker's fusion and calibration processes: the children of its fork server."""
+    return [process for server in children(worker)
+            if b"multiprocessing.forkserver" in Path(f"/proc/{server}/cmdline").read_bytes()
+            for process in children(server)]

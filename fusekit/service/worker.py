@@ -70,8 +70,12 @@ CANCEL_CHECK_S = 0.5
 PROGRESS_EVERY_S = 0.5  # at most one record write per this many seconds of a fusion's steps
 ERROR_CHARS = 300  # of a failed job's error in its status; the whole text in its report  # how often a worker looks whether its running job was cancelled
 LOG_FORMAT = "%(asctime)s %(name)s: %(message)s"
-# Fusion processes start afresh: a fork would copy the worker's threads' locks.
-_SPAWN = multiprocessing.get_context("spawn")
+# Fusion and calibration processes are forked by multiprocessing's fork server, a process
+# of its own that imported this module once: a fork of the worker would copy its threads'
+# locks, and a process started afresh spends half a second of CPU importing fusekit for
+# every job and every round.
+_PROCESSES = multiprocessing.get_context("forkserver")
+_PROCESSES.set_forkserver_preload(["fusekit.service.worker"])
 
 
 def make_queue(settings: Settings) -> tuple[Huey, Any]:
@@ -333,8 +337,8 @@ def _apart(store: JobStore, job: dict[str, Any], attempt: int, work, *args: Any)
     Raises:
         _StepFailed: the error message of ``work``, or the process died.
     """
-    receiver, sender = _SPAWN.Pipe(duplex=False)
-    process = _SPAWN.Process(target=_child, daemon=True, name=f"{work.__name__[1:]} "
+    receiver, sender = _PROCESSES.Pipe(duplex=False)
+    process = _PROCESSES.Process(target=_child, daemon=True, name=f"{work.__name__[1:]} "
                              f"{job['id']}", args=(sender, work, *args))
     process.start()
     sender.close()  # the child holds the only sending end: its death reads as EOF
@@ -366,7 +370,7 @@ def _apart(store: JobStore, job: dict[str, Any], attempt: int, work, *args: Any)
 def _child(sender: Connection, work, *args: Any) -> None:
     """A fusion or calibration process: run ``work(*args)`` and send the worker
     ("progress", text) for each layer fused, then ("succeeded", what ``work`` returned) or
-    ("failed", message)."""
+    ("failed", message). Its parent is the fork server, which exits with the worker."""
     threading.Thread(target=_exit_with, args=(os.getppid(),), daemon=True).start()
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     progress.listen(_progress_sender(sender))
