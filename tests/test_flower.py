@@ -161,14 +161,19 @@ def test_bad_replies_are_left_out_with_the_reason_fusekit_fuse_gives(tmp_path, c
         reply(4, train_reply(mlp(widths=(6, 5, 4, 3), seed=5), 10)),
         reply(5, missing_count),
         reply(6, train_reply(good[1], 10)),
+        # A SuperNode's words for what its ClientApp raised.
+        reply(7, Error(code=2, reason="<class 'FileNotFoundError'>:<'[Errno 2] No such file "
+                                      "or directory: '/data/x.npy''>")),
     ]
     strategy = FusekitStrategy("pfnm")
     arrays, metrics = strategy.aggregate_train(3, replies)
     assert arrays is not None and metrics["pfnm.fused-replies"] == 2
-    assert metrics["pfnm.left-out-replies"] == 4
+    assert metrics["pfnm.left-out-replies"] == 5
     reasons = strategy.left_out
-    assert sorted(reasons) == [2, 3, 4, 5]
-    assert "out of memory" in reasons[2]
+    assert sorted(reasons) == [2, 3, 4, 5, 7]
+    assert reasons[2] == "the ClientApp failed (error 1: out of memory)"
+    assert reasons[7] == ("the ClientApp failed (error 2: FileNotFoundError: [Errno 2] No such "
+                          "file or directory: '/data/x.npy')")
     assert "num-examples" in reasons[5]
     # The reason is the one `fusekit fuse` gives for the same model in a file.
     path = write_raw(tmp_path / "nan.safetensors", nan_model)

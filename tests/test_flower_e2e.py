@@ -4,17 +4,18 @@ example app fused by FedAvg (fusekit's avg) and by PFNM; the app the Flower page
 (docs/flower.md) writes, file by file, over two rounds, each fused model calibrated with the
 statistics the nodes send in a query round; the example app's BatchNorm MLP fused,
 calibrated, aligned and refit in three query rounds, one node missing the first refit
-round. On four SuperNodes: the same rounds with a SuperNode killed (SIGKILL) in each kind
-of query round. On one SuperNode: a run whose round cannot fuse (the initial model comes
-back) and a run that cannot finish, stopped at its timeout. Each test checks that every
-process the federation started has ended. Each test starts a federation of its own, so
-that `make test` runs the five side by side, and runs that do not depend on each other go
-on side by side on their federation (they mostly wait: Flower polls every 3 s, a
-ClientApp is a new process per message). The longest, the killed nodes', waits three
-times for a killed node's heartbeats to lapse (37.5-60 s each: Flower's SuperNode sends
-one every 17.5-22.5 s, its SuperLink gives a node up 60 s after the last, neither has a
-setting for it), one after the other: each round's query exists only once the round
-before it has ended. Progress lines are printed as the runs go. Deselect with
+round. On four SuperNodes: the same rounds losing a node in each kind of query round, one
+SuperNode killed (SIGKILL) in the calibration round, the ClientApp of two others failing
+from the alignment and from the first refit round on (their inputs file has vanished). On
+one SuperNode: a run whose round cannot fuse (the initial model comes back) and a run that
+cannot finish, stopped at its timeout. Each test checks that every process the federation
+started has ended. Each test starts a federation of its own, so that `make test` runs the
+five side by side, and runs that do not depend on each other go on side by side on their
+federation (they mostly wait: Flower polls every 3 s, a ClientApp is a new process per
+message). The longest, the lost nodes', waits once for the killed node's heartbeats to
+lapse (37.5-60 s: Flower's SuperNode sends one every 17.5-22.5 s, its SuperLink gives a
+node up 60 s after the last, neither has a setting for it); a failing ClientApp's error
+comes back at once. Progress lines are printed as the runs go. Deselect with
 ``-m "not flower_e2e"``."""
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ T = TypeVar("T")
 #: The example ClientApp's query handler, after which the tests' apps insert their faults.
 QUERY_HANDLER = ("    data = task.dataset()\n    indices = task.node_indices(context.run_config, "
                  "context.node_config, data)\n    return Message(statistics_reply(")
+#: The inputs the example ClientApp answers a query over.
+QUERY_INPUTS = "statistics_reply(msg.content, data.x_train[indices],"
 
 
 @pytest.fixture
@@ -301,44 +304,73 @@ def assert_same_model(model: Checkpoint, expected: dict) -> None:
                                    err_msg=name)
 
 
-#: The SuperNode killed (SIGKILL) in each kind of query round, by partition, and the
-#: query's kind (its ``fusekit-stats-kind``): one SuperNode per kind of round.
-KILLED = {1: "channels", 2: "cross", 3: "refit"}
+#: The partition whose SuperNode is killed (SIGKILL, with its process group) while it
+#: computes its reply to the calibration query: the one heartbeat wait of the test (the
+#: round ends once the SuperLink gives the node up), which the removal of partition 2's
+#: file, below, gets to use as its margin.
+KILLED = 1
+#: The partitions whose ClientApp fails from a round on, by the replies their SuperNode
+#: has sent before it (train, calibration, alignment): their inputs file vanishes then.
+VANISHED = {2: 2, 3: 3}
 
 
-def test_four_nodes_one_killed_in_each_kind_of_query_round(tmp_path, progress):
+def test_four_nodes_one_killed_and_two_failing_in_the_three_kinds_of_query_round(
+        tmp_path, progress):
     """A BatchNorm MLP from each node's own initial weights, fused by PFNM on four
     SuperNodes, then calibrated layer by layer (REPAIR: one query round), one alignment
-    round and a refit round per layer. While it computes its reply, a SuperNode is killed
-    with SIGKILL (with its process group: the SuperExec and the ClientApp) in each kind of
-    query round: partition 1's in the calibration round, partition 2's in the alignment
-    round, partition 3's in the first refit round. The run finishes; each round goes on
-    with the nodes that answered (the SuperLink answers for a stopped node once its
-    heartbeats have lapsed), the stopped nodes are named in the log and in the result; the
-    global model is what the protocol's steps give in this process over the same nodes'
-    models and data, each killed node answering no round from its round on."""
+    round and a refit round per layer; each node answers the queries over its inputs
+    file. Partition 1's SuperNode is killed with SIGKILL (with its process group: the
+    SuperExec and the ClientApp) while it computes its calibration reply: Flower answers
+    for it with "Node Unavailable" once its heartbeats have lapsed. Partition 2's inputs
+    file vanishes once it has answered the calibration query, partition 3's once it has
+    answered the alignment query: their ClientApp fails from the alignment round and from
+    the first refit round on, and Flower returns its error at once. The run finishes; each
+    round goes on with the nodes that answered, the lost nodes are named in the log and
+    in the result with their reason; the global model is what the protocol's steps give in
+    this process over the same nodes' models and data, each lost node answering no round
+    from its round on."""
+    task = example_task()
+    data = task.dataset()
+    inputs_dir = tmp_path / "inputs"
+    inputs_dir.mkdir()
+    config = {"method": "pfnm", "arch": "mlp:32", "batchnorm": True, "epochs": 5,
+              "min-nodes": 4, "partition": "dirichlet", "alpha": 0.5, "seed": 0,
+              "calibrate": True, "calibration-rounds": "layerwise", "alignment-rounds": 1,
+              "fraction-evaluate": 0.0}
+    for part in range(4):
+        indices = task.node_indices(config, {"partition-id": part, "num-partitions": 4}, data)
+        np.save(inputs_dir / f"partition-{part}.npy", data.x_train[indices])
     app = tmp_path / "app"
     shutil.copytree(APP, app, ignore=shutil.ignore_patterns("__pycache__"))
     client_app = app / "fusekit_digits" / "client_app.py"
     source = client_app.read_text()
-    assert source.count(QUERY_HANDLER) == 1
+    assert source.count(QUERY_HANDLER) == 1 and source.count(QUERY_INPUTS) == 1
     client_app.write_text(source.replace(QUERY_HANDLER, textwrap.indent(textwrap.dedent(f"""\
         import os, signal
-        if {KILLED!r}.get(context.node_config["partition-id"]) == (
-                msg.content["config"]["fusekit-stats-kind"]):
+        import numpy as np
+        partition = context.node_config["partition-id"]
+        if partition == {KILLED} and msg.content["config"]["fusekit-stats-kind"] == "channels":
             os.killpg(os.getpgrp(), signal.SIGKILL)  # this SuperNode's group
-        """), "    ") + QUERY_HANDLER))
+        inputs = np.load({str(inputs_dir)!r} + f"/partition-{{partition}}.npy")
+        """), "    ") + QUERY_HANDLER).replace(
+        QUERY_INPUTS, "statistics_reply(msg.content, inputs,"))
     models_dir = tmp_path / "nodes"
     result_file, model_file = tmp_path / "killed.json", tmp_path / "killed.safetensors"
-    config = {"method": "pfnm", "arch": "mlp:32", "batchnorm": True, "epochs": 5,
-              "min-nodes": 4, "partition": "dirichlet", "alpha": 0.5, "seed": 0,
-              "calibrate": True, "calibration-rounds": "layerwise", "alignment-rounds": 1,
-              "fraction-evaluate": 0.0, "result-file": str(result_file),
-              "model-file": str(model_file), "models-dir": str(models_dir)}
+    config.update({"result-file": str(result_file), "model-file": str(model_file),
+                   "models-dir": str(models_dir)})
     with Federation(tmp_path / "federation", 4, progress) as federation:
-        output = run(federation, app, config, progress).stdout
+        ended = threading.Event()
+        with ThreadPoolExecutor(len(VANISHED)) as pool:
+            removals = [pool.submit(remove_once_answered, federation.log(f"supernode-{part}"),
+                                    replies, inputs_dir / f"partition-{part}.npy", ended)
+                        for part, replies in VANISHED.items()]
+            try:
+                output = run(federation, app, config, progress).stdout
+            finally:
+                ended.set()
+        assert all(removal.result() for removal in removals)
         supernodes = federation.processes[1:]
-        assert [node.poll() for node in supernodes] == [None] + [-signal.SIGKILL] * 3
+        assert [node.poll() for node in supernodes] == [None, -signal.SIGKILL, None, None]
     result = json.loads(result_file.read_text())
     metrics = result["train_metrics"]["1"]
     assert metrics["pfnm.fused-replies"] == 4 and metrics["pfnm.calibration-rounds"] == 1
@@ -350,23 +382,27 @@ def test_four_nodes_one_killed_in_each_kind_of_query_round(tmp_path, progress):
     ids = {part: int(path.stem.removeprefix("node-"))
            for part, path in zip(parts, sorted(models_dir.iterdir()), strict=True)}
     stopped = "the node stopped answering (error 5: Error: Node Unavailable"
-    assert list(result["left_out_statistics"]) == [str(ids[1])]
-    assert sorted(result["left_out_alignment"]) == sorted(str(ids[p]) for p in (1, 2, 3))
-    for reason in [*result["left_out_statistics"].values(),
-                   *result["left_out_alignment"].values()]:
-        assert reason.startswith(stopped), reason
-    lines = {f"round 1: statistics of node {ids[1]} left out: {stopped}",
-             f"round 1: cross statistics of node {ids[2]} left out: {stopped}",
-             f"round 1: refit statistics of node {ids[3]} left out: {stopped}"}
+    failed = {part: "the ClientApp failed (error 2: FileNotFoundError: [Errno 2] No such "
+                    f"file or directory: '{inputs_dir / f'partition-{part}.npy'}')"
+              for part in VANISHED}
+    assert list(result["left_out_statistics"]) == [str(ids[KILLED])]
+    assert result["left_out_statistics"][str(ids[KILLED])].startswith(stopped)
+    left_out = result["left_out_alignment"]
+    assert sorted(left_out) == sorted(str(ids[p]) for p in (KILLED, *VANISHED))
+    assert left_out[str(ids[KILLED])].startswith(stopped)
+    assert all(left_out[str(ids[p])] == failed[p] for p in VANISHED), left_out
+    lines = {f"round 1: statistics of node {ids[KILLED]} left out: {stopped}",
+             f"round 1: cross statistics of node {ids[2]} left out: {failed[2]}",
+             f"round 1: refit statistics of node {ids[3]} left out: {failed[3]}"}
     assert all(line in output for line in lines), output
     assert "round 1: aligned to 2 node(s) in 1 alignment and 2 refit round(s)" in output
 
     fused = fusekit.fuse(nodes, method="pfnm", width_ratio=1.5)
     fused = Checkpoint.from_state_dict(fused.state_dict, fused.metadata)
     # Rounds: calibration, alignment, refit of each of the two layers.
-    killed = {protocol.STATISTICS: parts.index(1), protocol.CROSS: parts.index(2),
-              protocol.REFIT: parts.index(3)}
-    expected = protocol_with_nodes_killed(fused, nodes, inputs, killed)
+    lost = {protocol.STATISTICS: parts.index(1), protocol.CROSS: parts.index(2),
+            protocol.REFIT: parts.index(3)}
+    expected = protocol_with_nodes_killed(fused, nodes, inputs, lost)
     assert [set(done["missing"]) for done in expected.history] == [
         {parts.index(1)}, {parts.index(1), parts.index(2)}, {parts.index(3)},
         {parts.index(3)}]
@@ -374,6 +410,18 @@ def test_four_nodes_one_killed_in_each_kind_of_query_round(tmp_path, progress):
     everyone = protocol_with_nodes_killed(fused, nodes, inputs, {})
     assert not np.allclose(everyone.model.tensor("net.0.weight"),
                            expected.model.tensor("net.0.weight"), atol=1e-3)
+
+
+def remove_once_answered(log: Path, replies: int, path: Path, ended: threading.Event
+                         ) -> bool:
+    """Removes ``path`` once the SuperNode logging to ``log`` has sent ``replies`` replies
+    (their ClientApp has read it; its next message comes only once the round's other
+    replies are in): whether it did before ``ended`` was set."""
+    while not ended.wait(0.1):
+        if log.read_text(errors="replace").count("Sending: ") >= replies:
+            path.unlink()
+            return True
+    return False
 
 
 def example_task():

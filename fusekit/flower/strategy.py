@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -89,6 +90,9 @@ from .records import (
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+#: How a SuperNode words the exception a ClientApp raised, in its error reply's reason:
+#: ``<class 'FileNotFoundError'>:<'[Errno 2] No such file or directory: ...'>``.
+RAISED = re.compile(r"<class '(?:[\w.]+\.)?(\w+)'>:<'(.*)'>", re.S)
 
 #: What fuses the rounds after a method that rematches neurons has fused one.
 LATER_ROUNDS = ("avg", "rematch")
@@ -838,16 +842,23 @@ def screen_replies(replies: Iterable[Message], parse: Callable[[int, RecordDict]
     for reply in replies:
         node = reply_node(reply, asked)
         if reply.has_error():
-            reasons[node] = (
-                f"the node stopped answering (error {reply.error.code}: {reply.error.reason})"
-                if reply.error.code == ErrorCode.NODE_UNAVAILABLE else
-                f"the ClientApp failed (error {reply.error.code}: {reply.error.reason})")
+            reasons[node] = error_reason(reply.error.code, reply.error.reason)
             continue
         try:
             parsed[node] = parse(node, reply.content)
         except FusekitError as exc:
             reasons[node] = str(exc)
     return parsed, reasons
+
+
+def error_reason(code: int, reason: str) -> str:
+    """An error reply's one-line reason: the node stopped (the SuperLink's reply for a node
+    whose heartbeats ended), or what the ClientApp raised, as ``Type: message``."""
+    if code == ErrorCode.NODE_UNAVAILABLE:
+        return f"the node stopped answering (error {code}: {reason})"
+    if raised := RAISED.fullmatch(reason.strip()):
+        reason = f"{raised[1]}: {raised[2]}"
+    return f"the ClientApp failed (error {code}: {' '.join(reason.split())})"
 
 
 def check_params(fusion: FusionMethod, params: Mapping[str, Any]) -> None:
