@@ -46,6 +46,8 @@ from fusekit.engine import matching, reference
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("core", "numpy")
+# Values per block of the objective's sums (2 MB of float64: in cache, few Python steps).
+_OBJECTIVE_BLOCK = 1 << 18
 
 
 @dataclass(frozen=True)
@@ -778,9 +780,14 @@ def _objective(state: _GlobalState, data_term: float, n_clients: int, gamma0: fl
     """
     sums, precisions, counts = state.view()
     prior_term = float(np.sum(state.prior_sum * state.prior_sum / state.prior_precision))
-    fit = sums * sums
-    fit /= precisions
-    gaussian = data_term + sums.shape[0] * prior_term - float(np.sum(fit))
+    # sum m_i^2 P_i by blocks of rows: over the whole state at once, its temporary is as
+    # large as the state (0.7 GB on ten ResNet-50s' widest group, where nothing matches).
+    rows = max(1, _OBJECTIVE_BLOCK // max(sums.shape[1], 1))
+    fit = 0.0
+    for start in range(0, sums.shape[0], rows):
+        block = sums[start:start + rows]
+        fit += float(np.sum(block * block / precisions[start:start + rows]))
+    gaussian = data_term + sums.shape[0] * prior_term - fit
     log_ibp = sums.shape[0] * math.log(gamma0) + sum(
         math.lgamma(n_clients - m + 1) + math.lgamma(m) - math.lgamma(n_clients + 1)
         for m in counts.tolist()
