@@ -138,8 +138,9 @@ def foreign(tmp_path_factory):
 # only once its heartbeats have lapsed), so each of the five runs on a worker of its own
 # beside two workers kept busy with the rest. A test that uses one of these module-scoped servers runs
 # on the worker that already holds it, so that each is started once, and so do the tests
-# that use a module-scoped fixture of their module (trained models); every other test goes
-# to whichever worker is free.
+# that use a module-scoped fixture of their module (trained models), unless marked
+# `spread` (a long test whose module fixtures are cheap to make again: one that starts
+# servers of its own); every other test goes to whichever worker is free.
 SHARED_SERVERS = ("service", "big_service", "browser")
 
 
@@ -169,22 +170,28 @@ def uses_module_fixture(item) -> bool:
                for fixturedef in fixturedefs[-1:])
 
 
-@pytest.hookimpl(tryfirst=True)
+@pytest.hookimpl(trylast=True)  # after pytest has ordered the tests by their fixtures
 def pytest_collection_modifyitems(config, items) -> None:
-    """The federations first, then the tests on a shared server, then the rest (each
-    kept in its order): the longest work starts first, so that no worker is left with it
-    at the end. xdist hands every worker a second unit of work at the start, which a
-    federation's worker runs only once its federation has ended: single tests come right
-    after the federations, so that no shared server's tests wait behind one."""
+    """The federations first, then the long tests marked `spread`, then the tests on a
+    shared server, then the rest (each kept in its order): the longest work starts first,
+    so that no worker is left with it at the end. xdist hands every worker a second unit
+    of work at the start, which a federation's worker runs only once its federation has
+    ended: short single tests come right after the federations, so that no long test
+    waits behind one."""
     for item in items:
+        if item.get_closest_marker("spread"):
+            assert not any(name in item.fixturenames for name in SHARED_SERVERS), (
+                f"{item.nodeid}: marked spread, it would start its module's server again")
+            continue
         if (any(name in item.fixturenames for name in SHARED_SERVERS)
                 or uses_module_fixture(item)):
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
-    kinds: dict[str, list] = {"federation": [], "grouped": [], "single": []}
+    kinds: dict[str, list] = {"federation": [], "spread": [], "grouped": [], "single": []}
     for item in items:
         kind = ("federation" if item.get_closest_marker("flower_e2e") else
+                "spread" if item.get_closest_marker("spread") else
                 "grouped" if item.get_closest_marker("xdist_group") else "single")
         kinds[kind].append(item)
-    federations, grouped, single = kinds.values()
+    federations, spread, grouped, single = kinds.values()
     behind = 2 * int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    items[:] = federations + single[:behind] + grouped + single[behind:]
+    items[:] = federations + single[:behind] + spread + grouped + single[behind:]

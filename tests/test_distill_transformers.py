@@ -68,6 +68,7 @@ def log_probs(model, family: str, x: torch.Tensor) -> torch.Tensor:
     return model(**{key: x}).logits.flatten(0, -2).log_softmax(-1)
 
 
+@pytest.mark.spread
 def test_the_student_comes_closer_to_the_ensemble_than_its_start(family_clients, tmp_path):
     """KL(ensemble || model) on held-out inputs, per image or per token: the distilled
     student (saved as a folder, loaded with from_pretrained) against the pfnm fusion it

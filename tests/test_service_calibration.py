@@ -282,6 +282,7 @@ def send_partial_statistics(server, job_id, client, token, body) -> socket.socke
     return sock
 
 
+@pytest.mark.spread  # a server of its own
 def test_kill9_during_and_after_statistics_uploads_and_of_the_calibrating_worker(
         bn_models, digits, tmp_path):
     """Nothing accepted is lost to kill -9 of the server; a worker killed while it

@@ -303,6 +303,7 @@ def _killed_in(server, admin, job_id: str, index: int, total: int) -> dict:  # n
     return _next_round(admin, job_id, index + 1)
 
 
+@pytest.mark.spread  # a server of its own
 def test_worker_killed_in_each_kind_of_round_and_server_restarted(models, digits, tmp_path):
     """kill -9 of the worker while it computes a round's step, in a layerwise and an align
     job: in a statistics round, a cross-statistics round, a refit round, and the last round
@@ -414,6 +415,7 @@ def test_a_transformer_jobs_models_come_with_its_config(service, admin, tmp_path
     assert model.config.intermediate_size == width
 
 
+@pytest.mark.spread  # a server of its own
 def test_a_job_fused_before_rounds_existed_calibrates_after_an_upgrade(models, digits,
                                                                         tmp_path):
     """A job.json written by the version without rounds (fused, calibrating, no ``round``)
