@@ -735,10 +735,15 @@ def _final_posterior(
     """Means, posterior precisions and member counts recomputed from the assignments (no
     drift from add/remove). The means are the posterior means (Eq. 4), or without
     ``shrink`` the members' precision-weighted means (mu0 where no member observes a
-    coordinate)."""
+    coordinate). The members' sums are added up in the state's own rows, which the matching
+    no longer needs: they are resident already, so the layer's peak holds no second pair of
+    state-sized arrays (the returned arrays are new ones)."""
     zero = np.zeros_like(state.prior_sum)
+    n_global = state.size if n_global is None else n_global
+    rows = (state.sums[:n_global], state.precisions[:n_global])
     member_sums, member_precisions, counts = _posterior_sums(
-        zero, zero, vecs, precs, assignments, state.size if n_global is None else n_global)
+        zero, zero, vecs, precs, assignments, n_global,
+        out=rows if n_global <= state.sums.shape[0] else None)
     precisions = member_precisions + state.prior_precision
     if shrink:
         return (member_sums + state.prior_sum) / precisions, precisions, counts
@@ -751,7 +756,8 @@ def member_means(sums: np.ndarray, precisions: np.ndarray, fallback: np.ndarray)
     mean) where no member observes a coordinate (precision 0)."""
     seen = precisions > 0
     means = np.divide(sums, precisions, out=np.zeros_like(sums), where=seen)
-    return np.where(seen, means, fallback)
+    np.copyto(means, fallback, where=~seen)
+    return means
 
 
 def _posterior_sums(prior_sum, prior_precision, vecs, precs, assignments, n_global, out=None):
