@@ -25,7 +25,9 @@ from fusekit.client import Client  # noqa: E402
 from fusekit.core.errors import IncompatibleModelsError  # noqa: E402
 from fusekit.toolkit.nn.hf import load_pretrained  # noqa: E402
 
-SMALL = {"steps": 60, "batch": 32, "patience": 0}
+# 30 steps take the student to 0.09x (ViT) and 0.21x (GPT-2) of the start's KL; 60 steps
+# to 0.04x and 0.17x.
+SMALL = {"steps": 30, "batch": 32, "patience": 0}
 
 
 def tiny_client(family: str, folder, seed: int):
