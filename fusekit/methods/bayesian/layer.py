@@ -787,7 +787,8 @@ def _objective(state: _GlobalState, data_term: float, n_clients: int, gamma0: fl
     sums, precisions, counts = state.view()
     prior_term = float(np.sum(state.prior_sum * state.prior_sum / state.prior_precision))
     # sum m_i^2 P_i by blocks of rows: over the whole state at once, its temporary is as
-    # large as the state (0.7 GB on ten ResNet-50s' widest group, where nothing matches).
+    # large as the state (hundreds of MB on ten ResNet-50s' widest group, where nothing
+    # matches).
     rows = max(1, _OBJECTIVE_BLOCK // max(sums.shape[1], 1))
     fit = 0.0
     for start in range(0, sums.shape[0], rows):
