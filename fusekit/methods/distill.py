@@ -129,6 +129,11 @@ class Distill(FusionMethod):
         adversarial: Annotated[float, Param(
             help="weight of the student's disagreement with the teacher, maximised by the "
             "inputs", paper="DENSE (NeurIPS 2022) Eq. 6", minimum=0)] = 1.0,
+        experts: Annotated[float, Param(
+            help="weight of each synthetic input's expert's confidence in its label (the "
+            "expert: a client drawn by its share of the label's samples), which moves "
+            "inputs into the region where the clients that hold a class answer it", minimum=0)
+        ] = 1.0,
         batchnorm: Annotated[float, Param(
             help="weight of the clients' BatchNorm statistics as the inputs' prior (clients "
             "with BatchNorm only)", paper="DeepInversion (CVPR 2020) Eq. 4", minimum=0)] = 1.0,
@@ -177,10 +182,9 @@ class Distill(FusionMethod):
             initial: the method whose fused model starts the student.
             width_ratio: the student's width relative to the widest client (``initial``
                 pfnm or nafi); the other initial fusions keep the clients' width.
-            steps, batch, input_steps, input_lr, adversarial, batchnorm, temperature, lr,
-                proximal, patience, image_size, sequence_length, exploration, prior, seed,
-                device,
-                threads: the training's settings (see the declaration above and
+            steps, batch, input_steps, input_lr, adversarial, experts, batchnorm,
+                temperature, lr, proximal, patience, image_size, sequence_length,
+                exploration, prior, seed, device, threads: the training's settings (see the declaration above and
                 ALGORITHMS.md §14).
 
         Returns:
@@ -208,7 +212,8 @@ class Distill(FusionMethod):
             raise ParameterError("method 'distill' trains its student with torch: import "
                                  "fusekit.toolkit (fusekit.fuse does) to install its training")
         settings = {"steps": steps, "batch": batch, "input_steps": input_steps,
-                    "input_lr": input_lr, "adversarial": adversarial, "batchnorm": batchnorm,
+                    "input_lr": input_lr, "adversarial": adversarial, "experts": experts,
+                    "batchnorm": batchnorm,
                     "temperature": temperature, "lr": lr, "proximal": proximal,
                     "patience": patience, "exploration": exploration, "prior": prior,
                     "seed": seed, "device": device, "threads": threads}

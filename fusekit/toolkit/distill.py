@@ -85,7 +85,15 @@ class Teacher:
         self.rule = "class-share" if shares is not None else "softmax"
 
     def log_probs(self, x: torch.Tensor) -> torch.Tensor:
-        probs = torch.stack([model(x) for model in self.models]).float().softmax(dim=2)
+        return self.answers(x)[0]
+
+    def answers(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ensemble's log-probabilities (B, C) and every client's (S, B, C)."""
+        client_log_probs = torch.stack([model(x) for model in self.models]).float().log_softmax(
+            dim=2)
+        return self._mixture(client_log_probs.exp()), client_log_probs
+
+    def _mixture(self, probs: torch.Tensor) -> torch.Tensor:
         mixture = ((self.shares[:, None, :] * probs).sum(dim=0) if self.shares is not None
                    else probs.mean(dim=0))
         # normalised: the class-share mixture sums to one only when every f_sc does
@@ -123,6 +131,12 @@ class _Trainer:
         self.optimizer = torch.optim.Adam(student.parameters(), lr=s["lr"])
         self.start = [p.detach().clone() for p in student.parameters()]
         self.basis = _input_basis(task, device)
+        #: (C, S): for each label, the odds of each client being the expert that its input
+        #: is moved to convince: its share of the class (uniform without class counts)
+        self.expert_odds = (torch.ones(len(self.prior), len(task.clients), device=device)
+                            if task.class_shares is None else torch.as_tensor(
+                                task.class_shares.T, dtype=torch.float32, device=device
+                            ).clamp_min(1e-12))
         self.input_range = None if task.input_range is None else tuple(
             torch.as_tensor(bound, dtype=torch.float32, device=device).view(1, -1, 1, 1)
             for bound in task.input_range)
@@ -171,6 +185,8 @@ class _Trainer:
             return self._sampled_sequences()
         labels = torch.multinomial(self.prior, s["batch"], replacement=True,
                                    generator=self.generator)
+        experts = torch.multinomial(self.expert_odds[labels], 1,
+                                    generator=self.generator).squeeze(1)
         if self.basis is None:
             x = torch.randn((s["batch"], *self.task.input_shape), generator=self.generator,
                             device=self.device)
@@ -183,9 +199,10 @@ class _Trainer:
         optimizer = torch.optim.Adam([x], lr=s["input_lr"])
         for _ in range(s["input_steps"]):
             with self.teacher.batchnorm_loss() as norms:
-                target = self.teacher.log_probs(x)
+                target, clients = self.teacher.answers(x)
             disagreement = _kl(target, self.student(x))
-            loss = (F.nll_loss(target, labels)
+            expert = -clients[experts, torch.arange(len(labels), device=self.device), labels]
+            loss = (F.nll_loss(target, labels) + s["experts"] * expert.mean()
                     - s["adversarial"] * disagreement.clamp(max=DISAGREEMENT_CAP))
             if norms and s["batchnorm"]:
                 loss = loss + s["batchnorm"] * torch.stack(norms).sum() / len(
