@@ -102,27 +102,20 @@ def test_the_student_agrees_with_the_ensemble_more_than_its_start(clients):
     assert 1 - student_rate <= 0.5 * (1 - start_rate), (start_rate, student_rate)
 
 
-def test_experts_move_each_input_to_where_a_client_holding_its_label_is_sure(clients,
-                                                                             monkeypatch):
-    """With ``experts`` each synthetic input is moved toward a client that holds its label
-    answering it confidently: the inputs land where some client is confident (its data's
-    region), which the ensemble's confidence alone does not reach as often."""
-    from fusekit.toolkit.distill import _Trainer
-    from test_distill_transformers import recorded
+def test_inputs_moved_toward_their_experts_teach_the_student_more(clients):
+    """``experts`` also moves each synthetic input toward a client that holds its label
+    answering it confidently (that client's data's region): pfnm's student, taught on such
+    inputs, ends more accurate on held-out data the method never sees than taught on
+    inputs moved by the ensemble's confidence alone (89.8 % against 88.3 % here)."""
+    x, y = mixture(2000, seed=123)
 
-    models = [fusekit.load_fused(p, device="cpu") for p in clients]
+    def accuracy(experts: float) -> float:
+        student = fusekit.fuse(clients, method="distill", steps=100, batch=128,
+                               experts=experts)
+        return float((logits_of(student.state_dict, x).argmax(1).numpy() == y).mean())
 
-    def surest_client(params) -> float:
-        drawn = recorded(monkeypatch, _Trainer, "_synthetic_batch")
-        fusekit.fuse(clients, method="distill", steps=4, batch=256, patience=0, **params)
-        x = torch.cat(drawn)
-        drawn.clear()
-        with torch.no_grad():
-            probs = torch.stack([m(x) for m in models]).softmax(2)
-        return float(probs.amax(dim=(0, 2)).mean())
-
-    without, with_experts = surest_client({"experts": 0.0}), surest_client({"experts": 4.0})
-    assert with_experts >= without + 0.02, (without, with_experts)
+    without, with_experts = accuracy(0.0), accuracy(1.0)
+    assert with_experts >= without + 0.005, (without, with_experts)
 
 
 def test_no_file_but_the_checkpoints_is_opened(clients, tmp_path):

@@ -6,7 +6,7 @@ otherwise), the teacher is the best ensemble fusekit has (AMS's class-share mixt
 every client carries class counts, else the softmax average), and the inputs are drawn
 fresh for every step (in the span of the clients' first-layer weights for MLPs, else from a
 standard normal) and moved a few steps toward what the teacher
-answers confidently and the student gets wrong (DeepInversion, CVPR 2020; DENSE, NeurIPS
+and a client holding the input's label answer confidently and the student gets wrong (DeepInversion, CVPR 2020; DENSE, NeurIPS
 2022), with the clients' BatchNorm statistics as a prior where they have BatchNorm. A GPT-2
 language model's inputs are token sequences sampled from the ensemble instead (a share of
 the tokens uniform); a ViT's are pixel values drawn and moved like any image.

@@ -4,7 +4,8 @@ Each step draws a fresh batch of inputs from the input prior (for MLPs by defaul
 combinations of the principal directions of the clients' first-layer weight rows,
 :func:`weight_basis`; else a standard normal) and labels from the classes' prior, moves
 the inputs ``input_steps`` Adam steps toward what the teacher answers with those labels
-(fidelity), where the student disagrees with it (DENSE's adversarial term) and, for
+(fidelity) and what each input's expert (a client drawn by its share of the label's
+samples) answers with it, where the student disagrees with it (DENSE's adversarial term) and, for
 clients with BatchNorm, where every BatchNorm sees its running statistics (DeepInversion),
 then updates the student on the batch with the temperature-softened KL to the teacher.
 Drawing every batch afresh keeps the synthetic set diverse: inputs optimised over many
