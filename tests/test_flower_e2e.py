@@ -5,19 +5,20 @@ page (docs/flower.md) writes, file by file, over two rounds, each fused model ca
 with the statistics the nodes send in a query round; the example app's BatchNorm MLP
 fused, calibrated, aligned and refit in three query rounds, one node missing the first
 refit round. On four SuperNodes: the same rounds losing a node in each kind of query
-round, one SuperNode killed (SIGKILL) in the calibration round, the ClientApp of two
-others failing from the alignment and from the first refit round on (their inputs file
-has vanished). On one SuperNode: a run whose round cannot fuse (the initial model comes
-back) and a run that cannot finish, stopped at its timeout. Each test checks that every
-process the federation started has ended. Each test starts a federation of its own, so
-that `make test` runs the five side by side, and runs that do not depend on each other
-go on side by side on their federation (they mostly wait: Flower polls every 3 s). A
-ClientApp is a new process per message, importing Flower's runtime and torch (and, to
-train, torch._dynamo, which a torch optimizer imports): 3-4.5 s of CPU each, most of a
-test's CPU, so each test asks as few nodes and rounds as its point needs. The longest,
-the lost nodes', waits once for the killed node's heartbeats to lapse (37.5-60 s:
-Flower's SuperNode sends one every 17.5-22.5 s, its SuperLink gives a node up 60 s after
-the last, neither has a setting for it); a failing ClientApp's error comes back at once.
+round, the ClientApp of one failing from the calibration round on (its inputs file is
+missing), one SuperNode killed (SIGKILL) in the alignment round, the ClientApp of
+another failing from the first refit round on (its inputs file removed). On one
+SuperNode: a run whose round cannot fuse (the initial model comes back) and a run that
+cannot finish, stopped at its timeout. Each test checks that every process the
+federation started has ended. Each test starts a federation of its own, so that `make
+test` runs the five side by side, and runs that do not depend on each other go on side
+by side on their federation (they mostly wait: Flower polls every 3 s). A ClientApp is a
+new process per message, importing Flower's runtime and torch (and, to train,
+torch._dynamo, which a torch optimizer imports): 3-4.5 s of CPU each, most of a test's
+CPU, so each test asks as few nodes and rounds as its point needs. The longest, the lost
+nodes', waits once for the killed node's heartbeats to lapse (37.5-60 s: Flower's
+SuperNode sends one every 17.5-22.5 s, its SuperLink gives a node up 60 s after the
+last, neither has a setting for it); a failing ClientApp's error comes back at once.
 Progress lines are printed as the runs go. Deselect with ``-m "not flower_e2e"``."""
 
 from __future__ import annotations
@@ -307,31 +308,33 @@ def assert_same_model(model: Checkpoint, expected: dict) -> None:
                                    err_msg=name)
 
 
+#: The partition whose ClientApp fails from the first query round (calibration) on: its
+#: inputs file is missing from the start (training reads the data set, not that file).
+MISSING = 1
 #: The partition whose SuperNode is killed (SIGKILL, with its process group) while it
-#: computes its reply to the calibration query: the one heartbeat wait of the test (the
-#: round ends once the SuperLink gives the node up), which the removal of partition 2's
-#: file, below, gets to use as its margin.
-KILLED = 1
-#: The partitions whose ClientApp fails from a round on, by the replies their SuperNode
-#: has sent before it (train, calibration, alignment): their inputs file vanishes then.
-VANISHED = {2: 2, 3: 3}
+#: computes its reply to the alignment query: the test's one heartbeat wait, which the
+#: removal of partition 3's file gets as its margin.
+KILLED = 2
+#: The partition whose ClientApp fails from the first refit round on: its inputs file is
+#: removed once its SuperNode has sent its third reply (train, calibration, alignment).
+VANISHED = 3
 
 
-def test_four_nodes_one_killed_and_two_failing_in_the_three_kinds_of_query_round(
+def test_four_nodes_lose_one_in_each_kind_of_query_round_killed_or_failing(
         tmp_path, progress):
     """A BatchNorm MLP from each node's own initial weights, fused by PFNM on four
     SuperNodes, then calibrated layer by layer (REPAIR: one query round), one alignment
     round and a refit round per layer; each node answers the queries over its inputs
-    file. Partition 1's SuperNode is killed with SIGKILL (with its process group: the
-    SuperExec and the ClientApp) while it computes its calibration reply: Flower answers
-    for it with "Node Unavailable" once its heartbeats have lapsed. Partition 2's inputs
-    file vanishes once it has answered the calibration query, partition 3's once it has
-    answered the alignment query: their ClientApp fails from the alignment round and from
-    the first refit round on, and Flower returns its error at once. The run finishes; each
-    round goes on with the nodes that answered, the lost nodes are named in the log and
-    in the result with their reason; the global model is what the protocol's steps give in
-    this process over the same nodes' models and data, each lost node answering no round
-    from its round on."""
+    file. Partition 1 has none: its ClientApp fails from the calibration round on.
+    Partition 2's SuperNode is killed with SIGKILL (with its process group: the SuperExec
+    and the ClientApp) while it computes its alignment reply: Flower answers for it with
+    "Node Unavailable" once its heartbeats have lapsed. Partition 3's file is removed once
+    it has answered the alignment query: its ClientApp fails from the first refit round
+    on. A failing ClientApp's error comes back at once. The run finishes; each round goes
+    on with the nodes that answered, the lost nodes are named in the log and in the
+    result with their reason; the global model is what the protocol's steps give in this
+    process over the same nodes' models and data, each lost node answering no round from
+    its round on."""
     task = example_task()
     data = task.dataset()
     inputs_dir = tmp_path / "inputs"
@@ -340,7 +343,7 @@ def test_four_nodes_one_killed_and_two_failing_in_the_three_kinds_of_query_round
               "min-nodes": 4, "partition": "dirichlet", "alpha": 0.5, "seed": 0,
               "calibrate": True, "calibration-rounds": "layerwise", "alignment-rounds": 1,
               "fraction-evaluate": 0.0}
-    for part in range(4):
+    for part in set(range(4)) - {MISSING}:
         indices = task.node_indices(config, {"partition-id": part, "num-partitions": 4}, data)
         np.save(inputs_dir / f"partition-{part}.npy", data.x_train[indices])
     app = tmp_path / "app"
@@ -352,28 +355,27 @@ def test_four_nodes_one_killed_and_two_failing_in_the_three_kinds_of_query_round
         import os, signal
         import numpy as np
         partition = context.node_config["partition-id"]
-        if partition == {KILLED} and msg.content["config"]["fusekit-stats-kind"] == "channels":
+        if partition == {KILLED} and msg.content["config"]["fusekit-stats-kind"] == "cross":
             os.killpg(os.getpgrp(), signal.SIGKILL)  # this SuperNode's group
         inputs = np.load({str(inputs_dir)!r} + f"/partition-{{partition}}.npy")
         """), "    ") + QUERY_HANDLER).replace(
         QUERY_INPUTS, "statistics_reply(msg.content, inputs,"))
     models_dir = tmp_path / "nodes"
-    result_file, model_file = tmp_path / "killed.json", tmp_path / "killed.safetensors"
+    result_file, model_file = tmp_path / "lost.json", tmp_path / "lost.safetensors"
     config.update({"result-file": str(result_file), "model-file": str(model_file),
                    "models-dir": str(models_dir)})
     with Federation(tmp_path / "federation", 4, progress) as federation:
         ended = threading.Event()
-        with ThreadPoolExecutor(len(VANISHED)) as pool:
-            removals = [pool.submit(remove_once_answered, federation.log(f"supernode-{part}"),
-                                    replies, inputs_dir / f"partition-{part}.npy", ended)
-                        for part, replies in VANISHED.items()]
+        with ThreadPoolExecutor(1) as pool:
+            removal = pool.submit(remove_once_answered, federation.log(f"supernode-{VANISHED}"),
+                                  3, inputs_dir / f"partition-{VANISHED}.npy", ended)
             try:
                 output = run(federation, app, config, progress).stdout
             finally:
                 ended.set()
-        assert all(removal.result() for removal in removals)
+        assert removal.result()
         supernodes = federation.processes[1:]
-        assert [node.poll() for node in supernodes] == [None, -signal.SIGKILL, None, None]
+        assert [node.poll() for node in supernodes] == [None, None, -signal.SIGKILL, None]
     result = json.loads(result_file.read_text())
     metrics = result["train_metrics"]["1"]
     assert metrics["pfnm.fused-replies"] == 4 and metrics["pfnm.calibration-rounds"] == 1
@@ -387,28 +389,28 @@ def test_four_nodes_one_killed_and_two_failing_in_the_three_kinds_of_query_round
     stopped = "the node stopped answering (error 5: Error: Node Unavailable"
     failed = {part: "the ClientApp failed (error 2: FileNotFoundError: [Errno 2] No such "
                     f"file or directory: '{inputs_dir / f'partition-{part}.npy'}')"
-              for part in VANISHED}
-    assert list(result["left_out_statistics"]) == [str(ids[KILLED])]
-    assert result["left_out_statistics"][str(ids[KILLED])].startswith(stopped)
+              for part in (MISSING, VANISHED)}
+    assert result["left_out_statistics"] == {str(ids[MISSING]): failed[MISSING]}
     left_out = result["left_out_alignment"]
-    assert sorted(left_out) == sorted(str(ids[p]) for p in (KILLED, *VANISHED))
-    assert left_out[str(ids[KILLED])].startswith(stopped)
-    assert all(left_out[str(ids[p])] == failed[p] for p in VANISHED), left_out
-    lines = {f"round 1: statistics of node {ids[KILLED]} left out: {stopped}",
-             f"round 1: cross statistics of node {ids[2]} left out: {failed[2]}",
-             f"round 1: refit statistics of node {ids[3]} left out: {failed[3]}"}
+    assert sorted(left_out) == sorted(str(ids[p]) for p in (MISSING, KILLED, VANISHED))
+    assert left_out[str(ids[KILLED])].startswith(stopped), left_out
+    assert left_out[str(ids[MISSING])] == failed[MISSING]
+    assert left_out[str(ids[VANISHED])] == failed[VANISHED]
+    lines = {f"round 1: statistics of node {ids[MISSING]} left out: {failed[MISSING]}",
+             f"round 1: cross statistics of node {ids[KILLED]} left out: {stopped}",
+             f"round 1: refit statistics of node {ids[VANISHED]} left out: {failed[VANISHED]}"}
     assert all(line in output for line in lines), output
     assert "round 1: aligned to 2 node(s) in 1 alignment and 2 refit round(s)" in output
 
     fused = fusekit.fuse(nodes, method="pfnm", width_ratio=1.5)
     fused = Checkpoint.from_state_dict(fused.state_dict, fused.metadata)
     # Rounds: calibration, alignment, refit of each of the two layers.
-    lost = {protocol.STATISTICS: parts.index(1), protocol.CROSS: parts.index(2),
-            protocol.REFIT: parts.index(3)}
+    lost = {protocol.STATISTICS: parts.index(MISSING), protocol.CROSS: parts.index(KILLED),
+            protocol.REFIT: parts.index(VANISHED)}
     expected = protocol_with_nodes_killed(fused, nodes, inputs, lost)
     assert [set(done["missing"]) for done in expected.history] == [
-        {parts.index(1)}, {parts.index(1), parts.index(2)}, {parts.index(3)},
-        {parts.index(3)}]
+        {parts.index(MISSING)}, {parts.index(MISSING), parts.index(KILLED)},
+        {parts.index(VANISHED)}, {parts.index(VANISHED)}]
     assert_same_model(fusekit.load_checkpoint(model_file), expected.model.state_dict())
     everyone = protocol_with_nodes_killed(fused, nodes, inputs, {})
     assert not np.allclose(everyone.model.tensor("net.0.weight"),
@@ -418,8 +420,9 @@ def test_four_nodes_one_killed_and_two_failing_in_the_three_kinds_of_query_round
 def remove_once_answered(log: Path, replies: int, path: Path, ended: threading.Event
                          ) -> bool:
     """Removes ``path`` once the SuperNode logging to ``log`` has sent ``replies`` replies
-    (their ClientApp has read it; its next message comes only once the round's other
-    replies are in): whether it did before ``ended`` was set."""
+    (its ClientApp has read the file for the last reply; its next message comes only once
+    every other reply of that round is in, the killed node's once its heartbeats have
+    lapsed): whether it did before ``ended`` was set."""
     while not ended.wait(0.1):
         if log.read_text(errors="replace").count("Sending: ") >= replies:
             path.unlink()
