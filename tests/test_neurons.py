@@ -142,3 +142,24 @@ def test_batchnorm_folded_in_float32_is_the_float64_fold_to_float32_precision():
                                          for k, v in model.state_dict().items()})
     assert all(layer.weight.dtype == np.float64
                for layer in neurons.client_layers(double, spec, dtype=np.float32))
+
+
+def test_layers_held_in_their_stored_dtype_write_the_same_tensors():
+    """A method may cast each finished layer as it goes (as_stored): the written model is
+    the one the float64 layers give, bit for bit, overflow to Inf included."""
+    ckpt = as_checkpoint(cnn())
+    spec = infer_spec(ckpt.state_dict())
+    rng = np.random.default_rng(0)
+    layers = [neurons.UnitLayer(rng.normal(0, 1, layer.weight.shape) / 3, layer.bias)
+              for layer in neurons.client_layers(ckpt, spec)]
+    layers[1].weight[0, 0, 0] = 1e300  # beyond float32: Inf in both
+    stored = [neurons.as_stored(layer, neurons.stored_dtype(ckpt, spec.layers[i]))
+              for i, layer in enumerate(layers)]
+    assert all(layer.weight.dtype == np.float32 for layer in stored)
+    expected = neurons.to_state_dict([ckpt], spec, layers)
+    found = neurons.to_state_dict([ckpt], spec, stored)
+    assert set(found) == set(expected)
+    for name, array in expected.items():
+        assert found[name].dtype == array.dtype
+        np.testing.assert_array_equal(found[name], array)
+    assert np.isinf(found["net.4.weight"]).any()

@@ -268,6 +268,19 @@ def block_variances(vectors: Sequence[np.ndarray], observed: Sequence[np.ndarray
     return table[labels]
 
 
+def stored_dtype(checkpoint: Checkpoint, layer: Layer) -> np.dtype:
+    """The dtype :func:`to_state_dict` writes ``layer``'s fused weight in: the client's."""
+    return checkpoint.tensor(layer.weight).dtype
+
+
+def as_stored(fused: UnitLayer, dtype: np.dtype) -> UnitLayer:
+    """``fused`` with its weight already in the written ``dtype`` (the values
+    :func:`to_state_dict` would write), so that a method building a model layer by layer
+    holds the finished layers at their stored size, not in float64."""
+    with np.errstate(over="ignore"):  # as to_state_dict: Inf, refused on save
+        return UnitLayer(fused.weight.astype(dtype, copy=False), fused.bias)
+
+
 def to_state_dict(checkpoints: Sequence[Checkpoint], spec: PermutationSpec,
                   layers: Sequence[UnitLayer]) -> dict[str, np.ndarray]:
     """Write fused unit-form layers back as tensors named like the clients' ones.
@@ -288,7 +301,7 @@ def to_state_dict(checkpoints: Sequence[Checkpoint], spec: PermutationSpec,
     first = checkpoints[0]
     out: dict[str, np.ndarray] = {}
     for layer, fused in zip(spec.layers, layers, strict=True):
-        dtype = first.tensor(layer.weight).dtype
+        dtype = stored_dtype(first, layer)
         weight = fused.weight
         if layer.kind == "conv2d":
             weight = weight.reshape(weight.shape[0], weight.shape[1], *layer.kernel_size)

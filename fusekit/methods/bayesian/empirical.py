@@ -38,7 +38,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from fusekit.engine import matching
-from fusekit.methods.bayesian.layer import LayerMatching, MatchingBackend, Prior, match_neurons
+from fusekit.methods.bayesian.layer import (
+    SUM_BLOCK_VALUES,
+    LayerMatching,
+    MatchingBackend,
+    Prior,
+    match_neurons,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -117,9 +123,9 @@ def moments(
         seen = obs.astype(np.float64)
         together = shared[rows]
         if not together.all():
-            centred = vec[~together] * scale - centre
-            alone_between += float(np.sum((centred * centred) @ seen))
-            alone_seen += int(np.count_nonzero(~together)) * int(np.count_nonzero(obs))
+            alone = np.flatnonzero(~together)
+            alone_between += _lone_between(vec, alone, scale, centre, seen)
+            alone_seen += alone.size * int(np.count_nonzero(obs))
         if together.any():
             part = slice(None) if together.all() else together  # a view when all are shared
             matching.add_moments(sums, squares, counts, row_of[rows[part]],
@@ -134,6 +140,20 @@ def moments(
     inverse_n = (float(np.sum(np.where(has, 1.0 / np.maximum(counts, 1), 0.0)))
                  + alone_seen) / n_seen
     return sigma2, between, inverse_n
+
+
+def _lone_between(vec, alone, scale, centre, seen) -> float:
+    """sum over the rows ``alone`` of vec and the coordinates seen of ((w * scale) - centre)^2,
+    by blocks of rows: each row's value as one product over all rows gives it, summed
+    in the same order, without copies of the client's vectors (from independent
+    initialisations nearly every neuron is alone, and the vectors are the layer's largest
+    arrays after the global state)."""
+    per_row = np.empty(alone.size)
+    step = max(1, SUM_BLOCK_VALUES // max(vec.shape[1], 1))
+    for start in range(0, alone.size, step):
+        centred = vec[alone[start:start + step]] * scale - centre
+        per_row[start:start + step] = (centred * centred) @ seen
+    return float(np.sum(per_row))
 
 
 def trimmed_within(scatter: np.ndarray, dof: np.ndarray) -> float | None:

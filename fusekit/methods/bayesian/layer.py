@@ -46,8 +46,10 @@ from fusekit.engine import matching, reference
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("core", "numpy")
-# Values per block of the objective's sums (2 MB of float64: in cache, few Python steps).
-_OBJECTIVE_BLOCK = 1 << 18
+# Values per block of a sum taken by blocks of rows (the objective's, the M-step's lone
+# members): 2 MB of float64, in cache and few Python steps, never a temporary as large as
+# the state or a client's vectors.
+SUM_BLOCK_VALUES = 1 << 18
 
 
 @dataclass(frozen=True)
@@ -789,7 +791,7 @@ def _objective(state: _GlobalState, data_term: float, n_clients: int, gamma0: fl
     # sum m_i^2 P_i by blocks of rows: over the whole state at once, its temporary is as
     # large as the state (hundreds of MB on ten ResNet-50s' widest group, where nothing
     # matches).
-    rows = max(1, _OBJECTIVE_BLOCK // max(sums.shape[1], 1))
+    rows = max(1, SUM_BLOCK_VALUES // max(sums.shape[1], 1))
     fit = 0.0
     for start in range(0, sums.shape[0], rows):
         block = sums[start:start + rows]

@@ -476,12 +476,16 @@ def fuse_groups(checkpoints, specs, params: BayesianParams, method: str):
         progress.advance("groups matched", len(reports), n_groups)
     shares = _class_shares(checkpoints, spec.out_features, params)
     alphas = sample_weights(checkpoints)
-    fused = [_fuse_layer(checkpoints, specs, index, assignments, fused_widths, relative,
-                         bases, params.mu0, shares, alphas) for index in range(len(spec.layers))]
-    for index, layer in enumerate(fused):
+    fused = []
+    for index in range(len(spec.layers)):
+        layer = _fuse_layer(checkpoints, specs, index, assignments, fused_widths, relative,
+                            bases, params.mu0, shares, alphas)
         source = spec.reads[index]
         if source is not None and reader_shares[source] is not None:
             layer.weight[...] *= reader_shares[source][None, :, None]
+        # finished: kept in the stored dtype, so the float64 model never exists whole
+        fused.append(neurons.as_stored(layer, neurons.stored_dtype(checkpoints[0],
+                                                                   spec.layers[index])))
     fused_spec = spec.with_hidden_widths(fused_widths)
     state_dict = _state_dict(checkpoints, spec, fused, alphas)
     for checkpoint in checkpoints:
