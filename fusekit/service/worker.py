@@ -66,9 +66,9 @@ log = logging.getLogger(__name__)
 RESULT, REPORT = "result.safetensors", "report.json"
 CONFIG = "config.json"  # a transformer job's fused config.json (the job's, fused widths)
 TASK = "fusekit.run_job"
-CANCEL_CHECK_S = 0.5
+CANCEL_CHECK_S = 0.5  # how often a worker looks whether its running job was cancelled
 PROGRESS_EVERY_S = 0.5  # at most one record write per this many seconds of a fusion's steps
-ERROR_CHARS = 300  # of a failed job's error in its status; the whole text in its report  # how often a worker looks whether its running job was cancelled
+ERROR_CHARS = 300  # of a failed job's error in its status; the whole text in its report
 LOG_FORMAT = "%(asctime)s %(name)s: %(message)s"
 # Fusion and calibration processes are forked by multiprocessing's fork server, a process
 # of its own that imported this module once: a fork of the worker would copy its threads'
