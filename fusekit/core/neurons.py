@@ -308,7 +308,7 @@ def to_state_dict(checkpoints: Sequence[Checkpoint], spec: PermutationSpec,
         else:
             weight = weight.reshape(weight.shape[0], -1)
         with np.errstate(over="ignore"):  # beyond the dtype's range: Inf, refused on save
-            out[layer.weight] = weight.astype(dtype)
+            out[layer.weight] = weight.astype(dtype, copy=False)  # as_stored: cast already
         bias_home = layer.bias
         norm = layer.norm
         if norm is not None:
