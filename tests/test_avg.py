@@ -227,3 +227,20 @@ def test_avg_hashes_each_input_from_the_values_it_averages(tmp_path, monkeypatch
     streamed = [name for name in clients[0].tensors
                 if not name.endswith(("num_batches_tracked", "running_var"))]
     assert sorted(reads) == sorted((str(p), name) for p in paths for name in streamed)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_weighted_addition_by_blocks_is_the_whole_one(dtype, monkeypatch):
+    """ot's running sums add each client by blocks: the same values as one product and sum
+    over the whole tensor, bit for bit, whatever the block size."""
+    from fusekit.methods import avg
+
+    rng = np.random.default_rng(0)
+    for block, shape in [(1 << 15, (3, 70_001)), (7, (5, 3, 3)), (64, (64,))]:
+        monkeypatch.setattr(avg, "SUM_BLOCK", block)
+        total = rng.standard_normal(shape)
+        array = rng.standard_normal(shape).astype(dtype)
+        weight = np.float64(0.3) / 7
+        expected = total + weight * array
+        avg.add_weighted(total, weight, array)
+        np.testing.assert_array_equal(total, expected)

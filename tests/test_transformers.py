@@ -36,9 +36,11 @@ from fusekit.core.transformer import (
     infer_transformer,
     permute_group,
     permute_transformer,
+    unit_rows,
 )
 from fusekit.engine.matching import solve_assignment
 from fusekit.methods.calibration import point_targets, read_assignments
+from fusekit.methods import transformer as methods_transformer
 from fusekit.methods.transformer import (
     align_client,
     apply_moves,
@@ -212,12 +214,31 @@ def test_alignment_moves_replay_on_the_files_tensors(family_folders, tmp_path):
         np.testing.assert_array_equal(apply_moves(stored[name], moves.get(name, ())), array)
 
 
+def test_group_similarity_is_the_sum_over_slots(family_folders, tmp_path):
+    """A group's units compared in one product of their rows side by side: the sum of each
+    slot's products (rows written, columns read, biases, blocks at an offset)."""
+    family, original, _ = family_folders
+    spec = spec_of(original)
+    anchor = client_arrays(load_checkpoint(original))
+    client = client_arrays(load_checkpoint(save(tiny_model(family, seed=5), tmp_path / "o")))
+    for group in spec.groups:
+        if group.kind == "heads":
+            continue
+        expected = sum(unit_rows(anchor[s.tensor], s, group.size)
+                       @ unit_rows(client[s.tensor], s, group.size).T for s in group.slots)
+        np.testing.assert_allclose(group_similarity(anchor, client, group), expected,
+                                   rtol=1e-12, atol=1e-12, err_msg=group.name)
+
+
 @pytest.mark.parametrize("products", [np.float64, np.float32])
-def test_first_pass_with_solves_overlapped_is_one_group_after_another(family_folders,
-                                                                      tmp_path, products):
-    """The first pass solves a group's assignment while it computes the next group's
-    similarity: the same permutations as one group after another; and float32 products
-    (ot's) assign every unit as float64 products do, on independent random models."""
+@pytest.mark.parametrize("ahead", [0, 200])
+def test_first_pass_with_solves_overlapped_is_one_group_after_another(
+        family_folders, tmp_path, products, ahead, monkeypatch):
+    """The first pass solves groups' assignments while it computes the next groups'
+    similarities (every group from ``ahead`` entries; the smaller ones at once): the same
+    permutations as one group after another; and float32 products (ot's) assign every unit
+    as float64 products do, on independent random models."""
+    monkeypatch.setattr(methods_transformer, "SOLVE_AHEAD_ENTRIES", ahead)
     family, original, _ = family_folders
     other = save(tiny_model(family, seed=5), tmp_path / "other")
     spec = spec_of(other)

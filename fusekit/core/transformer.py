@@ -436,14 +436,23 @@ def _slot(entry: Any, where: str) -> Slot:
 
 
 def permute_group(state_dict: dict[str, np.ndarray], group: Group,
-                  perm: np.ndarray) -> None:
+                  perm: np.ndarray, owned: set[str] | None = None) -> None:
     """Re-order the units of ``group`` in place of the dict's arrays: new unit u is old
-    unit ``perm[u]`` in every slot (arrays are replaced, never modified)."""
+    unit ``perm[u]`` in every slot. Arrays are replaced, never modified, except those
+    named in ``owned`` (arrays this permutation put in the dict, which it adds there):
+    their slot's span alone is re-ordered in place, not the whole tensor copied (a head's
+    64 rows of a 768 x 768 projection)."""
     perm = np.asarray(perm)
     for slot in group.slots:
         array = state_dict[slot.tensor]
+        if owned is not None and slot.tensor in owned:
+            span = slot_span(array, slot, perm.size)  # a view: written through
+            span[...] = span[(perm[:, None] * slot.block + np.arange(slot.block)).ravel()]
+            continue
         state_dict[slot.tensor] = np.take(array, slot.index(perm, array.shape[slot.axis]),
                                           axis=slot.axis)
+        if owned is not None:
+            owned.add(slot.tensor)
 
 
 def permute_transformer(state_dict: Mapping[str, np.ndarray], spec: TransformerSpec,
@@ -461,8 +470,12 @@ def unit_rows(array: np.ndarray, slot: Slot, size: int, dtype: type = np.float64
               ) -> np.ndarray:
     """The slot's units as rows: (size, block * everything else), in ``dtype`` (the slot's
     span alone is converted, in one copy)."""
-    span = np.moveaxis(array, slot.axis, 0)[slot.offset:slot.offset + size * slot.block]
-    return np.ascontiguousarray(span, dtype=dtype).reshape(size, -1)
+    return np.ascontiguousarray(slot_span(array, slot, size), dtype=dtype).reshape(size, -1)
+
+
+def slot_span(array: np.ndarray, slot: Slot, size: int) -> np.ndarray:
+    """A view of the slot's entries with its axis first: (size * block, everything else)."""
+    return np.moveaxis(array, slot.axis, 0)[slot.offset:slot.offset + size * slot.block]
 
 
 #: Per family, the config keys of its stream width, MLP width (GPT-2's default: 4 x the

@@ -218,6 +218,18 @@ def weighted_sum(arrays: Sequence[np.ndarray], weights: np.ndarray, out: np.ndar
         out[first:stop] = total
 
 
+def add_weighted(total: np.ndarray, weight: np.floating, array: np.ndarray) -> None:
+    """``total += weight * array`` for a C-contiguous ``total`` (a running sum in its own
+    dtype), the same values bit for bit, ``SUM_BLOCK`` values at a time: no temporary as
+    large as the tensor (allocated and faulted in anew for every client and tensor)."""
+    flat, values = total.reshape(-1), array.reshape(-1)
+    product = np.empty(min(SUM_BLOCK, flat.size), dtype=total.dtype)
+    for first in range(0, flat.size, SUM_BLOCK):
+        stop = min(flat.size, first + SUM_BLOCK)
+        part = np.multiply(values[first:stop], weight, out=product[:stop - first])
+        flat[first:stop] += part
+
+
 def accumulator(dtype: np.dtype) -> np.dtype:
     """The dtype a weighted sum of ``dtype`` values is accumulated in: float32 for float32
     and narrower outputs (its rounding error, a few units of float32's precision at the

@@ -32,6 +32,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import Annotated, Any
@@ -44,7 +45,7 @@ from fusekit.core.errors import DataError, ParameterError
 from fusekit.core.spec import GraphSpec, PermutationSpec
 from fusekit.core.transformer import TransformerSpec
 from fusekit.engine.matching import inner_products, solve_assignment, sqeuclidean_cost
-from fusekit.methods.avg import average_tensor, check_same_shapes
+from fusekit.methods.avg import add_weighted, average_tensor, check_same_shapes
 from fusekit.methods.base import (
     FusionMethod,
     FusionResult,
@@ -300,7 +301,7 @@ def align_to_anchor(
                 cost = sqeuclidean_cost(preactivations[s][li].T, preactivations[anchor][li].T)
             plan, kind = transport_plan(cost, solver)
             kinds.add(kind)
-            costs.append(float((plan * cost).sum()))
+            costs.append(transport_cost(plan, cost))
             normalised = plan / plan.sum(axis=0, keepdims=True)  # T diag(1/β)
             maps[s] = normalised
             assignments[s].append(plan.argmax(axis=1))
@@ -354,39 +355,50 @@ def align_groups(anchor_rows: Mapping[int, np.ndarray], layers: Sequence[neurons
         "mean_cost": per group ⟨T, M⟩, "assignment": per group, the anchor neuron each
         client neuron sends most of its mass to}).
     """
-    kinds, costs = set(), []
+    kinds = set()
+    costs: list[Future[float]] = []  # the assigned pairs' distances, on a second thread
     assignment: list[np.ndarray] = [np.empty(0, np.int64)] * len(anchor_rows)
-    for group, ready in group_order(spec):
-        theirs = anchor_rows[group]
-        mine = neurons.writer_rows(layers, spec, group, ready, theirs.dtype)
-        if len(mine) == len(theirs):  # the plan is a permutation / J: no dense plan
-            rows, cols = solve_assignment(inner_products([(mine, theirs)]), maximize=True)
-            kinds.add("assignment")
-            costs.append(paired_distances(mine, theirs, cols) / len(rows))
-            mapping = np.empty_like(rows)
-            mapping[cols] = rows  # new neuron j = old neuron mapping[j]
-            assignment[group] = cols
-        else:
-            cost = sqeuclidean_cost(mine, theirs)
-            plan, kind = transport_plan(cost)
-            kinds.add(kind)
-            costs.append(float((plan * cost).sum()))
-            mapping = plan / plan.sum(0)
-            assignment[group] = plan.argmax(axis=1)
-        del mine
-        layers = neurons.move_group(layers, spec, group, mapping)
-    return list(layers), {"transport": sorted(kinds), "mean_cost": costs,
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="fusekit-cost") as pool:
+        for group, ready in group_order(spec):
+            theirs = anchor_rows[group]
+            mine = neurons.writer_rows(layers, spec, group, ready, theirs.dtype)
+            if len(mine) == len(theirs):  # the plan is a permutation / J: no dense plan
+                similarity = inner_products([(mine, theirs)])
+                # minimised as it is negated in place: no negated copy (exact)
+                rows, cols = solve_assignment(np.negative(similarity, out=similarity))
+                kinds.add("assignment")
+                costs.append(pool.submit(paired_distances, mine, theirs, cols))
+                mapping = np.empty_like(rows)
+                mapping[cols] = rows  # new neuron j = old neuron mapping[j]
+                assignment[group] = cols
+            else:
+                cost = sqeuclidean_cost(mine, theirs)
+                plan, kind = transport_plan(cost)
+                kinds.add(kind)
+                costs.append(pool.submit(transport_cost, plan, cost))
+                mapping = plan / plan.sum(0)
+                assignment[group] = plan.argmax(axis=1)
+            del mine
+            layers = neurons.move_group(layers, spec, group, mapping)
+    return list(layers), {"transport": sorted(kinds),
+                          "mean_cost": [cost.result() for cost in costs],
                           "assignment": assignment}
 
 
+def transport_cost(plan: np.ndarray, cost: np.ndarray) -> float:
+    """⟨T, M⟩: the cost of a transport plan."""
+    return float((plan * cost).sum())
+
+
 def paired_distances(a: np.ndarray, b: np.ndarray, cols: np.ndarray) -> float:
-    """``sum_i ||a[i] - b[cols[i]]||^2`` in float64, ``PAIR_ROWS`` rows at a time."""
+    """``sum_i ||a[i] - b[cols[i]]||^2 / len(a)`` in float64, ``PAIR_ROWS`` rows at a time
+    (the mean cost of a permutation's plan)."""
     total = 0.0
     for first in range(0, len(a), PAIR_ROWS):
         chunk = a[first:first + PAIR_ROWS].astype(np.float64)
         chunk -= b[cols[first:first + PAIR_ROWS]]
         total += float(np.einsum("ij,ij->", chunk, chunk))
-    return total
+    return total / len(a)
 
 
 def fuse_aligned(checkpoints: Sequence[Checkpoint], specs: Sequence[PermutationSpec | GraphSpec],
@@ -430,7 +442,7 @@ def fuse_aligned(checkpoints: Sequence[Checkpoint], specs: Sequence[PermutationS
         aligned, report = align(neurons.client_layers(checkpoint, client_spec, release=True,
                                                       dtype=dtype), client_spec)
         for into, layer in zip(total, aligned, strict=True):
-            into.weight += weights[s] * layer.weight
+            add_weighted(into.weight, weights[s], layer.weight)
             into.bias += weights[s] * layer.bias
         del aligned
         assignments[s] = report.pop("assignment")

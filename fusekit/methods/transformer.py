@@ -36,12 +36,22 @@ from fusekit.core.transformer import (
     Slot,
     TransformerSpec,
     permute_group,
+    slot_span,
     unit_rows,
 )
 from fusekit.engine.matching import inner_products, solve_assignment
+from fusekit.methods.avg import add_weighted
 from fusekit.methods.base import sample_weights
 
 Solver = Callable[..., tuple]
+
+#: Similarities of at least this many entries are solved on a thread beside the next
+#: groups' products (:func:`align_client`); smaller ones at once, so that the groups that
+#: read what they move (a block's heads, then their dimensions) do not wait behind a
+#: larger solve.
+SOLVE_AHEAD_ENTRIES = 1 << 18
+#: Solves queued at most (each holds its similarity matrix: 38 MB for BERT-base's MLP).
+SOLVES_IN_FLIGHT = 2
 
 
 def check_aligned_sizes(checkpoints: Sequence[Checkpoint], specs: Sequence[TransformerSpec],
@@ -99,9 +109,24 @@ def group_similarity(anchor: dict[str, np.ndarray], client: dict[str, np.ndarray
 
         return ((gram("q") * gram("k")).sum(axis=(1, 3))
                 + (gram("v") * gram("o")).sum(axis=(1, 3)))
-    return inner_products((unit_rows(anchor[s.tensor], s, group.size, products),
-                           unit_rows(client[s.tensor], s, group.size, products))
-                          for s in slots)
+    return inner_products([(stacked_rows(anchor, group, slots, products),
+                            stacked_rows(client, group, slots, products))])
+
+
+def stacked_rows(state: dict[str, np.ndarray], group: Group, slots: Sequence[Slot],
+                 dtype: type) -> np.ndarray:
+    """The group's units as rows over every slot, side by side in one ``dtype`` array (each
+    slot's part is its :func:`unit_rows`): one product compares them, where a product per
+    slot, summed, cost a third more on BERT's MLP groups (a rank-one product for the bias
+    and a temporary per slot)."""
+    spans = [slot_span(state[s.tensor], s, group.size) for s in slots]
+    out = np.empty((group.size, sum(span.size // group.size for span in spans)), dtype=dtype)
+    first = 0
+    for span in spans:
+        width = span.size // group.size
+        out[:, first:first + width] = span.reshape(group.size, width)
+        first += width
+    return out
 
 
 def settled_slots(spec: TransformerSpec, shapes: dict[str, tuple[int, ...]]
@@ -137,16 +162,19 @@ def align_client(anchor: dict[str, np.ndarray], client: dict[str, np.ndarray],
     ``(axis, index)`` in the order made (:func:`apply_moves` replays them on the file's
     tensor). ``products``: the similarities' precision.
 
-    In the first pass a group's assignment is solved on another thread while the next
-    group's similarity is computed, when that group compares none of the tensors the first
-    one moves (a block's MLP units and the next block's heads): the solver and BLAS release
-    the GIL, and every group is compared on the same tensors as one after the other.
+    In the first pass a large group's assignment is solved on another thread while the
+    groups after it are compared, as long as they touch none of the tensors it moves (a
+    block's MLP units, and the next block's heads, their dimensions and its MLP units):
+    the solver and BLAS release the GIL, and every group is compared on the same tensors
+    and every tensor moved in the same order as one group after the other. Small groups
+    are solved at once.
 
     Returns:
         (report, orders): orders[group name][u] is the client's original unit now at
         position u, for every group that moved.
     """
     orders: dict[str, np.ndarray] = {}
+    owned: set[str] = set()  # the client's tensors replaced by moved copies: moved in place
     first_pass = settled_slots(spec, {name: a.shape for name, a in anchor.items()})
 
     def permute(group: Group, cols: np.ndarray | None) -> int:
@@ -156,25 +184,28 @@ def align_client(anchor: dict[str, np.ndarray], client: dict[str, np.ndarray],
             for slot in group.slots:
                 moves.setdefault(slot.tensor, []).append(
                     (slot.axis, slot.index(cols, client[slot.tensor].shape[slot.axis])))
-        permute_group(client, group, cols)
+        permute_group(client, group, cols, owned)
         orders[group.name] = orders.get(group.name, np.arange(group.size))[cols]
         return 1
 
     moved = 0
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="fusekit-solve") as pool:
-        pending: tuple[Group, Future] | None = None  # a group whose solve is in flight
+        pending: list[tuple[Group, Future]] = []  # groups whose solves are in flight, in order
         for index, (group, slots) in enumerate(zip(spec.groups, first_pass, strict=True)):
             if index in skip:
                 continue
-            if pending and {s.tensor for s in slots} & {s.tensor for s in pending[0].slots}:
-                moved += permute(pending[0], pending[1].result())
-                pending = None
+            touched = {s.tensor for s in group.slots}  # read now or moved later
+            while any(touched & {s.tensor for s in g.slots} for g, _ in pending):
+                moved += permute(pending[0][0], pending.pop(0)[1].result())
             similarity = group_similarity(anchor, client, group, slots, products)
-            if pending:
-                moved += permute(pending[0], pending[1].result())
-            pending = group, pool.submit(_better_order, similarity, solver)
-        if pending:
-            moved += permute(pending[0], pending[1].result())
+            if similarity.size < SOLVE_AHEAD_ENTRIES:  # solved at once: a thread costs more
+                moved += permute(group, _better_order(similarity, solver))
+                continue
+            if len(pending) == SOLVES_IN_FLIGHT:
+                moved += permute(pending[0][0], pending.pop(0)[1].result())
+            pending.append((group, pool.submit(_better_order, similarity, solver)))
+        for group, solve in pending:
+            moved += permute(group, solve.result())
     sweep = 0
     while rng is not None and sweep < sweeps:
         sweep += 1
@@ -192,8 +223,9 @@ def _better_order(similarity: np.ndarray, solver: Solver) -> np.ndarray | None:
     """The permutation of a group's client units that maximises their ``similarity`` to
     the anchor's, or None when it does not beat the current order (sums in float64)."""
     current = float(np.trace(similarity, dtype=np.float64))
-    _, cols = solver(similarity, maximize=True)
-    best = float(similarity[np.arange(cols.size), cols].sum(dtype=np.float64))
+    cost = np.negative(similarity, out=similarity)  # minimised: no negated copy (exact)
+    _, cols = solver(cost)
+    best = -float(cost[np.arange(cols.size), cols].sum(dtype=np.float64))
     return cols if best > current + 1e-12 * max(abs(current), 1.0) else None
 
 
@@ -317,7 +349,7 @@ def average_aligned(checkpoints: Sequence[Checkpoint], anchor: int,
             elif total is None:
                 total = weights[s] * array
             else:
-                total += weights[s] * array
+                add_weighted(total, weights[s], array)
         out[name] = cast_like(total, info.dtype)
     return out
 
