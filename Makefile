@@ -45,8 +45,8 @@ demo: $(STAMP)
 flower-demo: $(STAMP)
 	$(PY) examples/flower/demo.py
 
-# Seven pytest-xdist workers: one for each of the five Flower federations, which mostly
-# wait on Flower's polls, and two kept busy with the rest (tests/conftest.py orders them);
+# Seven pytest-xdist workers: one for each of the three Flower federations, which mostly
+# wait on Flower's polls, and four kept busy with the rest (tests/conftest.py orders them);
 # tests that share a server run on the worker that holds it.
 test:
 	@echo "==> running the tests on 7 workers: some start fusion servers and Flower federations (a SuperLink and SuperNodes) on 127.0.0.1, and stop them"

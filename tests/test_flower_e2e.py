@@ -1,27 +1,28 @@
 """Real Flower federations on 127.0.0.1: a SuperLink and SuperNodes (Flower's own
-processes, deployment engine) and apps run with ``flwr run``. On two SuperNodes: the
-example app fused by FedAvg (fusekit's avg) and by PFNM, the nodes scoring PFNM's fused
-model at its widths; and the app the Flower page (docs/flower.md) writes, file by file,
-over two rounds, each fused model calibrated with the statistics the nodes send in a
-query round, the second round training the first's fused model. On four SuperNodes: the
-example app's BatchNorm MLP fused by PFNM, calibrated (its first BatchNorm from the input
-moments the train replies carry, its second in a query round), aligned and refit, a node
-lost in each kind of query round: the ClientApp of one failing from the calibration
-round on (its inputs file is missing), one SuperNode killed (SIGKILL) in the alignment
-round, the ClientApp of another failing the first refit round and answering the later
-ones; the global model is the protocol's, computed in this process. On one SuperNode: a
-run whose round cannot fuse (the initial model comes back) and a run that cannot
-finish, stopped at its timeout. Each test checks that every process the federation
-started has ended. Each test starts a federation of its own, so that `make test` runs
-them side by side, and runs that do not depend on each other go on side by side on their
-federation (they mostly wait: Flower polls every 3 s). A ClientApp is a new process per
-message, importing Flower's runtime and torch (and, to train, torch._dynamo, which a
-torch optimizer imports): 3-4.5 s of CPU each, most of a test's CPU, so each test asks
-as few nodes and rounds as its point needs. The longest, the lost nodes', waits once for
-the killed node's heartbeats to lapse (37.5-60 s: Flower's SuperNode sends one every
-17.5-22.5 s, its SuperLink gives a node up 60 s after the last, neither has a setting for
-it); a failing ClientApp's error comes back at once. Progress lines are printed as the
-runs go. Deselect with ``-m "not flower_e2e"``."""
+processes, deployment engine) and apps run with ``flwr run``. On two SuperNodes, three
+runs side by side: the example app fused by FedAvg (fusekit's avg) and by PFNM, the nodes
+scoring PFNM's fused model at its widths; and the app the Flower page (docs/flower.md)
+writes, file by file, over two rounds, each fused model calibrated with the statistics
+the nodes send in a query round, the second round training the first's fused model. On
+four SuperNodes: the example app's BatchNorm MLP fused by PFNM, calibrated (its first
+BatchNorm from the input moments the train replies carry, its second in a query round),
+aligned and refit, a node lost in each kind of query round: the ClientApp of one failing
+from the calibration round on (its inputs file is missing), one SuperNode killed
+(SIGKILL) in the alignment round, the ClientApp of another failing the first refit round
+and answering the later ones; the global model is the protocol's, computed in this
+process. On one SuperNode: a run whose round cannot fuse (the initial model comes back)
+and a run that cannot finish, stopped at its timeout. Each test checks that every process
+the federation started has ended. Each test starts a federation of its own, so that `make
+test` runs them side by side, and runs that do not depend on each other go on side by
+side on one federation (they mostly wait: Flower polls every 3 s). A ClientApp is a new
+process per message, importing Flower's runtime and torch (and, to train, torch._dynamo,
+which a torch optimizer imports): 3-4.5 s of CPU each, most of a test's CPU, so each test
+asks as few nodes and rounds as its point needs, and each federation's own processes
+(1-3 s of CPU a minute each) serve as many runs as can share it. The longest, the lost
+nodes', waits once for the killed node's heartbeats to lapse (37.5-60 s: Flower's
+SuperNode sends one every 17.5-22.5 s, its SuperLink gives a node up 60 s after the last,
+neither has a setting for it); a failing ClientApp's error comes back at once. Progress
+lines are printed as the runs go. Deselect with ``-m "not flower_e2e"``."""
 
 from __future__ import annotations
 
@@ -142,19 +143,31 @@ def readme_app(folder: Path) -> Path:
     return folder
 
 
-def test_two_nodes_run_the_example_by_avg_and_by_pfnm(tmp_path, progress):
-    """Two runs side by side on one federation: the nodes answer both."""
+def test_two_nodes_run_the_example_by_avg_and_by_pfnm_and_the_flower_pages_app(
+        tmp_path, progress):
+    """Three runs side by side on one federation, the nodes answering each: the example
+    app fused by avg and by PFNM, and the Flower page's app over two rounds."""
+    page_app, page_model = readme_app(tmp_path / "readme-app"), tmp_path / "readme.safetensors"
     with Federation(tmp_path / "federation", 2, progress) as federation:
-        for done in side_by_side(*(
-                functools.partial(run, federation, APP, {
-                    "method": method, "min-nodes": 2, "epochs": 10,
-                    "fraction-evaluate": evaluate,
-                    "result-file": str(tmp_path / f"{method}.json")}, progress,
-                    label=f"{method}: ")
-                for method, evaluate in (("avg", 0.0), ("pfnm", 1.0)))):
+        *examples, page = side_by_side(
+            *(functools.partial(run, federation, APP, {
+                "method": method, "min-nodes": 2, "epochs": 10, "fraction-evaluate": evaluate,
+                "result-file": str(tmp_path / f"{method}.json")}, progress,
+                label=f"{method}: ")
+              for method, evaluate in (("avg", 0.0), ("pfnm", 1.0))),
+            functools.partial(run, federation, page_app, {"model-file": str(page_model)},
+                              progress, label="page: "))
+        for done in examples:
             done.result()
-    avg, pfnm = (json.loads((tmp_path / f"{method}.json").read_text())
-                 for method in ("avg", "pfnm"))
+        page_output = page.result().stdout
+    assert_pfnm_beats_avg(*(json.loads((tmp_path / f"{method}.json").read_text())
+                            for method in ("avg", "pfnm")))
+    assert_the_pages_app_ran(page_output, page_model, page_app)
+
+
+def assert_pfnm_beats_avg(avg: dict, pfnm: dict) -> None:
+    """The example app's results: PFNM's fused model wider and better than avg's, and
+    scored by the nodes, which rebuilt it from the widths in the ConfigRecord."""
     assert avg["hidden_widths"] == [100]
     assert pfnm["hidden_widths"] == [150]  # the default fused width: 1.5 × the widest node
     assert pfnm["accuracy"] > avg["accuracy"] + 0.05
@@ -162,37 +175,32 @@ def test_two_nodes_run_the_example_by_avg_and_by_pfnm(tmp_path, progress):
     round_one = pfnm["train_metrics"]["1"]
     assert round_one["pfnm.fused-replies"] == 2
     assert round_one["pfnm.fused-widths"] == pfnm["hidden_widths"]
-    # The nodes rebuilt the fused model from the widths in the ConfigRecord and scored it.
     assert pfnm["client_evaluation"]["1"]["accuracy"] > 0.8
 
 
-def test_two_nodes_run_the_flower_pages_app(tmp_path, progress):
-    """The Flower page's app: fusekit's lines with their level, no evaluate failures, PFNM's
-    width kept by the averaged second round (the nodes trained the 150-wide model)."""
-    with Federation(tmp_path / "federation", 2, progress) as federation:
-        model_file = tmp_path / "readme-global.safetensors"
-        readme = run(federation, readme_app(tmp_path / "readme-app"),
-                     {"model-file": str(model_file)}, progress).stdout
-
-    lines = [re.sub(r"\x1b\[[0-9;]*m", "", line) for line in readme.splitlines()]
+def assert_the_pages_app_ran(output: str, model_file: Path, app: Path) -> None:
+    """The Flower page's app: fusekit's lines with their level, no evaluate failures,
+    PFNM's width kept by the averaged second round (the nodes trained the 150-wide
+    model), each round's model calibrated with both nodes' statistics."""
+    lines = [re.sub(r"\x1b\[[0-9;]*m", "", line) for line in output.splitlines()]
     assert any(re.match(r"INFO\s*:\s+round 1: pfnm fused 2 models .* \[150\]$", line)
                for line in lines)
     assert any(re.match(r"INFO\s*:\s+round 2: avg fused 2 models .* \[150\]$", line)
                for line in lines)
-    assert "No evaluate function registered" not in readme
-    assert "Received 2 results and 0 failures" in readme
-    for round_ in (1, 2):  # each fused model calibrated with the two nodes' statistics
+    assert "No evaluate function registered" not in output
+    assert "Received 2 results and 0 failures" in output
+    for round_ in (1, 2):
         assert any(re.match(rf"INFO\s*:\s+round {round_}: calibrated with the statistics of "
                             r"2 node\(s\) over 1347 inputs \(one-pass, 1 query round", line)
                    for line in lines)
-    assert "left out" not in readme
+    assert "left out" not in output
     assert fusekit.load_checkpoint(model_file).tensors["0.weight"].shape == (150, 64)
     model = fusekit.load_fused(model_file, "cpu")
     digits = load_dataset("digits")
     with torch.no_grad():
         predicted = model(torch.as_tensor(digits.x_test)).argmax(dim=1).numpy()
     assert not model.training and (predicted == digits.y_test).mean() > 0.8
-    assert_running_statistics_are_the_nodes_pooled(model, tmp_path / "readme-app")
+    assert_running_statistics_are_the_nodes_pooled(model, app)
 
 
 def assert_running_statistics_are_the_nodes_pooled(model, app: Path) -> None:
