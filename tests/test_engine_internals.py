@@ -248,3 +248,32 @@ def test_the_core_is_checked_for_every_function_its_stubs_declare():
                 if isinstance(node, ast.FunctionDef)}
     assert set(native.FUNCTIONS) == declared
     assert native.CORE_IMPORT_ERROR is None and all(hasattr(core(), f) for f in declared)
+
+
+def test_small_products_run_on_one_of_numpys_blas_threads(monkeypatch):
+    """inner_products below SERIAL_FLOPS holds numpy's BLAS at one thread for the product
+    only (the count it found is back after), and gives the same matrix as above it."""
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    controller = matching._numpy_blas()
+    if controller is None:
+        pytest.skip("numpy shares its BLAS with SciPy here")
+    rng = np.random.default_rng(0)
+    pairs = [(rng.standard_normal((300, 200), dtype=np.float32),
+              rng.standard_normal((250, 200), dtype=np.float32)) for _ in range(2)]
+    seen = []
+
+    class Spy(np.ndarray):  # records the thread count when numpy multiplies it
+        def __matmul__(self, other):
+            seen.append(controller.info()[0]["num_threads"])
+            return np.asarray(self) @ other
+
+    before = controller.info()[0]["num_threads"]
+    with threadpoolctl.threadpool_limits(2, user_api="blas"):
+        serial = matching.inner_products([(a.view(Spy), b) for a, b in pairs])
+        assert seen == [1, 1] and controller.info()[0]["num_threads"] == 2
+        seen.clear()
+        monkeypatch.setattr(matching, "SERIAL_FLOPS", 0)
+        threaded = matching.inner_products([(a.view(Spy), b) for a, b in pairs])
+        assert seen == [2, 2]
+    np.testing.assert_array_equal(np.asarray(serial), np.asarray(threaded))
+    assert controller.info()[0]["num_threads"] == before

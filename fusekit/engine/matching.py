@@ -18,7 +18,11 @@ process-wide, so other threads' SciPy BLAS calls also run on one thread during s
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -287,13 +291,37 @@ def inner_products(pairs: Iterable[tuple[np.ndarray, np.ndarray]]) -> np.ndarray
         device (inside ``fusekit.engine.offload.on_device``, for large enough problems).
     """
     pairs = list(pairs)
-    kernels = accelerator_for(sum(2.0 * a.shape[0] * b.shape[0] * a.shape[1] for a, b in pairs))
+    flops = sum(2.0 * a.shape[0] * b.shape[0] * a.shape[1] for a, b in pairs)
+    kernels = accelerator_for(flops)
     if kernels is not None:
         return kernels.inner_products(pairs)
-    total = pairs[0][0] @ pairs[0][1].T
-    for a, b in pairs[1:]:
-        total = total + a @ b.T
+    with _serial_numpy_blas() if flops < SERIAL_FLOPS else contextlib.nullcontext():
+        total = pairs[0][0] @ pairs[0][1].T
+        for a, b in pairs[1:]:
+            total = total + a @ b.T
     return total
+
+
+#: numpy's products below this many flops run on one BLAS thread, as the core's below its
+#: kSerialFlops (csrc/cost.cpp): a second thread gains little on them, and after each
+#: product it spins for the next one on the core that the solver or another thread needs.
+SERIAL_FLOPS = 256e6
+
+
+def _serial_numpy_blas() -> contextlib.AbstractContextManager:
+    """One thread for numpy's own BLAS (its wheel's OpenBLAS) while in the block; nothing
+    when numpy shares a BLAS with SciPy, whose thread count the core's kernels set."""
+    controller = _numpy_blas()
+    return contextlib.nullcontext() if controller is None else controller.limit(limits=1)
+
+
+@functools.cache
+def _numpy_blas() -> Any:
+    from threadpoolctl import ThreadpoolController  # looked up when first asked
+
+    blas = ThreadpoolController().select(user_api="blas")
+    mine = [c.filepath for c in blas.lib_controllers if "numpy" in Path(c.filepath).parent.name]
+    return blas.select(filepath=mine) if mine else None
 
 
 def _finite_matrix(x, name: str, check_finite: bool = True) -> np.ndarray:
