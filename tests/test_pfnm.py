@@ -14,7 +14,7 @@ from fusekit.core.errors import IncompatibleModelsError, ParameterError
 from fusekit.core.spec import infer_spec, permute
 from fusekit.engine import matching, reference
 from fusekit.methods import bayesian
-from fusekit.methods.bayesian import MatchingBackend, match_neurons
+from fusekit.methods.bayesian import MatchingBackend, layer, match_neurons
 from fusekit.toolkit.data import load_dataset
 from fusekit.toolkit.simulate import SimulationConfig, simulate_clients
 from fusekit.toolkit.train import TrainConfig
@@ -610,3 +610,31 @@ def test_networks_without_a_hidden_layer_fuse_to_their_weighted_average(tmp_path
     result = fusekit.fuse(paths, method=method)
     np.testing.assert_allclose(result.state_dict["0.weight"], sum(weights) / 400, atol=1e-6)
     assert result.report["heterogeneity"]["matched_share"] is None
+
+
+def _anonymous_resident_mb():
+    with open("/proc/self/status") as status:
+        line = next(line for line in status if line.startswith("RssAnon"))
+    return int(line.split()[1]) / 1024
+
+
+def test_state_rows_handed_back_stop_being_resident_and_the_rest_stays():
+    """Rows no global will use again (past a width cut, past the fused layer) go back to the
+    system; the rows before them keep their values and released rows can be opened again."""
+    n_coords = 2048
+    prior = np.full(n_coords, 0.5)
+    state = layer._GlobalState(n_coords, prior, 2 * prior, capacity=2048)
+    before = _anonymous_resident_mb()
+    vectors = np.random.default_rng(0).normal(size=(2048, n_coords))
+    state.add(np.arange(2048), vectors, np.ones(n_coords))
+    del vectors
+    grown = _anonymous_resident_mb()
+    assert grown - before > 50  # two arrays of 2,048 rows of 16 KiB
+    kept_sums = state.sums[:256].copy()
+    state.release_from(256)
+    assert grown - _anonymous_resident_mb() > 50
+    np.testing.assert_array_equal(state.sums[:256], kept_sums)
+    assert state.size == 2048 and not state.sums[257:].any()
+    state.size = 256
+    state.open_empty(10)
+    np.testing.assert_array_equal(state.sums[256:266], np.broadcast_to(prior, (10, n_coords)))

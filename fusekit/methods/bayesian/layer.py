@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import math
+import mmap
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -172,8 +173,8 @@ class _GlobalState:
         self.size = 0
         # Room for ``capacity`` globals up front: the pages of rows never written are never
         # resident, and growing by copies (which held two copies at once) is not needed.
-        self.sums = np.empty((capacity, n_coords))
-        self.precisions = np.empty((capacity, n_coords))
+        self.sums = _row_buffer(capacity, n_coords)
+        self.precisions = _row_buffer(capacity, n_coords)
         self.counts = np.empty(capacity, dtype=np.int64)
 
     def _reserve(self, size: int) -> None:
@@ -182,9 +183,17 @@ class _GlobalState:
         capacity = max(size, 2 * self.sums.shape[0], 16)
         for name in ("sums", "precisions", "counts"):
             old = getattr(self, name)
-            new = np.empty((capacity, *old.shape[1:]), dtype=old.dtype)
+            new = (_row_buffer(capacity, old.shape[1]) if old.ndim == 2
+                   else np.empty(capacity, dtype=old.dtype))
             new[: self.size] = old[: self.size]
             setattr(self, name, new)
+
+    def release_from(self, row: int) -> None:
+        """Hand the pages of rows ``row`` onwards back to the system: rows no global will
+        use again (beyond a width imposed, beyond the fused globals) stop being resident.
+        They read as zeros if ever opened again (:meth:`open_empty` writes them first)."""
+        for array in (self.sums, self.precisions):
+            _release_rows(array, row)
 
     def view(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Contiguous (J, P), (J, P), (J,) views of the live globals (no copy)."""
@@ -232,7 +241,10 @@ class _GlobalState:
         """Remove a client's neurons (rows -1: not assigned, skipped); drop globals left
         empty. Returns old -> new index (-1 for dropped globals)."""
         placed = rows >= 0
-        self.subtract(rows[placed], vectors[placed], precision)
+        if placed.all():  # the usual case: no masked copy of the client's vectors
+            self.subtract(rows, vectors, precision)
+        else:
+            self.subtract(rows[placed], vectors[placed], precision)
         return self.drop_empty()
 
     def open_empty(self, n: int) -> None:
@@ -243,6 +255,33 @@ class _GlobalState:
         self.precisions[fresh] = self.prior_precision
         self.counts[fresh] = 0
         self.size += n
+
+
+def _row_buffer(n_rows: int, n_coords: int) -> np.ndarray:
+    """An uninitialised (n_rows, n_coords) float64 array on an anonymous mapping of its own,
+    so that rows no longer needed can be handed back (:func:`_release_rows`); like
+    ``np.empty``, its pages become resident when first written."""
+    size = n_rows * n_coords * 8
+    if size < mmap.PAGESIZE or not hasattr(mmap, "MADV_DONTNEED"):  # (Windows)
+        return np.empty((n_rows, n_coords))
+    # private: pages handed back are freed (a shared mapping would keep them as shmem)
+    mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return np.frombuffer(mapping, dtype=np.float64).reshape(n_rows, n_coords)
+
+
+def _release_rows(array: np.ndarray, row: int) -> None:
+    """Drop the resident pages of ``array``'s rows ``row`` onwards (whole pages only) when
+    the array lies on a mapping of its own (:func:`_row_buffer`)."""
+    owner = array.base
+    while isinstance(owner, np.ndarray):
+        owner = owner.base
+    owner = owner.obj if isinstance(owner, memoryview) else owner
+    if not isinstance(owner, mmap.mmap):
+        return
+    offset = array.__array_interface__["data"][0] - np.frombuffer(owner, np.uint8).ctypes.data
+    start = -(-(offset + row * array.strides[0]) // mmap.PAGESIZE) * mmap.PAGESIZE
+    if start < len(owner):
+        owner.madvise(mmap.MADV_DONTNEED, start, len(owner) - start)
 
 
 def as_coordinate_vector(value: Any, n_coords: int, name: str) -> np.ndarray:
@@ -677,6 +716,7 @@ def match_neurons(
     pruned = split = padded = 0
     if width is not None:
         pruned = run.keep_most_massive(width)
+        run.state.release_from(width)  # no more than `width` globals from here on
         if pruned or not fixed:
             # Members of pruned globals are placed by the re-match (every client is taken
             # out and matched again, at most `width` globals open). At a fixed point with
@@ -686,12 +726,14 @@ def match_neurons(
         split, padded = run.fill(width)
 
     base = base_neurons(run.assignments, run.state.size) if one_base else None
+    if base is not None:  # first: the fused layer's posterior then takes the same rows
+        identity = [np.arange(v.shape[0]) for v in vecs]
+        whole = _final_posterior(run.state, vecs, run.precs, identity, shrink,
+                                 n_global=vecs[0].shape[0])[0].copy()
     means, final_precisions, counts = _final_posterior(run.state, vecs, run.precs,
                                                     run.assignments, shrink)
+    run.state.release_from(means.shape[0])
     if base is not None:
-        identity = [np.arange(v.shape[0]) for v in vecs]
-        whole, _, _ = _final_posterior(run.state, vecs, run.precs, identity, shrink,
-                                       n_global=vecs[0].shape[0])
         means[base >= 0] = whole[base[base >= 0]]
     report = _report(run.assignments, counts, objective, lap_totals, run.timing,
                      run.kernels.name, true_labels)
@@ -737,27 +779,32 @@ def _final_posterior(
     """Means, posterior precisions and member counts recomputed from the assignments (no
     drift from add/remove). The means are the posterior means (Eq. 4), or without
     ``shrink`` the members' precision-weighted means (mu0 where no member observes a
-    coordinate). The members' sums are added up in the state's own rows, which the matching
-    no longer needs: they are resident already, so the layer's peak holds no second pair of
-    state-sized arrays (the returned arrays are new ones)."""
+    coordinate). They are computed in the state's own first ``n_global`` rows, which the
+    matching no longer needs, and returned as views of them: resident already, so the
+    layer's peak holds no second pair of state-sized arrays."""
     zero = np.zeros_like(state.prior_sum)
     n_global = state.size if n_global is None else n_global
-    rows = (state.sums[:n_global], state.precisions[:n_global])
-    member_sums, member_precisions, counts = _posterior_sums(
+    sums, precisions, counts = _posterior_sums(
         zero, zero, vecs, precs, assignments, n_global,
-        out=rows if n_global <= state.sums.shape[0] else None)
-    precisions = member_precisions + state.prior_precision
+        out=(state.sums[:n_global], state.precisions[:n_global]))
     if shrink:
-        return (member_sums + state.prior_sum) / precisions, precisions, counts
-    return (member_means(member_sums, member_precisions, state.prior_sum / state.prior_precision),
-            precisions, counts)
+        sums += state.prior_sum
+        precisions += state.prior_precision
+        sums /= precisions
+    else:
+        member_means(sums, precisions, state.prior_sum / state.prior_precision, out=sums)
+        precisions += state.prior_precision
+    return sums, precisions, counts
 
 
-def member_means(sums: np.ndarray, precisions: np.ndarray, fallback: np.ndarray) -> np.ndarray:
+def member_means(sums: np.ndarray, precisions: np.ndarray, fallback: np.ndarray,
+                 out: np.ndarray | None = None) -> np.ndarray:
     """Precision-weighted member means ``sums / precisions``, ``fallback`` (a (P,) prior
-    mean) where no member observes a coordinate (precision 0)."""
+    mean) where no member observes a coordinate (precision 0); written into ``out`` when
+    given (``sums`` itself may be it)."""
     seen = precisions > 0
-    means = np.divide(sums, precisions, out=np.zeros_like(sums), where=seen)
+    means = np.divide(sums, precisions, out=np.zeros_like(sums) if out is None else out,
+                      where=seen)
     np.copyto(means, fallback, where=~seen)
     return means
 
