@@ -160,10 +160,22 @@ def test_fused_metadata_describes_the_model(mlp_clients):
     assert result.widths == [5]
 
 
-def test_streamed_average_reads_tensors_in_pieces(mlp_clients, monkeypatch):
-    """Tensors larger than a piece are averaged piece by piece, as the reference does."""
+def never_or_always_mapped(monkeypatch, mapped: bool) -> None:
+    """Pieces read into buffers, or every piece mapped (odd offsets, page-straddling)."""
+    from fusekit.core import checkpoint
     from fusekit.methods import avg
 
+    for module in (checkpoint, avg):
+        monkeypatch.setattr(module, "MAP_MIN_BYTES", 4 if mapped else 1 << 40)
+
+
+@pytest.mark.parametrize("mapped", [False, True])
+def test_streamed_average_reads_tensors_in_pieces(mlp_clients, monkeypatch, mapped):
+    """Tensors larger than a piece are averaged piece by piece, as the reference does,
+    whether the pieces are read into buffers or viewed in the files' mapped pages."""
+    from fusekit.methods import avg
+
+    never_or_always_mapped(monkeypatch, mapped)
     monkeypatch.setattr(avg, "PIECE_BYTES", 256)
     monkeypatch.setattr(avg, "SUM_BLOCK", 7)
     result = fusekit.fuse(mlp_clients, method="avg")
@@ -182,9 +194,11 @@ def test_streamed_average_reads_tensors_in_pieces(mlp_clients, monkeypatch):
                                       err_msg=name)
 
 
-def test_a_non_finite_value_met_while_streaming_is_named(tmp_path, monkeypatch):
+@pytest.mark.parametrize("mapped", [False, True])
+def test_a_non_finite_value_met_while_streaming_is_named(tmp_path, monkeypatch, mapped):
     from fusekit.methods import avg
 
+    never_or_always_mapped(monkeypatch, mapped)
     monkeypatch.setattr(avg, "PIECE_BYTES", 256)
     states = [{k: v.numpy().copy() for k, v in mlp(seed=s).state_dict().items()} for s in range(3)]
     states[2]["0.weight"].flat[-1] = np.inf
@@ -194,8 +208,10 @@ def test_a_non_finite_value_met_while_streaming_is_named(tmp_path, monkeypatch):
         fusekit.fuse(paths, method="avg")
 
 
+@pytest.mark.parametrize("mapped", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_avg_hashes_each_input_from_the_values_it_averages(tmp_path, monkeypatch, dtype):
+def test_avg_hashes_each_input_from_the_values_it_averages(tmp_path, monkeypatch, dtype,
+                                                          mapped):
     """avg reads every file once: the inputs' content hashes are fed with the values it
     averages, and are those the files' own hashing pass gives (pieces, 0-d counters,
     variances, BF16, a tensor held before the fusion)."""
@@ -215,10 +231,11 @@ def test_avg_hashes_each_input_from_the_values_it_averages(tmp_path, monkeypatch
     expected = sorted(load_checkpoint(p).content_hash for p in paths)
     monkeypatch.setattr(avg, "PIECE_BYTES", 256)  # several pieces per tensor
     monkeypatch.setattr(avg, "SMALL_HASH_BYTES", 128)  # on the hashing threads
+    never_or_always_mapped(monkeypatch, mapped)
     reads = []
     pieces = Checkpoint.pieces
-    monkeypatch.setattr(Checkpoint, "pieces", lambda self, name, *args: (
-        reads.append((self.label, name)), pieces(self, name, *args))[1])
+    monkeypatch.setattr(Checkpoint, "pieces", lambda self, name, *args, **kwargs: (
+        reads.append((self.label, name)), pieces(self, name, *args, **kwargs))[1])
     clients = [load_checkpoint(p) for p in paths]
     clients[1].tensor("0.weight")  # held before the fusion: hashed as held
     result = fusekit.fuse(clients, method="avg")

@@ -494,6 +494,37 @@ def safetensors_file(path, tensors):
     return path
 
 
+def test_mapped_pieces_are_the_files_values_and_a_shortened_file_is_named(tmp_path,
+                                                                          monkeypatch):
+    """Pieces viewed in the file's mapped pages (any offset, BF16 widened) are the values
+    tensor() reads, read-only; a file cut short after it was opened is refused by name
+    before a page past its end is mapped."""
+    from fusekit.core import checkpoint as module
+
+    monkeypatch.setattr(module, "MAP_MIN_BYTES", 8)
+    rng = np.random.default_rng(0)
+    tensors = {"a": rng.normal(size=(37, 5)).astype(np.float32), "b": rng.normal(size=301)}
+    path = safetensors_file(tmp_path / "m.safetensors", tensors)
+    client = load_checkpoint(path)
+    for name, expected in tensors.items():
+        step = 13  # pieces of 52 or 104 bytes from odd offsets; the last one read
+        pieces = list(client.pieces(name, step, np.empty(8, np.uint8), mapped=True))
+        assert not any(p.flags.writeable for p in pieces[:-1])
+        np.testing.assert_array_equal(np.concatenate(pieces), expected.reshape(-1))
+    import safetensors.torch
+    import torch
+
+    safetensors.torch.save_file({"w": torch.randn(64, 64).to(torch.bfloat16)},
+                                tmp_path / "h.safetensors")
+    bf16 = load_checkpoint(tmp_path / "h.safetensors")
+    whole = np.concatenate(list(bf16.pieces("w", 1000, np.empty(8, np.uint8), mapped=True)))
+    np.testing.assert_array_equal(whole, bf16.tensor("w").reshape(-1))
+    with open(path, "r+b") as handle:
+        handle.truncate(client._offsets["b"][0] + 900)  # b's first pieces are there
+    with pytest.raises(CheckpointError, match=r"m\.safetensors: tensor 'b' is truncated"):
+        list(client.pieces("b", 100, np.empty(8, np.uint8), mapped=True))
+
+
 def test_content_hash_streams_pieces_as_the_whole_tensors_hash(tmp_path, monkeypatch):
     """Pieces of a large tensor, 0-d counters, BF16 and held tensors hash as whole tensors."""
     import hashlib

@@ -21,6 +21,7 @@ import hashlib
 import io
 import json
 import math
+import mmap
 import os
 import shutil
 import signal
@@ -77,6 +78,10 @@ HASH_PIECE_BYTES = 8 << 20
 #: Threads hashing the inputs during a fusion: sha256 costs more per byte than a streamed
 #: average (on 2 cores, one thread made avg wait for it), and two keep pace with it.
 HASH_THREADS = 2
+#: Pieces of at least this many bytes that :meth:`Checkpoint.pieces` may map are viewed in
+#: the file's mapped pages instead of copied into a buffer; below it the mapping's system
+#: calls cost more than the copy.
+MAP_MIN_BYTES = 256 << 10
 # Stored types that tensor() widens to float32.
 WIDENED_DTYPES = ("BF16", "F8_E4M3", "F8_E5M2")
 # A Hugging Face model folder: its config, its weights, or the index of its shards.
@@ -229,15 +234,19 @@ class Checkpoint:
         dtype = self.tensors[name].dtype
         return np.dtype(np.float32 if dtype in WIDENED_DTYPES else STORAGE_DTYPES[dtype])
 
-    def pieces(self, name: str, step: int, buffer: np.ndarray) -> Iterator[np.ndarray]:
+    def pieces(self, name: str, step: int, buffer: np.ndarray, *, mapped: bool = False
+               ) -> Iterator[np.ndarray]:
         """Tensor ``name``'s flat values, ``step`` at a time, **unchecked**, for passes that
         read each tensor once and check what they compute from it (a non-finite value
         makes a weighted sum non-finite; :meth:`tensor` then names the culprit).
 
         Values in the file are read straight into ``buffer`` (raw bytes, at least ``step``
         values of the storage dtype), reused by every piece: a piece is valid until the
-        next one is asked for, and no memory is allocated or faulted in per tensor. A held
-        or in-memory tensor is sliced as it is.
+        next one is asked for, and no memory is allocated or faulted in per tensor. With
+        ``mapped``, a piece of at least ``MAP_MIN_BYTES`` is instead a read-only view of
+        the file's pages mapped for it alone (no copy; unmapped when its last view goes),
+        and ``buffer`` needs only ``min(step values, MAP_MIN_BYTES)``. A held or in-memory
+        tensor is sliced as it is.
         """
         count = math.prod(self.tensors[name].shape)
         held = self._arrays.get(name)
@@ -247,12 +256,35 @@ class Checkpoint:
                 yield flat[first:first + step]
             return
         start, storage, _ = self._location(name)
-        raw = buffer.view(np.uint8)[:step * storage.itemsize].view(storage)
+        raw = buffer.view(np.uint8)
         with self._open(name) as handle:
             for first in range(0, count, step):
-                piece = raw[:min(step, count - first)]
-                self._read_into(handle, name, start + first * storage.itemsize, piece)
+                size, offset = min(step, count - first), start + first * storage.itemsize
+                if mapped and size * storage.itemsize >= MAP_MIN_BYTES:  # kept by no local:
+                    yield widen(self._mapped(handle, name, offset, size, storage),  # unmapped
+                                self.tensors[name].dtype)  # when the caller drops it
+                    continue
+                piece = raw[:size * storage.itemsize].view(storage)
+                self._read_into(handle, name, offset, piece)
                 yield widen(piece, self.tensors[name].dtype)
+
+    def _mapped(self, handle: io.FileIO, name: str, offset: int, count: int,
+                storage: np.dtype) -> np.ndarray:
+        """``count`` values of ``storage`` at ``offset`` of the open file ``handle``, viewed
+        in its pages mapped read-only for them (the mapping starts at the page boundary
+        below ``offset``). A file shorter than that is refused before it is mapped: a
+        mapped page past its end would stop the process (SIGBUS) instead."""
+        end = offset + count * storage.itemsize
+        base = offset - offset % mmap.ALLOCATIONGRANULARITY
+        try:
+            if os.fstat(handle.fileno()).st_size < end:
+                raise CheckpointError(f"{self.label}: tensor {name!r} is truncated")
+            window = mmap.mmap(handle.fileno(), end - base, prot=mmap.PROT_READ, offset=base)
+        except OSError as exc:
+            raise CheckpointError(
+                f"{self.label}: cannot read tensor {name!r} ({exc.strerror or exc})"
+            ) from None
+        return np.frombuffer(window, dtype=storage, count=count, offset=offset - base)
 
     def release(self, *names: str) -> None:
         """Forget tensors read from the file (all when no name is given) so that their

@@ -13,6 +13,7 @@ import numpy as np
 from fusekit.core import progress
 from fusekit.core.checkpoint import (
     HASH_THREADS,
+    MAP_MIN_BYTES,
     VARIANCE_SUFFIXES,
     Checkpoint,
     count_non_finite,
@@ -25,7 +26,8 @@ from fusekit.core.transformer import TransformerSpec
 from fusekit.methods.base import FusionMethod, FusionResult, register, sample_weights
 from fusekit.methods.params import Param
 
-#: Bytes of one client's tensor read at a time by averaging (a reused buffer per client).
+#: Bytes of one client's tensor averaged at a time: mapped from its file, or read into a
+#: reused buffer per client when smaller than ``MAP_MIN_BYTES``.
 PIECE_BYTES = 4 << 20
 #: Values summed at a time: the float64 sum and product stay in the CPU's cache.
 SUM_BLOCK = 1 << 15
@@ -65,7 +67,8 @@ class Average(FusionMethod):
         """
         check_equal_shapes(checkpoints)
         weights = sample_weights(checkpoints)
-        buffers = [np.empty(PIECE_BYTES, dtype=np.uint8) for _ in checkpoints]
+        buffers = [np.empty(min(PIECE_BYTES, MAP_MIN_BYTES), dtype=np.uint8)
+                   for _ in checkpoints]
         names = checkpoints[0].tensors
         fused: dict[str, np.ndarray] = dict.fromkeys(names)  # type: ignore[arg-type]
         with ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="fusekit-hash") as pool:
@@ -93,8 +96,9 @@ def average_from_files(checkpoints: Sequence[Checkpoint], name: str, weights: np
                        buffers: Sequence[np.ndarray], hashes: InputHashes | None = None
                        ) -> np.ndarray:
     """Tensor ``name`` averaged over the clients as :func:`average_tensor` does, streamed:
-    each client's values are read a piece at a time into its reused buffer (at most
-    ``PIECE_BYTES``; a tensor in memory is sliced) and summed in cache-sized blocks
+    each client's values are taken a piece at a time (at most ``PIECE_BYTES``), viewed in
+    the file's mapped pages or read into the client's reused buffer (:meth:`Checkpoint.pieces`
+    with ``mapped``; a tensor in memory is sliced) and summed in cache-sized blocks
     (:func:`weighted_sum`); nothing of the clients' tensor is kept and no float64 copy of it
     is made. A non-finite sum (any NaN or Inf among the
     inputs makes one) sends the tensor through :meth:`Checkpoint.tensor`, whose check names
@@ -115,7 +119,7 @@ def average_from_files(checkpoints: Sequence[Checkpoint], name: str, weights: np
     out = np.empty(math.prod(shape), dtype=dtypes.pop())
     scratch = np.empty((2, SUM_BLOCK), dtype=accumulator(out.dtype))
     first = 0
-    for pieces in zip(*(c.pieces(name, PIECE_BYTES // 8, b)
+    for pieces in zip(*(c.pieces(name, PIECE_BYTES // 8, b, mapped=True)
                         for c, b in zip(checkpoints, buffers, strict=True)), strict=True):
         if hashes is not None:  # hashed on other threads while summed here
             hashes.feed(pieces)
@@ -128,6 +132,7 @@ def average_from_files(checkpoints: Sequence[Checkpoint], name: str, weights: np
         first = stop
         if hashes is not None:  # the next pieces are read into the same buffers
             hashes.wait()
+        del pieces  # mapped pieces are unmapped before the next ones are mapped
     return out.reshape(shape)
 
 
