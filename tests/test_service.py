@@ -816,8 +816,8 @@ def test_kill9_during_uploads_and_during_a_job_then_restart(tmp_path):
             assert sha256(stored) == sha256(path)
 
         admin.run(job["id"])
-        wait_for_progress(admin, job["id"], "fusing: layer 1 of 2 matched")
-        server.kill()  # between the job's two hidden layers
+        with fusion_held_at(server, admin, job["id"], "fusing: layer 1 of 2 matched"):
+            server.kill()  # between the job's two hidden layers
         server.start()
         state = admin.wait(job["id"], timeout=120, every=0.2)
         assert state["state"] == "succeeded", state
@@ -837,9 +837,9 @@ def test_kill9_during_uploads_and_during_a_job_then_restart(tmp_path):
         again = admin.create_job("pfnm", list(NAMES), params=params, auto_run=True)
         for name, path in zip(NAMES, paths, strict=True):
             admin.submit(again["id"], name, path)
-        wait_for_progress(admin, again["id"], "fusing: layer 1 of 2 matched")
-        (worker,) = workers(server.process.pid)
-        os.kill(worker, signal.SIGKILL)
+        with fusion_held_at(server, admin, again["id"], "fusing: layer 1 of 2 matched"):
+            (worker,) = workers(server.process.pid)
+            os.kill(worker, signal.SIGKILL)
         state = admin.wait(again["id"], timeout=120, every=0.2)
         assert state["state"] == "succeeded" and state["attempts"] == 2, state
         assert workers(server.process.pid) != [worker]
@@ -974,6 +974,37 @@ def wait_for_progress(admin: Client, job_id: str, progress: str, timeout: float 
                else admin.status(job_id)["progress"] == progress):
         assert time.monotonic() < deadline, admin.status(job_id)
         time.sleep(0.01)
+
+
+@contextlib.contextmanager
+def fusion_held_at(server: ServiceProcess, admin: Client, job_id: str, progress: str,
+                   timeout: float = 60) -> Iterator[None]:
+    """Hold the job's fusion (SIGSTOP) at the first look that finds it at ``progress``, so
+    that a kill in the block lands before the job ends however busy the machine is (a
+    fusion left running finished its last layer between a poll and the kill); SIGCONT to
+    whatever is left of it after the block."""
+    deadline = time.monotonic() + timeout
+    while True:
+        held = []
+        with contextlib.suppress(OSError):  # a process listed a moment ago may be gone
+            held = [fusion for worker in workers(server.process.pid)
+                    for fusion in forked(worker)]
+        send(held, signal.SIGSTOP)
+        if held and admin.status(job_id)["progress"] == progress:
+            break
+        send(held, signal.SIGCONT)
+        assert time.monotonic() < deadline, admin.status(job_id)
+        time.sleep(0.01)
+    try:
+        yield
+    finally:
+        send(held, signal.SIGCONT)
+
+
+def send(processes: list[int], signum: int) -> None:
+    for process in processes:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(process, signum)
 
 
 def workers(pid: int) -> list[int]:
