@@ -130,16 +130,36 @@ def moments(
             part = slice(None) if together.all() else together  # a view when all are shared
             matching.add_moments(sums, squares, counts, row_of[rows[part]],
                                  np.ascontiguousarray(vec[part]), scale, seen)
-    has = counts > 0
-    means = sums / np.maximum(counts, 1)
-    within = squares - counts * means * means
-    sigma2 = trimmed_within(within.sum(axis=1), np.maximum(counts - 1, 0).sum(axis=1))
-    centred = np.where(has, means - centre, 0.0)
-    n_seen = max(int(has.sum()) + alone_seen, 1)
-    between = (float(np.sum(centred * centred)) + alone_between) / n_seen
-    inverse_n = (float(np.sum(np.where(has, 1.0 / np.maximum(counts, 1), 0.0)))
+    # The arithmetic of the plain expressions, written into the arrays above and one
+    # buffer (an M-step runs several times a layer; fresh state-sized temporaries cost
+    # more in allocation and page faults than the arithmetic on small layers).
+    unseen = counts == 0
+    safe = np.maximum(counts, 1)
+    means = np.divide(sums, safe, out=sums)
+    work = np.multiply(counts, means)
+    work *= means
+    scatter = np.subtract(squares, work, out=squares).sum(axis=1)  # within-global
+    np.subtract(counts, 1, out=work)
+    sigma2 = trimmed_within(scatter, np.maximum(work, 0, out=work).sum(axis=1))
+    n_seen = max(counts.size - int(np.count_nonzero(unseen)) + alone_seen, 1)
+    between = (_masked_sum_of_squares(np.subtract(means, centre, out=work), unseen)
+               + alone_between) / n_seen
+    inverse_n = (float(np.sum(_zeroed(np.divide(1.0, safe, out=safe), unseen)))
                  + alone_seen) / n_seen
     return sigma2, between, inverse_n
+
+
+def _zeroed(array: np.ndarray, where: np.ndarray) -> np.ndarray:
+    """``array`` with 0 written where ``where`` holds (``np.where(~where, array, 0.0)`` in
+    place)."""
+    np.copyto(array, 0.0, where=where)
+    return array
+
+
+def _masked_sum_of_squares(array: np.ndarray, unseen: np.ndarray) -> float:
+    """sum of array**2 over the entries not ``unseen``, squared in place."""
+    values = _zeroed(array, unseen)
+    return float(np.sum(np.multiply(values, values, out=values)))
 
 
 def _lone_between(vec, alone, scale, centre, seen) -> float:
