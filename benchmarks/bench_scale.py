@@ -19,7 +19,8 @@ pass) plus writing one model of one input's size (``write_atomic``: temporary fi
 rename). Each fusion is ``python -m fusekit fuse INPUTS -m METHOD -o OUT --force`` in its
 own process group at the method's defaults, timed by the wall clock; peak memory is the
 child's maximum resident set (``os.wait4``'s ``ru_maxrss``: the interpreter and its
-imports included). A fusion still running after ``--timeout`` seconds is stopped and
+imports included); the child's CPU time (user + system) is in the JSON rows, the measure to
+compare on a loaded machine. A fusion still running after ``--timeout`` seconds is stopped and
 reported as such.
 
     python benchmarks/bench_scale.py --cases resnet50,bert --methods avg,ot,rebasin,pfnm,nafi
@@ -168,8 +169,8 @@ def run_cli(inputs: list[Path], method: str, out: str, timeout: float) -> dict[s
     child.stderr.close()
     state = ("timeout" if seconds > timeout else "ok" if child.returncode == 0
              else f"failed ({error[-1] if error else child.returncode})")
-    return {"time_s": round(seconds, 2), "peak_rss_mb": round(usage.ru_maxrss / 1024, 1),
-            "status": state}
+    return {"time_s": round(seconds, 2), "cpu_s": round(usage.ru_utime + usage.ru_stime, 2),
+            "peak_rss_mb": round(usage.ru_maxrss / 1024, 1), "status": state}
 
 
 def measure_case(case: str, inputs: list[Path], methods: list[str], scratch: Path,
