@@ -277,3 +277,6 @@ def test_small_products_run_on_one_of_numpys_blas_threads(monkeypatch):
         assert seen == [2, 2]
     np.testing.assert_array_equal(np.asarray(serial), np.asarray(threaded))
     assert controller.info()[0]["num_threads"] == before
+    out = np.full((300, 250), np.nan, dtype=np.float32)  # written into, the same values
+    assert matching.inner_products(pairs, out=out) is out
+    np.testing.assert_array_equal(out, np.asarray(serial))

@@ -214,6 +214,24 @@ def test_alignment_moves_replay_on_the_files_tensors(family_folders, tmp_path):
         np.testing.assert_array_equal(apply_moves(stored[name], moves.get(name, ())), array)
 
 
+def test_scratch_reuses_only_the_shapes_several_groups_make(family_folders):
+    """The first pass's unit rows and similarities are reused for the shapes that recur
+    (the blocks' MLP units, here), never handed out twice; a shape met once is freed."""
+    _, original, _ = family_folders
+    spec = spec_of(original)
+    anchor = client_arrays(load_checkpoint(original))
+    compared = list(zip(spec.groups, settled_slots(spec, shapes_of(original)), strict=True))
+    keep = methods_transformer.recurring_shapes(anchor, compared)
+    mlp = next(g for g in spec.groups if g.kind == "mlp")
+    assert (mlp.size, mlp.size) in keep and (spec.groups[0].size, 10**6) not in keep
+    scratch = methods_transformer.Scratch(keep)
+    first = scratch.take((mlp.size, mlp.size), np.float32)
+    scratch.give(first, np.empty((spec.groups[0].size, 10**6), np.uint8))
+    assert scratch.take((mlp.size, mlp.size), np.float64) is not first  # another dtype
+    assert scratch.take((mlp.size, mlp.size), np.float32) is first
+    assert scratch.take((mlp.size, mlp.size), np.float32) is not first  # taken already
+
+
 def test_group_similarity_is_the_sum_over_slots(family_folders, tmp_path):
     """A group's units compared in one product of their rows side by side: the sum of each
     slot's products (rows written, columns read, biases, blocks at an offset)."""

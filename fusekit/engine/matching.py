@@ -277,13 +277,17 @@ def sqeuclidean_cost(a, b) -> np.ndarray:
     return kernels.sqeuclidean_cost(a, b)
 
 
-def inner_products(pairs: Iterable[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+def inner_products(pairs: Iterable[tuple[np.ndarray, np.ndarray]],
+                   out: np.ndarray | None = None) -> np.ndarray:
     """``sum_k a_k @ b_k.T``: how alike the units of two models are over every tensor they
     appear in, the similarity weight matching maximises (Git Re-Basin §3.2).
 
     Parameters
     ----------
     pairs : iterable of (a_k (n, p_k), b_k (m, p_k)) arrays, at least one.
+    out : optional (n, m) C-contiguous array of the products' dtype that numpy's products
+        are written into (the same values): memory already in use is not faulted in and
+        zeroed page by page again. A device's products ignore it.
 
     Returns
     -------
@@ -296,9 +300,10 @@ def inner_products(pairs: Iterable[tuple[np.ndarray, np.ndarray]]) -> np.ndarray
     if kernels is not None:
         return kernels.inner_products(pairs)
     with _serial_numpy_blas() if flops < SERIAL_FLOPS else contextlib.nullcontext():
-        total = pairs[0][0] @ pairs[0][1].T
+        first, second = pairs[0]
+        total = first @ second.T if out is None else np.matmul(first, second.T, out=out)
         for a, b in pairs[1:]:
-            total = total + a @ b.T
+            total += a @ b.T  # in place: what total + a @ b.T gives
     return total
 
 

@@ -22,6 +22,7 @@ until a sweep changes nothing (coordinate descent on Git Re-Basin's objective).
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -92,11 +93,47 @@ def circuits(state: dict[str, np.ndarray], group: Group, dtype: type = np.float6
     return {role: np.concatenate(blocks, axis=2) for role, blocks in parts.items()}
 
 
+class Scratch:
+    """Arrays handed back once used, taken again for the next one of the same shape and
+    dtype: a new one of BERT-base's MLP similarities (38 MB) or unit rows (19 MB) was
+    faulted in and zeroed page by page by the system each time. Only arrays of the
+    ``keep`` shapes are kept (shapes met once, such as the stream's rows, are freed)."""
+
+    def __init__(self, keep: Collection[tuple[int, ...]] = ()) -> None:
+        self._keep = set(keep)
+        self._free: list[np.ndarray] = []
+
+    def take(self, shape: tuple[int, ...], dtype: type) -> np.ndarray:
+        """A C-contiguous array of ``shape`` and ``dtype``, its values undefined."""
+        for index, array in enumerate(self._free):
+            if array.shape == shape and array.dtype == dtype:
+                return self._free.pop(index)
+        return np.empty(shape, dtype=dtype)
+
+    def give(self, *arrays: np.ndarray) -> None:
+        """``arrays`` are no longer used by anyone: the next :meth:`take` may return them."""
+        self._free.extend(a for a in arrays if a.shape in self._keep)
+
+
+def recurring_shapes(state: dict[str, np.ndarray],
+                     compared: Iterable[tuple[Group, Sequence[Slot]]]) -> set[tuple[int, int]]:
+    """The shapes of unit rows (units, width) and of similarities (units, units) that more
+    than one of the ``compared`` groups (each on its slots) makes: what a :class:`Scratch`
+    keeps."""
+    shapes: Counter[tuple[int, int]] = Counter()
+    for group, slots in compared:
+        width = sum(slot_span(state[s.tensor], s, group.size).size for s in slots) // group.size
+        shapes.update({(group.size, width), (group.size, group.size)})
+    return {shape for shape, n in shapes.items() if n > 1}
+
+
 def group_similarity(anchor: dict[str, np.ndarray], client: dict[str, np.ndarray],
                      group: Group, slots: Sequence[Slot] | None = None,
-                     products: type = np.float64) -> np.ndarray:
+                     products: type = np.float64, scratch: Scratch | None = None
+                     ) -> np.ndarray:
     """S[a, b]: how alike anchor unit a and client unit b are (module docstring), over
-    ``slots`` (default: all of the group's), the products in ``products`` precision."""
+    ``slots`` (default: all of the group's), the products in ``products`` precision. With
+    ``scratch``, the unit rows and S are taken from it (the rows are given back)."""
     slots = group.slots if slots is None else slots
     if group.kind == "heads" and {s.role for s in slots} >= {"q", "k", "v", "o"}:
         mine, theirs = circuits(anchor, group, products), circuits(client, group, products)
@@ -109,18 +146,23 @@ def group_similarity(anchor: dict[str, np.ndarray], client: dict[str, np.ndarray
 
         return ((gram("q") * gram("k")).sum(axis=(1, 3))
                 + (gram("v") * gram("o")).sum(axis=(1, 3)))
-    return inner_products([(stacked_rows(anchor, group, slots, products),
-                            stacked_rows(client, group, slots, products))])
+    scratch = scratch or Scratch()
+    rows = tuple(stacked_rows(state, group, slots, products, scratch)
+                 for state in (anchor, client))
+    similarity = inner_products([rows], out=scratch.take((group.size, group.size), products))
+    scratch.give(*rows)
+    return similarity
 
 
 def stacked_rows(state: dict[str, np.ndarray], group: Group, slots: Sequence[Slot],
-                 dtype: type) -> np.ndarray:
+                 dtype: type, scratch: Scratch | None = None) -> np.ndarray:
     """The group's units as rows over every slot, side by side in one ``dtype`` array (each
-    slot's part is its :func:`unit_rows`): one product compares them, where a product per
-    slot, summed, cost a third more on BERT's MLP groups (a rank-one product for the bias
-    and a temporary per slot)."""
+    slot's part is its :func:`unit_rows`; taken from ``scratch`` if given): one product
+    compares them, where a product per slot, summed, cost a third more on BERT's MLP
+    groups (a rank-one product for the bias and a temporary per slot)."""
     spans = [slot_span(state[s.tensor], s, group.size) for s in slots]
-    out = np.empty((group.size, sum(span.size // group.size for span in spans)), dtype=dtype)
+    shape = (group.size, sum(span.size // group.size for span in spans))
+    out = (scratch or Scratch()).take(shape, dtype)
     first = 0
     for span in spans:
         width = span.size // group.size
@@ -188,31 +230,46 @@ def align_client(anchor: dict[str, np.ndarray], client: dict[str, np.ndarray],
         orders[group.name] = orders.get(group.name, np.arange(group.size))[cols]
         return 1
 
-    moved = 0
+    def order(group: Group, slots: Sequence[Slot] | None = None) -> np.ndarray | None:
+        similarity = group_similarity(anchor, client, group, slots, products, scratch)
+        cols = _better_order(similarity, solver)
+        scratch.give(similarity)
+        return cols
+
+    def solved(pending: list[tuple[Group, Future, np.ndarray]]) -> int:
+        group, solve, similarity = pending.pop(0)
+        cols = solve.result()
+        scratch.give(similarity)
+        return permute(group, cols)
+
+    compared = [(g, slots) for i, (g, slots) in enumerate(zip(spec.groups, first_pass))
+                if i not in skip]
+    if rng is not None:  # the sweeps compare every slot
+        compared += [(g, g.slots) for i, g in enumerate(spec.groups) if i not in skip]
+    moved, scratch = 0, Scratch(recurring_shapes(anchor, compared))
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="fusekit-solve") as pool:
-        pending: list[tuple[Group, Future]] = []  # groups whose solves are in flight, in order
+        pending: list[tuple[Group, Future, np.ndarray]] = []  # solves in flight, in order
         for index, (group, slots) in enumerate(zip(spec.groups, first_pass, strict=True)):
             if index in skip:
                 continue
             touched = {s.tensor for s in group.slots}  # read now or moved later
-            while any(touched & {s.tensor for s in g.slots} for g, _ in pending):
-                moved += permute(pending[0][0], pending.pop(0)[1].result())
-            similarity = group_similarity(anchor, client, group, slots, products)
-            if similarity.size < SOLVE_AHEAD_ENTRIES:  # solved at once: a thread costs more
-                moved += permute(group, _better_order(similarity, solver))
+            while any(touched & {s.tensor for s in g.slots} for g, _, _ in pending):
+                moved += solved(pending)
+            if group.size ** 2 < SOLVE_AHEAD_ENTRIES:  # solved at once: a thread costs more
+                moved += permute(group, order(group, slots))
                 continue
+            similarity = group_similarity(anchor, client, group, slots, products, scratch)
             if len(pending) == SOLVES_IN_FLIGHT:
-                moved += permute(pending[0][0], pending.pop(0)[1].result())
-            pending.append((group, pool.submit(_better_order, similarity, solver)))
-        for group, solve in pending:
-            moved += permute(group, solve.result())
+                moved += solved(pending)
+            pending.append((group, pool.submit(_better_order, similarity, solver), similarity))
+        while pending:
+            moved += solved(pending)
     sweep = 0
     while rng is not None and sweep < sweeps:
         sweep += 1
-        changed = sum(permute(group, _better_order(
-            group_similarity(anchor, client, group, products=products), solver))
-            for group in (spec.groups[i] for i in map(int, rng.permutation(len(spec.groups)))
-                          if i not in skip))
+        visits = [spec.groups[i] for i in map(int, rng.permutation(len(spec.groups)))
+                  if i not in skip]
+        changed = sum(permute(group, order(group)) for group in visits)
         moved += changed
         if not changed:
             break
