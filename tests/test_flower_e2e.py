@@ -1,28 +1,29 @@
 """Real Flower federations on 127.0.0.1: a SuperLink and SuperNodes (Flower's own
-processes, deployment engine) and apps run with ``flwr run``. On two SuperNodes, three
+processes, deployment engine) and apps run with ``flwr run``. On two SuperNodes, five
 runs side by side: the example app fused by FedAvg (fusekit's avg) and by PFNM, the nodes
-scoring PFNM's fused model at its widths; and the app the Flower page (docs/flower.md)
+scoring PFNM's fused model at its widths; the app the Flower page (docs/flower.md)
 writes, file by file, over two rounds, each fused model calibrated with the statistics
-the nodes send in a query round, the second round training the first's fused model. On
-four SuperNodes: the example app's BatchNorm MLP fused by PFNM, calibrated (its first
-BatchNorm from the input moments the train replies carry, its second in a query round),
-aligned and refit, a node lost in each kind of query round: the ClientApp of one failing
-from the calibration round on (its inputs file is missing), one SuperNode killed
-(SIGKILL) in the alignment round, the ClientApp of another failing the first refit round
-and answering the later ones; the global model is the protocol's, computed in this
-process. On one SuperNode: a run whose round cannot fuse (the initial model comes back)
-and a run that cannot finish, stopped at its timeout. Each test checks that every process
-the federation started has ended. Each test starts a federation of its own, so that `make
-test` runs them side by side, and runs that do not depend on each other go on side by
-side on one federation (they mostly wait: Flower polls every 3 s). A ClientApp is a new
-process per message, importing Flower's runtime and torch (and, to train, torch._dynamo,
-which a torch optimizer imports): 3-4.5 s of CPU each, most of a test's CPU, so each test
-asks as few nodes and rounds as its point needs, and each federation's own processes
-(1-3 s of CPU a minute each) serve as many runs as can share it. The longest, the lost
-nodes', waits once for the killed node's heartbeats to lapse (37.5-60 s: Flower's
-SuperNode sends one every 17.5-22.5 s, its SuperLink gives a node up 60 s after the last,
-neither has a setting for it); a failing ClientApp's error comes back at once. Progress
-lines are printed as the runs go. Deselect with ``-m "not flower_e2e"``."""
+the nodes send in a query round, the second round training the first's fused model; the
+example with one node sampled, whose round cannot fuse (the initial model comes back);
+and the example waiting for a third node, stopped at its timeout. On four SuperNodes: the
+example app's BatchNorm MLP fused by PFNM, calibrated (its first BatchNorm from the input
+moments the train replies carry, its second in a query round), aligned and refit, a node
+lost in each kind of query round: the ClientApp of one failing from the calibration
+round on (its inputs file is missing), one SuperNode killed (SIGKILL) in the alignment
+round, the ClientApp of another failing the first refit round and answering the later
+ones; the global model is the protocol's, computed in this process. Each test checks that
+every process the federation started has ended. Each test starts a federation of its
+own, so that `make test` runs them side by side, and runs that do not depend on each
+other go on side by side on one federation (they mostly wait: Flower polls every 3 s).
+A ClientApp is a new process per message, importing Flower's runtime and torch (and, to
+train, torch._dynamo, which a torch optimizer imports): 3-4.5 s of CPU each, most of a
+test's CPU, so each test asks as few nodes and rounds as its point needs, and each
+federation's own processes (1-3 s of CPU a minute each) serve as many runs as can share
+it. The longest, the lost nodes', waits once for the killed node's heartbeats to lapse
+(37.5-60 s: Flower's SuperNode sends one every 17.5-22.5 s, its SuperLink gives a node up
+60 s after the last, neither has a setting for it); a failing ClientApp's error comes
+back at once. Progress lines are printed as the runs go. Deselect with ``-m "not
+flower_e2e"``."""
 
 from __future__ import annotations
 
@@ -143,26 +144,45 @@ def readme_app(folder: Path) -> Path:
     return folder
 
 
-def test_two_nodes_run_the_example_by_avg_and_by_pfnm_and_the_flower_pages_app(
+def test_two_nodes_run_the_example_and_the_pages_app_a_round_that_cannot_fuse_or_finish(
         tmp_path, progress):
-    """Three runs side by side on one federation, the nodes answering each: the example
-    app fused by avg and by PFNM, and the Flower page's app over two rounds."""
+    """Five runs side by side on one federation: the example app fused by avg and by
+    PFNM, the nodes answering each; the Flower page's app over two rounds; the example
+    with one node of the two sampled (fraction-train 0.5), whose one reply is fewer than
+    the two a round fuses: the round fails and the run hands back the initial model; and
+    the example waiting for three nodes, of which two are started: its ServerApp would
+    wait for ever, so the run is stopped on the SuperLink at its timeout, the others going
+    on."""
     page_app, page_model = readme_app(tmp_path / "readme-app"), tmp_path / "readme.safetensors"
+    one_file, one_model = tmp_path / "one.json", tmp_path / "one.safetensors"
     with Federation(tmp_path / "federation", 2, progress) as federation:
-        *examples, page = side_by_side(
+        *examples, page, one, waiting = side_by_side(
             *(functools.partial(run, federation, APP, {
                 "method": method, "min-nodes": 2, "epochs": 10, "fraction-evaluate": evaluate,
                 "result-file": str(tmp_path / f"{method}.json")}, progress,
                 label=f"{method}: ")
               for method, evaluate in (("avg", 0.0), ("pfnm", 1.0))),
             functools.partial(run, federation, page_app, {"model-file": str(page_model)},
-                              progress, label="page: "))
+                              progress, label="page: "),
+            functools.partial(run, federation, APP, {
+                "min-nodes": 1, "fraction-train": 0.5, "epochs": 1, "fraction-evaluate": 0.0,
+                "result-file": str(one_file), "model-file": str(one_model)}, progress,
+                label="one node: "),
+            functools.partial(run, federation, APP, {"min-nodes": 3}, progress, timeout=20,
+                              label="three nodes: "))
         for done in examples:
             done.result()
-        page_output = page.result().stdout
+        page_output, one_output = page.result().stdout, one.result().stdout
+        with pytest.raises(subprocess.TimeoutExpired):
+            waiting.result()
+        assert sorted(r["status"] for r in federation.runs()) == [
+            *["finished:completed"] * 4, "finished:stopped"]
     assert_pfnm_beats_avg(*(json.loads((tmp_path / f"{method}.json").read_text())
                             for method in ("avg", "pfnm")))
     assert_the_pages_app_ran(page_output, page_model, page_app)
+    # One node sampled of those connected (both, unless the run began before the second).
+    assert re.search(r"configure_train: Sampled 1 nodes \(out of [12]\)", one_output)
+    assert_the_initial_model_came_back(json.loads(one_file.read_text()), one_model)
 
 
 def assert_pfnm_beats_avg(avg: dict, pfnm: dict) -> None:
@@ -220,31 +240,14 @@ def assert_running_statistics_are_the_nodes_pooled(model, app: Path) -> None:
     torch.testing.assert_close(norm.running_var.double(), h.var(0), rtol=1e-5, atol=1e-5)
 
 
-def test_one_node_a_round_that_cannot_fuse_and_a_run_that_cannot_finish(tmp_path, progress):
-    """One reply is fewer than the two a round fuses: the round fails and the run hands
-    back the initial model. Two nodes required, one started: the ServerApp would wait for
-    ever; the run is stopped on the SuperLink at its timeout, the other run, beside it,
-    going on."""
-    with Federation(tmp_path / "federation", 1, progress) as federation:
-        result_file, model_file = tmp_path / "one.json", tmp_path / "one.safetensors"
-        one, waiting = side_by_side(
-            functools.partial(run, federation, APP, {
-                "min-nodes": 1, "epochs": 1, "fraction-evaluate": 0.0,
-                "result-file": str(result_file), "model-file": str(model_file)}, progress,
-                label="one node: "),
-            functools.partial(run, federation, APP, {"min-nodes": 2}, progress, timeout=20,
-                              label="two nodes: "))
-        one.result()
-        with pytest.raises(subprocess.TimeoutExpired):
-            waiting.result()
-        assert sorted(r["status"] for r in federation.runs()) == ["finished:completed",
-                                                                   "finished:stopped"]
-    result = json.loads(result_file.read_text())
+def assert_the_initial_model_came_back(result: dict, model_file: Path) -> None:
+    """A run whose one round could not fuse: no fused round, no train metrics, and the
+    model written is the ServerApp's initial one, build_model(arch, seed=0) (the run
+    config's seed)."""
     assert result["fused_rounds"] == 0 and result["train_metrics"] == {}
     assert result["hidden_widths"] == [100]
     initial = fusekit.load_checkpoint(model_file)
     assert initial.arch["hidden"] == [100]
-    # The ServerApp's initial model: build_model(arch, seed=0), the run config's seed.
     expected = build_model(initial.arch, seed=0).state_dict()
     for name, tensor in expected.items():
         assert (initial.tensor(name) == tensor.numpy()).all(), name

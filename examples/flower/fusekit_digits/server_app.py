@@ -33,6 +33,7 @@ def main(grid: Grid, context: Context) -> None:
         method, task.method_params(config, method), arch=arch,
         preprocess=data.normalization,  # what the initial model, like the nodes', expects
         min_train_nodes=nodes, min_available_nodes=nodes, min_evaluate_nodes=nodes,
+        fraction_train=float(config["fraction-train"]),
         fraction_evaluate=float(config["fraction-evaluate"]),
         later_rounds=str(config["later-rounds"]), calibrate=bool(config["calibrate"]),
         calibration_rounds=str(config["calibration-rounds"]),
