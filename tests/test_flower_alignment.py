@@ -206,25 +206,27 @@ def test_nodes_that_stop_are_named_and_the_rounds_go_on(trained_bn, digits, capl
 
 
 def protocol_with_nodes_killed(fused, models, inputs, killed, input_moments=False,
-                               misses_refit=None):
+                               misses_first=None):
     """The strategy's rounds (:func:`fusekit.protocol.plan`: REPAIR layer by layer, the
     first layer from the input moments with ``input_moments``, one alignment round, a
     refit round per layer) with every node's data at hand, each node's REPAIR targets
     those its train reply carries; ``killed``: kind of round -> the node (index) that
-    answers no round from the first of that kind on; ``misses_refit``: layer -> the node
-    that misses that layer's refit round and answers the others. The last state."""
+    answers no round from the first of that kind on; ``misses_first``: kind of round ->
+    the node that misses the first round of that kind and answers the others. The last
+    state."""
     targets = {k: client_statistics(m, x, input_moments=input_moments)
                for k, (m, x) in enumerate(zip(models, inputs, strict=True))}
     plan = protocol.plan(fusekit.api.fused_spec(fused), calibration="layerwise",
                          repair=True, derive_first=input_moments, alignment_rounds=1)
     state = protocol.start(fused, plan, dict(enumerate(models)), targets=targets,
                            min_fused=2)
-    dead = set()
+    dead, seen = set(), set()
     while not state.done:
         round_ = state.round
         dead |= {node for kind, node in killed.items() if kind == round_.kind}
-        silent = dead | {node for layer, node in (misses_refit or {}).items()
-                         if round_.kind == protocol.REFIT and round_.layer == layer}
+        silent = dead | {node for kind, node in (misses_first or {}).items()
+                         if kind == round_.kind and kind not in seen}
+        seen.add(round_.kind)
         state = protocol.advance(state, {key: local_reply(state, key, inputs[key])
                                          for key in state.participants if key not in silent}
                                  if round_.asks else {})

@@ -5,13 +5,13 @@ scoring PFNM's fused model at its widths; the app the Flower page (docs/flower.m
 writes, file by file, over two rounds, each fused model calibrated with the statistics
 the nodes send in a query round, the second round training the first's fused model; the
 example with one node sampled, whose round cannot fuse (the initial model comes back);
-and the example waiting for a third node, stopped at its timeout. On four SuperNodes: the
-example app's BatchNorm MLP fused by PFNM, calibrated (its first BatchNorm from the input
-moments the train replies carry, its second in a query round), aligned and refit, a node
-lost in each kind of query round: the ClientApp of one failing from the calibration
-round on (its inputs file is missing), one SuperNode killed (SIGKILL) in the alignment
-round, the ClientApp of another failing the first refit round and answering the later
-ones; the global model is the protocol's, computed in this process. Each test checks that
+and the example waiting for a third node, stopped at its timeout. On three SuperNodes:
+the example app's BatchNorm MLP fused by PFNM, calibrated (its first BatchNorm from the
+input moments the train replies carry, its second in a query round), aligned and refit,
+a node lost in each kind of query round: the ClientApp of one failing the calibration
+round (and answering the alignment round), one SuperNode killed (SIGKILL) in the
+alignment round, the ClientApp of the third failing the first refit round and answering
+the later ones; the global model is the protocol's, computed in this process. Each test checks that
 every process the federation started has ended. Each test starts a federation of its
 own, so that `make test` runs them side by side, and runs that do not depend on each
 other go on side by side on one federation (they mostly wait: Flower polls every 3 s).
@@ -64,8 +64,6 @@ T = TypeVar("T")
 #: The example ClientApp's query handler, after which the tests' apps insert their faults.
 QUERY_HANDLER = ("    data = task.dataset()\n    indices = task.node_indices(context.run_config, "
                  "context.node_config, data)\n    return Message(statistics_reply(")
-#: The inputs the example ClientApp answers a query over.
-QUERY_INPUTS = "statistics_reply(msg.content, data.x_train[indices],"
 
 
 @pytest.fixture
@@ -276,93 +274,88 @@ def assert_same_model(model: Checkpoint, expected: dict) -> None:
                                    err_msg=name)
 
 
-#: The partition whose ClientApp fails from the first query round (calibration) on: its
-#: inputs file is missing (training reads the data set, not that file).
-MISSING = 1
+#: The partition whose ClientApp fails the calibration query round (it raises) and
+#: answers the later ones.
+MISSES_CALIBRATION = 1
 #: The partition whose SuperNode is killed (SIGKILL, with its process group) while it
 #: computes its reply to the alignment query: the test's one heartbeat wait.
 KILLED = 2
 #: The partition whose ClientApp fails the first refit round (it raises) and answers the
 #: later ones.
-MISSES_REFIT = 3
+MISSES_REFIT = 0
 
 
-def test_four_nodes_lose_one_in_each_kind_of_query_round_killed_or_failing(
+def test_three_nodes_lose_one_in_each_kind_of_query_round_killed_or_failing(
         tmp_path, progress):
     """A BatchNorm MLP with two hidden layers from each node's own initial weights, fused
-    by PFNM on four SuperNodes, then calibrated layer by layer: the first BatchNorm from
+    by PFNM on three SuperNodes, then calibrated layer by layer: the first BatchNorm from
     the input moments the train replies carry (no query), the second in one query round;
-    then one alignment round and a refit round per layer. Each node answers the queries
-    over its inputs file. Partition 1 has none: its ClientApp fails from the calibration
-    round on. Partition 2's SuperNode is killed with SIGKILL (with its process group: the
+    then one alignment round and a refit round per layer. Partition 1's ClientApp fails
+    the calibration round and answers the alignment round: it is asked again, and
+    re-fused. Partition 2's SuperNode is killed with SIGKILL (with its process group: the
     SuperExec and the ClientApp) while it computes its alignment reply: Flower answers for
-    it with "Node Unavailable" once its heartbeats have lapsed. Partition 3's ClientApp
-    fails the first refit round and answers the next two. A failing ClientApp's error
-    comes back at once. The run finishes; each round goes on with the nodes that
-    answered, the lost nodes are named in the log and in the result with their reason;
-    the global model is what the protocol's steps give in this process over the same
-    nodes' models and data: the first BatchNorm over all four nodes' inputs (partition
-    1's moments came with its model), each lost node answering no round from its round
-    on, partition 3 back from the second refit round on."""
-    task = example_task()
-    data = task.dataset()
-    inputs_dir = tmp_path / "inputs"
-    inputs_dir.mkdir()
+    it with "Node Unavailable" once its heartbeats have lapsed, and it is asked no more.
+    Partition 0's ClientApp fails the first refit round and answers the next two. A
+    failing ClientApp's error comes back at once. The run finishes; each round goes on
+    with the nodes that answered, the lost nodes are named in the log and in the result
+    with their reason; the global model is what the protocol's steps give in this process
+    over the same nodes' models and data: the first BatchNorm over all three nodes' inputs
+    (their moments came with their models), the second without partition 1's statistics,
+    the alignment and refit rounds over partitions 0 and 1, partition 0 back from the
+    second refit round on."""
     config = {"method": "pfnm", "arch": "mlp:32,32", "batchnorm": True, "epochs": 5,
-              "min-nodes": 4, "partition": "dirichlet", "alpha": 0.5, "seed": 0,
+              "min-nodes": 3, "partition": "dirichlet", "alpha": 0.5, "seed": 0,
               "calibrate": True, "calibration-rounds": "layerwise", "alignment-rounds": 1,
               "input-moments": True, "fraction-evaluate": 0.0}
-    for part in set(range(4)) - {MISSING}:
-        indices = task.node_indices(config, {"partition-id": part, "num-partitions": 4}, data)
-        np.save(inputs_dir / f"partition-{part}.npy", data.x_train[indices])
     app = tmp_path / "app"
     shutil.copytree(APP, app, ignore=shutil.ignore_patterns("__pycache__"))
     client_app = app / "fusekit_digits" / "client_app.py"
     source = client_app.read_text()
-    assert source.count(QUERY_HANDLER) == 1 and source.count(QUERY_INPUTS) == 1
+    assert source.count(QUERY_HANDLER) == 1
     client_app.write_text(source.replace(QUERY_HANDLER, textwrap.indent(textwrap.dedent(f"""\
         import os, signal
-        import numpy as np
         partition, query = context.node_config["partition-id"], msg.content["config"]
         if partition == {KILLED} and query["fusekit-stats-kind"] == "cross":
             os.killpg(os.getpgrp(), signal.SIGKILL)  # this SuperNode's group
+        if partition == {MISSES_CALIBRATION} and query["fusekit-stats-kind"] == "channels":
+            raise RuntimeError("partition {MISSES_CALIBRATION} misses the calibration round")
         if partition == {MISSES_REFIT} and query.get("fusekit-refit-layer") == "net.0":
             raise RuntimeError("partition {MISSES_REFIT} misses the first refit round")
-        inputs = np.load({str(inputs_dir)!r} + f"/partition-{{partition}}.npy")
-        """), "    ") + QUERY_HANDLER).replace(
-        QUERY_INPUTS, "statistics_reply(msg.content, inputs,"))
+        """), "    ") + QUERY_HANDLER))
     models_dir = tmp_path / "nodes"
     result_file, model_file = tmp_path / "lost.json", tmp_path / "lost.safetensors"
     config.update({"result-file": str(result_file), "model-file": str(model_file),
                    "models-dir": str(models_dir)})
-    with Federation(tmp_path / "federation", 4, progress) as federation:
+    with Federation(tmp_path / "federation", 3, progress) as federation:
         output = run(federation, app, config, progress).stdout
         supernodes = federation.processes[1:]
-        assert [node.poll() for node in supernodes] == [None, None, -signal.SIGKILL, None]
+        assert [node.poll() for node in supernodes] == [None, None, -signal.SIGKILL]
     result = json.loads(result_file.read_text())
     metrics = result["train_metrics"]["1"]
-    assert metrics["pfnm.fused-replies"] == 4 and metrics["pfnm.calibration-rounds"] == 1
-    assert metrics["pfnm.calibration-nodes"] == 3 and metrics["pfnm.calibration-paired"] == 0
+    assert metrics["pfnm.fused-replies"] == 3 and metrics["pfnm.calibration-rounds"] == 1
+    assert metrics["pfnm.calibration-nodes"] == 2 and metrics["pfnm.calibration-paired"] == 0
     assert metrics["pfnm.aligned"] == 1 and metrics["pfnm.alignment-nodes"] == 2
     assert metrics["pfnm.refit-rounds"] == 3
 
-    nodes, inputs, parts = fused_nodes(models_dir, config, 4)
+    nodes, inputs, parts = fused_nodes(models_dir, config, 3)
     ids = {part: int(path.stem.removeprefix("node-"))
            for part, path in zip(parts, sorted(models_dir.iterdir()), strict=True)}
     stopped = "the node stopped answering (error 5: Error: Node Unavailable"
-    missing = ("the ClientApp failed (error 2: FileNotFoundError: [Errno 2] No such file or "
-               f"directory: '{inputs_dir / f'partition-{MISSING}.npy'}')")
-    misses = ("the ClientApp failed (error 2: RuntimeError: partition "
-              f"{MISSES_REFIT} misses the first refit round)")
-    assert result["left_out_statistics"] == {str(ids[MISSING]): missing}
+    misses = {part: f"the ClientApp failed (error 2: RuntimeError: partition {part} misses "
+                    f"the {what} round)"
+              for part, what in ((MISSES_CALIBRATION, "calibration"),
+                                 (MISSES_REFIT, "first refit"))}
+    assert result["left_out_statistics"] == {
+        str(ids[MISSES_CALIBRATION]): misses[MISSES_CALIBRATION]}
     left_out = result["left_out_alignment"]
-    assert sorted(left_out) == sorted(str(ids[p]) for p in (MISSING, KILLED, MISSES_REFIT))
+    assert sorted(left_out) == sorted(str(ids[p]) for p in (KILLED, MISSES_REFIT))
     assert left_out[str(ids[KILLED])].startswith(stopped), left_out
-    assert left_out[str(ids[MISSING])] == missing
-    assert left_out[str(ids[MISSES_REFIT])] == misses
-    lines = {f"round 1: statistics of node {ids[MISSING]} left out: {missing}",
+    assert left_out[str(ids[MISSES_REFIT])] == misses[MISSES_REFIT]
+    lines = {f"round 1: statistics of node {ids[MISSES_CALIBRATION]} left out: "
+             f"{misses[MISSES_CALIBRATION]}",
              f"round 1: cross statistics of node {ids[KILLED]} left out: {stopped}",
-             f"round 1: refit statistics of node {ids[MISSES_REFIT]} left out: {misses}"}
+             f"round 1: refit statistics of node {ids[MISSES_REFIT]} left out: "
+             f"{misses[MISSES_REFIT]}"}
     assert all(line in output for line in lines), output
     assert "round 1: aligned to 2 node(s) in 1 alignment and 3 refit round(s)" in output
     assert result["accuracy"] > min(result["node_accuracy"])
@@ -371,19 +364,21 @@ def test_four_nodes_lose_one_in_each_kind_of_query_round_killed_or_failing(
     fused = Checkpoint.from_state_dict(fused.state_dict, fused.metadata)
     # Rounds: the first BatchNorm derived, the second's calibration, alignment, refit of
     # each of the three layers.
-    lost = {protocol.STATISTICS: parts.index(MISSING), protocol.CROSS: parts.index(KILLED)}
-    first_refit = {"net.0": parts.index(MISSES_REFIT)}
-    expected = protocol_with_nodes_killed(fused, nodes, inputs, lost, input_moments=True,
-                                          misses_refit=first_refit)
+    killed = {protocol.CROSS: parts.index(KILLED)}
+    misses_first = {protocol.STATISTICS: parts.index(MISSES_CALIBRATION),
+                    protocol.REFIT: parts.index(MISSES_REFIT)}
+    expected = protocol_with_nodes_killed(fused, nodes, inputs, killed, input_moments=True,
+                                          misses_first=misses_first)
     assert [set(done["missing"]) for done in expected.history] == [
-        set(), {parts.index(MISSING)}, {parts.index(MISSING), parts.index(KILLED)},
+        set(), {parts.index(MISSES_CALIBRATION)}, {parts.index(KILLED)},
         {parts.index(MISSES_REFIT)}, set(), set()]
     assert_same_model(fusekit.load_checkpoint(model_file), expected.model.state_dict())
-    # The losses, and partition 1's moments, show in the model: the same rounds with
-    # everyone answering differ, as do those with the first BatchNorm from a query round.
+    # The losses, and the first BatchNorm from the moments, show in the model: the same
+    # rounds with everyone answering differ, as do those with the first BatchNorm from a
+    # query round.
     for other in (protocol_with_nodes_killed(fused, nodes, inputs, {}, input_moments=True),
-                  protocol_with_nodes_killed(fused, nodes, inputs, lost,
-                                             misses_refit=first_refit)):
+                  protocol_with_nodes_killed(fused, nodes, inputs, killed,
+                                             misses_first=misses_first)):
         assert any(not np.allclose(other.model.tensor(name), expected.model.tensor(name),
                                    atol=1e-3) for name in expected.model.tensors)
 
