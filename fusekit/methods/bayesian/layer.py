@@ -440,10 +440,12 @@ class _Matcher:
         """Remove client s from the state; returns its old globals under the new
         numbering (-1: the global is gone)."""
         mine = self.assignments[s]
+        size = self.state.size
         remap = self.state.remove(mine, self.vecs[s], self.precs[s])
-        for other in range(self.n_clients):
-            if other != s:
-                self.assignments[other] = remap[self.assignments[other]]
+        if self.state.size < size:  # globals dropped: the others' indices move down
+            for other in range(self.n_clients):
+                if other != s:
+                    self.assignments[other] = remap[self.assignments[other]]
         return remap[mine]
 
     def greedy(self, refit: MStep | None = None) -> float:
