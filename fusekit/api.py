@@ -86,7 +86,7 @@ def fuse(
         log.warning("fusing a single checkpoint with %s: there is nothing to combine; the "
                     "result is that client's model", fusion.name)
     common_preprocess(checkpoints)
-    specs = [client_spec(c, spec) for c in checkpoints]
+    specs = client_specs(checkpoints, spec)
     if fusion.requires_same_architecture:
         check_compatible(checkpoints, specs)
     transformers = [c for c, s in zip(checkpoints, specs, strict=True)
@@ -253,6 +253,24 @@ def _in_canonical_order(params: dict[str, Any], names: Sequence[str],
             out[name] = type(value)(value[i] for i in order) if isinstance(value, tuple) else [
                 value[i] for i in order]
     return out
+
+
+def client_specs(checkpoints: Sequence[Checkpoint], spec: SpecLike | None
+                 ) -> list[PermutationSpec]:
+    """:func:`client_spec` of every client; one inferred from names and shapes alone (no
+    spec, no config.json) serves every client with the same names and shapes (ten
+    ResNet-50s: one inference of about 3 ms instead of ten)."""
+    inferred: dict[tuple[tuple[str, tuple[int, ...]], ...], PermutationSpec] = {}
+    specs = []
+    for checkpoint in checkpoints:
+        if spec is not None or checkpoint.config is not None:
+            specs.append(client_spec(checkpoint, spec))
+            continue
+        key = tuple(_shapes(checkpoint).items())
+        if key not in inferred:
+            inferred[key] = client_spec(checkpoint, None)
+        specs.append(inferred[key])
+    return specs
 
 
 def client_spec(checkpoint: Checkpoint, spec: SpecLike | None) -> PermutationSpec:

@@ -13,7 +13,7 @@ import torch
 
 import fusekit
 from conftest import mlp, numpy_state, write, write_raw
-from fusekit.api import canonical_order, client_spec
+from fusekit.api import canonical_order, client_spec, client_specs
 from fusekit.core.checkpoint import SAMPLE_VALUES, Checkpoint, load_checkpoint
 from fusekit.core.errors import CheckpointError
 
@@ -89,6 +89,24 @@ def test_canonical_order_is_widest_first_then_sample_hash_then_content_hash(tmp_
     assert canonical_order(checkpoints, specs) == expected
     assert expected[0] == 5  # the widest
     assert len({checkpoints[i].sample_hash for i in range(3)}) == 1
+
+
+def test_clients_of_the_same_shapes_share_one_inferred_spec(tmp_path, monkeypatch):
+    """The spec inferred from names and shapes serves every client that has them (one
+    inference); a client of other widths gets its own, as client_spec gives each."""
+    import fusekit.api
+
+    states = [numpy_state(mlp(widths=(20, w, 3), seed=s)) for s, w in enumerate((10, 12, 10))]
+    checkpoints = [load_checkpoint(write(tmp_path / f"c{i}.safetensors", s))
+                   for i, s in enumerate(states)]
+    inferred = []
+    infer = fusekit.api.infer_spec
+    monkeypatch.setattr(fusekit.api, "infer_spec", lambda *a, **k: inferred.append(1) or infer(
+        *a, **k))
+    specs = client_specs(checkpoints, None)
+    assert len(inferred) == 2 and specs[0] is specs[2]
+    assert specs == [client_spec(c, None) for c in checkpoints]
+    assert [s.hidden_widths for s in specs] == [[10], [12], [10]]
 
 
 @pytest.mark.parametrize("method", ["pfnm", "ot"])
