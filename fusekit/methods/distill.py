@@ -7,7 +7,8 @@ every client carries class counts, else the softmax average), and the inputs are
 fresh for every step (in the span of the clients' first-layer weights for MLPs, else from a
 standard normal) and moved a few steps toward what the teacher
 and a client holding the input's label answer confidently and the student gets wrong (DeepInversion, CVPR 2020; DENSE, NeurIPS
-2022), with the clients' BatchNorm statistics as a prior where they have BatchNorm. A GPT-2
+2022), with the clients' BatchNorm statistics as a prior where they have BatchNorm; the
+student can learn from a pool of earlier batches beside each fresh one. A GPT-2
 language model's inputs are token sequences sampled from the ensemble instead (a share of
 the tokens uniform); a ViT's are pixel values drawn and moved like any image.
 
@@ -126,6 +127,14 @@ class Distill(FusionMethod):
             maximum=100)] = 3,
         input_lr: Annotated[float, Param(help="Adam learning rate of the synthetic inputs",
                                          above=0, maximum=10)] = 0.1,
+        replay: Annotated[int, Param(
+            help="inputs per fresh synthetic input that each student update also learns "
+            "from, drawn from the pool of earlier steps' inputs with the teacher's answers "
+            "kept (0: the fresh batch alone; language models: always 0)",
+            minimum=0, maximum=100)] = 0,
+        pool: Annotated[int, Param(help="synthetic inputs the replay pool keeps (the latest; "
+                                        "fewer where they would take more than 1 GiB)",
+                                   minimum=1, maximum=10_000_000)] = 16_384,
         adversarial: Annotated[float, Param(
             help="weight of the student's disagreement with the teacher, maximised by the "
             "inputs", paper="DENSE (NeurIPS 2022) Eq. 6", minimum=0)] = 1.0,
@@ -182,10 +191,10 @@ class Distill(FusionMethod):
             initial: the method whose fused model starts the student.
             width_ratio: the student's width relative to the widest client (``initial``
                 pfnm or nafi); the other initial fusions keep the clients' width.
-            steps, batch, input_steps, input_lr, adversarial, experts, batchnorm,
-                temperature, lr, proximal, patience, image_size, sequence_length,
-                exploration, prior, seed, device, threads: the training's settings (see the declaration above and
-                ALGORITHMS.md §14).
+            steps, batch, input_steps, input_lr, replay, pool, adversarial, experts,
+                batchnorm, temperature, lr, proximal, patience, image_size,
+                sequence_length, exploration, prior, seed, device, threads: the training's
+                settings (see the declaration above and ALGORITHMS.md §14).
 
         Returns:
             FusionResult of the student (the initial fusion's widths and architecture);
@@ -212,7 +221,8 @@ class Distill(FusionMethod):
             raise ParameterError("method 'distill' trains its student with torch: import "
                                  "fusekit.toolkit (fusekit.fuse does) to install its training")
         settings = {"steps": steps, "batch": batch, "input_steps": input_steps,
-                    "input_lr": input_lr, "adversarial": adversarial, "experts": experts,
+                    "input_lr": input_lr, "replay": replay, "pool": pool,
+                    "adversarial": adversarial, "experts": experts,
                     "batchnorm": batchnorm,
                     "temperature": temperature, "lr": lr, "proximal": proximal,
                     "patience": patience, "exploration": exploration, "prior": prior,

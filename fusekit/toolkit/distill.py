@@ -7,7 +7,10 @@ the inputs ``input_steps`` Adam steps toward what the teacher answers with those
 (fidelity) and what each input's expert (a client drawn by its share of the label's
 samples) answers with it, where the student disagrees with it (DENSE's adversarial term) and, for
 clients with BatchNorm, where every BatchNorm sees its running statistics (DeepInversion),
-then updates the student on the batch with the temperature-softened KL to the teacher.
+then updates the student with the temperature-softened KL to the teacher on the batch
+and, beside it, ``replay`` times as many inputs drawn from a pool of the latest ``pool``
+inputs of earlier steps, the teacher's answers kept (learning from an input costs a
+fraction of making it: the teacher runs every client forward and back for each input step).
 Drawing every batch afresh keeps the synthetic set diverse: inputs optimised over many
 steps drift to where every client is confident for no reason, and a student taught there
 loses what its matched start knew (benchmarks/RESULTS.md, "Distillation"). The run stops
@@ -43,6 +46,9 @@ SMOOTHING = 0.05
 #: The adversarial term is capped: past it, inputs only chase where the student is wrong
 #: for reasons the teacher does not share (DENSE clips it the same way).
 DISAGREEMENT_CAP = 5.0
+#: The replay pool holds at most this many bytes of inputs and answers: ``pool`` inputs of
+#: a 784-pixel model take 52 MB, of a 224 x 224 RGB one 9.9 GB.
+POOL_BYTES = 1 << 30
 
 
 def train_student(task: DistillationTask) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
@@ -132,6 +138,13 @@ class _Trainer:
         self.optimizer = torch.optim.Adam(student.parameters(), lr=s["lr"])
         self.start = [p.detach().clone() for p in student.parameters()]
         self.basis = _input_basis(task, device)
+        #: a language model's inputs are token sequences sampled from the teacher
+        self.tokens = (task.clients[0].config or {}).get("model_type") == "gpt2"
+        #: pool inputs per fresh input in each student update; none for a language model,
+        #: whose answers (a vocabulary per token) are too large to keep and would cost the
+        #: teacher's forward pass again
+        self.replay = 0 if self.tokens else s["replay"]
+        self.pool = _Pool(_pool_capacity(s, task.input_shape, len(self.prior)))
         #: (C, S): for each label, the odds of each client being the expert that its input
         #: is moved to convince: its share of the class (uniform without class counts)
         self.expert_odds = (torch.ones(len(self.prior), len(task.clients), device=device)
@@ -141,8 +154,6 @@ class _Trainer:
         self.input_range = None if task.input_range is None else tuple(
             torch.as_tensor(bound, dtype=torch.float32, device=device).view(1, -1, 1, 1)
             for bound in task.input_range)
-        #: a language model's inputs are token sequences sampled from the teacher
-        self.tokens = (task.clients[0].config or {}).get("model_type") == "gpt2"
 
     def run(self) -> dict[str, Any]:
         s = self.settings
@@ -151,7 +162,11 @@ class _Trainer:
         step = 0
         for step in range(1, s["steps"] + 1):
             x = self._synthetic_batch()
-            measured = self._student_step(x)
+            with torch.no_grad():
+                target = self.teacher.log_probs(x)
+            measured = self._student_step(x, target, self._replayed())
+            if self.replay:
+                self.pool.add(x, target)
             first = first or measured
             last = measured
             kl = measured["disagreement"]
@@ -171,6 +186,8 @@ class _Trainer:
                  self.teacher.rule, first["disagreement"], last["disagreement"])
         return {"teacher": self.teacher.rule, "steps": step, "stopped": stopped,
                 "synthetic_inputs": step * s["batch"], "data": "none",
+                "replayed_inputs": (step - 1) * self.replay * s["batch"],
+                "pool": self.pool.capacity if self.replay else 0,
                 "prior": ("sampled from the teacher" if self.tokens
                           else "normal" if self.basis is None else self.settings["prior"]),
                 "pixel_range": (None if self.task.input_range is None
@@ -238,12 +255,23 @@ class _Trainer:
             x[:, t] = torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
         return x
 
-    def _student_step(self, x: torch.Tensor) -> dict[str, float]:
-        """One KL step of the student; the disagreement and agreement it had on ``x``."""
+    def _replayed(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``replay`` inputs a fresh one drawn from the pool, with the teacher's answers."""
+        if not self.replay or not self.pool.filled:
+            return None
+        return self.pool.draw(self.replay * self.settings["batch"], self.generator)
+
+    def _student_step(self, x: torch.Tensor, target: torch.Tensor,
+                      replayed: tuple[torch.Tensor, torch.Tensor] | None = None
+                      ) -> dict[str, float]:
+        """One KL step of the student toward the teacher's log-probabilities ``target`` on
+        ``x`` and on the ``replayed`` pool inputs beside it; the disagreement and agreement
+        it had on ``x``."""
         s = self.settings
         tau = s["temperature"]
-        with torch.no_grad():
-            target = self.teacher.log_probs(x)
+        fresh = len(target)  # a language model's answers are per token
+        if replayed is not None:
+            x, target = torch.cat([x, replayed[0]]), torch.cat([target, replayed[1]])
         logits = self.student(x)
         loss = _kl(target / tau, logits / tau) * tau * tau
         if s["proximal"]:
@@ -254,6 +282,7 @@ class _Trainer:
         loss.backward()
         self.optimizer.step()
         with torch.no_grad():
+            logits, target = logits[:fresh], target[:fresh]
             return {"disagreement": float(_kl(target, logits)),
                     "agreement": float((logits.argmax(1) == target.argmax(1)).float().mean())}
 
@@ -303,6 +332,49 @@ def _input_basis(task: DistillationTask, device: torch.device) -> torch.Tensor |
     if first[0].ndim != 2:
         return None
     return weight_basis(first, principal=task.settings["prior"] == "principal").to(device)
+
+
+def _pool_capacity(settings: dict[str, Any], input_shape: Sequence[int], classes: int) -> int:
+    """``pool`` inputs, or fewer where they and their answers would pass
+    :data:`POOL_BYTES`, never fewer than a batch."""
+    each = 4 * (math.prod(input_shape) + classes)
+    return min(settings["pool"], max(settings["batch"], POOL_BYTES // each))
+
+
+class _Pool:
+    """The latest ``capacity`` synthetic inputs and the teacher's answers to them, which
+    student updates draw from uniformly, with replacement."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.inputs: torch.Tensor | None = None
+        self.targets: torch.Tensor | None = None
+        self.size = self.next = 0
+
+    @property
+    def filled(self) -> bool:
+        return self.size > 0
+
+    def add(self, x: torch.Tensor, target: torch.Tensor) -> None:
+        """Keep ``x`` and ``target``, overwriting the oldest; of a batch larger than the
+        pool, its last inputs."""
+        x, target = x[-self.capacity:], target[-self.capacity:]
+        if self.inputs is None or self.targets is None:
+            self.inputs = x.new_empty((self.capacity, *x.shape[1:]))
+            self.targets = target.new_empty((self.capacity, *target.shape[1:]))
+        places = (self.next + torch.arange(len(x), device=x.device)) % self.capacity
+        self.inputs[places] = x
+        self.targets[places] = target
+        self.next = (self.next + len(x)) % self.capacity
+        self.size = min(self.size + len(x), self.capacity)
+
+    def draw(self, count: int, generator: torch.Generator
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``count`` inputs drawn with replacement, and the teacher's answers to them."""
+        assert self.inputs is not None and self.targets is not None
+        picks = torch.randint(self.size, (count,), generator=generator,
+                              device=self.inputs.device)
+        return self.inputs[picks], self.targets[picks]
 
 
 @contextmanager
