@@ -123,22 +123,22 @@ def run(federation: LocalFederation, app: Path, config: dict, progress, timeout=
     return federation.run(app, config, timeout=timeout, on_line=progress_lines(line))
 
 
-def side_by_side(first: list[Callable[..., T]], then: list[Callable[[], T]]
-                 ) -> list[Future[T]]:
-    """Independent runs on one federation, each in a thread of its own: ``first`` (each
-    called with ``running=``, an Event) at once, ``then`` once each of those has its
-    ServerApp running or has ended; their futures, in order, once every one has ended.
-    Fewer ServerApps start side by side so: Flower 1.41 gives a launched app 30 s to take
-    its task, then launches another for it, and at a load of 80 or more a ServerApp's
-    imports took longer, so that more and more were launched."""
-    started = [threading.Event() for _ in first]
-    with ThreadPoolExecutor(len(first) + len(then)) as pool:
-        futures = [pool.submit(one, running=event) for one, event in zip(first, started)]
-        for event, future in zip(started, futures):
-            # Bounded: a run ends by its timeout at the latest.
-            while not event.wait(1) and not future.done():
-                pass
-        futures += [pool.submit(one) for one in then]
+def side_by_side(*runs: Callable[..., T]) -> list[Future[T]]:
+    """Independent runs on one federation, each in a thread of its own and called with
+    ``running=`` (an Event), each started once the one before has its ServerApp running
+    or has ended; their futures, in order, once every one has ended. One ServerApp starts
+    at a time so: Flower 1.41 gives a launched app 30 s to take its task, then launches
+    another for it, and three ServerApps starting together beside a booting federation
+    took longer at a load of 25-30, so that more and more were launched."""
+    futures: list[Future[T]] = []
+    with ThreadPoolExecutor(len(runs)) as pool:
+        for one in runs:
+            if futures:
+                # Bounded: a run ends by its timeout at the latest.
+                while not started.wait(1) and not futures[-1].done():
+                    pass
+            started = threading.Event()
+            futures.append(pool.submit(one, running=started))
     return futures
 
 
@@ -162,30 +162,30 @@ def readme_app(folder: Path) -> Path:
 def test_two_nodes_run_the_example_and_the_pages_app_a_round_that_cannot_fuse_or_finish(
         tmp_path, progress):
     """Five runs side by side on one federation: the example app fused by avg and by
-    PFNM, the nodes answering each; the Flower page's app over two rounds; once their
-    ServerApps run, the example
+    PFNM, the nodes answering each; the Flower page's app over two rounds; the example
     with one node of the two sampled (fraction-train 0.5), whose one reply is fewer than
     the two a round fuses: the round fails and the run hands back the initial model; and
     the example waiting for three nodes, of which two are started: its ServerApp would
     wait for ever, so the run is stopped on the SuperLink at its timeout, the others going
-    on."""
+    on. Each starts once the one before has its ServerApp running."""
     page_app, page_model = readme_app(tmp_path / "readme-app"), tmp_path / "readme.safetensors"
     one_file, one_model = tmp_path / "one.json", tmp_path / "one.safetensors"
     with Federation(tmp_path / "federation", 2, progress) as federation:
-        *examples, page, one, waiting = side_by_side([
+        # The page's run, the longest, first.
+        page, *examples, one, waiting = side_by_side(
+            functools.partial(run, federation, page_app, {"model-file": str(page_model)},
+                              progress, label="page: "),
             *(functools.partial(run, federation, APP, {
                 "method": method, "min-nodes": 2, "epochs": 10, "fraction-evaluate": evaluate,
                 "result-file": str(tmp_path / f"{method}.json")}, progress,
                 label=f"{method}: ")
               for method, evaluate in (("avg", 0.0), ("pfnm", 1.0))),
-            functools.partial(run, federation, page_app, {"model-file": str(page_model)},
-                              progress, label="page: ")], [
             functools.partial(run, federation, APP, {
                 "min-nodes": 1, "fraction-train": 0.5, "epochs": 1, "fraction-evaluate": 0.0,
                 "result-file": str(one_file), "model-file": str(one_model)}, progress,
                 label="one node: "),
             functools.partial(run, federation, APP, {"min-nodes": 3}, progress, timeout=20,
-                              label="three nodes: ")])
+                              label="three nodes: "))
         for done in examples:
             done.result()
         page_output, one_output = page.result().stdout, one.result().stdout
