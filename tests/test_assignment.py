@@ -558,34 +558,35 @@ def test_maximize_positionally_and_boolean_matrices():
     assert solve_assignment(cost, True)[1].tolist() == [1, 0]
 
 
-def ran_during(call, attempts: int = 50) -> bool:
+def ran_during(call, calls: int = 500) -> bool:
     """Whether another thread ran Python code while ``call`` ran in this one.
 
     The switch interval is raised beyond any call here, so this thread is never made to
     hand the GIL over: the probe thread can run only if ``call`` releases the GIL itself.
-    Held throughout, no attempt can see the probe run; released, an attempt sees it unless
-    the machine is too busy to schedule the probe within the call, hence several attempts
-    (bounded), stopping at the first that sees it. No clock is read.
+    The probe is woken before the first call, and ``call`` is made again (``calls`` times at
+    most) until the probe has run: held throughout, no call can let it run; released, it
+    runs once the machine schedules it during one of them, however busy the machine is
+    (the probe stays runnable across the calls). No clock is read.
     """
     interval = sys.getswitchinterval()
     sys.setswitchinterval(1000.0)
     try:
-        for _ in range(attempts):
-            go, probed = threading.Event(), threading.Event()
+        go, probed = threading.Event(), threading.Event()
 
-            def probe(go=go, probed=probed):
-                if go.wait(timeout=60):
-                    probed.set()
+        def probe():
+            if go.wait(timeout=60):
+                probed.set()
 
-            thread = threading.Thread(target=probe)
-            thread.start()
-            go.set()  # keeps the GIL: the probe can take it only when the call releases it
+        thread = threading.Thread(target=probe)
+        thread.start()
+        go.set()  # keeps the GIL: the probe can take it only when a call releases it
+        for _ in range(calls):
             call()
-            seen = probed.is_set()
-            thread.join()
-            if seen:
-                return True
-        return False
+            if probed.is_set():  # read with the GIL held: the probe ran during a call
+                break
+        seen = probed.is_set()
+        thread.join()  # lets the probe run now if it has not
+        return seen
     finally:
         sys.setswitchinterval(interval)
 
@@ -600,7 +601,7 @@ def test_gil_is_released_during_solves():
     tall = np.ascontiguousarray(rng.integers(0, 4, (3000, 600)).astype(float))
     assert ran_during(lambda: core().solve_assignment(tall, False, False))
     # The check itself: a native call that keeps the GIL is seen as such.
-    assert not ran_during(lambda: sum(range(200_000)), attempts=5)
+    assert not ran_during(lambda: sum(range(200_000)), calls=20)
 
 
 @pytest.mark.parametrize("potentials", ["huge", "negative", "nan"])
