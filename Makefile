@@ -45,12 +45,14 @@ demo: $(STAMP)
 flower-demo: $(STAMP)
 	$(PY) examples/flower/demo.py
 
-# Seven pytest-xdist workers: one for each of the three Flower federations, which mostly
-# wait on Flower's polls, and four kept busy with the rest (tests/conftest.py orders them);
-# tests that share a server run on the worker that holds it.
+# Five pytest-xdist workers: one for each of the Flower federations (two), which mostly wait
+# on Flower's polls and heartbeats, and three kept busy with the rest (tests/conftest.py
+# orders them); tests that share a server run on the worker that holds it. Each worker
+# costs 5-7 s of CPU to start and collect the suite, so more workers than keep two cores
+# busy only spend CPU.
 test:
-	@echo "==> running the tests on 7 workers: some start fusion servers and Flower federations (a SuperLink and SuperNodes) on 127.0.0.1, and stop them"
-	$(PY) -m pytest -n 7 --dist loadgroup --no-loadscope-reorder
+	@echo "==> running the tests on 5 workers: some start fusion servers and Flower federations (a SuperLink and SuperNodes) on 127.0.0.1, and stop them"
+	$(PY) -m pytest -n 5 --dist loadgroup --no-loadscope-reorder
 
 bench:
 	$(PY) benchmarks/bench_matching.py

@@ -133,14 +133,16 @@ def foreign(tmp_path_factory):
 
 
 # -- running the suite ------------------------------------------------------------------------
-# `make test` runs it on seven pytest-xdist workers (`-n 7 --dist loadgroup`) on two cores:
+# `make test` runs it on five pytest-xdist workers (`-n 5 --dist loadgroup`) on two cores:
 # a Flower federation mostly waits (Flower polls every 3 s, and gives up a killed SuperNode
-# only once its heartbeats have lapsed), so each of the five runs on a worker of its own
-# beside two workers kept busy with the rest. A test that uses one of these module-scoped servers runs
-# on the worker that already holds it, so that each is started once, and so do the tests
-# that use a module-scoped fixture of their module (trained models), unless marked
-# `spread` (a long test whose module fixtures are cheap to make again: one that starts
-# servers of its own); every other test goes to whichever worker is free.
+# only once its heartbeats have lapsed), so each of the two runs on a worker of its own
+# beside three workers kept busy with the rest (each worker costs 5-7 s of CPU to start and
+# collect the suite: no more of them than keep the cores busy). A test that uses one of
+# these module-scoped servers runs on the worker that already holds it, so that each is
+# started once, and so do the tests that use a module-scoped fixture of their module
+# (trained models), unless marked `spread` (a long test whose module fixtures are cheap to
+# make again: one that starts servers of its own); every other test goes to whichever
+# worker is free.
 SHARED_SERVERS = ("service", "big_service", "browser")
 
 
