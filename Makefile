@@ -48,11 +48,14 @@ flower-demo: $(STAMP)
 # Five pytest-xdist workers: one for each of the Flower federations (two), which mostly wait
 # on Flower's polls and heartbeats, and three kept busy with the rest (tests/conftest.py
 # orders them); tests that share a server run on the worker that holds it. Each worker
-# costs 5-7 s of CPU to start and collect the suite, so more workers than keep two cores
-# busy only spend CPU.
+# costs about 7 s of CPU to start and collect the suite, so more workers than keep two cores
+# busy only spend CPU. Python caches what it compiles (__pycache__, ignored by git) even
+# where PYTHONDONTWRITEBYTECODE is set: the suite starts hundreds of Python processes (test
+# servers with their checker and fork-server processes, commands, Flower's apps), and each
+# would otherwise compile fusekit afresh (a server's start 1.8 s of CPU instead of 1.4).
 test:
 	@echo "==> running the tests on 5 workers: some start fusion servers and Flower federations (a SuperLink and SuperNodes) on 127.0.0.1, and stop them"
-	$(PY) -m pytest -n 5 --dist loadgroup --no-loadscope-reorder
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -n 5 --dist loadgroup --no-loadscope-reorder
 
 bench:
 	$(PY) benchmarks/bench_matching.py

@@ -9,17 +9,22 @@ import itertools
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
-import safetensors.numpy
-import torch
-from torch import nn
 
-from fusekit.core.checkpoint import save_checkpoint
+if TYPE_CHECKING:
+    from torch import nn
+
+# torch and fusekit are imported where they are used: pytest-xdist's controller process loads
+# this file too and runs no test (importing torch would cost it 2 s of CPU).
 
 
 def mlp(widths=(6, 5, 3), batchnorm=False, seed=0) -> nn.Sequential:
+    import torch
+    from torch import nn
+
     torch.manual_seed(seed)
     layers: list[nn.Module] = []
     for i, (a, b) in enumerate(itertools.pairwise(widths)):
@@ -32,6 +37,9 @@ def mlp(widths=(6, 5, 3), batchnorm=False, seed=0) -> nn.Sequential:
 
 def cnn(channels=(4, 6), hidden=8, classes=3, seed=0) -> nn.Sequential:
     """Conv-BN-ReLU-MaxPool blocks on 1x8x8 images, then a linear head."""
+    import torch
+    from torch import nn
+
     torch.manual_seed(seed)
     layers: list[nn.Module] = []
     c_in = 1
@@ -46,6 +54,9 @@ def cnn(channels=(4, 6), hidden=8, classes=3, seed=0) -> nn.Sequential:
 
 def _with_random_stats(model: nn.Module) -> nn.Module:
     """BatchNorm with non-trivial statistics, so tests see whether they are handled."""
+    import torch
+    from torch import nn
+
     for module in model.modules():
         if isinstance(module, nn.modules.batchnorm._BatchNorm):
             module.running_mean.normal_()
@@ -57,6 +68,10 @@ def _with_random_stats(model: nn.Module) -> nn.Module:
 
 
 def write(path: Path, model_or_sd, **metadata) -> Path:
+    from torch import nn
+
+    from fusekit.core.checkpoint import save_checkpoint
+
     sd = model_or_sd.state_dict() if isinstance(model_or_sd, nn.Module) else model_or_sd
     meta = {f"fusekit.{k}": str(v) for k, v in metadata.items()}
     return save_checkpoint(path, sd, meta)
@@ -65,6 +80,9 @@ def write(path: Path, model_or_sd, **metadata) -> Path:
 def write_raw(path: Path, model_or_sd, **metadata) -> Path:
     """Like :func:`write`, through safetensors alone: for hostile files that
     ``save_checkpoint`` refuses to write (NaN weights, odd shapes)."""
+    import safetensors.numpy
+    from torch import nn
+
     sd = model_or_sd.state_dict() if isinstance(model_or_sd, nn.Module) else model_or_sd
     arrays = {k: np.asarray(v.detach().numpy() if hasattr(v, "detach") else v)
               for k, v in sd.items()}
@@ -136,7 +154,7 @@ def foreign(tmp_path_factory):
 # `make test` runs it on five pytest-xdist workers (`-n 5 --dist loadgroup`) on two cores:
 # a Flower federation mostly waits (Flower polls every 3 s, and gives up a killed SuperNode
 # only once its heartbeats have lapsed), so each of the two runs on a worker of its own
-# beside three workers kept busy with the rest (each worker costs 5-7 s of CPU to start and
+# beside three workers kept busy with the rest (each worker costs about 7 s of CPU to start and
 # collect the suite: no more of them than keep the cores busy). A test that uses one of
 # these module-scoped servers runs on the worker that already holds it, so that each is
 # started once, and so do the tests that use a module-scoped fixture of their module
@@ -153,6 +171,8 @@ def pytest_configure(config) -> None:
     # SuperNode): on 2 busy cores the page's 20-epoch training took 62 s of CPU with two
     # spinning OpenMP threads, 6 s with one.
     if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
         torch.set_num_threads(1)
         os.environ["OMP_NUM_THREADS"] = "1"
 
