@@ -260,9 +260,11 @@ class Checkpoint:
         with self._open(name) as handle:
             for first in range(0, count, step):
                 size, offset = min(step, count - first), start + first * storage.itemsize
-                if mapped and size * storage.itemsize >= MAP_MIN_BYTES:  # kept by no local:
-                    yield widen(self._mapped(handle, name, offset, size, storage),  # unmapped
-                                self.tensors[name].dtype)  # when the caller drops it
+                if mapped and size * storage.itemsize >= MAP_MIN_BYTES:
+                    # held by no local here, so the pages are unmapped once the caller
+                    # drops the piece
+                    yield widen(self._mapped(handle, name, offset, size, storage),
+                                self.tensors[name].dtype)
                     continue
                 piece = raw[:size * storage.itemsize].view(storage)
                 self._read_into(handle, name, offset, piece)

@@ -256,7 +256,8 @@ class _Trainer:
         return x
 
     def _replayed(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``replay`` inputs a fresh one drawn from the pool, with the teacher's answers."""
+        """``replay`` pool inputs per fresh one, drawn from the pool with the teacher's
+        answers to them (None before the pool holds any, or without replay)."""
         if not self.replay or not self.pool.filled:
             return None
         return self.pool.draw(self.replay * self.settings["batch"], self.generator)
