@@ -51,9 +51,10 @@ from bench_support import machine_info, status_mb, write_json
 
 import fusekit
 from fusekit.core.checkpoint import load_checkpoint
+from fusekit.core.model_spec import fused_spec
 from fusekit.core.transformer import LAYERNORM, MLP_HIDDEN, calibration_points
-from fusekit.toolkit.local import calibrate_locally
 from fusekit.toolkit.data import load_dataset
+from fusekit.toolkit.local import calibrate_locally
 from fusekit.toolkit.nn.hf import load_pretrained
 
 #: (label, method, parameters) of every fusion measured.
@@ -210,7 +211,7 @@ def calibrations(task: str, fused: Path, own_data: list[np.ndarray], clients: li
     """Accuracy after layer-by-layer calibration of the MLPs only, the LayerNorms only,
     and both (``calibrated``), and the time of the last."""
     checkpoint = load_checkpoint(fused)
-    points = calibration_points(fusekit.api.fused_spec(checkpoint),
+    points = calibration_points(fused_spec(checkpoint),
                                 {name: info.shape for name, info in checkpoint.tensors.items()})
     out: dict[str, Any] = {}
     for name, kind in (("calibrated_mlp", MLP_HIDDEN), ("calibrated_ln", LAYERNORM),

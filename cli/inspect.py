@@ -51,7 +51,7 @@ def inspect(
 
 
 def _fusion_problem(checkpoints) -> str | None:
-    from fusekit.api import check_compatible, client_spec
+    from fusekit.core.model_spec import check_compatible, client_spec
 
     try:
         check_compatible(checkpoints, [client_spec(c, None) for c in checkpoints])

@@ -14,23 +14,10 @@ from typing import Any
 
 import numpy as np
 
-from fusekit.api import (
-    CheckpointLike,
-    canonical_order,
-    client_spec,
-    fused_spec,
-    input_points,
-    model_points,
-)
+from fusekit.api import CheckpointLike, canonical_order
 from fusekit.core import metadata as meta
 from fusekit.core import neurons
 from fusekit.core.checkpoint import Checkpoint, load_checkpoint
-from fusekit.core.errors import (
-    CheckpointError,
-    IncompatibleModelsError,
-    ParameterError,
-    StatisticsError,
-)
 from fusekit.core.cross_stats import (
     DEFAULT_RIDGE,
     CrossStatistics,
@@ -40,7 +27,14 @@ from fusekit.core.cross_stats import (
     load_cross_statistics,
     load_refit_statistics,
 )
+from fusekit.core.errors import (
+    CheckpointError,
+    IncompatibleModelsError,
+    ParameterError,
+    StatisticsError,
+)
 from fusekit.core.metadata import load_json
+from fusekit.core.model_spec import client_spec, fused_spec, input_points, model_points
 from fusekit.core.stats import (
     DEFAULT_MIN_SAMPLES,
     Statistics,

@@ -30,10 +30,11 @@ from collections.abc import Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from fusekit import api, calibration
+from fusekit import calibration
 from fusekit.core.checkpoint import Checkpoint, load_checkpoint
 from fusekit.core.cross_stats import DEFAULT_RIDGE
 from fusekit.core.errors import ParameterError, StatisticsError
+from fusekit.core.model_spec import fused_spec
 from fusekit.core.stats import DEFAULT_MIN_SAMPLES, Statistics, load_statistics
 from fusekit.core.transformer import TransformerSpec
 from fusekit.methods.base import FusionResult
@@ -258,7 +259,7 @@ def pairs(model: Checkpoint, statistics: Mapping[Hashable, Any],
     statistics of the fused network are those whose targets it has, each pair over the
     same number of inputs (its own data). Otherwise the statistics are pooled over every
     answering client's data."""
-    if set(statistics) != set(targets) or isinstance(api.fused_spec(model), TransformerSpec):
+    if set(statistics) != set(targets) or isinstance(fused_spec(model), TransformerSpec):
         return False
     return all(_samples(statistics[key]) == _samples(targets[key]) for key in statistics)
 

@@ -28,11 +28,12 @@ from fusekit.core.cross_stats import (
     save_refit_statistics,
 )
 from fusekit.core.errors import StatisticsError
+from fusekit.core.model_spec import fused_spec
 from fusekit.core.spec import infer_spec, permute
 from fusekit.methods.alignment import group_correlations, match_to_reference
 from fusekit.toolkit.alignment import cross_statistics, refit_statistics
-from fusekit.toolkit.local import align_locally, calibrate_locally
 from fusekit.toolkit.demo import DemoConfig, run_demo
+from fusekit.toolkit.local import align_locally, calibrate_locally
 from fusekit.toolkit.nn import build_model
 
 runner = CliRunner()
@@ -89,7 +90,7 @@ def test_cross_statistics_against_a_permuted_copy_give_back_the_permutation(kind
     copy, perms = _permuted(model, seed=1)
     cross = cross_statistics(model, copy, x, batch_size=24)  # several batches: Chan's update
     assert cross.reference == model.content_hash and cross.model == copy.content_hash
-    spec = fusekit.api.fused_spec(model)
+    spec = fused_spec(model)
     assigned, correlation = match_to_reference(group_correlations(spec, cross))
     for group, perm in enumerate(perms):
         np.testing.assert_array_equal(assigned[group], perm)
@@ -142,7 +143,7 @@ def test_refit_rounds_on_a_permuted_family_give_back_the_function():
     fused = Checkpoint.from_state_dict(fused.state_dict, fused.metadata)
     result = align_locally(fused, clients, [x] * 3, rounds="one-pass", min_samples=16)
     assert json.loads(result.metadata["fusekit.refit"])["layers"] == [
-        layer.name for layer in fusekit.api.fused_spec(model).layers]
+        layer.name for layer in fused_spec(model).layers]
     refit = Checkpoint.from_state_dict(result.state_dict, result.metadata)
     np.testing.assert_allclose(_outputs(refit, x), _outputs(model, x), rtol=1e-3, atol=1e-3)
 
@@ -326,7 +327,7 @@ def test_demo_align_scores_the_aligned_and_refit_models_beside_the_others(tmp_pa
     assert 0 <= runs["ot"]["aligned"]["accuracy"] <= 1
     aligned = load_checkpoint(tmp_path / "fused-ot-aligned.safetensors")
     assert json.loads(aligned.metadata["fusekit.alignment"])["refit"] is True
-    assert fusekit.api.fused_spec(aligned).hidden_widths == runs["ot"]["widths"]
+    assert fused_spec(aligned).hidden_widths == runs["ot"]["widths"]
     report = run_demo(DemoConfig(clients=3, epochs=1, arch="mlp:16", methods=["ot", "ams"],
                                  device="cpu", calibrate=True, align=True))
     console = Console(width=200, record=True)

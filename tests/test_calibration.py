@@ -19,6 +19,7 @@ from fusekit._cli.app import app
 from fusekit.core.arch import named_arch
 from fusekit.core.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from fusekit.core.errors import ParameterError, StatisticsError
+from fusekit.core.model_spec import fused_spec
 from fusekit.core.spec import permute
 from fusekit.core.stats import (
     InputMoments,
@@ -73,7 +74,7 @@ def test_pooled_statistics_equal_one_pass_over_the_union():
     parts = [_inputs(n, seed=i) * (i + 1) + i for i, n in enumerate((40, 70, 55))]
     pooled = pool([client_statistics(fused, x, batch_size=16) for x in parts])
     union = client_statistics(fused, np.concatenate(parts), batch_size=1000)
-    assert set(pooled) == set(union.points) == set(statistic_points(fusekit.api.fused_spec(fused)))
+    assert set(pooled) == set(union.points) == set(statistic_points(fused_spec(fused)))
     for point, moments in union.points.items():
         for field in ("count", "mean", "var"):
             np.testing.assert_allclose(getattr(pooled[point], field), getattr(moments, field),
@@ -85,7 +86,7 @@ def test_statistics_files_round_trip_and_name_their_model(tmp_path):
     stats = client_statistics(fused, _inputs(64))
     path = save_statistics(tmp_path / "s.safetensors", stats)
     back = load_statistics(path, model=fused.content_hash,
-                           points=statistic_points(fusekit.api.fused_spec(fused)))
+                           points=statistic_points(fused_spec(fused)))
     assert back.model == fused.content_hash and back.num_samples == 64
     for point, moments in stats.points.items():
         np.testing.assert_array_equal(back.points[point].var, moments.var)
@@ -198,7 +199,7 @@ def _repair_case(clients, parts, method="ot"):
     """A fusion of ``clients``, each client's statistics of its own model on its part, and
     REPAIR's targets and the assignments in that order."""
     fused = _fused(clients, method)
-    spec = fusekit.api.fused_spec(fused)
+    spec = fused_spec(fused)
     own = [client_statistics(c, x) for c, x in zip(clients, parts, strict=True)]
     inputs = json.loads(fused.metadata["fusekit.inputs"])
     assignments = read_assignments(fused, spec)
@@ -256,7 +257,7 @@ def test_paired_repair_leaves_a_model_averaging_did_not_change_alone_on_non_iid_
     and REPAIR shrank every neuron towards the narrower per-client spread."""
     base = Checkpoint.from_state_dict(numpy_state(mlp((6, 8, 7, 3), seed=0)),
                                       {"fusekit.num_samples": "80"})
-    spec = fusekit.api.fused_spec(base)
+    spec = fused_spec(base)
     perms = [np.random.default_rng(1).permutation(w) for w in spec.hidden_widths]
     copy = Checkpoint.from_state_dict(permute(base.state_dict(), spec, perms),
                                       {"fusekit.num_samples": "80"})
@@ -465,7 +466,7 @@ def test_first_layer_derived_from_input_moments_equals_a_round(kind):
     clients, parts, fused = _first_layer_case(kind)
     targets = [client_statistics(c, x, batch_size=32, input_moments=True, min_samples=16)
                for c, x in zip(clients, parts, strict=True)]
-    spec = fusekit.api.fused_spec(fused)
+    spec = fused_spec(fused)
     first = spec.layers[0]
     round_stats = [client_statistics(fused, x, batch_size=32, min_samples=16) for x in parts]
     inputs = combine_inputs([t.inputs[input_point(first.name)] for t in targets])
@@ -552,7 +553,7 @@ def test_input_moments_from_some_clients_or_for_deeper_layers_are_refused():
     with pytest.raises(StatisticsError, match="no input moments of the first layer"):
         fusekit.calibrate(fused, [], targets=targets, min_samples=16)
     targets[0] = client_statistics(clients[0], parts[0], input_moments=True, min_samples=16)
-    second = fusekit.api.fused_spec(fused).layers[1].name
+    second = fused_spec(fused).layers[1].name
     with pytest.raises(StatisticsError, match=f"'{second}' needs statistics of the fused"):
         fusekit.calibrate(fused, [], targets=targets, layers=[second], min_samples=16)
     with pytest.raises(StatisticsError, match="found neither"):

@@ -13,9 +13,10 @@ import torch
 
 import fusekit
 from conftest import mlp, numpy_state, write, write_raw
-from fusekit.api import canonical_order, client_spec, client_specs
+from fusekit.api import canonical_order
 from fusekit.core.checkpoint import SAMPLE_VALUES, Checkpoint, load_checkpoint
 from fusekit.core.errors import CheckpointError
+from fusekit.core.model_spec import client_spec, client_specs
 
 
 def reference_hash(state: dict[str, np.ndarray]) -> str:
@@ -94,14 +95,14 @@ def test_canonical_order_is_widest_first_then_sample_hash_then_content_hash(tmp_
 def test_clients_of_the_same_shapes_share_one_inferred_spec(tmp_path, monkeypatch):
     """The spec inferred from names and shapes serves every client that has them (one
     inference); a client of other widths gets its own, as client_spec gives each."""
-    import fusekit.api
+    from fusekit.core import model_spec
 
     states = [numpy_state(mlp(widths=(20, w, 3), seed=s)) for s, w in enumerate((10, 12, 10))]
     checkpoints = [load_checkpoint(write(tmp_path / f"c{i}.safetensors", s))
                    for i, s in enumerate(states)]
     inferred = []
-    infer = fusekit.api.infer_spec
-    monkeypatch.setattr(fusekit.api, "infer_spec", lambda *a, **k: inferred.append(1) or infer(
+    infer = model_spec.infer_spec
+    monkeypatch.setattr(model_spec, "infer_spec", lambda *a, **k: inferred.append(1) or infer(
         *a, **k))
     specs = client_specs(checkpoints, None)
     assert len(inferred) == 2 and specs[0] is specs[2]

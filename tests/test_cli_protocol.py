@@ -17,16 +17,16 @@ from typer.testing import CliRunner
 import fusekit
 from conftest import mlp, write
 from fusekit._cli.app import app
-from fusekit.api import fused_spec
 from fusekit.client import Client
 from fusekit.core import metadata as meta
 from fusekit.core.checkpoint import load_checkpoint, save_checkpoint
 from fusekit.core.cross_stats import load_refit_statistics, save_refit_statistics
 from fusekit.core.metadata import normalization
+from fusekit.core.model_spec import fused_spec
 from fusekit.core.neurons import client_layers
 from fusekit.methods.calibration import assignments_json, read_assignments
-from fusekit.toolkit.local import align_locally
 from fusekit.toolkit.data import load_dataset
+from fusekit.toolkit.local import align_locally
 
 runner = CliRunner()
 

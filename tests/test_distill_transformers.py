@@ -23,6 +23,7 @@ import fusekit  # noqa: E402
 from fusekit._cli.app import app  # noqa: E402
 from fusekit.client import Client  # noqa: E402
 from fusekit.core.errors import IncompatibleModelsError  # noqa: E402
+from fusekit.core.model_spec import client_spec
 from fusekit.toolkit.nn.hf import load_pretrained  # noqa: E402
 
 # 30 steps take the student to 0.09x (ViT) and 0.21x (GPT-2) of the start's KL; 60 steps
@@ -200,7 +201,7 @@ def test_a_service_job_distils_transformer_clients_as_the_library_does(service, 
     tensor."""
     names = NAMES[:2]
     folders = [tiny_client("vit", tmp_path / name, seed=i) for i, name in enumerate(names)]
-    spec = fusekit.api.client_spec(fusekit.load_checkpoint(folders[0]), None).to_json()
+    spec = client_spec(fusekit.load_checkpoint(folders[0]), None).to_json()
     config = json.loads((folders[0] / "config.json").read_text())
     params = {"steps": 3, "batch": 8}
     job = admin.create_job("distill", list(names), params=params, spec=spec, auto_run=True,

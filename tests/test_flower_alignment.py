@@ -21,6 +21,7 @@ import fusekit
 from fusekit import protocol
 from fusekit.core.checkpoint import Checkpoint
 from fusekit.core.errors import ParameterError
+from fusekit.core.model_spec import fused_spec
 from fusekit.flower import FusekitStrategy, kept_model, statistics_reply, train_reply
 from fusekit.flower.records import query_checkpoint, statistics_query
 from fusekit.toolkit.alignment import cross_statistics, refit_statistics
@@ -216,7 +217,7 @@ def protocol_with_nodes_killed(fused, models, inputs, killed, input_moments=Fals
     state."""
     targets = {k: client_statistics(m, x, input_moments=input_moments)
                for k, (m, x) in enumerate(zip(models, inputs, strict=True))}
-    plan = protocol.plan(fusekit.api.fused_spec(fused), calibration="layerwise",
+    plan = protocol.plan(fused_spec(fused), calibration="layerwise",
                          repair=True, derive_first=input_moments, alignment_rounds=1)
     state = protocol.start(fused, plan, dict(enumerate(models)), targets=targets,
                            min_fused=2)
@@ -251,7 +252,7 @@ def refit_without(fused, models, inputs, silent):
     aligned = fusekit.align(reference, models, [cross_statistics(reference, c, x)
                                                 for c, x in zip(models, inputs, strict=True)])
     current = Checkpoint.from_state_dict(aligned.state_dict, aligned.metadata)
-    layers = [layer.name for layer in fusekit.api.fused_spec(current).layers]
+    layers = [layer.name for layer in fused_spec(current).layers]
     everyone = range(len(models))
 
     def refit(model, answering, layer):

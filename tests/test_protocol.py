@@ -14,6 +14,7 @@ from conftest import mlp, numpy_state
 from fusekit import protocol
 from fusekit.core.checkpoint import Checkpoint
 from fusekit.core.errors import ParameterError, StatisticsError
+from fusekit.core.model_spec import fused_spec
 from fusekit.core.spec import infer_spec, permute
 from fusekit.core.transformer import TransformerSpec
 from fusekit.protocol import CROSS, DERIVED, REFIT, STATISTICS, Round
@@ -42,7 +43,7 @@ def _outputs(checkpoint: Checkpoint, x: np.ndarray) -> np.ndarray:
 
 def test_the_plan_of_each_protocol():
     clients, _ = _family()
-    spec = fusekit.api.fused_spec(clients[0])
+    spec = fused_spec(clients[0])
     first, second, out = (layer.name for layer in spec.layers)
     assert protocol.plan(spec) == [Round(STATISTICS, None, "batch")]
     layerwise = [Round(DERIVED, (first,), "eval"), Round(STATISTICS, (second,), "eval")]
@@ -66,7 +67,7 @@ def test_calibration_rounds_of_chosen_layers_and_of_a_transformer():
     """calibrate_locally's rounds: only the layers asked for, input to output; a
     transformer's points layer by layer in the order its forward pass reaches them."""
     clients, _ = _family()
-    spec = fusekit.api.fused_spec(clients[0])
+    spec = fused_spec(clients[0])
     first, second, _ = (layer.name for layer in spec.layers)
     assert protocol.calibration_rounds(spec, "layerwise", layers=[second, first]) == [
         Round(STATISTICS, (first,), "eval"), Round(STATISTICS, (second,), "eval")]
@@ -89,7 +90,7 @@ def test_a_refit_round_goes_on_with_the_clients_that_answered():
     clients, x = _family()
     fused = fusekit.fuse(clients, "avg")  # the copies averaged unmatched: another function
     fused = Checkpoint.from_state_dict(fused.state_dict, fused.metadata)
-    spec = fusekit.api.fused_spec(fused)
+    spec = fused_spec(fused)
     state = protocol.start(fused, [Round(CROSS), *(Round(REFIT, layer=layer.name)
                                                    for layer in spec.layers)],
                            dict(enumerate(clients)), min_samples=16)

@@ -32,6 +32,7 @@ from test_service import (  # noqa: F401
 import fusekit
 from conftest import mlp, write
 from fusekit.client import Client, ServiceError
+from fusekit.core.model_spec import fused_spec
 from fusekit.core.stats import InputMoments, Moments, Statistics, save_statistics
 from fusekit.toolkit.calibration import client_statistics
 from fusekit.toolkit.data import load_dataset
@@ -496,7 +497,7 @@ def test_parameters_checked_at_creation_against_the_declared_clients_and_spec(
     the job is created. A per-client list holds one value per client declared."""
     folder = tiny_vit(tmp_path / "vit", seed=0)
     config = json.loads((folder / "config.json").read_text())
-    spec = fusekit.api.fused_spec(fusekit.load_checkpoint(folder)).to_json()
+    spec = fused_spec(fusekit.load_checkpoint(folder)).to_json()
 
     def create(config: dict) -> httpx.Response:
         return httpx.post(f"{service.url}/v1/jobs", json={
@@ -525,7 +526,7 @@ def test_a_transformer_job_calibrates_with_its_clients_targets(
     its statistics of its own model (targets) and of the fused model (eval mode: no
     BatchNorm), run on its model folder; the service calibrates (REPAIR of the MLP units
     and LayerNorms) as fusekit.calibrate does with the same files."""
-    from fusekit.api import client_spec
+    from fusekit.core.model_spec import client_spec
 
     names = NAMES[:2]
     folders = [tiny_vit(tmp_path / name, seed=i) for i, name in enumerate(names)]

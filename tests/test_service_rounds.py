@@ -42,10 +42,11 @@ import fusekit
 from conftest import mlp, write
 from fusekit.client import Client
 from fusekit.core.cross_stats import load_cross_statistics
+from fusekit.core.model_spec import client_spec
 from fusekit.core.stats import load_statistics
 from fusekit.toolkit.calibration import client_statistics
-from fusekit.toolkit.local import calibrate_locally
 from fusekit.toolkit.data import load_dataset
+from fusekit.toolkit.local import calibrate_locally
 
 NAMES = ("clinic-a", "clinic-b", "clinic-c")  # as many as digits' shares
 WIDTHS = (64, 32, 24, 16, 10)  # three hidden layers, each with BatchNorm
@@ -383,7 +384,7 @@ def test_a_transformer_jobs_models_come_with_its_config(service, admin, tmp_path
     config.json has the fused width, so that clients can run them for statistics."""
     names = NAMES[:2]
     folders = [tiny_vit(tmp_path / name, seed=i) for i, name in enumerate(names)]
-    spec = fusekit.api.client_spec(fusekit.load_checkpoint(folders[0]), None).to_json()
+    spec = client_spec(fusekit.load_checkpoint(folders[0]), None).to_json()
     config = json.loads((folders[0] / "config.json").read_text())
     job = admin.create_job("pfnm", list(names), params={"width_ratio": 1.5}, spec=spec,
                            auto_run=True, calibrate=True, config=config)

@@ -29,6 +29,7 @@ from fusekit.core.errors import (
     SpecError,
     StatisticsError,
 )
+from fusekit.core.model_spec import fused_spec
 from fusekit.core.stats import pool, save_statistics
 from fusekit.core.transformer import (
     MLP_HIDDEN,
@@ -39,8 +40,8 @@ from fusekit.core.transformer import (
     unit_rows,
 )
 from fusekit.engine.matching import solve_assignment
-from fusekit.methods.calibration import point_targets, read_assignments
 from fusekit.methods import transformer as methods_transformer
+from fusekit.methods.calibration import point_targets, read_assignments
 from fusekit.methods.transformer import (
     align_client,
     apply_moves,
@@ -479,7 +480,7 @@ def test_layer_by_layer_calibration_gives_every_channel_its_target(tmp_path):
     model = load_pretrained(out)  # loads, at the fused width
     assert model.vit.layers[0].mlp.fc1.weight.shape == (36, 16)
     checkpoint = load_checkpoint(out)
-    spec = fusekit.api.fused_spec(checkpoint)
+    spec = fused_spec(checkpoint)
     points = calibration_points(spec, shapes_of(out))
     after = pool([client_statistics(out, inputs) for inputs in x])
     own = [client_statistics(folder, inputs) for folder, inputs in zip((a, b), x)]

@@ -27,6 +27,7 @@ from test_service import ADMIN, admin, models, one_line_error, put, service  # n
 
 from conftest import mlp, write
 from fusekit.client import Client, ServiceError
+from fusekit.core.model_spec import client_spec
 from fusekit.methods import METHODS
 from fusekit.methods.params import method_params
 from fusekit.service.app import REQUEST_KINDS
@@ -568,7 +569,7 @@ def test_a_transformer_jobs_model_downloads_with_its_config(
 
     names = ("hospital-a", "hospital-b")
     folders = [tiny_vit(tmp_path / name, seed=i) for i, name in enumerate(names)]
-    spec = fusekit.api.client_spec(fusekit.load_checkpoint(folders[0]), None).to_json()
+    spec = client_spec(fusekit.load_checkpoint(folders[0]), None).to_json()
     config = json.loads((folders[0] / "config.json").read_text())
     job = admin.create_job("pfnm", list(names), params={"width_ratio": 1.5}, spec=spec,
                            auto_run=True, calibrate=True, config=config)

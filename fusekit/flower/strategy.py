@@ -50,7 +50,6 @@ from flwr.serverapp.strategy import FedAvg, Result
 
 import fusekit
 from fusekit import protocol
-from fusekit.api import SpecLike, check_compatible, client_spec, fused_spec, input_points
 from fusekit.core import metadata as meta
 from fusekit.core.checkpoint import Checkpoint
 from fusekit.core.cross_stats import (
@@ -65,6 +64,13 @@ from fusekit.core.errors import (
     IncompatibleModelsError,
     ParameterError,
     StatisticsError,
+)
+from fusekit.core.model_spec import (
+    SpecLike,
+    check_compatible,
+    client_spec,
+    fused_spec,
+    input_points,
 )
 from fusekit.core.spec import PermutationSpec
 from fusekit.core.stats import DEFAULT_MIN_SAMPLES, Statistics, check_statistics, statistic_points

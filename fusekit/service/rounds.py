@@ -28,11 +28,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from fusekit.api import client_spec, fused_spec, model_points
 from fusekit.core import metadata as meta
 from fusekit.core.checkpoint import load_checkpoint
 from fusekit.core.cross_stats import load_cross_statistics, load_refit_statistics
 from fusekit.core.errors import ParameterError, StatisticsError
+from fusekit.core.model_spec import client_spec, fused_spec, model_points
 from fusekit.core.stats import BN_INPUT, load_statistics
 from fusekit.core.transformer import TransformerSpec
 from fusekit.methods.alignment import cross_points, layer_inputs

@@ -36,7 +36,6 @@ from typing import Any, TypeVar
 
 from starlette.concurrency import run_in_threadpool
 
-from fusekit.api import client_spec, input_points, model_points
 from fusekit.core.checkpoint import (
     check_header,
     header_length,
@@ -44,6 +43,7 @@ from fusekit.core.checkpoint import (
     load_checkpoint,
 )
 from fusekit.core.errors import CheckpointError, FusekitError, StatisticsError
+from fusekit.core.model_spec import client_spec, input_points, model_points
 from fusekit.core.stats import load_statistics
 from fusekit.service.errors import ServiceError, TooLarge, TooSlow
 from fusekit.service.rounds import check_upload, statistics_bytes

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import hashlib
 import json
 import logging
 import math
@@ -29,18 +28,19 @@ import shutil
 import signal
 import threading
 import time
-from multiprocessing.connection import Connection
 from collections.abc import Sequence
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 from huey import Huey, RedisHuey, SqliteHuey
 
 import fusekit
-from fusekit.api import client_spec, fused_spec, fusion_summary, model_points
+from fusekit.api import fusion_summary
 from fusekit.core import progress
 from fusekit.core.checkpoint import load_checkpoint, write_atomic
 from fusekit.core.errors import FusekitError, ParameterError
+from fusekit.core.model_spec import client_spec, fused_spec, model_points
 from fusekit.core.spec import PermutationSpec
 from fusekit.core.transformer import TransformerSpec, config_with_widths, infer_transformer
 from fusekit.methods.alignment import layer_inputs

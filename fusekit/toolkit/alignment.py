@@ -17,7 +17,6 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from fusekit import api
 from fusekit.core.checkpoint import Checkpoint, load_checkpoint
 from fusekit.core.cross_stats import (
     CrossMoments,
@@ -26,6 +25,7 @@ from fusekit.core.cross_stats import (
     combine_cross,
 )
 from fusekit.core.errors import DataError, ParameterError
+from fusekit.core.model_spec import fused_spec
 from fusekit.core.stats import DEFAULT_MIN_SAMPLES, preactivation_point
 from fusekit.toolkit.calibration import (
     DEFAULT_BATCH_SIZE,
@@ -113,7 +113,7 @@ def _paired(reference, own, inputs, batch_size: int, min_samples: int):
     """The two models (checkpoints), their specs and the inputs, checked."""
     inputs = checked_inputs(inputs, batch_size, min_samples)
     models = [m if isinstance(m, Checkpoint) else load_checkpoint(m) for m in (reference, own)]
-    specs = [api.fused_spec(m) for m in models]
+    specs = [fused_spec(m) for m in models]
     if [layer.name for layer in specs[0].layers] != [layer.name for layer in specs[1].layers]:
         raise ParameterError(
             f"{models[1].label}: its layers are not those of the fused model "

@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fusekit import api
 from fusekit.core.checkpoint import Checkpoint, load_checkpoint
 from fusekit.core.errors import CheckpointError, DataError, ParameterError
+from fusekit.core.model_spec import fused_spec
 from fusekit.core.stats import (
     DEFAULT_MIN_SAMPLES,
     MODES,
@@ -185,7 +185,7 @@ def client_statistics(
                                  "BatchNorm to normalise with batch statistics; use eval")
         return transformer_statistics(checkpoint, inputs, mode=mode, batch_size=batch_size,
                                       device=device)
-    spec = api.fused_spec(checkpoint)
+    spec = fused_spec(checkpoint)
     network = load_fused(checkpoint, device)
     if mode == "batch":
         _batch_mode(network, checkpoint, spec)
@@ -297,7 +297,7 @@ def transformer_statistics(checkpoint: Checkpoint, inputs: np.ndarray, *, mode: 
         DataError: inputs the model does not take (token ids that are not integers in the
             vocabulary, shapes it refuses).
     """
-    spec = api.fused_spec(checkpoint)
+    spec = fused_spec(checkpoint)
     shapes = {name: info.shape for name, info in checkpoint.tensors.items()}
     points = calibration_points(spec, shapes)
     model = _module(checkpoint, device)

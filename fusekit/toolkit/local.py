@@ -14,12 +14,13 @@ from collections.abc import Collection, Sequence
 
 import numpy as np
 
-from fusekit import api, protocol
+from fusekit import protocol
 from fusekit.calibration import calibrate
 from fusekit.core import metadata as meta
 from fusekit.core.checkpoint import Checkpoint, load_checkpoint
 from fusekit.core.cross_stats import DEFAULT_RIDGE
 from fusekit.core.errors import ParameterError
+from fusekit.core.model_spec import fused_spec
 from fusekit.core.stats import DEFAULT_MIN_SAMPLES
 from fusekit.methods.base import FusionResult
 from fusekit.methods.calibration import calibration_layers
@@ -101,7 +102,7 @@ def calibrate_locally(
         raise ParameterError("input_moments: needs clients (the moments travel with the "
                              "statistics of their own models)")
     current = fused if isinstance(fused, Checkpoint) else load_checkpoint(fused)
-    spec = api.fused_spec(current)
+    spec = fused_spec(current)
     transformer = current.config is not None
     if not (clients if transformer else calibration_layers(spec, repair=bool(clients))):
         # nothing to calibrate (a transformer without targets is refused): no pass runs
@@ -185,7 +186,7 @@ def align_locally(
     options = {"batch_size": batch_size, "device": device, "min_samples": min_samples}
     targets = {k: client_statistics(c, x, **options)
                for k, (c, x) in enumerate(zip(clients, client_inputs, strict=True))}
-    plan = protocol.plan(api.fused_spec(fused), calibration=rounds, repair=True,
+    plan = protocol.plan(fused_spec(fused), calibration=rounds, repair=True,
                          alignment_rounds=alignment_rounds, refit=refit)
     state = run_locally(protocol.start(fused, plan, dict(enumerate(clients)), targets=targets,
                                        min_samples=min_samples, ridge=ridge),
@@ -194,7 +195,7 @@ def align_locally(
     current = state.model
     result = FusionResult(state_dict=current.state_dict(),
                           method=current.metadata.get(meta.METHOD, "unknown"), params={},
-                          widths=api.fused_spec(current).hidden_widths,
+                          widths=fused_spec(current).hidden_widths,
                           report={"alignment": history}, metadata=dict(current.metadata))
     result.metadata[meta.ALIGNMENT] = json.dumps(
         {"rounds": alignment_rounds, "refit": refit,
@@ -209,7 +210,7 @@ def refit_locally(aligned: Checkpoint, clients: Sequence[Checkpoint],
     """Refit rounds with every client's data at hand: every layer of ``aligned``, input to
     output, one round each (each round's statistics see the layers below already refit)."""
     plan = [protocol.Round(protocol.REFIT, layer=layer.name)
-            for layer in api.fused_spec(aligned).layers]
+            for layer in fused_spec(aligned).layers]
     state = protocol.start(aligned, plan, dict(enumerate(clients)), min_samples=min_samples,
                            ridge=ridge)
     return run_locally(state, client_inputs, batch_size=batch_size, device=device).result

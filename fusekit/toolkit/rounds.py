@@ -37,11 +37,12 @@ from typing import Any
 
 import numpy as np
 
-from fusekit.api import client_spec, fuse
+from fusekit.api import fuse
 from fusekit.core import metadata as meta
 from fusekit.core import progress
 from fusekit.core.checkpoint import Checkpoint, is_integer_buffer
 from fusekit.core.errors import ParameterError
+from fusekit.core.model_spec import client_spec
 from fusekit.core.stats import DEFAULT_MIN_SAMPLES
 from fusekit.engine.matching import solve_assignment, sqeuclidean_cost
 from fusekit.methods import METHODS, get_method
