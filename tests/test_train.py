@@ -1,6 +1,8 @@
 """fusekit.toolkit.train: local training, determinism, FedNLR learning rates (paper Eq. 14-17)."""
 
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -12,6 +14,7 @@ from fusekit.toolkit.nn import build_model, convnet_arch, mlp_arch
 from fusekit.toolkit.train import (
     FedNLRConfig,
     TrainConfig,
+    _Optimizer,
     mean_activations,
     neuron_learning_rates,
     resolve_device,
@@ -133,9 +136,58 @@ def test_fednlr_step_scales_each_neurons_update():
         torch.testing.assert_close(delta, expected, rtol=1e-4, atol=1e-7)
 
 
+@pytest.mark.parametrize("config", [
+    TrainConfig(lr=0.01, weight_decay=0.1), TrainConfig(lr=0.05, optimizer="sgd"),
+    TrainConfig(lr=0.05, optimizer="sgd", momentum=0.0, weight_decay=0.01)],
+    ids=["adam", "sgd", "sgd-no-momentum"])
+def test_steps_are_torch_optims_bit_for_bit(config):
+    # The layer left out of the forward pass has no gradient: both leave it as it is.
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3),
+                                   torch.nn.Linear(3, 3))
+
+    ours, theirs = model(), model()
+    optimizer = _Optimizer(ours, config)
+    reference = (torch.optim.Adam(theirs.parameters(), lr=config.lr,
+                                  weight_decay=config.weight_decay)
+                 if config.optimizer == "adam" else
+                 torch.optim.SGD(theirs.parameters(), lr=config.lr, momentum=config.momentum,
+                                 weight_decay=config.weight_decay))
+    x, y = torch.as_tensor(DATA.x_train[:64]), torch.as_tensor(DATA.y_train[:64])
+    for batch in torch.arange(64).split(16):
+        for net, step in ((ours, optimizer), (theirs, reference)):
+            step.zero_grad()
+            torch.nn.functional.cross_entropy(net[:3](x[batch]), y[batch]).backward()
+            step.step()
+    for (name, a), b in zip(ours.state_dict().items(), theirs.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    assert torch.equal(ours[3].weight, model()[3].weight)
+
+
+def test_training_does_not_import_torch_dynamo():
+    # A torch.optim optimizer imports it (1.6 s of CPU), which every process that trains
+    # would pay: each Flower ClientApp message that trains is one.
+    code = ("import sys, numpy as np\n"
+            "from fusekit.toolkit.nn import build_model, mlp_arch\n"
+            "from fusekit.toolkit.train import TrainConfig, train_model\n"
+            "x, y = np.ones((8, 4), np.float32), np.arange(8) % 2\n"
+            "for optimizer in ('adam', 'sgd'):\n"
+            "    train_model(build_model(mlp_arch(4, [3], 2)), x, y,\n"
+            "                TrainConfig(epochs=1, optimizer=optimizer))\n"
+            "print('torch._dynamo' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, check=True)
+    assert done.stdout.strip() == "False", done.stderr
+
+
 def test_config_errors():
     with pytest.raises(ParameterError, match="sgd"):
         TrainConfig(fednlr=FedNLRConfig())
+    with pytest.raises(ParameterError, match="momentum >= 0"):
+        TrainConfig(optimizer="sgd", momentum=-0.5)
+    with pytest.raises(ParameterError, match="weight_decay >= 0"):
+        TrainConfig(weight_decay=-1e-4)
     with pytest.raises(ParameterError, match="optimizer"):
         TrainConfig(optimizer="lbfgs")
     with pytest.raises(ParameterError, match="mu0"):
