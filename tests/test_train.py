@@ -140,12 +140,14 @@ def test_fednlr_step_scales_each_neurons_update():
     TrainConfig(lr=0.01, weight_decay=0.1), TrainConfig(lr=0.05, optimizer="sgd"),
     TrainConfig(lr=0.05, optimizer="sgd", momentum=0.0, weight_decay=0.01)],
     ids=["adam", "sgd", "sgd-no-momentum"])
-def test_steps_are_torch_optims_bit_for_bit(config):
-    # The layer left out of the forward pass has no gradient: both leave it as it is.
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_steps_are_torch_optims_bit_for_bit(config, device):
+    # The layer left out of the forward pass has no gradient: both leave it as it is. On
+    # CUDA both take torch's multi-tensor kernels, on the CPU its per-tensor ones.
     def model():
         torch.manual_seed(0)
         return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3),
-                                   torch.nn.Linear(3, 3))
+                                   torch.nn.Linear(3, 3)).to(device)
 
     ours, theirs = model(), model()
     optimizer = _Optimizer(ours, config)
@@ -154,7 +156,7 @@ def test_steps_are_torch_optims_bit_for_bit(config):
                  if config.optimizer == "adam" else
                  torch.optim.SGD(theirs.parameters(), lr=config.lr, momentum=config.momentum,
                                  weight_decay=config.weight_decay))
-    x, y = torch.as_tensor(DATA.x_train[:64]), torch.as_tensor(DATA.y_train[:64])
+    x, y = (torch.as_tensor(a[:64], device=device) for a in (DATA.x_train, DATA.y_train))
     for batch in torch.arange(64).split(16):
         for net, step in ((ours, optimizer), (theirs, reference)):
             step.zero_grad()
