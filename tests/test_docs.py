@@ -29,6 +29,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from bench_service import http
 
 from conftest import made_once
 from warm_fusekit import WarmFusekit
@@ -151,7 +152,7 @@ def start_in_background(command: list[str], folder: Path, env: dict[str, str], w
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and process.poll() is None:
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200:
+            if http("GET", f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200:
                 return process
         except httpx.TransportError:
             pass

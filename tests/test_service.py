@@ -23,7 +23,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from bench_service import ServiceProcess, children, spawned
+from bench_service import ServiceProcess, children, http, spawned
 from bench_support import status_mb
 from typer.testing import CliRunner
 
@@ -91,8 +91,8 @@ def sha256(path: Path) -> str:
 
 
 def put(service, job, client, token, body, **headers) -> httpx.Response:
-    return httpx.put(f"{service.url}/v1/jobs/{job}/clients/{client}/checkpoint", content=body,
-                     headers={"Authorization": f"Bearer {token}", **headers}, timeout=30)
+    return http("PUT", f"{service.url}/v1/jobs/{job}/clients/{client}/checkpoint", content=body,
+                       headers={"Authorization": f"Bearer {token}", **headers}, timeout=30)
 
 
 def one_line_error(response: httpx.Response, status: int, *words: str) -> str:
@@ -116,8 +116,8 @@ def test_three_clients_pfnm_equals_fusekit_fuse(service, admin, models, tmp_path
             mine = client.status(job["id"])  # a client sees its own slot, nothing of others
             assert mine["slot"]["filled"] and "slots" not in mine and "params" not in mine
             assert not any(other in json.dumps(mine) for other in NAMES if other != name)
-    response = httpx.post(f"{service.url}/v1/jobs/{job['id']}/run",
-                          headers={"Authorization": f"Bearer {ADMIN}"})
+    response = http("POST", f"{service.url}/v1/jobs/{job['id']}/run",
+                            headers={"Authorization": f"Bearer {ADMIN}"})
     assert response.status_code == 202
     assert response.headers["Location"] == f"/v1/jobs/{job['id']}"
     state = admin.wait(job["id"], timeout=60, every=0.1)
@@ -313,7 +313,7 @@ def test_a_long_job_error_is_bounded_and_whole_in_the_report(service, admin, mod
     assert state["error"].endswith("characters; the whole error is in the job's report)")
     whole = admin.report(job["id"])["error"]
     assert name in whole and whole.startswith(state["error"][:300])
-    refused = httpx.post(f"{service.url}/v1/jobs", json={
+    refused = http("POST", f"{service.url}/v1/jobs", json={
         "method": "pfnm", "clients": ["a"], "params": {name: 1}},  # an unknown parameter
         headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30)
     error = one_line_error(refused, 422, "characters; the rest left out)")
@@ -375,8 +375,8 @@ def test_a_long_job_error_is_bounded_and_whole_in_the_report(service, admin, mod
     ('{"method": "avg", "clients": ["' + "a" * 2**20 + '"]}', 413, ["request body", "1048576"]),
 ])
 def test_job_creation_refuses_bad_requests(service, body, status, words):
-    response = httpx.post(f"{service.url}/v1/jobs", headers={"Authorization": f"Bearer {ADMIN}"},
-                          **({"json": body} if isinstance(body, dict) else {"content": body}))
+    response = http("POST", f"{service.url}/v1/jobs", headers={"Authorization": f"Bearer {ADMIN}"},
+                            **({"json": body} if isinstance(body, dict) else {"content": body}))
     one_line_error(response, status, *words)
 
 
@@ -386,13 +386,13 @@ def test_tokens(service, admin, models):
     assert len({*tokens.values(), ADMIN}) == 3 and all(len(t) >= 43 for t in tokens.values())
     body = models[0].read_bytes()
     url = f"{service.url}/v1/jobs/{job['id']}"
-    one_line_error(httpx.get(url), 401, "Bearer")
-    one_line_error(httpx.get(url, headers={"Authorization": "Basic abc"}), 401, "Bearer")
+    one_line_error(http("GET", url), 401, "Bearer")
+    one_line_error(http("GET", url, headers={"Authorization": "Basic abc"}), 401, "Bearer")
     one_line_error(put(service, job["id"], "b", tokens["a"], body), 403, "'a'", "'b'")
     one_line_error(put(service, job["id"], "a", "forged", body), 403, "token")
-    one_line_error(httpx.post(f"{service.url}/v1/jobs", json={"method": "avg", "clients": ["x"]},
-                              headers={"Authorization": f"Bearer {tokens['a']}"}), 403, "admin")
-    one_line_error(httpx.get(f"{url}/result", headers={"Authorization": f"Bearer {tokens['a']}"}),
+    one_line_error(http("POST", f"{service.url}/v1/jobs", json={"method": "avg", "clients": ["x"]},
+                                headers={"Authorization": f"Bearer {tokens['a']}"}), 403, "admin")
+    one_line_error(http("GET", f"{url}/result", headers={"Authorization": f"Bearer {tokens['a']}"}),
                    403, "admin")
     one_line_error(put(service, "0" * 32, "a", ADMIN, body), 404, "no such job")
     one_line_error(put(service, "../../etc", "a", ADMIN, body), 404)
@@ -416,9 +416,9 @@ def test_a_malformed_authorization_header_never_echoes_the_token(service, admin,
     job = admin.create_job("avg", ["a"])
     token = job["tokens"]["a"]
     for method, path in (("GET", ""), ("PUT", "/clients/a/checkpoint"), ("DELETE", "")):
-        response = httpx.request(method, f"{service.url}/v1/jobs/{job['id']}{path}",
-                                 headers={"Authorization": form.format(token=token)},
-                                 content=b"x" if method == "PUT" else None)
+        response = http(method, f"{service.url}/v1/jobs/{job['id']}{path}",
+                        headers={"Authorization": form.format(token=token)},
+                        content=b"x" if method == "PUT" else None)
         one_line_error(response, 401, "Bearer")
         assert_no_part_of(token, response.text + str(response.headers))
     assert_no_part_of(token, service.log.read_text())
@@ -646,9 +646,9 @@ def test_upload_and_job_limits_answer_429(big_service, models):
             assert response.headers["Retry-After"] == "1"
         created = []
         for _ in range(MAX_JOBS):  # the server keeps at most MAX_JOBS jobs
-            response = httpx.post(f"{big_service.url}/v1/jobs",
-                                  json={"method": "avg", "clients": ["a"]},
-                                  headers={"Authorization": f"Bearer {ADMIN}"})
+            response = http("POST", f"{big_service.url}/v1/jobs",
+                                    json={"method": "avg", "clients": ["a"]},
+                                    headers={"Authorization": f"Bearer {ADMIN}"})
             if response.status_code != 201:
                 break
             created.append(response.json()["id"])
@@ -656,8 +656,8 @@ def test_upload_and_job_limits_answer_429(big_service, models):
         assert response.headers["Retry-After"] == "30"
         for job_id in created:
             admin.delete(job_id)
-    one_line_error(httpx.get(f"{big_service.url}/v1/jobs/{created[0]}",
-                             headers={"Authorization": f"Bearer {ADMIN}"}), 404)
+    one_line_error(http("GET", f"{big_service.url}/v1/jobs/{created[0]}",
+                               headers={"Authorization": f"Bearer {ADMIN}"}), 404)
     assert not (big_service.data_dir / "jobs" / created[0]).exists()
     assert not any((big_service.data_dir / "trash").iterdir())
 
@@ -755,7 +755,7 @@ def test_healthz_answers_while_a_large_header_is_checked(big_service, tmp_path):
         upload = pool.submit(put, big_service, job["id"], "a", ADMIN, path.read_bytes())
         answered_meanwhile = 0
         for _ in range(2000):  # bounded: 2000 answers
-            assert httpx.get(f"{big_service.url}/healthz", timeout=30).status_code == 200
+            assert http("GET", f"{big_service.url}/healthz", timeout=30).status_code == 200
             if upload.done():
                 break
             answered_meanwhile += 1
@@ -764,8 +764,8 @@ def test_healthz_answers_while_a_large_header_is_checked(big_service, tmp_path):
 
 
 def test_healthz_and_openapi(service):
-    assert httpx.get(f"{service.url}/healthz").json()["status"] == "ok"
-    paths = httpx.get(f"{service.url}/openapi.json").json()["paths"]
+    assert http("GET", f"{service.url}/healthz").json()["status"] == "ok"
+    paths = http("GET", f"{service.url}/openapi.json").json()["paths"]
     assert {"/v1/jobs", "/v1/jobs/{job_id}", "/v1/jobs/{job_id}/run", "/v1/jobs/{job_id}/result",
             "/v1/jobs/{job_id}/report", "/v1/jobs/{job_id}/clients/{client}/checkpoint",
             "/healthz"} <= set(paths)

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from bench_service import ServiceProcess
+from bench_service import ServiceProcess, http
 from test_service import (  # noqa: F401
     ADMIN,
     admin,
@@ -75,8 +75,8 @@ def statistics_file(fused: Path, inputs: np.ndarray, path: Path, **options) -> P
 
 
 def put_statistics(service, job_id, client, token, body) -> httpx.Response:  # noqa: F811
-    return httpx.put(f"{service.url}/v1/jobs/{job_id}/clients/{client}/statistics",
-                     content=body, headers={"Authorization": f"Bearer {token}"}, timeout=30)
+    return http("PUT", f"{service.url}/v1/jobs/{job_id}/clients/{client}/statistics",
+                       content=body, headers={"Authorization": f"Bearer {token}"}, timeout=30)
 
 
 def assert_same_tensors(path: Path, expected: dict) -> None:
@@ -359,8 +359,8 @@ def plain_models(tmp_path_factory) -> list[Path]:
 
 
 def put_targets(service, job_id, client, token, body) -> httpx.Response:  # noqa: F811
-    return httpx.put(f"{service.url}/v1/jobs/{job_id}/clients/{client}/targets",
-                     content=body, headers={"Authorization": f"Bearer {token}"}, timeout=30)
+    return http("PUT", f"{service.url}/v1/jobs/{job_id}/clients/{client}/targets",
+                       content=body, headers={"Authorization": f"Bearer {token}"}, timeout=30)
 
 
 def test_plain_mlp_calibrated_with_targets_as_fusekit_calibrate_does(
@@ -500,7 +500,7 @@ def test_parameters_checked_at_creation_against_the_declared_clients_and_spec(
     spec = fused_spec(fusekit.load_checkpoint(folder)).to_json()
 
     def create(config: dict) -> httpx.Response:
-        return httpx.post(f"{service.url}/v1/jobs", json={
+        return http("POST", f"{service.url}/v1/jobs", json={
             "method": "pfnm", "clients": ["a", "b"], "config": config, "spec": spec},
             headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30)
 
@@ -514,7 +514,7 @@ def test_parameters_checked_at_creation_against_the_declared_clients_and_spec(
     ]:
         one_line_error(create({**config, **change}), 422, *words)
     assert create(config).status_code == 201
-    refused = httpx.post(f"{service.url}/v1/jobs", json={
+    refused = http("POST", f"{service.url}/v1/jobs", json={
         "method": "pfnm", "clients": ["a", "b"], "params": {"sigma": [1.0] * 50}},
         headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30)
     one_line_error(refused, 422, "sigma: expected one value, or one per client (2), found 50")

@@ -17,10 +17,9 @@ import threading
 import time
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
-from bench_service import ServiceProcess
+from bench_service import ServiceProcess, http
 from test_service import (  # noqa: F401
     ADMIN,
     admin,
@@ -267,9 +266,9 @@ def test_align_and_refit_job_equals_the_library_and_refuses_stale_rounds(
 
 
 def httpx_put(service, job_id, client, token, path, kind="statistics", **query):  # noqa: F811
-    return httpx.put(f"{service.url}/v1/jobs/{job_id}/clients/{client}/{kind}",
-                     params=query, content=path.read_bytes(),
-                     headers={"Authorization": f"Bearer {token}"}, timeout=30)
+    return http("PUT", f"{service.url}/v1/jobs/{job_id}/clients/{client}/{kind}",
+                       params=query, content=path.read_bytes(),
+                       headers={"Authorization": f"Bearer {token}"}, timeout=30)
 
 
 @contextlib.contextmanager
@@ -462,7 +461,7 @@ def test_a_protocol_a_transformer_job_cannot_run_is_refused_when_the_job_is_crea
     config = {"model_type": "vit", "hidden_size": 16, "intermediate_size": 24}
     spec = {"format": fusekit.core.transformer.TRANSFORMER_FORMAT}
     for protocol, known in (("layerwise", {"config": config}), ("align", {"spec": spec})):
-        response = httpx.post(f"{service.url}/v1/jobs", json={
+        response = http("POST", f"{service.url}/v1/jobs", json={
             "method": "pfnm", "clients": list(NAMES), "calibrate": True, "protocol": protocol,
             **known}, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30)
         one_line_error(response, 422, "protocol", "transformer", "expected protocol 'one-pass'",

@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from bench_service import ServiceProcess
+from bench_service import ServiceProcess, http
 from test_service import ADMIN, admin, models, one_line_error, put, service  # noqa: F401
 
 from conftest import mlp, write
@@ -44,17 +44,17 @@ SHOTS = os.environ.get("FUSEKIT_SCREENSHOTS")
 def test_pages_and_their_files_are_served_from_this_server_only(service):
     assert f"web page: {service.url}/ " in service.log.read_text()  # fusekit serve says where
     for path in ("/", "/upload"):
-        page = httpx.get(service.url + path)
+        page = http("GET", service.url + path)
         assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
         assert "default-src 'self'" in page.headers["content-security-policy"]
         linked = re.findall(r'(?:src|href)="([^"#]+)"', page.text)
         assert linked and all(link.startswith("/static/") for link in linked), linked
         for link in linked:
-            assert httpx.get(service.url + link).status_code == 200, link
+            assert http("GET", service.url + link).status_code == 200, link
     for file in STATIC.iterdir():  # nothing fetched from elsewhere at run time
         urls = set(re.findall(r"https?://[^\s\"'`)]+", file.read_text()))
         assert urls <= {"http://www.w3.org/2000/svg"}, (file.name, urls)
-    one_line_error(httpx.get(service.url + "/static/nope.js"), 404, "/static/nope.js")
+    one_line_error(http("GET", service.url + "/static/nope.js"), 404, "/static/nope.js")
 
 
 def test_the_static_files_are_package_data(tmp_path):
@@ -71,7 +71,7 @@ def test_the_static_files_are_package_data(tmp_path):
 
 
 def test_methods_lists_every_parameter_a_job_may_set_as_declared(service):
-    methods = httpx.get(f"{service.url}/v1/methods").json()["methods"]  # no token needed
+    methods = http("GET", f"{service.url}/v1/methods").json()["methods"]  # no token needed
     assert [m["name"] for m in methods] == sorted(METHODS)
     for listed in methods:
         declared = [s.to_json() for s in method_params(METHODS[listed["name"]])
@@ -88,16 +88,16 @@ def test_job_list_is_the_admins_only(service, admin, models):  # noqa: F811
     job = admin.create_job("avg", ["a", "b"])
     admin.submit(job["id"], "a", models[0])
     url = f"{service.url}/v1/jobs"
-    one_line_error(httpx.get(url), 401, "Bearer")
-    one_line_error(httpx.get(url, headers={"Authorization": f"Bearer {job['tokens']['a']}"}),
+    one_line_error(http("GET", url), 401, "Bearer")
+    one_line_error(http("GET", url, headers={"Authorization": f"Bearer {job['tokens']['a']}"}),
                    403, "admin")
-    jobs = httpx.get(url, headers={"Authorization": f"Bearer {ADMIN}"}).json()["jobs"]
+    jobs = http("GET", url, headers={"Authorization": f"Bearer {ADMIN}"}).json()["jobs"]
     mine = next(j for j in jobs if j["id"] == job["id"])
     assert mine == {**mine, "method": "avg", "state": "collecting", "clients": 2, "filled": 1}
     assert [j["created_at"] for j in jobs] == sorted((j["created_at"] for j in jobs),
                                                      reverse=True)
     admin.delete(job["id"])
-    jobs = httpx.get(url, headers={"Authorization": f"Bearer {ADMIN}"}).json()["jobs"]
+    jobs = http("GET", url, headers={"Authorization": f"Bearer {ADMIN}"}).json()["jobs"]
     assert job["id"] not in {j["id"] for j in jobs}
 
 
@@ -240,8 +240,8 @@ def test_nothing_is_shown_before_the_admin_token_and_a_wrong_one_is_refused(brow
     assert not select_all(browser, "#jobs, #create, #job")
     sign_in(browser, service.url, "forged")
     shown = wait_for(browser, lambda d: by_id(d, "sign-in-error").text, "the refusal")
-    expected = api_error(httpx.get(f"{service.url}/v1/jobs",
-                                   headers={"Authorization": "Bearer forged"}))
+    expected = api_error(http("GET", f"{service.url}/v1/jobs",
+                                     headers={"Authorization": "Bearer forged"}))
     assert shown == expected
     assert not select_all(browser, "#jobs")
     assert browser.execute_script("return sessionStorage.length + localStorage.length") == 0

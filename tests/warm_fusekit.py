@@ -83,6 +83,9 @@ def serve(address: str) -> None:
     import torch  # noqa: F401  (what most commands import first, once)
 
     import fusekit._cli.app  # noqa: F401
+    from fusekit.client import tls_context
+
+    tls_context()  # the certificates each service command's client verifies with, loaded once
 
     children: dict[int, socket.socket] = {}  # child pid -> its caller's connection
     signal.signal(signal.SIGTERM, lambda *_: end_all(children))
