@@ -250,33 +250,39 @@ def test_the_core_is_checked_for_every_function_its_stubs_declare():
     assert native.CORE_IMPORT_ERROR is None and all(hasattr(core(), f) for f in declared)
 
 
-def test_small_products_run_on_one_of_numpys_blas_threads(monkeypatch):
-    """inner_products below SERIAL_FLOPS holds numpy's BLAS at one thread for the product
-    only (the count it found is back after), and gives the same matrix as above it."""
+def test_products_run_on_one_blas_thread_in_blocks_of_rows_side_by_side(monkeypatch):
+    """inner_products holds numpy's BLAS at one thread while it multiplies (the count it
+    found is back after); from SERIAL_FLOPS on it cuts the rows into a block per thread
+    the BLAS had (of BLOCK_ROWS rows at least), multiplied side by side: the same matrix,
+    bit for bit, as one product on one thread, whatever the count."""
     threadpoolctl = pytest.importorskip("threadpoolctl")
     controller = matching._numpy_blas()
     if controller is None:
         pytest.skip("numpy shares its BLAS with SciPy here")
     rng = np.random.default_rng(0)
-    pairs = [(rng.standard_normal((300, 200), dtype=np.float32),
-              rng.standard_normal((250, 200), dtype=np.float32)) for _ in range(2)]
+    pairs = [(rng.standard_normal((301, 700), dtype=np.float32),
+              rng.standard_normal((250, 700), dtype=np.float32)) for _ in range(2)]
+    with threadpoolctl.threadpool_limits(1, user_api="blas"):
+        whole = pairs[0][0] @ pairs[0][1].T + pairs[1][0] @ pairs[1][1].T
     seen = []
+    matmul = np.matmul
 
-    class Spy(np.ndarray):  # records the thread count when numpy multiplies it
-        def __matmul__(self, other):
-            seen.append(controller.info()[0]["num_threads"])
-            return np.asarray(self) @ other
+    def spy(a, b, **kwargs):  # the rows multiplied and numpy's BLAS thread count then
+        seen.append((len(a), controller.info()[0]["num_threads"]))
+        return matmul(a, b, **kwargs)
 
+    monkeypatch.setattr(np, "matmul", spy)
     before = controller.info()[0]["num_threads"]
-    with threadpoolctl.threadpool_limits(2, user_api="blas"):
-        serial = matching.inner_products([(a.view(Spy), b) for a, b in pairs])
-        assert seen == [1, 1] and controller.info()[0]["num_threads"] == 2
-        seen.clear()
-        monkeypatch.setattr(matching, "SERIAL_FLOPS", 0)
-        threaded = matching.inner_products([(a.view(Spy), b) for a, b in pairs])
-        assert seen == [2, 2]
-    np.testing.assert_array_equal(np.asarray(serial), np.asarray(threaded))
+    cases = [(2, 1e18, [301]), (3, 0, [100, 100, 101]), (8, 0, [75, 75, 75, 76])]
+    for threads, flops, rows in cases:  # 8 threads: 4 blocks of BLOCK_ROWS rows at least
+        monkeypatch.setattr(matching, "SERIAL_FLOPS", flops)
+        with threadpoolctl.threadpool_limits(threads, user_api="blas"):
+            seen.clear()
+            product = matching.inner_products(pairs)
+            assert sorted(seen) == sorted((n, 1) for n in rows * 2)
+            assert controller.info()[0]["num_threads"] == threads
+        np.testing.assert_array_equal(product, whole)
     assert controller.info()[0]["num_threads"] == before
-    out = np.full((300, 250), np.nan, dtype=np.float32)  # written into, the same values
+    out = np.full((301, 250), np.nan, dtype=np.float32)  # written into, the same values
     assert matching.inner_products(pairs, out=out) is out
-    np.testing.assert_array_equal(out, np.asarray(serial))
+    np.testing.assert_array_equal(out, whole)

@@ -11,16 +11,19 @@ Inside a ``fusekit.engine.offload.on_device`` block, the cost matrices may be co
 CUDA device instead (the toolkit's torch kernels, same results to rounding); the inputs are
 validated here either way.
 
-The cost kernels call the BLAS that SciPy ships. Products under about 256 MFLOP run on one
-BLAS thread (two threads on busy cores wait for each other); OpenBLAS's thread count is
-process-wide, so other threads' SciPy BLAS calls also run on one thread during such a call.
+The cost kernels call the BLAS that SciPy ships. numpy's products (:func:`inner_products`)
+run on one BLAS thread each, the large ones cut into blocks of rows computed side by side
+(two threads on busy cores waited for each other); OpenBLAS's thread count is process-wide,
+so other threads' BLAS calls also run on one thread during such a call.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -299,18 +302,55 @@ def inner_products(pairs: Iterable[tuple[np.ndarray, np.ndarray]],
     kernels = accelerator_for(flops)
     if kernels is not None:
         return kernels.inner_products(pairs)
-    with _serial_numpy_blas() if flops < SERIAL_FLOPS else contextlib.nullcontext():
+    parts = 1 if flops < SERIAL_FLOPS else _numpy_blas_threads()
+    with _serial_numpy_blas():
         first, second = pairs[0]
-        total = first @ second.T if out is None else np.matmul(first, second.T, out=out)
+        total = _rows_side_by_side(first, second, out, parts)
         for a, b in pairs[1:]:
-            total += a @ b.T  # in place: what total + a @ b.T gives
+            total += _rows_side_by_side(a, b, None, parts)  # in place: total + a @ b.T
     return total
 
 
-#: numpy's products below this many flops run on one BLAS thread, as the core's below its
-#: kSerialFlops (csrc/cost.cpp): a second thread gains little on them, and after each
-#: product it spins for the next one on the core that the solver or another thread needs.
+#: numpy's products below this many flops are not cut into blocks, as the core's below its
+#: kSerialFlops (csrc/cost.cpp) run on one thread: a second thread gains little on them.
 SERIAL_FLOPS = 256e6
+
+
+def _rows_side_by_side(a: np.ndarray, b: np.ndarray, out: np.ndarray | None,
+                       parts: int) -> np.ndarray:
+    """``a @ b.T`` (into ``out`` if given), ``a``'s rows cut into ``parts`` blocks whose
+    products run side by side on as many threads, each on one BLAS thread (the caller
+    holds :func:`_serial_numpy_blas`). OpenBLAS's own threads waited for each other in a
+    spin that took a third of ot's CPU on ten ResNet-50s (benchmarks/RESULTS.md); and a
+    block of rows on one BLAS thread gives those rows of the whole product on one thread
+    bit for bit, so the values do not depend on the number of cores."""
+    if out is None:
+        out = np.empty((a.shape[0], b.shape[0]), dtype=np.result_type(a, b))
+    parts = max(1, min(parts, len(a) // BLOCK_ROWS)) if len(b) >= BLOCK_ROWS else 1
+    cuts = [len(a) * k // parts for k in range(parts + 1)]
+    others = [_product_threads(parts - 1).submit(np.matmul, a[lo:hi], b.T, out=out[lo:hi])
+              for lo, hi in itertools.pairwise(cuts[1:])]
+    np.matmul(a[:cuts[1]], b.T, out=out[:cuts[1]])
+    for future in others:
+        future.result()
+    return out
+
+
+#: Rows (and columns) of a block of a product at least: OpenBLAS multiplies a single row
+#: by another kernel (gemv) and small blocks by others again, whose sums round otherwise.
+BLOCK_ROWS = 64
+
+
+@functools.cache
+def _product_threads(count: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max(count, 1), thread_name_prefix="fusekit-product")
+
+
+def _numpy_blas_threads() -> int:
+    """The threads numpy's own BLAS would use (1 while :func:`_serial_numpy_blas` holds it,
+    or when numpy shares SciPy's BLAS, whose thread count the core's kernels set)."""
+    controller = _numpy_blas()
+    return 1 if controller is None else max(1, min(i["num_threads"] for i in controller.info()))
 
 
 def _serial_numpy_blas() -> contextlib.AbstractContextManager:
