@@ -149,6 +149,13 @@ class Distill(FusionMethod):
         temperature: Annotated[float, Param(
             help="softening of the teacher's and the student's answers in the student's "
             "KL loss", paper="Hinton et al. 2015", above=0, maximum=100)] = 1.0,
+        teacher_temperature: Annotated[float, Param(
+            help="temperature of the teacher's answers that the student learns (below 1: "
+            "sharper; 0.01: nearly the top class alone). The class-share mixture, "
+            "renormalised, is nearly flat where clients hold different classes; sharpened, "
+            "the student follows its top class: better where that is well above the "
+            "student, worse where the student taught it as it is beats it",
+            above=0, maximum=100)] = 1.0,
         lr: Annotated[float, Param(help="Adam learning rate of the student", above=0,
                                    maximum=1)] = 1e-3,
         proximal: Annotated[float, Param(
@@ -192,7 +199,8 @@ class Distill(FusionMethod):
             width_ratio: the student's width relative to the widest client (``initial``
                 pfnm or nafi); the other initial fusions keep the clients' width.
             steps, batch, input_steps, input_lr, replay, pool, adversarial, experts,
-                batchnorm, temperature, lr, proximal, patience, image_size,
+                batchnorm, temperature, teacher_temperature, lr, proximal, patience,
+                image_size,
                 sequence_length, exploration, prior, seed, device, threads: the training's
                 settings (see the declaration above and ALGORITHMS.md §14).
 
@@ -220,14 +228,15 @@ class Distill(FusionMethod):
         if not _trainer:
             raise ParameterError("method 'distill' trains its student with torch: import "
                                  "fusekit.toolkit (fusekit.fuse does) to install its training")
+        shares, class_prior = _class_shares(checkpoints, _classes(checkpoints[0], specs[0]))
         settings = {"steps": steps, "batch": batch, "input_steps": input_steps,
                     "input_lr": input_lr, "replay": replay, "pool": pool,
                     "adversarial": adversarial, "experts": experts,
                     "batchnorm": batchnorm,
-                    "temperature": temperature, "lr": lr, "proximal": proximal,
+                    "temperature": temperature, "teacher_temperature": teacher_temperature,
+                    "lr": lr, "proximal": proximal,
                     "patience": patience, "exploration": exploration, "prior": prior,
                     "seed": seed, "device": device, "threads": threads}
-        shares, class_prior = _class_shares(checkpoints, _classes(checkpoints[0], specs[0]))
         task = DistillationTask(checkpoints, specs, student, shares, class_prior, input_shape,
                                 settings, _common_pixel_range(checkpoints, input_shape))
         state_dict, trained = _trainer[0](task)

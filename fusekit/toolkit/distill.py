@@ -7,9 +7,10 @@ the inputs ``input_steps`` Adam steps toward what the teacher answers with those
 (fidelity) and what each input's expert (a client drawn by its share of the label's
 samples) answers with it, where the student disagrees with it (DENSE's adversarial term) and, for
 clients with BatchNorm, where every BatchNorm sees its running statistics (DeepInversion),
-then updates the student with the temperature-softened KL to the teacher on the batch
-and, beside it, ``replay`` times as many inputs drawn from a pool of the latest ``pool``
-inputs of earlier steps, the teacher's answers kept (learning from an input costs a
+then updates the student with the temperature-softened KL to the teacher's answers at
+the teacher's temperature (below 1: sharper) on the batch and,
+beside it, ``replay`` times as many inputs drawn from a pool of the latest ``pool`` inputs
+of earlier steps, the teacher's answers kept (learning from an input costs a
 fraction of making it: the teacher runs every client forward and back for each input step).
 Drawing every batch afresh keeps the synthetic set diverse: inputs optimised over many
 steps drift to where every client is confident for no reason, and a student taught there
@@ -69,7 +70,7 @@ def train_student(task: DistillationTask) -> tuple[dict[str, np.ndarray], dict[s
     student = _student_module(task).to(device).eval()  # eval: BatchNorm keeps its statistics
     shares = (None if task.class_shares is None
               else torch.as_tensor(task.class_shares, dtype=torch.float32, device=device))
-    teacher = Teacher(teachers, shares)
+    teacher = Teacher(teachers, shares, settings["teacher_temperature"])
     trainer = _Trainer(teacher, student, task, device)
     with _cpu_threads(settings["threads"] if device.type == "cpu" else None):
         report = trainer.run()
@@ -81,18 +82,26 @@ def train_student(task: DistillationTask) -> tuple[dict[str, np.ndarray], dict[s
 
 class Teacher:
     """The clients' ensemble: log of the class-share mixture sum_s f_sc softmax(z_s)_c (AMS's
-    class-aware rule, ALGORITHMS §6) or of the softmax average, and, for clients with
-    BatchNorm, DeepInversion's statistics loss of the last batch it answered."""
+    class-aware rule, ALGORITHMS §6) or of the softmax average, the same at ``temperature``
+    for the student to learn, and, for clients with BatchNorm, DeepInversion's statistics
+    loss of the last batch it answered."""
 
-    def __init__(self, models: Sequence[nn.Module], shares: torch.Tensor | None):
+    def __init__(self, models: Sequence[nn.Module], shares: torch.Tensor | None,
+                 temperature: float = 1.0):
         self.models = list(models)
         self.shares = shares
+        self.temperature = temperature
         self.norms = [m for model in self.models for m in model.modules()
                       if isinstance(m, nn.modules.batchnorm._BatchNorm)]
         self.rule = "class-share" if shares is not None else "softmax"
 
     def log_probs(self, x: torch.Tensor) -> torch.Tensor:
         return self.answers(x)[0]
+
+    def taught(self, x: torch.Tensor) -> torch.Tensor:
+        """What the student learns: the ensemble's log-probabilities at the teacher's
+        temperature, renormalised (the inputs are moved by the ensemble as it is)."""
+        return (self.log_probs(x) / self.temperature).log_softmax(dim=1)
 
     def answers(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The ensemble's log-probabilities (B, C) and every client's (S, B, C)."""
@@ -163,7 +172,7 @@ class _Trainer:
         for step in range(1, s["steps"] + 1):
             x = self._synthetic_batch()
             with torch.no_grad():
-                target = self.teacher.log_probs(x)
+                target = self.teacher.taught(x)
             measured = self._student_step(x, target, self._replayed())
             if self.replay:
                 self.pool.add(x, target)
