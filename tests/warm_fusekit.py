@@ -1,15 +1,15 @@
 """``fusekit`` commands forked from one warm process, for tests that run many of them.
 
 A fresh ``python -m fusekit`` spends most of a small command's CPU importing torch; the docs
-pages run about sixty. :class:`WarmFusekit` imports the command line (and torch) once in a
-process of its own and forks a child for each command a ``fusekit`` script on PATH asks
-for. The child is the command as a reader runs it: this tree's ``fusekit._cli.app.main`` with
-the caller's arguments, folder, environment, stdin, stdout and stderr (passed over a Unix
-socket), its exit status the script's. ``fusekit serve`` is exec'd afresh instead: the
-service's server is tested as the process it is. The ``warm-python`` script beside it runs
-a Python file the same way, as ``python FILE`` would (``__main__``, ``sys.argv``). A child
-whose script goes away (ended with its shell's process group) is killed with its process
-group; stopping the warm process ends every child it has.
+pages run about sixty. :class:`WarmFusekit` imports the command line (and torch, and what the
+pages' Python blocks import) once in a process of its own and forks a child for each command a
+``fusekit`` script on PATH asks for. The child is the command as a reader runs it: this tree's
+``fusekit._cli.app.main`` with the caller's arguments, folder, environment, stdin, stdout and
+stderr (passed over a Unix socket), its exit status the script's. ``fusekit serve`` is exec'd
+afresh instead: the service's server is tested as the process it is. The ``warm-python`` script
+beside it runs a Python file the same way, as ``python FILE`` would (``__main__``,
+``sys.argv``). A child whose script goes away (ended with its shell's process group) is killed
+with its process group; stopping the warm process ends every child it has.
 
 The parent never runs torch code, so no thread pool exists when it forks.
 """
@@ -17,6 +17,7 @@ The parent never runs torch code, so no thread pool exists when it forks.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import runpy
@@ -31,6 +32,10 @@ from pathlib import Path
 
 MESSAGE_BYTES = 1 << 20  # a request: arguments, folder and environment, as JSON
 FRESH = ("serve",)  # commands run as a fresh process, never forked
+# What the pages' Python blocks import beyond the command line, imported once here instead of
+# once in each child (about 2 s of CPU each): torch._dynamo (an optimizer of torch.optim or a
+# transformers model imports it), transformers' model classes, scikit-learn's data sets.
+PRELOADED = ("torch._dynamo", "transformers.modeling_utils", "sklearn.datasets")
 
 SCRIPT = """#!{python} -I
 import json, os, socket, sys
@@ -83,6 +88,11 @@ def serve(address: str) -> None:
     import torch  # noqa: F401  (what most commands import first, once)
 
     import fusekit._cli.app  # noqa: F401
+
+    for name in PRELOADED:
+        with contextlib.suppress(ImportError):  # transformers: the [hf] extra
+            importlib.import_module(name)
+
     from fusekit.client import tls_context
 
     tls_context()  # the certificates each service command's client verifies with, loaded once
