@@ -23,7 +23,7 @@ import fusekit  # noqa: E402
 from fusekit._cli.app import app  # noqa: E402
 from fusekit.client import Client  # noqa: E402
 from fusekit.core.errors import IncompatibleModelsError  # noqa: E402
-from fusekit.core.model_spec import client_spec
+from fusekit.core.model_spec import client_spec  # noqa: E402
 from fusekit.toolkit.nn.hf import load_pretrained  # noqa: E402
 
 # 15 steps take the student to 0.19x (ViT) and 0.29x (GPT-2) of the start's KL; 30 steps
@@ -100,7 +100,7 @@ def test_the_student_comes_closer_to_the_ensemble_than_its_start(family_clients,
 
 
 def test_same_seed_same_student(family_clients):
-    family, clients = family_clients
+    _, clients = family_clients
     first, again = (fusekit.fuse(clients, method="distill", steps=3, batch=8, seed=5)
                     for _ in range(2))
     other = fusekit.fuse(clients, method="distill", steps=3, batch=8, seed=6)
