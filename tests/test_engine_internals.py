@@ -250,6 +250,28 @@ def test_the_core_is_checked_for_every_function_its_stubs_declare():
     assert native.CORE_IMPORT_ERROR is None and all(hasattr(core(), f) for f in declared)
 
 
+def test_a_forked_child_multiplies_in_blocks_on_threads_of_its_own(monkeypatch):
+    """The product threads are the process's own: a child forked after its parent cut a
+    product into blocks cuts its own on new threads (the parent's are not in it)."""
+    import multiprocessing
+    import os
+    import signal
+
+    monkeypatch.setattr(matching, "SERIAL_FLOPS", 0)
+    rng = np.random.default_rng(0)
+    a, b = (rng.standard_normal((256, 64), dtype=np.float32) for _ in range(2))
+    expected = matching.inner_products([(a, b)])
+    child = multiprocessing.get_context("fork").Process(
+        target=lambda: os._exit(0 if np.array_equal(matching.inner_products([(a, b)]),
+                                                    expected) else 1))
+    child.start()
+    child.join(60)
+    if child.is_alive():
+        os.kill(child.pid, signal.SIGKILL)
+        child.join(10)
+    assert child.exitcode == 0
+
+
 def test_products_run_on_one_blas_thread_in_blocks_of_rows_side_by_side(monkeypatch):
     """inner_products holds numpy's BLAS at one thread while it multiplies (the count it
     found is back after); from SERIAL_FLOPS on it cuts the rows into a block per thread

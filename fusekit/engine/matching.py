@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import os
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -344,6 +345,10 @@ BLOCK_ROWS = 64
 @functools.cache
 def _product_threads(count: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max(count, 1), thread_name_prefix="fusekit-product")
+
+
+# A forked child has none of its parent's threads: it makes its own pools.
+os.register_at_fork(after_in_child=_product_threads.cache_clear)
 
 
 def _numpy_blas_threads() -> int:
