@@ -354,6 +354,9 @@ def big_file_case(workdir: Path, case: str, tensors: dict[str, Any]) -> dict[str
     try:
         with Client(service.url, admin) as coordinator:
             job = coordinator.create_job("avg", ["a"])
+            first = coordinator.create_job("avg", ["a"])  # its upload starts a checker
+            coordinator.submit(first["id"], "a", save_checkpoint(
+                workdir / f"{case}-first.safetensors", {"w": np.ones(2, np.float32)}, {}))
         processes = {"api": service.process.pid,
                      **{f"checker{i}": pid for i, pid in
                         enumerate(spawned(service.process.pid))}}

@@ -793,11 +793,13 @@ def test_kill9_during_uploads_and_during_a_job_then_restart(tmp_path):
     try:
         token_file = server.data_dir / "admin.token"
         assert f"admin token: {token_file}" in server.log.read_text()
+        assert not spawned(server.process.pid)  # checkers start with the first upload
         admin = Client(server.url, token_file.read_text().strip())
         params = {"sweeps": 30}  # long enough (~1 s) to be killed while it runs
         job = admin.create_job("pfnm", list(NAMES), params=params)
         for name, path in zip(NAMES[:2], paths[:2], strict=True):
             admin.submit(job["id"], name, path)
+        assert spawned(server.process.pid)
         partial = send_partial(server, job["id"], NAMES[2], job["tokens"][NAMES[2]],
                                paths[2].read_bytes(), keep_open=True)
         server.kill()

@@ -127,7 +127,6 @@ def create_app(settings: Settings) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         task = asyncio.create_task(_recover_forever(settings, huey, run_job_task))
-        await checker.start()
         yield
         task.cancel()
         checker.close()

@@ -168,16 +168,13 @@ class Upload:
 
 
 class Checker:
-    """Processes that check uploads (``processes`` at most, started when first needed)."""
+    """Processes that check uploads: ``processes`` at most, each started when a check finds
+    none idle, so that a server that is sent nothing starts none (each costs about a
+    quarter of a second of CPU importing the checks, and its stop waits for them)."""
 
     def __init__(self, processes: int) -> None:
         self.processes = processes
         self._pool: ProcessPoolExecutor | None = None
-
-    async def start(self) -> None:
-        """Start the processes now, not during the first uploads."""
-        loop, pool = asyncio.get_running_loop(), self._started()
-        await asyncio.gather(*(loop.run_in_executor(pool, int) for _ in range(self.processes)))
 
     def _started(self) -> ProcessPoolExecutor:
         if self._pool is None:  # each process imports this module (the checks) as it starts
