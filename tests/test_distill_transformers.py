@@ -149,7 +149,7 @@ def test_pixels_stay_in_the_range_the_image_processor_gives(tmp_path, monkeypatc
     drawn = recorded(monkeypatch, _Trainer, "_synthetic_batch")
     result = fusekit.fuse(clients, method="distill", steps=4, batch=64, input_lr=5.0)
     assert result.report["distill"]["pixel_range"] == [[-2.0], [2.0]]
-    x = torch.cat(drawn)
+    x = torch.cat([inputs for inputs, _labels in drawn])
     assert x.min() == -2 and x.max() == 2  # N(0, I) and large steps reach both bounds
     processor["image_std"] = [0.5]
     (clients[0] / "preprocessor_config.json").write_text(json.dumps(processor))

@@ -150,12 +150,13 @@ class Distill(FusionMethod):
             help="softening of the teacher's and the student's answers in the student's "
             "KL loss", paper="Hinton et al. 2015", above=0, maximum=100)] = 1.0,
         teacher_temperature: Annotated[float, Param(
-            help="temperature of the teacher's answers that the student learns (below 1: "
-            "sharper; 0.01: nearly the top class alone). The class-share mixture, "
-            "renormalised, is nearly flat where clients hold different classes; sharpened, "
-            "the student follows its top class: better where that is well above the "
-            "student, worse where the student taught it as it is beats it",
-            above=0, maximum=100)] = 1.0,
+            help="temperature of the teacher's answers that the student learns on the "
+            "synthetic inputs whose top class is the label they were made for (below 1: "
+            "sharper; 0.01: nearly that class alone; the other inputs' answers as they are). "
+            "The class-share mixture, renormalised, is nearly flat where clients hold "
+            "different classes; sharpened, the student follows its top class: better where "
+            "that is well above the student, worse where the student taught it as it is "
+            "beats it", above=0, maximum=100)] = 1.0,
         lr: Annotated[float, Param(help="Adam learning rate of the student", above=0,
                                    maximum=1)] = 1e-3,
         proximal: Annotated[float, Param(
@@ -228,7 +229,6 @@ class Distill(FusionMethod):
         if not _trainer:
             raise ParameterError("method 'distill' trains its student with torch: import "
                                  "fusekit.toolkit (fusekit.fuse does) to install its training")
-        shares, class_prior = _class_shares(checkpoints, _classes(checkpoints[0], specs[0]))
         settings = {"steps": steps, "batch": batch, "input_steps": input_steps,
                     "input_lr": input_lr, "replay": replay, "pool": pool,
                     "adversarial": adversarial, "experts": experts,
@@ -237,6 +237,7 @@ class Distill(FusionMethod):
                     "lr": lr, "proximal": proximal,
                     "patience": patience, "exploration": exploration, "prior": prior,
                     "seed": seed, "device": device, "threads": threads}
+        shares, class_prior = _class_shares(checkpoints, _classes(checkpoints[0], specs[0]))
         task = DistillationTask(checkpoints, specs, student, shares, class_prior, input_shape,
                                 settings, _common_pixel_range(checkpoints, input_shape))
         state_dict, trained = _trainer[0](task)

@@ -7,8 +7,8 @@ the inputs ``input_steps`` Adam steps toward what the teacher answers with those
 (fidelity) and what each input's expert (a client drawn by its share of the label's
 samples) answers with it, where the student disagrees with it (DENSE's adversarial term) and, for
 clients with BatchNorm, where every BatchNorm sees its running statistics (DeepInversion),
-then updates the student with the temperature-softened KL to the teacher's answers at
-the teacher's temperature (below 1: sharper) on the batch and,
+then updates the student with the temperature-softened KL to the teacher's answers (at
+the teacher's temperature where their top class is the input's label) on the batch and,
 beside it, ``replay`` times as many inputs drawn from a pool of the latest ``pool`` inputs
 of earlier steps, the teacher's answers kept (learning from an input costs a
 fraction of making it: the teacher runs every client forward and back for each input step).
@@ -98,10 +98,17 @@ class Teacher:
     def log_probs(self, x: torch.Tensor) -> torch.Tensor:
         return self.answers(x)[0]
 
-    def taught(self, x: torch.Tensor) -> torch.Tensor:
-        """What the student learns: the ensemble's log-probabilities at the teacher's
-        temperature, renormalised (the inputs are moved by the ensemble as it is)."""
-        return (self.log_probs(x) / self.temperature).log_softmax(dim=1)
+    def taught(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """What the student learns: the ensemble's log-probabilities, at the teacher's
+        temperature (renormalised) on the inputs whose top class is the label they were
+        made for (every input without labels), as they are on the others: sharpened where
+        the ensemble is unsure, the student would learn its guesses."""
+        answers = self.log_probs(x)
+        sharpened = (answers / self.temperature).log_softmax(dim=1)
+        if labels is None:
+            return sharpened
+        made = (answers.argmax(dim=1) == labels)[:, None]
+        return torch.where(made, sharpened, answers.log_softmax(dim=1))
 
     def answers(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The ensemble's log-probabilities (B, C) and every client's (S, B, C)."""
@@ -170,9 +177,9 @@ class _Trainer:
         first = last = None
         step = 0
         for step in range(1, s["steps"] + 1):
-            x = self._synthetic_batch()
+            x, labels = self._synthetic_batch()
             with torch.no_grad():
-                target = self.teacher.taught(x)
+                target = self.teacher.taught(x, labels)
             measured = self._student_step(x, target, self._replayed())
             if self.replay:
                 self.pool.add(x, target)
@@ -205,11 +212,12 @@ class _Trainer:
                 "input_shape": list(self.task.input_shape), "device": str(self.device),
                 "start": first, "end": last, "smoothed_disagreement": smoothed}
 
-    def _synthetic_batch(self) -> torch.Tensor:
-        """Fresh inputs from the prior, moved toward confident, disputed, BatchNorm-like ones."""
+    def _synthetic_batch(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Fresh inputs from the prior, moved toward confident, disputed, BatchNorm-like
+        ones, and the labels they were made for (token sequences: None)."""
         s = self.settings
         if self.tokens:
-            return self._sampled_sequences()
+            return self._sampled_sequences(), None
         labels = torch.multinomial(self.prior, s["batch"], replacement=True,
                                    generator=self.generator)
         experts = torch.multinomial(self.expert_odds[labels], 1,
@@ -238,7 +246,7 @@ class _Trainer:
             loss.backward()
             optimizer.step()
             self._keep_in_range(x)
-        return x.detach()
+        return x.detach(), labels
 
     @torch.no_grad()
     def _keep_in_range(self, x: torch.Tensor) -> None:
