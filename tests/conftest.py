@@ -166,6 +166,7 @@ SHARED_SERVERS = ("service", "big_service", "browser")
 
 
 def pytest_configure(config) -> None:
+    _build_each_cli_once()
     # A worker of `make test` shares the cores with the others: one torch thread each, as
     # more would oversubscribe them (torch's threads then wait on one another), and one
     # OpenMP thread in each process the tests start (a command, a server's worker, a
@@ -191,6 +192,23 @@ def pytest_collection_finish(session) -> None:
 def pytest_unconfigure(config) -> None:
     if os.environ.get("PYTEST_XDIST_WORKER"):
         gc.freeze()  # and what the tests left, before the shutdown's passes
+
+
+def _build_each_cli_once() -> None:
+    """typer's CliRunner builds the click command of the whole app again on every invoke
+    (10 ms of CPU, and `fuse` its options from every method's declarations again; the CLI
+    tests invoke it hundreds of times): each Typer app is built once per process here (a
+    click command keeps no state between invocations)."""
+    import typer.testing
+
+    build, built = typer.testing._get_command, {}
+
+    def get_command(app):
+        if id(app) not in built:  # the app is kept with its command: its id stays its own
+            built[id(app)] = (app, build(app))
+        return built[id(app)][1]
+
+    typer.testing._get_command = get_command
 
 
 def pytest_report_header(config) -> list[str]:
