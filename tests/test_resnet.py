@@ -536,7 +536,7 @@ def test_trained_resnets_on_digits_fuse_with_every_method():
     from bench_resnet import trained_case
 
     methods = ("avg", "ot", "rebasin", "pfnm", "nafi", "ams")
-    rows = trained_case(n_clients=2, epochs=2, methods=methods)
+    rows = trained_case(n_clients=2, epochs=1, methods=methods)  # clients 0.75-0.85 accurate
     assert [row["model"] for row in rows] == ["client 0", "client 1", *methods]
     clients, fused = rows[:2], dict(zip(methods, rows[2:], strict=True))
     assert min(row["accuracy"] for row in clients) > 0.5  # ten classes: chance is 0.1
