@@ -13,8 +13,8 @@ from fusekit.toolkit.data import synthetic
 from fusekit.toolkit.nn import build_model, convnet_arch, mlp_arch
 from fusekit.toolkit.train import (
     FedNLRConfig,
+    Optimizer,
     TrainConfig,
-    _Optimizer,
     mean_activations,
     neuron_learning_rates,
     resolve_device,
@@ -150,7 +150,8 @@ def test_steps_are_torch_optims_bit_for_bit(config, device):
                                    torch.nn.Linear(3, 3)).to(device)
 
     ours, theirs = model(), model()
-    optimizer = _Optimizer(ours, config)
+    optimizer = Optimizer(ours.parameters(), config.optimizer, config.lr, config.weight_decay,
+                          config.momentum)
     reference = (torch.optim.Adam(theirs.parameters(), lr=config.lr,
                                   weight_decay=config.weight_decay)
                  if config.optimizer == "adam" else

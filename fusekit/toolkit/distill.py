@@ -38,7 +38,7 @@ from fusekit.core import progress
 from fusekit.methods.distill import DistillationTask
 from fusekit.toolkit.nn.fused import build_plain_model
 from fusekit.toolkit.nn.hf import ClassifierLogits, model_from_tensors, saved_state_dict
-from fusekit.toolkit.train import resolve_device
+from fusekit.toolkit.train import Optimizer, resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +151,7 @@ class _Trainer:
         self.settings = s
         self.generator = torch.Generator(device=device).manual_seed(s["seed"])
         self.prior = torch.as_tensor(task.class_prior, dtype=torch.float32, device=device)
-        self.optimizer = torch.optim.Adam(student.parameters(), lr=s["lr"])
+        self.optimizer = Optimizer(student.parameters(), "adam", s["lr"])
         self.start = [p.detach().clone() for p in student.parameters()]
         self.basis = _input_basis(task, device)
         #: a language model's inputs are token sequences sampled from the teacher
@@ -231,7 +231,7 @@ class _Trainer:
             x = (z @ self.basis).view(s["batch"], *self.task.input_shape)
         self._keep_in_range(x)
         x.requires_grad_(True)
-        optimizer = torch.optim.Adam([x], lr=s["input_lr"])
+        optimizer = Optimizer([x], "adam", s["input_lr"])
         for _ in range(s["input_steps"]):
             with self.teacher.batchnorm_loss() as norms:
                 target, clients = self.teacher.answers(x)

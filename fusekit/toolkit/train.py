@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -172,7 +172,8 @@ def train_model(
         ]
         result.neuron_learning_rates = rates
         grad_scales = _neuron_gradient_scales(model, [r / config.lr for r in rates], device)
-    optimizer = _Optimizer(model, config)
+    optimizer = Optimizer(model.parameters(), config.optimizer, config.lr,
+                          config.weight_decay, config.momentum)
     generator = torch.Generator().manual_seed(seed)
     model.train()
     with _cpu_threads_for(model, device), _seeded_global_rng(seed, device):
@@ -188,7 +189,7 @@ def _run_epochs(
     inputs: torch.Tensor,
     targets: torch.Tensor,
     config: TrainConfig,
-    optimizer: _Optimizer,
+    optimizer: Optimizer,
     grad_scales: list[tuple[torch.Tensor, torch.Tensor]],
     generator: torch.Generator,
     result: TrainResult,
@@ -357,18 +358,20 @@ def _neuron_gradient_scales(
     return out
 
 
-class _Optimizer:
-    """``torch.optim.Adam`` or ``SGD`` with ``config``'s learning rate, weight decay and
-    momentum (their other settings at torch's defaults), stepped through the functional
-    forms their ``step`` calls (``torch.optim.adam.adam``, ``torch.optim.sgd.sgd``), with
-    the state they keep: the same updates, bit for bit. An ``Optimizer`` object imports
-    torch._dynamo when it is made and at its first step, about 1.6 s of CPU, which a
-    process that trains one small model pays in full: each Flower ClientApp message that
-    trains is such a process."""
+class Optimizer:
+    """``torch.optim.Adam`` (``kind`` "adam") or ``SGD`` ("sgd") with the learning rate,
+    weight decay and momentum given (their other settings at torch's defaults), stepped
+    through the functional forms their ``step`` calls (``torch.optim.adam.adam``,
+    ``torch.optim.sgd.sgd``), with the state they keep: the same updates, bit for bit. An
+    ``Optimizer`` object of torch's imports torch._dynamo when it is made and at its first
+    step, about 1.6 s of CPU, which a process that trains one small model pays in full:
+    each Flower ClientApp message that trains is such a process, and so is a service
+    worker or a command that distils."""
 
-    def __init__(self, model: nn.Module, config: TrainConfig):
-        self.params = list(model.parameters())
-        self.config = config
+    def __init__(self, params: Iterable[torch.Tensor], kind: str, lr: float,
+                 weight_decay: float = 0.0, momentum: float = 0.0):
+        self.params = list(params)
+        self.kind, self.lr, self.weight_decay, self.momentum = kind, lr, weight_decay, momentum
         # Per parameter, as torch keeps it: Adam's step count and moments, SGD's momentum.
         self.state: dict[torch.Tensor, Any] = {}
 
@@ -381,21 +384,19 @@ class _Optimizer:
         # As torch does, a parameter without a gradient is left alone, state and all.
         params = [p for p in self.params if p.grad is not None]
         grads = [p.grad for p in params]
-        config = self.config
-        if config.optimizer == "adam":
+        if self.kind == "adam":
             for param in params:
                 if param not in self.state:
                     self.state[param] = _adam_state(param)
             steps, means, squares = ([self.state[p][i] for p in params] for i in range(3))
             adam(params, grads, means, squares, [], steps, amsgrad=False, beta1=0.9,
-                 beta2=0.999, lr=config.lr, weight_decay=config.weight_decay, eps=1e-8,
+                 beta2=0.999, lr=self.lr, weight_decay=self.weight_decay, eps=1e-8,
                  maximize=False)
             return
         buffers = [self.state.get(p) for p in params]
-        sgd(params, grads, buffers, weight_decay=config.weight_decay,
-            momentum=config.momentum, lr=config.lr, dampening=0.0, nesterov=False,
-            maximize=False)
-        if config.momentum != 0:
+        sgd(params, grads, buffers, weight_decay=self.weight_decay, momentum=self.momentum,
+            lr=self.lr, dampening=0.0, nesterov=False, maximize=False)
+        if self.momentum != 0:
             self.state.update(zip(params, buffers, strict=True))
 
 
