@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import time
 from collections import Counter
@@ -231,7 +232,7 @@ def describe_checkpoint(checkpoint: Checkpoint) -> dict[str, Any]:
     info: dict[str, Any] = {
         "path": checkpoint.label,
         "tensors": len(checkpoint.tensors),
-        "parameters": sum(_numel(t.shape) for t in checkpoint.tensors.values()),
+        "parameters": sum(math.prod(t.shape) for t in checkpoint.tensors.values()),
         "metadata": checkpoint.metadata,
         "problems": [],
     }
@@ -299,13 +300,6 @@ def _permutation_limits(checkpoint: Checkpoint, spec: PermutationSpec) -> list[s
     except IncompatibleModelsError as exc:
         return [str(exc)]
     return []
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _maybe_json(value: str) -> Any:
