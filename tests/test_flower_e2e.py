@@ -15,11 +15,11 @@ global model is the protocol's, computed in this process. Each test checks that 
 process the federation started has ended. Each test starts a federation of its own, so
 that `make test` runs them side by side, and runs that do not depend on each other go on
 side by side on one federation (they mostly wait: Flower polls every 3 s). A ClientApp is
-a new process per message, importing Flower's runtime and torch (and, to train with a
-torch.optim optimizer as the Flower page's app does, torch._dynamo): 3-4.5 s of CPU each,
-most of a test's CPU, so each test asks as few nodes and rounds as its point needs, and
-each federation's own processes (1-3 s of CPU a minute each) serve as many runs as can
-share it. The longest, the lost nodes', waits once for the killed node's heartbeats to
+a new process per message, forked from the warm process of its node's SuperExec
+(fusekit.flower.superexec: Flower's runtime and torch imported once, not 3 s of CPU per
+message); each test still asks as few nodes and rounds as its point needs, and each
+federation's own processes (1-3 s of CPU a minute each) serve as many runs as can share
+it. The longest, the lost nodes', waits once for the killed node's heartbeats to
 lapse (37.5-60 s: Flower's SuperNode sends one every 17.5-22.5 s, its SuperLink gives a
 node up 60 s after the last, neither has a setting for it); a failing ClientApp's error
 comes back at once. Progress lines are printed as the runs go. Deselect with ``-m "not

@@ -5,9 +5,12 @@ The processes are Flower's own (``flower-superlink``, ``flower-supernode``), sta
 them with ``flwr run``. Every wait is bounded; leaving the ``with`` block ends every process
 group it started, those of their descendants (the SuperLink starts ``flower-superexec`` in a
 session of its own, which starts the ServerApp processes) and of any process left with this
-federation's ``FLWR_HOME`` in its environment (one whose parent ended first). Nothing here
-is needed on a real multi-host deployment, where each organisation starts its own SuperNode
-(see examples/flower/README.md).
+federation's ``FLWR_HOME`` in its environment (one whose parent ended first). The
+``flower-superexec`` the SuperLink and SuperNodes start is :mod:`fusekit.flower.superexec`:
+Flower's, with each app process forked from a warm one, so that a message costs its work
+and not the 3 s of imports of a fresh ClientApp. Nothing here is needed on a real
+multi-host deployment, where each organisation starts its own SuperNode (see
+examples/flower/README.md).
 """
 
 from __future__ import annotations
@@ -112,17 +115,27 @@ class LocalFederation:
     @property
     def env(self) -> dict[str, str]:
         """The environment of every Flower process: private FLWR_HOME, no telemetry,
-        this interpreter's scripts first on PATH (the SuperLink starts
-        ``flower-superexec`` from it, the SuperNodes ``flwr-clientapp``), and one torch
+        :attr:`bin` and this interpreter's scripts first on PATH (the SuperLink and the
+        SuperNodes start ``flower-superexec`` from it), and one torch
         thread per app unless ``OMP_NUM_THREADS`` says otherwise: the nodes' apps share
         this machine's cores, and more threads each would oversubscribe them (an app's
         training then took four times the CPU on two busy cores)."""
-        bin_dir = str(Path(sys.executable).parent)
+        path = [str(self.bin), str(Path(sys.executable).parent), os.environ.get("PATH", "")]
         return {"OMP_NUM_THREADS": "1", **os.environ, "FLWR_HOME": str(self.home),
-                "FLWR_TELEMETRY_ENABLED": "0",
-                "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
+                "FLWR_TELEMETRY_ENABLED": "0", "PATH": os.pathsep.join(path)}
+
+    @property
+    def bin(self) -> Path:
+        """First on the processes' PATH: its ``flower-superexec`` runs
+        :mod:`fusekit.flower.superexec` (Flower's, with warm app processes)."""
+        return self.workdir / "bin"
 
     def _start(self) -> None:
+        self.bin.mkdir(exist_ok=True)
+        superexec = self.bin / "flower-superexec"
+        superexec.write_text(f"#!{sys.executable}\nfrom fusekit.flower.superexec import main\n"
+                             "main()\n")
+        superexec.chmod(0o755)
         self.port = free_port()
         self._spawn("superlink", ["flower-superlink", "--insecure", "--host", "127.0.0.1",
                                   "--port", str(self.port),
