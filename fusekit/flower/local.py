@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import socket
 import subprocess
 import sys
@@ -133,8 +134,8 @@ class LocalFederation:
     def _start(self) -> None:
         self.bin.mkdir(exist_ok=True)
         superexec = self.bin / "flower-superexec"
-        superexec.write_text(f"#!{sys.executable}\nfrom fusekit.flower.superexec import main\n"
-                             "main()\n")
+        superexec.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} '
+                             '-m fusekit.flower.superexec "$@"\n')
         superexec.chmod(0o755)
         self.port = free_port()
         self._spawn("superlink", ["flower-superlink", "--insecure", "--host", "127.0.0.1",
