@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -120,6 +123,22 @@ def trained_replies(trained, first_node: int = 10, inputs=None, **options) -> li
                               statistics_inputs=None if inputs is None
                               else inputs[first_node + c.index], **options))
             for c, model in zip(clients, models, strict=True)]
+
+
+def test_every_public_name_resolves_and_a_superexec_imports_no_torch():
+    """fusekit.flower's names are imported on first use: each of ``__all__`` is its
+    module's object, and a SuperExec (fusekit.flower.superexec, one per node) imports
+    neither torch nor the strategy."""
+    import fusekit.flower as package
+
+    assert sorted(package.__all__) == sorted(package._HOMES)
+    for name in package.__all__:
+        assert getattr(package, name) is getattr(
+            importlib.import_module(package._HOMES[name]), name)
+    code = ("import sys, fusekit.flower.superexec; "
+            "print(sorted({'torch', 'fusekit.flower.strategy'} & set(sys.modules)))")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True, timeout=60).stdout.strip() == "[]"
 
 
 def test_avg_keeps_tensor_names_and_weights_by_num_examples():

@@ -23,19 +23,35 @@ node trained: keep it with ``train_reply(..., keep_in=context.state)`` and answe
 ``statistics_reply(msg.content, my_training_inputs, own_model=kept_model(context.state))``.
 """
 
-from fusekit.flower.client import global_model, statistics_reply, train_reply
-from fusekit.flower.logs import log_to_flower
-from fusekit.flower.records import (
-    ARCH,
-    CLASS_COUNTS,
-    NUM_EXAMPLES,
-    STATISTICS,
-    WIDTHS,
-    arrays_to_state_dict,
-    kept_model,
-    state_dict_to_arrays,
-)
-from fusekit.flower.strategy import FusekitStrategy
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fusekit.flower.client import global_model, statistics_reply, train_reply
+    from fusekit.flower.logs import log_to_flower
+    from fusekit.flower.records import (
+        ARCH,
+        CLASS_COUNTS,
+        NUM_EXAMPLES,
+        STATISTICS,
+        WIDTHS,
+        arrays_to_state_dict,
+        kept_model,
+        state_dict_to_arrays,
+    )
+    from fusekit.flower.strategy import FusekitStrategy
+
+# Each name is imported from its module on first use, as fusekit's own: a process that
+# needs one module of this package (a SuperExec, fusekit.flower.superexec) does not import
+# torch and the strategy with it.
+_HOMES = {
+    **dict.fromkeys(("global_model", "statistics_reply", "train_reply"), "fusekit.flower.client"),
+    "log_to_flower": "fusekit.flower.logs",
+    **dict.fromkeys(("ARCH", "CLASS_COUNTS", "NUM_EXAMPLES", "STATISTICS", "WIDTHS",
+                     "arrays_to_state_dict", "kept_model", "state_dict_to_arrays"),
+                    "fusekit.flower.records"),
+    "FusekitStrategy": "fusekit.flower.strategy",
+}
 
 __all__ = [
     "ARCH",
@@ -52,3 +68,15 @@ __all__ = [
     "statistics_reply",
     "train_reply",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'fusekit.flower' has no attribute {name!r}")
+    value = getattr(import_module(_HOMES[name]), name)
+    globals()[name] = value  # later uses skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_HOMES})
