@@ -141,6 +141,17 @@ def test_every_public_name_resolves_and_a_superexec_imports_no_torch():
                           check=True, timeout=60).stdout.strip() == "[]"
 
 
+def test_the_warm_process_runs_each_command_it_is_sent_as_a_process_of_its_own():
+    """fusekit.flower.superexec's warm process forks a child per line it reads, which runs
+    Flower's command with those arguments (here ``--help``: argparse names the command
+    from ``sys.argv``), its output silenced where the line asks; it ends with its input."""
+    lines = "".join(json.dumps([["flwr-clientapp", "--help"], quiet]) + "\n"
+                    for quiet in (False, True, False))
+    warm = subprocess.run([sys.executable, "-m", "fusekit.flower.superexec", "--warm"],
+                          input=lines, capture_output=True, text=True, timeout=120, check=True)
+    assert warm.stdout.count("usage: flwr-clientapp") == 2
+
+
 def test_avg_keeps_tensor_names_and_weights_by_num_examples():
     models = [mlp(batchnorm=True, seed=s) for s in range(2)]
     replies = [reply(1, train_reply(models[0], 30)), reply(2, train_reply(models[1], 10))]

@@ -27,9 +27,9 @@ from typing import IO, Any
 #: The task commands started warm: those of a SuperNode (its ClientApps) and of a
 #: SuperLink (its ServerApps); any other is started as Flower starts it.
 WARM_COMMANDS = ("flwr-clientapp", "flwr-serverapp")
-#: What the warm process imports beside the commands' modules: the library a fusekit app
-#: imports first (torch with it).
-WARM_IMPORTS = ("fusekit.flower",)
+#: What the warm process imports beside the commands' modules: fusekit's ClientApp and
+#: ServerApp sides (torch with them).
+WARM_IMPORTS = ("fusekit.flower.client", "fusekit.flower.strategy")
 
 
 class WarmStarts:
