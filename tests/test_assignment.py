@@ -381,6 +381,20 @@ def test_larger_problems_and_structured_costs(shape):
         check_duals(cost, rows, cols, u, v)
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_similarities_of_independently_initialised_layers(dtype):
+    """ot's and rebasin's square problems: minus the inner products of two layers' unit
+    rows. Their optimum lies further down the rows than uniform matrices' does, so the
+    candidate lists need a wider gap (grown, then narrowed when past the edge budget)."""
+    rng = np.random.default_rng(7)
+    for n in (500, 900):
+        mine, theirs = rng.standard_normal((2, n, 3 * n // 2)).astype(dtype)
+        cost = -(mine @ theirs.T)
+        rows, cols, (u, v) = solve_assignment(cost, return_duals=True)
+        check_solution(cost, rows, cols)
+        check_duals(cost, rows, cols, u, v)
+
+
 @pytest.mark.parametrize("shape", [(40, 120), (120, 40), (60, 60)])
 def test_forbidden_pairs_in_the_row_reduction(shape):
     """The dense solver's row reduction runs beside forbidden (+inf) pairs: a row with one
