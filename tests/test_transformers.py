@@ -249,6 +249,31 @@ def test_group_similarity_is_the_sum_over_slots(family_folders, tmp_path):
                                    rtol=1e-12, atol=1e-12, err_msg=group.name)
 
 
+def test_wide_groups_are_compared_in_batches_of_columns(family_folders, tmp_path, monkeypatch):
+    """Unit rows wider than ROWS_BYTES (rebasin's stream over every slot) are compared in
+    batches of columns, cut inside a slot too, their products summed: every column once,
+    the same similarity to rounding."""
+    family, original, _ = family_folders
+    spec = spec_of(original)
+    anchor = client_arrays(load_checkpoint(original))
+    client = client_arrays(load_checkpoint(save(tiny_model(family, seed=5), tmp_path / "o")))
+    for group in spec.groups:
+        if group.kind == "heads":
+            continue
+        whole = group_similarity(anchor, client, group)
+        [one] = methods_transformer.column_batches(anchor, group, group.slots, np.float64)
+        monkeypatch.setattr(methods_transformer, "ROWS_BYTES", 7 * 8 * group.size)
+        batches = methods_transformer.column_batches(anchor, group, group.slots, np.float64)
+        assert [sum(stop - first for _, first, stop in b) for b in batches[:-1]] == (
+            [7] * (len(batches) - 1))
+        covered = [(slot, c) for b in batches for slot, first, stop in b
+                   for c in range(first, stop)]
+        assert covered == [(slot, c) for slot, first, stop in one for c in range(first, stop)]
+        np.testing.assert_allclose(group_similarity(anchor, client, group), whole,
+                                   rtol=1e-12, atol=1e-12, err_msg=group.name)
+        monkeypatch.undo()
+
+
 @pytest.mark.parametrize("products", [np.float64, np.float32])
 @pytest.mark.parametrize("ahead", [0, 200])
 def test_first_pass_with_solves_overlapped_is_one_group_after_another(
