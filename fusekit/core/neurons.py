@@ -26,7 +26,7 @@ checkpoint loads into the same module class (:func:`to_state_dict`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -354,10 +354,19 @@ class GroupPart:
     size: int
 
 
+def handed_over(layers: list[UnitLayer]) -> list[UnitLayer]:
+    """The layers of a list handed to a callee that replaces them, the list emptied: the
+    caller's own reference to it (held through the call) then keeps none of them alive,
+    so each one is freed when it is replaced, not when the call returns."""
+    owned = list(layers)
+    layers.clear()
+    return owned
+
+
 def group_parts(layers: Sequence[UnitLayer], spec, group: int, *,
                 writers: Sequence[int] | None = None,
-                readers: bool = True) -> list[tuple[GroupPart, np.ndarray]]:
-    """Each member's (J, size) block of the neuron vectors of ``group``.
+                readers: bool = True) -> Iterator[tuple[GroupPart, np.ndarray]]:
+    """Each member's (J, size) block of the neuron vectors of ``group``, one at a time.
 
     Args:
         layers: one client's layers in unit form, ordered as ``spec.layers``.
@@ -366,20 +375,19 @@ def group_parts(layers: Sequence[UnitLayer], spec, group: int, *,
         writers: only these writing layers (default: all of them).
         readers: include the reading layers' columns.
 
-    Returns:
-        [(part, block)], rows blocks views where possible; column blocks are copies.
+    Yields:
+        (part, block): the writers' rows [weights, bias], then the readers' columns; each
+        block a copy, made when its turn comes.
     """
-    out = []
     chosen = [i for i, g in enumerate(spec.writes) if g == group]
     for index in chosen if writers is None else [i for i in chosen if i in set(writers)]:
         layer = layers[index]
         block = np.hstack([layer.weight.reshape(layer.out_features, -1), layer.bias[:, None]])
-        out.append((GroupPart(index, "rows", block.shape[1]), block))
+        yield GroupPart(index, "rows", block.shape[1]), block
     if readers:
         for index in (i for i, g in enumerate(spec.reads) if g == group):
             block = outgoing_weights(layers[index].weight)
-            out.append((GroupPart(index, "columns", block.shape[1]), block))
-    return out
+            yield GroupPart(index, "columns", block.shape[1]), block
 
 
 def writer_rows(layers: Sequence[UnitLayer], spec, group: int,
@@ -403,7 +411,7 @@ def group_vectors(layers: Sequence[UnitLayer], spec,
                   group: int) -> tuple[np.ndarray, list[GroupPart]]:
     """The (J, P) neuron vectors of ``group`` (every member, see :func:`group_parts`) and
     their layout, for methods that match a group as one layer (PFNM / NAFI on groups)."""
-    parts = group_parts(layers, spec, group)
+    parts = list(group_parts(layers, spec, group))
     return np.hstack([block for _, block in parts]), [part for part, _ in parts]
 
 

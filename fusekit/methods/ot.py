@@ -338,7 +338,7 @@ def group_aligner(anchor: Sequence[neurons.UnitLayer], spec: GraphSpec
     return partial(align_groups, rows)
 
 
-def align_groups(anchor_rows: Mapping[int, np.ndarray], layers: Sequence[neurons.UnitLayer],
+def align_groups(anchor_rows: Mapping[int, np.ndarray], layers: list[neurons.UnitLayer],
                  spec: GraphSpec) -> tuple[list[neurons.UnitLayer], dict[str, Any]]:
     """Align one client's groups to the anchor with optimal transport (§5 on groups, §11).
 
@@ -349,12 +349,15 @@ def align_groups(anchor_rows: Mapping[int, np.ndarray], layers: Sequence[neurons
     member, writers' rows and readers' columns. At equal widths the plan is the assignment
     that minimises the summed distances, that is maximises the summed inner products of
     the rows (the rows' norms add the same to every assignment): one product, no distances.
+    ``layers`` are handed over (:func:`~fusekit.core.neurons.handed_over`: the list is
+    emptied).
 
     Returns:
         (the client's layers at the anchor's widths, {"transport": kinds used,
         "mean_cost": per group ⟨T, M⟩, "assignment": per group, the anchor neuron each
         client neuron sends most of its mass to}).
     """
+    layers = neurons.handed_over(layers)
     kinds = set()
     costs: list[Future[float]] = []  # the assigned pairs' distances, on a second thread
     assignment: list[np.ndarray] = [np.empty(0, np.int64)] * len(anchor_rows)

@@ -122,7 +122,7 @@ class ReBasin(AnchorAlignment):
 
 def weight_matching(
     anchor: Sequence[neurons.UnitLayer],
-    layers: Sequence[neurons.UnitLayer],
+    layers: list[neurons.UnitLayer],
     spec: PermutationSpec | GraphSpec,
     *,
     max_sweeps: int = 100,
@@ -133,7 +133,8 @@ def weight_matching(
 
     Args:
         anchor: the anchor's layers in unit form (BatchNorm folded).
-        layers: the client's, same widths.
+        layers: the client's, same widths; handed over (:func:`~fusekit.core.neurons.handed_over`:
+            the list is emptied).
         spec: the client's spec (``reads`` / ``writes`` / ``group_names``).
         max_sweeps: sweeps over the groups at most.
         rng: orders the groups in each sweep (default: seed 0).
@@ -144,7 +145,7 @@ def weight_matching(
         "assignment": per group, the anchor neuron each client neuron went to}).
     """
     rng = np.random.default_rng(0) if rng is None else rng
-    layers = list(layers)
+    layers = neurons.handed_over(layers)
     n_groups = len(spec.group_names)
     before = total_similarity(anchor, layers, spec)
     order = [np.arange(layers[spec.writes.index(g)].out_features) for g in range(n_groups)]
@@ -186,7 +187,12 @@ def total_similarity(anchor, layers, spec) -> float:
 
 def group_similarity(anchor: Sequence[neurons.UnitLayer], layers: Sequence[neurons.UnitLayer],
                      spec, group: int) -> np.ndarray:
-    """S[j, i] = ⟨anchor neuron j, client neuron i⟩ over every member of ``group``."""
-    pairs = zip(neurons.group_parts(anchor, spec, group), neurons.group_parts(layers, spec, group),
-                strict=True)
-    return inner_products((mine, theirs) for (_, mine), (_, theirs) in pairs)
+    """S[j, i] = ⟨anchor neuron j, client neuron i⟩ over every member of ``group``, the
+    members' products summed in order, one member's blocks copied at a time (all of them
+    at once held 0.2 GB more on a ResNet-50's widest group)."""
+    total = None
+    for (_, mine), (_, theirs) in zip(neurons.group_parts(anchor, spec, group),
+                                      neurons.group_parts(layers, spec, group), strict=True):
+        product = inner_products([(mine, theirs)])
+        total = product if total is None else np.add(total, product, out=total)
+    return total
