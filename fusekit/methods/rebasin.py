@@ -188,8 +188,8 @@ def total_similarity(anchor, layers, spec) -> float:
 def group_similarity(anchor: Sequence[neurons.UnitLayer], layers: Sequence[neurons.UnitLayer],
                      spec, group: int) -> np.ndarray:
     """S[j, i] = ⟨anchor neuron j, client neuron i⟩ over every member of ``group``, the
-    members' products summed in order, one member's blocks copied at a time (all of them
-    at once held 0.2 GB more on a ResNet-50's widest group)."""
+    members' products summed in order: one member's blocks are copied at a time, not
+    every member's at once."""
     total = None
     for (_, mine), (_, theirs) in zip(neurons.group_parts(anchor, spec, group),
                                       neurons.group_parts(layers, spec, group), strict=True):
