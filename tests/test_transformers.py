@@ -233,16 +233,19 @@ def test_scratch_reuses_only_the_shapes_several_groups_make(family_folders):
     assert scratch.take((mlp.size, mlp.size), np.float32) is not first  # taken already
 
 
+def row_compared_groups(family_folders, tmp_path):
+    """(anchor, another model, group) for every group compared by its unit rows (all but
+    the heads), both models' tensors as stored."""
+    family, original, _ = family_folders
+    anchor = client_arrays(load_checkpoint(original))
+    client = client_arrays(load_checkpoint(save(tiny_model(family, seed=5), tmp_path / "o")))
+    return [(anchor, client, g) for g in spec_of(original).groups if g.kind != "heads"]
+
+
 def test_group_similarity_is_the_sum_over_slots(family_folders, tmp_path):
     """A group's units compared in one product of their rows side by side: the sum of each
     slot's products (rows written, columns read, biases, blocks at an offset)."""
-    family, original, _ = family_folders
-    spec = spec_of(original)
-    anchor = client_arrays(load_checkpoint(original))
-    client = client_arrays(load_checkpoint(save(tiny_model(family, seed=5), tmp_path / "o")))
-    for group in spec.groups:
-        if group.kind == "heads":
-            continue
+    for anchor, client, group in row_compared_groups(family_folders, tmp_path):
         expected = sum(unit_rows(anchor[s.tensor], s, group.size)
                        @ unit_rows(client[s.tensor], s, group.size).T for s in group.slots)
         np.testing.assert_allclose(group_similarity(anchor, client, group), expected,
@@ -253,13 +256,7 @@ def test_wide_groups_are_compared_in_batches_of_columns(family_folders, tmp_path
     """Unit rows wider than ROWS_BYTES (rebasin's stream over every slot) are compared in
     batches of columns, cut inside a slot too, their products summed: every column once,
     the same similarity to rounding."""
-    family, original, _ = family_folders
-    spec = spec_of(original)
-    anchor = client_arrays(load_checkpoint(original))
-    client = client_arrays(load_checkpoint(save(tiny_model(family, seed=5), tmp_path / "o")))
-    for group in spec.groups:
-        if group.kind == "heads":
-            continue
+    for anchor, client, group in row_compared_groups(family_folders, tmp_path):
         whole = group_similarity(anchor, client, group)
         [one] = methods_transformer.column_batches(anchor, group, group.slots, np.float64)
         monkeypatch.setattr(methods_transformer, "ROWS_BYTES", 7 * 8 * group.size)
