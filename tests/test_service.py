@@ -786,7 +786,7 @@ def test_kill9_during_uploads_and_during_a_job_then_restart(tmp_path):
     """A crash loses nothing answered: uploads intact after kill -9, the killed job re-runs."""
     folder = tmp_path / "clients"
     folder.mkdir()
-    paths = [write(folder / f"{n}.safetensors", mlp((64, 120, 120, 10), seed=i),
+    paths = [write(folder / f"{n}.safetensors", mlp((64, 120, 300, 10), seed=i),
                    num_samples=10 + i) for i, n in enumerate(NAMES)]
     server = ServiceProcess(tmp_path / "data", options=("--job-lease", "1"))
     server.start()
@@ -795,7 +795,7 @@ def test_kill9_during_uploads_and_during_a_job_then_restart(tmp_path):
         assert f"admin token: {token_file}" in server.log.read_text()
         assert not spawned(server.process.pid)  # checkers start with the first upload
         admin = Client(server.url, token_file.read_text().strip())
-        params = {"sweeps": 30}  # long enough (~1 s) to be killed while it runs
+        params = {"sweeps": 30}  # 0.7 s, nearly all of it the second layer
         job = admin.create_job("pfnm", list(NAMES), params=params)
         for name, path in zip(NAMES[:2], paths[:2], strict=True):
             admin.submit(job["id"], name, path)
@@ -982,12 +982,14 @@ def wait_for_progress(admin: Client, job_id: str, progress: str, timeout: float 
 def fusion_held_at(server: ServiceProcess, admin: Client, job_id: str, progress: str,
                    timeout: float = 60) -> Iterator[None]:
     """Hold the job's fusion (SIGSTOP) at the first look that finds it at ``progress``, so
-    that a kill in the block lands before the job ends however busy the machine is (a
-    fusion left running finished its last layer between a poll and the kill); SIGCONT to
-    whatever is left of it after the block."""
+    that a kill in the block lands before the job ends however busy the machine is;
+    SIGCONT to whatever is left of it after the block. Between two looks the fusion runs
+    for ``FUSION_STEP_S`` and is stopped again before the next look, however long that
+    look takes: left running while a busy machine listed processes and asked for the
+    job's progress, a fusion went past the step watched for unseen."""
     deadline = time.monotonic() + timeout
+    held: list[int] = []
     while True:
-        held = []
         with contextlib.suppress(OSError):  # a process listed a moment ago may be gone
             held = [fusion for worker in workers(server.process.pid)
                     for fusion in forked(worker)]
@@ -996,11 +998,16 @@ def fusion_held_at(server: ServiceProcess, admin: Client, job_id: str, progress:
             break
         send(held, signal.SIGCONT)
         assert time.monotonic() < deadline, admin.status(job_id)
-        time.sleep(0.01)
+        time.sleep(FUSION_STEP_S)
+        send(held, signal.SIGSTOP)
     try:
         yield
     finally:
         send(held, signal.SIGCONT)
+
+
+#: How long :func:`fusion_held_at` lets a fusion run between two looks at its progress.
+FUSION_STEP_S = 0.005
 
 
 def send(processes: list[int], signum: int) -> None:
