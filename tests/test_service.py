@@ -978,6 +978,10 @@ def wait_for_progress(admin: Client, job_id: str, progress: str, timeout: float 
         time.sleep(0.01)
 
 
+#: How long :func:`fusion_held_at` lets a fusion run between two looks at its progress.
+FUSION_STEP_S = 0.005
+
+
 @contextlib.contextmanager
 def fusion_held_at(server: ServiceProcess, admin: Client, job_id: str, progress: str,
                    timeout: float = 60) -> Iterator[None]:
@@ -1004,10 +1008,6 @@ def fusion_held_at(server: ServiceProcess, admin: Client, job_id: str, progress:
         yield
     finally:
         send(held, signal.SIGCONT)
-
-
-#: How long :func:`fusion_held_at` lets a fusion run between two looks at its progress.
-FUSION_STEP_S = 0.005
 
 
 def send(processes: list[int], signum: int) -> None:
