@@ -232,7 +232,7 @@ def _dense_moments(vectors, observed, unit, assignments, n_global, mu0):
     return empirical.trimmed_within(scatter, dof), between / seen, inverse_n / seen
 
 
-def test_moments_count_lone_globals_in_the_between_moments_only():
+def test_moments_count_lone_globals_in_the_between_moments_only(monkeypatch):
     # Globals of one member (most of them when nothing matches across clients) have no
     # within-global scatter; the moments skip building their rows and must still agree.
     rng = np.random.default_rng(3)
@@ -242,8 +242,12 @@ def test_moments_count_lone_globals_in_the_between_moments_only():
     observed = [rng.random(n_coords) > 0.3 for _ in assignments]
     unit = rng.uniform(0.5, 2.0, n_coords)
     got = empirical.moments(vectors, observed, unit, assignments, n_global, 0.1)
-    np.testing.assert_allclose(got, _dense_moments(vectors, observed, unit, assignments,
-                                                   n_global, 0.1), rtol=1e-12)
+    want = _dense_moments(vectors, observed, unit, assignments, n_global, 0.1)
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+    # Shared globals taken a few at a time (as many thousands of wide ones are): the same.
+    monkeypatch.setattr(empirical, "MOMENT_BLOCK_VALUES", 3 * n_coords + 1)
+    np.testing.assert_allclose(empirical.moments(vectors, observed, unit, assignments,
+                                                 n_global, 0.1), want, rtol=1e-12)
     lone = [np.arange(5), np.arange(5, 9)]
     assert empirical.moments([v[: r.size] for v, r in zip(vectors, lone)], observed[:2], unit,
                              lone, 9, 0.1)[0] is None

@@ -453,6 +453,42 @@ def test_the_most_popular_global_neurons_survive_a_width_cut():
         assert rows.min() >= 0 and rows.max() < 10 and len(set(rows.tolist())) == rows.size
 
 
+def test_the_globals_stay_bounded_while_a_width_is_inferred(monkeypatch):
+    """Clients that share no neuron open a global per local neuron (S x J) when the width
+    is inferred; with a width asked at most GLOBALS_PER_WIDTH x width are ever open, and
+    every local neuron still gets one of the width's globals."""
+    rng = np.random.default_rng(0)
+    vectors = [rng.normal(0, 1, (6, 30)) for _ in range(12)]
+    precisions = [1 / 0.1**2] * 12
+    free = match_neurons(vectors, precisions, sigma0_2=1.0, sweeps=2)
+    assert free.width == 72 and free.report["globals_bound"] is None
+    for backend in ("core", NUMPY):
+        cut = match_neurons(vectors, precisions, sigma0_2=1.0, sweeps=2, width=7,
+                            backend=backend)
+        assert cut.report["globals_bound"] == 4 * 7 == layer.GLOBALS_PER_WIDTH * 7
+        assert cut.report["inferred_width"] == 28 and cut.width == 7
+        for rows in cut.assignments:
+            assert rows.min() >= 0 and rows.max() < 7 and len(set(rows.tolist())) == rows.size
+    # Estimated hyperparameters: the M-steps see the bounded assignments, and keep it.
+    from fusekit.methods.bayesian import empirical
+
+    observed = [np.ones(30, dtype=bool)] * 12
+    estimated, _ = empirical.estimate_and_match(vectors, observed, np.ones(30), width=7)
+    assert estimated.report["inferred_width"] <= 28 and estimated.width == 7
+
+
+def test_a_bound_the_posterior_stays_under_changes_nothing(monkeypatch):
+    vectors, _ = popular_and_private_clients(n_clients=4)
+    precisions = [1 / 0.1**2] * 4
+    bounded = match_neurons(vectors, precisions, sigma0_2=1.0, sweeps=2, width=10)
+    assert bounded.report["inferred_width"] == 5 + 4 * 5 < bounded.report["globals_bound"]
+    monkeypatch.setattr(layer, "GLOBALS_PER_WIDTH", 1000)
+    unbounded = match_neurons(vectors, precisions, sigma0_2=1.0, sweeps=2, width=10)
+    np.testing.assert_array_equal(bounded.means, unbounded.means)
+    for a, b in zip(bounded.assignments, unbounded.assignments, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_a_width_above_what_the_model_infers_is_reached_by_splitting_then_padding():
     vectors, _ = popular_and_private_clients(n_clients=2, shared=6, private=0)
     precisions = [1 / 0.1**2] * 2

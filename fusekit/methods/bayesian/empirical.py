@@ -49,6 +49,11 @@ from fusekit.methods.bayesian.layer import (
 logger = logging.getLogger(__name__)
 
 TOLERANCE = 1e-2
+#: The M-step's moments of the shared globals are taken this many (global, coordinate)
+#: values at a time (32 MB an array): where nothing matches and the bound of the globals
+#: forces members together (GLOBALS_PER_WIDTH), they are thousands of globals of thousands
+#: of coordinates; the layers of the quality benchmarks fit one block.
+MOMENT_BLOCK_VALUES = 1 << 22
 #: sigma^2 and sigma0^2 never go below this share of v (a variance of zero would pin
 #: every global neuron to mu0, or make every distance infinite).
 MIN_RELATIVE_VARIANCE = 1e-4
@@ -115,21 +120,42 @@ def moments(
     shared = np.bincount(np.concatenate(assignments), minlength=n_global) > 1
     row_of = np.cumsum(shared) - 1
     n_shared = int(np.count_nonzero(shared))
-    sums = np.zeros((n_shared, unit.size))
-    squares = np.zeros((n_shared, unit.size))
-    counts = np.zeros((n_shared, unit.size))
+    seen = [obs.astype(np.float64) for obs in observed]
     alone_between, alone_seen = 0.0, 0
-    for vec, obs, rows in zip(vectors, observed, assignments, strict=True):
-        seen = obs.astype(np.float64)
-        together = shared[rows]
-        if not together.all():
-            alone = np.flatnonzero(~together)
-            alone_between += _lone_between(vec, alone, scale, centre, seen)
+    for vec, obs, rows, client_seen in zip(vectors, observed, assignments, seen, strict=True):
+        alone = np.flatnonzero(~shared[rows])
+        if alone.size:
+            alone_between += _lone_between(vec, alone, scale, centre, client_seen)
             alone_seen += alone.size * int(np.count_nonzero(obs))
-        if together.any():
-            part = slice(None) if together.all() else together  # a view when all are shared
-            matching.add_moments(sums, squares, counts, row_of[rows[part]],
-                                 np.ascontiguousarray(vec[part]), scale, seen)
+    scatter, dof = np.empty(n_shared), np.empty(n_shared)
+    between = inverse_n = 0.0
+    n_seen = alone_seen
+    step = max(1, MOMENT_BLOCK_VALUES // max(unit.size, 1))
+    for start in range(0, n_shared, step):
+        block = _shared_moments(vectors, seen, assignments, shared, row_of,
+                                start, min(start + step, n_shared), scale, centre)
+        scatter[start:start + step], dof[start:start + step] = block[:2]
+        between += block[2]
+        inverse_n += block[3]
+        n_seen += block[4]
+    n_seen = max(n_seen, 1)
+    return (trimmed_within(scatter, dof), (between + alone_between) / n_seen,
+            (inverse_n + alone_seen) / n_seen)
+
+
+def _shared_moments(vectors, seen, assignments, shared, row_of, start, stop, scale, centre):
+    """The shared globals ``start:stop`` (in the order of ``row_of``): per global the
+    scatter of its members about their mean and its degrees of freedom (over the
+    coordinates), and over the block the sum of (mean - mu0)^2 and of 1/n, and the number
+    of (global, coordinate) pairs observed."""
+    sums, squares, counts = (np.zeros((stop - start, scale.size)) for _ in range(3))
+    for vec, client_seen, rows in zip(vectors, seen, assignments, strict=True):
+        local = row_of[rows]
+        mine = shared[rows] & (local >= start) & (local < stop)
+        if mine.any():
+            part = slice(None) if mine.all() else mine  # a view when all are in the block
+            matching.add_moments(sums, squares, counts, local[part] - start,
+                                 np.ascontiguousarray(vec[part]), scale, client_seen)
     # The arithmetic of the plain expressions, written into the arrays above and one
     # buffer (an M-step runs several times a layer; fresh state-sized temporaries cost
     # more in allocation and page faults than the arithmetic on small layers).
@@ -140,13 +166,11 @@ def moments(
     work *= means
     scatter = np.subtract(squares, work, out=squares).sum(axis=1)  # within-global
     np.subtract(counts, 1, out=work)
-    sigma2 = trimmed_within(scatter, np.maximum(work, 0, out=work).sum(axis=1))
-    n_seen = max(counts.size - int(np.count_nonzero(unseen)) + alone_seen, 1)
-    between = (_masked_sum_of_squares(np.subtract(means, centre, out=work), unseen)
-               + alone_between) / n_seen
-    inverse_n = (float(np.sum(_zeroed(np.divide(1.0, safe, out=safe), unseen)))
-                 + alone_seen) / n_seen
-    return sigma2, between, inverse_n
+    dof = np.maximum(work, 0, out=work).sum(axis=1)
+    n_seen = counts.size - int(np.count_nonzero(unseen))
+    between = _masked_sum_of_squares(np.subtract(means, centre, out=work), unseen)
+    inverse_n = float(np.sum(_zeroed(np.divide(1.0, safe, out=safe), unseen)))
+    return scatter, dof, between, inverse_n, n_seen
 
 
 def _zeroed(array: np.ndarray, where: np.ndarray) -> np.ndarray:
