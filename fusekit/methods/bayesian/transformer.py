@@ -75,6 +75,7 @@ def fuse_transformer_mlps(checkpoints: Sequence[Checkpoint], specs: Sequence[Tra
         assignments[s] = hidden_assignments(specs[s], orders)  # MLPs replaced below
     align_s = time.perf_counter() - start
     sigmas = None if params.sigma is None else client_sigmas(params.sigma, len(checkpoints))
+    names = list(clients[anchor])  # the output's tensors, in the anchor's order
     fused_sizes, reports, fused_tensors = {}, [], {}
     for index in mlps:
         groups = [sp.groups[index] for sp in specs]
@@ -82,14 +83,22 @@ def fuse_transformer_mlps(checkpoints: Sequence[Checkpoint], specs: Sequence[Tra
                                             index)
         for client, assigned in zip(assignments, matched, strict=True):
             client[hidden.index(index)] = assigned
-        fused_tensors.update(_write_back(means, groups[anchor], clients[anchor]))
+        # Stored as the clients store them at once, and the clients' MLP tensors of this
+        # block let go: the clients held whole beside every block's float64 means were
+        # the peak (twice the inputs' size on four BERT-bases).
+        fused_tensors.update(cast_all(_write_back(means, groups[anchor], clients[anchor]),
+                                      checkpoints[anchor]))
+        for client, group in zip(clients, groups, strict=True):
+            for slot in group.slots:
+                client.pop(slot.tensor, None)
         fused_sizes[groups[anchor].name] = means.shape[0]
         reports.append({"layer": groups[anchor].name, "width_asked": widths[0], **report})
     weights = sample_weights(checkpoints)
-    averaged = weighted_sum((w, {n: a for n, a in c.items() if n not in fused_tensors})
-                            for w, c in zip(weights, clients, strict=True))
-    state_dict = cast_all({name: fused_tensors[name] if name in fused_tensors else averaged[name]
-                           for name in clients[anchor]}, checkpoints[anchor])
+    # each client handed over as it is summed, so that it is freed once added
+    averaged = cast_all(weighted_sum((w, clients.pop(0)) for w in weights),
+                        checkpoints[anchor])
+    state_dict = {name: fused_tensors[name] if name in fused_tensors else averaged[name]
+                  for name in names}
     report = {"anchor": checkpoints[anchor].label, "align_time_s": align_s,
               "layers": reports}
     return state_dict, specs[anchor].with_group_sizes(fused_sizes), report, assignments
