@@ -44,6 +44,7 @@ __all__ = [
     "pfnm_cost",
     "solve_assignment",
     "sqeuclidean_cost",
+    "summed_inner_products",
 ]
 
 
@@ -309,6 +310,24 @@ def inner_products(pairs: Iterable[tuple[np.ndarray, np.ndarray]],
         total = _rows_side_by_side(first, second, out, parts)
         for a, b in pairs[1:]:
             total += _rows_side_by_side(a, b, None, parts)  # in place: total + a @ b.T
+    return total
+
+
+def summed_inner_products(batches: Iterable[list[tuple[np.ndarray, np.ndarray]]],
+                          out: np.ndarray | None = None) -> np.ndarray:
+    """:func:`inner_products` of each batch of pairs, summed in order: where one call holds
+    every pair's arrays, here only one batch's need exist at a time (a generator of batches
+    makes the next after this one's product). ``out`` as :func:`inner_products`' for the
+    first batch, which the others are added to."""
+    total = None
+    for pairs in batches:
+        if total is None:
+            total = inner_products(pairs, out=out)
+        else:
+            total += inner_products(pairs)  # in place
+        del pairs  # before the next batch is made
+    if total is None:
+        raise ParameterError("batches: expected at least one batch of pairs, found none")
     return total
 
 

@@ -25,7 +25,7 @@ from fusekit.core.checkpoint import Checkpoint
 from fusekit.core.errors import IncompatibleModelsError, ParameterError
 from fusekit.core.spec import GraphSpec, PermutationSpec
 from fusekit.core.transformer import TransformerSpec
-from fusekit.engine.matching import inner_products, solve_assignment
+from fusekit.engine.matching import solve_assignment, summed_inner_products
 from fusekit.methods.base import FusionResult, places_cost_kernels, register
 from fusekit.methods.bayesian import BACKENDS
 from fusekit.methods.ot import ANCHOR_HELP, AnchorAlignment, fuse_aligned, resolve_anchor
@@ -190,9 +190,6 @@ def group_similarity(anchor: Sequence[neurons.UnitLayer], layers: Sequence[neuro
     """S[j, i] = ⟨anchor neuron j, client neuron i⟩ over every member of ``group``, the
     members' products summed in order: one member's blocks are copied at a time, not
     every member's at once."""
-    total = None
-    for (_, mine), (_, theirs) in zip(neurons.group_parts(anchor, spec, group),
-                                      neurons.group_parts(layers, spec, group), strict=True):
-        product = inner_products([(mine, theirs)])
-        total = product if total is None else np.add(total, product, out=total)
-    return total
+    pairs = zip(neurons.group_parts(anchor, spec, group),
+                neurons.group_parts(layers, spec, group), strict=True)
+    return summed_inner_products([(mine, theirs)] for (_, mine), (_, theirs) in pairs)

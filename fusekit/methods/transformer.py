@@ -40,7 +40,7 @@ from fusekit.core.transformer import (
     slot_span,
     unit_rows,
 )
-from fusekit.engine.matching import inner_products, solve_assignment
+from fusekit.engine.matching import inner_products, solve_assignment, summed_inner_products
 from fusekit.methods.avg import add_weighted
 from fusekit.methods.base import sample_weights
 
@@ -147,18 +147,17 @@ def group_similarity(anchor: dict[str, np.ndarray], client: dict[str, np.ndarray
         return ((gram("q") * gram("k")).sum(axis=(1, 3))
                 + (gram("v") * gram("o")).sum(axis=(1, 3)))
     scratch = scratch or Scratch()
-    similarity = None
-    for columns in column_batches(anchor, group, slots, products):
-        rows = tuple(stacked_rows(state, group, columns, products, scratch)
-                     for state in (anchor, client))
-        if similarity is None:
-            out = scratch.take((group.size, group.size), products)
-            similarity = inner_products([rows], out=out)
-        else:
-            similarity += inner_products([rows])
-        scratch.give(*rows)
-        del rows  # before the next batch's rows are stacked
-    return similarity
+
+    def batches():
+        for columns in column_batches(anchor, group, slots, products):
+            rows = tuple(stacked_rows(state, group, columns, products, scratch)
+                         for state in (anchor, client))
+            yield [rows]
+            scratch.give(*rows)
+            del rows  # before the next batch's rows are stacked
+
+    return summed_inner_products(batches(), out=scratch.take((group.size, group.size),
+                                                              products))
 
 
 #: Bytes of unit rows one product compares at most, a side: a group wider than that (the

@@ -132,12 +132,13 @@ def moments(
     n_seen = alone_seen
     step = max(1, MOMENT_BLOCK_VALUES // max(unit.size, 1))
     for start in range(0, n_shared, step):
-        block = _shared_moments(vectors, seen, assignments, shared, row_of,
-                                start, min(start + step, n_shared), scale, centre)
-        scatter[start:start + step], dof[start:start + step] = block[:2]
-        between += block[2]
-        inverse_n += block[3]
-        n_seen += block[4]
+        stop = min(start + step, n_shared)
+        scatter[start:stop], dof[start:stop], block_between, block_inverse_n, block_seen = (
+            _shared_moments(vectors, seen, assignments, shared, row_of, start, stop, scale,
+                            centre))
+        between += block_between
+        inverse_n += block_inverse_n
+        n_seen += block_seen
     n_seen = max(n_seen, 1)
     return (trimmed_within(scatter, dof), (between + alone_between) / n_seen,
             (inverse_n + alone_seen) / n_seen)
