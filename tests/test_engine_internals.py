@@ -308,3 +308,20 @@ def test_products_run_on_one_blas_thread_in_blocks_of_rows_side_by_side(monkeypa
     out = np.full((301, 250), np.nan, dtype=np.float32)  # written into, the same values
     assert matching.inner_products(pairs, out=out) is out
     np.testing.assert_array_equal(out, whole)
+
+
+def test_summed_inner_products_add_each_batch_in_order():
+    rng = np.random.default_rng(0)
+    pairs = [(rng.normal(size=(70, p)), rng.normal(size=(80, p))) for p in (3, 50, 9)]
+    made = []
+
+    def batches():
+        for pair in pairs:
+            made.append(pair)
+            yield [pair]
+
+    want = sum(a @ b.T for a, b in pairs)
+    np.testing.assert_allclose(matching.summed_inner_products(batches()), want, rtol=1e-12)
+    assert len(made) == 3
+    with pytest.raises(ParameterError, match="at least one batch"):
+        matching.summed_inner_products(iter(()))
