@@ -489,6 +489,25 @@ def test_a_bound_the_posterior_stays_under_changes_nothing(monkeypatch):
         np.testing.assert_array_equal(a, b)
 
 
+def test_unrelated_clients_are_re_matched_once_under_the_width():
+    """Where the clients share nothing (the bound held, or no global has two members) the
+    re-match after pruning is one sweep; clients that share neurons keep the budget."""
+    rng = np.random.default_rng(0)
+    vectors = [rng.normal(0, 1, (6, 30)) for _ in range(12)]
+    bounded = match_neurons(vectors, [1 / 0.1**2] * 12, sigma0_2=1.0, sweeps=3, width=7)
+    assert bounded.report["unrelated"] and bounded.report["pruned"] > 0
+    assert bounded.report["sweeps_run"] == 1  # the bound skips the sweeps before pruning
+    alone = match_neurons(vectors[:3], [1 / 0.1**2] * 3, sigma0_2=1.0, sweeps=3, width=7)
+    assert alone.report["unrelated"] and alone.report["inferred_width"] == 18
+    assert alone.report["moves"][0] == 0 and alone.report["sweeps_run"] == 2
+    for rows in alone.assignments:
+        assert rows.min() >= 0 and rows.max() < 7 and len(set(rows.tolist())) == rows.size
+    related, _ = popular_and_private_clients(n_clients=4)
+    shared = match_neurons(related, [1 / 0.1**2] * 4, sigma0_2=1.0, sweeps=3, width=10)
+    assert not shared.report["unrelated"] and shared.report["pruned"] > 0
+    assert shared.report["sweeps_run"] > 2
+
+
 def test_a_width_above_what_the_model_infers_is_reached_by_splitting_then_padding():
     vectors, _ = popular_and_private_clients(n_clients=2, shared=6, private=0)
     precisions = [1 / 0.1**2] * 2
