@@ -66,18 +66,25 @@ void require_length(const Array& x, py::ssize_t n, const char* name) {
     }
 }
 
-// SciPy's OpenBLAS dgemm, looked up once through the capsules of scipy.linalg.cython_blas
-// (the documented way to call SciPy's BLAS from compiled code), so the core links no BLAS.
+// SciPy's OpenBLAS dgemm and sgemm, looked up once through the capsules of
+// scipy.linalg.cython_blas (the documented way to call SciPy's BLAS from compiled code), so
+// the core links no BLAS.
 // The thread-count controls come from the same library (found from dgemm's address), under
 // SciPy's prefixed names or OpenBLAS's own; absent (another BLAS) they stay null.
 const fusekit::Blas& blas() {
     static const fusekit::Blas instance = [] {
         py::object capi = py::module_::import("scipy.linalg.cython_blas").attr("__pyx_capi__");
-        py::object capsule = capi["dgemm"];
-        void* pointer = PyCapsule_GetPointer(capsule.ptr(), PyCapsule_GetName(capsule.ptr()));
-        if (pointer == nullptr) throw py::error_already_set();
+        const auto lookup = [&capi](const char* name) {
+            py::object capsule = capi[name];
+            const char* capsule_name = PyCapsule_GetName(capsule.ptr());
+            void* pointer = PyCapsule_GetPointer(capsule.ptr(), capsule_name);
+            if (pointer == nullptr) throw py::error_already_set();
+            return pointer;
+        };
+        void* pointer = lookup("dgemm");
         fusekit::Blas b;
         b.gemm = reinterpret_cast<fusekit::Dgemm>(pointer);
+        b.single_gemm = reinterpret_cast<fusekit::Sgemm>(lookup("sgemm"));
         Dl_info info{};
         void* library = nullptr;
         if (dladdr(pointer, &info) != 0 && info.dli_fname != nullptr) {
@@ -388,4 +395,5 @@ PYBIND11_MODULE(_core, m) {
     m.def("finite_min", &finite_min, py::arg("x"),
           "Smallest value of a float64 array, NaN when some value is NaN or infinite.");
     m.def("has_openmp", &has_openmp, "Whether the extension was built with OpenMP.");
+    m.attr("SINGLE_PRECISION_FLOPS") = fusekit::kSingleFlops;
 }

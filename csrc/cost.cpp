@@ -5,6 +5,7 @@
 #include <limits>
 #include <mutex>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #include "simd.hpp"
@@ -16,7 +17,8 @@ namespace {
 
 // Scratch memory reused across calls on the same thread: the operands are megabytes, and
 // fresh allocations cost more in page faults than the kernels' arithmetic at small sizes.
-double* scratch(std::vector<double>& buffer, std::size_t size) {
+template <class T>
+T* scratch(std::vector<T>& buffer, std::size_t size) {
     if (buffer.size() < size) buffer.resize(size);
     return buffer.data();
 }
@@ -88,6 +90,27 @@ void product(const Blas& blas, const double* left, std::size_t rows, const doubl
     std::optional<SerialBlas> serial;
     if (flops < kSerialFlops) serial.emplace(blas);
     blas.gemm("T", "N", &mm, &nn, &kk, &alpha, right, &ldk, left, &ldk, &beta, out, &ldc);
+}
+
+// product() in single precision, alpha = 1: the result, rounded to float, widened into out.
+// About twice dgemm's rate; a length-k product keeps about sqrt(k) x 6e-8 of its terms'
+// magnitude, which the cancellation check bounds as in double precision.
+void product(const Blas& blas, const float* left, std::size_t rows, const float* right,
+             std::size_t m, std::size_t k, double* out, std::size_t ld) {
+    thread_local std::vector<float> out_buffer;
+    float* result = scratch(out_buffer, rows * m);
+    const int mm = static_cast<int>(m), nn = static_cast<int>(rows), kk = static_cast<int>(k);
+    const float alpha = 1.0f, beta = 0.0f;
+    blas.single_gemm("T", "N", &mm, &nn, &kk, &alpha, right, &kk, left, &kk, &beta, result,
+                     &mm);
+    for (std::size_t i = 0; i < rows; ++i) {
+        std::copy(result + i * m, result + (i + 1) * m, out + i * ld);
+    }
+}
+
+void product(const Blas& blas, const double* left, std::size_t rows, const double* right,
+             std::size_t m, std::size_t k, double* out, std::size_t ld) {
+    product(blas, left, rows, right, m, k, 1.0, out, ld);
 }
 
 // The epilogue of a product row: row[j] = scale * row[j] + a * column[j] + c. Returns
@@ -212,15 +235,15 @@ inline std::size_t coordinate(const std::size_t* list, std::size_t k) {
 }
 
 // left[k] = scale * m_k with m_k = sums[coordinate k] * inv_precision; returns sum m_k^2.
-template <bool kContiguous>
+template <bool kContiguous, class T>
 FUSEKIT_CLONES double scaled_means(const double* __restrict sums, const std::size_t* list,
                                    std::size_t n, double scale, double inv_precision,
-                                   double* __restrict left) {
+                                   T* __restrict left) {
     double mm = 0.0;
 #pragma omp simd reduction(+ : mm)
     for (std::size_t k = 0; k < n; ++k) {
         const double m = sums[coordinate<kContiguous>(list, k)] * inv_precision;
-        left[k] = scale * m;
+        left[k] = static_cast<T>(scale * m);
         mm += m * m;
     }
     return mm;
@@ -242,8 +265,8 @@ void direct_row(const PosteriorCostInput& in, std::size_t i, GlobalTerms& t) {
 
 // Row i of the product's left operand, [-2 a_ir m_iq (each observed q, run r) | a_ir (each
 // run)], and the terms outside the product.
-template <bool kContiguous>
-void global_row(const PosteriorCostInput& in, const Runs& runs, std::size_t i, double* left,
+template <bool kContiguous, class T>
+void global_row(const PosteriorCostInput& in, const Runs& runs, std::size_t i, T* left,
                 GlobalTerms& t) {
     const double* sums = in.sums + i * in.p;
     const double* prec = in.precisions + i * in.p;
@@ -259,7 +282,7 @@ void global_row(const PosteriorCostInput& in, const Runs& runs, std::size_t i, d
                                                    1.0 / P, left + first)
                               : scaled_means<false>(sums, runs.observed.data() + first, length,
                                                     -2.0 * a, 1.0 / P, left + first);
-        left[n + r] = a;
+        left[n + r] = static_cast<T>(a);
         row_term += a * mm;
         max_weight = std::max(max_weight, a);
         if (in.lam != 0.0) kl += static_cast<double>(length) * kl_constant(s, P);
@@ -270,14 +293,14 @@ void global_row(const PosteriorCostInput& in, const Runs& runs, std::size_t i, d
 }
 
 // out[k] = w[coordinate k of list]; returns the sum of squares.
-template <bool kContiguous>
+template <bool kContiguous, class T>
 FUSEKIT_CLONES double gather(const double* __restrict w, const std::size_t* list, std::size_t n,
-                             double* __restrict out) {
+                             T* __restrict out) {
     double acc = 0.0;
 #pragma omp simd reduction(+ : acc)
     for (std::size_t k = 0; k < n; ++k) {
         const double x = w[coordinate<kContiguous>(list, k)];
-        out[k] = x;
+        out[k] = static_cast<T>(x);
         acc += x * x;
     }
     return acc;
@@ -285,8 +308,8 @@ FUSEKIT_CLONES double gather(const double* __restrict w, const std::size_t* list
 
 // Row j of the product's right operand, [w_jq (each observed q) | |w_j|^2 over each run];
 // returns |w_j|^2 over the observed coordinates.
-template <bool kContiguous>
-double local_row(const double* w, const Runs& runs, double* right) {
+template <bool kContiguous, class T>
+double local_row(const double* w, const Runs& runs, T* right) {
     const std::size_t n = runs.observed.size(), nr = runs.count();
     double total = 0.0;
     for (std::size_t r = 0; r < nr; ++r) {
@@ -294,7 +317,7 @@ double local_row(const double* w, const Runs& runs, double* right) {
         const double norm =
             kContiguous ? gather<true>(w + first, nullptr, length, right + first)
                         : gather<false>(w, runs.observed.data() + first, length, right + first);
-        right[n + r] = norm;
+        right[n + r] = static_cast<T>(norm);
         total += norm;
     }
     return total;
@@ -345,6 +368,85 @@ void new_neuron_rows(const PosteriorCostInput& in, double* out) {
             2.0 * std::log(static_cast<double>(k + 1) * in.n_clients / in.gamma0);
         double* row = out + (in.n_global + k) * nl;
         for (std::size_t j = 0; j < nl; ++j) row[j] = to_prior[j] + penalty;
+    }
+}
+
+// Row i of out from its product row: the terms outside the product added, entries the
+// expansion cancelled computed exactly, the row's offset added.
+void finish_posterior_row(const PosteriorCostInput& in, const GlobalTerms& terms,
+                          const std::vector<double>& norm, std::size_t i, double* row) {
+    const std::size_t nl = in.n_local;
+    const double row_term = terms.row_term[i], a_max = terms.max_weight[i];
+    if (finish_row(row, nl, terms.row_scale[i], terms.norm_weight[i], norm.data(), row_term,
+                   row_term, a_max, norm.data())) {
+        for (std::size_t j = 0; j < nl; ++j) {
+            if (row[j] < kCancellation * (row_term + a_max * norm[j])) {
+                row[j] = exact_posterior_entry(in, i, j);
+            }
+        }
+    }
+    const double offset = terms.offset[i];
+    for (std::size_t j = 0; j < nl; ++j) row[j] += offset;
+}
+
+// Rows < n_global of posterior_cost, with product operands of type T: double, or float
+// where the product is large enough to gain (kSingleFlops). In double precision a direct
+// product reads the inputs in place; otherwise the operands are built in T, the global side
+// a tile of rows at a time.
+template <class T>
+void posterior_products(const Blas& blas, const PosteriorCostInput& in, const Runs& runs,
+                        bool direct, double* out) {
+    const std::size_t p = in.p, nl = in.n_local, ng = in.n_global;
+    const std::size_t width = direct ? p : runs.observed.size() + runs.count();
+    const bool contiguous = runs.contiguous();
+    const bool in_place = direct && std::is_same_v<T, double>;
+
+    // The per-local-neuron side: the right operand and |w_j|^2 over the observed coordinates.
+    thread_local std::vector<T> right_buffer, left_buffer;
+    T* built = in_place ? nullptr : scratch(right_buffer, nl * width);
+    std::vector<double> norm(nl);
+    for (std::size_t j = 0; j < nl; ++j) {
+        const double* w = in.local + j * p;
+        if (in_place) {
+            norm[j] = squared_norm(w, p);
+        } else if (direct) {
+            norm[j] = gather<true>(w, nullptr, p, built + j * width);
+        } else {
+            norm[j] = contiguous ? local_row<true>(w, runs, built + j * width)
+                                 : local_row<false>(w, runs, built + j * width);
+        }
+    }
+    const T* right = built;
+    if constexpr (std::is_same_v<T, double>) {
+        if (in_place) right = in.local;
+    }
+
+    GlobalTerms terms(ng);
+    // A float product's result is widened from a tile of its own: bounded like the operand.
+    const std::size_t across = std::is_same_v<T, float> ? std::max(width, nl) : width;
+    const std::size_t tile =
+        in_place ? ng : std::max<std::size_t>(1, kTileElements / std::max<std::size_t>(across, 1));
+    T* left = in_place ? nullptr : scratch(left_buffer, std::min(tile, ng) * width);
+    for (std::size_t i0 = 0; i0 < ng; i0 += tile) {
+        const std::size_t rows = std::min(tile, ng - i0);
+        for (std::size_t r = 0; r < rows; ++r) {
+            if (direct) {
+                direct_row(in, i0 + r, terms);
+                if (!in_place) gather<true>(in.sums + (i0 + r) * p, nullptr, p, left + r * p);
+            } else if (contiguous) {
+                global_row<true>(in, runs, i0 + r, left + r * width, terms);
+            } else {
+                global_row<false>(in, runs, i0 + r, left + r * width, terms);
+            }
+        }
+        const T* tile_left = left;
+        if constexpr (std::is_same_v<T, double>) {
+            if (in_place) tile_left = in.sums + i0 * p;
+        }
+        product(blas, tile_left, rows, right, nl, width, out + i0 * nl, nl);
+        for (std::size_t i = i0; i < i0 + rows; ++i) {
+            finish_posterior_row(in, terms, norm, i, out + i * nl);
+        }
     }
 }
 
@@ -473,61 +575,19 @@ Status sqeuclidean_cost(const Blas& blas, const double* a, std::size_t n, const 
 }
 
 Status posterior_cost(const Blas& blas, const PosteriorCostInput& in, double* out) {
-    const std::size_t p = in.p, nl = in.n_local, ng = in.n_global;
-    if (nl == 0) return Status::ok;
+    if (in.n_local == 0) return Status::ok;
     const Runs runs = find_runs(in);
-    const std::size_t n = runs.observed.size(), k = n + runs.count();
-    const bool contiguous = runs.contiguous();
-
+    const std::size_t n = runs.observed.size();
     // One run over every coordinate (scalar variances, all observed): one product of the
     // inputs themselves.
-    const bool direct = runs.count() == 1 && n == p;
-
-    // The per-local-neuron side: the right operand and |w_j|^2 over the observed coordinates.
-    thread_local std::vector<double> right_buffer, left_buffer;
-    double* right = direct ? nullptr : scratch(right_buffer, nl * k);
-    std::vector<double> norm(nl);
-    for (std::size_t j = 0; j < nl; ++j) {
-        const double* w = in.local + j * p;
-        norm[j] = direct       ? squared_norm(w, p)
-                  : contiguous ? local_row<true>(w, runs, right + j * k)
-                               : local_row<false>(w, runs, right + j * k);
-    }
-
-    GlobalTerms terms(ng);
-    const std::size_t tile =
-        direct ? ng : std::max<std::size_t>(1, kTileElements / std::max<std::size_t>(k, 1));
-    double* left = direct ? nullptr : scratch(left_buffer, std::min(tile, ng) * k);
-    for (std::size_t i0 = 0; i0 < ng; i0 += tile) {
-        const std::size_t rows = std::min(tile, ng - i0);
-        for (std::size_t r = 0; r < rows; ++r) {
-            if (direct) {
-                direct_row(in, i0 + r, terms);
-            } else if (contiguous) {
-                global_row<true>(in, runs, i0 + r, left + r * k, terms);
-            } else {
-                global_row<false>(in, runs, i0 + r, left + r * k, terms);
-            }
-        }
-        if (direct) {
-            product(blas, in.sums + i0 * p, rows, in.local, nl, p, 1.0, out + i0 * nl, nl);
-        } else {
-            product(blas, left, rows, right, nl, k, 1.0, out + i0 * nl, nl);
-        }
-        for (std::size_t i = i0; i < i0 + rows; ++i) {
-            const double row_term = terms.row_term[i], a_max = terms.max_weight[i];
-            double* row = out + i * nl;
-            if (finish_row(row, nl, terms.row_scale[i], terms.norm_weight[i], norm.data(),
-                           row_term, row_term, a_max, norm.data())) {
-                for (std::size_t j = 0; j < nl; ++j) {
-                    if (row[j] < kCancellation * (row_term + a_max * norm[j])) {
-                        row[j] = exact_posterior_entry(in, i, j);
-                    }
-                }
-            }
-            const double offset = terms.offset[i];
-            for (std::size_t j = 0; j < nl; ++j) row[j] += offset;
-        }
+    const bool direct = runs.count() == 1 && n == in.p;
+    const std::size_t width = direct ? in.p : n + runs.count();
+    const double flops = 2.0 * static_cast<double>(in.n_global) *
+                         static_cast<double>(in.n_local) * static_cast<double>(width);
+    if (blas.single_gemm != nullptr && flops >= kSingleFlops) {
+        posterior_products<float>(blas, in, runs, direct, out);
+    } else {
+        posterior_products<double>(blas, in, runs, direct, out);
     }
     new_neuron_rows(in, out);
     return Status::ok;

@@ -14,10 +14,17 @@ using Dgemm = void (*)(const char* transa, const char* transb, const int* m, con
                        const double* b, const int* ldb, const double* beta, double* c,
                        const int* ldc);
 
-// The BLAS the kernels call: dgemm, plus OpenBLAS's thread-count controls when the library
-// exports them (null otherwise; the products then run with the library's own setting).
+// The same in single precision.
+using Sgemm = void (*)(const char* transa, const char* transb, const int* m, const int* n,
+                       const int* k, const float* alpha, const float* a, const int* lda,
+                       const float* b, const int* ldb, const float* beta, float* c,
+                       const int* ldc);
+
+// The BLAS the kernels call: dgemm and sgemm, plus OpenBLAS's thread-count controls when the
+// library exports them (null otherwise; the products then run with the library's own setting).
 struct Blas {
     Dgemm gemm = nullptr;
+    Sgemm single_gemm = nullptr;
     int (*get_threads)() = nullptr;
     void (*set_threads)(int) = nullptr;
 };
@@ -66,7 +73,10 @@ struct PosteriorCostInput {
 };
 
 // Fills out ((n_global + n_local) x n_local) with the cost to minimise: rows < n_global
-// are existing global neurons, row n_global + k - 1 is the k-th new-neuron slot.
+// are existing global neurons, row n_global + k - 1 is the k-th new-neuron slot. A product
+// of at least kSingleFlops runs in single precision (the entries it cancels are recomputed
+// exactly, as in double precision).
+constexpr double kSingleFlops = 1e9;
 Status posterior_cost(const Blas& blas, const PosteriorCostInput& in, double* out);
 
 }  // namespace fusekit

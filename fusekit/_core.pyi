@@ -5,6 +5,8 @@ import numpy.typing as npt
 
 Floats = npt.NDArray[np.float64]
 
+SINGLE_PRECISION_FLOPS: float
+
 def solve_assignment(
     cost: np.ndarray, return_duals: bool = False, negated: bool = False
 ) -> tuple[

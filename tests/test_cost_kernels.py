@@ -71,6 +71,37 @@ def test_many_random_posteriors_match_reference():
         )
 
 
+@pytest.mark.parametrize("direct", [True, False])
+def test_products_above_the_single_precision_threshold_keep_the_costs(direct):
+    """From _core.SINGLE_PRECISION_FLOPS the product is in single precision: the costs stay
+    within its rounding of the double-precision ones (a corner of the matrix, computed
+    alone below the threshold), an exact match is still costed exactly, and the local
+    neurons placed near globals are assigned to them."""
+    from fusekit._core import SINGLE_PRECISION_FLOPS
+
+    rng = np.random.default_rng(7)
+    j_global, j_local, p = 1100, 500, 1000
+    assert 2 * j_global * j_local * p >= SINGLE_PRECISION_FLOPS
+    args, kwargs = posterior_state(rng, j_global, j_local, p, per_coordinate=not direct,
+                                   unobserved=not direct)
+    local, _, sums, precisions, _ = args
+    if direct:  # one precision per global: the product of the sums and vectors themselves
+        means = sums / precisions
+        precisions[:] = precisions[:, :1]
+        sums[:] = means * precisions
+        local[0] = means[0]
+    local[1:100] = sums[1:100] / precisions[1:100] + rng.normal(0, 0.05, (99, p))  # matches
+    corner = (local[:50], args[1], sums[:200], precisions[:200], args[4][:200])
+    assert 2 * 200 * 50 * p < SINGLE_PRECISION_FLOPS
+    for lam in (0.0, 0.7):
+        cost = matching.nafi_cost(*args, **kwargs, lam=lam)
+        expected = matching.nafi_cost(*corner, **kwargs, lam=lam)[:200]
+        np.testing.assert_allclose(cost[:200, :50], expected, rtol=1e-5)
+        np.testing.assert_allclose(cost[0, 0], expected[0, 0], rtol=1e-12)
+        rows, cols = matching.solve_assignment(cost)
+        assert (rows[np.argsort(cols)][:100] == np.arange(100)).all()
+
+
 def test_pfnm_cost_formula_by_hand():
     # One global neuron, one local neuron, P = 1: every term of ALGORITHMS.md §3 explicit.
     s, prec, mean, w, sigma0_2, mu0, n_i, n_clients, gamma0 = (
