@@ -498,9 +498,9 @@ def nafi_cost(
         :func:`pfnm_cost`'s cost plus ``lam`` times the KL. Where the matrix product
         inside takes at least ``_core.SINGLE_PRECISION_FLOPS`` (10^9, real-size layers:
         about 0.01 s of double-precision products on two cores) it runs in single
-        precision, at about twice the rate; each entry keeps about sqrt(P) x 6e-8 of its terms' magnitude,
-        and entries the expansion cancels (a local neuron near a global) are computed
-        exactly, as in double precision.
+        precision, at about twice the rate; each entry keeps about sqrt(P) x 6e-8 of its
+        terms' magnitude, and entries the expansion cancels (a local neuron near a global)
+        are computed exactly, as in double precision.
 
     Raises
     ------
