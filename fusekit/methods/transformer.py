@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -40,7 +40,7 @@ from fusekit.core.transformer import (
     slot_span,
     unit_rows,
 )
-from fusekit.engine.matching import inner_products, solve_assignment, summed_inner_products
+from fusekit.engine.matching import inner_products, summed_inner_products
 from fusekit.methods.avg import add_weighted
 from fusekit.methods.base import sample_weights
 
@@ -361,44 +361,45 @@ def hidden_assignments(spec: TransformerSpec, orders: Mapping[str, np.ndarray]
     return out
 
 
-def aligned_clients(checkpoints: Sequence[Checkpoint], specs: Sequence[TransformerSpec],
-                    anchor: int, *, sweeps: int = 0, rng: np.random.Generator | None = None,
-                    solver: Solver = solve_assignment, skip: Collection[int] = frozenset()
-                    ) -> Iterator[tuple[int, dict[str, np.ndarray], dict[str, Any] | None,
-                                        dict[str, np.ndarray]]]:
-    """(index, tensors in float64, alignment report, orders) of every client, the anchor
-    first (report None, no orders), then the others in order, each aligned to the anchor by
-    :func:`align_client`; read one client at a time."""
+def align_all(checkpoints: Sequence[Checkpoint], specs: Sequence[TransformerSpec],
+              anchor: int, *, sweeps: int, rng: np.random.Generator | None, solver: Solver,
+              products: type = np.float64, skip: Collection[int] = frozenset()
+              ) -> tuple[list[dict[str, Any]], list[list[np.ndarray]],
+                         list[dict[str, list[tuple[int, np.ndarray]]]]]:
+    """Align every client to the anchor (:func:`align_client`, similarities in ``products``
+    precision, the groups in ``skip`` left as they are), holding the anchor and one client
+    as stored (no float64 copies) and keeping only the takes that aligned each client.
+
+    Returns:
+        (per client alignment reports, assignments: per client and group of the stream and
+        the MLPs, :func:`hidden_assignments`, moves: per client the takes per tensor that
+        :func:`aligned_tensor` replays on the files)."""
+    reports: list[dict[str, Any]] = []
+    assignments: list[list[np.ndarray]] = [[] for _ in checkpoints]
+    moves: list[dict[str, list[tuple[int, np.ndarray]]]] = [{} for _ in checkpoints]
     reference = client_arrays(checkpoints[anchor])
-    yield anchor, reference, None, {}
+    assignments[anchor] = hidden_assignments(specs[anchor], {})
     for s, checkpoint in enumerate(checkpoints):
         if s == anchor:
             continue
         start = time.perf_counter()
-        client = client_arrays(checkpoint)
-        report, orders = align_client(reference, client, specs[s], sweeps=sweeps, rng=rng,
-                                      solver=solver, skip=frozenset(skip))
-        progress.advance("clients aligned", s + (s < anchor), len(checkpoints) - 1)
-        yield s, client, {"client": checkpoint.label, **report,
-                          "time_s": time.perf_counter() - start}, orders
-        del client  # before the next client is read: one client's float64 tensors at a time
+        report, orders = align_client(reference, client_arrays(checkpoint), specs[s],
+                                      sweeps=sweeps, rng=rng, solver=solver, moves=moves[s],
+                                      products=products, skip=frozenset(skip))
+        assignments[s] = hidden_assignments(specs[s], orders)
+        reports.append({"client": checkpoint.label, **report,
+                        "time_s": time.perf_counter() - start})
+        progress.advance("clients aligned", len(reports), len(checkpoints) - 1)
+    return reports, assignments, moves
 
 
-def weighted_sum(clients: Iterable[tuple[float, dict[str, np.ndarray]]]
-                 ) -> dict[str, np.ndarray]:
-    """Σ_s w_s · tensor_s, name by name, over (weight, tensors) pairs taken one at a time;
-    integer counters take the maximum."""
-    total: dict[str, np.ndarray] = {}
-    for weight, client in clients:
-        for name, array in client.items():
-            if array.dtype.kind != "f":
-                total[name] = np.maximum(total[name], array) if name in total else array
-            elif name in total:
-                total[name] += weight * array  # in place: the total's own array
-            else:
-                total[name] = weight * array
-        del client  # before the next one is read (the generator's own reference goes too)
-    return total
+def aligned_tensor(checkpoint: Checkpoint, name: str,
+                   moves: Mapping[str, Sequence[tuple[int, np.ndarray]]]) -> np.ndarray:
+    """Tensor ``name`` of a client read again and moved as its alignment moved it
+    (:func:`apply_moves`), released from the checkpoint."""
+    array = apply_moves(checkpoint.tensor(name), moves.get(name, ()))
+    checkpoint.release(name)
+    return array
 
 
 def fuse_transformers(checkpoints: Sequence[Checkpoint], specs: Sequence[TransformerSpec],
@@ -417,42 +418,29 @@ def fuse_transformers(checkpoints: Sequence[Checkpoint], specs: Sequence[Transfo
     Returns:
         (state_dict, per client alignment reports, assignments: per client and group of
         the stream and the MLPs, :func:`hidden_assignments`)."""
-    reports: list[dict[str, Any]] = []
-    assignments: list[list[np.ndarray]] = [[] for _ in checkpoints]
-    moves: list[dict[str, list[tuple[int, np.ndarray]]]] = [{} for _ in checkpoints]
-    reference = client_arrays(checkpoints[anchor])
-    assignments[anchor] = hidden_assignments(specs[anchor], {})
-    for s, checkpoint in enumerate(checkpoints):
-        if s == anchor:
-            continue
-        start = time.perf_counter()
-        report, orders = align_client(reference, client_arrays(checkpoint), specs[s],
-                                      sweeps=sweeps, rng=rng, solver=solver, moves=moves[s],
-                                      products=products)
-        assignments[s] = hidden_assignments(specs[s], orders)
-        reports.append({"client": checkpoint.label, **report,
-                        "time_s": time.perf_counter() - start})
-        progress.advance("clients aligned", len(reports), len(checkpoints) - 1)
-    del reference
+    reports, assignments, moves = align_all(checkpoints, specs, anchor, sweeps=sweeps, rng=rng,
+                                            solver=solver, products=products)
     return average_aligned(checkpoints, anchor, moves), reports, assignments
 
 
 def average_aligned(checkpoints: Sequence[Checkpoint], anchor: int,
-                    moves: Sequence[Mapping[str, Sequence[tuple[int, np.ndarray]]]]
-                    ) -> dict[str, np.ndarray]:
+                    moves: Sequence[Mapping[str, Sequence[tuple[int, np.ndarray]]]],
+                    skip: Collection[str] = frozenset()) -> dict[str, np.ndarray]:
     """Σ_s w_s · (client s aligned), a tensor at a time: each client's tensor is read
     again, moved as its alignment moved it (:func:`apply_moves`) and added in float64 (the
     anchor first, then the others in order), then cast back to the anchor's storage dtype;
-    integer counters take the maximum. On this thread: what worker threads free stays in
-    their allocator arenas (0.5 GB more resident on four BERT-bases, for 0.4 s)."""
+    integer counters take the maximum; the tensors in ``skip`` are left out. On this
+    thread: what worker threads free stays in their allocator arenas (0.5 GB more resident
+    on four BERT-bases, for 0.4 s)."""
     weights = sample_weights(checkpoints)
     order = [anchor] + [s for s in range(len(checkpoints)) if s != anchor]
     out = {}
     for name, info in checkpoints[anchor].tensors.items():
+        if name in skip:
+            continue
         total = None
         for s in order:
-            array = apply_moves(checkpoints[s].tensor(name), moves[s].get(name, ()))
-            checkpoints[s].release(name)
+            array = aligned_tensor(checkpoints[s], name, moves[s])
             if array.dtype.kind != "f":
                 total = array if total is None else np.maximum(total, array)
             elif total is None:

@@ -4,14 +4,16 @@ everything else aligned to an anchor and averaged (ALGORITHMS.md §13).
 1. Every client's residual stream, heads, and heads' q/k and v dimensions are aligned to
    the anchor (one pass in data-flow order, :func:`fusekit.methods.transformer.align_client`
    without the MLP groups), so that the MLP units' rows and columns live in one stream
-   basis.
+   basis; only the takes that aligned each client are kept.
 2. Block by block, the MLP units' vectors [input row, bias, output column] of every client
-   are matched by :func:`~fusekit.methods.bayesian.network.match_layer` as any layer
-   (PFNM's cost, or NAFI's with λ > 0; σ², σ0², γ0 estimated per block while matching,
+   (its tensors read again from the files and moved as its alignment moved them) are
+   matched by :func:`~fusekit.methods.bayesian.network.match_layer` as any layer (PFNM's
+   cost, or NAFI's with λ > 0; σ², σ0², γ0 estimated per block while matching,
    ALGORITHMS.md §3); the fused units are the posterior means (the members' means with
    estimated values), at the width ``width`` / ``width_ratio`` asks (one width for
    every block: config.json holds one).
-3. Every other tensor is the sample-weighted average of the aligned clients.
+3. Every other tensor is the sample-weighted average of the aligned clients, a tensor at a
+   time (:func:`fusekit.methods.transformer.average_aligned`).
 """
 
 from __future__ import annotations
@@ -26,20 +28,20 @@ from fusekit.core import neurons
 from fusekit.core.checkpoint import Checkpoint
 from fusekit.core.errors import ParameterError, SpecError
 from fusekit.core.transformer import Group, TransformerSpec, unit_rows
+from fusekit.engine.matching import solve_assignment
 from fusekit.methods.bayesian.network import (
     BayesianParams,
     client_sigmas,
     layer_widths,
     match_layer,
 )
-from fusekit.methods.base import sample_weights
 from fusekit.methods.ot import resolve_anchor
 from fusekit.methods.transformer import (
-    aligned_clients,
+    align_all,
+    aligned_tensor,
+    average_aligned,
     cast_all,
     check_aligned_sizes,
-    hidden_assignments,
-    weighted_sum,
 )
 
 
@@ -68,37 +70,31 @@ def fuse_transformer_mlps(checkpoints: Sequence[Checkpoint], specs: Sequence[Tra
                              "block (config.json holds one); give --width N or --width-ratio, "
                              f"found {params.width!r}")
     start = time.perf_counter()
-    clients: list[dict[str, np.ndarray]] = [{} for _ in checkpoints]
-    assignments: list[list[np.ndarray]] = [[] for _ in checkpoints]
-    for s, client, _, orders in aligned_clients(checkpoints, specs, anchor, skip=set(mlps)):
-        clients[s] = client
-        assignments[s] = hidden_assignments(specs[s], orders)  # MLPs replaced below
+    # Only the takes that aligned each client are kept; each block's MLP tensors are read
+    # again from the files when the block is matched (the clients held whole, 1.76 GB on
+    # four BERT-bases, were most of the peak).
+    _, assignments, moves = align_all(checkpoints, specs, anchor, sweeps=0, rng=None,
+                                      solver=solve_assignment, skip=set(mlps))
     align_s = time.perf_counter() - start
     sigmas = None if params.sigma is None else client_sigmas(params.sigma, len(checkpoints))
-    names = list(clients[anchor])  # the output's tensors, in the anchor's order
     fused_sizes, reports, fused_tensors = {}, [], {}
     for index in mlps:
         groups = [sp.groups[index] for sp in specs]
+        clients = [{slot.tensor: aligned_tensor(checkpoint, slot.tensor, moved)
+                    for slot in group.slots}
+                   for checkpoint, group, moved in zip(checkpoints, groups, moves, strict=True)]
         means, report, matched = _match_mlp(clients, groups, params, sigmas, widths[0],
                                             index)
         for client, assigned in zip(assignments, matched, strict=True):
             client[hidden.index(index)] = assigned
-        # Stored as the clients store them at once, and the clients' MLP tensors of this
-        # block let go: the clients held whole beside every block's float64 means were
-        # the peak (twice the inputs' size on four BERT-bases).
+        # stored as the clients store them at once, not held in float64 to the end
         fused_tensors.update(cast_all(_write_back(means, groups[anchor], clients[anchor]),
                                       checkpoints[anchor]))
-        for client, group in zip(clients, groups, strict=True):
-            for slot in group.slots:
-                client.pop(slot.tensor, None)
         fused_sizes[groups[anchor].name] = means.shape[0]
         reports.append({"layer": groups[anchor].name, "width_asked": widths[0], **report})
-    weights = sample_weights(checkpoints)
-    # each client handed over as it is summed, so that it is freed once added
-    averaged = cast_all(weighted_sum((w, clients.pop(0)) for w in weights),
-                        checkpoints[anchor])
+    averaged = average_aligned(checkpoints, anchor, moves, skip=fused_tensors)
     state_dict = {name: fused_tensors[name] if name in fused_tensors else averaged[name]
-                  for name in names}
+                  for name in checkpoints[anchor].tensors}
     report = {"anchor": checkpoints[anchor].label, "align_time_s": align_s,
               "layers": reports}
     return state_dict, specs[anchor].with_group_sizes(fused_sizes), report, assignments
