@@ -8,10 +8,10 @@
     ...                   ).save("calibrated.safetensors")
 """
 
-from importlib import import_module
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from fusekit._version import __version__
+from fusekit.core.lazy import lazy_names
 
 if TYPE_CHECKING:
     from fusekit.api import fuse
@@ -42,15 +42,5 @@ _HOMES = {
 __all__ = ["__version__", *sorted(_HOMES)]
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _HOMES:
-        raise AttributeError(f"module 'fusekit' has no attribute {name!r}")
-    value = getattr(import_module(_HOMES[name]), name)
-    if name == "fuse":
-        import_module("fusekit.toolkit")  # installs --method distill's training stage
-    globals()[name] = value  # later uses skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_HOMES})
+# fusekit.toolkit, imported once `fuse` is, installs --method distill's training stage
+__getattr__, __dir__ = lazy_names(__name__, _HOMES, globals(), then={"fuse": "fusekit.toolkit"})

@@ -155,3 +155,24 @@ def test_no_import_circle():
         if module not in order:
             visit(module)
     assert circles == []
+
+
+def test_lazy_names_import_on_first_use_and_keep_what_they_imported():
+    """fusekit's and fusekit.flower's names come from core.lazy.lazy_names: a name is its
+    module's object, imported on first use (with the module ``then`` asks for), kept in the
+    package's namespace; an unknown name raises AttributeError naming the package."""
+    import sys
+
+    from fusekit.core.lazy import lazy_names
+
+    namespace: dict = {}
+    getattr_, dir_ = lazy_names("pkg", {"dedent": "textwrap"}, namespace,
+                                then={"dedent": "colorsys"})
+    sys.modules.pop("colorsys", None)
+    import textwrap
+
+    assert getattr_("dedent") is textwrap.dedent and namespace == {"dedent": textwrap.dedent}
+    assert "colorsys" in sys.modules and dir_() == ["dedent"]
+    with pytest.raises(AttributeError, match="module 'pkg' has no attribute 'nope'"):
+        getattr_("nope")
+    assert fusekit.__getattr__("fuse") is fusekit.fuse and "fusekit.toolkit" in sys.modules

@@ -23,8 +23,9 @@ node trained: keep it with ``train_reply(..., keep_in=context.state)`` and answe
 ``statistics_reply(msg.content, my_training_inputs, own_model=kept_model(context.state))``.
 """
 
-from importlib import import_module
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from fusekit.core.lazy import lazy_names
 
 if TYPE_CHECKING:
     from fusekit.flower.client import global_model, statistics_reply, train_reply
@@ -70,13 +71,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _HOMES:
-        raise AttributeError(f"module 'fusekit.flower' has no attribute {name!r}")
-    value = getattr(import_module(_HOMES[name]), name)
-    globals()[name] = value  # later uses skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_HOMES})
+__getattr__, __dir__ = lazy_names(__name__, _HOMES, globals())
