@@ -491,7 +491,8 @@ def test_a_bound_the_posterior_stays_under_changes_nothing(monkeypatch):
 
 def test_unrelated_clients_are_re_matched_once_under_the_width():
     """Where the clients share nothing (the bound held, or no global has two members) the
-    re-match after pruning is one sweep; clients that share neurons keep the budget."""
+    sweeps before the width is imposed are skipped and the re-match after pruning is one
+    sweep; clients that share neurons keep the budget."""
     rng = np.random.default_rng(0)
     vectors = [rng.normal(0, 1, (6, 30)) for _ in range(12)]
     bounded = match_neurons(vectors, [1 / 0.1**2] * 12, sigma0_2=1.0, sweeps=3, width=7)
@@ -499,7 +500,10 @@ def test_unrelated_clients_are_re_matched_once_under_the_width():
     assert bounded.report["sweeps_run"] == 1  # the bound skips the sweeps before pruning
     alone = match_neurons(vectors[:3], [1 / 0.1**2] * 3, sigma0_2=1.0, sweeps=3, width=7)
     assert alone.report["unrelated"] and alone.report["inferred_width"] == 18
-    assert alone.report["moves"][0] == 0 and alone.report["sweeps_run"] == 2
+    assert alone.report["sweeps_run"] == 1  # the greedy pass shared nothing: no sweep before
+    # without a width the sweeps run, and the greedy pass was already a fixed point
+    free = match_neurons(vectors[:3], [1 / 0.1**2] * 3, sigma0_2=1.0, sweeps=3)
+    assert free.report["moves"] == [0] and free.width == 18
     for rows in alone.assignments:
         assert rows.min() >= 0 and rows.max() < 7 and len(set(rows.tolist())) == rows.size
     related, _ = popular_and_private_clients(n_clients=4)
